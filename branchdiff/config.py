@@ -1,0 +1,292 @@
+"""Typed run configuration: dataclasses with defaults, packaged YAML presets, `key=value` overrides.
+
+`load_config(source, overrides)` starts from the defaults below, merges a preset name
+(`branchdiff/configs/NAME.yaml`) or a YAML file, then the dotted overrides (`tree.roots=4`, values
+parsed as YAML), and validates: an unknown key, a wrong type or a value outside the allowed set
+raises `ConfigError` with one line naming the file and line (when known), the key, the value and
+what is allowed, with close matches suggested.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+PRESET_DIR = Path(__file__).parent / "configs"
+
+
+class ConfigError(ValueError):
+    """A configuration problem, described in one line."""
+
+
+def choice(default: Any, *allowed: Any) -> Any:
+    return field(default=default, metadata={"choices": allowed})
+
+
+def positive(default: Any) -> Any:
+    return field(default=default, metadata={"min": 1e-12})
+
+
+def non_negative(default: Any) -> Any:
+    return field(default=default, metadata={"min": 0})
+
+
+@dataclass
+class ModelConfig:
+    family: str = choice("tiny", "tiny")  # model family (real families arrive with their adapters)
+    path: str | None = None  # local directory or hub id; None = the built-in assets/tiny
+
+
+@dataclass
+class PromptConfig:
+    train: str = "tiny:train"  # prompt source: tiny:train | tiny:held_out | tiny:all | a .txt file, one prompt a line
+    per_iteration: int = positive(8)  # prompts per iteration (per process)
+    eval: str = "tiny:held_out"  # prompts of the final base-vs-trained evaluation
+    eval_seeds: int = positive(4)  # images per evaluation prompt (fixed seeds)
+
+
+@dataclass
+class SamplingConfig:
+    num_steps: int = positive(10)  # T denoising steps
+    shift: float = positive(1.0)  # σ schedule shift s: σ = s·t / (1 + (s-1)·t)
+    sde: str = choice("flow", "dance", "flow", "cps")  # SDE discretisation (method.md §1)
+    noise_level: float = non_negative(0.7)  # η for dance, a for flow and cps
+    max_batch: int = positive(64)  # rows per model forward in rollouts
+    exact: bool = True  # pad forwards to max_batch: any node regenerates bit for bit
+
+
+@dataclass
+class TreeConfig:
+    roots: int = positive(8)  # roots per prompt: G chains, or trees per prompt
+    splits: list[list[float]] = field(default_factory=list)  # [[step, k] or [step, k, noise_scale], ...]
+    split_noise_scale: float = positive(1.0)  # default multiplier of the noise at split steps
+    split_logprob: str = choice("sampled", "sampled", "anchor")  # density of split edges (rollout.py)
+    mix_window: int = non_negative(0)  # 0: every step SDE; n: SDE only on split steps and an n-step window
+    mix_start: int = non_negative(0)  # first step of the Mix window
+    mix_slide_every: int = non_negative(0)  # move the window one step later every n iterations (0: fixed)
+
+
+@dataclass
+class AdvantageConfig:
+    fusion: str = choice("mean", "mean", "logprob_softmax", "max")  # leaf → node reward fusion
+    alpha: float = 1.0  # temperature of logprob_softmax fusion
+    scope: str = choice("tree", "tree", "batch")  # per-depth normalisation: within a tree, or std over the batch
+    clip: float = positive(5.0)  # advantages clipped to ±clip
+
+
+@dataclass
+class PruneConfig:
+    depths: list[int] = field(default_factory=list)  # child depths whose edges are not trained
+    slide_every: int = non_negative(0)  # shift `depths` one shallower every n iterations (0: static)
+    stop_depth: int = non_negative(0)  # the sliding window stops at this depth
+    width: str = choice("none", "none", "per_branch", "global")  # width pruning after the last split
+    width_ratio: float = positive(0.5)  # fraction of branches kept by width pruning
+    active_fraction: float = positive(1.0)  # prune only during this first fraction of iterations
+
+
+@dataclass
+class OptimConfig:
+    learning_rate: float = positive(3e-4)  # AdamW learning rate of the LoRA weights
+    lora_rank: int = positive(8)  # LoRA rank on the attention projections
+    lora_alpha: float = positive(8.0)  # LoRA scaling numerator
+    clip_range: float = positive(1e-3)  # ε of the clipped ratio
+    kl_beta: float = non_negative(0.0)  # weight of the KL to the adapter-free base (0: off)
+    step_fraction: float = positive(1.0)  # random fraction of SDE steps trained per iteration (DanceGRPO 0.6)
+    train_steps_fraction: float = positive(1.0)  # only the first ⌊f·T⌋ steps are trainable (Flow-GRPO 0.99)
+    minibatch: int = positive(32)  # parent nodes per training forward/backward
+    optimizer_every: int = non_negative(0)  # optimizer step every n trained edges (0: once per iteration)
+    max_grad_norm: float = positive(1.0)  # gradient clipping
+    weight_decay: float = non_negative(1e-4)  # AdamW weight decay
+    mixed_precision: str = choice("no", "no", "bf16")  # autocast dtype of rollout and training forwards
+
+
+@dataclass
+class LogConfig:
+    sample_every: int = non_negative(10)  # save a grid of leaf samples every n iterations (0: never)
+    checkpoint_every: int = non_negative(10)  # accelerator.save_state every n iterations (and at the end)
+    keep_checkpoints: int = positive(2)  # newest checkpoints kept
+    tensorboard: bool = True  # log metrics to TensorBoard through accelerate's tracker
+
+
+@dataclass
+class TrainConfig:
+    output_dir: str = "runs/tiny"  # run directory: config, metrics, checkpoints, samples, LoRA
+    iterations: int = positive(60)  # training iterations (rollout + update)
+    seed: int = 0  # run seed: prompts, noise and initialisation derive from it
+    final_eval: bool = True  # evaluate base vs trained on the eval prompts at the end
+    model: ModelConfig = field(default_factory=ModelConfig)
+    prompts: PromptConfig = field(default_factory=PromptConfig)
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    tree: TreeConfig = field(default_factory=TreeConfig)
+    advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
+    prune: PruneConfig = field(default_factory=PruneConfig)
+    train: OptimConfig = field(default_factory=OptimConfig)
+    logging: LogConfig = field(default_factory=LogConfig)
+
+
+def presets() -> list[str]:
+    return sorted(p.stem for p in PRESET_DIR.glob("*.yaml"))
+
+
+def _key_lines(text: str) -> dict[str, int]:
+    """1-based line of every dotted key in a YAML mapping."""
+    lines: dict[str, int] = {}
+
+    def walk(node: yaml.Node, prefix: str) -> None:
+        if isinstance(node, yaml.MappingNode):
+            for key_node, value_node in node.value:
+                key = f"{prefix}{key_node.value}"
+                lines[key] = key_node.start_mark.line + 1
+                walk(value_node, key + ".")
+
+    root = yaml.compose(text)
+    if root is not None:
+        walk(root, "")
+    return lines
+
+
+def _read_yaml(path: Path) -> tuple[dict, dict[str, int]]:
+    text = path.read_text()
+    try:
+        data = yaml.safe_load(text) or {}
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}" if mark else str(path)
+        raise ConfigError(f"{where}: not valid YAML ({getattr(error, 'problem', error)})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping of keys to values, got {type(data).__name__}")
+    return data, _key_lines(text)
+
+
+def _type_ok(value: Any, annotation: Any) -> bool:
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        return any(_type_ok(value, arg) for arg in typing.get_args(annotation))
+    if annotation is type(None):
+        return value is None
+    if annotation is bool:
+        return isinstance(value, bool)
+    if annotation is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if annotation is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if annotation is str:
+        return isinstance(value, str)
+    if origin is list:
+        (item,) = typing.get_args(annotation)
+        return isinstance(value, list) and all(_type_ok(v, item) for v in value)
+    raise TypeError(f"unsupported config annotation {annotation}")
+
+
+def _type_name(annotation: Any) -> str:
+    return str(annotation).replace("typing.", "") if not isinstance(annotation, type) else annotation.__name__
+
+
+def _build(cls: type, data: dict, prefix: str, where: dict[str, str]) -> Any:
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in data.items():
+        dotted = f"{prefix}{key}"
+        loc = where.get(dotted, "")
+        if key not in fields:
+            close = difflib.get_close_matches(str(key), fields, n=3)
+            hint = f"; did you mean {', '.join(prefix + c for c in close)}?" if close else f"; allowed: {', '.join(prefix + f for f in fields)}"
+            raise ConfigError(f"{loc}unknown key '{dotted}'{hint}")
+        annotation = hints[key]
+        if dataclasses.is_dataclass(annotation):
+            if not isinstance(value, dict):
+                raise ConfigError(f"{loc}'{dotted}' must be a mapping of its keys ({', '.join(f.name for f in dataclasses.fields(annotation))}), got {value!r}")
+            kwargs[key] = _build(annotation, value, dotted + ".", where)
+            continue
+        if not _type_ok(value, annotation):
+            raise ConfigError(f"{loc}'{dotted}' = {value!r} has the wrong type; expected {_type_name(annotation)}")
+        meta = fields[key].metadata
+        if "choices" in meta and value not in meta["choices"]:
+            close = difflib.get_close_matches(str(value), [str(c) for c in meta["choices"]], n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ConfigError(f"{loc}'{dotted}' = {value!r} is not allowed; allowed: {', '.join(map(str, meta['choices']))}{hint}")
+        if "min" in meta and value < meta["min"]:
+            bound = "> 0" if meta["min"] > 0 else "≥ 0"
+            raise ConfigError(f"{loc}'{dotted}' = {value!r} is out of range; it must be {bound}")
+        kwargs[key] = value
+    return cls(**kwargs)
+
+
+def _merge(base: dict, update: dict) -> dict:
+    out = dict(base)
+    for key, value in update.items():
+        out[key] = _merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """`a.b=value` → (["a", "b"], value parsed as YAML)."""
+    key, sep, raw = text.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"override {text!r} is not of the form key=value (e.g. tree.roots=4)")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    return key.strip().split("."), value
+
+
+def load_config(source: str | None = None, overrides: list[str] = ()) -> TrainConfig:
+    """Defaults ← preset or YAML file `source` ← dotted `overrides`, validated."""
+    data: dict = {}
+    where: dict[str, str] = {}
+    if source:
+        path = Path(source)
+        if not path.suffix and (PRESET_DIR / f"{source}.yaml").is_file():
+            path = PRESET_DIR / f"{source}.yaml"
+        if not path.is_file():
+            close = difflib.get_close_matches(source, presets(), n=3)
+            hint = f"; did you mean {', '.join(close)}?" if close else ""
+            raise ConfigError(f"no preset or file {source!r}; presets: {', '.join(presets())}{hint}")
+        data, lines = _read_yaml(path)
+        where = {key: f"{path}:{line}: " for key, line in lines.items()}
+    for text in overrides:
+        keys, value = parse_override(text)
+        nested: Any = value
+        for key in reversed(keys):
+            nested = {key: nested}
+        data = _merge(data, nested)
+        where[".".join(keys)] = f"override {text!r}: "
+    config = _build(TrainConfig, data, "", where)
+    validate(config)
+    return config
+
+
+def validate(config: TrainConfig) -> None:
+    """Cross-field checks that single fields cannot express."""
+    steps = config.sampling.num_steps
+    for entry in config.tree.splits:
+        if len(entry) not in (2, 3) or not float(entry[0]).is_integer() or not float(entry[1]).is_integer():
+            raise ConfigError(f"'tree.splits' entry {entry!r} must be [step, k] or [step, k, noise_scale] with whole step and k")
+    if config.tree.mix_window and config.tree.mix_start + config.tree.mix_window > steps:
+        raise ConfigError(f"'tree.mix_start' + 'tree.mix_window' = {config.tree.mix_start + config.tree.mix_window} exceeds sampling.num_steps = {steps}")
+    bad = [d for d in config.prune.depths if not 1 <= d <= steps]
+    if bad:
+        raise ConfigError(f"'prune.depths' {bad} outside 1..{steps} (child depths of the {steps}-step tree)")
+    for name in ("width_ratio", "active_fraction"):
+        if getattr(config.prune, name) > 1:
+            raise ConfigError(f"'prune.{name}' = {getattr(config.prune, name)} must be in (0, 1]")
+    for name in ("step_fraction", "train_steps_fraction"):
+        if getattr(config.train, name) > 1:
+            raise ConfigError(f"'train.{name}' = {getattr(config.train, name)} must be in (0, 1]")
+
+
+def to_dict(config: TrainConfig) -> dict:
+    return dataclasses.asdict(config)
+
+
+def save_config(config: TrainConfig, path: Path) -> None:
+    path.write_text(yaml.safe_dump(to_dict(config), sort_keys=False))

@@ -1,0 +1,53 @@
+"""LoRA on a diffusers denoiser through diffusers' peft integration, saved in the format that
+`pipeline.load_lora_weights()` (and `model.load_lora_adapter()`) loads."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from peft import LoraConfig
+from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
+from safetensors.torch import load_file
+
+LORA_FILE = "pytorch_lora_weights.safetensors"
+
+
+def add_lora(denoiser: torch.nn.Module, target_modules: list[str], rank: int, alpha: float, seed: int) -> list[torch.nn.Parameter]:
+    """Attach a trainable LoRA adapter (B = 0, so the model is unchanged at first) and freeze the
+    rest. Returns the LoRA parameters."""
+    denoiser.requires_grad_(False)
+    torch.manual_seed(seed)
+    denoiser.add_adapter(LoraConfig(r=rank, lora_alpha=alpha, init_lora_weights="gaussian", target_modules=target_modules))
+    params = [p for n, p in denoiser.named_parameters() if "lora_" in n]
+    for p in params:
+        p.requires_grad_(True)
+    return params
+
+
+def save_lora(denoiser: torch.nn.Module, directory: Path) -> Path:
+    """Write the adapter as `pytorch_lora_weights.safetensors` with diffusers' `transformer.` keys."""
+    from diffusers import StableDiffusion3Pipeline
+
+    directory.mkdir(parents=True, exist_ok=True)
+    StableDiffusion3Pipeline.save_lora_weights(directory, transformer_lora_layers=get_peft_model_state_dict(denoiser))
+    return directory / LORA_FILE
+
+
+def load_lora(denoiser: torch.nn.Module, path: str | Path) -> None:
+    """Load a LoRA saved by `save_lora` (a directory or the .safetensors file) into the denoiser."""
+    path = Path(path)
+    file = path / LORA_FILE if path.is_dir() else path
+    if not file.is_file():
+        raise FileNotFoundError(f"no LoRA weights at {file}; pass a run's lora/ directory or its {LORA_FILE}")
+    denoiser.load_lora_adapter(str(file), prefix="transformer")
+
+
+def load_lora_state(denoiser: torch.nn.Module, directory: Path) -> None:
+    """Restore the weights of the adapter `add_lora` attached, from a `save_lora` directory
+    (checkpoint resume: the adapter exists, only its values change)."""
+    prefix = "transformer."
+    state = {k[len(prefix) :]: v for k, v in load_file(directory / LORA_FILE).items() if k.startswith(prefix)}
+    result = set_peft_model_state_dict(denoiser, state, adapter_name="default")
+    if result.unexpected_keys:
+        raise ValueError(f"{directory / LORA_FILE} does not match the model's LoRA: unexpected keys {result.unexpected_keys[:3]}")

@@ -1,0 +1,130 @@
+"""The built-in tiny text-to-image model: a 4-layer SD3 transformer in 32×32 RGB pixel space, a
+2-layer CLIP text encoder and a CLIP BPE tokenizer, all stock diffusers/transformers classes, so
+the tiny task runs the same code paths (peft LoRA on SD3 attention, CLIP encoding) as real models.
+
+The transformer predicts x0 (pixels scaled to [-1, 1]); the velocity is derived from it,
+`v = (x - x̂0) / σ`, which makes the pretraining of such a small model far easier than predicting
+v directly (method.md §6).
+"""
+
+from __future__ import annotations
+
+import gzip
+import os
+from pathlib import Path
+
+import torch
+from diffusers import SD3Transformer2DModel
+from transformers import CLIPTextConfig, CLIPTextModelWithProjection, CLIPTokenizer
+
+from branchdiff.models.base import ModelAdapter, PromptEmbeds
+
+MAX_PROMPT_TOKENS = 16
+TOKENIZER_MERGES = 1000  # first BPE merges of open_clip's vocabulary: a small, valid CLIP vocab
+TRANSFORMER_CONFIG = dict(
+    sample_size=32, patch_size=8, in_channels=3, out_channels=3, num_layers=4, attention_head_dim=32,
+    num_attention_heads=4, joint_attention_dim=64, caption_projection_dim=128, pooled_projection_dim=64,
+    pos_embed_max_size=4,
+)
+SD3_ATTENTION_PROJECTIONS = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"]
+
+
+def default_assets_dir() -> Path:
+    """`assets/tiny` of the source tree (or $BRANCHDIFF_TINY_MODEL)."""
+    return Path(os.environ.get("BRANCHDIFF_TINY_MODEL", Path(__file__).resolve().parents[2] / "assets" / "tiny"))
+
+
+def build_tokenizer() -> CLIPTokenizer:
+    """A CLIP tokenizer from open_clip's shipped BPE vocabulary (offline), truncated to its first
+    `TOKENIZER_MERGES` merges; token ids match open_clip's for words those merges cover."""
+    import open_clip
+    from open_clip.tokenizer import bytes_to_unicode
+
+    bpe_path = Path(open_clip.__file__).parent / "bpe_simple_vocab_16e6.txt.gz"
+    merges = gzip.open(bpe_path).read().decode("utf-8").split("\n")[1 : 1 + TOKENIZER_MERGES]
+    byte_tokens = list(bytes_to_unicode().values())
+    tokens = byte_tokens + [t + "</w>" for t in byte_tokens] + ["".join(m.split()) for m in merges]
+    tokens += ["<|startoftext|>", "<|endoftext|>"]
+    return CLIPTokenizer(vocab={t: i for i, t in enumerate(tokens)}, merges=[tuple(m.split()) for m in merges])
+
+
+def build_text_encoder(tokenizer: CLIPTokenizer) -> CLIPTextModelWithProjection:
+    config = CLIPTextConfig(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, max_position_embeddings=MAX_PROMPT_TOKENS, projection_dim=64,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+    )
+    return CLIPTextModelWithProjection(config)
+
+
+class TinyAdapter(ModelAdapter):
+    latent_shape = (3, 32, 32)
+    lora_target_modules = SD3_ATTENTION_PROJECTIONS
+
+    def __init__(
+        self,
+        transformer: SD3Transformer2DModel,
+        text_encoder: CLIPTextModelWithProjection,
+        tokenizer: CLIPTokenizer,
+        device: str | torch.device = "cpu",
+    ) -> None:
+        self.device = torch.device(device)
+        self.denoiser = transformer.to(self.device)
+        self.text_encoder = text_encoder.to(self.device).requires_grad_(False).eval()
+        self.tokenizer = tokenizer
+
+    @classmethod
+    def random(cls, seed: int = 0, device: str | torch.device = "cpu") -> "TinyAdapter":
+        """Randomly initialised model of the shipped architecture (pretraining, tests)."""
+        torch.manual_seed(seed)
+        tokenizer = build_tokenizer()
+        return cls(SD3Transformer2DModel(**TRANSFORMER_CONFIG), build_text_encoder(tokenizer), tokenizer, device)
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path | None = None, device: str | torch.device = "cpu") -> "TinyAdapter":
+        """Load `transformer/`, `text_encoder/` and `tokenizer/` saved by `save_pretrained`."""
+        path = Path(path) if path else default_assets_dir()
+        if not (path / "transformer" / "config.json").is_file():
+            raise FileNotFoundError(
+                f"no tiny model at {path}: expected {path}/transformer/config.json; run "
+                "`python scripts/pretrain_tiny.py` or set model.path / $BRANCHDIFF_TINY_MODEL"
+            )
+        return cls(
+            SD3Transformer2DModel.from_pretrained(path / "transformer"),
+            CLIPTextModelWithProjection.from_pretrained(path / "text_encoder"),
+            CLIPTokenizer.from_pretrained(path / "tokenizer"),
+            device,
+        )
+
+    def save_pretrained(self, path: str | Path) -> None:
+        path = Path(path)
+        self.denoiser.save_pretrained(path / "transformer")
+        self.text_encoder.save_pretrained(path / "text_encoder")
+        self.tokenizer.save_pretrained(path / "tokenizer")
+
+    def text_features(self, prompts: list[str]) -> PromptEmbeds:
+        """Text-encoder outputs with gradients (pretraining trains the encoder jointly)."""
+        tokens = self.tokenizer(
+            prompts, padding="max_length", max_length=MAX_PROMPT_TOKENS, truncation=True, return_tensors="pt"
+        ).to(self.device)
+        out = self.text_encoder(**tokens)
+        return {"encoder_hidden_states": out.last_hidden_state, "pooled_projections": out.text_embeds}
+
+    def encode_prompts(self, prompts: list[str]) -> PromptEmbeds:
+        with torch.no_grad():
+            return self.text_features(prompts)
+
+    def predict_x0(self, latents: torch.Tensor, sigmas: torch.Tensor, embeds: PromptEmbeds) -> torch.Tensor:
+        return self.denoiser(hidden_states=latents, timestep=sigmas * 1000, **embeds).sample
+
+    def predict_velocity(self, latents: torch.Tensor, sigmas: torch.Tensor, embeds: PromptEmbeds) -> torch.Tensor:
+        x0_hat = self.predict_x0(latents, sigmas, embeds)  # (B, 3, 32, 32)
+        return (latents - x0_hat) / sigmas.reshape(-1, 1, 1, 1).to(latents.dtype)
+
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        return ((latents.float() + 1) / 2).clamp(0, 1)
+
+    @staticmethod
+    def encode_images(images: torch.Tensor) -> torch.Tensor:
+        """Images in [0, 1] → latents in [-1, 1] (the inverse of `decode`)."""
+        return images * 2 - 1
