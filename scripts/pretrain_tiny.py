@@ -37,9 +37,10 @@ def main() -> None:
     parser.add_argument("--target", type=float, default=0.35, help="stop at this held-out strict accuracy")
     parser.add_argument("--max-minutes", type=float, default=15.0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--init", type=Path, default=None, help="continue from a saved tiny model directory")
     args = parser.parse_args()
 
-    adapter = TinyAdapter.random(seed=args.seed)
+    adapter = TinyAdapter.from_pretrained(args.init) if args.init else TinyAdapter.random(seed=args.seed)
     adapter.text_encoder.requires_grad_(True).train()
     modules = torch.nn.ModuleList([adapter.denoiser, adapter.text_encoder])
     optimizer = torch.optim.AdamW(modules.parameters(), lr=args.lr, weight_decay=0.0)
