@@ -103,7 +103,8 @@ def cmd_eval(args: argparse.Namespace) -> None:
     from branchdiff.data import load_prompts
     from branchdiff.evaluate import evaluate_tiny, format_table
 
-    scores = evaluate_tiny(_load(args), load_prompts(args.prompts), args.seeds, args.steps, args.shift)
+    prompts = load_prompts(args.prompts)
+    scores = evaluate_tiny(_load(args), prompts, args.seeds, args.steps, args.shift)
     print(format_table({"trained" if args.lora else "base": scores}))
     if args.json:
         args.json.write_text(json.dumps({"prompts": args.prompts, "lora": args.lora, "scores": scores}, indent=1))
@@ -116,7 +117,12 @@ def cmd_bench(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args, extra = parser.parse_known_args(argv)
+    if args.command == "train" and all("=" in item and not item.startswith("-") for item in extra):
+        args.overrides = [*args.overrides, *extra]  # overrides may also follow --resume
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     from branchdiff.config import ConfigError
 
     try:

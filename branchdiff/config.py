@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -24,6 +25,16 @@ PRESET_DIR = Path(__file__).parent / "configs"
 
 class ConfigError(ValueError):
     """A configuration problem, described in one line."""
+
+
+class _Loader(yaml.SafeLoader):
+    """SafeLoader that also reads exponent floats without a dot (`1e-4`, as YAML 1.2 does);
+    PyYAML's YAML 1.1 resolver would keep them as the string '1e-4'."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float", re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"), list("-+0123456789")
+)
 
 
 def choice(default: Any, *allowed: Any) -> Any:
@@ -121,6 +132,7 @@ class TrainConfig:
     iterations: int = positive(60)  # training iterations (rollout + update)
     seed: int = 0  # run seed: prompts, noise and initialisation derive from it
     final_eval: bool = True  # evaluate base vs trained on the eval prompts at the end
+    reward: str = "tiny-geneval"  # a registered reward name or a dotted path 'package.module:Name'
     model: ModelConfig = field(default_factory=ModelConfig)
     prompts: PromptConfig = field(default_factory=PromptConfig)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
@@ -146,7 +158,7 @@ def _key_lines(text: str) -> dict[str, int]:
                 lines[key] = key_node.start_mark.line + 1
                 walk(value_node, key + ".")
 
-    root = yaml.compose(text)
+    root = yaml.compose(text, Loader=_Loader)
     if root is not None:
         walk(root, "")
     return lines
@@ -155,7 +167,7 @@ def _key_lines(text: str) -> dict[str, int]:
 def _read_yaml(path: Path) -> tuple[dict, dict[str, int]]:
     text = path.read_text()
     try:
-        data = yaml.safe_load(text) or {}
+        data = yaml.load(text, Loader=_Loader) or {}
     except yaml.YAMLError as error:
         mark = getattr(error, "problem_mark", None)
         where = f"{path}:{mark.line + 1}" if mark else str(path)
@@ -233,7 +245,7 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     if not sep or not key.strip():
         raise ConfigError(f"override {text!r} is not of the form key=value (e.g. tree.roots=4)")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
+        value = yaml.load(raw, Loader=_Loader) if raw.strip() else ""
     except yaml.YAMLError:
         value = raw
     return key.strip().split("."), value
@@ -268,9 +280,18 @@ def load_config(source: str | None = None, overrides: list[str] = ()) -> TrainCo
 def validate(config: TrainConfig) -> None:
     """Cross-field checks that single fields cannot express."""
     steps = config.sampling.num_steps
+    seen: set[int] = set()
     for entry in config.tree.splits:
         if len(entry) not in (2, 3) or not float(entry[0]).is_integer() or not float(entry[1]).is_integer():
             raise ConfigError(f"'tree.splits' entry {entry!r} must be [step, k] or [step, k, noise_scale] with whole step and k")
+        step, k = int(entry[0]), int(entry[1])
+        problem = (f"step {step} is outside 0..{steps - 1} (sampling.num_steps = {steps})" if not 0 <= step < steps
+                   else f"step {step} is given twice" if step in seen
+                   else f"k = {k} branches; a split needs k ≥ 2" if k < 2
+                   else f"noise_scale {entry[2]} must be > 0" if len(entry) == 3 and entry[2] <= 0 else "")
+        if problem:
+            raise ConfigError(f"'tree.splits' entry {entry!r}: {problem}")
+        seen.add(step)
     if config.tree.mix_window and config.tree.mix_start + config.tree.mix_window > steps:
         raise ConfigError(f"'tree.mix_start' + 'tree.mix_window' = {config.tree.mix_start + config.tree.mix_window} exceeds sampling.num_steps = {steps}")
     bad = [d for d in config.prune.depths if not 1 <= d <= steps]

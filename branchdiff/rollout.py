@@ -141,6 +141,8 @@ def grow(
     nfe = 0
     for depth in range(tree.spec.num_steps):
         level = torch.arange(tree.level_start[depth], tree.level_start[depth + 1])
+        if len(level) == 0:  # a sub-tree that ends above the leaves
+            break
         x = latents[level]  # (n_level, *shape)
         level_embeds = select_embeds(embeds, tree.prompt[level])
         level_sigmas = sigmas[depth].expand(len(level))

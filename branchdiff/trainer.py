@@ -32,7 +32,7 @@ from branchdiff.models.lora import add_lora, load_lora_state, save_lora
 from branchdiff.report import save_grid
 from branchdiff.rollout import NoiseAddress, Rollout, SamplerSettings, grow, logprob_std_scale
 from branchdiff.tree import Split, TreeSpec, build_tree
-from rewards.registry import build_reward
+from rewards.registry import build_reward, reward_key, score_batch
 from schedulers.flow import gaussian_log_prob, sigma_schedule, step
 
 CHECKPOINT_PREFIX = "iter-"
@@ -79,7 +79,8 @@ class Trainer:
         self.adapter.denoiser, self.optimizer = self.accelerator.prepare(self.adapter.denoiser, optimizer)
         self.accelerator.register_save_state_pre_hook(self._save_hook)
         self.accelerator.register_load_state_pre_hook(self._load_hook)
-        self.reward = build_reward("tiny-geneval", str(self.accelerator.device))
+        self.reward = build_reward(config.reward, str(self.accelerator.device))
+        self.reward_key = reward_key(self.reward)
         self.prompts = load_prompts(config.prompts.train)
         self.sigmas = sigma_schedule(config.sampling.num_steps, config.sampling.shift)
         self.settings = sampler_settings(config)
@@ -180,7 +181,7 @@ class Trainer:
         start = time.perf_counter()
         images = self.adapter.decode(rollout.leaf_latents)
         leaf_prompts = [prompts[p] for p in tree.prompt[tree.leaf_index].tolist()]
-        scores = self.reward.score(images, leaf_prompts)
+        scores = score_batch(self.reward, images, leaf_prompts)
         timings["reward_seconds"] = time.perf_counter() - start
         return rollout, leaf_prompts, images, scores, {"embeds": embeds, **timings}
 
@@ -188,7 +189,7 @@ class Trainer:
         config = self.config
         rollout, leaf_prompts, images, scores, info = self.rollout_and_score(iteration)
         tree = rollout.tree
-        leaf_rewards = scores[self.reward.reward_key]
+        leaf_rewards = scores[self.reward_key]
         node_rewards = fuse_rewards(tree, leaf_rewards, rollout.log_prob, config.advantage.fusion, config.advantage.alpha)
         node_advantages = depthwise_advantages(tree, node_rewards, config.advantage.scope).clamp(-config.advantage.clip, config.advantage.clip)
         mask = self.trainable_mask(rollout, node_advantages, iteration)
@@ -197,9 +198,9 @@ class Trainer:
         gathered = {k: self.accelerator.gather(v.to(self.accelerator.device)).float() for k, v in scores.items()}
         metrics = {
             "iteration": iteration,
-            "reward_mean": gathered[self.reward.reward_key].mean().item(),
-            "reward_std": gathered[self.reward.reward_key].std().item() if len(leaf_rewards) > 1 else 0.0,
-            **{f"accuracy_{k}": v.mean().item() for k, v in gathered.items() if k != self.reward.reward_key},
+            "reward_mean": gathered[self.reward_key].mean().item(),
+            "reward_std": gathered[self.reward_key].std().item() if len(leaf_rewards) > 1 else 0.0,
+            **{f"accuracy_{k}": v.mean().item() for k, v in gathered.items() if k != self.reward_key},
             **train_stats,
             "nfe_rollout": rollout.nfe,
             "edges_trained": int(mask.sum()),

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import difflib
 import importlib
+
+import torch
 from collections.abc import Callable
 
 from rewards.tiny_geneval import TinyGenEval
@@ -29,3 +31,15 @@ def build_reward(name: str, device: str = "cpu") -> object:
     close = difflib.get_close_matches(name, REGISTRY, n=2)
     hint = f" (did you mean {', '.join(close)}?)" if close else ""
     raise ValueError(f"unknown reward {name!r}{hint}; registered: {', '.join(REGISTRY)}, or a dotted path 'package.module:Name'")
+
+
+def reward_key(reward: object) -> str:
+    """The key under which `score_batch` returns the reward itself."""
+    return getattr(reward, "reward_key", "reward")
+
+
+def score_batch(reward: object, images: torch.Tensor, prompts: list[str]) -> dict[str, torch.Tensor]:
+    """Every per-image score a reward offers; the reward itself under `reward_key(reward)`."""
+    if hasattr(reward, "score"):
+        return reward.score(images, prompts)
+    return {"reward": torch.as_tensor(reward(images, prompts, {})).float().cpu()}

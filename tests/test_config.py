@@ -1,0 +1,320 @@
+"""Run configuration: defaults, presets, dotted overrides, one-line errors with file:line, round trip."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from branchdiff.config import (
+    ConfigError,
+    OptimConfig,
+    TrainConfig,
+    TreeConfig,
+    load_config,
+    parse_override,
+    presets,
+    save_config,
+    validate,
+)
+
+
+def config_error(source=None, overrides=()) -> str:
+    """The message of the ConfigError raised by load_config; it must be a single line."""
+    with pytest.raises(ConfigError) as caught:
+        load_config(source, list(overrides))
+    message = str(caught.value)
+    assert "\n" not in message and message.strip() == message and message
+    return message
+
+
+# ---------------------------------------------------------------- defaults and presets
+def test_defaults_are_the_dataclass_defaults():
+    config = load_config()
+    assert isinstance(config, TrainConfig)
+    assert config == TrainConfig()
+    assert (config.output_dir, config.iterations, config.seed) == ("runs/tiny", 60, 0)
+    assert config.tree == TreeConfig() and config.tree.splits == [] and config.model.path is None
+    assert config.sampling.sde == "flow" and config.train.learning_rate == 3e-4
+
+
+def test_presets_are_listed():
+    assert "tiny-chain" in presets()
+    assert presets() == sorted(presets())
+
+
+@pytest.mark.parametrize("name", presets())
+def test_every_packaged_preset_loads(name):
+    config = load_config(name)
+    assert isinstance(config, TrainConfig)
+    validate(config)  # idempotent on a loaded config
+
+
+def test_tiny_chain_preset_values():
+    config = load_config("tiny-chain")
+    assert config.output_dir == "runs/tiny-chain"
+    assert config.train.learning_rate == 3e-4 and isinstance(config.train.learning_rate, float)
+    assert config.tree.roots == 8 and config.sampling.sde == "flow"
+
+
+# ---------------------------------------------------------------- overrides
+@pytest.mark.parametrize(
+    "override, get, expected, kind",
+    [
+        ("tree.roots=4", lambda c: c.tree.roots, 4, int),
+        ("train.learning_rate=1e-4", lambda c: c.train.learning_rate, 1e-4, float),
+        ("train.learning_rate=1.0e-4", lambda c: c.train.learning_rate, 1e-4, float),
+        ("train.learning_rate=2E-3", lambda c: c.train.learning_rate, 2e-3, float),
+        ("tree.splits=[[0,2],[3,2]]", lambda c: c.tree.splits, [[0, 2], [3, 2]], list),
+        ("tree.splits=[[0, 2, 0.5]]", lambda c: c.tree.splits, [[0, 2, 0.5]], list),
+        ("model.path=null", lambda c: c.model.path, None, type(None)),
+        ("model.path=/some/dir", lambda c: c.model.path, "/some/dir", str),
+        ("logging.tensorboard=false", lambda c: c.logging.tensorboard, False, bool),
+        ("prune.depths=[1,2]", lambda c: c.prune.depths, [1, 2], list),
+        ("sampling.sde=dance", lambda c: c.sampling.sde, "dance", str),
+        ("output_dir=runs/x", lambda c: c.output_dir, "runs/x", str),
+        ("seed=-3", lambda c: c.seed, -3, int),
+    ],
+)
+def test_override_sets_nested_value_with_yaml_typing(override, get, expected, kind):
+    value = get(load_config(None, [override]))
+    assert value == expected and type(value) is kind
+
+
+def test_override_leaves_the_other_keys_at_their_defaults():
+    config = load_config(None, ["tree.roots=4"])
+    assert config.tree == dataclasses.replace(TreeConfig(), roots=4)
+    assert dataclasses.replace(config, tree=TreeConfig()) == TrainConfig()
+
+
+def test_overrides_apply_on_top_of_a_preset_and_later_ones_win():
+    config = load_config("tiny-chain", ["tree.roots=4", "iterations=5", "tree.roots=2"])
+    assert config.tree.roots == 2 and config.iterations == 5
+    assert config.output_dir == "runs/tiny-chain"  # from the preset, untouched
+
+
+def test_an_int_is_accepted_for_a_float_field():
+    config = load_config(None, ["train.lora_alpha=16", "advantage.alpha=2"])
+    assert config.train.lora_alpha == 16.0 and config.advantage.alpha == 2.0
+
+
+def test_parse_override():
+    assert parse_override("tree.roots=4") == (["tree", "roots"], 4)
+    assert parse_override(" iterations = 3") == (["iterations"], 3)
+    assert parse_override("output_dir=a=b") == (["output_dir"], "a=b")  # only the first '=' splits
+    assert parse_override("output_dir=") == (["output_dir"], "")
+    assert parse_override("output_dir=[unclosed") == (["output_dir"], "[unclosed")  # invalid YAML: kept as text
+
+
+# ---------------------------------------------------------------- one-line errors
+def test_unknown_top_level_key_suggests_close_match():
+    message = config_error(None, ["iteratons=3"])
+    assert message == "override 'iteratons=3': unknown key 'iteratons'; did you mean iterations?"
+
+
+def test_unknown_nested_key_suggests_close_match():
+    message = config_error(None, ["tree.rots=2"])
+    assert message == "override 'tree.rots=2': unknown key 'tree.rots'; did you mean tree.roots?"
+
+
+def test_unknown_key_without_close_match_lists_allowed_keys():
+    message = config_error(None, ["xyzzy=1"])
+    assert "unknown key 'xyzzy'" in message
+    assert message.endswith("allowed: " + ", ".join(f.name for f in dataclasses.fields(TrainConfig)))
+
+
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        ("iterations=abc", "override 'iterations=abc': 'iterations' = 'abc' has the wrong type; expected int"),
+        ("tree.roots=2.5", "override 'tree.roots=2.5': 'tree.roots' = 2.5 has the wrong type; expected int"),
+        ("logging.tensorboard=3", "override 'logging.tensorboard=3': 'logging.tensorboard' = 3 has the wrong type; expected bool"),
+        ("train.learning_rate=fast", "override 'train.learning_rate=fast': 'train.learning_rate' = 'fast' has the wrong type; expected float"),
+        ("tree.roots=true", "override 'tree.roots=true': 'tree.roots' = True has the wrong type; expected int"),
+    ],
+)
+def test_wrong_type(override, expected):
+    assert config_error(None, [override]) == expected
+
+
+def test_wrong_type_inside_a_list():
+    message = config_error(None, ["prune.depths=[1, a]"])
+    assert "'prune.depths' = [1, 'a'] has the wrong type; expected list[int]" in message
+
+
+def test_section_given_a_scalar():
+    message = config_error(None, ["tree=3"])
+    assert message.startswith("override 'tree=3': 'tree' must be a mapping of its keys (roots, splits,")
+    assert message.endswith("got 3")
+
+
+def test_choice_outside_the_allowed_set_lists_choices_and_suggests():
+    message = config_error(None, ["sampling.sde=flw"])
+    assert message == "override 'sampling.sde=flw': 'sampling.sde' = 'flw' is not allowed; allowed: dance, flow, cps (did you mean 'flow'?)"
+
+
+def test_choice_without_close_match_has_no_suggestion():
+    message = config_error(None, ["prune.width=zzz"])
+    assert message == "override 'prune.width=zzz': 'prune.width' = 'zzz' is not allowed; allowed: none, per_branch, global"
+
+
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        ("iterations=0", "override 'iterations=0': 'iterations' = 0 is out of range; it must be > 0"),
+        ("train.learning_rate=-1", "override 'train.learning_rate=-1': 'train.learning_rate' = -1 is out of range; it must be > 0"),
+        ("train.kl_beta=-0.5", "override 'train.kl_beta=-0.5': 'train.kl_beta' = -0.5 is out of range; it must be ≥ 0"),
+    ],
+)
+def test_out_of_range(override, expected):
+    assert config_error(None, [override]) == expected
+
+
+def test_boundary_values_are_accepted():
+    config = load_config(None, ["train.kl_beta=0", "tree.mix_window=0", "prune.width_ratio=1", "train.step_fraction=1.0"])
+    assert config.train.kl_beta == 0 and config.prune.width_ratio == 1
+
+
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        (["tree.splits=[[1]]"], "'tree.splits' entry [1] must be [step, k] or [step, k, noise_scale] with whole step and k"),
+        (["tree.splits=[[0, 2, 1, 4]]"], "'tree.splits' entry [0, 2, 1, 4] must be [step, k] or [step, k, noise_scale] with whole step and k"),
+        (["tree.splits=[[0.5, 2]]"], "'tree.splits' entry [0.5, 2] must be [step, k] or [step, k, noise_scale] with whole step and k"),
+        (["tree.splits=[[10, 2]]"], "'tree.splits' entry [10, 2]: step 10 is outside 0..9 (sampling.num_steps = 10)"),
+        (["tree.splits=[[-1, 2]]"], "'tree.splits' entry [-1, 2]: step -1 is outside 0..9 (sampling.num_steps = 10)"),
+        (["tree.splits=[[1, 2], [1, 3]]"], "'tree.splits' entry [1, 3]: step 1 is given twice"),
+        (["tree.splits=[[1, 1]]"], "'tree.splits' entry [1, 1]: k = 1 branches; a split needs k ≥ 2"),
+        (["tree.splits=[[1, 2, 0]]"], "'tree.splits' entry [1, 2, 0]: noise_scale 0 must be > 0"),
+        (["prune.depths=[0]"], "'prune.depths' [0] outside 1..10 (child depths of the 10-step tree)"),
+        (["sampling.num_steps=4", "prune.depths=[2, 5, 6]"], "'prune.depths' [5, 6] outside 1..4 (child depths of the 4-step tree)"),
+        (["tree.mix_window=5", "tree.mix_start=6"], "'tree.mix_start' + 'tree.mix_window' = 11 exceeds sampling.num_steps = 10"),
+        (["prune.width_ratio=1.5"], "'prune.width_ratio' = 1.5 must be in (0, 1]"),
+        (["prune.active_fraction=2"], "'prune.active_fraction' = 2 must be in (0, 1]"),
+        (["train.step_fraction=1.01"], "'train.step_fraction' = 1.01 must be in (0, 1]"),
+        (["train.train_steps_fraction=3"], "'train.train_steps_fraction' = 3 must be in (0, 1]"),
+    ],
+)
+def test_cross_field_checks(overrides, expected):
+    assert config_error(None, overrides) == expected
+
+
+def test_cross_field_checks_accept_valid_trees():
+    config = load_config(None, ["tree.splits=[[0, 2], [9, 3, 0.5]]", "prune.depths=[1, 10]", "tree.mix_window=4", "tree.mix_start=6"])
+    assert config.tree.splits == [[0, 2], [9, 3, 0.5]] and config.prune.depths == [1, 10]
+
+
+def test_validate_on_a_hand_built_config():
+    config = TrainConfig(tree=TreeConfig(splits=[[0, 2, 1.0, 7]]))
+    with pytest.raises(ConfigError, match=r"^'tree.splits' entry \[0, 2, 1.0, 7\] must be"):
+        validate(config)
+    config = TrainConfig(train=OptimConfig(step_fraction=1.5))
+    with pytest.raises(ConfigError, match=r"^'train.step_fraction' = 1.5 must be in \(0, 1\]$"):
+        validate(config)
+
+
+@pytest.mark.parametrize("override", ["iterations", "tree.roots", "=3", " =3"])
+def test_override_without_key_value_form(override):
+    assert config_error(None, [override]) == f"override {override!r} is not of the form key=value (e.g. tree.roots=4)"
+
+
+def test_missing_preset_suggests_close_name():
+    message = config_error("tiny-chian")
+    assert message == f"no preset or file 'tiny-chian'; presets: {', '.join(presets())}; did you mean tiny-chain?"
+
+
+def test_missing_file_lists_presets(tmp_path):
+    missing = str(tmp_path / "nope.yaml")
+    assert config_error(missing) == f"no preset or file {missing!r}; presets: {', '.join(presets())}"
+
+
+def test_config_error_is_a_value_error():
+    assert issubclass(ConfigError, ValueError)
+
+
+# ---------------------------------------------------------------- YAML files
+def write(tmp_path, text: str, name: str = "run.yaml") -> str:
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+def test_yaml_file_values_are_loaded(tmp_path):
+    path = write(tmp_path, "iterations: 7\ntree:\n  roots: 3\n  splits: [[0, 2]]\ntrain:\n  learning_rate: 1e-4\n")
+    config = load_config(path)
+    assert config.iterations == 7 and config.tree.roots == 3 and config.tree.splits == [[0, 2]]
+    assert config.train.learning_rate == 1e-4 and isinstance(config.train.learning_rate, float)
+
+
+def test_overrides_win_over_the_yaml_file(tmp_path):
+    path = write(tmp_path, "iterations: 7\ntree:\n  roots: 3\n")
+    config = load_config(path, ["tree.roots=5"])
+    assert config.iterations == 7 and config.tree.roots == 5
+
+
+def test_override_fixes_a_bad_file_value(tmp_path):
+    path = write(tmp_path, "tree:\n  roots: 2.5\n")
+    assert load_config(path, ["tree.roots=2"]).tree.roots == 2
+
+
+def test_empty_yaml_file_gives_defaults(tmp_path):
+    assert load_config(write(tmp_path, "# nothing here\n")) == TrainConfig()
+
+
+def test_bad_top_level_key_in_file_reports_file_and_line(tmp_path):
+    path = write(tmp_path, "# a comment\niterations: 3\n\nseed: 1\niteratons: 5\n")
+    assert config_error(path) == f"{path}:5: unknown key 'iteratons'; did you mean iterations?"
+
+
+def test_bad_nested_key_in_file_reports_file_and_line(tmp_path):
+    path = write(tmp_path, "iterations: 3\ntree:\n  roots: 2\n  splits: []\n  rots: 4\nsampling:\n  sde: flow\n")
+    assert config_error(path) == f"{path}:5: unknown key 'tree.rots'; did you mean tree.roots?"
+
+
+def test_bad_nested_value_in_file_reports_file_and_line(tmp_path):
+    path = write(tmp_path, "seed: 1\nsampling:\n  num_steps: 10\n  sde: flw\n")
+    assert config_error(path) == f"{path}:4: 'sampling.sde' = 'flw' is not allowed; allowed: dance, flow, cps (did you mean 'flow'?)"
+
+
+def test_bad_value_in_flow_mapping_reports_its_line(tmp_path):
+    path = write(tmp_path, "seed: 1\n\ntrain: {learning_rate: -1}\n")
+    assert config_error(path) == f"{path}:3: 'train.learning_rate' = -1 is out of range; it must be > 0"
+
+
+def test_invalid_yaml_reports_file_and_line(tmp_path):
+    path = write(tmp_path, "iterations: 3\ntree:\n  roots: [1, 2\nseed: 0\n")
+    message = config_error(path)
+    assert message.startswith(f"{path}:4: not valid YAML (")
+
+
+def test_invalid_yaml_mapping_values_reports_its_line(tmp_path):
+    path = write(tmp_path, "iterations: 3\nseed: 1: 2\n")
+    assert config_error(path) == f"{path}:2: not valid YAML (mapping values are not allowed here)"
+
+
+def test_top_level_list_is_rejected(tmp_path):
+    path = write(tmp_path, "- iterations: 3\n- seed: 1\n")
+    assert config_error(path) == f"{path}: expected a mapping of keys to values, got list"
+
+
+def test_top_level_scalar_is_rejected(tmp_path):
+    path = write(tmp_path, "just a string\n")
+    assert config_error(path) == f"{path}: expected a mapping of keys to values, got str"
+
+
+# ---------------------------------------------------------------- round trip
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        [],
+        ["tree.splits=[[0,2],[3,2,0.5]]", "model.path=null", "train.learning_rate=1e-5", "prune.depths=[1,2]", "logging.tensorboard=false"],
+        ["model.path=/x/y", "output_dir=runs/rt", "sampling.sde=cps", "tree.mix_window=3", "seed=-1", "train.kl_beta=1e-12"],
+    ],
+)
+def test_save_then_load_round_trips(tmp_path, overrides):
+    config = load_config("tiny-chain", overrides)
+    path = tmp_path / "config.yaml"
+    save_config(config, path)
+    again = load_config(str(path))
+    assert again == config
+    assert again.train.learning_rate == config.train.learning_rate and type(again.train.learning_rate) is float
