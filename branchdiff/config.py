@@ -20,6 +20,9 @@ from typing import Any
 
 import yaml
 
+from branchdiff.prune import mix_sde_steps
+from branchdiff.tree import Split, TreeSpec
+
 PRESET_DIR = Path(__file__).parent / "configs"
 
 
@@ -119,6 +122,18 @@ class OptimConfig:
 
 
 @dataclass
+class ExploreConfig:
+    mode: str = choice("off", "off", "seeds", "tree")  # FP4-explore / BF16-train (explore.py); off: plain rollouts
+    backend: str = choice("nvfp4-emulated", "none", "nvfp4-emulated", "mxfp4-emulated", "bnb-fp4", "bnb-nf4", "te-nvfp4")  # explorer copy; none: the policy itself
+    pool: int = positive(32)  # seeds mode: candidate seeds per prompt
+    keep: int = positive(8)  # kept per prompt: seeds (seeds mode) or leaves (tree mode)
+    selection: str = choice("best_worst", "best_worst", "random", "mean_deviation", "extremes_random")  # contrastive subset
+    preview_steps: int = non_negative(0)  # seeds mode: steps of the preview (0: sampling.num_steps)
+    preview_sampler: str = choice("ode", "ode", "sde")  # seeds mode: ODE preview (Sol-RL) or the training SDE
+    min_features: int = non_negative(0)  # linear layers with fewer in·out weights stay unquantised
+
+
+@dataclass
 class LogConfig:
     sample_every: int = non_negative(10)  # save a grid of leaf samples every n iterations (0: never)
     checkpoint_every: int = non_negative(10)  # accelerator.save_state every n iterations (and at the end)
@@ -140,7 +155,18 @@ class TrainConfig:
     advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
     prune: PruneConfig = field(default_factory=PruneConfig)
     train: OptimConfig = field(default_factory=OptimConfig)
+    explore: ExploreConfig = field(default_factory=ExploreConfig)
     logging: LogConfig = field(default_factory=LogConfig)
+
+
+def tree_spec(config: TrainConfig, iteration: int) -> TreeSpec:
+    """The tree an iteration grows: the configured splits, and the Mix window where enabled."""
+    tree = config.tree
+    sde_steps = None
+    if tree.mix_window:
+        sde_steps = mix_sde_steps(config.sampling.num_steps, tree.mix_window, iteration, tree.mix_start, tree.mix_slide_every)
+    splits = tuple(Split(int(s[0]), int(s[1]), float(s[2]) if len(s) > 2 else None) for s in tree.splits)
+    return TreeSpec(config.sampling.num_steps, splits, tree.roots, tree.split_noise_scale, sde_steps)
 
 
 def presets() -> list[str]:
@@ -280,18 +306,13 @@ def load_config(source: str | None = None, overrides: list[str] = ()) -> TrainCo
 def validate(config: TrainConfig) -> None:
     """Cross-field checks that single fields cannot express."""
     steps = config.sampling.num_steps
-    seen: set[int] = set()
     for entry in config.tree.splits:
         if len(entry) not in (2, 3) or not float(entry[0]).is_integer() or not float(entry[1]).is_integer():
             raise ConfigError(f"'tree.splits' entry {entry!r} must be [step, k] or [step, k, noise_scale] with whole step and k")
-        step, k = int(entry[0]), int(entry[1])
-        problem = (f"step {step} is outside 0..{steps - 1} (sampling.num_steps = {steps})" if not 0 <= step < steps
-                   else f"step {step} is given twice" if step in seen
-                   else f"k = {k} branches; a split needs k ≥ 2" if k < 2
-                   else f"noise_scale {entry[2]} must be > 0" if len(entry) == 3 and entry[2] <= 0 else "")
-        if problem:
-            raise ConfigError(f"'tree.splits' entry {entry!r}: {problem}")
-        seen.add(step)
+    try:
+        tree_spec(config, 0)
+    except ValueError as error:
+        raise ConfigError(f"'tree.splits' = {config.tree.splits}: {error}") from None
     if config.tree.mix_window and config.tree.mix_start + config.tree.mix_window > steps:
         raise ConfigError(f"'tree.mix_start' + 'tree.mix_window' = {config.tree.mix_start + config.tree.mix_window} exceeds sampling.num_steps = {steps}")
     bad = [d for d in config.prune.depths if not 1 <= d <= steps]
@@ -303,6 +324,19 @@ def validate(config: TrainConfig) -> None:
     for name in ("step_fraction", "train_steps_fraction"):
         if getattr(config.train, name) > 1:
             raise ConfigError(f"'train.{name}' = {getattr(config.train, name)} must be in (0, 1]")
+    _validate_explore(config)
+
+
+def _validate_explore(config: TrainConfig) -> None:
+    explore = config.explore
+    if explore.mode == "seeds" and explore.keep > explore.pool:
+        raise ConfigError(f"'explore.keep' = {explore.keep} exceeds 'explore.pool' = {explore.pool}")
+    if explore.mode == "tree":
+        leaves = config.tree.roots
+        for entry in config.tree.splits:
+            leaves *= int(entry[1])
+        if explore.keep > leaves:
+            raise ConfigError(f"'explore.keep' = {explore.keep} exceeds the {leaves} leaves per prompt of the tree")
 
 
 def to_dict(config: TrainConfig) -> dict:

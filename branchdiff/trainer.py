@@ -7,6 +7,7 @@ weights, the optimizer and the iteration to continue exactly as if the run had n
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import shutil
@@ -22,16 +23,18 @@ from tqdm.auto import tqdm
 
 from branchdiff import prune
 from branchdiff.advantage import depthwise_advantages, fuse_rewards
-from branchdiff.config import TrainConfig, save_config
+from branchdiff.config import TrainConfig, save_config, tree_spec
 from branchdiff.data import draw_prompts, load_prompts
 from branchdiff.evaluate import evaluate_tiny
+from branchdiff.explore import ExploreResult, explore_seeds, explore_tree, latent_difference, ranking_agreement
 from branchdiff.loss import clipped_surrogate, kl_to_reference
 from branchdiff.models import load_adapter
-from branchdiff.models.base import select_embeds
+from branchdiff.models.base import ModelAdapter, select_embeds
 from branchdiff.models.lora import add_lora, load_lora_state, save_lora
+from branchdiff.quant import QuantConfig, make_quantized_copy, refresh_quantized_copy
 from branchdiff.report import save_grid
 from branchdiff.rollout import NoiseAddress, Rollout, SamplerSettings, grow, logprob_std_scale
-from branchdiff.tree import Split, TreeSpec, build_tree
+from branchdiff.tree import build_tree
 from rewards.registry import build_reward, reward_key, score_batch
 from schedulers.flow import gaussian_log_prob, sigma_schedule, step
 
@@ -43,16 +46,6 @@ class IterationResult:
     metrics: dict[str, float]
     rollout: Rollout
     leaf_images: torch.Tensor  # (L, 3, H, W)
-
-
-def tree_spec(config: TrainConfig, iteration: int) -> TreeSpec:
-    """The tree of an iteration: splits from the config, the Mix window where enabled."""
-    tree = config.tree
-    sde_steps = None
-    if tree.mix_window:
-        sde_steps = prune.mix_sde_steps(config.sampling.num_steps, tree.mix_window, iteration, tree.mix_start, tree.mix_slide_every)
-    splits = tuple(Split(int(s[0]), int(s[1]), float(s[2]) if len(s) > 2 else None) for s in tree.splits)
-    return TreeSpec(config.sampling.num_steps, splits, tree.roots, tree.split_noise_scale, sde_steps)
 
 
 def sampler_settings(config: TrainConfig) -> SamplerSettings:
@@ -84,7 +77,25 @@ class Trainer:
         self.prompts = load_prompts(config.prompts.train)
         self.sigmas = sigma_schedule(config.sampling.num_steps, config.sampling.shift)
         self.settings = sampler_settings(config)
+        self.explorer = self._make_explorer()
         self.start_iteration = 0
+
+    def _make_explorer(self) -> ModelAdapter | None:
+        """The policy itself (backend none) or a 4-bit copy of it, for explore modes."""
+        explore = self.config.explore
+        if explore.mode == "off":
+            return None
+        if explore.backend == "none":
+            return self.adapter
+        self.quant_config = QuantConfig.for_family(self.config.model.family, explore.backend, explore.min_features)
+        explorer = copy.copy(self.adapter)
+        explorer.denoiser = make_quantized_copy(self.accelerator.unwrap_model(self.adapter.denoiser), self.quant_config)
+        return explorer
+
+    def refresh_explorer(self) -> None:
+        """Merge the current LoRA into the quantised copy, so exploration follows the policy."""
+        if self.explorer is not None and self.explorer is not self.adapter:
+            refresh_quantized_copy(self.explorer.denoiser, self.accelerator.unwrap_model(self.adapter.denoiser), self.quant_config)
 
     # ---------------------------------------------------------------- checkpoints
     def _save_hook(self, models: list, weights: list, output_dir: str) -> None:
@@ -169,25 +180,52 @@ class Trainer:
             mask &= prune.width_mask(tree, node_advantages, p.width, p.width_ratio)
         return mask
 
-    def rollout_and_score(self, iteration: int, per_node: bool = False) -> tuple[Rollout, list[str], torch.Tensor, dict[str, torch.Tensor], dict]:
+    def rollout_and_score(self, iteration: int, per_node: bool = False) -> tuple[Rollout, torch.Tensor, dict[str, torch.Tensor], dict]:
+        """Grow this iteration's trees and score the leaves: (rollout, leaf images, scores, info)."""
         prompts, keys = self.iteration_prompts(iteration)
-        tree = build_tree(tree_spec(self.config, iteration), len(prompts))
+        spec = tree_spec(self.config, iteration)
         embeds = self.adapter.encode_prompts(prompts)
-        timings = {}
+        address = NoiseAddress(self.config.seed, iteration, keys)
+        info: dict = {"embeds": embeds}
         start = time.perf_counter()
         with self.accelerator.autocast():
-            rollout = grow(self.adapter, tree, embeds, self.sigmas, self.settings, NoiseAddress(self.config.seed, iteration, keys), per_node)
-        timings["rollout_seconds"] = time.perf_counter() - start
+            if self.explorer is None:
+                rollout = grow(self.adapter, build_tree(spec, len(prompts)), embeds, self.sigmas, self.settings, address, per_node)
+            else:
+                explored = self._explore(spec, prompts, embeds, address, iteration)
+                rollout = explored.rollout
+        info["rollout_seconds"] = time.perf_counter() - start
         start = time.perf_counter()
         images = self.adapter.decode(rollout.leaf_latents)
-        leaf_prompts = [prompts[p] for p in tree.prompt[tree.leaf_index].tolist()]
-        scores = score_batch(self.reward, images, leaf_prompts)
-        timings["reward_seconds"] = time.perf_counter() - start
-        return rollout, leaf_prompts, images, scores, {"embeds": embeds, **timings}
+        tree = rollout.tree
+        scores = score_batch(self.reward, images, [prompts[p] for p in tree.prompt[tree.leaf_index].tolist()])
+        info["reward_seconds"] = time.perf_counter() - start
+        if self.explorer is not None:
+            kept_regenerated = scores[self.reward_key].reshape(len(prompts), self.config.explore.keep, -1).mean(-1)
+            kept_pool = explored.pool_rewards.gather(1, explored.kept)
+            info["explore"] = {**ranking_agreement(kept_pool, kept_regenerated), **latent_difference(explored), **explored.stats}
+        return rollout, images, scores, info
 
-    def run_iteration(self, iteration: int) -> IterationResult:
+    def _explore(self, spec, prompts: list[str], embeds: dict, address: NoiseAddress, iteration: int) -> ExploreResult:
+        explore = self.config.explore
+        generator = torch.Generator().manual_seed(self.config.seed * 15_485_863 + iteration)
+
+        def score(latents: torch.Tensor, prompt_index: torch.Tensor) -> torch.Tensor:
+            images = self.adapter.decode(latents)
+            return score_batch(self.reward, images, [prompts[p] for p in prompt_index.tolist()])[self.reward_key]
+
+        if explore.mode == "tree":
+            return explore_tree(self.adapter, self.explorer, embeds, spec, self.sigmas, self.settings, address,
+                                explore.keep, explore.selection, score, generator)
+        preview_steps = explore.preview_steps or self.config.sampling.num_steps
+        preview_sigmas = sigma_schedule(preview_steps, self.config.sampling.shift)
+        return explore_seeds(self.adapter, self.explorer, embeds, spec, self.sigmas, preview_sigmas, explore.preview_sampler == "sde",
+                             self.settings, address, explore.pool, explore.keep, explore.selection, score, generator)
+
+    def run_iteration(self, iteration: int, per_node: bool = False) -> IterationResult:
+        """One iteration; `per_node` grows the tree with batch-1 forwards (benchmarks)."""
         config = self.config
-        rollout, leaf_prompts, images, scores, info = self.rollout_and_score(iteration)
+        rollout, images, scores, info = self.rollout_and_score(iteration, per_node)
         tree = rollout.tree
         leaf_rewards = scores[self.reward_key]
         node_rewards = fuse_rewards(tree, leaf_rewards, rollout.log_prob, config.advantage.fusion, config.advantage.alpha)
@@ -207,7 +245,9 @@ class Trainer:
             "rollout_seconds": info["rollout_seconds"],
             "reward_seconds": info["reward_seconds"],
             "train_seconds": time.perf_counter() - start,
+            **{f"explore_{k}": v for k, v in info.get("explore", {}).items()},
         }
+        self.refresh_explorer()
         return IterationResult(metrics, rollout, images)
 
     def update(self, rollout: Rollout, embeds: dict, node_advantages: torch.Tensor, mask: torch.Tensor, iteration: int) -> dict[str, float]:

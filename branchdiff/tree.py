@@ -144,12 +144,18 @@ class Tree:
         return torch.arange(self.level_start[-2], self.level_start[-1])
 
 
-def build_tree(spec: TreeSpec, num_prompts: int) -> Tree:
-    """Topology of `num_prompts` trees of `spec`, in level order (see the module docstring)."""
+def build_tree(spec: TreeSpec, num_prompts: int, root_ids: list[list[int]] | None = None) -> Tree:
+    """Topology of `num_prompts` trees of `spec`, in level order (see the module docstring).
+    `root_ids[p]` names prompt p's roots (default 0..roots-1): a root's id is the first element
+    of every path below it, so chosen seeds of a larger pool keep their noise addresses."""
+    if root_ids is None:
+        root_ids = [list(range(spec.roots))] * num_prompts
+    if len(root_ids) != num_prompts or any(len(ids) != spec.roots for ids in root_ids):
+        raise ValueError(f"root_ids must give {spec.roots} root ids for each of {num_prompts} prompts")
     parent: list[int] = [-1] * (num_prompts * spec.roots)
     depth: list[int] = [0] * len(parent)
     prompt: list[int] = [p for p in range(num_prompts) for _ in range(spec.roots)]
-    paths: list[NodePath] = [(r,) for _ in range(num_prompts) for r in range(spec.roots)]
+    paths: list[NodePath] = [(int(r),) for p in range(num_prompts) for r in root_ids[p]]
     level_start = [0, len(paths)]
     for step in range(spec.num_steps):
         k = spec.branching(step)

@@ -1,0 +1,148 @@
+"""`branchdiff bench tree`: one full training iteration of each algorithm, side by side.
+
+Every variant is a full iteration (rollout + rewards + advantages + update) on the built-in model,
+measured in one process, interleaved (variant A, B, C, A, B, C, ...), median of `repeats`.
+Beside them: the same tree expanded node by node with batch-1 forwards and per-edge updates (the
+BranchGRPO release's way), and the bare model forwards the batched tree rollout needed.
+
+NFE model of an iteration's cost: `rollout_nfe + c · trained_nfe`, where trained_nfe counts the
+parent forwards (with backward) of the update and c is the measured cost of such a row relative
+to a rollout row. A variant's efficiency is its measured speed-up over the chain divided by the
+speed-up this model implies: 1.0 means no overhead beyond the model's own arithmetic.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from branchdiff.config import load_config
+from branchdiff.models.base import select_embeds
+from branchdiff.rollout import forward_chunked
+from branchdiff.trainer import Trainer
+
+ANCHOR_SPLITS = "[[0,2],[3,2],[6,2],[9,2]]"  # BranchGRPO: T = 20, k = 2 at steps 0, 3, 6, 9 → 16 leaves
+BASE = [
+    "sampling.num_steps=20", "sampling.shift=3.0", "sampling.sde=dance", "sampling.noise_level=0.3",
+    "sampling.max_batch=64", "sampling.exact=false", "prompts.per_iteration=4", "train.minibatch=64",
+    "logging.tensorboard=false", "final_eval=false", "iterations=1000",
+]
+TREE = ["tree.roots=1", f"tree.splits={ANCHOR_SPLITS}"]
+VARIANTS: dict[str, list[str]] = {
+    "chain": ["tree.roots=16"],
+    "tree": TREE,
+    "tree_depth_pruned": [*TREE, f"prune.depths=[{','.join(str(d) for d in range(11, 21))}]"],
+    "tree_width_pruned": [*TREE, "prune.width=global", "prune.width_ratio=0.25"],
+    "mix": [*TREE, "tree.mix_window=4"],
+    "best": ["tree.roots=1", "tree.splits=[[0,2],[2,2],[4,2],[6,2]]", "tree.mix_window=2", "prune.depths=[2]"],
+}
+RATIO_NAMES = {"tree": "chain_over_tree", "tree_depth_pruned": "chain_over_tree_pruned", "tree_width_pruned": "chain_over_tree_width_pruned",
+               "mix": "chain_over_mix", "best": "chain_over_best"}
+
+
+def _median_time(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def measure_trained_row_cost(trainer: Trainer, rows: int = 64, repeats: int = 5) -> float:
+    """c: seconds of a forward+backward row (LoRA gradients) over seconds of a no-grad rollout row."""
+    adapter = trainer.adapter
+    x = torch.randn(rows, *adapter.latent_shape)
+    sigmas = torch.full((rows,), 0.5)
+    embeds = select_embeds(adapter.encode_prompts(["one red circle on the left"]), torch.zeros(rows, dtype=torch.long))
+
+    def rollout_rows() -> None:
+        with torch.no_grad():
+            adapter.predict_velocity(x, sigmas, embeds)
+
+    def trained_rows() -> None:
+        adapter.predict_velocity(x, sigmas, embeds).square().mean().backward()
+        trainer.optimizer.zero_grad(set_to_none=True)
+
+    rollout_rows(), trained_rows()  # warm-up
+    return _median_time(trained_rows, repeats) / _median_time(rollout_rows, repeats)
+
+
+def bare_forward_seconds(trainer: Trainer, iteration: int) -> float:
+    """Seconds of only the model forwards a batched rollout of this iteration's tree makes."""
+    rollout, _, _, info = trainer.rollout_and_score(iteration)
+    tree, adapter, max_batch = rollout.tree, trainer.adapter, trainer.settings.max_batch
+    start = time.perf_counter()
+    with torch.no_grad():
+        for depth in range(tree.spec.num_steps):
+            level = torch.arange(tree.level_start[depth], tree.level_start[depth + 1])
+            embeds = select_embeds(info["embeds"], tree.prompt[level])
+            forward_chunked(adapter, rollout.latents[level], rollout.sigmas[depth].expand(len(level)), embeds, max_batch, False)
+    return time.perf_counter() - start
+
+
+def bench_tree(json_path: Path | None = None, repeats: int = 3, extra_overrides: list[str] = ()) -> dict:
+    torch.manual_seed(0)
+    trainers = {name: Trainer(load_config(None, [*BASE, *overrides, "output_dir=runs/bench", *extra_overrides]))
+                for name, overrides in VARIANTS.items()}
+    per_node = Trainer(load_config(None, [*BASE, *TREE, "train.minibatch=1", "output_dir=runs/bench", *extra_overrides]))
+    c = measure_trained_row_cost(trainers["chain"])
+    samples: dict[str, list[dict]] = {name: [] for name in [*VARIANTS, "tree_per_node"]}
+    rollout_samples, bare_samples = [], []
+    for repeat in range(repeats + 1):  # the first round warms up and is discarded
+        for name, trainer in trainers.items():
+            start = time.perf_counter()
+            metrics = trainer.run_iteration(repeat).metrics
+            if repeat:
+                samples[name].append({**metrics, "seconds": time.perf_counter() - start})
+        start = time.perf_counter()
+        metrics = per_node.run_iteration(repeat, per_node=True).metrics
+        if repeat:
+            samples["tree_per_node"].append({**metrics, "seconds": time.perf_counter() - start})
+            bare_samples.append(bare_forward_seconds(trainers["tree"], repeat))
+            rollout_samples.append(samples["tree"][-1]["rollout_seconds"])
+    rows = {}
+    for name, runs in samples.items():
+        rows[name] = {
+            "nfe_rollout": runs[0]["nfe_rollout"],
+            "nfe_trained": runs[0]["nfe_trained"],
+            "edges_trained": runs[0]["edges_trained"],
+            "seconds": statistics.median(r["seconds"] for r in runs),
+            "rollout_seconds": statistics.median(r["rollout_seconds"] for r in runs),
+            "train_seconds": statistics.median(r["train_seconds"] for r in runs),
+            "reward_mean": statistics.mean(r["reward_mean"] for r in runs),
+        }
+    chain = rows["chain"]
+    chain_cost = chain["nfe_rollout"] + c * chain["nfe_trained"]
+    ratios = {"trained_row_cost_c": c}
+    for name, row in rows.items():
+        if name == "chain":
+            continue
+        speedup = chain["seconds"] / row["seconds"]
+        implied = chain_cost / (row["nfe_rollout"] + c * row["nfe_trained"])
+        row.update(speedup=speedup, nfe_speedup=implied, efficiency=speedup / implied)
+        if name in RATIO_NAMES:
+            ratios[RATIO_NAMES[name]] = speedup
+    ratios["per_node_over_batched"] = rows["tree_per_node"]["seconds"] / rows["tree"]["seconds"]
+    ratios["rollout_over_bare_forward"] = statistics.median(rollout_samples) / statistics.median(bare_samples)
+    ratios["efficiency"] = {name: row["efficiency"] for name, row in rows.items() if "efficiency" in row and name != "tree_per_node"}
+    result = {"variants": rows, "ratios": ratios, "repeats": repeats, "base": BASE, "overrides": VARIANTS}
+    print(format_bench(rows, ratios))
+    if json_path:
+        json_path.write_text(json.dumps(result, indent=1))
+    return result
+
+
+def format_bench(rows: dict, ratios: dict) -> str:
+    lines = [f"{'variant':<20}{'NFE roll':>9}{'NFE train':>10}{'edges':>7}{'s/iter':>8}{'speed-up':>9}{'NFE-implied':>12}{'efficiency':>11}"]
+    for name, row in rows.items():
+        lines.append(
+            f"{name:<20}{row['nfe_rollout']:>9}{row['nfe_trained']:>10}{row['edges_trained']:>7}{row['seconds']:>8.2f}"
+            f"{row.get('speedup', 1.0):>9.2f}{row.get('nfe_speedup', 1.0):>12.2f}{row.get('efficiency', 1.0):>11.2f}"
+        )
+    lines.append("ratios: " + ", ".join(f"{k}={v:.2f}" for k, v in ratios.items() if not isinstance(v, dict)))
+    return "\n".join(lines)
