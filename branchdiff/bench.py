@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from branchdiff.config import load_config
+from branchdiff.explore import ranking_agreement
 from branchdiff.models.base import select_embeds
 from branchdiff.rollout import forward_chunked
 from branchdiff.trainer import Trainer
@@ -38,7 +39,8 @@ VARIANTS: dict[str, list[str]] = {
     "tree_depth_pruned": [*TREE, f"prune.depths=[{','.join(str(d) for d in range(11, 21))}]"],
     "tree_width_pruned": [*TREE, "prune.width=global", "prune.width_ratio=0.25"],
     "mix": [*TREE, "tree.mix_window=4"],
-    "best": ["tree.roots=1", "tree.splits=[[0,2],[2,2],[4,2],[6,2]]", "tree.mix_window=2", "prune.depths=[2]"],
+    # later splits (158 instead of 203 forwards) and Mix: SDE on steps 0-2 and the splits only
+    "best": ["tree.roots=1", "tree.splits=[[3,2],[6,2],[9,2],[12,2]]", "tree.mix_window=3"],
 }
 RATIO_NAMES = {"tree": "chain_over_tree", "tree_depth_pruned": "chain_over_tree_pruned", "tree_width_pruned": "chain_over_tree_width_pruned",
                "mix": "chain_over_mix", "best": "chain_over_best"}
@@ -145,4 +147,56 @@ def format_bench(rows: dict, ratios: dict) -> str:
             f"{row.get('speedup', 1.0):>9.2f}{row.get('nfe_speedup', 1.0):>12.2f}{row.get('efficiency', 1.0):>11.2f}"
         )
     lines.append("ratios: " + ", ".join(f"{k}={v:.2f}" for k, v in ratios.items() if not isinstance(v, dict)))
+    return "\n".join(lines)
+
+
+EXPLORE_BACKENDS = ("nvfp4-emulated", "mxfp4-emulated", "bnb-fp4", "bnb-nf4", "te-nvfp4")
+
+
+def bench_explore(json_path: Path | None = None, iterations: int = 4, extra_overrides: list[str] = ()) -> dict:
+    """Ranking fidelity and cost of each 4-bit explorer on the built-in model. Every candidate is
+    regenerated (keep = pool) with the training sampler, so pool and regenerated samples differ
+    only by the quantisation; ρ and τ are pooled over prompts and iterations."""
+    rows: dict[str, dict] = {}
+    for backend in EXPLORE_BACKENDS:
+        overrides = ["explore.mode=seeds", f"explore.backend={backend}", "explore.pool=16", "explore.keep=16",
+                     "explore.preview_sampler=sde", "prompts.per_iteration=8", "logging.tensorboard=false",
+                     "final_eval=false", "output_dir=runs/bench-explore", *extra_overrides]
+        try:
+            trainer = Trainer(load_config(None, overrides))
+        except (RuntimeError, ImportError) as error:
+            rows[backend] = {"available": False, "reason": str(error).splitlines()[0]}
+            continue
+        pool, regenerated, timings = [], [], []
+        for iteration in range(iterations):
+            _, _, _, info = trainer.rollout_and_score(iteration)
+            pool.append(info["explore_rewards"][0])
+            regenerated.append(info["explore_rewards"][1])
+            timings.append(info["explore"])
+        agreement = ranking_agreement(torch.cat(pool), torch.cat(regenerated))
+        rows[backend] = {
+            "available": True, **agreement,
+            "latent_mean_abs_diff": statistics.mean(t["latent_mean_abs_diff"] for t in timings),
+            "pool_seconds": statistics.median(t["pool_seconds"] for t in timings),
+            "regen_seconds": statistics.median(t["regen_seconds"] for t in timings),
+        }
+        rows[backend]["pool_over_regen_seconds"] = rows[backend]["pool_seconds"] / rows[backend]["regen_seconds"]
+    ratios = {"spearman_pool_vs_regen": rows["nvfp4-emulated"]["spearman"],
+              **{f"spearman_{name}": row["spearman"] for name, row in rows.items() if row["available"]}}
+    result = {"backends": rows, "ratios": ratios, "iterations": iterations}
+    print(format_explore(rows))
+    if json_path:
+        json_path.write_text(json.dumps(result, indent=1))
+    return result
+
+
+def format_explore(rows: dict) -> str:
+    lines = [f"{'backend':<16}{'spearman':>9}{'kendall':>9}{'top-K':>7}{'|Δx| mean':>10}{'pool s':>8}{'regen s':>8}{'pool/regen':>11}"]
+    for name, row in rows.items():
+        if not row["available"]:
+            lines.append(f"{name:<16}  unavailable: {row['reason']}")
+            continue
+        lines.append(f"{name:<16}{row['spearman']:>9.3f}{row['kendall']:>9.3f}{row['topk_overlap']:>7.2f}{row['latent_mean_abs_diff']:>10.4f}"
+                     f"{row['pool_seconds']:>8.2f}{row['regen_seconds']:>8.2f}{row['pool_over_regen_seconds']:>11.2f}")
+    lines.append("emulated FP4 runs the matmuls in the original dtype after quantise-dequantise: slower than the policy, not faster")
     return "\n".join(lines)

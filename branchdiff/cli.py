@@ -47,7 +47,7 @@ def _parser() -> argparse.ArgumentParser:
             sub.add_argument("--json", type=Path, default=None, help="also write the scores to this JSON file")
 
     bench = commands.add_parser("bench", help="side-by-side benchmarks")
-    bench.add_argument("which", choices=["tree"], help="what to benchmark")
+    bench.add_argument("which", choices=["tree", "explore"], help="what to benchmark")
     bench.add_argument("--json", type=Path, default=None, help="write the table and ratios to this JSON file")
     bench.add_argument("--repeats", type=int, default=3, help="timed repeats of each variant (median reported)")
     return parser
@@ -111,9 +111,12 @@ def cmd_eval(args: argparse.Namespace) -> None:
 
 
 def cmd_bench(args: argparse.Namespace) -> None:
-    from branchdiff.bench import bench_tree
+    from branchdiff.bench import bench_explore, bench_tree
 
-    bench_tree(args.json, args.repeats)
+    if args.which == "tree":
+        bench_tree(args.json, args.repeats)
+    else:
+        bench_explore(args.json)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -99,9 +99,10 @@ class Trainer:
 
     # ---------------------------------------------------------------- checkpoints
     def _save_hook(self, models: list, weights: list, output_dir: str) -> None:
-        """Only the LoRA weights of the denoiser are saved (not the frozen base)."""
-        for model in models:
-            save_lora(self.accelerator.unwrap_model(model), Path(output_dir))
+        """Only the LoRA weights of the denoiser are saved (not the frozen base), by one process."""
+        if self.accelerator.is_main_process:
+            for model in models:
+                save_lora(self.accelerator.unwrap_model(model), Path(output_dir))
         weights.clear()
 
     def _load_hook(self, models: list, input_dir: str) -> None:
@@ -204,6 +205,7 @@ class Trainer:
             kept_regenerated = scores[self.reward_key].reshape(len(prompts), self.config.explore.keep, -1).mean(-1)
             kept_pool = explored.pool_rewards.gather(1, explored.kept)
             info["explore"] = {**ranking_agreement(kept_pool, kept_regenerated), **latent_difference(explored), **explored.stats}
+            info["explore_rewards"] = (kept_pool, kept_regenerated)
         return rollout, images, scores, info
 
     def _explore(self, spec, prompts: list[str], embeds: dict, address: NoiseAddress, iteration: int) -> ExploreResult:

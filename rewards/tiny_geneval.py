@@ -28,7 +28,7 @@ from scipy import ndimage
 
 from branchdiff.tiny_task import COLORS, SHAPES, TinyPrompt, parse_prompt, region_bounds
 
-FOREGROUND_THRESHOLD = 0.35  # a pixel is foreground if its brightest channel exceeds this
+FOREGROUND_THRESHOLD = 0.5  # half intensity: objects are ≥ 0.8 in their brightest channel, background 0
 MIN_AREA = 8  # smaller components are noise, not objects
 MIN_TEMPLATE_IOU = 0.7  # at 7–9 px one pixel of boundary error costs ~0.2 IoU
 ATTRIBUTES = ("count", "color", "shape", "position")

@@ -74,3 +74,23 @@ def test_kl_to_the_adapter_free_base(tiny_model_dir, tmp_path):
     trainer = Trainer(load_config(None, _overrides(tiny_model_dir, tmp_path / "kl", 2, "train.kl_beta=0.1")))
     assert trainer.run_iteration(0).metrics["kl"] == 0.0  # before the first update the adapter (B = 0) is the base
     assert trainer.run_iteration(1).metrics["kl"] > 0.0
+
+
+def test_bf16_autocast_keeps_the_ratio_near_one(tiny_model_dir, tmp_path):
+    trainer = Trainer(load_config(None, _overrides(tiny_model_dir, tmp_path / "bf16", 1, "train.mixed_precision=bf16")))
+    metrics = trainer.run_iteration(0).metrics
+    # rollout and training run under the same autocast; bf16 rounding differs between batch shapes
+    assert metrics["logprob_check"] < 0.05 and metrics["edges_trained"] == 18
+
+
+def test_sample_and_eval_commands(tiny_model_dir, tmp_path, capsys):
+    out = tmp_path / "png"
+    assert main(["sample", "--model", str(tiny_model_dir), "--prompt", "one red circle on the left", "--seeds", "2",
+                 "--steps", "3", "--out", str(out)]) == 0
+    assert len(list(out.glob("*.png"))) == 2
+    report = tmp_path / "eval.json"
+    assert main(["eval", "--model", str(tiny_model_dir), "--prompts", "tiny:held_out", "--seeds", "1", "--steps", "3",
+                 "--json", str(report)]) == 0
+    scores = json.loads(report.read_text())["scores"]
+    assert scores["images"] == 36 and 0.0 <= scores["partial"] <= 1.0
+    assert "strict" in capsys.readouterr().out
