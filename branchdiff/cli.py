@@ -18,7 +18,7 @@ EXAMPLES = """examples:
   branchdiff sample --prompt "two red circles on the left" --lora runs/tiny/lora --out samples/
   branchdiff eval --lora runs/tiny/lora --json eval.json
 """
-DEFAULT_PRESET = "tiny-chain"
+DEFAULT_PRESET = "tiny-mix"
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -63,7 +63,7 @@ class PromptConfig:
     train: str = "tiny:train"  # prompt source: tiny:train | tiny:held_out | tiny:all | a .txt file, one prompt a line
     per_iteration: int = positive(8)  # prompts per iteration (per process)
     eval: str = "tiny:held_out"  # prompts of the final base-vs-trained evaluation
-    eval_seeds: int = positive(4)  # images per evaluation prompt (fixed seeds)
+    eval_seeds: int = positive(8)  # images per evaluation prompt (fixed seeds)
 
 
 @dataclass
@@ -107,7 +107,7 @@ class PruneConfig:
 
 @dataclass
 class OptimConfig:
-    learning_rate: float = positive(3e-4)  # AdamW learning rate of the LoRA weights
+    learning_rate: float = positive(1e-3)  # AdamW learning rate of the LoRA weights (calibrated on the tiny task)
     lora_rank: int = positive(8)  # LoRA rank on the attention projections
     lora_alpha: float = positive(8.0)  # LoRA scaling numerator
     clip_range: float = positive(1e-3)  # ε of the clipped ratio

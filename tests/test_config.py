@@ -35,7 +35,7 @@ def test_defaults_are_the_dataclass_defaults():
     assert config == TrainConfig()
     assert (config.output_dir, config.iterations, config.seed) == ("runs/tiny", 60, 0)
     assert config.tree == TreeConfig() and config.tree.splits == [] and config.model.path is None
-    assert config.sampling.sde == "flow" and config.train.learning_rate == 3e-4
+    assert config.sampling.sde == "flow" and config.train.learning_rate == 1e-3
 
 
 def test_presets_are_listed():
@@ -53,7 +53,7 @@ def test_every_packaged_preset_loads(name):
 def test_tiny_chain_preset_values():
     config = load_config("tiny-chain")
     assert config.output_dir == "runs/tiny-chain"
-    assert config.train.learning_rate == 3e-4 and isinstance(config.train.learning_rate, float)
+    assert config.train.learning_rate == 1e-3 and isinstance(config.train.learning_rate, float)
     assert config.tree.roots == 8 and config.sampling.sde == "flow"
 
 
