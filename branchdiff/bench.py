@@ -74,8 +74,9 @@ def measure_trained_row_cost(trainer: Trainer, rows: int = 64, repeats: int = 5)
     return _median_time(trained_rows, repeats) / _median_time(rollout_rows, repeats)
 
 
-def bare_forward_seconds(trainer: Trainer, iteration: int) -> float:
-    """Seconds of only the model forwards a batched rollout of this iteration's tree makes."""
+def rollout_and_bare_seconds(trainer: Trainer, iteration: int) -> tuple[float, float]:
+    """Seconds of a batched rollout of this iteration's tree, and of only the model forwards it
+    makes (same rows, same chunks), measured back to back."""
     rollout, _, _, info = trainer.rollout_and_score(iteration)
     tree, adapter, max_batch = rollout.tree, trainer.adapter, trainer.settings.max_batch
     start = time.perf_counter()
@@ -84,7 +85,7 @@ def bare_forward_seconds(trainer: Trainer, iteration: int) -> float:
             level = torch.arange(tree.level_start[depth], tree.level_start[depth + 1])
             embeds = select_embeds(info["embeds"], tree.prompt[level])
             forward_chunked(adapter, rollout.latents[level], rollout.sigmas[depth].expand(len(level)), embeds, max_batch, False)
-    return time.perf_counter() - start
+    return info["rollout_seconds"], time.perf_counter() - start
 
 
 def bench_tree(json_path: Path | None = None, repeats: int = 3, extra_overrides: list[str] = ()) -> dict:
@@ -94,7 +95,7 @@ def bench_tree(json_path: Path | None = None, repeats: int = 3, extra_overrides:
     per_node = Trainer(load_config(None, [*BASE, *TREE, "train.minibatch=1", "output_dir=runs/bench", *extra_overrides]))
     c = measure_trained_row_cost(trainers["chain"])
     samples: dict[str, list[dict]] = {name: [] for name in [*VARIANTS, "tree_per_node"]}
-    rollout_samples, bare_samples = [], []
+    rollout_over_bare = []
     for repeat in range(repeats + 1):  # the first round warms up and is discarded
         for name, trainer in trainers.items():
             start = time.perf_counter()
@@ -105,8 +106,8 @@ def bench_tree(json_path: Path | None = None, repeats: int = 3, extra_overrides:
         metrics = per_node.run_iteration(repeat, per_node=True).metrics
         if repeat:
             samples["tree_per_node"].append({**metrics, "seconds": time.perf_counter() - start})
-            bare_samples.append(bare_forward_seconds(trainers["tree"], repeat))
-            rollout_samples.append(samples["tree"][-1]["rollout_seconds"])
+            rollout_seconds, bare_seconds = rollout_and_bare_seconds(trainers["tree"], repeat)
+            rollout_over_bare.append(rollout_seconds / bare_seconds)
     rows = {}
     for name, runs in samples.items():
         rows[name] = {
@@ -130,7 +131,7 @@ def bench_tree(json_path: Path | None = None, repeats: int = 3, extra_overrides:
         if name in RATIO_NAMES:
             ratios[RATIO_NAMES[name]] = speedup
     ratios["per_node_over_batched"] = rows["tree_per_node"]["seconds"] / rows["tree"]["seconds"]
-    ratios["rollout_over_bare_forward"] = statistics.median(rollout_samples) / statistics.median(bare_samples)
+    ratios["rollout_over_bare_forward"] = statistics.median(rollout_over_bare)
     ratios["efficiency"] = {name: row["efficiency"] for name, row in rows.items() if "efficiency" in row and name != "tree_per_node"}
     result = {"variants": rows, "ratios": ratios, "repeats": repeats, "base": BASE, "overrides": VARIANTS}
     print(format_bench(rows, ratios))

@@ -38,5 +38,5 @@ def draw(
     generator = torch.Generator(device="cpu")
     for row, (prompt_key, path) in enumerate(zip(prompt_keys, paths)):
         generator.manual_seed(address_seed(tag, run_seed, iteration, int(prompt_key), tuple(path)))
-        out[row] = torch.randn(tuple(shape), generator=generator)
+        torch.randn(tuple(shape), generator=generator, out=out[row])
     return out.to(device)

@@ -26,7 +26,7 @@ def _metrics(run):
 
 def test_train_writes_metrics_checkpoints_and_lora(tiny_model_dir, tmp_path):
     run = tmp_path / "run"
-    assert main(["train", *_overrides(tiny_model_dir, run, 2)]) == 0
+    assert main(["train", "tiny-chain", *_overrides(tiny_model_dir, run, 2)]) == 0
     metrics = _metrics(run)
     assert [m["iteration"] for m in metrics] == [0, 1]
     for m in metrics:
@@ -44,9 +44,9 @@ def test_train_writes_metrics_checkpoints_and_lora(tiny_model_dir, tmp_path):
 
 def test_resume_continues_exactly(tiny_model_dir, tmp_path):
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    assert main(["train", *_overrides(tiny_model_dir, straight, 3)]) == 0
-    assert main(["train", *_overrides(tiny_model_dir, resumed, 2)]) == 0
-    assert main(["train", *_overrides(tiny_model_dir, resumed, 3), "--resume", "latest"]) == 0
+    assert main(["train", "tiny-chain", *_overrides(tiny_model_dir, straight, 3)]) == 0
+    assert main(["train", "tiny-chain", *_overrides(tiny_model_dir, resumed, 2)]) == 0
+    assert main(["train", "tiny-chain", *_overrides(tiny_model_dir, resumed, 3), "--resume", "latest"]) == 0
     a, b = _metrics(straight), _metrics(resumed)
     assert [m["iteration"] for m in b] == [0, 1, 2]  # continued at the third iteration
     for key in ("reward_mean", "loss", "grad_norm", "logprob_check"):
@@ -58,8 +58,8 @@ def test_resume_continues_exactly(tiny_model_dir, tmp_path):
 
 def test_resume_from_an_earlier_checkpoint_rewrites_later_metrics(tiny_model_dir, tmp_path):
     run = tmp_path / "run"
-    assert main(["train", *_overrides(tiny_model_dir, run, 2, "logging.keep_checkpoints=5")]) == 0
-    assert main(["train", *_overrides(tiny_model_dir, run, 2), "--resume", str(run / "checkpoints" / "iter-000000")]) == 0
+    assert main(["train", "tiny-chain", *_overrides(tiny_model_dir, run, 2, "logging.keep_checkpoints=5")]) == 0
+    assert main(["train", "tiny-chain", *_overrides(tiny_model_dir, run, 2), "--resume", str(run / "checkpoints" / "iter-000000")]) == 0
     assert [m["iteration"] for m in _metrics(run)] == [0, 1]
 
 
@@ -76,7 +76,17 @@ def test_kl_to_the_adapter_free_base(tiny_model_dir, tmp_path):
     assert trainer.run_iteration(1).metrics["kl"] > 0.0
 
 
-def test_bf16_autocast_keeps_the_ratio_near_one(tiny_model_dir, tmp_path):
+@pytest.fixture
+def fresh_accelerator_state():
+    """accelerate keeps one process-wide state; a run with another precision needs a fresh one."""
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    yield
+    AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def test_bf16_autocast_keeps_the_ratio_near_one(tiny_model_dir, tmp_path, fresh_accelerator_state):
     trainer = Trainer(load_config(None, _overrides(tiny_model_dir, tmp_path / "bf16", 1, "train.mixed_precision=bf16")))
     metrics = trainer.run_iteration(0).metrics
     # rollout and training run under the same autocast; bf16 rounding differs between batch shapes
