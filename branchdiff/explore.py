@@ -30,8 +30,6 @@ from branchdiff.rollout import NoiseAddress, Rollout, SamplerSettings, grow, reg
 from branchdiff.selection import select_per_group
 from branchdiff.tree import Tree, TreeSpec, build_tree
 
-EXPLORE_MODES = ("off", "seeds", "tree")
-
 
 @dataclass
 class ExploreResult:

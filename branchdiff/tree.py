@@ -129,10 +129,6 @@ class Tree:
         return slice(self.level_start[depth], self.level_start[depth + 1])
 
     @property
-    def is_leaf(self) -> torch.Tensor:
-        return self.depth == self.spec.num_steps  # (N,)
-
-    @property
     def is_sde_edge(self) -> torch.Tensor:
         """(N,) bool: the edge into the node was sampled with the SDE (False for roots)."""
         sde_step = torch.tensor([self.spec.is_sde(s) for s in range(self.spec.num_steps)] + [False])
