@@ -61,10 +61,14 @@ def _split_train_args(args: argparse.Namespace) -> tuple[str | None, list[str]]:
 
 
 def cmd_train(args: argparse.Namespace) -> None:
-    from branchdiff.config import load_config
+    from branchdiff.config import ConfigError, load_config
 
     source, overrides = _split_train_args(args)
     config = load_config(source or DEFAULT_PRESET, overrides)  # validated before anything is written
+    run_dir = Path(config.output_dir)
+    if not args.resume and ((run_dir / "metrics.jsonl").exists() or (run_dir / "checkpoints").exists()):
+        raise ConfigError(f"output_dir {run_dir} already holds a run (metrics.jsonl or checkpoints/); "
+                          "continue it with --resume latest, or pass another output_dir=")
     from branchdiff.evaluate import format_table
     from branchdiff.trainer import Trainer
 

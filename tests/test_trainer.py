@@ -104,3 +104,12 @@ def test_sample_and_eval_commands(tiny_model_dir, tmp_path, capsys):
     scores = json.loads(report.read_text())["scores"]
     assert scores["images"] == 36 and 0.0 <= scores["partial"] <= 1.0
     assert "strict" in capsys.readouterr().out
+
+
+def test_a_new_run_never_appends_to_an_existing_one(tiny_model_dir, tmp_path, capsys):
+    run = tmp_path / "run"
+    assert main(["train", "tiny-chain", *_overrides(tiny_model_dir, run, 1)]) == 0
+    before = (run / "metrics.jsonl").read_bytes()
+    assert main(["train", "tiny-chain", *_overrides(tiny_model_dir, run, 1)]) == 2
+    assert "already holds a run" in capsys.readouterr().err.strip().splitlines()[-1]
+    assert (run / "metrics.jsonl").read_bytes() == before
