@@ -54,7 +54,7 @@ def test_tiny_chain_preset_values():
     config = load_config("tiny-chain")
     assert config.output_dir == "runs/tiny-chain"
     assert config.train.learning_rate == 1e-3 and isinstance(config.train.learning_rate, float)
-    assert config.tree.roots == 8 and config.sampling.sde == "flow"
+    assert config.tree.roots == 16 and config.prompts.per_iteration == 4 and config.sampling.sde == "flow"
 
 
 # ---------------------------------------------------------------- overrides
