@@ -71,7 +71,7 @@ class SamplingConfig:
     num_steps: int = positive(10)  # T denoising steps
     shift: float = positive(1.0)  # σ schedule shift s: σ = s·t / (1 + (s-1)·t)
     sde: str = choice("flow", "dance", "flow", "cps")  # SDE discretisation (method.md §1)
-    noise_level: float = non_negative(0.7)  # η for dance, a for flow and cps
+    noise_level: float = positive(0.7)  # η for dance, a for flow and cps (> 0: an SDE needs noise)
     max_batch: int = positive(64)  # rows per model forward in rollouts
     exact: bool = True  # pad forwards to max_batch: any node regenerates bit for bit
 

@@ -75,8 +75,11 @@ class Trainer:
         self.reward = build_reward(config.reward, str(self.accelerator.device))
         self.reward_key = reward_key(self.reward)
         self.prompts = load_prompts(config.prompts.train)
-        self.sigmas = sigma_schedule(config.sampling.num_steps, config.sampling.shift)
+        self.sigmas = sigma_schedule(config.sampling.num_steps, config.sampling.shift).to(self.accelerator.device)
         self.settings = sampler_settings(config)
+        if self.accelerator.num_processes > 1 and config.explore.mode == "tree" and config.train.optimizer_every:
+            # regenerated sub-trees differ in size between processes, so would their numbers of gradient syncs
+            raise ValueError("explore.mode=tree with several processes needs train.optimizer_every=0 (one optimizer step per iteration)")
         self.explorer = self._make_explorer()
         self.start_iteration = 0
 
@@ -143,6 +146,7 @@ class Trainer:
         if not (path / "trainer_state.json").is_file():
             raise FileNotFoundError(f"--resume {checkpoint}: {path} is not a checkpoint (no trainer_state.json)")
         self.accelerator.load_state(str(path))
+        self.refresh_explorer()  # the 4-bit copy must follow the restored LoRA
         done = json.loads((path / "trainer_state.json").read_text())["iteration"]
         self.start_iteration = done + 1
         self._truncate_metrics(done)
@@ -151,7 +155,7 @@ class Trainer:
         """Drop metrics lines after the checkpoint (a resumed run rewrites them)."""
         path = self.run_dir / "metrics.jsonl"
         if self.accelerator.is_main_process and path.is_file():
-            lines = [l for l in path.read_text().splitlines() if l and json.loads(l)["iteration"] <= last_iteration]
+            lines = [l for l in path.read_text().splitlines() if _iteration_of(l) <= last_iteration]
             tmp = path.with_suffix(".tmp")
             tmp.write_text("".join(l + "\n" for l in lines))
             tmp.replace(path)
@@ -332,8 +336,9 @@ class Trainer:
                     handle.write(json.dumps(metrics) + "\n")
                 every = config.logging.sample_every
                 if every and (iteration % every == 0 or iteration == config.iterations - 1):
-                    leaves = result.rollout.tree.spec.leaves
-                    save_grid(result.leaf_images[: 4 * leaves], self.run_dir / "samples" / f"iter-{iteration:06d}.png", nrow=leaves)
+                    tree = result.rollout.tree
+                    leaves_per_prompt = len(tree.leaf_index) // tree.num_prompts
+                    save_grid(result.leaf_images[: 4 * leaves_per_prompt], self.run_dir / "samples" / f"iter-{iteration:06d}.png", nrow=leaves_per_prompt)
             progress.set_postfix(reward=f"{metrics['reward_mean']:.3f}", strict=f"{metrics.get('accuracy_strict', float('nan')):.2f}")
             every = config.logging.checkpoint_every
             if (every and (iteration + 1) % every == 0) or iteration == config.iterations - 1:
@@ -355,6 +360,14 @@ class Trainer:
         rows["trained"] = evaluate_tiny(self.adapter, *args)
         (self.run_dir / "eval.json").write_text(json.dumps({"prompts": config.prompts.eval, **rows}, indent=1))
         return rows
+
+
+def _iteration_of(line: str) -> float:
+    """The iteration of a metrics line; a line cut off by a crash counts as after any checkpoint."""
+    try:
+        return json.loads(line)["iteration"]
+    except (json.JSONDecodeError, KeyError, TypeError):
+        return float("inf")
 
 
 def _optimizer_groups(minibatches: list[torch.Tensor], edge_parent: torch.Tensor, every: int) -> list[list[torch.Tensor]]:

@@ -77,6 +77,8 @@ def step(
         mean = x32 + delta * v32 - 0.5 * noise_level**2 * score * delta
         std = noise_level * torch.sqrt(s - s_next)
     elif kind == "flow":
+        if sigma_for_noise_level is None and bool((s >= 1).any()):
+            raise ValueError("a 'flow' step at σ = 1 needs sigma_for_noise_level (σ_1 of the schedule)")
         # Only the denominator's σ is replaced at σ = 1 (Flow-GRPO: sqrt(σ / (1 - where(σ == 1, σ_1, σ)))).
         s_denom = s if sigma_for_noise_level is None else torch.where(s >= 1, _per_sample(sigma_for_noise_level, x32), s)
         diffusion = noise_level * torch.sqrt(s / (1 - s_denom))

@@ -318,3 +318,7 @@ def test_save_then_load_round_trips(tmp_path, overrides):
     again = load_config(str(path))
     assert again == config
     assert again.train.learning_rate == config.train.learning_rate and type(again.train.learning_rate) is float
+
+
+def test_noise_level_must_be_positive():
+    assert config_error(None, ["sampling.noise_level=0"]) == "override 'sampling.noise_level=0': 'sampling.noise_level' = 0 is out of range; it must be > 0"

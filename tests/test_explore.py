@@ -56,3 +56,17 @@ def test_nvfp4_explorer_differs_only_by_quantisation_and_follows_the_policy(tiny
             trainer.adapter.denoiser.__class__.from_pretrained(tiny_model_dir / "transformer"), trainer.quant_config)
         stale = trainer.explorer.predict_velocity(x, sigma, embeds)
     assert (fresh - policy).abs().mean() < (stale - policy).abs().mean()
+
+
+def test_resume_refreshes_the_quantised_explorer(tiny_model_dir, tmp_path):
+    extra = ("explore.mode=tree", "explore.backend=nvfp4-emulated", "tree.roots=1", "tree.splits=[[0,2],[1,2]]",
+             "explore.keep=2", "train.learning_rate=0.05")
+    trainer = _trainer(tiny_model_dir, tmp_path, *extra)
+    trainer.run_iteration(0)  # updates the LoRA, then refreshes the explorer
+    trainer.save_checkpoint(0)
+    resumed = _trainer(tiny_model_dir, tmp_path, *extra)
+    resumed.resume("latest")
+    x, sigma = torch.randn(2, 3, 32, 32), torch.full((2,), 0.7)
+    embeds = trainer.adapter.encode_prompts(["one red circle on the left"] * 2)
+    with torch.no_grad():
+        assert torch.equal(resumed.explorer.predict_velocity(x, sigma, embeds), trainer.explorer.predict_velocity(x, sigma, embeds))

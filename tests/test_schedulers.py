@@ -335,3 +335,9 @@ def test_sde_without_noise_raises(kind):
     x, v, _ = make_inputs()
     with pytest.raises(ValueError):
         step(kind, x, v, 0.5, 0.4, None, 0.5)
+
+
+def test_flow_first_step_without_sigma_1_raises():
+    x = torch.zeros(2, 3)
+    with pytest.raises(ValueError, match="sigma_for_noise_level"):
+        step("flow", x, x, 1.0, 0.9, torch.zeros_like(x), 0.7)
