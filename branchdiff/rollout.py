@@ -95,9 +95,11 @@ def _transition(
     address: NoiseAddress,
     children: torch.Tensor,
     parent_row: torch.Tensor,
+    std_scale: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Latents, log-probs and log-prob stds (C,) of `children` (node indices, at depth+1), whose
-    parents' latents and velocities are rows `parent_row` of the given tensors."""
+    parents' latents and velocities are rows `parent_row` of the given tensors; `std_scale` (N,) is
+    `logprob_std_scale` of the tree."""
     spec = tree.spec
     kind = settings.sde if spec.is_sde(depth) else "ode"
     if kind == "cps" and sigmas[depth + 1] == 0:
@@ -112,7 +114,7 @@ def _transition(
     paths = [tree.paths[c] for c in children.tolist()]
     eps = noise.draw("step", address.run_seed, address.iteration, keys, paths, x.shape[1:], x.device)
     out = step(kind, x, v, sigmas[depth], sigmas[depth + 1], eps * scale, settings.noise_level, sigmas[1])
-    logprob_std = out.std * logprob_std_scale(tree, settings)[children].to(out.std.device)
+    logprob_std = out.std * std_scale[children].to(out.std.device)
     return out.sample, gaussian_log_prob(out.sample, out.mean, logprob_std).cpu(), logprob_std.cpu()
 
 
@@ -139,6 +141,7 @@ def grow(
     keys = [address.prompt_keys[p] for p in tree.prompt[roots].tolist()]
     latents[roots] = noise.draw("init", address.run_seed, address.iteration, keys, [tree.paths[r] for r in roots.tolist()], shape, adapter.device)
     nfe = 0
+    std_scale = logprob_std_scale(tree, settings)  # (N,)
     for depth in range(tree.spec.num_steps):
         level = torch.arange(tree.level_start[depth], tree.level_start[depth + 1])
         if len(level) == 0:  # a sub-tree that ends above the leaves
@@ -157,7 +160,7 @@ def grow(
         children = torch.arange(tree.level_start[depth + 1], tree.level_start[depth + 2])
         parent_row = tree.parent[children] - tree.level_start[depth]
         latents[children], log_prob[children], std[children] = _transition(
-            tree, depth, x, velocity, sigmas, settings, address, children, parent_row
+            tree, depth, x, velocity, sigmas, settings, address, children, parent_row, std_scale
         )
     return Rollout(tree=tree, sigmas=sigmas, latents=latents, log_prob=log_prob, std=std, nfe=nfe)
 
