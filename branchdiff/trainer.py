@@ -267,17 +267,17 @@ class Trainer:
         parents, edge_parent = torch.unique(tree.parent[edges], return_inverse=True)  # (U,), (E,)
         generator = torch.Generator().manual_seed(config.seed * 104_729 + iteration)
         order = torch.randperm(len(parents), generator=generator)
-        minibatches = list(order.split(config.train.minibatch))
-        groups = _optimizer_groups(minibatches, edge_parent, config.train.optimizer_every)
+        minibatches = [rows.sort().values for rows in order.split(config.train.minibatch)]  # rows of `parents`
+        minibatch_edges = [torch.nonzero(torch.isin(edge_parent, rows)).squeeze(1) for rows in minibatches]  # rows of `edges`
+        groups = _optimizer_groups([len(e) for e in minibatch_edges], config.train.optimizer_every)
         std_scale = logprob_std_scale(tree, self.settings)  # (N,)
         denoiser = accelerator.unwrap_model(self.adapter.denoiser)
         total_loss = clipped = kl_total = 0.0
         first = True
         for group in groups:
-            group_edges = sum(int(torch.isin(edge_parent, mb).sum()) for mb in group)
-            for index, minibatch in enumerate(group):
-                parent_rows = minibatch.sort().values  # (u,) rows of `parents`
-                edge_rows = torch.nonzero(torch.isin(edge_parent, parent_rows)).squeeze(1)  # (e,)
+            group_edges = sum(len(minibatch_edges[m]) for m in group)
+            for index, m in enumerate(group):
+                parent_rows, edge_rows = minibatches[m], minibatch_edges[m]  # (u,), (e,)
                 local = torch.searchsorted(parent_rows, edge_parent[edge_rows])  # (e,) parent row of each edge
                 parent_nodes, child_nodes = parents[parent_rows], edges[edge_rows]
                 x = rollout.latents[parent_nodes]
@@ -370,19 +370,18 @@ def _iteration_of(line: str) -> float:
         return float("inf")
 
 
-def _optimizer_groups(minibatches: list[torch.Tensor], edge_parent: torch.Tensor, every: int) -> list[list[torch.Tensor]]:
-    """Split minibatches (of parent rows) into optimizer steps: one for all (every = 0) or a new
-    step once at least `every` edges have been accumulated."""
+def _optimizer_groups(edges_per_minibatch: list[int], every: int) -> list[list[int]]:
+    """Minibatch indices of each optimizer step: one step for all (every = 0), or a new step once
+    at least `every` edges have been accumulated."""
     if every <= 0:
-        return [minibatches]
+        return [list(range(len(edges_per_minibatch)))]
     groups, current, count = [], [], 0
-    for minibatch in minibatches:
-        current.append(minibatch)
-        count += int(torch.isin(edge_parent, minibatch).sum())
+    for index, edges in enumerate(edges_per_minibatch):
+        current.append(index)
+        count += edges
         if count >= every:
             groups.append(current)
             current, count = [], 0
     if current:
         groups.append(current)
     return groups
-

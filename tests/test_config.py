@@ -261,45 +261,28 @@ def test_empty_yaml_file_gives_defaults(tmp_path):
     assert load_config(write(tmp_path, "# nothing here\n")) == TrainConfig()
 
 
-def test_bad_top_level_key_in_file_reports_file_and_line(tmp_path):
-    path = write(tmp_path, "# a comment\niterations: 3\n\nseed: 1\niteratons: 5\n")
-    assert config_error(path) == f"{path}:5: unknown key 'iteratons'; did you mean iterations?"
-
-
-def test_bad_nested_key_in_file_reports_file_and_line(tmp_path):
-    path = write(tmp_path, "iterations: 3\ntree:\n  roots: 2\n  splits: []\n  rots: 4\nsampling:\n  sde: flow\n")
-    assert config_error(path) == f"{path}:5: unknown key 'tree.rots'; did you mean tree.roots?"
-
-
-def test_bad_nested_value_in_file_reports_file_and_line(tmp_path):
-    path = write(tmp_path, "seed: 1\nsampling:\n  num_steps: 10\n  sde: flw\n")
-    assert config_error(path) == f"{path}:4: 'sampling.sde' = 'flw' is not allowed; allowed: dance, flow, cps (did you mean 'flow'?)"
-
-
-def test_bad_value_in_flow_mapping_reports_its_line(tmp_path):
-    path = write(tmp_path, "seed: 1\n\ntrain: {learning_rate: -1}\n")
-    assert config_error(path) == f"{path}:3: 'train.learning_rate' = -1 is out of range; it must be > 0"
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("# a comment\niterations: 3\n\nseed: 1\niteratons: 5\n", ":5: unknown key 'iteratons'; did you mean iterations?"),
+        ("iterations: 3\ntree:\n  roots: 2\n  splits: []\n  rots: 4\nsampling:\n  sde: flow\n",
+         ":5: unknown key 'tree.rots'; did you mean tree.roots?"),
+        ("seed: 1\nsampling:\n  num_steps: 10\n  sde: flw\n",
+         ":4: 'sampling.sde' = 'flw' is not allowed; allowed: dance, flow, cps (did you mean 'flow'?)"),
+        ("seed: 1\n\ntrain: {learning_rate: -1}\n", ":3: 'train.learning_rate' = -1 is out of range; it must be > 0"),
+        ("iterations: 3\nseed: 1: 2\n", ":2: not valid YAML (mapping values are not allowed here)"),
+        ("- iterations: 3\n- seed: 1\n", ": expected a mapping of keys to values, got list"),
+        ("just a string\n", ": expected a mapping of keys to values, got str"),
+    ],
+)
+def test_bad_file_reports_file_line_and_problem(tmp_path, text, expected):
+    path = write(tmp_path, text)
+    assert config_error(path) == f"{path}{expected}"
 
 
 def test_invalid_yaml_reports_file_and_line(tmp_path):
     path = write(tmp_path, "iterations: 3\ntree:\n  roots: [1, 2\nseed: 0\n")
-    message = config_error(path)
-    assert message.startswith(f"{path}:4: not valid YAML (")
-
-
-def test_invalid_yaml_mapping_values_reports_its_line(tmp_path):
-    path = write(tmp_path, "iterations: 3\nseed: 1: 2\n")
-    assert config_error(path) == f"{path}:2: not valid YAML (mapping values are not allowed here)"
-
-
-def test_top_level_list_is_rejected(tmp_path):
-    path = write(tmp_path, "- iterations: 3\n- seed: 1\n")
-    assert config_error(path) == f"{path}: expected a mapping of keys to values, got list"
-
-
-def test_top_level_scalar_is_rejected(tmp_path):
-    path = write(tmp_path, "just a string\n")
-    assert config_error(path) == f"{path}: expected a mapping of keys to values, got str"
+    assert config_error(path).startswith(f"{path}:4: not valid YAML (")
 
 
 # ---------------------------------------------------------------- round trip

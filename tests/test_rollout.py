@@ -1,7 +1,5 @@
 """Rollouts: exact regeneration from addressable noise, split-edge densities, NFE, per-node mode."""
 
-import math
-
 import pytest
 import torch
 
@@ -106,4 +104,4 @@ def test_noise_addresses_are_distinct_and_stable():
               noise.address_seed("step", 0, 2, 2, (0, 1)), noise.address_seed("step", 1, 1, 2, (0, 1))}
     assert a not in others and len(others) == 4 and 0 <= a < 2**63
     draw = noise.draw("step", 0, 1, [2, 2], [(0, 1), (0, 1)], (4,))
-    assert torch.equal(draw[0], draw[1]) and math.isclose(draw.std().item(), 1.0, abs_tol=1.5)
+    assert torch.equal(draw[0], draw[1])  # same address, same noise
