@@ -13,8 +13,8 @@ import torch
 from branchdiff.models.base import ModelAdapter
 from branchdiff.rollout import NoiseAddress, SamplerSettings, grow
 from branchdiff.tree import TreeSpec, build_tree
-from rewards.tiny_geneval import TinyGenEval
-from schedulers.flow import sigma_schedule
+from branchdiff.rewards.tiny_geneval import TinyGenEval
+from branchdiff.schedulers.flow import sigma_schedule
 
 EVAL_RUN_SEED = 1234  # evaluation noise never coincides with training noise (iteration -1)
 

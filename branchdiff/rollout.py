@@ -21,7 +21,7 @@ import torch
 from branchdiff import noise
 from branchdiff.models.base import ModelAdapter, PromptEmbeds, select_embeds
 from branchdiff.tree import Tree
-from schedulers.flow import gaussian_log_prob, step
+from branchdiff.schedulers.flow import gaussian_log_prob, step
 
 SPLIT_LOGPROB_CONVENTIONS = ("sampled", "anchor")
 

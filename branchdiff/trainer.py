@@ -35,8 +35,8 @@ from branchdiff.quant import QuantConfig, make_quantized_copy, refresh_quantized
 from branchdiff.report import save_grid
 from branchdiff.rollout import NoiseAddress, Rollout, SamplerSettings, grow, logprob_std_scale
 from branchdiff.tree import build_tree
-from rewards.registry import build_reward, reward_key, score_batch
-from schedulers.flow import gaussian_log_prob, sigma_schedule, step
+from branchdiff.rewards.registry import build_reward, reward_key, score_batch
+from branchdiff.schedulers.flow import gaussian_log_prob, sigma_schedule, step
 
 CHECKPOINT_PREFIX = "iter-"
 

@@ -13,7 +13,7 @@ import importlib
 import torch
 from collections.abc import Callable
 
-from rewards.tiny_geneval import TinyGenEval
+from branchdiff.rewards.tiny_geneval import TinyGenEval
 
 REGISTRY: dict[str, Callable[..., object]] = {"tiny-geneval": TinyGenEval}
 

@@ -6,7 +6,7 @@ import torch
 from branchdiff import noise
 from branchdiff.rollout import NoiseAddress, SamplerSettings, grow, logprob_std_scale, regenerate
 from branchdiff.tree import Split, TreeSpec, build_tree
-from schedulers.flow import gaussian_log_prob, sigma_schedule, step
+from branchdiff.schedulers.flow import gaussian_log_prob, sigma_schedule, step
 
 PROMPTS = ["two red circles on the left", "one blue square at the top", "three green triangles at the bottom"]
 SPEC = TreeSpec(num_steps=5, splits=(Split(0, 2), Split(2, 3, 1.5)), split_noise_scale=2.0)

@@ -19,7 +19,7 @@ import math
 import pytest
 import torch
 
-from schedulers.flow import STEP_KINDS, StepOutput, gaussian_log_prob, sigma_schedule, step
+from branchdiff.schedulers.flow import STEP_KINDS, StepOutput, gaussian_log_prob, sigma_schedule, step
 
 torch.set_num_threads(1)
 

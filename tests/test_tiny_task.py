@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from branchdiff.tiny_task import IMAGE_SIZE, all_prompts, parse_prompt, render_batch, shape_mask, split_prompts
-from rewards.tiny_geneval import TinyGenEval, classify_shape, detect_objects
+from branchdiff.rewards.tiny_geneval import TinyGenEval, classify_shape, detect_objects
 
 
 def test_grammar_and_split():
