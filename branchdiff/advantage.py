@@ -15,7 +15,8 @@ samples, the G nodes at each depth; for a tree, its nodes at that depth), r̄_g 
     scope "batch": A(n) = (R(n) - r̄_g) / (s_d + 1e-8), s_d the pooled within-group std of all
                    groups at depth d across the batch, s_d² = Σ_n (R(n) - r̄_g)² / (N_d - G_d)
                    (N_d nodes, G_d groups); 0 where N_d = G_d or s_d < 1e-6. Advantages then
-                   scale with the gap, and two-node depths carry information.
+                   scale with the gap, and two-node depths carry information. The batch is every
+                   process's trees: N_d, G_d and the squares are summed over processes.
 The edge parent → n is trained with A(n), clipped to ±clip. Without splits, each depth of a
 chain group holds the G samples, so both scopes reduce to flat group GRPO
 (DanceGRPO's per-prompt z-score; Flow-GRPO-like batch std).
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import torch
 
+from branchdiff.distributed import LOCAL, Collective
 from branchdiff.tree import Tree
 
 FUSION_MODES = ("mean", "logprob_softmax", "max")
@@ -66,8 +68,9 @@ def fuse_rewards(
     return rewards.to(leaf_rewards.dtype)
 
 
-def depthwise_advantages(tree: Tree, node_rewards: torch.Tensor, scope: str = "tree") -> torch.Tensor:
-    """Advantage of every node (N,) from its reward (N,), normalised per (prompt, depth) group."""
+def depthwise_advantages(tree: Tree, node_rewards: torch.Tensor, scope: str = "tree", collective: Collective = LOCAL) -> torch.Tensor:
+    """Advantage of every node (N,) from its reward (N,), normalised per (prompt, depth) group;
+    scope "batch" pools the std over the trees of every process of `collective`."""
     if scope not in SCOPES:
         raise ValueError(f"unknown advantage scope {scope!r}; allowed: {SCOPES}")
     num_depths = tree.spec.num_steps + 1
@@ -85,6 +88,7 @@ def depthwise_advantages(tree: Tree, node_rewards: torch.Tensor, scope: str = "t
         nodes_at = torch.bincount(tree.depth, minlength=num_depths).double()  # N_d
         groups_at = (count.reshape(tree.num_prompts, num_depths) > 0).sum(0).double()  # G_d
         pooled = squares.reshape(tree.num_prompts, num_depths).sum(0)  # (T+1,)
+        nodes_at, groups_at, pooled = collective.sum(torch.stack([nodes_at, groups_at, pooled])).unbind(0)
         std = torch.sqrt(pooled / (nodes_at - groups_at).clamp(min=1))[tree.depth]  # (N,)
         valid = (nodes_at > groups_at)[tree.depth] & (std >= MIN_STD)
     advantages = torch.where(valid, residual / (std + EPS), torch.zeros_like(residual))

@@ -73,15 +73,15 @@ class SamplingConfig:
     sde: str = choice("flow", "dance", "flow", "cps")  # SDE discretisation (method.md §1)
     noise_level: float = positive(0.7)  # η for dance, a for flow and cps (> 0: an SDE needs noise)
     max_batch: int = positive(64)  # rows per model forward in rollouts
-    exact: bool = True  # pad forwards to max_batch: any node regenerates bit for bit
+    exact: bool = False  # pad rollout forwards to max_batch rows: bit-exact regeneration, slower narrow levels
 
 
 @dataclass
 class TreeConfig:
     roots: int = positive(8)  # roots per prompt: G chains, or trees per prompt
-    splits: list[list[float]] = field(default_factory=list)  # [[step, k] or [step, k, noise_scale], ...]
-    split_noise_scale: float = positive(1.0)  # default multiplier of the noise at split steps
-    split_logprob: str = choice("sampled", "sampled", "anchor")  # density of split edges (rollout.py)
+    splits: list[list[float | dict]] = field(default_factory=list)  # [[step, k] or [step, k, {noise_level: x}], ...]
+    split_noise_level: float | None = positive(None)  # SDE level (η / a) at split steps; None = sampling.noise_level
+    anchor_noise_multiplier: float = positive(1.0)  # BranchGRPO release: noise-only ×m at splits, log-prob unscaled (1 = off)
     mix_window: int = non_negative(0)  # 0: every step SDE; n: SDE only on split steps and an n-step window
     mix_start: int = non_negative(0)  # first step of the Mix window
     mix_slide_every: int = non_negative(0)  # move the window one step later every n iterations (0: fixed)
@@ -131,6 +131,7 @@ class ExploreConfig:
     preview_steps: int = non_negative(0)  # seeds mode: steps of the preview (0: sampling.num_steps)
     preview_sampler: str = choice("ode", "ode", "sde")  # seeds mode: ODE preview (Sol-RL) or the training SDE
     min_features: int = non_negative(0)  # linear layers with fewer in·out weights stay unquantised
+    fidelity_every: int = non_negative(10)  # every n iterations grow the whole pool with the policy too: explore_spearman_pool (0: never)
 
 
 @dataclass
@@ -165,8 +166,8 @@ def tree_spec(config: TrainConfig, iteration: int) -> TreeSpec:
     sde_steps = None
     if tree.mix_window:
         sde_steps = mix_sde_steps(config.sampling.num_steps, tree.mix_window, iteration, tree.mix_start, tree.mix_slide_every)
-    splits = tuple(Split(int(s[0]), int(s[1]), float(s[2]) if len(s) > 2 else None) for s in tree.splits)
-    return TreeSpec(config.sampling.num_steps, splits, tree.roots, tree.split_noise_scale, sde_steps)
+    splits = tuple(Split(int(s[0]), int(s[1]), s[2].get("noise_level") if len(s) > 2 else None) for s in tree.splits)
+    return TreeSpec(config.sampling.num_steps, splits, tree.roots, tree.split_noise_level, tree.anchor_noise_multiplier, sde_steps)
 
 
 def presets() -> list[str]:
@@ -217,6 +218,8 @@ def _type_ok(value: Any, annotation: Any) -> bool:
         return isinstance(value, (int, float)) and not isinstance(value, bool)
     if annotation is str:
         return isinstance(value, str)
+    if annotation is dict:
+        return isinstance(value, dict)
     if origin is list:
         (item,) = typing.get_args(annotation)
         return isinstance(value, list) and all(_type_ok(v, item) for v in value)
@@ -234,6 +237,8 @@ def _build(cls: type, data: dict, prefix: str, where: dict[str, str]) -> Any:
     for key, value in data.items():
         dotted = f"{prefix}{key}"
         loc = where.get(dotted, "")
+        if key not in fields and dotted in REPLACED_KEYS:
+            raise ConfigError(f"{loc}'{dotted}' was replaced: {REPLACED_KEYS[dotted]}")
         if key not in fields:
             close = difflib.get_close_matches(str(key), fields, n=3)
             hint = f"; did you mean {', '.join(prefix + c for c in close)}?" if close else f"; allowed: {', '.join(prefix + f for f in fields)}"
@@ -251,11 +256,18 @@ def _build(cls: type, data: dict, prefix: str, where: dict[str, str]) -> Any:
             close = difflib.get_close_matches(str(value), [str(c) for c in meta["choices"]], n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
             raise ConfigError(f"{loc}'{dotted}' = {value!r} is not allowed; allowed: {', '.join(map(str, meta['choices']))}{hint}")
-        if "min" in meta and value < meta["min"]:
+        if "min" in meta and value is not None and value < meta["min"]:
             bound = "> 0" if meta["min"] > 0 else "≥ 0"
             raise ConfigError(f"{loc}'{dotted}' = {value!r} is out of range; it must be {bound}")
         kwargs[key] = value
     return cls(**kwargs)
+
+
+REPLACED_KEYS = {
+    "tree.split_noise_scale": "use tree.split_noise_level (an SDE noise level that enters drift and noise, e.g. 1.2 for η = 0.3 × 4) "
+                              "or tree.anchor_noise_multiplier (the BranchGRPO release's noise-only kick); see docs/trees.md",
+    "tree.split_logprob": "split edges' log-probs are the density sampled; tree.anchor_noise_multiplier reproduces the release's convention",
+}
 
 
 def _merge(base: dict, update: dict) -> dict:
@@ -307,8 +319,7 @@ def validate(config: TrainConfig) -> None:
     """Cross-field checks that single fields cannot express."""
     steps = config.sampling.num_steps
     for entry in config.tree.splits:
-        if len(entry) not in (2, 3) or not float(entry[0]).is_integer() or not float(entry[1]).is_integer():
-            raise ConfigError(f"'tree.splits' entry {entry!r} must be [step, k] or [step, k, noise_scale] with whole step and k")
+        _validate_split_entry(entry)
     try:
         tree_spec(config, 0)
     except ValueError as error:
@@ -325,6 +336,22 @@ def validate(config: TrainConfig) -> None:
         if getattr(config.train, name) > 1:
             raise ConfigError(f"'train.{name}' = {getattr(config.train, name)} must be in (0, 1]")
     _validate_explore(config)
+
+
+SPLIT_FORM = "[step, k] or [step, k, {noise_level: x}] with whole step and k"
+
+
+def _validate_split_entry(entry: list) -> None:
+    numbers, options = entry[:2], entry[2:]
+    if len(entry) not in (2, 3) or any(isinstance(n, dict) or not float(n).is_integer() for n in numbers):
+        raise ConfigError(f"'tree.splits' entry {entry!r} must be {SPLIT_FORM}")
+    if options and not isinstance(options[0], dict):
+        raise ConfigError(f"'tree.splits' entry {entry!r}: the third element must be a mapping {{noise_level: x}} "
+                          "(the SDE's η / a at this split); the release's noise-only kick is tree.anchor_noise_multiplier")
+    if options and set(options[0]) != {"noise_level"}:
+        raise ConfigError(f"'tree.splits' entry {entry!r}: allowed split options: noise_level")
+    if options and (isinstance(options[0]["noise_level"], bool) or not isinstance(options[0]["noise_level"], (int, float))):
+        raise ConfigError(f"'tree.splits' entry {entry!r}: noise_level must be a number > 0")
 
 
 def _validate_explore(config: TrainConfig) -> None:

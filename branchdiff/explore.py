@@ -12,19 +12,25 @@ noise; training labels always come from the regenerated samples, re-scored, neve
   leaves per prompt selected, and exactly the union of their root paths regenerated with the
   policy (`rollout.regenerate`); depth-wise advantages are then computed on that sub-tree.
 
-With the policy itself as explorer (backend `none`) and the training sampler, regeneration
-reproduces the explored latents bit for bit; with a 4-bit explorer they differ only by the
-quantisation, which `latent_difference` reports.
+With the policy itself as explorer (backend `none`), the training sampler and `exact` forwards,
+regeneration reproduces the explored latents bit for bit; with a 4-bit explorer they differ by the
+quantisation, which `latent_difference` reports (and, in seeds mode with a preview sampler or step
+count other than the training one, by that difference too: its metric names say which).
+
+How well the explorer ranks is measured on the whole pool, not on the kept subset (whose extremes
+inflate a rank correlation): `pool_under_policy` grows every candidate with the policy, at the
+training settings, for `ranking_agreement` against the explorer's pool rewards.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from scipy import stats
 
+from branchdiff import noise
 from branchdiff.models.base import ModelAdapter, PromptEmbeds
 from branchdiff.rollout import NoiseAddress, Rollout, SamplerSettings, grow, regenerate
 from branchdiff.selection import select_per_group
@@ -39,6 +45,13 @@ class ExploreResult:
     kept_pool_latents: torch.Tensor  # (P·K, ...) the kept candidates' final latents in the pool
     kept_regenerated_latents: torch.Tensor  # (P·K, ...) the same candidates regenerated (same order)
     stats: dict[str, float]
+    same_sampler: bool  # pool and regeneration used the same sampler and steps (latent gap = quantisation)
+
+
+def selection_generators(run_seed: int, iteration: int, prompt_keys: tuple[int, ...]) -> list[torch.Generator]:
+    """One generator per prompt for the random selection modes, seeded from the prompt's address:
+    a prompt's choice is the same whichever process holds it, and differs between prompts."""
+    return [torch.Generator().manual_seed(noise.address_seed("select", run_seed, iteration, key, ())) for key in prompt_keys]
 
 
 def ranking_agreement(pool: torch.Tensor, regenerated: torch.Tensor) -> dict[str, float]:
@@ -73,7 +86,7 @@ def explore_seeds(
     keep: int,
     selection: str,
     score,
-    generator: torch.Generator,
+    generators: list[torch.Generator],
 ) -> ExploreResult:
     """Seeds mode. `score(latents (B, ...), prompt_index (B,)) -> rewards (B,)` decodes and scores.
     `spec` is the training spec; its `roots` is replaced by `keep` chosen seeds per prompt."""
@@ -86,9 +99,9 @@ def explore_seeds(
     leaves = _leaves_by_prompt(preview_tree)  # (P, pool) in root order
     pool_rewards = score(explored.latents[leaves.flatten()], preview_tree.prompt[leaves.flatten()]).reshape(num_prompts, pool)
     pool_seconds = time.perf_counter() - start
-    kept = select_per_group(pool_rewards, keep, selection, generator)  # (P, K) root ids, ascending
+    kept = select_per_group(pool_rewards, keep, selection, generators)  # (P, K) root ids, ascending
     start = time.perf_counter()
-    train_spec = TreeSpec(spec.num_steps, spec.splits, keep, spec.split_noise_scale, spec.sde_steps)
+    train_spec = replace(spec, roots=keep)
     train_tree = build_tree(train_spec, num_prompts, root_ids=kept.tolist())
     rollout = grow(policy, train_tree, embeds, sigmas, settings, address)
     regen_seconds = time.perf_counter() - start
@@ -103,6 +116,7 @@ def explore_seeds(
         kept_pool_latents=kept_pool,
         kept_regenerated_latents=rollout.latents[first_leaf],
         stats={"pool_nfe": explored.nfe, "pool_seconds": pool_seconds, "regen_nfe": rollout.nfe, "regen_seconds": regen_seconds},
+        same_sampler=preview_sde and preview_steps == spec.num_steps and spec.sde_steps is None and not spec.splits,
     )
 
 
@@ -117,7 +131,7 @@ def explore_tree(
     keep: int,
     selection: str,
     score,
-    generator: torch.Generator,
+    generators: list[torch.Generator],
 ) -> ExploreResult:
     """Tree mode: grow `spec` with the explorer, keep `keep` leaves per prompt, regenerate the
     union of their root paths with the policy."""
@@ -128,7 +142,7 @@ def explore_tree(
     leaves = _leaves_by_prompt(tree)  # (P, L)
     pool_rewards = score(explored.latents[leaves.flatten()], tree.prompt[leaves.flatten()]).reshape(num_prompts, -1)
     pool_seconds = time.perf_counter() - start
-    kept = select_per_group(pool_rewards, keep, selection, generator)  # (P, K) leaf ranks
+    kept = select_per_group(pool_rewards, keep, selection, generators)  # (P, K) leaf ranks
     kept_nodes = leaves.gather(1, kept).flatten()  # (P·K,)
     start = time.perf_counter()
     rollout = regenerate(policy, tree, kept_nodes, embeds, sigmas, settings, address)
@@ -141,10 +155,40 @@ def explore_tree(
         kept_pool_latents=explored.latents[kept_nodes],
         kept_regenerated_latents=rollout.latents[rollout.tree.leaf_index],
         stats={"pool_nfe": explored.nfe, "pool_seconds": pool_seconds, "regen_nfe": rollout.nfe, "regen_seconds": regen_seconds},
+        same_sampler=True,
     )
 
 
 def latent_difference(result: ExploreResult) -> dict[str, float]:
-    """How far the regenerated kept samples are from their pool versions (0 = bit-identical)."""
+    """How far the regenerated kept samples are from their pool versions (0 = bit-identical):
+    `quant_latent_*` when pool and regeneration ran the same sampler and steps (the gap is the
+    explorer's quantisation), `preview_vs_train_latent_*` otherwise (quantisation and the preview's
+    other sampler or step count together)."""
     diff = (result.kept_regenerated_latents - result.kept_pool_latents).abs()
-    return {"latent_max_abs_diff": diff.max().item(), "latent_mean_abs_diff": diff.mean().item()}
+    name = "quant" if result.same_sampler else "preview_vs_train"
+    return {f"{name}_latent_max_abs_diff": diff.max().item(), f"{name}_latent_mean_abs_diff": diff.mean().item()}
+
+
+@torch.no_grad()
+def pool_under_policy(
+    policy: ModelAdapter,
+    embeds: PromptEmbeds,
+    spec: TreeSpec,
+    sigmas: torch.Tensor,
+    settings: SamplerSettings,
+    address: NoiseAddress,
+    mode: str,
+    pool: int,
+) -> tuple[torch.Tensor, int]:
+    """Every candidate of the explorer's pool grown with the policy at the training settings:
+    seeds mode grows all `pool` seeds as training trees, tree mode the whole tree. Returns the leaf
+    latents (P·N·L, ...) in candidate order and L, the leaves per candidate (a candidate's policy
+    reward is the mean over its L leaves, as for the kept candidates)."""
+    num_prompts = len(address.prompt_keys)
+    if mode == "seeds":
+        tree = build_tree(replace(spec, roots=pool), num_prompts)
+        per_candidate = spec.leaves // spec.roots
+    else:
+        tree = build_tree(spec, num_prompts)
+        per_candidate = 1
+    return grow(policy, tree, embeds, sigmas, settings, address).leaf_latents, per_candidate

@@ -11,8 +11,9 @@ transition at step d - 1), as in the BranchGRPO release.
   edges beyond the head share the head's reward and advantage. Edges into depths ≤ ℓ + 1 are kept.
     `per_branch`: among the siblings created by the last split (for chains: a prompt's samples),
                   keep the max(1, round(ratio·k)) branches with the largest |advantage|;
-    `global`:     over the whole batch, keep the max(1, round(ratio·n/2)) best and as many worst
-                  branches by advantage.
+    `global`:     over the whole batch (every process's trees, ranked as if concatenated in rank
+                  order), keep the max(1, round(ratio·n/2)) best and as many worst branches by
+                  advantage.
   (The release's mode 1 ranks edges inside one branch, where all advantages tie, so it in
   effect keeps the first steps after the split; ranking whole branches by |A| keeps the most
   informative ones instead.)
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import torch
 
+from branchdiff.distributed import LOCAL, Collective
 from branchdiff.tree import Tree
 
 WIDTH_MODES = ("none", "per_branch", "global")
@@ -55,8 +57,9 @@ def branch_heads(tree: Tree) -> tuple[torch.Tensor, int]:
     return heads, head_depth
 
 
-def width_mask(tree: Tree, node_advantages: torch.Tensor, mode: str, ratio: float) -> torch.Tensor:
-    """(N,) True where the edge survives width pruning (see module doc)."""
+def width_mask(tree: Tree, node_advantages: torch.Tensor, mode: str, ratio: float, collective: Collective = LOCAL) -> torch.Tensor:
+    """(N,) True where the edge survives width pruning (see module doc); `global` ranks the branches
+    of every process of `collective`."""
     if mode not in WIDTH_MODES:
         raise ValueError(f"unknown width pruning mode {mode!r}; allowed: {WIDTH_MODES}")
     keep = torch.ones(tree.num_nodes, dtype=torch.bool)
@@ -75,10 +78,13 @@ def width_mask(tree: Tree, node_advantages: torch.Tensor, mode: str, ratio: floa
             order = torch.sort(-head_adv[family == member].abs(), stable=True).indices
             kept_heads[group[order[:n_keep]]] = True
     else:
-        n_side = max(1, round(ratio * len(head_nodes) / 2))
-        order = torch.sort(-head_adv, stable=True).indices  # best first
-        kept_heads[head_nodes[order[:n_side]]] = True
-        kept_heads[head_nodes[order.flip(0)[:n_side]]] = True
+        all_adv, offset = collective.cat(head_adv)  # (H_all,) every process's heads in rank order
+        n_side = max(1, round(ratio * len(all_adv) / 2))
+        order = torch.sort(-all_adv, stable=True).indices  # best first
+        kept_all = torch.zeros(len(all_adv), dtype=torch.bool)
+        kept_all[order[:n_side]] = True
+        kept_all[order.flip(0)[:n_side]] = True
+        kept_heads[head_nodes] = kept_all[offset : offset + len(head_nodes)]
     beyond_head = tree.depth > head_depth
     keep[beyond_head] = kept_heads[heads[beyond_head]]
     return keep

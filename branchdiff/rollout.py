@@ -2,14 +2,17 @@
 
 At every step all nodes of the current depth, across all prompts, go through the model in
 batched forwards of at most `max_batch` rows; each node's k children share that forward and differ
-only in their step noise. With `exact=True` every forward is padded to exactly `max_batch` rows:
-on CPU (and in general) a row's output depends on the batch size but not on the other rows'
-contents, so padding makes any node regenerable alone, bit for bit (see `regenerate`).
+only in their step noise. A row's output depends on the batch size (kernels pick their blocking by
+shape) but not on the other rows' contents, so a node regrown in a batch of another size may
+differ in the last bits. `exact=True` pads every forward to exactly `max_batch` rows, which makes
+any node regenerable alone bit for bit (see `regenerate`) at the price of computing the padding:
+narrow tree levels then cost as much as full ones. The default (`exact=False`) computes only the
+real rows; `Rollout.nfe` counts real rows and `Rollout.nfe_computed` the rows computed.
 
-Split-edge log-probs: the children of a split are sampled as `mean + scale·std·ε`. With
-`split_logprob="sampled"` (default) the stored log-prob is the density of that draw,
-N(mean, (scale·std)²); `"anchor"` reproduces the BranchGRPO release, which evaluates it under the
-unscaled std, so its "old" log-probs are not the behaviour density.
+Noise at split steps (`TreeSpec.noise_level`, `TreeSpec.noise_multiplier`): a split's noise level
+enters the SDE step whole (drift correction and noise), and the stored log-prob is the density
+sampled. Under the BranchGRPO release's convention (`anchor_noise_multiplier` m ≠ 1) the children
+are drawn as `mean + m·std·ε` while the log-prob keeps N(mean, std²), as the release computes it.
 """
 
 from __future__ import annotations
@@ -23,16 +26,12 @@ from branchdiff.models.base import ModelAdapter, PromptEmbeds, select_embeds
 from branchdiff.tree import Tree
 from branchdiff.schedulers.flow import gaussian_log_prob, step
 
-SPLIT_LOGPROB_CONVENTIONS = ("sampled", "anchor")
-
-
 @dataclass(frozen=True)
 class SamplerSettings:
     sde: str = "flow"  # SDE kind: dance | flow | cps (schedulers.flow)
     noise_level: float = 0.7  # η for dance, a for flow and cps
     max_batch: int = 64  # rows per model forward
-    exact: bool = True  # pad forwards to max_batch so any node regenerates bit for bit
-    split_logprob: str = "sampled"  # sampled | anchor (see module docstring)
+    exact: bool = False  # pad forwards to max_batch so any node regenerates bit for bit
 
 
 @dataclass(frozen=True)
@@ -49,7 +48,9 @@ class Rollout:
     latents: torch.Tensor  # (N, *latent_shape) every node's latent
     log_prob: torch.Tensor  # (N,) log-prob of the edge into each node (0 for roots and ODE edges)
     std: torch.Tensor  # (N,) std the edge's log-prob is evaluated with (0 for roots and ODE edges)
-    nfe: int  # model forwards (rows) used, padding excluded
+    noise_level: torch.Tensor  # (N,) SDE noise level of the edge into each node (0 for roots and ODE edges)
+    nfe: int  # model forward rows of real nodes
+    nfe_computed: int  # model forward rows computed, padding included (= nfe unless exact)
 
     @property
     def leaf_latents(self) -> torch.Tensor:
@@ -63,26 +64,19 @@ def forward_chunked(
     embeds: PromptEmbeds,
     max_batch: int,
     exact: bool,
-) -> torch.Tensor:
-    """Velocity for latents (B, ...) in chunks of `max_batch` rows; with `exact`, a short chunk is
-    padded (its last row repeated) to exactly `max_batch` rows and the padding dropped after."""
-    outputs = []
+) -> tuple[torch.Tensor, int]:
+    """Velocity for latents (B, ...) in chunks of `max_batch` rows, and the rows computed; with
+    `exact`, a short chunk is padded (its last row repeated) to exactly `max_batch` rows and the
+    padding dropped after."""
+    outputs, computed = [], 0
     for start in range(0, latents.shape[0], max_batch):
         rows = torch.arange(start, min(start + max_batch, latents.shape[0]))
         if exact and len(rows) < max_batch:
             rows = torch.cat([rows, rows[-1:].expand(max_batch - len(rows))])
         velocity = adapter.predict_velocity(latents[rows], sigmas[rows], select_embeds(embeds, rows))
         outputs.append(velocity[: min(max_batch, latents.shape[0] - start)])
-    return torch.cat(outputs)
-
-
-def logprob_std_scale(tree: Tree, settings: SamplerSettings) -> torch.Tensor:
-    """(N,) factor between the step's std and the std an edge's log-prob uses: the split's noise
-    scale under the "sampled" convention, 1 under "anchor" (and 1 off splits)."""
-    if settings.split_logprob == "anchor":
-        return torch.ones(tree.num_nodes)
-    scale_of_step = torch.tensor([tree.spec.noise_scale(s) for s in range(tree.spec.num_steps)] + [1.0])
-    return torch.where(tree.depth > 0, scale_of_step[(tree.depth - 1).clamp(min=0)], torch.ones(tree.num_nodes))
+        computed += len(rows)
+    return torch.cat(outputs), computed
 
 
 def _transition(
@@ -95,11 +89,10 @@ def _transition(
     address: NoiseAddress,
     children: torch.Tensor,
     parent_row: torch.Tensor,
-    std_scale: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]:
     """Latents, log-probs and log-prob stds (C,) of `children` (node indices, at depth+1), whose
-    parents' latents and velocities are rows `parent_row` of the given tensors; `std_scale` (N,) is
-    `logprob_std_scale` of the tree."""
+    parents' latents and velocities are rows `parent_row` of the given tensors; and the step's
+    noise level (0 for an ODE step)."""
     spec = tree.spec
     kind = settings.sde if spec.is_sde(depth) else "ode"
     if kind == "cps" and sigmas[depth + 1] == 0:
@@ -108,14 +101,13 @@ def _transition(
     if kind == "ode":
         out = step("ode", x, v, sigmas[depth], sigmas[depth + 1], None, 0.0)
         zeros = torch.zeros(len(children))
-        return out.sample, zeros, zeros
-    scale = spec.noise_scale(depth)
+        return out.sample, zeros, zeros, 0.0
+    level = spec.noise_level(depth, settings.noise_level)
     keys = [address.prompt_keys[p] for p in tree.prompt[children].tolist()]
     paths = [tree.paths[c] for c in children.tolist()]
     eps = noise.draw("step", address.run_seed, address.iteration, keys, paths, x.shape[1:], x.device)
-    out = step(kind, x, v, sigmas[depth], sigmas[depth + 1], eps * scale, settings.noise_level, sigmas[1])
-    logprob_std = out.std * std_scale[children].to(out.std.device)
-    return out.sample, gaussian_log_prob(out.sample, out.mean, logprob_std).cpu(), logprob_std.cpu()
+    out = step(kind, x, v, sigmas[depth], sigmas[depth + 1], eps * spec.noise_multiplier(depth), level, sigmas[1])
+    return out.sample, gaussian_log_prob(out.sample, out.mean, out.std).cpu(), out.std.cpu(), level
 
 
 @torch.no_grad()
@@ -130,18 +122,16 @@ def grow(
 ) -> Rollout:
     """Sample every node of `tree` (embeds: one row per prompt of the batch). With `per_node`, every
     node is expanded by its own batch-1 forward, as the BranchGRPO release does (for benchmarks)."""
-    if settings.split_logprob not in SPLIT_LOGPROB_CONVENTIONS:
-        raise ValueError(f"split_logprob {settings.split_logprob!r}; allowed: {SPLIT_LOGPROB_CONVENTIONS}")
     sigmas = sigmas.to(adapter.device)
     shape = adapter.latent_shape
     latents = torch.empty((tree.num_nodes, *shape), device=adapter.device)
     log_prob = torch.zeros(tree.num_nodes)
     std = torch.zeros(tree.num_nodes)
+    noise_level = torch.zeros(tree.num_nodes)
     roots = torch.arange(tree.level_start[0], tree.level_start[1])
     keys = [address.prompt_keys[p] for p in tree.prompt[roots].tolist()]
     latents[roots] = noise.draw("init", address.run_seed, address.iteration, keys, [tree.paths[r] for r in roots.tolist()], shape, adapter.device)
-    nfe = 0
-    std_scale = logprob_std_scale(tree, settings)  # (N,)
+    nfe = nfe_computed = 0
     for depth in range(tree.spec.num_steps):
         level = torch.arange(tree.level_start[depth], tree.level_start[depth + 1])
         if len(level) == 0:  # a sub-tree that ends above the leaves
@@ -154,15 +144,17 @@ def grow(
                 adapter.predict_velocity(x[i : i + 1], level_sigmas[i : i + 1], select_embeds(level_embeds, torch.tensor([i])))
                 for i in range(len(level))
             ])
+            computed = len(level)
         else:
-            velocity = forward_chunked(adapter, x, level_sigmas, level_embeds, settings.max_batch, settings.exact)
+            velocity, computed = forward_chunked(adapter, x, level_sigmas, level_embeds, settings.max_batch, settings.exact)
         nfe += len(level)
+        nfe_computed += computed
         children = torch.arange(tree.level_start[depth + 1], tree.level_start[depth + 2])
         parent_row = tree.parent[children] - tree.level_start[depth]
-        latents[children], log_prob[children], std[children] = _transition(
-            tree, depth, x, velocity, sigmas, settings, address, children, parent_row, std_scale
+        latents[children], log_prob[children], std[children], noise_level[children] = _transition(
+            tree, depth, x, velocity, sigmas, settings, address, children, parent_row
         )
-    return Rollout(tree=tree, sigmas=sigmas, latents=latents, log_prob=log_prob, std=std, nfe=nfe)
+    return Rollout(tree, sigmas, latents, log_prob, std, noise_level, nfe, nfe_computed)
 
 
 @torch.no_grad()

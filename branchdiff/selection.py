@@ -16,6 +16,8 @@ Modes, for rewards r (N,):
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import Tensor
 
@@ -77,11 +79,16 @@ def select(rewards: Tensor, k: int, mode: str = "best_worst", generator: torch.G
 
 
 def select_per_group(
-    rewards: Tensor, k: int, mode: str = "best_worst", generator: torch.Generator | None = None
+    rewards: Tensor, k: int, mode: str = "best_worst", generators: Sequence[torch.Generator | None] | None = None
 ) -> Tensor:
-    """`select` applied to each row of rewards (P, N); returns indices (P, k), each row ascending.
-    Rows are processed in order, so the random modes consume the generator row by row."""
+    """`select` applied to each row of rewards (P, N) with its own generator (`generators[p]`; the
+    trainer derives each from its prompt's noise address, so a prompt's choice does not depend on
+    which process holds it or on the other prompts); returns indices (P, k), each row ascending."""
     if rewards.dim() != 2:
         raise ValueError(f"rewards must be 2-D (P, N), got shape {tuple(rewards.shape)}")
-    rows = [select(row, k, mode, generator) for row in rewards]
+    if generators is None:
+        generators = [None] * len(rewards)
+    if len(generators) != len(rewards):
+        raise ValueError(f"{len(generators)} generators for {len(rewards)} groups")
+    rows = [select(row, k, mode, generator) for row, generator in zip(rewards, generators)]
     return torch.stack(rows) if rows else torch.empty(0, k, dtype=torch.long, device=rewards.device)

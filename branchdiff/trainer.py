@@ -3,6 +3,12 @@
 Everything random in an iteration (the prompts drawn, every node's noise, step subsampling, the
 minibatch order) is a pure function of (run seed, iteration), so a checkpoint needs only the LoRA
 weights, the optimizer and the iteration to continue exactly as if the run had never stopped.
+
+With several processes (`accelerate launch`), each process grows the trees of its own prompts.
+Rollouts, the KL reference and evaluation run the plain denoiser (no collective inside); only the
+training forward goes through the DDP wrapper, and every process takes the same optimizer steps.
+Batch-wide statistics, the loss normaliser and the metrics combine all processes
+(`branchdiff.distributed`), so a run on P processes computes what one process would on all prompts.
 """
 
 from __future__ import annotations
@@ -10,7 +16,6 @@ from __future__ import annotations
 import copy
 import json
 import math
-import shutil
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -18,27 +23,27 @@ from pathlib import Path
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import ProjectConfiguration, set_seed
+from accelerate.utils import DistributedDataParallelKwargs, ProjectConfiguration, set_seed
 from tqdm.auto import tqdm
 
-from branchdiff import prune
+from branchdiff import checkpoint, prune
 from branchdiff.advantage import depthwise_advantages, fuse_rewards
-from branchdiff.config import TrainConfig, save_config, tree_spec
+from branchdiff.config import TrainConfig, save_config, to_dict, tree_spec
 from branchdiff.data import draw_prompts, load_prompts
+from branchdiff.distributed import AcceleratorCollective
 from branchdiff.evaluate import evaluate_tiny
-from branchdiff.explore import ExploreResult, explore_seeds, explore_tree, latent_difference, ranking_agreement
+from branchdiff.explore import ExploreResult, explore_seeds, explore_tree, latent_difference, pool_under_policy, selection_generators
 from branchdiff.loss import clipped_surrogate, kl_to_reference
+from branchdiff.metrics import iteration_metrics
 from branchdiff.models import load_adapter
 from branchdiff.models.base import ModelAdapter, select_embeds
 from branchdiff.models.lora import add_lora, load_lora_state, save_lora
 from branchdiff.quant import QuantConfig, make_quantized_copy, refresh_quantized_copy
 from branchdiff.report import save_grid
-from branchdiff.rollout import NoiseAddress, Rollout, SamplerSettings, grow, logprob_std_scale
-from branchdiff.tree import build_tree
 from branchdiff.rewards.registry import build_reward, reward_key, score_batch
+from branchdiff.rollout import NoiseAddress, Rollout, SamplerSettings, grow
 from branchdiff.schedulers.flow import gaussian_log_prob, sigma_schedule, step
-
-CHECKPOINT_PREFIX = "iter-"
+from branchdiff.tree import build_tree
 
 
 @dataclass
@@ -46,11 +51,13 @@ class IterationResult:
     metrics: dict[str, float]
     rollout: Rollout
     leaf_images: torch.Tensor  # (L, 3, H, W)
+    node_advantages: torch.Tensor  # (N,) clipped advantage of the edge into each node
+    trained: torch.Tensor  # (N,) bool: the edge into the node got gradients
 
 
 def sampler_settings(config: TrainConfig) -> SamplerSettings:
     s = config.sampling
-    return SamplerSettings(s.sde, s.noise_level, s.max_batch, s.exact, config.tree.split_logprob)
+    return SamplerSettings(s.sde, s.noise_level, s.max_batch, s.exact)
 
 
 class Trainer:
@@ -62,14 +69,20 @@ class Trainer:
             mixed_precision=config.train.mixed_precision,
             log_with="tensorboard" if config.logging.tensorboard else None,
             project_config=ProjectConfiguration(project_dir=str(self.run_dir), logging_dir=str(self.run_dir / "logs")),
+            # the denoiser's buffers are constants (SD3's positional table): nothing to broadcast
+            kwargs_handlers=[DistributedDataParallelKwargs(broadcast_buffers=False)],
         )
+        self.collective = AcceleratorCollective(self.accelerator)
         set_seed(config.seed)
         self.adapter = load_adapter(config.model.family, config.model.path, self.accelerator.device)
         self.lora_params = add_lora(
             self.adapter.denoiser, self.adapter.lora_target_modules, config.train.lora_rank, config.train.lora_alpha, config.seed
         )
         optimizer = torch.optim.AdamW(self.lora_params, lr=config.train.learning_rate, weight_decay=config.train.weight_decay)
-        self.adapter.denoiser, self.optimizer = self.accelerator.prepare(self.adapter.denoiser, optimizer)
+        wrapped, self.optimizer = self.accelerator.prepare(self.adapter.denoiser, optimizer)
+        # the training forward goes through the (DDP-)wrapped module; everything else uses the plain one
+        self.train_adapter = copy.copy(self.adapter)
+        self.train_adapter.denoiser = wrapped
         self.accelerator.register_save_state_pre_hook(self._save_hook)
         self.accelerator.register_load_state_pre_hook(self._load_hook)
         self.reward = build_reward(config.reward, str(self.accelerator.device))
@@ -77,9 +90,6 @@ class Trainer:
         self.prompts = load_prompts(config.prompts.train)
         self.sigmas = sigma_schedule(config.sampling.num_steps, config.sampling.shift).to(self.accelerator.device)
         self.settings = sampler_settings(config)
-        if self.accelerator.num_processes > 1 and config.explore.mode == "tree" and config.train.optimizer_every:
-            # regenerated sub-trees differ in size between processes, so would their numbers of gradient syncs
-            raise ValueError("explore.mode=tree with several processes needs train.optimizer_every=0 (one optimizer step per iteration)")
         self.explorer = self._make_explorer()
         self.start_iteration = 0
 
@@ -92,13 +102,13 @@ class Trainer:
             return self.adapter
         self.quant_config = QuantConfig.for_family(self.config.model.family, explore.backend, explore.min_features)
         explorer = copy.copy(self.adapter)
-        explorer.denoiser = make_quantized_copy(self.accelerator.unwrap_model(self.adapter.denoiser), self.quant_config)
+        explorer.denoiser = make_quantized_copy(self.adapter.denoiser, self.quant_config)
         return explorer
 
     def refresh_explorer(self) -> None:
         """Merge the current LoRA into the quantised copy, so exploration follows the policy."""
         if self.explorer is not None and self.explorer is not self.adapter:
-            refresh_quantized_copy(self.explorer.denoiser, self.accelerator.unwrap_model(self.adapter.denoiser), self.quant_config)
+            refresh_quantized_copy(self.explorer.denoiser, self.adapter.denoiser, self.quant_config)
 
     # ---------------------------------------------------------------- checkpoints
     def _save_hook(self, models: list, weights: list, output_dir: str) -> None:
@@ -116,40 +126,37 @@ class Trainer:
     def checkpoint_dir(self) -> Path:
         return self.run_dir / "checkpoints"
 
-    def checkpoints(self) -> list[Path]:
-        return sorted(self.checkpoint_dir.glob(f"{CHECKPOINT_PREFIX}*"))
-
     def save_checkpoint(self, iteration: int) -> None:
-        """Atomic: written to a temporary directory, then renamed; old ones pruned after."""
-        final = self.checkpoint_dir / f"{CHECKPOINT_PREFIX}{iteration:06d}"
-        staging = self.checkpoint_dir / f".staging-{iteration:06d}"
-        if self.accelerator.is_main_process:
-            shutil.rmtree(staging, ignore_errors=True)
+        """Written to a staging folder, published by renames (`checkpoint.publish`); old ones pruned."""
+        final = self.checkpoint_dir / checkpoint.name(iteration)
+        staging = self.checkpoint_dir / (checkpoint.STAGING + final.name[len(checkpoint.PREFIX):])
+        if self.accelerator.is_main_process and self.checkpoint_dir.exists():
+            checkpoint.clean_interrupted(self.checkpoint_dir)
         self.accelerator.wait_for_everyone()
         self.accelerator.save_state(str(staging))
         if self.accelerator.is_main_process:
-            (staging / "trainer_state.json").write_text(json.dumps({"iteration": iteration}))
-            shutil.rmtree(final, ignore_errors=True)
-            staging.rename(final)
-            for old in self.checkpoints()[: -self.config.logging.keep_checkpoints]:
-                shutil.rmtree(old)
+            checkpoint.write_state(staging, iteration, to_dict(self.config))
+            checkpoint.publish(staging, final)
+            checkpoint.prune(self.checkpoint_dir, self.config.logging.keep_checkpoints)
         self.accelerator.wait_for_everyone()
 
-    def resume(self, checkpoint: str) -> None:
-        """Continue from `checkpoint` ("latest" or a path): LoRA, optimizer, iteration."""
-        path = Path(checkpoint)
-        if checkpoint == "latest":
-            found = self.checkpoints()
-            if not found:
-                raise FileNotFoundError(f"--resume latest: no checkpoint under {self.checkpoint_dir}")
-            path = found[-1]
-        if not (path / "trainer_state.json").is_file():
-            raise FileNotFoundError(f"--resume {checkpoint}: {path} is not a checkpoint (no trainer_state.json)")
+    def resume(self, which: str) -> None:
+        """Continue from checkpoint `which` ("latest" or a path): LoRA, optimizer, iteration. The
+        checkpoint must have been made with this config (`checkpoint.check_config`)."""
+        if self.accelerator.is_main_process and self.checkpoint_dir.exists():
+            checkpoint.restore_replaced(self.checkpoint_dir)
+        self.accelerator.wait_for_everyone()
+        path = checkpoint.find(self.checkpoint_dir, which)
+        state = checkpoint.read_state(path)
+        saved = state.get("config") or _saved_run_config(self.run_dir)
+        if saved is not None:
+            checkpoint.check_config(saved, to_dict(self.config), path)
+        if self.accelerator.is_main_process:
+            checkpoint.clean_interrupted(self.checkpoint_dir)
         self.accelerator.load_state(str(path))
         self.refresh_explorer()  # the 4-bit copy must follow the restored LoRA
-        done = json.loads((path / "trainer_state.json").read_text())["iteration"]
-        self.start_iteration = done + 1
-        self._truncate_metrics(done)
+        self.start_iteration = state["iteration"] + 1
+        self._truncate_metrics(state["iteration"])
 
     def _truncate_metrics(self, last_iteration: int) -> None:
         """Drop metrics lines after the checkpoint (a resumed run rewrites them)."""
@@ -182,7 +189,7 @@ class Trainer:
         p = config.prune
         if iteration < p.active_fraction * config.iterations:
             mask &= prune.depth_mask(tree, prune.sliding_depths(frozenset(p.depths), iteration, p.slide_every, p.stop_depth))
-            mask &= prune.width_mask(tree, node_advantages, p.width, p.width_ratio)
+            mask &= prune.width_mask(tree, node_advantages, p.width, p.width_ratio, self.collective)
         return mask
 
     def rollout_and_score(self, iteration: int, per_node: bool = False) -> tuple[Rollout, torch.Tensor, dict[str, torch.Tensor], dict]:
@@ -207,116 +214,141 @@ class Trainer:
         info["reward_seconds"] = time.perf_counter() - start
         if self.explorer is not None:
             kept_regenerated = scores[self.reward_key].reshape(len(prompts), self.config.explore.keep, -1).mean(-1)
-            kept_pool = explored.pool_rewards.gather(1, explored.kept)
-            info["explore"] = {**ranking_agreement(kept_pool, kept_regenerated), **latent_difference(explored), **explored.stats}
-            info["explore_rewards"] = (kept_pool, kept_regenerated)
+            info["explore_kept"] = (explored.pool_rewards.gather(1, explored.kept), kept_regenerated)  # (P, K) each
+            info["explore_stats"] = {**latent_difference(explored), **explored.stats}
+            every = self.config.explore.fidelity_every
+            if every and iteration % every == 0:
+                info["explore_pool"] = (explored.pool_rewards, self._pool_rewards_under_policy(spec, prompts, embeds, address))
         return rollout, images, scores, info
 
-    def _explore(self, spec, prompts: list[str], embeds: dict, address: NoiseAddress, iteration: int) -> ExploreResult:
-        explore = self.config.explore
-        generator = torch.Generator().manual_seed(self.config.seed * 15_485_863 + iteration)
-
+    def _score_latents(self, prompts: list[str]):
         def score(latents: torch.Tensor, prompt_index: torch.Tensor) -> torch.Tensor:
             images = self.adapter.decode(latents)
             return score_batch(self.reward, images, [prompts[p] for p in prompt_index.tolist()])[self.reward_key]
 
+        return score
+
+    def _explore(self, spec, prompts: list[str], embeds: dict, address: NoiseAddress, iteration: int) -> ExploreResult:
+        explore = self.config.explore
+        generators = selection_generators(self.config.seed, iteration, address.prompt_keys)
+        score = self._score_latents(prompts)
         if explore.mode == "tree":
             return explore_tree(self.adapter, self.explorer, embeds, spec, self.sigmas, self.settings, address,
-                                explore.keep, explore.selection, score, generator)
+                                explore.keep, explore.selection, score, generators)
         preview_steps = explore.preview_steps or self.config.sampling.num_steps
         preview_sigmas = sigma_schedule(preview_steps, self.config.sampling.shift)
         return explore_seeds(self.adapter, self.explorer, embeds, spec, self.sigmas, preview_sigmas, explore.preview_sampler == "sde",
-                             self.settings, address, explore.pool, explore.keep, explore.selection, score, generator)
+                             self.settings, address, explore.pool, explore.keep, explore.selection, score, generators)
+
+    def _pool_rewards_under_policy(self, spec, prompts: list[str], embeds: dict, address: NoiseAddress) -> torch.Tensor:
+        """(P, N) the policy's reward of every pool candidate (the explorer's ranking is judged on these)."""
+        explore = self.config.explore
+        with self.accelerator.autocast():
+            latents, per_candidate = pool_under_policy(self.adapter, embeds, spec, self.sigmas, self.settings, address, explore.mode, explore.pool)
+        prompt_index = torch.arange(len(prompts)).repeat_interleave(len(latents) // len(prompts))
+        return self._score_latents(prompts)(latents, prompt_index).reshape(len(prompts), -1, per_candidate).mean(-1)
 
     def run_iteration(self, iteration: int, per_node: bool = False) -> IterationResult:
         """One iteration; `per_node` grows the tree with batch-1 forwards (benchmarks)."""
         config = self.config
         rollout, images, scores, info = self.rollout_and_score(iteration, per_node)
         tree = rollout.tree
-        leaf_rewards = scores[self.reward_key]
-        node_rewards = fuse_rewards(tree, leaf_rewards, rollout.log_prob, config.advantage.fusion, config.advantage.alpha)
-        node_advantages = depthwise_advantages(tree, node_rewards, config.advantage.scope).clamp(-config.advantage.clip, config.advantage.clip)
+        node_rewards = fuse_rewards(tree, scores[self.reward_key], rollout.log_prob, config.advantage.fusion, config.advantage.alpha)
+        node_advantages = depthwise_advantages(tree, node_rewards, config.advantage.scope, self.collective)
+        node_advantages = node_advantages.clamp(-config.advantage.clip, config.advantage.clip)
         mask = self.trainable_mask(rollout, node_advantages, iteration)
         start = time.perf_counter()
         train_stats = self.update(rollout, info["embeds"], node_advantages, mask, iteration)
-        gathered = {k: self.accelerator.gather(v.to(self.accelerator.device)).float() for k, v in scores.items()}
-        metrics = {
-            "iteration": iteration,
-            "reward_mean": gathered[self.reward_key].mean().item(),
-            "reward_std": gathered[self.reward_key].std().item() if len(leaf_rewards) > 1 else 0.0,
-            **{f"accuracy_{k}": v.mean().item() for k, v in gathered.items() if k != self.reward_key},
-            **train_stats,
-            "nfe_rollout": rollout.nfe,
-            "edges_trained": int(mask.sum()),
-            "rollout_seconds": info["rollout_seconds"],
-            "reward_seconds": info["reward_seconds"],
-            "train_seconds": time.perf_counter() - start,
-            **{f"explore_{k}": v for k, v in info.get("explore", {}).items()},
-        }
+        info["train_seconds"] = time.perf_counter() - start
+        metrics = {"iteration": iteration, **iteration_metrics(self.collective, rollout, scores, self.reward_key, mask, train_stats, info)}
         self.refresh_explorer()
-        return IterationResult(metrics, rollout, images)
+        return IterationResult(metrics, rollout, images, node_advantages, mask)
 
     def update(self, rollout: Rollout, embeds: dict, node_advantages: torch.Tensor, mask: torch.Tensor, iteration: int) -> dict[str, float]:
         """Clipped GRPO on the masked edges. Siblings share their parent's forward: minibatches are
-        made of parent nodes; each optimizer step averages the loss over its edges."""
+        made of parent nodes. Every process takes the same optimizer steps (`optimizer_groups`), and
+        a step's loss is the sum over its edges on all processes divided by their global count, so
+        an edge weighs the same whichever process holds it. Returns this process's sums."""
         config, tree, accelerator = self.config, rollout.tree, self.accelerator
         edges = torch.nonzero(mask).squeeze(1)  # (E,) child node of each trained edge
-        stats = {"loss": 0.0, "clip_fraction": 0.0, "kl": 0.0, "logprob_check": 0.0, "nfe_trained": 0, "optimizer_steps": 0}
-        if len(edges) == 0:
+        stats = {"loss_sum": 0.0, "clipped": 0.0, "kl_sum": 0.0, "logprob_check": 0.0, "nfe_trained": 0, "optimizer_steps": 0, "grad_norm": 0.0}
+        global_edges = int(self.collective.sum(torch.tensor([float(len(edges))], dtype=torch.float64)).item())
+        if global_edges == 0:
             return stats
         parents, edge_parent = torch.unique(tree.parent[edges], return_inverse=True)  # (U,), (E,)
         generator = torch.Generator().manual_seed(config.seed * 104_729 + iteration)
         order = torch.randperm(len(parents), generator=generator)
         minibatches = [rows.sort().values for rows in order.split(config.train.minibatch)]  # rows of `parents`
         minibatch_edges = [torch.nonzero(torch.isin(edge_parent, rows)).squeeze(1) for rows in minibatches]  # rows of `edges`
-        groups = _optimizer_groups([len(e) for e in minibatch_edges], config.train.optimizer_every)
-        std_scale = logprob_std_scale(tree, self.settings)  # (N,)
-        denoiser = accelerator.unwrap_model(self.adapter.denoiser)
-        total_loss = clipped = kl_total = 0.0
-        first = True
-        for group in groups:
-            group_edges = sum(len(minibatch_edges[m]) for m in group)
-            for index, m in enumerate(group):
-                parent_rows, edge_rows = minibatches[m], minibatch_edges[m]  # (u,), (e,)
-                local = torch.searchsorted(parent_rows, edge_parent[edge_rows])  # (e,) parent row of each edge
-                parent_nodes, child_nodes = parents[parent_rows], edges[edge_rows]
-                x = rollout.latents[parent_nodes]
-                sigma = self.sigmas[tree.depth[parent_nodes]]
-                sigma_next = self.sigmas[tree.depth[child_nodes]]
-                node_embeds = select_embeds(embeds, tree.prompt[parent_nodes])
-                sync = index == len(group) - 1
-                with (nullcontext() if sync else accelerator.no_sync(self.adapter.denoiser)), accelerator.autocast():
-                    velocity = self.adapter.predict_velocity(x, sigma, node_embeds)[local]
-                    x_parent = x[local]
-                    out = step(self.settings.sde, x_parent, velocity, sigma[local], sigma_next, torch.zeros_like(x_parent), self.settings.noise_level, self.sigmas[1])
-                    std = out.std * std_scale[child_nodes].to(out.std.device)
-                    log_prob = gaussian_log_prob(rollout.latents[child_nodes], out.mean, std)
-                    old = rollout.log_prob[child_nodes].to(log_prob.device)
-                    advantages = node_advantages[child_nodes].to(log_prob.device).float()
-                    per_edge, was_clipped = clipped_surrogate(log_prob, old, advantages, config.train.clip_range)
-                    if config.train.kl_beta > 0:
-                        with torch.no_grad():
-                            denoiser.disable_adapters()
-                            ref_velocity = self.adapter.predict_velocity(x, sigma, node_embeds)[local]
-                            denoiser.enable_adapters()
-                            ref = step(self.settings.sde, x_parent, ref_velocity, sigma[local], sigma_next, torch.zeros_like(x_parent), self.settings.noise_level, self.sigmas[1])
-                        kl = kl_to_reference(out.mean, ref.mean, std)
-                        per_edge = per_edge + config.train.kl_beta * kl
-                        kl_total += kl.sum().item()
-                    if first:
-                        stats["logprob_check"] = (log_prob.detach() - old).abs().max().item()
-                        first = False
-                    accelerator.backward(per_edge.sum() / group_edges)
-                total_loss += per_edge.sum().item()
-                clipped += was_clipped.sum().item()
-                stats["nfe_trained"] += len(parent_nodes)
+        groups = optimizer_groups([len(e) for e in minibatch_edges], global_edges, config.train.optimizer_every)
+        local_group_edges = torch.tensor([float(sum(len(minibatch_edges[m]) for m in g)) for g in groups], dtype=torch.float64)
+        group_edges = self.collective.sum(local_group_edges).tolist()  # edges of each optimizer step, all processes
+        measured = False
+        for group, step_edges in zip(groups, group_edges):
+            if step_edges == 0:
+                continue
+            members = group or [None]  # a process without edges in this step still joins DDP's gradient sync
+            for index, m in enumerate(members):
+                sync = index == len(members) - 1
+                with (nullcontext() if sync else accelerator.no_sync(self.train_adapter.denoiser)), accelerator.autocast():
+                    if m is None:
+                        loss = self._idle_loss(rollout, embeds)
+                    else:
+                        parent_rows, edge_rows = minibatches[m], minibatch_edges[m]  # (u,), (e,)
+                        local = torch.searchsorted(parent_rows, edge_parent[edge_rows])  # (e,) parent row of each edge
+                        per_edge, log_prob, was_clipped, kl = self._edge_losses(
+                            rollout, embeds, node_advantages, parents[parent_rows], edges[edge_rows], local)
+                        if not measured:  # the ratio before any update: rollout and training must agree
+                            old = rollout.log_prob[edges[edge_rows]].to(log_prob.device)
+                            stats["logprob_check"] = (log_prob.detach() - old).abs().max().item()
+                            measured = True
+                        loss = per_edge.sum() * accelerator.num_processes / step_edges  # DDP averages over processes
+                        stats["loss_sum"] += per_edge.sum().item()
+                        stats["clipped"] += was_clipped.sum().item()
+                        stats["kl_sum"] += kl.sum().item()
+                        stats["nfe_trained"] += len(parent_rows)
+                    accelerator.backward(loss)
             if accelerator.sync_gradients:
                 stats["grad_norm"] = float(accelerator.clip_grad_norm_(self.lora_params, config.train.max_grad_norm))
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
             stats["optimizer_steps"] += 1
-        stats.update(loss=total_loss / len(edges), clip_fraction=clipped / len(edges), kl=kl_total / len(edges))
         return stats
+
+    def _edge_losses(self, rollout: Rollout, embeds: dict, node_advantages: torch.Tensor, parent_nodes: torch.Tensor,
+                     child_nodes: torch.Tensor, local: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Per-edge loss (e,), log-prob (e,), clip flags (e,) and KL (e,) of the edges into
+        `child_nodes`, whose parents are `parent_nodes[local]` (one forward per parent)."""
+        config, tree = self.config, rollout.tree
+        x = rollout.latents[parent_nodes]  # (u, ...)
+        sigma = self.sigmas[tree.depth[parent_nodes]]
+        sigma_next = self.sigmas[tree.depth[child_nodes]]
+        level = rollout.noise_level[child_nodes].to(x.device)  # (e,) each edge's own SDE level
+        node_embeds = select_embeds(embeds, tree.prompt[parent_nodes])
+        x_parent = x[local]
+        velocity = self.train_adapter.predict_velocity(x, sigma, node_embeds)[local]
+        out = step(self.settings.sde, x_parent, velocity, sigma[local], sigma_next, torch.zeros_like(x_parent), level, self.sigmas[1])
+        log_prob = gaussian_log_prob(rollout.latents[child_nodes], out.mean, out.std)
+        old = rollout.log_prob[child_nodes].to(log_prob.device)
+        advantages = node_advantages[child_nodes].to(log_prob.device).float()
+        per_edge, was_clipped = clipped_surrogate(log_prob, old, advantages, config.train.clip_range)
+        kl = torch.zeros_like(per_edge)
+        if config.train.kl_beta > 0:
+            with torch.no_grad():
+                self.adapter.denoiser.disable_adapters()
+                ref_velocity = self.adapter.predict_velocity(x, sigma, node_embeds)[local]
+                self.adapter.denoiser.enable_adapters()
+            ref = step(self.settings.sde, x_parent, ref_velocity, sigma[local], sigma_next, torch.zeros_like(x_parent), level, self.sigmas[1])
+            kl = kl_to_reference(out.mean, ref.mean, out.std)
+            per_edge = per_edge + config.train.kl_beta * kl
+        return per_edge, log_prob, was_clipped, kl.detach()
+
+    def _idle_loss(self, rollout: Rollout, embeds: dict) -> torch.Tensor:
+        """A zero loss through the wrapped denoiser, for a process with no edges in an optimizer
+        step: DDP's gradient sync needs every process's backward."""
+        root = torch.tensor([0])
+        velocity = self.train_adapter.predict_velocity(rollout.latents[root], self.sigmas[:1], select_embeds(embeds, rollout.tree.prompt[root]))
+        return velocity.sum() * 0.0
 
     # ---------------------------------------------------------------- the run
     def train(self) -> None:
@@ -344,22 +376,30 @@ class Trainer:
             if (every and (iteration + 1) % every == 0) or iteration == config.iterations - 1:
                 self.save_checkpoint(iteration)
         if accelerator.is_main_process:
-            save_lora(accelerator.unwrap_model(self.adapter.denoiser), self.run_dir / "lora")
+            save_lora(self.adapter.denoiser, self.run_dir / "lora")
         accelerator.end_training()
 
     def final_evaluation(self) -> dict[str, dict[str, float]]:
         """Base (adapter disabled) vs trained on the eval prompts with the same fixed noise;
-        written to eval.json in the run directory."""
+        written to eval.json in the run directory. Runs the plain denoiser, so one process may
+        call it alone."""
         config = self.config
         prompts = load_prompts(config.prompts.eval)
-        denoiser = self.accelerator.unwrap_model(self.adapter.denoiser)
         args = (prompts, config.prompts.eval_seeds, config.sampling.num_steps, config.sampling.shift)
-        denoiser.disable_adapters()
+        self.adapter.denoiser.disable_adapters()
         rows = {"base": evaluate_tiny(self.adapter, *args)}
-        denoiser.enable_adapters()
+        self.adapter.denoiser.enable_adapters()
         rows["trained"] = evaluate_tiny(self.adapter, *args)
         (self.run_dir / "eval.json").write_text(json.dumps({"prompts": config.prompts.eval, **rows}, indent=1))
         return rows
+
+
+def _saved_run_config(run_dir: Path) -> dict | None:
+    """The config a run was started with (checkpoints before the config was stored in them)."""
+    import yaml
+
+    path = run_dir / "config.yaml"
+    return yaml.safe_load(path.read_text()) if path.is_file() else None
 
 
 def _iteration_of(line: str) -> float:
@@ -370,18 +410,16 @@ def _iteration_of(line: str) -> float:
         return float("inf")
 
 
-def _optimizer_groups(edges_per_minibatch: list[int], every: int) -> list[list[int]]:
-    """Minibatch indices of each optimizer step: one step for all (every = 0), or a new step once
-    at least `every` edges have been accumulated."""
-    if every <= 0:
-        return [list(range(len(edges_per_minibatch)))]
-    groups, current, count = [], [], 0
+def optimizer_groups(edges_per_minibatch: list[int], global_edges: int, every: int) -> list[list[int]]:
+    """Minibatch indices of each optimizer step. Every process takes the same number of steps:
+    one (every = 0) or n = max(1, ⌊global_edges / every⌋), so steps hold about global_edges / n ≥
+    every edges and a remainder never takes a step of its own. A process assigns each minibatch to
+    the step its edge midpoint falls in, ⌊n·(start + e/2) / E⌋; a step may be empty on a process."""
+    steps = 1 if every <= 0 else max(1, global_edges // every)
+    total = sum(edges_per_minibatch)
+    groups: list[list[int]] = [[] for _ in range(steps)]
+    start = 0
     for index, edges in enumerate(edges_per_minibatch):
-        current.append(index)
-        count += edges
-        if count >= every:
-            groups.append(current)
-            current, count = [], 0
-    if current:
-        groups.append(current)
+        groups[min(steps - 1, int(steps * (start + edges / 2) / total)) if total else 0].append(index)
+        start += edges
     return groups

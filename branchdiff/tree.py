@@ -36,15 +36,25 @@ from branchdiff.noise import NodePath
 class Split:
     step: int  # the transition x_step → x_step+1 at which every node branches
     branches: int  # k ≥ 2 children
-    noise_scale: float | None = None  # multiplies this split's step noise; None = the spec's default
+    noise_level: float | None = None  # the SDE's noise level at this split (η / a); None = the spec's default
 
 
 @dataclass(frozen=True)
 class TreeSpec:
+    """Topology and per-step noise of a tree.
+
+    Noise at a split step is a *level* of the SDE (η for dance, a for flow and cps; Dynamic-TreeRPO's
+    per-layer noise intensity): it enters the step's drift correction and its noise together, and
+    the edge's log-prob is the density sampled. `anchor_noise_multiplier` m ≠ 1 reproduces the
+    BranchGRPO release instead: only the noise of split steps is multiplied by m, and the edge's
+    log-prob keeps the unscaled std (its convention; docs/trees.md shows how far it drifts).
+    """
+
     num_steps: int  # T denoising steps
     splits: tuple[Split, ...] = ()
     roots: int = 1  # independent roots per prompt (G for a chain group)
-    split_noise_scale: float = 1.0  # default multiplier of the noise at split steps
+    split_noise_level: float | None = None  # default noise level at split steps; None = the sampler's
+    anchor_noise_multiplier: float = 1.0  # the release's noise-only kick at split steps (1 = off)
     sde_steps: frozenset[int] | None = None  # steps sampled with the SDE; None = all. Split steps always are.
 
     def __post_init__(self) -> None:
@@ -60,11 +70,13 @@ class TreeSpec:
                 raise ValueError(f"split at step {split.step} has {split.branches} branches; a split needs k ≥ 2")
             if split.step in seen:
                 raise ValueError(f"split step {split.step} is given twice")
-            if split.noise_scale is not None and split.noise_scale <= 0:
-                raise ValueError(f"split at step {split.step} has noise_scale {split.noise_scale}; it must be > 0")
+            if split.noise_level is not None and split.noise_level <= 0:
+                raise ValueError(f"split at step {split.step} has noise_level {split.noise_level}; it must be > 0")
             seen.add(split.step)
-        if self.split_noise_scale <= 0:
-            raise ValueError(f"split_noise_scale must be > 0, got {self.split_noise_scale}")
+        if self.split_noise_level is not None and self.split_noise_level <= 0:
+            raise ValueError(f"split_noise_level must be > 0, got {self.split_noise_level}")
+        if self.anchor_noise_multiplier <= 0:
+            raise ValueError(f"anchor_noise_multiplier must be > 0, got {self.anchor_noise_multiplier}")
 
     @property
     def split_steps(self) -> frozenset[int]:
@@ -73,12 +85,18 @@ class TreeSpec:
     def branching(self, step: int) -> int:
         return next((s.branches for s in self.splits if s.step == step), 1)
 
-    def noise_scale(self, step: int) -> float:
-        """Multiplier of the step noise at `step`: 1 off splits, the split's own or the default on them."""
+    def noise_level(self, step: int, default: float) -> float:
+        """The SDE noise level of `step`: the split's own, else the spec's split default, else `default`."""
         split = next((s for s in self.splits if s.step == step), None)
         if split is None:
-            return 1.0
-        return self.split_noise_scale if split.noise_scale is None else split.noise_scale
+            return default
+        if split.noise_level is not None:
+            return split.noise_level
+        return default if self.split_noise_level is None else self.split_noise_level
+
+    def noise_multiplier(self, step: int) -> float:
+        """The release's noise-only multiplier: `anchor_noise_multiplier` on split steps, 1 elsewhere."""
+        return self.anchor_noise_multiplier if step in self.split_steps else 1.0
 
     def is_sde(self, step: int) -> bool:
         return self.sde_steps is None or step in self.sde_steps or step in self.split_steps

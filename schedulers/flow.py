@@ -57,11 +57,12 @@ def step(
     sigma: torch.Tensor | float,
     sigma_next: torch.Tensor | float,
     noise: torch.Tensor | None,
-    noise_level: float,
+    noise_level: torch.Tensor | float,
     sigma_for_noise_level: torch.Tensor | float | None = None,
 ) -> StepOutput:
     """One transition x_σ → x_σ' of kind `ode`, `dance` (η = noise_level), `flow` (a = noise_level)
-    or `cps` (a = noise_level). `sigma`/`sigma_next` are scalars or (B,) tensors. `noise` (same
+    or `cps` (a = noise_level). `sigma`, `sigma_next` and `noise_level` are scalars or (B,)
+    tensors (a tree's split edges carry their own level). `noise` (same
     shape as x) may be None only for `ode`. Computed in float32 whatever the input dtype.
     `sigma_for_noise_level` replaces the denominator's σ in `flow`'s s = a·√(σ/(1-σ)) where σ = 1
     (pass σ_1): s = a·√(1/(1-σ_1)) at the first step, so its std s·√(σ-σ_1) is exactly a."""
@@ -69,23 +70,24 @@ def step(
     s = _per_sample(sigma, x32)
     s_next = _per_sample(sigma_next, x32)
     delta = s_next - s  # (B, 1, ...) negative
+    level = _per_sample(noise_level, x32)  # (B, 1, ...)
     if kind == "ode":
         mean, std = x32 + delta * v32, torch.zeros_like(s)
     elif kind == "dance":
         x0_hat = x32 - s * v32
         score = -(x32 - (1 - s) * x0_hat) / s**2
-        mean = x32 + delta * v32 - 0.5 * noise_level**2 * score * delta
-        std = noise_level * torch.sqrt(s - s_next)
+        mean = x32 + delta * v32 - 0.5 * level**2 * score * delta
+        std = level * torch.sqrt(s - s_next)
     elif kind == "flow":
         if sigma_for_noise_level is None and bool((s >= 1).any()):
             raise ValueError("a 'flow' step at σ = 1 needs sigma_for_noise_level (σ_1 of the schedule)")
         # Only the denominator's σ is replaced at σ = 1 (Flow-GRPO: sqrt(σ / (1 - where(σ == 1, σ_1, σ)))).
         s_denom = s if sigma_for_noise_level is None else torch.where(s >= 1, _per_sample(sigma_for_noise_level, x32), s)
-        diffusion = noise_level * torch.sqrt(s / (1 - s_denom))
+        diffusion = level * torch.sqrt(s / (1 - s_denom))
         mean = x32 * (1 + diffusion**2 * delta / (2 * s)) + v32 * (1 + diffusion**2 * (1 - s) / (2 * s)) * delta
         std = diffusion * torch.sqrt(-delta)
     elif kind == "cps":
-        std = s_next * math.sin(noise_level * math.pi / 2)
+        std = s_next * torch.sin(level * math.pi / 2)
         x0_hat = x32 - s * v32
         x1_hat = x32 + (1 - s) * v32
         mean = x0_hat * (1 - s_next) + x1_hat * torch.sqrt(s_next**2 - std**2)

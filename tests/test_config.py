@@ -15,6 +15,7 @@ from branchdiff.config import (
     parse_override,
     presets,
     save_config,
+    tree_spec,
     validate,
 )
 
@@ -66,7 +67,7 @@ def test_tiny_chain_preset_values():
         ("train.learning_rate=1.0e-4", lambda c: c.train.learning_rate, 1e-4, float),
         ("train.learning_rate=2E-3", lambda c: c.train.learning_rate, 2e-3, float),
         ("tree.splits=[[0,2],[3,2]]", lambda c: c.tree.splits, [[0, 2], [3, 2]], list),
-        ("tree.splits=[[0, 2, 0.5]]", lambda c: c.tree.splits, [[0, 2, 0.5]], list),
+        ("tree.splits=[[0, 2, {noise_level: 0.5}]]", lambda c: c.tree.splits, [[0, 2, {"noise_level": 0.5}]], list),
         ("model.path=null", lambda c: c.model.path, None, type(None)),
         ("model.path=/some/dir", lambda c: c.model.path, "/some/dir", str),
         ("logging.tensorboard=false", lambda c: c.logging.tensorboard, False, bool),
@@ -178,14 +179,21 @@ def test_boundary_values_are_accepted():
 @pytest.mark.parametrize(
     "overrides, expected",
     [
-        (["tree.splits=[[1]]"], "'tree.splits' entry [1] must be [step, k] or [step, k, noise_scale] with whole step and k"),
-        (["tree.splits=[[0, 2, 1, 4]]"], "'tree.splits' entry [0, 2, 1, 4] must be [step, k] or [step, k, noise_scale] with whole step and k"),
-        (["tree.splits=[[0.5, 2]]"], "'tree.splits' entry [0.5, 2] must be [step, k] or [step, k, noise_scale] with whole step and k"),
+        (["tree.splits=[[1]]"], "'tree.splits' entry [1] must be [step, k] or [step, k, {noise_level: x}] with whole step and k"),
+        (["tree.splits=[[0, 2, 1, 4]]"], "'tree.splits' entry [0, 2, 1, 4] must be [step, k] or [step, k, {noise_level: x}] with whole step and k"),
+        (["tree.splits=[[0.5, 2]]"], "'tree.splits' entry [0.5, 2] must be [step, k] or [step, k, {noise_level: x}] with whole step and k"),
         (["tree.splits=[[10, 2]]"], "'tree.splits' = [[10, 2]]: split step 10 is outside 0..9 (num_steps = 10)"),
         (["tree.splits=[[-1, 2]]"], "'tree.splits' = [[-1, 2]]: split step -1 is outside 0..9 (num_steps = 10)"),
         (["tree.splits=[[1, 2], [1, 3]]"], "'tree.splits' = [[1, 2], [1, 3]]: split step 1 is given twice"),
         (["tree.splits=[[1, 1]]"], "'tree.splits' = [[1, 1]]: split at step 1 has 1 branches; a split needs k ≥ 2"),
-        (["tree.splits=[[1, 2, 0]]"], "'tree.splits' = [[1, 2, 0]]: split at step 1 has noise_scale 0.0; it must be > 0"),
+        (["tree.splits=[[1, 2, {noise_level: 0}]]"], "'tree.splits' = [[1, 2, {'noise_level': 0}]]: split at step 1 has noise_level 0; it must be > 0"),
+        (["tree.splits=[[1, 2, 4.0]]"], "'tree.splits' entry [1, 2, 4.0]: the third element must be a mapping {noise_level: x} (the SDE's η / a at "
+                                        "this split); the release's noise-only kick is tree.anchor_noise_multiplier"),
+        (["tree.splits=[[1, 2, {noise_scale: 2}]]"], "'tree.splits' entry [1, 2, {'noise_scale': 2}]: allowed split options: noise_level"),
+        (["tree.splits=[[1, 2, {noise_level: high}]]"], "'tree.splits' entry [1, 2, {'noise_level': 'high'}]: noise_level must be a number > 0"),
+        (["tree.split_noise_scale=4"], "override 'tree.split_noise_scale=4': 'tree.split_noise_scale' was replaced: use tree.split_noise_level (an SDE "
+                                       "noise level that enters drift and noise, e.g. 1.2 for η = 0.3 × 4) or tree.anchor_noise_multiplier (the "
+                                       "BranchGRPO release's noise-only kick); see docs/trees.md"),
         (["prune.depths=[0]"], "'prune.depths' [0] outside 1..10 (child depths of the 10-step tree)"),
         (["sampling.num_steps=4", "prune.depths=[2, 5, 6]"], "'prune.depths' [5, 6] outside 1..4 (child depths of the 4-step tree)"),
         (["tree.mix_window=5", "tree.mix_start=6"], "'tree.mix_start' + 'tree.mix_window' = 11 exceeds sampling.num_steps = 10"),
@@ -200,8 +208,10 @@ def test_cross_field_checks(overrides, expected):
 
 
 def test_cross_field_checks_accept_valid_trees():
-    config = load_config(None, ["tree.splits=[[0, 2], [9, 3, 0.5]]", "prune.depths=[1, 10]", "tree.mix_window=4", "tree.mix_start=6"])
-    assert config.tree.splits == [[0, 2], [9, 3, 0.5]] and config.prune.depths == [1, 10]
+    config = load_config(None, ["tree.splits=[[0, 2], [8, 3, {noise_level: 0.5}]]", "prune.depths=[1, 10]", "tree.mix_window=4", "tree.mix_start=6"])
+    assert config.tree.splits == [[0, 2], [8, 3, {"noise_level": 0.5}]] and config.prune.depths == [1, 10]
+    spec = tree_spec(config, 0)
+    assert spec.noise_level(8, 0.7) == 0.5 and spec.noise_level(0, 0.7) == 0.7 and spec.noise_level(1, 0.7) == 0.7
 
 
 def test_validate_on_a_hand_built_config():
@@ -290,7 +300,7 @@ def test_invalid_yaml_reports_file_and_line(tmp_path):
     "overrides",
     [
         [],
-        ["tree.splits=[[0,2],[3,2,0.5]]", "model.path=null", "train.learning_rate=1e-5", "prune.depths=[1,2]", "logging.tensorboard=false"],
+        ["tree.splits=[[0,2],[3,2,{noise_level: 0.5}]]", "tree.split_noise_level=1.2", "tree.anchor_noise_multiplier=2", "model.path=null", "train.learning_rate=1e-5", "prune.depths=[1,2]", "logging.tensorboard=false"],
         ["model.path=/x/y", "output_dir=runs/rt", "sampling.sde=cps", "tree.mix_window=3", "seed=-1", "train.kl_beta=1e-12"],
     ],
 )

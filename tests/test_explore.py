@@ -1,8 +1,11 @@
 """Explore → select → regenerate: exactness with the policy as explorer, quantisation otherwise."""
 
+import pytest
 import torch
 
 from branchdiff.config import load_config
+from branchdiff.explore import selection_generators
+from branchdiff.selection import select_per_group
 from branchdiff.trainer import Trainer
 
 
@@ -16,11 +19,12 @@ def _trainer(model_dir, tmp_path, *extra):
 
 def test_seeds_mode_regenerates_kept_seeds_bit_for_bit(tiny_model_dir, tmp_path):
     trainer = _trainer(tiny_model_dir, tmp_path, "explore.mode=seeds", "explore.backend=none", "explore.pool=6",
-                       "explore.keep=3", "explore.preview_sampler=sde")
+                       "explore.keep=3", "explore.preview_sampler=sde", "sampling.exact=true")
     rollout, _, scores, info = trainer.rollout_and_score(0)
-    stats = info["explore"]
-    assert stats["latent_max_abs_diff"] == 0.0  # same model, same sampler, same addressed noise
-    assert stats["spearman"] > 0.999 and stats["topk_overlap"] == 1.0
+    stats = info["explore_stats"]
+    assert stats["quant_latent_max_abs_diff"] == 0.0  # same model, same sampler, same addressed noise
+    kept_pool, kept_regenerated = info["explore_kept"]
+    assert torch.equal(kept_pool, kept_regenerated)
     assert rollout.tree.num_prompts == 2 and len(rollout.tree.leaf_index) == 2 * 3
     assert stats["pool_nfe"] == 2 * 6 * 3 and stats["regen_nfe"] == 2 * 3 * 3
     # the kept seeds are root ids of the pool: their paths start with the chosen ids
@@ -30,21 +34,21 @@ def test_seeds_mode_regenerates_kept_seeds_bit_for_bit(tiny_model_dir, tmp_path)
 
 def test_tree_mode_regenerates_the_kept_leaves_bit_for_bit(tiny_model_dir, tmp_path):
     trainer = _trainer(tiny_model_dir, tmp_path, "explore.mode=tree", "explore.backend=none", "tree.roots=1",
-                       "tree.splits=[[0,2],[1,2]]", "explore.keep=2")
+                       "tree.splits=[[0,2],[1,2]]", "explore.keep=2", "sampling.exact=true")
     rollout, _, scores, info = trainer.rollout_and_score(0)
-    assert info["explore"]["latent_max_abs_diff"] == 0.0
+    assert info["explore_stats"]["quant_latent_max_abs_diff"] == 0.0
     assert len(rollout.tree.leaf_index) == 2 * 2  # K leaves per prompt
     # the sub-tree holds exactly the union of the kept leaves' root paths
     assert rollout.tree.num_nodes < 2 * (1 + 2 + 4 + 4)
     metrics = trainer.run_iteration(1).metrics
-    assert metrics["explore_latent_max_abs_diff"] == 0.0 and metrics["edges_trained"] > 0
+    assert metrics["explore_quant_latent_max_abs_diff"] == 0.0 and metrics["edges_trained"] > 0
 
 
 def test_nvfp4_explorer_differs_only_by_quantisation_and_follows_the_policy(tiny_model_dir, tmp_path):
     trainer = _trainer(tiny_model_dir, tmp_path, "explore.mode=tree", "explore.backend=nvfp4-emulated", "tree.roots=1",
                        "tree.splits=[[0,2],[1,2]]", "explore.keep=2", "train.learning_rate=0.05")
     _, _, _, info = trainer.rollout_and_score(0)
-    assert 0.0 < info["explore"]["latent_mean_abs_diff"] < 0.5
+    assert 0.0 < info["explore_stats"]["quant_latent_mean_abs_diff"] < 0.5
     x = torch.randn(2, 3, 32, 32)
     sigma = torch.full((2,), 0.7)
     embeds = trainer.adapter.encode_prompts(["one red circle on the left"] * 2)
@@ -70,3 +74,39 @@ def test_resume_refreshes_the_quantised_explorer(tiny_model_dir, tmp_path):
     embeds = trainer.adapter.encode_prompts(["one red circle on the left"] * 2)
     with torch.no_grad():
         assert torch.equal(resumed.explorer.predict_velocity(x, sigma, embeds), trainer.explorer.predict_velocity(x, sigma, embeds))
+
+
+def test_ranking_agreement_is_reported_over_the_whole_pool(tiny_model_dir, tmp_path):
+    """Regression: the training metric ranked only the kept best/worst candidates, whose extremes
+    inflate a rank correlation. `explore_spearman_pool` must equal the agreement measured by
+    regenerating every candidate (keep = pool), and the kept-subset figure carries its own name."""
+    common = ("explore.mode=seeds", "explore.backend=nvfp4-emulated", "explore.pool=8", "explore.preview_sampler=sde",
+              "prompts.per_iteration=4", "explore.fidelity_every=1")
+    everything = _trainer(tiny_model_dir, tmp_path / "all", *common, "explore.keep=8").run_iteration(0).metrics
+    subset = _trainer(tiny_model_dir, tmp_path / "subset", *common, "explore.keep=2").run_iteration(0).metrics
+    assert subset["explore_spearman_pool"] == pytest.approx(everything["explore_spearman_kept"], abs=1e-6)
+    assert subset["explore_spearman_pool"] == pytest.approx(everything["explore_spearman_pool"], abs=1e-6)
+    assert "explore_spearman" not in subset and "explore_spearman_kept" in subset
+    later = _trainer(tiny_model_dir, tmp_path / "later", *common[:-1], "explore.keep=2", "explore.fidelity_every=5")
+    assert "explore_spearman_pool" not in later.run_iteration(1).metrics  # only every fidelity_every iterations
+
+
+def test_preview_at_other_steps_names_its_latent_gap(tiny_model_dir, tmp_path):
+    """Regression: with preview_steps ≠ num_steps the latent gap measures the step count too; its
+    metric must not claim to measure quantisation."""
+    trainer = _trainer(tiny_model_dir, tmp_path, "explore.mode=seeds", "explore.backend=none", "explore.pool=4",
+                       "explore.keep=2", "explore.preview_steps=2")
+    stats = trainer.rollout_and_score(0)[3]["explore_stats"]
+    assert "quant_latent_max_abs_diff" not in stats and stats["preview_vs_train_latent_max_abs_diff"] > 0
+
+
+def test_selection_generators_follow_the_prompt_not_the_process():
+    """Regression: the random selection generator was seeded alike on every process; each prompt's
+    generator now derives from its address, so prompt key 5 draws the same on any process and
+    differently from key 0."""
+    rewards = torch.arange(16.0).expand(2, 16)
+    on_rank_0 = select_per_group(rewards, 4, "random", selection_generators(0, 3, (0, 1)))
+    on_rank_1 = select_per_group(rewards, 4, "random", selection_generators(0, 3, (4, 5)))
+    one_process = select_per_group(torch.arange(16.0).expand(6, 16), 4, "random", selection_generators(0, 3, tuple(range(6))))
+    assert not torch.equal(on_rank_0, on_rank_1)
+    assert torch.equal(one_process[[0, 1, 4, 5]], torch.cat([on_rank_0, on_rank_1]))

@@ -1,15 +1,19 @@
-"""Rollouts: exact regeneration from addressable noise, split-edge densities, NFE, per-node mode."""
+"""Rollouts: exact regeneration from addressable noise, split-edge noise levels and densities, NFE,
+per-node mode."""
+
+import math
+from dataclasses import replace
 
 import pytest
 import torch
 
 from branchdiff import noise
-from branchdiff.rollout import NoiseAddress, SamplerSettings, grow, logprob_std_scale, regenerate
+from branchdiff.rollout import NoiseAddress, SamplerSettings, grow, regenerate
 from branchdiff.tree import Split, TreeSpec, build_tree
 from branchdiff.schedulers.flow import gaussian_log_prob, sigma_schedule, step
 
 PROMPTS = ["two red circles on the left", "one blue square at the top", "three green triangles at the bottom"]
-SPEC = TreeSpec(num_steps=5, splits=(Split(0, 2), Split(2, 3, 1.5)), split_noise_scale=2.0)
+SPEC = TreeSpec(num_steps=5, splits=(Split(0, 2), Split(2, 3, noise_level=0.9)), split_noise_level=0.6)
 ADDRESS = NoiseAddress(run_seed=7, iteration=3, prompt_keys=(10, 11, 12))
 
 
@@ -24,7 +28,7 @@ def _index(tree):
 
 
 def test_regenerating_random_leaves_is_bit_exact(tiny_adapter):
-    settings = SamplerSettings(sde="dance", noise_level=0.3, max_batch=8)
+    settings = SamplerSettings(sde="dance", noise_level=0.3, max_batch=8, exact=True)
     rollout, embeds = _grow(tiny_adapter, settings=settings)
     tree = rollout.tree
     leaves = tree.leaf_index[torch.randperm(len(tree.leaf_index), generator=torch.Generator().manual_seed(0))[:5]]
@@ -38,7 +42,7 @@ def test_regenerating_random_leaves_is_bit_exact(tiny_adapter):
 
 
 def test_regenerating_one_node_alone_is_bit_exact(tiny_adapter):
-    settings = SamplerSettings(sde="flow", noise_level=0.7, max_batch=8)
+    settings = SamplerSettings(sde="flow", noise_level=0.7, max_batch=8, exact=True)
     rollout, embeds = _grow(tiny_adapter, settings=settings)
     node = rollout.tree.level_start[3] + 4  # an inner node at depth 3
     sub = regenerate(tiny_adapter, rollout.tree, torch.tensor([node]), embeds, rollout.sigmas, settings, ADDRESS)
@@ -53,24 +57,47 @@ def test_root_noise_is_the_addressed_draw(tiny_adapter):
     assert torch.equal(rollout.latents[root_of_prompt_1], expected[0])
 
 
-def test_split_edge_log_probs_follow_the_convention(tiny_adapter):
-    for convention in ("sampled", "anchor"):
-        settings = SamplerSettings(sde="dance", noise_level=0.3, max_batch=8, split_logprob=convention)
-        rollout, embeds = _grow(tiny_adapter, settings=settings)
-        tree = rollout.tree
-        child = tree.level_start[1]  # a child of the step-0 split (noise scale 2.0)
+def _dance_float64(x, v, sigma, sigma_next, eta):
+    """DanceGRPO's step in float64, written out from method.md §1 (independent of schedulers.flow)."""
+    x, v, sigma, sigma_next = x.double(), v.double(), float(sigma), float(sigma_next)
+    delta = sigma_next - sigma
+    x0_hat = x - sigma * v
+    score = -(x - (1 - sigma) * x0_hat) / sigma**2
+    return x + delta * v - 0.5 * eta**2 * score * delta, eta * math.sqrt(sigma - sigma_next)
+
+
+@pytest.mark.parametrize("multiplier", [1.0, 4.0])
+def test_split_edges_use_their_noise_level(tiny_adapter, multiplier):
+    """Each edge's mean and std follow its step's level (split default 0.6 at step 0, the split's own
+    0.9 at step 2, the sampler's 0.3 elsewhere), against a float64 computation. The stored log-prob is
+    the density sampled, log N(x'; μ, std²) = mean(-ε²/2) - log std - ½ log 2π; under the release's
+    noise-only multiplier m the draw is μ + m·std·ε and the log-prob keeps std: mean(-(mε)²/2) - log std - ..."""
+    spec = replace(SPEC, anchor_noise_multiplier=multiplier)
+    rollout, embeds = _grow(tiny_adapter, spec=spec)
+    tree = rollout.tree
+    for depth, level, on_split in ((0, 0.6, True), (1, 0.3, False), (2, 0.9, True), (3, 0.3, False)):
+        child = tree.level_start[depth + 1] + 1  # a node of prompt 0
         parent = tree.parent[child].item()
         x = rollout.latents[parent : parent + 1]
-        v = tiny_adapter.predict_velocity(x, rollout.sigmas[:1], {k: t[:1] for k, t in embeds.items()})
-        base = step("dance", x, v, rollout.sigmas[0], rollout.sigmas[1], torch.zeros_like(x), 0.3)
-        scale = 2.0 if convention == "sampled" else 1.0
-        expected = gaussian_log_prob(rollout.latents[child : child + 1], base.mean, base.std * scale)
-        assert rollout.log_prob[child].item() == pytest.approx(expected.item(), abs=1e-4)
-        assert rollout.std[child].item() == pytest.approx(base.std.item() * scale, rel=1e-6)
-    # under "sampled", a split edge's noise is standard normal under its own density: logp ≈ -½ - log std - ½ log 2π
-    sampled = logprob_std_scale(tree, SamplerSettings())
-    assert sampled[tree.level(1)].unique().tolist() == [2.0] and sampled[tree.level(3)].unique().tolist() == [1.5]
-    assert sampled[tree.level(2)].unique().tolist() == [1.0]
+        v = tiny_adapter.predict_velocity(x, rollout.sigmas[depth : depth + 1], {k: t[:1] for k, t in embeds.items()})
+        mean, std = _dance_float64(x, v, rollout.sigmas[depth], rollout.sigmas[depth + 1], level)
+        eps = noise.draw("step", ADDRESS.run_seed, ADDRESS.iteration, [ADDRESS.prompt_keys[0]], [tree.paths[child]], x.shape[1:]).double()
+        kick = multiplier if on_split else 1.0
+        assert torch.allclose(rollout.latents[child : child + 1].double(), mean + kick * std * eps, atol=1e-5)
+        assert rollout.std[child].item() == pytest.approx(std, rel=1e-6)
+        assert rollout.noise_level[child].item() == pytest.approx(level)
+        density = (-(kick * eps) ** 2 / 2).mean() - math.log(std) - 0.5 * math.log(2 * math.pi)
+        assert rollout.log_prob[child].item() == pytest.approx(density.item(), abs=1e-4)
+
+
+def test_nfe_counts_real_and_computed_rows(tiny_adapter):
+    """exact=True pads every forward to max_batch rows; nfe_computed says what that cost."""
+    fast, _ = _grow(tiny_adapter, settings=SamplerSettings(sde="dance", noise_level=0.3, max_batch=8))
+    padded, _ = _grow(tiny_adapter, settings=SamplerSettings(sde="dance", noise_level=0.3, max_batch=8, exact=True))
+    levels = [3 * n for n in SPEC.level_sizes()[:-1]]  # rows per level: 3, 6, 6, 18, 18
+    assert fast.nfe == padded.nfe == fast.nfe_computed == sum(levels) == 51
+    assert padded.nfe_computed == sum(math.ceil(n / 8) * 8 for n in levels) == 72
+    assert torch.allclose(fast.latents, padded.latents, atol=1e-4)
 
 
 def test_nfe_and_chain_rollout(tiny_adapter):

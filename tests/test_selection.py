@@ -90,8 +90,8 @@ def test_invalid_arguments():
 def test_per_group_matches_row_by_row(mode):
     torch.manual_seed(0)
     rewards = torch.randn(3, 8)
-    batched = select_per_group(rewards, 4, mode, seeded(7))
-    generator = seeded(7)
-    rows = torch.stack([select(row, 4, mode, generator) for row in rewards])
+    batched = select_per_group(rewards, 4, mode, [seeded(7 + p) for p in range(3)])
+    rows = torch.stack([select(row, 4, mode, seeded(7 + p)) for p, row in enumerate(rewards)])
     assert batched.shape == (3, 4) and batched.dtype == torch.long and torch.equal(batched, rows)
     assert select_per_group(TIED[None], 3, "best_worst").tolist() == [[1, 2, 3]]
+

@@ -1,0 +1,115 @@
+"""Checkpoint folders of a run: atomic publication, crash clean-up, and the resume check.
+
+A checkpoint is written into `.staging-<iteration>` and published as `iter-<iteration>` by renames
+only: an existing `iter-<iteration>` is first renamed to `.replaced-<iteration>`, the staging folder
+takes its name, and the replaced one is deleted. A crash at any point leaves either the old or the
+new checkpoint under its name, or the old one under `.replaced-*`, which `clean_interrupted` puts back.
+
+A resumed run must be the run that was saved: every config key must match the checkpoint's, except
+the keys of `RESUMABLE_KEYS`, which only say how long to run, where and what to log or evaluate.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from branchdiff.config import ConfigError
+
+PREFIX = "iter-"
+STAGING = ".staging-"
+REPLACED = ".replaced-"
+STATE_FILE = "trainer_state.json"
+RESUMABLE_KEYS = (
+    "iterations", "output_dir", "final_eval", "logging.*", "prompts.eval", "prompts.eval_seeds",
+    "sampling.max_batch", "sampling.exact",
+)
+
+
+def name(iteration: int) -> str:
+    return f"{PREFIX}{iteration:06d}"
+
+
+def checkpoints(directory: Path) -> list[Path]:
+    """Published checkpoints, oldest first."""
+    return sorted(directory.glob(f"{PREFIX}*"))
+
+
+def restore_replaced(directory: Path) -> None:
+    """Put back a replaced checkpoint whose successor never got its name (a crash inside `publish`)."""
+    for replaced in directory.glob(f"{REPLACED}*"):
+        final = directory / (PREFIX + replaced.name[len(REPLACED):])
+        if not final.exists():
+            replaced.rename(final)
+
+
+def clean_interrupted(directory: Path) -> None:
+    """Undo what a crash during a save left: replaced checkpoints are restored (`restore_replaced`)
+    or deleted, staging folders deleted."""
+    restore_replaced(directory)
+    for leftover in [*directory.glob(f"{STAGING}*"), *directory.glob(f"{REPLACED}*")]:
+        shutil.rmtree(leftover)
+
+
+def publish(staging: Path, final: Path) -> None:
+    """Give the complete checkpoint `staging` the name `final`, replacing any checkpoint there."""
+    replaced = final.with_name(REPLACED + final.name[len(PREFIX):])
+    if final.exists():
+        final.rename(replaced)
+    staging.rename(final)
+    shutil.rmtree(replaced, ignore_errors=True)
+
+
+def prune(directory: Path, keep: int) -> None:
+    for old in checkpoints(directory)[:-keep]:
+        shutil.rmtree(old)
+
+
+def find(directory: Path, which: str) -> Path:
+    """The checkpoint `which` names: "latest" or a path."""
+    if which == "latest":
+        found = checkpoints(directory)
+        if not found:
+            raise FileNotFoundError(f"--resume latest: no checkpoint under {directory}")
+        return found[-1]
+    path = Path(which)
+    if not (path / STATE_FILE).is_file():
+        raise FileNotFoundError(f"--resume {which}: {path} is not a checkpoint (no {STATE_FILE})")
+    return path
+
+
+def write_state(path: Path, iteration: int, config: dict) -> None:
+    (path / STATE_FILE).write_text(json.dumps({"iteration": iteration, "config": config}))
+
+
+def read_state(path: Path) -> dict:
+    try:
+        return json.loads((path / STATE_FILE).read_text())
+    except (json.JSONDecodeError, OSError) as error:
+        raise FileNotFoundError(f"--resume: {path / STATE_FILE} is unreadable ({error}); resume from an older checkpoint") from None
+
+
+def _flatten(tree: dict, prefix: str = "") -> dict[str, object]:
+    flat: dict[str, object] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def _resumable(key: str) -> bool:
+    return any(key == k or (k.endswith(".*") and key.startswith(k[:-1])) for k in RESUMABLE_KEYS)
+
+
+def check_config(saved: dict, current: dict, path: Path) -> None:
+    """Raise a one-line ConfigError naming the keys whose values differ from the checkpoint's."""
+    old, new = _flatten(saved), _flatten(current)
+    differing = [k for k in sorted(old.keys() | new.keys()) if not _resumable(k) and old.get(k) != new.get(k)]
+    if differing:
+        shown = ", ".join(f"{k}: checkpoint {old.get(k)!r}, now {new.get(k)!r}" for k in differing[:4])
+        more = f" (and {len(differing) - 4} more)" if len(differing) > 4 else ""
+        raise ConfigError(f"--resume {path}: the config differs from the checkpoint's: {shown}{more}; "
+                          f"resume with the run's config (keys that may change: {', '.join(RESUMABLE_KEYS)}) or start a new run")
