@@ -51,6 +51,7 @@ class IterationResult:
     metrics: dict[str, float]
     rollout: Rollout
     leaf_images: torch.Tensor  # (L, 3, H, W)
+    node_rewards: torch.Tensor  # (N,) fused reward of each node
     node_advantages: torch.Tensor  # (N,) clipped advantage of the edge into each node
     trained: torch.Tensor  # (N,) bool: the edge into the node got gradients
 
@@ -262,7 +263,7 @@ class Trainer:
         info["train_seconds"] = time.perf_counter() - start
         metrics = {"iteration": iteration, **iteration_metrics(self.collective, rollout, scores, self.reward_key, mask, train_stats, info)}
         self.refresh_explorer()
-        return IterationResult(metrics, rollout, images, node_advantages, mask)
+        return IterationResult(metrics, rollout, images, node_rewards, node_advantages, mask)
 
     def update(self, rollout: Rollout, embeds: dict, node_advantages: torch.Tensor, mask: torch.Tensor, iteration: int) -> dict[str, float]:
         """Clipped GRPO on the masked edges. Siblings share their parent's forward: minibatches are

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import gzip
 import os
+from importlib import resources
 from pathlib import Path
 
 import torch
@@ -30,8 +31,10 @@ SD3_ATTENTION_PROJECTIONS = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "
 
 
 def default_assets_dir() -> Path:
-    """`assets/tiny` of the source tree (or $BRANCHDIFF_TINY_MODEL)."""
-    return Path(os.environ.get("BRANCHDIFF_TINY_MODEL", Path(__file__).resolve().parents[2] / "assets" / "tiny"))
+    """$BRANCHDIFF_TINY_MODEL, else the built-in model shipped as package data of `branchdiff.assets`
+    (the source tree's `assets/tiny` in an editable install)."""
+    override = os.environ.get("BRANCHDIFF_TINY_MODEL")
+    return Path(override) if override else Path(str(resources.files("branchdiff.assets") / "tiny"))
 
 
 def build_tokenizer() -> CLIPTokenizer:
@@ -86,8 +89,8 @@ class TinyAdapter(ModelAdapter):
         path = Path(path) if path else default_assets_dir()
         if not (path / "transformer" / "config.json").is_file():
             raise FileNotFoundError(
-                f"no tiny model at {path}: expected {path}/transformer/config.json; run "
-                "`python scripts/pretrain_tiny.py` or set model.path / $BRANCHDIFF_TINY_MODEL"
+                f"no tiny model at {path}: expected {path}/transformer/config.json; set model.path or "
+                "$BRANCHDIFF_TINY_MODEL to a directory holding one (the source tree's scripts/pretrain_tiny.py makes one)"
             )
         return cls(
             SD3Transformer2DModel.from_pretrained(path / "transformer"),

@@ -1,0 +1,159 @@
+"""Two processes (`accelerate launch --num_processes 2`, gloo on CPU) against one.
+
+Two launches share a module fixture: a 2-iteration run, then `--resume latest` to a third iteration
+with the final evaluation. The trees branch (k = 2 at steps 0 and 1), advantages are normalised over
+the batch (`advantage.scope=batch`) and branches are width-pruned over the batch (`prune.width=global`),
+so processes train different numbers of edges and every batch-wide statistic must cross processes.
+The one-process reference runs in this process with both processes' prompts (per_iteration 2 × 2).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from branchdiff.advantage import depthwise_advantages
+from branchdiff.config import load_config, tree_spec
+from branchdiff.prune import width_mask
+from branchdiff.trainer import Trainer
+from branchdiff.tree import build_tree
+
+TESTS = Path(__file__).parent
+PER_PROCESS = 2
+
+
+def _overrides(model_dir: Path, run: Path, per_iteration: int) -> list[str]:
+    return [
+        f"model.path={model_dir}", f"output_dir={run}", "seed=5", "reward=rewards_for_tests:Redness",
+        f"prompts.per_iteration={per_iteration}", "sampling.num_steps=3", "sampling.max_batch=8", "tree.roots=1",
+        "tree.splits=[[0,2],[1,2]]", "advantage.scope=batch", "prune.width=global", "prune.width_ratio=0.5",
+        "train.minibatch=2", "train.learning_rate=1e-2", "logging.checkpoint_every=1", "logging.sample_every=1",
+        "logging.tensorboard=false", "prompts.eval_seeds=1",
+    ]
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def launch_two(record_dir: Path, cli_args: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
+    """`accelerate launch` two CPU processes of `branchdiff train` (recording, tests/two_process_run.py)."""
+    accelerate = Path(sys.executable).parent / "accelerate"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]),
+           "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "ACCELERATE_USE_CPU": "true"}
+    command = [str(accelerate), "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+               "--main_process_ip", "127.0.0.1", "--main_process_port", str(_free_port()), "--mixed_precision", "no",
+               "--dynamo_backend", "no", str(TESTS / "two_process_run.py"), str(record_dir), *cli_args]
+    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def two_process_run(tiny_model_dir, tmp_path_factory):
+    base = tmp_path_factory.mktemp("two-process")
+    run, records = base / "run", base / "records"
+    records.mkdir()
+    overrides = _overrides(tiny_model_dir, run, PER_PROCESS)
+    first = launch_two(records, ["train", "tiny-chain", *overrides, "iterations=2", "final_eval=false"])
+    assert first.returncode == 0, first.stderr[-3000:]
+    resumed = launch_two(records, ["train", "tiny-chain", *overrides, "iterations=3", "--resume", "latest"])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    record = {(rank, it): torch.load(records / f"rank{rank}-iter{it}.pt", weights_only=True) for rank in (0, 1) for it in range(3)}
+    return {"run": run, "record": record, "resumed": resumed, "model_dir": tiny_model_dir, "base": base}
+
+
+def _lora(record: dict) -> dict[str, torch.Tensor]:
+    return {k[len("lora/"):]: v for k, v in record.items() if k.startswith("lora/")}
+
+
+def test_lora_is_bitwise_identical_on_both_processes_after_every_update(two_process_run):
+    record = two_process_run["record"]
+    for iteration in range(3):
+        a, b = _lora(record[0, iteration]), _lora(record[1, iteration])
+        assert a.keys() == b.keys() and len(a) > 0
+        assert all(torch.equal(a[k], b[k]) for k in a), iteration
+    assert any(not torch.equal(_lora(record[0, 0])[k], _lora(record[0, 2])[k]) for k in _lora(record[0, 0]))  # it trained
+
+
+def test_processes_draw_different_prompts(two_process_run):
+    record = two_process_run["record"]
+    for iteration in range(3):
+        keys = [record[rank, iteration]["keys"].tolist() for rank in (0, 1)]
+        assert keys == [[0, 1], [2, 3]]
+        ids = [set(record[rank, iteration]["prompt_ids"].tolist()) for rank in (0, 1)]
+        assert not ids[0] & ids[1]
+
+
+def _union(values: list[torch.Tensor], depths: list[torch.Tensor], num_steps: int) -> torch.Tensor:
+    """Per-node values of both processes' trees in the level order of one tree batch holding all
+    their prompts (process 0's prompts first): level d of the union is level d of 0, then of 1."""
+    return torch.cat([v[d == depth] for depth in range(num_steps + 1) for v, d in zip(values, depths)])
+
+
+def test_batch_statistics_equal_the_one_process_computation_on_the_union(two_process_run):
+    """scope=batch advantages and global width pruning on two processes equal the one-process
+    functions applied to the union of both processes' trees."""
+    record = two_process_run["record"]
+    config = load_config("tiny-chain", _overrides(two_process_run["model_dir"], two_process_run["run"], 2 * PER_PROCESS))
+    spec = tree_spec(config, 0)
+    union_tree = build_tree(spec, 2 * PER_PROCESS)
+    edges_per_process = []
+    for iteration in range(3):
+        parts = [record[rank, iteration] for rank in (0, 1)]
+        depths = [p["depth"] for p in parts]
+        rewards = _union([p["node_rewards"] for p in parts], depths, spec.num_steps)
+        expected = depthwise_advantages(union_tree, rewards, "batch").clamp(-5, 5)
+        got = _union([p["advantages"] for p in parts], depths, spec.num_steps)
+        assert torch.allclose(got, expected, atol=1e-6), iteration
+        per_tree = depthwise_advantages(build_tree(spec, PER_PROCESS), parts[0]["node_rewards"], "batch").clamp(-5, 5)
+        assert not torch.allclose(per_tree, parts[0]["advantages"], atol=1e-3)  # one process's own std is not the batch's
+        trained = _union([p["trained"] for p in parts], depths, spec.num_steps)
+        assert torch.equal(trained, width_mask(union_tree, expected, "global", 0.5) & union_tree.is_sde_edge)
+        edges_per_process.append([int(p["trained"].sum()) for p in parts])
+    assert any(a != b for a, b in edges_per_process)  # the processes trained unequal numbers of edges
+
+
+def test_metrics_and_update_equal_one_process_on_both_prompt_sets(two_process_run):
+    """One process with per_iteration = 2 × 2 draws the same prompts with the same noise; its first
+    iteration's metrics and update must be those the two processes logged and made together (edges
+    weigh the same wherever they are: the loss is normalised by the global edge count)."""
+    two = [json.loads(line) for line in (two_process_run["run"] / "metrics.jsonl").read_text().splitlines()]
+    single = Trainer(load_config("tiny-chain", _overrides(two_process_run["model_dir"], two_process_run["base"] / "single", 2 * PER_PROCESS)))
+    result = single.run_iteration(0)
+    one = result.metrics
+    for key in ("nfe_rollout", "nfe_rollout_computed", "nfe_trained", "edges_trained", "optimizer_steps"):
+        assert two[0][key] == one[key], key
+    assert one["nfe_rollout"] == 2 * PER_PROCESS * (1 + 2 + 4)  # the sum over processes, not process 0's share
+    for key in ("reward_mean", "reward_std", "loss", "clip_fraction", "kl", "grad_norm"):
+        assert two[0][key] == pytest.approx(one[key], rel=1e-4, abs=1e-7), key
+    assert two[0]["logprob_check"] < 1e-4 and one["logprob_check"] < 1e-4
+    edges = [int(two_process_run["record"][rank, 0]["trained"].sum()) for rank in (0, 1)]
+    assert edges[0] != edges[1]  # per-process normalisation would weigh these edges differently (grad_norm above)
+    # the update itself: Adam's first step is about lr·sign(g), so gradient entries that differ only in
+    # float rounding around 0 may flip; the two updates agree to 1% of their size
+    trained_one = {k: v.detach() for k, v in single.adapter.denoiser.named_parameters() if "lora_" in k}
+    trained_two = _lora(two_process_run["record"][0, 0])
+    difference = torch.cat([(trained_one[k] - trained_two[k]).flatten() for k in trained_two])
+    update = torch.cat([trained_two[k].flatten() for k in trained_two if "lora_B" in k])  # B starts at 0
+    assert difference.norm() < 1e-2 * update.norm() and update.norm() > 0
+
+
+def test_resume_continues_and_the_run_ends_with_the_evaluation_table(two_process_run):
+    run, record = two_process_run["run"], two_process_run["record"]
+    assert [json.loads(line)["iteration"] for line in (run / "metrics.jsonl").read_text().splitlines()] == [0, 1, 2]
+    saved = load_file(run / "checkpoints" / "iter-000001" / "pytorch_lora_weights.safetensors")
+    trained = _lora(record[0, 1])
+    assert len(saved) == len(trained) and all(torch.equal(saved["transformer." + k.replace(".default", "")], v) for k, v in trained.items())
+    out = two_process_run["resumed"].stdout
+    assert "held-out evaluation" in out and "base" in out and "trained" in out
+    assert set(json.loads((run / "eval.json").read_text())) == {"prompts", "base", "trained"}
+    assert (run / "lora" / "pytorch_lora_weights.safetensors").is_file()
