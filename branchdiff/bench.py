@@ -1,9 +1,12 @@
 """`branchdiff bench tree`: one full training iteration of each algorithm, side by side.
 
 Every variant is a full iteration (rollout + rewards + advantages + update) on the built-in model,
-measured in one process, interleaved (variant A, B, C, A, B, C, ...), median of `repeats`.
-Beside them: the same tree expanded node by node with batch-1 forwards and per-edge updates (the
-BranchGRPO release's way), and the bare model forwards the batched tree rollout needed.
+measured in one process, interleaved (variant A, B, C, A, B, C, ...), median of `repeats`, in the
+configuration users run by default (`sampling.exact=false`: only real rows are computed) and, as a
+second column, with `sampling.exact=true` (every rollout forward padded to `max_batch` rows for
+bit-exact regeneration). Beside them: the same tree expanded node by node with batch-1 forwards
+and per-edge updates (the BranchGRPO release's way), and the bare model forwards the batched tree
+rollout needed (its real rows, unpadded).
 
 NFE model of an iteration's cost: `rollout_nfe + c · trained_nfe`, where trained_nfe counts the
 parent forwards (with backward) of the update and c is the measured cost of such a row relative
@@ -29,7 +32,7 @@ from branchdiff.trainer import Trainer
 ANCHOR_SPLITS = "[[0,2],[3,2],[6,2],[9,2]]"  # BranchGRPO: T = 20, k = 2 at steps 0, 3, 6, 9 → 16 leaves
 BASE = [
     "sampling.num_steps=20", "sampling.shift=3.0", "sampling.sde=dance", "sampling.noise_level=0.3",
-    "sampling.max_batch=64", "sampling.exact=false", "prompts.per_iteration=4", "train.minibatch=64",
+    "sampling.max_batch=64", "prompts.per_iteration=4", "train.minibatch=64",
     "logging.tensorboard=false", "final_eval=false", "iterations=1000",
 ]
 TREE = ["tree.roots=1", f"tree.splits={ANCHOR_SPLITS}"]
@@ -75,8 +78,8 @@ def measure_trained_row_cost(trainer: Trainer, rows: int = 64, repeats: int = 5)
 
 
 def rollout_and_bare_seconds(trainer: Trainer, iteration: int) -> tuple[float, float]:
-    """Seconds of a batched rollout of this iteration's tree, and of only the model forwards it
-    makes (same rows, same chunks), measured back to back."""
+    """Seconds of a batched rollout of this iteration's tree, and of only the model forwards of its
+    real rows (same chunks, no padding), measured back to back."""
     rollout, _, _, info = trainer.rollout_and_score(iteration)
     tree, adapter, max_batch = rollout.tree, trainer.adapter, trainer.settings.max_batch
     start = time.perf_counter()
@@ -88,66 +91,98 @@ def rollout_and_bare_seconds(trainer: Trainer, iteration: int) -> tuple[float, f
     return info["rollout_seconds"], time.perf_counter() - start
 
 
+def _row(runs: list[dict]) -> dict:
+    return {
+        "nfe_rollout": runs[0]["nfe_rollout"],
+        "nfe_rollout_computed": runs[0]["nfe_rollout_computed"],
+        "nfe_trained": runs[0]["nfe_trained"],
+        "edges_trained": runs[0]["edges_trained"],
+        "seconds": statistics.median(r["seconds"] for r in runs),
+        "rollout_seconds": statistics.median(r["rollout_seconds"] for r in runs),
+        "train_seconds": statistics.median(r["train_seconds"] for r in runs),
+        "reward_mean": statistics.mean(r["reward_mean"] for r in runs),
+    }
+
+
 def bench_tree(json_path: Path | None = None, repeats: int = 3, extra_overrides: list[str] = ()) -> dict:
+    """Rows per variant (default configuration) with an `exact` sub-row (sampling.exact=true), and
+    the ratios of both configurations."""
     torch.manual_seed(0)
-    trainers = {name: Trainer(load_config(None, [*BASE, *overrides, "output_dir=runs/bench", *extra_overrides]))
-                for name, overrides in VARIANTS.items()}
-    per_node = Trainer(load_config(None, [*BASE, *TREE, "train.minibatch=1", "output_dir=runs/bench", *extra_overrides]))
-    c = measure_trained_row_cost(trainers["chain"])
-    samples: dict[str, list[dict]] = {name: [] for name in [*VARIANTS, "tree_per_node"]}
-    rollout_over_bare = []
+
+    def make(overrides: list[str]) -> Trainer:
+        return Trainer(load_config(None, [*BASE, *overrides, "output_dir=runs/bench", *extra_overrides]))
+
+    configurations = {"default": [], "exact": ["sampling.exact=true"]}
+    trainers = {(name, conf): make([*overrides, *conf_overrides])
+                for conf, conf_overrides in configurations.items() for name, overrides in VARIANTS.items()}
+    per_node = make([*TREE, "train.minibatch=1"])
+    c = measure_trained_row_cost(trainers["chain", "default"])
+    samples: dict[tuple[str, str], list[dict]] = {key: [] for key in [*trainers, ("tree_per_node", "default")]}
+    rollout_over_bare: dict[str, list[float]] = {conf: [] for conf in configurations}
     for repeat in range(repeats + 1):  # the first round warms up and is discarded
-        for name, trainer in trainers.items():
+        for key, trainer in trainers.items():
             start = time.perf_counter()
             metrics = trainer.run_iteration(repeat).metrics
             if repeat:
-                samples[name].append({**metrics, "seconds": time.perf_counter() - start})
+                samples[key].append({**metrics, "seconds": time.perf_counter() - start})
         start = time.perf_counter()
         metrics = per_node.run_iteration(repeat, per_node=True).metrics
         if repeat:
-            samples["tree_per_node"].append({**metrics, "seconds": time.perf_counter() - start})
-            rollout_seconds, bare_seconds = rollout_and_bare_seconds(trainers["tree"], repeat)
-            rollout_over_bare.append(rollout_seconds / bare_seconds)
-    rows = {}
-    for name, runs in samples.items():
-        rows[name] = {
-            "nfe_rollout": runs[0]["nfe_rollout"],
-            "nfe_trained": runs[0]["nfe_trained"],
-            "edges_trained": runs[0]["edges_trained"],
-            "seconds": statistics.median(r["seconds"] for r in runs),
-            "rollout_seconds": statistics.median(r["rollout_seconds"] for r in runs),
-            "train_seconds": statistics.median(r["train_seconds"] for r in runs),
-            "reward_mean": statistics.mean(r["reward_mean"] for r in runs),
-        }
-    chain = rows["chain"]
-    chain_cost = chain["nfe_rollout"] + c * chain["nfe_trained"]
-    ratios = {"trained_row_cost_c": c}
-    for name, row in rows.items():
-        if name == "chain":
-            continue
-        speedup = chain["seconds"] / row["seconds"]
-        implied = chain_cost / (row["nfe_rollout"] + c * row["nfe_trained"])
-        row.update(speedup=speedup, nfe_speedup=implied, efficiency=speedup / implied)
-        if name in RATIO_NAMES:
-            ratios[RATIO_NAMES[name]] = speedup
-    ratios["per_node_over_batched"] = rows["tree_per_node"]["seconds"] / rows["tree"]["seconds"]
-    ratios["rollout_over_bare_forward"] = statistics.median(rollout_over_bare)
-    ratios["efficiency"] = {name: row["efficiency"] for name, row in rows.items() if "efficiency" in row and name != "tree_per_node"}
-    result = {"variants": rows, "ratios": ratios, "repeats": repeats, "base": BASE, "overrides": VARIANTS}
+            samples["tree_per_node", "default"].append({**metrics, "seconds": time.perf_counter() - start})
+            for conf in configurations:
+                rollout_seconds, bare_seconds = rollout_and_bare_seconds(trainers["tree", conf], repeat)
+                rollout_over_bare[conf].append(rollout_seconds / bare_seconds)
+    rows: dict[str, dict] = {}
+    ratios: dict = {"trained_row_cost_c": c}
+    for conf in configurations:
+        conf_rows = {name: _row(runs) for (name, run_conf), runs in samples.items() if run_conf == conf}
+        conf_ratios = _ratios(conf_rows, c)
+        conf_ratios["rollout_over_bare_forward"] = statistics.median(rollout_over_bare[conf])
+        if conf == "default":
+            rows, ratios = conf_rows, {**ratios, **conf_ratios}
+        else:
+            for name, row in conf_rows.items():
+                rows[name][conf] = row
+            ratios[conf] = conf_ratios
+    result = {"variants": rows, "ratios": ratios, "repeats": repeats, "base": BASE, "overrides": VARIANTS, "exact_column": configurations["exact"]}
     print(format_bench(rows, ratios))
     if json_path:
         json_path.write_text(json.dumps(result, indent=1))
     return result
 
 
-def format_bench(rows: dict, ratios: dict) -> str:
-    lines = [f"{'variant':<20}{'NFE roll':>9}{'NFE train':>10}{'edges':>7}{'s/iter':>8}{'speed-up':>9}{'NFE-implied':>12}{'efficiency':>11}"]
+def _ratios(rows: dict[str, dict], c: float) -> dict:
+    """Speed-ups over the chain, and each variant's efficiency against the NFE model (module doc)."""
+    chain = rows["chain"]
+    chain_cost = chain["nfe_rollout_computed"] + c * chain["nfe_trained"]
+    ratios: dict = {}
     for name, row in rows.items():
+        if name == "chain":
+            continue
+        speedup = chain["seconds"] / row["seconds"]
+        implied = chain_cost / (row["nfe_rollout_computed"] + c * row["nfe_trained"])
+        row.update(speedup=speedup, nfe_speedup=implied, efficiency=speedup / implied)
+        if name in RATIO_NAMES:
+            ratios[RATIO_NAMES[name]] = speedup
+    if "tree_per_node" in rows:
+        ratios["per_node_over_batched"] = rows["tree_per_node"]["seconds"] / rows["tree"]["seconds"]
+    ratios["efficiency"] = {name: row["efficiency"] for name, row in rows.items() if "efficiency" in row and name != "tree_per_node"}
+    return ratios
+
+
+def format_bench(rows: dict, ratios: dict) -> str:
+    """The default configuration's table with the exact=true column (rows computed, s/iter, speed-up)."""
+    lines = [f"{'variant':<18}{'NFE roll':>9}{'computed':>9}{'NFE train':>10}{'edges':>7}{'s/iter':>8}{'speed-up':>9}"
+             f"{'NFE-implied':>12}{'efficiency':>11} | {'exact: computed':>15}{'s/iter':>8}{'speed-up':>9}"]
+    for name, row in rows.items():
+        exact = row.get("exact", {})
         lines.append(
-            f"{name:<20}{row['nfe_rollout']:>9}{row['nfe_trained']:>10}{row['edges_trained']:>7}{row['seconds']:>8.2f}"
-            f"{row.get('speedup', 1.0):>9.2f}{row.get('nfe_speedup', 1.0):>12.2f}{row.get('efficiency', 1.0):>11.2f}"
+            f"{name:<18}{row['nfe_rollout']:>9}{row['nfe_rollout_computed']:>9}{row['nfe_trained']:>10}{row['edges_trained']:>7}"
+            f"{row['seconds']:>8.2f}{row.get('speedup', 1.0):>9.2f}{row.get('nfe_speedup', 1.0):>12.2f}{row.get('efficiency', 1.0):>11.2f} | "
+            + (f"{exact['nfe_rollout_computed']:>15}{exact['seconds']:>8.2f}{exact.get('speedup', 1.0):>9.2f}" if exact else "")
         )
-    lines.append("ratios: " + ", ".join(f"{k}={v:.2f}" for k, v in ratios.items() if not isinstance(v, dict)))
+    for label, values in (("ratios (default)", ratios), ("ratios (exact=true)", ratios.get("exact", {}))):
+        lines.append(f"{label}: " + ", ".join(f"{k}={v:.2f}" for k, v in values.items() if not isinstance(v, dict)))
     return "\n".join(lines)
 
 

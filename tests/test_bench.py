@@ -18,6 +18,10 @@ def test_bench_tree_counts(tiny_model_dir, tmp_path):
     # Mix (SDE on steps 0..3 and the splits 6, 9): edges into depths 1,2,3,4,7,10 = 2+2+2+4+8+16 = 34
     assert rows["mix"]["edges_trained"] == 34 and rows["mix"]["nfe_trained"] == 1 + 2 + 2 + 2 + 4 + 8
     assert rows["tree_per_node"]["nfe_rollout"] == 203
+    # the default computes only real rows; exact=true pads every level to max_batch = 64 rows
+    assert rows["tree"]["nfe_rollout_computed"] == 203 and rows["tree"]["exact"]["nfe_rollout_computed"] == 20 * 64
+    assert rows["chain"]["exact"]["nfe_rollout_computed"] == 20 * 64 and rows["chain"]["nfe_rollout_computed"] == 320
     assert set(result["ratios"]) >= {"chain_over_tree", "chain_over_tree_pruned", "chain_over_mix", "chain_over_best",
-                                     "per_node_over_batched", "rollout_over_bare_forward", "efficiency"}
+                                     "per_node_over_batched", "rollout_over_bare_forward", "efficiency", "exact"}
+    assert set(result["ratios"]["exact"]) >= {"chain_over_mix", "rollout_over_bare_forward"}
     assert (tmp_path / "bench.json").is_file()

@@ -8,7 +8,7 @@ from safetensors.torch import load_file
 
 from branchdiff.cli import main
 from branchdiff.config import load_config
-from branchdiff.trainer import Trainer
+from branchdiff.trainer import Trainer, optimizer_groups
 
 
 def _overrides(model_dir, out, iterations, *extra):
@@ -64,16 +64,54 @@ def test_resume_from_an_earlier_checkpoint_rewrites_later_metrics(tiny_model_dir
 
 
 def test_optimizer_cadence(tiny_model_dir, tmp_path):
-    config = load_config(None, _overrides(tiny_model_dir, tmp_path / "cadence", 1, "train.optimizer_every=5"))
+    config = load_config(None, _overrides(tiny_model_dir, tmp_path / "cadence", 1, "train.optimizer_every=8"))
     result = Trainer(config).run_iteration(0)
-    # 18 single-child parents in minibatches of 4 → edges 4,4,4,4,2; a step once ≥ 5 edges: after 8, 8, 2
-    assert result.metrics["optimizer_steps"] == 3
+    # 18 single-child parents in minibatches of 4 → edges 4,4,4,4,2; ⌊18/8⌋ = 2 steps of 8 and 10 edges
+    # (regression: a step once ≥ 8 edges had accumulated took a third step on the last 2 edges alone)
+    assert result.metrics["optimizer_steps"] == 2
+
+
+def test_optimizer_groups_are_the_same_on_every_process():
+    """Every process takes ⌊global edges / every⌋ steps whatever its own minibatches; a process
+    without edges in a step gets an empty group (it joins the gradient sync with a zero loss)."""
+    assert optimizer_groups([4, 4, 4, 4, 2], 18, 8) == [[0, 1], [2, 3, 4]]
+    assert optimizer_groups([4, 4, 4, 4, 2], 18, 0) == [[0, 1, 2, 3, 4]]
+    assert optimizer_groups([4, 4, 4, 4, 2], 18, 5) == [[0], [1, 2], [3, 4]]
+    assert optimizer_groups([6], 18, 5) == [[], [0], []]  # another process holds the other 12 edges
+    assert optimizer_groups([], 18, 5) == [[], [], []]
+    assert optimizer_groups([3], 3, 5) == [[0]]  # fewer edges than `every`: one step, not none
+
+
+def _dance_kl_float64(v_policy, v_reference, sigma, sigma_next, eta):
+    """KL between the dance transitions of two velocities at the same x, written out from method.md §1:
+    μ = x + Δ·v - ½η²·ŝ·Δ with ŝ = -(x + (1-σ)·v)/σ, so μ_θ - μ_ref = (v_θ - v_ref)·Δ·(1 + η²(1-σ)/(2σ));
+    std = η·√(σ - σ'); KL = mean((μ_θ - μ_ref)²) / (2·std²) per edge."""
+    delta = sigma_next - sigma
+    gap = (v_policy.double() - v_reference.double()) * delta * (1 + eta**2 * (1 - sigma) / (2 * sigma))
+    return gap.pow(2).flatten(1).mean(1) / (2 * eta**2 * (sigma - sigma_next))
 
 
 def test_kl_to_the_adapter_free_base(tiny_model_dir, tmp_path):
-    trainer = Trainer(load_config(None, _overrides(tiny_model_dir, tmp_path / "kl", 2, "train.kl_beta=0.1")))
+    trainer = Trainer(load_config(None, _overrides(tiny_model_dir, tmp_path / "kl", 2, "train.kl_beta=0.1", "sampling.sde=dance",
+                                                   "sampling.noise_level=0.3")))
     assert trainer.run_iteration(0).metrics["kl"] == 0.0  # before the first update the adapter (B = 0) is the base
-    assert trainer.run_iteration(1).metrics["kl"] > 0.0
+    rollout, _, _, info = trainer.rollout_and_score(1)  # what iteration 1 trains on (addressed noise: the same rollout)
+    tree, denoiser = rollout.tree, trainer.adapter.denoiser
+    children = torch.nonzero(tree.depth > 0).squeeze(1)  # every edge is trained (no pruning, all SDE)
+    parents = tree.parent[children]
+    x, sigma = rollout.latents[parents], rollout.sigmas[tree.depth[parents]]
+    embeds = {k: v[tree.prompt[parents]] for k, v in info["embeds"].items()}
+    with torch.no_grad():
+        v_policy = trainer.adapter.predict_velocity(x, sigma, embeds)
+        denoiser.disable_adapters()
+        v_reference = trainer.adapter.predict_velocity(x, sigma, embeds)
+        denoiser.enable_adapters()
+    expected = torch.stack([
+        _dance_kl_float64(v_policy[i : i + 1], v_reference[i : i + 1], sigma[i].item(), rollout.sigmas[tree.depth[c]].item(), 0.3)
+        for i, c in enumerate(children.tolist())
+    ]).mean()
+    kl = trainer.run_iteration(1).metrics["kl"]
+    assert kl > 0 and kl == pytest.approx(expected.item(), rel=1e-3)
 
 
 @pytest.fixture
@@ -86,11 +124,16 @@ def fresh_accelerator_state():
     AcceleratorState._reset_state(reset_partial_state=True)
 
 
-def test_bf16_autocast_keeps_the_ratio_near_one(tiny_model_dir, tmp_path, fresh_accelerator_state):
-    trainer = Trainer(load_config(None, _overrides(tiny_model_dir, tmp_path / "bf16", 1, "train.mixed_precision=bf16")))
+@pytest.mark.parametrize("minibatch", [4, 3])
+def test_bf16_autocast_keeps_the_ratio_at_one(tiny_model_dir, tmp_path, fresh_accelerator_state, minibatch):
+    """Rollout and training run under the same autocast; the training minibatches (4 or 3 parents)
+    differ from the rollout's level batches (6 rows), yet the ratio before the first update must be 1
+    far within the clip range ε = 1e-3 (0.0 measured), and no edge may be clipped."""
+    trainer = Trainer(load_config(None, _overrides(tiny_model_dir, tmp_path / "bf16", 1, "train.mixed_precision=bf16",
+                                                   f"train.minibatch={minibatch}")))
     metrics = trainer.run_iteration(0).metrics
-    # rollout and training run under the same autocast; bf16 rounding differs between batch shapes
-    assert metrics["logprob_check"] < 0.05 and metrics["edges_trained"] == 18
+    assert metrics["logprob_check"] <= 1e-2 * trainer.config.train.clip_range
+    assert metrics["clip_fraction"] == 0.0 and metrics["edges_trained"] == 18
 
 
 def test_sample_and_eval_commands(tiny_model_dir, tmp_path, capsys):
