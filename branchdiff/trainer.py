@@ -17,7 +17,6 @@ import copy
 import json
 import math
 import time
-from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,7 +32,6 @@ from branchdiff.data import draw_prompts, load_prompts
 from branchdiff.distributed import AcceleratorCollective
 from branchdiff.evaluate import evaluate_tiny
 from branchdiff.explore import ExploreResult, explore_seeds, explore_tree, latent_difference, pool_under_policy, selection_generators
-from branchdiff.loss import clipped_surrogate, kl_to_reference
 from branchdiff.metrics import iteration_metrics
 from branchdiff.models import load_adapter
 from branchdiff.models.base import ModelAdapter, select_embeds
@@ -42,8 +40,9 @@ from branchdiff.quant import QuantConfig, make_quantized_copy, refresh_quantized
 from branchdiff.report import save_grid
 from branchdiff.rewards.registry import build_reward, reward_key, score_batch
 from branchdiff.rollout import NoiseAddress, Rollout, SamplerSettings, grow
-from branchdiff.schedulers.flow import gaussian_log_prob, sigma_schedule, step
+from branchdiff.schedulers.flow import sigma_schedule
 from branchdiff.tree import build_tree
+from branchdiff.update import PolicyUpdate
 
 
 @dataclass
@@ -74,6 +73,8 @@ class Trainer:
             kwargs_handlers=[DistributedDataParallelKwargs(broadcast_buffers=False)],
         )
         self.collective = AcceleratorCollective(self.accelerator)
+        self.sigmas = sigma_schedule(config.sampling.num_steps, config.sampling.shift).to(self.accelerator.device)
+        self.settings = sampler_settings(config)
         set_seed(config.seed)
         self.adapter = load_adapter(config.model.family, config.model.path, self.accelerator.device)
         self.lora_params = add_lora(
@@ -84,13 +85,13 @@ class Trainer:
         # the training forward goes through the (DDP-)wrapped module; everything else uses the plain one
         self.train_adapter = copy.copy(self.adapter)
         self.train_adapter.denoiser = wrapped
+        self.policy_update = PolicyUpdate(config, self.accelerator, self.collective, self.adapter, self.train_adapter,
+                                          self.optimizer, self.lora_params, self.sigmas, self.settings)
         self.accelerator.register_save_state_pre_hook(self._save_hook)
         self.accelerator.register_load_state_pre_hook(self._load_hook)
         self.reward = build_reward(config.reward, str(self.accelerator.device))
         self.reward_key = reward_key(self.reward)
         self.prompts = load_prompts(config.prompts.train)
-        self.sigmas = sigma_schedule(config.sampling.num_steps, config.sampling.shift).to(self.accelerator.device)
-        self.settings = sampler_settings(config)
         self.explorer = self._make_explorer()
         self.start_iteration = 0
 
@@ -266,90 +267,8 @@ class Trainer:
         return IterationResult(metrics, rollout, images, node_rewards, node_advantages, mask)
 
     def update(self, rollout: Rollout, embeds: dict, node_advantages: torch.Tensor, mask: torch.Tensor, iteration: int) -> dict[str, float]:
-        """Clipped GRPO on the masked edges. Siblings share their parent's forward: minibatches are
-        made of parent nodes. Every process takes the same optimizer steps (`optimizer_groups`), and
-        a step's loss is the sum over its edges on all processes divided by their global count, so
-        an edge weighs the same whichever process holds it. Returns this process's sums."""
-        config, tree, accelerator = self.config, rollout.tree, self.accelerator
-        edges = torch.nonzero(mask).squeeze(1)  # (E,) child node of each trained edge
-        stats = {"loss_sum": 0.0, "clipped": 0.0, "kl_sum": 0.0, "logprob_check": 0.0, "nfe_trained": 0, "optimizer_steps": 0, "grad_norm": 0.0}
-        global_edges = int(self.collective.sum(torch.tensor([float(len(edges))], dtype=torch.float64)).item())
-        if global_edges == 0:
-            return stats
-        parents, edge_parent = torch.unique(tree.parent[edges], return_inverse=True)  # (U,), (E,)
-        generator = torch.Generator().manual_seed(config.seed * 104_729 + iteration)
-        order = torch.randperm(len(parents), generator=generator)
-        minibatches = [rows.sort().values for rows in order.split(config.train.minibatch)]  # rows of `parents`
-        minibatch_edges = [torch.nonzero(torch.isin(edge_parent, rows)).squeeze(1) for rows in minibatches]  # rows of `edges`
-        groups = optimizer_groups([len(e) for e in minibatch_edges], global_edges, config.train.optimizer_every)
-        local_group_edges = torch.tensor([float(sum(len(minibatch_edges[m]) for m in g)) for g in groups], dtype=torch.float64)
-        group_edges = self.collective.sum(local_group_edges).tolist()  # edges of each optimizer step, all processes
-        measured = False
-        for group, step_edges in zip(groups, group_edges):
-            if step_edges == 0:
-                continue
-            members = group or [None]  # a process without edges in this step still joins DDP's gradient sync
-            for index, m in enumerate(members):
-                sync = index == len(members) - 1
-                with (nullcontext() if sync else accelerator.no_sync(self.train_adapter.denoiser)), accelerator.autocast():
-                    if m is None:
-                        loss = self._idle_loss(rollout, embeds)
-                    else:
-                        parent_rows, edge_rows = minibatches[m], minibatch_edges[m]  # (u,), (e,)
-                        local = torch.searchsorted(parent_rows, edge_parent[edge_rows])  # (e,) parent row of each edge
-                        per_edge, log_prob, was_clipped, kl = self._edge_losses(
-                            rollout, embeds, node_advantages, parents[parent_rows], edges[edge_rows], local)
-                        if not measured:  # the ratio before any update: rollout and training must agree
-                            old = rollout.log_prob[edges[edge_rows]].to(log_prob.device)
-                            stats["logprob_check"] = (log_prob.detach() - old).abs().max().item()
-                            measured = True
-                        loss = per_edge.sum() * accelerator.num_processes / step_edges  # DDP averages over processes
-                        stats["loss_sum"] += per_edge.sum().item()
-                        stats["clipped"] += was_clipped.sum().item()
-                        stats["kl_sum"] += kl.sum().item()
-                        stats["nfe_trained"] += len(parent_rows)
-                    accelerator.backward(loss)
-            if accelerator.sync_gradients:
-                stats["grad_norm"] = float(accelerator.clip_grad_norm_(self.lora_params, config.train.max_grad_norm))
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
-            stats["optimizer_steps"] += 1
-        return stats
-
-    def _edge_losses(self, rollout: Rollout, embeds: dict, node_advantages: torch.Tensor, parent_nodes: torch.Tensor,
-                     child_nodes: torch.Tensor, local: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """Per-edge loss (e,), log-prob (e,), clip flags (e,) and KL (e,) of the edges into
-        `child_nodes`, whose parents are `parent_nodes[local]` (one forward per parent)."""
-        config, tree = self.config, rollout.tree
-        x = rollout.latents[parent_nodes]  # (u, ...)
-        sigma = self.sigmas[tree.depth[parent_nodes]]
-        sigma_next = self.sigmas[tree.depth[child_nodes]]
-        level = rollout.noise_level[child_nodes].to(x.device)  # (e,) each edge's own SDE level
-        node_embeds = select_embeds(embeds, tree.prompt[parent_nodes])
-        x_parent = x[local]
-        velocity = self.train_adapter.predict_velocity(x, sigma, node_embeds)[local]
-        out = step(self.settings.sde, x_parent, velocity, sigma[local], sigma_next, torch.zeros_like(x_parent), level, self.sigmas[1])
-        log_prob = gaussian_log_prob(rollout.latents[child_nodes], out.mean, out.std)
-        old = rollout.log_prob[child_nodes].to(log_prob.device)
-        advantages = node_advantages[child_nodes].to(log_prob.device).float()
-        per_edge, was_clipped = clipped_surrogate(log_prob, old, advantages, config.train.clip_range)
-        kl = torch.zeros_like(per_edge)
-        if config.train.kl_beta > 0:
-            with torch.no_grad():
-                self.adapter.denoiser.disable_adapters()
-                ref_velocity = self.adapter.predict_velocity(x, sigma, node_embeds)[local]
-                self.adapter.denoiser.enable_adapters()
-            ref = step(self.settings.sde, x_parent, ref_velocity, sigma[local], sigma_next, torch.zeros_like(x_parent), level, self.sigmas[1])
-            kl = kl_to_reference(out.mean, ref.mean, out.std)
-            per_edge = per_edge + config.train.kl_beta * kl
-        return per_edge, log_prob, was_clipped, kl.detach()
-
-    def _idle_loss(self, rollout: Rollout, embeds: dict) -> torch.Tensor:
-        """A zero loss through the wrapped denoiser, for a process with no edges in an optimizer
-        step: DDP's gradient sync needs every process's backward."""
-        root = torch.tensor([0])
-        velocity = self.train_adapter.predict_velocity(rollout.latents[root], self.sigmas[:1], select_embeds(embeds, rollout.tree.prompt[root]))
-        return velocity.sum() * 0.0
+        """Clipped GRPO on the masked edges (`branchdiff.update.PolicyUpdate`)."""
+        return self.policy_update(rollout, embeds, node_advantages, mask, iteration)
 
     # ---------------------------------------------------------------- the run
     def train(self) -> None:
@@ -409,18 +328,3 @@ def _iteration_of(line: str) -> float:
         return json.loads(line)["iteration"]
     except (json.JSONDecodeError, KeyError, TypeError):
         return float("inf")
-
-
-def optimizer_groups(edges_per_minibatch: list[int], global_edges: int, every: int) -> list[list[int]]:
-    """Minibatch indices of each optimizer step. Every process takes the same number of steps:
-    one (every = 0) or n = max(1, ⌊global_edges / every⌋), so steps hold about global_edges / n ≥
-    every edges and a remainder never takes a step of its own. A process assigns each minibatch to
-    the step its edge midpoint falls in, ⌊n·(start + e/2) / E⌋; a step may be empty on a process."""
-    steps = 1 if every <= 0 else max(1, global_edges // every)
-    total = sum(edges_per_minibatch)
-    groups: list[list[int]] = [[] for _ in range(steps)]
-    start = 0
-    for index, edges in enumerate(edges_per_minibatch):
-        groups[min(steps - 1, int(steps * (start + edges / 2) / total)) if total else 0].append(index)
-        start += edges
-    return groups

@@ -8,7 +8,8 @@ from safetensors.torch import load_file
 
 from branchdiff.cli import main
 from branchdiff.config import load_config
-from branchdiff.trainer import Trainer, optimizer_groups
+from branchdiff.trainer import Trainer
+from branchdiff.update import optimizer_groups
 
 
 def _overrides(model_dir, out, iterations, *extra):

@@ -1,0 +1,136 @@
+"""The policy update of an iteration: clipped GRPO (method.md §2) over the trained edges of a rollout.
+
+Siblings share their parent's forward: minibatches are made of parent nodes, and each parent's
+velocity serves all its trained children. With several processes, every process takes the same
+optimizer steps (`optimizer_groups` from the global edge count), and a step's loss is the sum over
+its edges on all processes divided by their global count, so an edge weighs the same whichever
+process holds it; a process with no edges in a step joins DDP's gradient sync with a zero loss.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import torch
+from accelerate import Accelerator
+
+from branchdiff.config import TrainConfig
+from branchdiff.distributed import Collective
+from branchdiff.loss import clipped_surrogate, kl_to_reference
+from branchdiff.models.base import ModelAdapter, select_embeds
+from branchdiff.rollout import Rollout, SamplerSettings
+from branchdiff.schedulers.flow import gaussian_log_prob, step
+
+
+@dataclass
+class PolicyUpdate:
+    config: TrainConfig
+    accelerator: Accelerator
+    collective: Collective
+    policy: ModelAdapter  # the plain denoiser: the KL reference runs it with the adapter disabled
+    train_policy: ModelAdapter  # the same denoiser behind the (DDP-)wrapper: the training forward
+    optimizer: torch.optim.Optimizer
+    params: list[torch.nn.Parameter]  # the LoRA parameters (gradient clipping)
+    sigmas: torch.Tensor  # (T+1,)
+    settings: SamplerSettings
+
+    def __call__(self, rollout: Rollout, embeds: dict, node_advantages: torch.Tensor, mask: torch.Tensor, iteration: int) -> dict[str, float]:
+        """Train the edges into the nodes `mask` (N,) with their `node_advantages` (N,); returns this
+        process's sums (loss, clipped edges, KL, parent forwards), the log-prob check, the gradient
+        norm and the number of optimizer steps."""
+        config, tree, accelerator = self.config, rollout.tree, self.accelerator
+        edges = torch.nonzero(mask).squeeze(1)  # (E,) child node of each trained edge
+        stats = {"loss_sum": 0.0, "clipped": 0.0, "kl_sum": 0.0, "logprob_check": 0.0, "nfe_trained": 0, "optimizer_steps": 0, "grad_norm": 0.0}
+        global_edges = int(self.collective.sum(torch.tensor([float(len(edges))], dtype=torch.float64)).item())
+        if global_edges == 0:
+            return stats
+        parents, edge_parent = torch.unique(tree.parent[edges], return_inverse=True)  # (U,), (E,)
+        generator = torch.Generator().manual_seed(config.seed * 104_729 + iteration)
+        order = torch.randperm(len(parents), generator=generator)
+        minibatches = [rows.sort().values for rows in order.split(config.train.minibatch)]  # rows of `parents`
+        minibatch_edges = [torch.nonzero(torch.isin(edge_parent, rows)).squeeze(1) for rows in minibatches]  # rows of `edges`
+        groups = optimizer_groups([len(e) for e in minibatch_edges], global_edges, config.train.optimizer_every)
+        local_group_edges = torch.tensor([float(sum(len(minibatch_edges[m]) for m in g)) for g in groups], dtype=torch.float64)
+        group_edges = self.collective.sum(local_group_edges).tolist()  # edges of each optimizer step, all processes
+        measured = False
+        for group, step_edges in zip(groups, group_edges):
+            if step_edges == 0:
+                continue
+            members = group or [None]  # a process without edges in this step still joins DDP's gradient sync
+            for index, m in enumerate(members):
+                sync = index == len(members) - 1
+                with (nullcontext() if sync else accelerator.no_sync(self.train_policy.denoiser)), accelerator.autocast():
+                    if m is None:
+                        loss = self._idle_loss(rollout, embeds)
+                    else:
+                        parent_rows, edge_rows = minibatches[m], minibatch_edges[m]  # (u,), (e,)
+                        local = torch.searchsorted(parent_rows, edge_parent[edge_rows])  # (e,) parent row of each edge
+                        per_edge, log_prob, was_clipped, kl = self._edge_losses(
+                            rollout, embeds, node_advantages, parents[parent_rows], edges[edge_rows], local)
+                        if not measured:  # the ratio before any update: rollout and training must agree
+                            old = rollout.log_prob[edges[edge_rows]].to(log_prob.device)
+                            stats["logprob_check"] = (log_prob.detach() - old).abs().max().item()
+                            measured = True
+                        loss = per_edge.sum() * accelerator.num_processes / step_edges  # DDP averages over processes
+                        stats["loss_sum"] += per_edge.sum().item()
+                        stats["clipped"] += was_clipped.sum().item()
+                        stats["kl_sum"] += kl.sum().item()
+                        stats["nfe_trained"] += len(parent_rows)
+                    accelerator.backward(loss)
+            if accelerator.sync_gradients:
+                stats["grad_norm"] = float(accelerator.clip_grad_norm_(self.params, config.train.max_grad_norm))
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            stats["optimizer_steps"] += 1
+        return stats
+
+    def _edge_losses(self, rollout: Rollout, embeds: dict, node_advantages: torch.Tensor, parent_nodes: torch.Tensor,
+                     child_nodes: torch.Tensor, local: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Per-edge loss (e,), log-prob (e,), clip flags (e,) and KL (e,) of the edges into
+        `child_nodes`, whose parents are `parent_nodes[local]` (one forward per parent)."""
+        config, tree = self.config, rollout.tree
+        x = rollout.latents[parent_nodes]  # (u, ...)
+        sigma = self.sigmas[tree.depth[parent_nodes]]
+        sigma_next = self.sigmas[tree.depth[child_nodes]]
+        level = rollout.noise_level[child_nodes].to(x.device)  # (e,) each edge's own SDE level
+        node_embeds = select_embeds(embeds, tree.prompt[parent_nodes])
+        x_parent = x[local]
+        velocity = self.train_policy.predict_velocity(x, sigma, node_embeds)[local]
+        out = step(self.settings.sde, x_parent, velocity, sigma[local], sigma_next, torch.zeros_like(x_parent), level, self.sigmas[1])
+        log_prob = gaussian_log_prob(rollout.latents[child_nodes], out.mean, out.std)
+        old = rollout.log_prob[child_nodes].to(log_prob.device)
+        advantages = node_advantages[child_nodes].to(log_prob.device).float()
+        per_edge, was_clipped = clipped_surrogate(log_prob, old, advantages, config.train.clip_range)
+        kl = torch.zeros_like(per_edge)
+        if config.train.kl_beta > 0:
+            with torch.no_grad():
+                self.policy.denoiser.disable_adapters()
+                ref_velocity = self.policy.predict_velocity(x, sigma, node_embeds)[local]
+                self.policy.denoiser.enable_adapters()
+            ref = step(self.settings.sde, x_parent, ref_velocity, sigma[local], sigma_next, torch.zeros_like(x_parent), level, self.sigmas[1])
+            kl = kl_to_reference(out.mean, ref.mean, out.std)
+            per_edge = per_edge + config.train.kl_beta * kl
+        return per_edge, log_prob, was_clipped, kl.detach()
+
+    def _idle_loss(self, rollout: Rollout, embeds: dict) -> torch.Tensor:
+        """A zero loss through the wrapped denoiser, for a process with no edges in an optimizer
+        step: DDP's gradient sync needs every process's backward."""
+        root = torch.tensor([0])
+        velocity = self.train_policy.predict_velocity(rollout.latents[root], self.sigmas[:1], select_embeds(embeds, rollout.tree.prompt[root]))
+        return velocity.sum() * 0.0
+
+
+def optimizer_groups(edges_per_minibatch: list[int], global_edges: int, every: int) -> list[list[int]]:
+    """Minibatch indices of each optimizer step. Every process takes the same number of steps:
+    one (every = 0) or n = max(1, ⌊global_edges / every⌋), so steps hold about global_edges / n ≥
+    every edges and a remainder never takes a step of its own. A process assigns each minibatch to
+    the step its edge midpoint falls in, ⌊n·(start + e/2) / E⌋; a step may be empty on a process."""
+    steps = 1 if every <= 0 else max(1, global_edges // every)
+    total = sum(edges_per_minibatch)
+    groups: list[list[int]] = [[] for _ in range(steps)]
+    start = 0
+    for index, edges in enumerate(edges_per_minibatch):
+        groups[min(steps - 1, int(steps * (start + edges / 2) / total)) if total else 0].append(index)
+        start += edges
+    return groups
