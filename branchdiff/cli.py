@@ -1,7 +1,8 @@
 """`branchdiff train | sample | eval | bench`: parse, call, print.
 
-Bad input ends with one line `branchdiff: error: ...` on stderr and exit status 2; nothing
-already written (checkpoints, metrics) is touched before the configuration has been validated.
+Bad input ends with one line `branchdiff: error: ...` on stderr and exit status 2 (argparse's own
+errors too, without its usage block); nothing already written (checkpoints, metrics) is touched
+before the configuration has been validated.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 EXAMPLES = """examples:
   branchdiff train                                  # the built-in tiny task, best preset
@@ -21,9 +23,22 @@ EXAMPLES = """examples:
 DEFAULT_PRESET = "tiny-mix"
 
 
+class UsageError(Exception):
+    """A command-line problem argparse found, described in one line."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse whose errors are one line naming the subcommand and its --help (no usage block);
+    subcommand parsers are of this class too (add_subparsers uses the parent's class)."""
+
+    def error(self, message: str) -> NoReturn:
+        command = self.prog.partition(" ")[2]
+        raise UsageError(f"{command + ': ' if command else ''}{message}; see {self.prog} --help")
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="branchdiff", description="GRPO fine-tuning of text-to-image models on branching SDE trees.",
-                                     epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = _Parser(prog="branchdiff", description="GRPO fine-tuning of text-to-image models on branching SDE trees.",
+                     epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
 
     train = commands.add_parser("train", help="fine-tune with GRPO", formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -125,11 +140,15 @@ def cmd_bench(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
-    args, extra = parser.parse_known_args(argv)
-    if args.command == "train" and all("=" in item and not item.startswith("-") for item in extra):
-        args.overrides = [*args.overrides, *extra]  # overrides may also follow --resume
-    elif extra:
-        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    try:
+        args, extra = parser.parse_known_args(argv)
+        if args.command == "train" and all("=" in item and not item.startswith("-") for item in extra):
+            args.overrides = [*args.overrides, *extra]  # overrides may also follow --resume
+        elif extra:
+            raise UsageError(f"{args.command}: unrecognized arguments: {' '.join(extra)}; see branchdiff {args.command} --help")
+    except UsageError as error:
+        print(f"branchdiff: error: {error}", file=sys.stderr)
+        return 2
     from branchdiff.config import ConfigError
 
     try:

@@ -2,15 +2,18 @@
 
 `load_config(source, overrides)` starts from the defaults below, merges a preset name
 (`branchdiff/configs/NAME.yaml`) or a YAML file, then the dotted overrides (`tree.roots=4`, values
-parsed as YAML), and validates: an unknown key, a wrong type or a value outside the allowed set
-raises `ConfigError` with one line naming the file and line (when known), the key, the value and
-what is allowed, with close matches suggested.
+parsed as YAML, whose booleans are only true/false as in YAML 1.2: `mixed_precision=no` is the word
+'no'), and validates: an unknown key, a wrong type or a value outside the allowed set raises
+`ConfigError` with one line naming the file and line (when known), the key, the value and what is
+allowed, with close matches suggested. Combinations that would run but train nothing (no trainable
+step, a group of one, cps without noise) are refused the same way.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import re
 import types
 import typing
@@ -31,13 +34,25 @@ class ConfigError(ValueError):
 
 
 class _Loader(yaml.SafeLoader):
-    """SafeLoader that also reads exponent floats without a dot (`1e-4`, as YAML 1.2 does);
-    PyYAML's YAML 1.1 resolver would keep them as the string '1e-4'."""
+    """SafeLoader that reads two scalars the YAML 1.2 way: exponent floats without a dot (`1e-4`;
+    YAML 1.1 keeps the string '1e-4'), and booleans only from true/false (true, True, TRUE, false,
+    False, FALSE), so documented words such as `mixed_precision: no` or `mode: off` stay strings
+    (YAML 1.1 reads yes/no/on/off as booleans). Bool-typed keys accept yes/no/on/off explicitly
+    (`BOOL_WORDS`)."""
 
 
 _Loader.add_implicit_resolver(
     "tag:yaml.org,2002:float", re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"), list("-+0123456789")
 )
+_Loader.yaml_implicit_resolvers = {  # the line above gave _Loader its own copy of the table
+    first: [(tag, regexp) for tag, regexp in resolvers if tag != "tag:yaml.org,2002:bool"]
+    for first, resolvers in _Loader.yaml_implicit_resolvers.items()
+}
+# exactly YAML 1.2's core forms: safe_dump quotes every string YAML 1.1 reads as a bool, but not
+# e.g. 'tRuE', which must read back as the string it was
+_Loader.add_implicit_resolver("tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF"))
+
+BOOL_WORDS = {"yes": True, "no": False, "on": True, "off": False}  # YAML 1.1 words a bool-typed key also accepts, any case
 
 
 def choice(default: Any, *allowed: Any) -> Any:
@@ -71,7 +86,7 @@ class SamplingConfig:
     num_steps: int = positive(10)  # T denoising steps
     shift: float = positive(1.0)  # σ schedule shift s: σ = s·t / (1 + (s-1)·t)
     sde: str = choice("flow", "dance", "flow", "cps")  # SDE discretisation (method.md §1)
-    noise_level: float = positive(0.7)  # η for dance, a for flow and cps (> 0: an SDE needs noise)
+    noise_level: float = positive(0.7)  # η for dance, a for flow and cps (> 0: an SDE needs noise; cps: a in [0.01, 1])
     max_batch: int = positive(64)  # rows per model forward in rollouts
     exact: bool = False  # pad rollout forwards to max_batch rows: bit-exact regeneration, slower narrow levels
 
@@ -80,7 +95,7 @@ class SamplingConfig:
 class TreeConfig:
     roots: int = positive(8)  # roots per prompt: G chains, or trees per prompt
     splits: list[list[float | dict]] = field(default_factory=list)  # [[step, k] or [step, k, {noise_level: x}], ...]
-    split_noise_level: float | None = positive(None)  # SDE level (η / a) at split steps; None = sampling.noise_level
+    split_noise_level: float | None = positive(None)  # SDE level (η / a; cps: a in [0.01, 1]) at split steps; None = sampling.noise_level
     anchor_noise_multiplier: float = positive(1.0)  # BranchGRPO release: noise-only ×m at splits, log-prob unscaled (1 = off)
     mix_window: int = non_negative(0)  # 0: every step SDE; n: SDE only on split steps and an n-step window
     mix_start: int = non_negative(0)  # first step of the Mix window
@@ -226,7 +241,17 @@ def _type_ok(value: Any, annotation: Any) -> bool:
     raise TypeError(f"unsupported config annotation {annotation}")
 
 
+def _bool_word(value: Any, annotation: Any) -> Any:
+    """yes/no/on/off (any case) as the bool they mean, for a bool-typed key; any other value unchanged."""
+    accepts_bool = annotation is bool or bool in typing.get_args(annotation)
+    if accepts_bool and isinstance(value, str) and value.lower() in BOOL_WORDS:
+        return BOOL_WORDS[value.lower()]
+    return value
+
+
 def _type_name(annotation: Any) -> str:
+    if annotation is bool:
+        return f"bool (true, false, {', '.join(BOOL_WORDS)})"
     return str(annotation).replace("typing.", "") if not isinstance(annotation, type) else annotation.__name__
 
 
@@ -249,9 +274,11 @@ def _build(cls: type, data: dict, prefix: str, where: dict[str, str]) -> Any:
                 raise ConfigError(f"{loc}'{dotted}' must be a mapping of its keys ({', '.join(f.name for f in dataclasses.fields(annotation))}), got {value!r}")
             kwargs[key] = _build(annotation, value, dotted + ".", where)
             continue
-        if not _type_ok(value, annotation):
-            raise ConfigError(f"{loc}'{dotted}' = {value!r} has the wrong type; expected {_type_name(annotation)}")
+        value = _bool_word(value, annotation)
         meta = fields[key].metadata
+        if not _type_ok(value, annotation):
+            allowed = f"; allowed: {', '.join(map(str, meta['choices']))}" if "choices" in meta else ""
+            raise ConfigError(f"{loc}'{dotted}' = {value!r} has the wrong type; expected {_type_name(annotation)}{allowed}")
         if "choices" in meta and value not in meta["choices"]:
             close = difflib.get_close_matches(str(value), [str(c) for c in meta["choices"]], n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
@@ -335,7 +362,11 @@ def validate(config: TrainConfig) -> None:
     for name in ("step_fraction", "train_steps_fraction"):
         if getattr(config.train, name) > 1:
             raise ConfigError(f"'train.{name}' = {getattr(config.train, name)} must be in (0, 1]")
+    if config.sampling.sde == "cps":
+        _validate_cps(config)
     _validate_explore(config)
+    _validate_trainable_steps(config)
+    _validate_group_size(config)
 
 
 SPLIT_FORM = "[step, k] or [step, k, {noise_level: x}] with whole step and k"
@@ -364,6 +395,110 @@ def _validate_explore(config: TrainConfig) -> None:
             leaves *= int(entry[1])
         if explore.keep > leaves:
             raise ConfigError(f"'explore.keep' = {explore.keep} exceeds the {leaves} leaves per prompt of the tree")
+
+
+CPS_LEVELS = (0.01, 1.0)  # cps's a: std = σ'·sin(aπ/2) is ≥ 1.6 % of σ' at 0.01; above 1 it shrinks again, ≤ 0 from a = 2
+CPS_RANGE = (f"with sampling.sde=cps the level a must be in [{CPS_LEVELS[0]}, {CPS_LEVELS[1]:g}] (std = σ'·sin(aπ/2): a > 1 repeats "
+             f"a smaller level's std, a ≥ 2 gives std ≤ 0 and NaN log-probs, a < {CPS_LEVELS[0]} a std of about 0)")
+
+
+def _validate_cps(config: TrainConfig) -> None:
+    """cps's noise levels stay in its range; no split at the last step, where cps's std is 0."""
+    low, high = CPS_LEVELS
+    fix = "use e.g. 0.8 (cps's usual level), or sampling.sde=flow or dance to explore more than a = 1 does"
+    for name, level in (("sampling.noise_level", config.sampling.noise_level), ("tree.split_noise_level", config.tree.split_noise_level)):
+        if level is not None and not low <= level <= high:
+            raise ConfigError(f"'{name}' = {level!r} is outside cps's range: {CPS_RANGE}; {fix}")
+    last = config.sampling.num_steps - 1
+    for entry in config.tree.splits:
+        level = entry[2]["noise_level"] if len(entry) > 2 else None
+        if level is not None and not low <= level <= high:
+            raise ConfigError(f"'tree.splits' entry {entry!r}: noise_level {level!r} is outside cps's range: {CPS_RANGE}; {fix}")
+        if int(entry[0]) == last:
+            raise ConfigError(f"'tree.splits' entry {entry!r} splits at the last step, {last} (sampling.num_steps = {last + 1}), where cps's "
+                              f"std σ'·sin(aπ/2) is 0 (σ' = 0): its {int(entry[1])} children would be identical; split at an earlier "
+                              "step or use sampling.sde=flow or dance")
+
+
+def _steps_text(steps: list[int]) -> str:
+    """[0, 1, 2, 5] → '0..2, 5'."""
+    runs: list[list[int]] = []
+    for s in steps:
+        if runs and s == runs[-1][1] + 1:
+            runs[-1][1] = s
+        else:
+            runs.append([s, s])
+    return ", ".join(f"{a}..{b}" if b > a else str(a) for a, b in runs) or "none"
+
+
+def trainable_steps(config: TrainConfig, iteration: int) -> list[int]:
+    """Steps whose edges can get gradients at `iteration` before subsampling and pruning: SDE steps
+    s < ⌊f·T⌋ (f = train.train_steps_fraction, as `Trainer.trainable_mask`), without cps's last step
+    (std 0, no density)."""
+    steps = config.sampling.num_steps
+    limit = math.floor(config.train.train_steps_fraction * steps + 1e-9)
+    return [s for s in _usable_sde_steps(config, iteration) if s < limit]
+
+
+def _usable_sde_steps(config: TrainConfig, iteration: int) -> list[int]:
+    spec = tree_spec(config, iteration)
+    last = spec.num_steps - 1
+    return [s for s in range(spec.num_steps) if spec.is_sde(s) and not (config.sampling.sde == "cps" and s == last)]
+
+
+def _window_iterations(config: TrainConfig) -> list[int]:
+    """The first iteration of every Mix window position reached in range(iterations): the window is
+    the only part of `tree_spec` that changes between iterations."""
+    tree = config.tree
+    if not tree.mix_window or not tree.mix_slide_every:
+        return [0]
+    last_offset = max(0, config.sampling.num_steps - tree.mix_window - tree.mix_start)
+    return [p * tree.mix_slide_every for p in range(last_offset + 1) if p * tree.mix_slide_every < config.iterations]
+
+
+def _validate_trainable_steps(config: TrainConfig) -> None:
+    """Every iteration must have a trainable SDE step (`trainable_steps`)."""
+    steps, fraction = config.sampling.num_steps, config.train.train_steps_fraction
+    iterations = _window_iterations(config)
+    window = " (Mix window and split steps)" if config.tree.mix_window else ""
+    usable = {i: _usable_sde_steps(config, i) for i in iterations}
+    for i in iterations:
+        if usable[i]:
+            continue
+        # only cps's last step is SDE: its std σ'·sin(aπ/2) is 0 there (σ' = 0)
+        zero = "where cps's std σ'·sin(aπ/2) is 0 (σ' = 0), so nothing would be trained"
+        if not config.tree.mix_window:
+            raise ConfigError(f"'sampling.sde' = 'cps' with sampling.num_steps = 1: the only step is the last, {zero}; "
+                              "use sampling.num_steps ≥ 2 or sampling.sde=flow or dance")
+        at = f"at iteration {i} " if len(iterations) > 1 else ""
+        raise ConfigError(f"'sampling.sde' = 'cps' with 'tree.mix_window' = {config.tree.mix_window}: {at}the only SDE step (Mix window "
+                          f"and split steps) is the last ({steps - 1}), {zero}; widen tree.mix_window, split before the last step, "
+                          "or use sampling.sde=flow or dance")
+    starved = [i for i in iterations if not trainable_steps(config, i)]
+    if starved:
+        first = starved[0]
+        at = f"at iteration {first} " if len(iterations) > 1 else ""
+        needed = max(usable[i][0] for i in iterations) + 1  # every iteration's first usable step must be below ⌊f·T⌋
+        at_least = math.ceil(needed / steps * 100 - 1e-9) / 100
+        limit = math.floor(fraction * steps + 1e-9)
+        shorter = f" or iterations ≤ {first}" if first > 0 else ""
+        raise ConfigError(f"'train.train_steps_fraction' = {fraction!r} trains only steps s < ⌊{fraction!r}·{steps}⌋ = {limit}, but {at}the "
+                          f"SDE steps{window} are {_steps_text(usable[first])}: nothing would be trained; "
+                          f"use train.train_steps_fraction ≥ {at_least:g}{shorter}")
+
+
+def _validate_group_size(config: TrainConfig) -> None:
+    """A prompt's trained tree needs two leaves: with one, every advantage is 0 and nothing is trained."""
+    explore, tree = config.explore, config.tree
+    zero = "its advantage is always 0, so nothing would be trained"
+    if explore.mode == "off" and tree.roots == 1 and not tree.splits:
+        raise ConfigError(f"'tree.roots' = 1 with no 'tree.splits' grows one sample per prompt: {zero}; "
+                          "use tree.roots ≥ 2 or add a split (e.g. tree.splits=[[0, 2]])")
+    if explore.mode == "tree" and explore.keep == 1:
+        raise ConfigError(f"'explore.keep' = 1 with explore.mode=tree keeps one leaf per prompt: {zero}; use explore.keep ≥ 2")
+    if explore.mode == "seeds" and explore.keep == 1 and not tree.splits:
+        raise ConfigError(f"'explore.keep' = 1 with explore.mode=seeds and no 'tree.splits' keeps one chain per prompt: {zero}; "
+                          "use explore.keep ≥ 2 or add a split (e.g. tree.splits=[[0, 2]])")
 
 
 def to_dict(config: TrainConfig) -> dict:

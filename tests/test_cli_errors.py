@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -91,18 +92,23 @@ def test_bad_key_in_yaml_file_names_file_and_line(capsys, tmp_path):
 @pytest.mark.parametrize(
     "bad",
     [
-        "iteratons=3",
-        "tree.roots=2.5",
-        "train.learning_rate=-1",
-        "tree.splits=[[50,2]]",  # passed load_config before the fix: config.yaml was overwritten, logs/ created
-        "prune.depths=[0]",
+        ["iteratons=3"],
+        ["tree.roots=2.5"],
+        ["train.learning_rate=-1"],
+        ["tree.splits=[[50,2]]"],  # passed load_config before the fix: config.yaml was overwritten, logs/ created
+        ["prune.depths=[0]"],
+        # configurations that trained nothing passed load_config before (the model was loaded, then the run went on)
+        ["tree.splits=[]"],  # the preset's one root per prompt, no split: a group of one
+        ["train.train_steps_fraction=0.05"],  # no trainable step
+        ["sampling.sde=cps", "sampling.noise_level=2"],  # cps's std is 0 at a = 2
+        ["sampling.sde=cps", "tree.splits=[[0, 2], [9, 2]]"],  # cps at the last step: identical children
     ],
 )
 def test_bad_config_touches_nothing_already_written(capsys, run_dir, tiny_model_dir, bad):
     # model.path points at a loadable model, so only config validation stands between the
     # command and the run directory
     before = snapshot(run_dir)
-    assert main(["train", f"output_dir={run_dir}", f"model.path={tiny_model_dir}", bad, "--resume", "latest"]) == 2
+    assert main(["train", f"output_dir={run_dir}", f"model.path={tiny_model_dir}", *bad, "--resume", "latest"]) == 2
     assert only_line(capsys).startswith(PREFIX)
     assert snapshot(run_dir) == before
 
@@ -155,12 +161,42 @@ def test_eval_missing_model(capsys, tmp_path):
     assert error_line(capsys).startswith(PREFIX + f"no tiny model at {missing}: expected {missing}/transformer/config.json")
 
 
-def test_argparse_usage_errors_exit_2(capsys):
-    # argparse's own errors exit (SystemExit) instead of returning, after a usage line
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (["eval", "--steps", "many"], "eval: argument --steps: invalid int value: 'many'; see branchdiff eval --help"),
+        (["trian"], "argument command: invalid choice: 'trian' (choose from 'train', 'sample', 'eval', 'bench'); see branchdiff --help"),
+        ([], "the following arguments are required: command; see branchdiff --help"),
+        (["sample", "--seeds", "2"], "sample: the following arguments are required: --prompt, --out; see branchdiff sample --help"),
+        (["sample", "--prompt"], "sample: argument --prompt: expected one argument; see branchdiff sample --help"),
+        (["bench", "trees"], "bench: argument which: invalid choice: 'trees' (choose from 'tree', 'explore'); see branchdiff bench --help"),
+        (["eval", "--bogus", "1"], "eval: unrecognized arguments: --bogus 1; see branchdiff eval --help"),
+        (["train", "--resmue", "latest"], "train: unrecognized arguments: --resmue; see branchdiff train --help"),
+    ],
+)
+def test_argparse_errors_are_one_line_and_exit_2(capsys, argv, expected):
+    # before: argparse printed its usage block, then `branchdiff eval: error: ...`, and raised SystemExit
+    assert main(argv) == 2
+    assert only_line(capsys) == PREFIX + expected
+
+
+@pytest.mark.parametrize("argv, usage", [(["--help"], "usage: branchdiff [-h]"), (["train", "--help"], "usage: branchdiff train [-h]"),
+                                         (["eval", "-h"], "usage: branchdiff eval [-h]")])
+def test_help_still_prints_help_and_exits_0(capsys, argv, usage):
     with pytest.raises(SystemExit) as caught:
-        main(["eval", "--steps", "many"])
-    assert caught.value.code == 2
-    assert capsys.readouterr().err.splitlines()[-1] == "branchdiff eval: error: argument --steps: invalid int value: 'many'"
+        main(argv)
+    assert caught.value.code == 0
+    captured = capsys.readouterr()
+    assert captured.out.startswith(usage) and captured.err == ""
+
+
+def test_console_script_argparse_error():
+    script = Path(sys.executable).with_name("branchdiff")
+    if not script.is_file():
+        pytest.skip(f"console script not installed next to {sys.executable}")
+    done = subprocess.run([str(script), "eval", "--steps", "many"], capture_output=True, text=True, timeout=120)
+    assert (done.returncode, done.stdout) == (2, "")
+    assert done.stderr == PREFIX + "eval: argument --steps: invalid int value: 'many'; see branchdiff eval --help\n"
 
 
 def test_console_script_bad_override(tmp_path):
@@ -183,3 +219,80 @@ def test_overrides_may_follow_resume(capsys, tmp_path):
     # parsed as overrides (iteratons is then reported as unknown), not as unrecognized arguments
     assert main(["train", f"output_dir={tmp_path}", "--resume", "latest", "iteratons=3"]) == 2
     assert "unknown key 'iteratons'; did you mean iterations?" in error_line(capsys)
+
+
+def test_documented_words_yaml_reads_as_booleans_are_accepted(capsys, run_dir):
+    # before: 'train.mixed_precision' = False has the wrong type; expected str (YAML 1.1 reads no/off as booleans)
+    before = snapshot(run_dir)
+    assert main(["train", f"output_dir={run_dir}", "train.mixed_precision=no", "explore.mode=off", "final_eval=no"]) == 2
+    assert only_line(capsys) == PREFIX + (f"output_dir {run_dir} already holds a run (metrics.jsonl or checkpoints/); "
+                                          "continue it with --resume latest, or pass another output_dir=")
+    assert snapshot(run_dir) == before
+
+
+# ---------------------------------------------------------------- resume checks, through the CLI
+def _run_args(model_dir: Path, run: Path, iterations: int, *extra: str) -> list[str]:
+    """A tiny, fast run (as tests/test_trainer.py): 1 prompt × 2 chains of 2 steps, a checkpoint every iteration."""
+    return [
+        "train", "tiny-chain", f"model.path={model_dir}", f"output_dir={run}", f"iterations={iterations}", "seed=0",
+        "reward=rewards_for_tests:Redness", "prompts.per_iteration=1", "tree.roots=2", "sampling.num_steps=2", "sampling.max_batch=8",
+        "train.minibatch=4", "final_eval=false", "logging.checkpoint_every=1", "logging.sample_every=0", "logging.tensorboard=false", *extra,
+    ]
+
+
+def _iterations_run(monkeypatch) -> list[int]:
+    """Record the iterations the trainer runs."""
+    from branchdiff.trainer import Trainer
+
+    seen: list[int] = []
+    run_iteration = Trainer.run_iteration
+
+    def recording(self, iteration, *args, **kwargs):
+        seen.append(iteration)
+        return run_iteration(self, iteration, *args, **kwargs)
+
+    monkeypatch.setattr(Trainer, "run_iteration", recording)
+    return seen
+
+
+def test_resume_with_a_changed_lora_rank_is_refused_and_touches_nothing(capsys, tmp_path, tiny_model_dir):
+    # before the resume check: a size-mismatch traceback from load_state, exit status 1
+    from branchdiff.checkpoint import RESUMABLE_KEYS
+
+    run = tmp_path / "run"
+    assert main(_run_args(tiny_model_dir, run, 1)) == 0
+    capsys.readouterr()
+    before = snapshot(run)
+    assert main([*_run_args(tiny_model_dir, run, 2, "train.lora_rank=4"), "--resume", "latest"]) == 2
+    assert error_line(capsys) == PREFIX + (
+        f"--resume {run / 'checkpoints' / 'iter-000000'}: the config differs from the checkpoint's: train.lora_rank: checkpoint 8, now 4; "
+        f"resume with the run's config (keys that may change: {', '.join(RESUMABLE_KEYS)}) or start a new run")
+    assert snapshot(run) == before
+
+
+def test_resume_after_a_crash_inside_publish(capsys, tmp_path, tiny_model_dir, monkeypatch):
+    """A crash inside `publish` of checkpoint 1 left it as .replaced-000001 (iter-000001 missing) next to
+    its successor's .staging-000001: --resume latest puts checkpoint 1 back and continues after it, with
+    more iterations than the run was started with; leftover staging folders do not survive the next save."""
+    from branchdiff.trainer import Trainer
+
+    run = tmp_path / "run"
+    assert main(_run_args(tiny_model_dir, run, 2)) == 0
+    checkpoints = run / "checkpoints"
+    saved = snapshot(checkpoints / "iter-000001")
+    (checkpoints / "iter-000001").rename(checkpoints / ".replaced-000001")
+    (checkpoints / ".staging-000001").mkdir()
+    (checkpoints / ".staging-000001" / "optimizer.bin").write_bytes(b"half")
+    seen = _iterations_run(monkeypatch)
+    save_checkpoint = Trainer.save_checkpoint
+
+    def leftover_then_save(self, iteration):
+        (checkpoints / ".staging-000007").mkdir(exist_ok=True)  # as if another save had been interrupted: the next save removes it
+        save_checkpoint(self, iteration)
+
+    monkeypatch.setattr(Trainer, "save_checkpoint", leftover_then_save)
+    assert main([*_run_args(tiny_model_dir, run, 3), "--resume", "latest"]) == 0  # `iterations` may change: 2 → 3
+    assert seen == [2]  # continued after checkpoint 1, not after the older iter-000000
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["iter-000001", "iter-000002"]
+    assert snapshot(checkpoints / "iter-000001") == saved
+    assert [json.loads(line)["iteration"] for line in (run / "metrics.jsonl").read_text().splitlines()] == [0, 1, 2]

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import math
 
 import pytest
 
@@ -15,9 +17,11 @@ from branchdiff.config import (
     parse_override,
     presets,
     save_config,
+    trainable_steps,
     tree_spec,
     validate,
 )
+from branchdiff.prune import mix_sde_steps
 
 
 def config_error(source=None, overrides=()) -> str:
@@ -107,6 +111,52 @@ def test_parse_override():
     assert parse_override("output_dir=[unclosed") == (["output_dir"], "[unclosed")  # invalid YAML: kept as text
 
 
+# ---------------------------------------------------------------- YAML booleans (YAML 1.2: only true/false)
+@pytest.mark.parametrize(
+    "override, get, expected",
+    [
+        # documented choice words that YAML 1.1 reads as booleans: rejected before the fix
+        ("train.mixed_precision=no", lambda c: c.train.mixed_precision, "no"),
+        ("explore.mode=off", lambda c: c.explore.mode, "off"),
+        ("model.path=on", lambda c: c.model.path, "on"),
+        ("output_dir=yes", lambda c: c.output_dir, "yes"),
+        ("output_dir=NO", lambda c: c.output_dir, "NO"),
+    ],
+)
+def test_yaml_1_1_boolean_words_stay_strings(override, get, expected):
+    value = get(load_config(None, [override]))
+    assert value == expected and type(value) is str
+
+
+def test_choice_words_from_a_yaml_file(tmp_path):
+    path = write(tmp_path, "train:\n  mixed_precision: no\nexplore:\n  mode: off\nmodel:\n  path: Off\n")
+    config = load_config(path)
+    assert (config.train.mixed_precision, config.explore.mode, config.model.path) == ("no", "off", "Off")
+
+
+@pytest.mark.parametrize(
+    "word, expected",
+    [("true", True), ("True", True), ("TRUE", True), ("false", False), ("False", False), ("FALSE", False),
+     ("yes", True), ("Yes", True), ("YES", True), ("on", True), ("ON", True),
+     ("no", False), ("No", False), ("off", False), ("Off", False), ("OFF", False)],
+)
+def test_bool_keys_take_true_false_and_yes_no_on_off(tmp_path, word, expected):
+    for key, get in (("logging.tensorboard", lambda c: c.logging.tensorboard), ("sampling.exact", lambda c: c.sampling.exact),
+                     ("final_eval", lambda c: c.final_eval)):
+        value = get(load_config(None, [f"{key}={word}"]))
+        assert value is expected, key
+    path = write(tmp_path, f"final_eval: {word}\nlogging:\n  tensorboard: {word}\nsampling:\n  exact: {word}\n")
+    config = load_config(path)
+    assert config.final_eval is config.logging.tensorboard is config.sampling.exact is expected
+
+
+def test_a_mixed_case_true_is_a_string_not_a_bool():
+    # YAML 1.2 has only true/True/TRUE; 'tRuE' must stay a string, or safe_dump (which does not quote it) would not round-trip
+    assert load_config(None, ["output_dir=tRuE"]).output_dir == "tRuE"
+    assert config_error(None, ["final_eval=tRuE"]) == ("override 'final_eval=tRuE': 'final_eval' = 'tRuE' has the wrong type; "
+                                                     "expected bool (true, false, yes, no, on, off)")
+
+
 # ---------------------------------------------------------------- one-line errors
 def test_unknown_top_level_key_suggests_close_match():
     message = config_error(None, ["iteratons=3"])
@@ -129,7 +179,10 @@ def test_unknown_key_without_close_match_lists_allowed_keys():
     [
         ("iterations=abc", "override 'iterations=abc': 'iterations' = 'abc' has the wrong type; expected int"),
         ("tree.roots=2.5", "override 'tree.roots=2.5': 'tree.roots' = 2.5 has the wrong type; expected int"),
-        ("logging.tensorboard=3", "override 'logging.tensorboard=3': 'logging.tensorboard' = 3 has the wrong type; expected bool"),
+        ("logging.tensorboard=3", "override 'logging.tensorboard=3': 'logging.tensorboard' = 3 has the wrong type; "
+                                  "expected bool (true, false, yes, no, on, off)"),
+        ("final_eval=maybe", "override 'final_eval=maybe': 'final_eval' = 'maybe' has the wrong type; expected bool (true, false, yes, no, on, off)"),
+        ("explore.mode=false", "override 'explore.mode=false': 'explore.mode' = False has the wrong type; expected str; allowed: off, seeds, tree"),
         ("train.learning_rate=fast", "override 'train.learning_rate=fast': 'train.learning_rate' = 'fast' has the wrong type; expected float"),
         ("tree.roots=true", "override 'tree.roots=true': 'tree.roots' = True has the wrong type; expected int"),
     ],
@@ -212,6 +265,150 @@ def test_cross_field_checks_accept_valid_trees():
     assert config.tree.splits == [[0, 2], [8, 3, {"noise_level": 0.5}]] and config.prune.depths == [1, 10]
     spec = tree_spec(config, 0)
     assert spec.noise_level(8, 0.7) == 0.5 and spec.noise_level(0, 0.7) == 0.7 and spec.noise_level(1, 0.7) == 0.7
+
+
+CPS_RANGE = ("with sampling.sde=cps the level a must be in [0.01, 1] (std = σ'·sin(aπ/2): a > 1 repeats a smaller level's std, a ≥ 2 "
+             "gives std ≤ 0 and NaN log-probs, a < 0.01 a std of about 0); use e.g. 0.8 (cps's usual level), or sampling.sde=flow or dance "
+             "to explore more than a = 1 does")
+ZERO = "its advantage is always 0, so nothing would be trained"
+CPS_ZERO = "where cps's std σ'·sin(aπ/2) is 0 (σ' = 0), so nothing would be trained"
+
+
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        # train.train_steps_fraction leaving no trainable SDE step
+        (["train.train_steps_fraction=0.05"], "'train.train_steps_fraction' = 0.05 trains only steps s < ⌊0.05·10⌋ = 0, but the SDE steps are "
+                                              "0..9: nothing would be trained; use train.train_steps_fraction ≥ 0.1"),
+        (["sampling.num_steps=30", "train.train_steps_fraction=0.03"],
+         "'train.train_steps_fraction' = 0.03 trains only steps s < ⌊0.03·30⌋ = 0, but the SDE steps are 0..29: nothing would be trained; "
+         "use train.train_steps_fraction ≥ 0.04"),
+        (["tree.mix_window=2", "tree.mix_start=4", "tree.splits=[[6, 2]]", "train.train_steps_fraction=0.4"],
+         "'train.train_steps_fraction' = 0.4 trains only steps s < ⌊0.4·10⌋ = 4, but the SDE steps (Mix window and split steps) are 4..6: "
+         "nothing would be trained; use train.train_steps_fraction ≥ 0.5"),
+        (["tree.mix_window=2", "tree.mix_slide_every=10", "train.train_steps_fraction=0.3", "iterations=31"],
+         "'train.train_steps_fraction' = 0.3 trains only steps s < ⌊0.3·10⌋ = 3, but at iteration 30 the SDE steps (Mix window and split "
+         "steps) are 3..4: nothing would be trained; use train.train_steps_fraction ≥ 0.4 or iterations ≤ 30"),
+        (["tree.mix_window=2", "tree.mix_slide_every=10", "train.train_steps_fraction=0.3", "iterations=1000000"],
+         "'train.train_steps_fraction' = 0.3 trains only steps s < ⌊0.3·10⌋ = 3, but at iteration 30 the SDE steps (Mix window and split "
+         "steps) are 3..4: nothing would be trained; use train.train_steps_fraction ≥ 0.9 or iterations ≤ 30"),
+        # a group of one: every advantage is 0
+        (["tree.roots=1"], f"'tree.roots' = 1 with no 'tree.splits' grows one sample per prompt: {ZERO}; use tree.roots ≥ 2 or add a split "
+                           "(e.g. tree.splits=[[0, 2]])"),
+        (["explore.mode=tree", "tree.roots=1", "tree.splits=[[0, 2]]", "explore.keep=1"],
+         f"'explore.keep' = 1 with explore.mode=tree keeps one leaf per prompt: {ZERO}; use explore.keep ≥ 2"),
+        (["explore.mode=tree", "tree.roots=4", "explore.keep=1"],
+         f"'explore.keep' = 1 with explore.mode=tree keeps one leaf per prompt: {ZERO}; use explore.keep ≥ 2"),
+        (["explore.mode=seeds", "explore.keep=1"], f"'explore.keep' = 1 with explore.mode=seeds and no 'tree.splits' keeps one chain per prompt: "
+                                                   f"{ZERO}; use explore.keep ≥ 2 or add a split (e.g. tree.splits=[[0, 2]])"),
+        # cps: a split at the last step, levels outside (0, 1] or with std ≈ 0
+        (["sampling.sde=cps", "tree.roots=1", "tree.splits=[[0, 2], [9, 3]]"],
+         "'tree.splits' entry [9, 3] splits at the last step, 9 (sampling.num_steps = 10), where cps's std σ'·sin(aπ/2) is 0 (σ' = 0): its 3 "
+         "children would be identical; split at an earlier step or use sampling.sde=flow or dance"),
+        (["sampling.sde=cps", "sampling.noise_level=2"], f"'sampling.noise_level' = 2 is outside cps's range: {CPS_RANGE}"),
+        (["sampling.sde=cps", "sampling.noise_level=3.2"], f"'sampling.noise_level' = 3.2 is outside cps's range: {CPS_RANGE}"),
+        (["sampling.sde=cps", "sampling.noise_level=1.01"], f"'sampling.noise_level' = 1.01 is outside cps's range: {CPS_RANGE}"),
+        (["sampling.sde=cps", "sampling.noise_level=0.001"], f"'sampling.noise_level' = 0.001 is outside cps's range: {CPS_RANGE}"),
+        (["sampling.sde=cps", "tree.split_noise_level=1.6"], f"'tree.split_noise_level' = 1.6 is outside cps's range: {CPS_RANGE}"),
+        (["sampling.sde=cps", "tree.splits=[[0, 2, {noise_level: 3.2}]]"],
+         f"'tree.splits' entry [0, 2, {{'noise_level': 3.2}}]: noise_level 3.2 is outside cps's range: {CPS_RANGE}"),
+        (["sampling.sde=cps", "tree.splits=[[0, 2], [3, 2, {noise_level: 0.005}]]"],
+         f"'tree.splits' entry [3, 2, {{'noise_level': 0.005}}]: noise_level 0.005 is outside cps's range: {CPS_RANGE}"),
+        # cps: only the last step is SDE (its std is 0 there)
+        (["sampling.sde=cps", "sampling.num_steps=1"], f"'sampling.sde' = 'cps' with sampling.num_steps = 1: the only step is the last, {CPS_ZERO}; "
+                                                       "use sampling.num_steps ≥ 2 or sampling.sde=flow or dance"),
+        (["sampling.sde=cps", "tree.mix_window=1", "tree.mix_start=9"],
+         f"'sampling.sde' = 'cps' with 'tree.mix_window' = 1: the only SDE step (Mix window and split steps) is the last (9), {CPS_ZERO}; "
+         "widen tree.mix_window, split before the last step, or use sampling.sde=flow or dance"),
+        (["sampling.sde=cps", "tree.mix_window=1", "tree.mix_slide_every=5"],
+         f"'sampling.sde' = 'cps' with 'tree.mix_window' = 1: at iteration 45 the only SDE step (Mix window and split steps) is the last (9), "
+         f"{CPS_ZERO}; widen tree.mix_window, split before the last step, or use sampling.sde=flow or dance"),
+    ],
+)
+def test_configs_that_would_train_nothing_are_refused(overrides, expected):
+    assert config_error(None, overrides) == expected
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["train.train_steps_fraction=0.1"],  # ⌊0.1·10⌋ = 1: step 0 is trained
+        ["sampling.num_steps=30", "train.train_steps_fraction=0.04"],
+        ["tree.mix_window=2", "tree.mix_start=4", "tree.splits=[[6, 2]]", "train.train_steps_fraction=0.5"],
+        ["tree.mix_window=2", "tree.mix_start=4", "tree.splits=[[1, 2]]", "train.train_steps_fraction=0.2"],  # the split step 1 is SDE
+        ["tree.mix_window=2", "tree.mix_slide_every=10", "train.train_steps_fraction=0.3", "iterations=30"],  # the window stops in time
+        ["tree.roots=1", "tree.splits=[[5, 2]]"],
+        ["tree.roots=2"],
+        ["explore.mode=tree", "tree.roots=1", "tree.splits=[[0, 2]]", "explore.keep=2"],
+        ["explore.mode=seeds", "explore.keep=1", "tree.splits=[[0, 2]]"],  # with splits the kept seed still branches
+        ["explore.mode=seeds", "explore.keep=2", "tree.roots=1"],  # seeds mode replaces tree.roots by explore.keep
+        ["sampling.sde=cps", "sampling.noise_level=1"],
+        ["sampling.sde=cps", "sampling.noise_level=0.01", "tree.split_noise_level=1.0", "tree.splits=[[8, 2, {noise_level: 0.5}]]"],
+        ["sampling.sde=cps", "tree.mix_window=2", "tree.mix_slide_every=5"],  # the window ends at 8..9: step 8 is trained
+        ["sampling.sde=dance", "tree.splits=[[9, 2]]", "sampling.noise_level=2"],  # the cps limits are cps's only
+        ["sampling.sde=flow", "tree.splits=[[9, 2]]", "tree.split_noise_level=3.2"],
+    ],
+)
+def test_configs_that_train_are_accepted(overrides):
+    load_config(None, overrides)
+
+
+def _brute_force_trains_every_iteration(config: TrainConfig) -> bool:
+    """Independent of config.py: every iteration of range(iterations), its SDE steps, the first ⌊f·T⌋ trained."""
+    steps = config.sampling.num_steps
+    limit = math.floor(config.train.train_steps_fraction * steps + 1e-9)
+    split_steps = {int(s[0]) for s in config.tree.splits}
+    for iteration in range(config.iterations):
+        sde = set(range(steps))
+        if config.tree.mix_window:
+            sde = set(mix_sde_steps(steps, config.tree.mix_window, iteration, config.tree.mix_start, config.tree.mix_slide_every)) | split_steps
+        if config.sampling.sde == "cps":
+            sde.discard(steps - 1)  # std σ'·sin(aπ/2) = 0 at σ' = 0
+        if not any(s < limit for s in sde):
+            return False
+    return True
+
+
+def test_trainable_step_check_agrees_with_every_iteration():
+    """The check visits one iteration per window position; it must agree with visiting all of them."""
+    refused = accepted = 0
+    grid = itertools.product([1, 3, 6], [0.05, 0.2, 0.5, 1.0], [0, 1, 2], [0, 2], [0, 3], ["flow", "cps"], [[], [[1, 2]]], [4, 9, 40])
+    for steps, fraction, window, start, slide, sde, splits, iterations in grid:
+        if start + window > steps or any(s[0] >= steps for s in splits):
+            continue
+        config = TrainConfig(iterations=iterations)
+        config.sampling.num_steps, config.sampling.sde = steps, sde
+        config.train.train_steps_fraction = fraction
+        config.tree.mix_window, config.tree.mix_start, config.tree.mix_slide_every, config.tree.splits = window, start, slide, splits
+        expected = _brute_force_trains_every_iteration(config)
+        try:
+            validate(config)
+        except ConfigError as error:
+            assert not expected, (config, error)
+            refused += 1
+            continue
+        assert expected, config
+        assert all(trainable_steps(config, i) for i in range(iterations))
+        accepted += 1
+    assert refused > 50 and accepted > 50
+
+
+@pytest.mark.parametrize(
+    "extra, steps, edges",
+    [
+        (["train.train_steps_fraction=0.34"], [0], 2),  # the smallest fraction accepted for T = 3 (0.33 is refused)
+        (["sampling.sde=cps", "tree.mix_window=2", "tree.mix_start=1"], [1], 2),  # cps's last step (std 0) is not trained
+    ],
+)
+def test_the_trainer_trains_the_steps_the_check_counts(tiny_model_dir, tmp_path, extra, steps, edges):
+    from branchdiff.trainer import Trainer
+
+    config = load_config(None, [f"model.path={tiny_model_dir}", f"output_dir={tmp_path / 'run'}", "iterations=1", "sampling.num_steps=3",
+                                "tree.roots=2", "prompts.per_iteration=1", "reward=rewards_for_tests:Redness", "sampling.max_batch=8",
+                                "train.minibatch=4", "final_eval=false", "logging.tensorboard=false", *extra])
+    assert trainable_steps(config, 0) == steps
+    assert Trainer(config).run_iteration(0).metrics["edges_trained"] == edges  # 1 prompt × 2 roots × 1 step
+    assert "nothing would be trained" in config_error(None, ["sampling.num_steps=3", "train.train_steps_fraction=0.33"])
 
 
 def test_validate_on_a_hand_built_config():
@@ -302,6 +499,8 @@ def test_invalid_yaml_reports_file_and_line(tmp_path):
         [],
         ["tree.splits=[[0,2],[3,2,{noise_level: 0.5}]]", "tree.split_noise_level=1.2", "tree.anchor_noise_multiplier=2", "model.path=null", "train.learning_rate=1e-5", "prune.depths=[1,2]", "logging.tensorboard=false"],
         ["model.path=/x/y", "output_dir=runs/rt", "sampling.sde=cps", "tree.mix_window=3", "seed=-1", "train.kl_beta=1e-12"],
+        ["train.mixed_precision=no", "explore.mode=off", "output_dir=yes", "model.path=tRuE", "logging.tensorboard=off", "final_eval=No"],
+        ["prompts.train=off", "prompts.eval=yes", "reward=Off", "model.path=null"],
     ],
 )
 def test_save_then_load_round_trips(tmp_path, overrides):
@@ -311,6 +510,14 @@ def test_save_then_load_round_trips(tmp_path, overrides):
     again = load_config(str(path))
     assert again == config
     assert again.train.learning_rate == config.train.learning_rate and type(again.train.learning_rate) is float
+
+
+def test_saved_choice_words_are_quoted(tmp_path):
+    """safe_dump quotes 'no' and 'off' (YAML 1.1 booleans), so any YAML reader gets the string back."""
+    path = tmp_path / "config.yaml"
+    save_config(load_config(None, ["train.mixed_precision=no", "explore.mode=off", "logging.tensorboard=no"]), path)
+    text = path.read_text()
+    assert "  mixed_precision: 'no'\n" in text and "  mode: 'off'\n" in text and "  tensorboard: false\n" in text
 
 
 def test_noise_level_must_be_positive():

@@ -91,7 +91,12 @@ def test_split_edges_use_their_noise_level(tiny_adapter, multiplier):
 
 
 def test_nfe_counts_real_and_computed_rows(tiny_adapter):
-    """exact=True pads every forward to max_batch rows; nfe_computed says what that cost."""
+    """exact=True pads every forward to max_batch rows; nfe_computed says what that cost. The default
+    (regression: it was exact=True, so narrow tree levels cost as much as the chain's full ones)
+    computes only the real rows."""
+    from branchdiff.config import load_config
+
+    assert SamplerSettings().exact is False and load_config(None).sampling.exact is False
     fast, _ = _grow(tiny_adapter, settings=SamplerSettings(sde="dance", noise_level=0.3, max_batch=8))
     padded, _ = _grow(tiny_adapter, settings=SamplerSettings(sde="dance", noise_level=0.3, max_batch=8, exact=True))
     levels = [3 * n for n in SPEC.level_sizes()[:-1]]  # rows per level: 3, 6, 6, 18, 18
