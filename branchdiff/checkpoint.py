@@ -105,11 +105,12 @@ def _resumable(key: str) -> bool:
 
 
 def check_config(saved: dict, current: dict, path: Path) -> None:
-    """Raise a one-line ConfigError naming the keys whose values differ from the checkpoint's."""
+    """Raise a one-line ConfigError naming the keys whose values differ from the checkpoint's. Keys
+    only one side has (a newer or older version of branchdiff) are not compared."""
     old, new = _flatten(saved), _flatten(current)
-    differing = [k for k in sorted(old.keys() | new.keys()) if not _resumable(k) and old.get(k) != new.get(k)]
+    differing = [k for k in sorted(old.keys() & new.keys()) if not _resumable(k) and old[k] != new[k]]
     if differing:
-        shown = ", ".join(f"{k}: checkpoint {old.get(k)!r}, now {new.get(k)!r}" for k in differing[:4])
+        shown = ", ".join(f"{k}: checkpoint {old[k]!r}, now {new[k]!r}" for k in differing[:4])
         more = f" (and {len(differing) - 4} more)" if len(differing) > 4 else ""
         raise ConfigError(f"--resume {path}: the config differs from the checkpoint's: {shown}{more}; "
                           f"resume with the run's config (keys that may change: {', '.join(RESUMABLE_KEYS)}) or start a new run")

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import copy
 import json
-import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,7 +26,7 @@ from tqdm.auto import tqdm
 
 from branchdiff import checkpoint, prune
 from branchdiff.advantage import depthwise_advantages, fuse_rewards
-from branchdiff.config import TrainConfig, save_config, to_dict, tree_spec
+from branchdiff.config import TrainConfig, save_config, to_dict, trainable_steps, tree_spec
 from branchdiff.data import draw_prompts, load_prompts
 from branchdiff.distributed import AcceleratorCollective
 from branchdiff.evaluate import evaluate_tiny
@@ -182,9 +181,7 @@ class Trainer:
         """(N,) edges that get gradients: SDE edges with a density, in the trainable steps, after
         step subsampling and (while active) depth and width pruning."""
         config, tree = self.config, rollout.tree
-        spec = tree.spec
-        limit = math.floor(config.train.train_steps_fraction * spec.num_steps + 1e-9)
-        steps = [s for s in range(limit) if spec.is_sde(s)]
+        steps = trainable_steps(config, iteration)
         generator = torch.Generator().manual_seed(config.seed * 7_919 + iteration)
         mask = tree.is_sde_edge & (rollout.std > 0)
         mask &= prune.step_mask(tree, prune.subsample_steps(steps, config.train.step_fraction, generator))
