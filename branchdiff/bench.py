@@ -196,7 +196,7 @@ def bench_explore(json_path: Path | None = None, iterations: int = 4, extra_over
     rows: dict[str, dict] = {}
     for backend in EXPLORE_BACKENDS:
         overrides = ["explore.mode=seeds", f"explore.backend={backend}", "explore.pool=16", "explore.keep=16",
-                     "explore.preview_sampler=sde", "prompts.per_iteration=8", "logging.tensorboard=false",
+                     "explore.preview_sampler=sde", "explore.fidelity_every=0", "prompts.per_iteration=8", "logging.tensorboard=false",
                      "final_eval=false", "output_dir=runs/bench-explore", *extra_overrides]
         try:
             trainer = Trainer(load_config(None, overrides))
@@ -206,13 +206,13 @@ def bench_explore(json_path: Path | None = None, iterations: int = 4, extra_over
         pool, regenerated, timings = [], [], []
         for iteration in range(iterations):
             _, _, _, info = trainer.rollout_and_score(iteration)
-            pool.append(info["explore_rewards"][0])
-            regenerated.append(info["explore_rewards"][1])
-            timings.append(info["explore"])
+            pool.append(info["explore_kept"][0])  # keep = pool: the kept subset is the whole pool
+            regenerated.append(info["explore_kept"][1])
+            timings.append(info["explore_stats"])
         agreement = ranking_agreement(torch.cat(pool), torch.cat(regenerated))
         rows[backend] = {
             "available": True, **agreement,
-            "latent_mean_abs_diff": statistics.mean(t["latent_mean_abs_diff"] for t in timings),
+            "latent_mean_abs_diff": statistics.mean(t["quant_latent_mean_abs_diff"] for t in timings),
             "pool_seconds": statistics.median(t["pool_seconds"] for t in timings),
             "regen_seconds": statistics.median(t["regen_seconds"] for t in timings),
         }

@@ -1,4 +1,4 @@
-"""`branchdiff train | sample | eval | bench`: parse, call, print.
+"""`branchdiff train | sample | eval | bench | rewards`: parse, call, print.
 
 Bad input ends with one line `branchdiff: error: ...` on stderr and exit status 2 (argparse's own
 errors too, without its usage block); nothing already written (checkpoints, metrics) is touched
@@ -19,6 +19,8 @@ EXAMPLES = """examples:
   branchdiff train my.yaml train.learning_rate=1e-4 --resume latest
   branchdiff sample --prompt "two red circles on the left" --lora runs/tiny/lora --out samples/
   branchdiff eval --lora runs/tiny/lora --json eval.json
+  branchdiff rewards list                           # what rewards exist, what each needs
+  branchdiff rewards check my_pkg.rewards:Sharpness --prompts tiny:held_out
 """
 DEFAULT_PRESET = "tiny-mix"
 
@@ -60,6 +62,18 @@ def _parser() -> argparse.ArgumentParser:
         else:
             sub.add_argument("--prompts", default="tiny:held_out", help="prompt source (tiny:held_out, a .txt file, ...)")
             sub.add_argument("--json", type=Path, default=None, help="also write the scores to this JSON file")
+
+    rewards = commands.add_parser("rewards", help="list rewards, or check that one carries signal")
+    which = rewards.add_subparsers(dest="rewards_command", required=True)
+    which.add_parser("list", help="built-in and installed rewards, what each needs and where its weights come from")
+    check = which.add_parser("check", help="sample groups from the model and print the reward's scale and spread")
+    check.add_argument("name", help="registered name, entry point or dotted path 'package.module:Name'")
+    check.add_argument("--prompts", default="tiny:held_out", help="prompt source (tiny:held_out, a .txt file, ...)")
+    check.add_argument("--num-prompts", type=int, default=8, help="prompts sampled from the source")
+    check.add_argument("--group-size", type=int, default=8, help="samples per prompt (a GRPO group)")
+    check.add_argument("--model", default=None, help="model directory (default: the built-in tiny model)")
+    check.add_argument("--steps", type=int, default=10, help="SDE sampling steps")
+    check.add_argument("--device", default="cpu", help="device of the reward")
 
     bench = commands.add_parser("bench", help="side-by-side benchmarks")
     bench.add_argument("which", choices=["tree", "explore"], help="what to benchmark")
@@ -138,6 +152,32 @@ def cmd_bench(args: argparse.Namespace) -> None:
         bench_explore(args.json)
 
 
+def cmd_rewards(args: argparse.Namespace) -> None:
+    from branchdiff.rewards.registry import available, build_reward
+
+    if args.rewards_command == "list":
+        rows = available()
+        columns = ("name", "source", "needs", "status", "weights")
+        widths = {c: max(len(c), *(len(row[c]) for row in rows)) for c in columns}
+        print("  ".join(c.ljust(widths[c]) for c in columns))
+        for row in rows:
+            print("  ".join(row[c].ljust(widths[c]) for c in columns))
+        return
+    from branchdiff.data import load_prompts
+    from branchdiff.models.tiny import TinyAdapter
+    from branchdiff.signal_check import check_reward
+
+    reward = build_reward(args.name, args.device)
+    prompts = load_prompts(args.prompts)[: args.num_prompts]
+    stats = check_reward(TinyAdapter.from_pretrained(args.model), reward, prompts, args.group_size, args.steps)
+    print(f"reward {args.name!r}, scale: {getattr(reward, 'scale', 'unspecified')}; {stats['images']} images "
+          f"({len(prompts)} prompts × {args.group_size}) from {args.prompts}")
+    for key in ("min", "mean", "max", "within_group_std", "between_prompt_std", "zero_spread_fraction", "seconds_per_image"):
+        print(f"  {key:<22}{stats[key]:.4g}")
+    if stats["zero_spread_fraction"] > 0.5 or stats["within_group_std"] < 1e-6:
+        print("  weak signal: most groups score all their samples alike; GRPO learns nothing from those groups")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     try:
@@ -152,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     from branchdiff.config import ConfigError
 
     try:
-        {"train": cmd_train, "sample": cmd_sample, "eval": cmd_eval, "bench": cmd_bench}[args.command](args)
+        {"train": cmd_train, "sample": cmd_sample, "eval": cmd_eval, "bench": cmd_bench, "rewards": cmd_rewards}[args.command](args)
     except (ConfigError, FileNotFoundError, ValueError) as error:
         print(f"branchdiff: error: {error}", file=sys.stderr)
         return 2

@@ -22,6 +22,7 @@ import yaml
 
 from branchdiff.typed_yaml import ConfigError, build, choice, merge, non_negative, parse_override, positive, read_yaml
 from branchdiff.prune import mix_sde_steps
+from branchdiff.rewards.combine import parse_reward_specs
 from branchdiff.tree import Split, TreeSpec
 
 PRESET_DIR = Path(__file__).parent / "configs"
@@ -123,7 +124,8 @@ class TrainConfig:
     iterations: int = positive(60)  # training iterations (rollout + update)
     seed: int = 0  # run seed: prompts, noise and initialisation derive from it
     final_eval: bool = True  # evaluate base vs trained on the eval prompts at the end
-    reward: str = "tiny-geneval"  # a registered reward name or a dotted path 'package.module:Name'
+    reward: str | dict | list[str | dict] = "tiny-geneval"  # a name, dotted path, {name|remote, weight, required, kwargs}, or a list (docs/rewards.md)
+    reward_combine: str = choice("sum_then_normalize", "sum_then_normalize", "normalize_then_sum")  # how several rewards combine (rewards/combine.py)
     model: ModelConfig = field(default_factory=ModelConfig)
     prompts: PromptConfig = field(default_factory=PromptConfig)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
@@ -184,6 +186,10 @@ def load_config(source: str | None = None, overrides: list[str] = ()) -> TrainCo
 
 def validate(config: TrainConfig) -> None:
     """Cross-field checks that single fields cannot express."""
+    try:
+        parse_reward_specs(config.reward)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
     steps = config.sampling.num_steps
     for entry in config.tree.splits:
         _validate_split_entry(entry)

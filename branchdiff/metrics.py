@@ -2,8 +2,13 @@
 
 Counts (NFE, edges, explore NFE) are summed; per-edge means (loss, clip fraction, KL) are global
 sums over the global edge count; times and `logprob_check` (max |logp_train − logp_rollout| at
-the first inner step) are maxima; rewards and per-attribute accuracies are means over every
-process's leaves; the explorer's ranking agreement is computed on every process's candidates.
+the first inner step) are maxima; rewards, each reward component and per-attribute accuracies
+are means over every process's leaves (finite scores only); the explorer's ranking agreement is
+computed on every process's candidates.
+
+Signal diagnostics (a group is one prompt's leaves, the samples GRPO compares):
+`reward_zero_spread_fraction`, the fraction of groups whose combined rewards have (near) zero
+spread, std < 1e-6 (they train nothing), and `reward_group_std`, the mean within-group std.
 """
 
 from __future__ import annotations
@@ -12,43 +17,69 @@ import torch
 
 from branchdiff.distributed import Collective
 from branchdiff.explore import ranking_agreement
+from branchdiff.rewards.multi import RewardBatch
 from branchdiff.rollout import Rollout
+
+ZERO_SPREAD = 1e-6
+
+
+def group_spread(total: torch.Tensor, groups: torch.Tensor) -> tuple[int, int, float]:
+    """(groups, groups with std < 1e-6, sum of their stds) of the finite scores (B,) by group (B,)."""
+    finite = torch.isfinite(total)
+    stds = []
+    for group in torch.unique(groups[finite]).tolist():
+        values = total[finite & (groups == group)].double()
+        stds.append(values.std().item() if len(values) > 1 else 0.0)
+    return len(stds), sum(std < ZERO_SPREAD for std in stds), sum(stds)
+
+
+def _mean_finite(values: torch.Tensor) -> float:
+    finite = values[torch.isfinite(values)]
+    return finite.mean().item() if len(finite) else float("nan")
 
 
 def iteration_metrics(
     collective: Collective,
     rollout: Rollout,
-    scores: dict[str, torch.Tensor],
-    reward_key: str,
+    rewards: RewardBatch,
     trained: torch.Tensor,
     update: dict[str, float],
     info: dict,
 ) -> dict[str, float]:
-    """`scores`: per-leaf scores of this process (L,) by name, the reward under `reward_key`;
-    `trained` (N,) bool; `update`: this process's sums from `Trainer.update`; `info`: timings
-    and explore results of `Trainer.rollout_and_score`."""
-    gathered = {name: collective.cat(values.float())[0] for name, values in scores.items()}
-    rewards = gathered[reward_key]
+    """`rewards`: this process's leaf rewards; `trained` (N,) bool; `update`: this process's sums
+    from `PolicyUpdate`; `info`: timings, dropped groups and explore results of the iteration."""
+    tree = rollout.tree
+    totals = collective.cat(rewards.total.float())[0]
+    finite_totals = totals[torch.isfinite(totals)]
+    per_leaf = {name: collective.cat(values.float())[0] for name, values in {**rewards.components, **rewards.extras}.items()}
+    groups, flat_groups, std_sum = group_spread(rewards.total, tree.prompt[tree.leaf_index])
     explore_stats = info.get("explore_stats", {})
     counts = {
         "nfe_rollout": rollout.nfe, "nfe_rollout_computed": rollout.nfe_computed, "nfe_trained": update["nfe_trained"],
-        "edges_trained": int(trained.sum()), **{f"explore_{k}": v for k, v in explore_stats.items() if k.endswith("_nfe")},
+        "edges_trained": int(trained.sum()), "groups_dropped": info["groups_dropped"], "groups": groups,
+        "zero_spread_groups": flat_groups, **rewards.counts,
+        **{f"explore_{k}": v for k, v in explore_stats.items() if k.endswith("_nfe")},
     }
+    sums = {"group_std_sum": std_sum}
     edge_sums = {"loss": update["loss_sum"], "clip_fraction": update["clipped"], "kl": update["kl_sum"]}
     maxima = {
         "logprob_check": update["logprob_check"], "rollout_seconds": info["rollout_seconds"],
         "reward_seconds": info["reward_seconds"], "train_seconds": info["train_seconds"],
         **{f"explore_{k}": v for k, v in explore_stats.items() if not k.endswith("_nfe")},
     }
-    summed = collective.sum(torch.tensor([*counts.values(), *edge_sums.values()], dtype=torch.float64)).tolist()
+    summed = collective.sum(torch.tensor([*counts.values(), *edge_sums.values(), *sums.values()], dtype=torch.float64)).tolist()
     counts = {name: int(value) for name, value in zip(counts, summed)}
     edges = max(counts["edges_trained"], 1)
     edge_means = {name: value / edges for name, value in zip(edge_sums, summed[len(counts):])}
+    groups, std_sum = max(counts.pop("groups"), 1), summed[-1]
     maxima = dict(zip(maxima, collective.max(torch.tensor(list(maxima.values()), dtype=torch.float64)).tolist()))
     metrics = {
-        "reward_mean": rewards.mean().item(),
-        "reward_std": rewards.std().item() if len(rewards) > 1 else 0.0,
-        **{f"accuracy_{name}": values.mean().item() for name, values in gathered.items() if name != reward_key},
+        "reward_mean": finite_totals.mean().item() if len(finite_totals) else float("nan"),
+        "reward_std": finite_totals.std().item() if len(finite_totals) > 1 else 0.0,
+        "reward_zero_spread_fraction": counts.pop("zero_spread_groups") / groups,
+        "reward_group_std": std_sum / groups,
+        **{name: _mean_finite(per_leaf[name]) for name in rewards.components},
+        **{f"accuracy_{name}": _mean_finite(per_leaf[name]) for name in rewards.extras},
         **counts, **edge_means, **maxima,
         "grad_norm": update["grad_norm"],  # identical on every process after DDP's gradient sync
         "optimizer_steps": update["optimizer_steps"],

@@ -37,7 +37,8 @@ from branchdiff.models.base import ModelAdapter, select_embeds
 from branchdiff.models.lora import add_lora, load_lora_state, save_lora
 from branchdiff.quant import QuantConfig, make_quantized_copy, refresh_quantized_copy
 from branchdiff.report import save_grid
-from branchdiff.rewards.registry import build_reward, reward_key, score_batch
+from branchdiff.rewards.combine import parse_reward_specs
+from branchdiff.rewards.multi import MultiReward, RewardBatch
 from branchdiff.rollout import NoiseAddress, Rollout, SamplerSettings, grow
 from branchdiff.schedulers.flow import sigma_schedule
 from branchdiff.tree import build_tree
@@ -88,8 +89,7 @@ class Trainer:
                                           self.optimizer, self.lora_params, self.sigmas, self.settings)
         self.accelerator.register_save_state_pre_hook(self._save_hook)
         self.accelerator.register_load_state_pre_hook(self._load_hook)
-        self.reward = build_reward(config.reward, str(self.accelerator.device))
-        self.reward_key = reward_key(self.reward)
+        self.reward = MultiReward(parse_reward_specs(config.reward), config.reward_combine, self.accelerator.device)
         self.prompts = load_prompts(config.prompts.train)
         self.explorer = self._make_explorer()
         self.start_iteration = 0
@@ -191,8 +191,8 @@ class Trainer:
             mask &= prune.width_mask(tree, node_advantages, p.width, p.width_ratio, self.collective)
         return mask
 
-    def rollout_and_score(self, iteration: int, per_node: bool = False) -> tuple[Rollout, torch.Tensor, dict[str, torch.Tensor], dict]:
-        """Grow this iteration's trees and score the leaves: (rollout, leaf images, scores, info)."""
+    def rollout_and_score(self, iteration: int, per_node: bool = False) -> tuple[Rollout, torch.Tensor, RewardBatch, dict]:
+        """Grow this iteration's trees and score the leaves: (rollout, leaf images, rewards, info)."""
         prompts, keys = self.iteration_prompts(iteration)
         spec = tree_spec(self.config, iteration)
         embeds = self.adapter.encode_prompts(prompts)
@@ -209,21 +209,22 @@ class Trainer:
         start = time.perf_counter()
         images = self.adapter.decode(rollout.leaf_latents)
         tree = rollout.tree
-        scores = score_batch(self.reward, images, [prompts[p] for p in tree.prompt[tree.leaf_index].tolist()])
+        leaf_prompts = tree.prompt[tree.leaf_index]  # (L,) the group of each leaf
+        rewards = self.reward(images, [prompts[p] for p in leaf_prompts.tolist()], [{} for _ in leaf_prompts], leaf_prompts)
         info["reward_seconds"] = time.perf_counter() - start
         if self.explorer is not None:
-            kept_regenerated = scores[self.reward_key].reshape(len(prompts), self.config.explore.keep, -1).mean(-1)
+            kept_regenerated = rewards.total.reshape(len(prompts), self.config.explore.keep, -1).mean(-1)
             info["explore_kept"] = (explored.pool_rewards.gather(1, explored.kept), kept_regenerated)  # (P, K) each
             info["explore_stats"] = {**latent_difference(explored), **explored.stats}
             every = self.config.explore.fidelity_every
             if every and iteration % every == 0:
                 info["explore_pool"] = (explored.pool_rewards, self._pool_rewards_under_policy(spec, prompts, embeds, address))
-        return rollout, images, scores, info
+        return rollout, images, rewards, info
 
     def _score_latents(self, prompts: list[str]):
         def score(latents: torch.Tensor, prompt_index: torch.Tensor) -> torch.Tensor:
             images = self.adapter.decode(latents)
-            return score_batch(self.reward, images, [prompts[p] for p in prompt_index.tolist()])[self.reward_key]
+            return self.reward(images, [prompts[p] for p in prompt_index.tolist()], [{} for _ in prompt_index], prompt_index).total
 
         return score
 
@@ -250,16 +251,20 @@ class Trainer:
     def run_iteration(self, iteration: int, per_node: bool = False) -> IterationResult:
         """One iteration; `per_node` grows the tree with batch-1 forwards (benchmarks)."""
         config = self.config
-        rollout, images, scores, info = self.rollout_and_score(iteration, per_node)
+        rollout, images, rewards, info = self.rollout_and_score(iteration, per_node)
         tree = rollout.tree
-        node_rewards = fuse_rewards(tree, scores[self.reward_key], rollout.log_prob, config.advantage.fusion, config.advantage.alpha)
+        leaf_rewards = rewards.total
+        dropped = ~torch.isfinite(leaf_rewards)  # groups with no usable reward component: no signal, trained with A = 0
+        info["groups_dropped"] = len(torch.unique(tree.prompt[tree.leaf_index][dropped]))
+        leaf_rewards = torch.where(dropped, torch.zeros_like(leaf_rewards), leaf_rewards)
+        node_rewards = fuse_rewards(tree, leaf_rewards, rollout.log_prob, config.advantage.fusion, config.advantage.alpha)
         node_advantages = depthwise_advantages(tree, node_rewards, config.advantage.scope, self.collective)
         node_advantages = node_advantages.clamp(-config.advantage.clip, config.advantage.clip)
         mask = self.trainable_mask(rollout, node_advantages, iteration)
         start = time.perf_counter()
         train_stats = self.update(rollout, info["embeds"], node_advantages, mask, iteration)
         info["train_seconds"] = time.perf_counter() - start
-        metrics = {"iteration": iteration, **iteration_metrics(self.collective, rollout, scores, self.reward_key, mask, train_stats, info)}
+        metrics = {"iteration": iteration, **iteration_metrics(self.collective, rollout, rewards, mask, train_stats, info)}
         self.refresh_explorer()
         return IterationResult(metrics, rollout, images, node_rewards, node_advantages, mask)
 
@@ -288,7 +293,7 @@ class Trainer:
                     tree = result.rollout.tree
                     leaves_per_prompt = len(tree.leaf_index) // tree.num_prompts
                     save_grid(result.leaf_images[: 4 * leaves_per_prompt], self.run_dir / "samples" / f"iter-{iteration:06d}.png", nrow=leaves_per_prompt)
-            progress.set_postfix(reward=f"{metrics['reward_mean']:.3f}", strict=f"{metrics.get('accuracy_strict', float('nan')):.2f}")
+            progress.set_postfix(progress_fields(metrics))
             every = config.logging.checkpoint_every
             if (every and (iteration + 1) % every == 0) or iteration == config.iterations - 1:
                 self.save_checkpoint(iteration)
@@ -309,6 +314,22 @@ class Trainer:
         rows["trained"] = evaluate_tiny(self.adapter, *args)
         (self.run_dir / "eval.json").write_text(json.dumps({"prompts": config.prompts.eval, **rows}, indent=1))
         return rows
+
+
+WEAK_SIGNAL = 0.25  # the progress bar warns when more than this fraction of groups has no reward spread
+
+
+def progress_fields(metrics: dict[str, float]) -> dict[str, str]:
+    """The progress bar's fields: reward, tiny-task accuracy when scored, and a warning when many
+    groups carry no signal (all their samples scored alike) or were dropped."""
+    fields = {"reward": f"{metrics['reward_mean']:.3f}"}
+    if "accuracy_strict" in metrics:
+        fields["strict"] = f"{metrics['accuracy_strict']:.2f}"
+    if metrics["reward_zero_spread_fraction"] > WEAK_SIGNAL:
+        fields["no-spread groups"] = f"{metrics['reward_zero_spread_fraction']:.0%}"
+    if metrics["groups_dropped"]:
+        fields["dropped groups"] = str(metrics["groups_dropped"])
+    return fields
 
 
 def _saved_run_config(run_dir: Path) -> dict | None:

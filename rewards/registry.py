@@ -1,36 +1,106 @@
-"""Build a reward from a registered name or a dotted import path (`my_pkg.rewards:Sharpness`).
+"""Build a reward from a registered name, an installed entry point or a dotted import path.
 
-A reward is a callable `(images (B, 3, H, W) in [0, 1], prompts, metadata) -> tensor[B]` with a
-`name` and a `scale` note. It may also offer `score(images, prompts) -> dict[str, tensor[B]]` with
-extra per-image metrics, the reward itself under its `reward_key`.
+- A **registered name** (`REGISTRY`: `tiny-geneval`, ...) names a built-in; its module is imported
+  only when it is built, so a reward's heavy dependencies load only for runs that use it.
+- An **entry point** in the group `branchdiff.rewards` (a package's `pyproject.toml`:
+  `[project.entry-points."branchdiff.rewards"] sharpness = "my_pkg.rewards:Sharpness"`) is found
+  by its name once the package is installed.
+- A **dotted path** `package.module:Name` names a class or factory in any importable module.
+
+Keyword arguments (from YAML: `{name: ..., kwargs: {...}}`) go to the class or factory; `device`
+is passed too when its signature takes one. The result follows the protocol of `rewards/base.py`.
 """
 
 from __future__ import annotations
 
 import difflib
 import importlib
+import inspect
+from dataclasses import dataclass
+from importlib.metadata import entry_points
+from importlib.util import find_spec
 
 import torch
-from collections.abc import Callable
 
-from branchdiff.rewards.tiny_geneval import TinyGenEval
-
-REGISTRY: dict[str, Callable[..., object]] = {"tiny-geneval": TinyGenEval}
+ENTRY_POINT_GROUP = "branchdiff.rewards"
 
 
-def build_reward(name: str, device: str = "cpu") -> object:
+@dataclass(frozen=True)
+class Registered:
+    target: str  # "module:attribute" of the class or factory
+    needs: tuple[str, ...] = ()  # importable modules it needs beyond branchdiff's own dependencies
+    extra: str | None = None  # the pip extra of branchdiff-rl that installs them
+    weights: str = "none"  # where its weights come from
+
+
+REGISTRY: dict[str, Registered] = {
+    "tiny-geneval": Registered("branchdiff.rewards.tiny_geneval:TinyGenEval", weights="none: a programmatic verifier of the built-in task"),
+}
+
+
+def _import(target: str, what: str):
+    module_name, _, attribute = target.partition(":")
+    try:
+        return getattr(importlib.import_module(module_name), attribute)
+    except (ImportError, AttributeError) as error:
+        raise ValueError(f"{what} {target!r} could not be imported ({error}); expected 'package.module:Name'") from None
+
+
+def _entry_points() -> dict[str, object]:
+    return {point.name: point for point in entry_points(group=ENTRY_POINT_GROUP)}
+
+
+def _construct(factory, name: str, device: str, kwargs: dict) -> object:
+    try:
+        parameters = inspect.signature(factory).parameters
+    except (TypeError, ValueError):  # a builtin or C callable: no signature to inspect
+        parameters = {}
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
+    if "device" in parameters or takes_any:
+        kwargs = {"device": device, **kwargs}
+    try:
+        return factory(**kwargs)
+    except TypeError as error:
+        raise ValueError(f"reward {name!r}: {error}; check its kwargs") from None
+
+
+def build_reward(name: str, device: str | torch.device = "cpu", kwargs: dict | None = None) -> object:
+    """The reward `name` (registered name, entry point name or dotted path), built with `kwargs`."""
+    kwargs = dict(kwargs or {})
+    device = str(device)
     if name in REGISTRY:
-        return REGISTRY[name](device=device)
-    if ":" in name:
-        module_name, _, attr = name.partition(":")
+        registered = REGISTRY[name]
+        missing = [module for module in registered.needs if find_spec(module) is None]
+        if missing:
+            raise ValueError(f"reward {name!r} needs {', '.join(missing)}: pip install \"branchdiff-rl[{registered.extra}]\"")
+        return _construct(_import(registered.target, f"reward {name!r}:"), name, device, kwargs)
+    points = _entry_points()
+    if name in points:
         try:
-            factory = getattr(importlib.import_module(module_name), attr)
+            factory = points[name].load()
         except (ImportError, AttributeError) as error:
-            raise ValueError(f"reward {name!r} could not be imported ({error}); expected 'package.module:Name'") from None
-        return factory()
-    close = difflib.get_close_matches(name, REGISTRY, n=2)
+            raise ValueError(f"reward {name!r} (entry point {points[name].value!r}) could not be loaded ({error})") from None
+        return _construct(factory, name, device, kwargs)
+    if ":" in name:
+        return _construct(_import(name, "reward"), name, device, kwargs)
+    known = [*REGISTRY, *points]
+    close = difflib.get_close_matches(name, known, n=2)
     hint = f" (did you mean {', '.join(close)}?)" if close else ""
-    raise ValueError(f"unknown reward {name!r}{hint}; registered: {', '.join(REGISTRY)}, or a dotted path 'package.module:Name'")
+    raise ValueError(f"unknown reward {name!r}{hint}; available: {', '.join(known)}, or a dotted path 'package.module:Name'")
+
+
+def available() -> list[dict[str, str]]:
+    """One row per reward that can be named: built-ins and installed entry points, with what each
+    needs, whether that is installed, and where its weights come from (`branchdiff rewards list`)."""
+    rows = []
+    for name, registered in REGISTRY.items():
+        missing = [module for module in registered.needs if find_spec(module) is None]
+        needs = ", ".join(registered.needs) or "-"
+        status = "ready" if not missing else f"missing {', '.join(missing)}: pip install \"branchdiff-rl[{registered.extra}]\""
+        rows.append({"name": name, "source": "built-in", "needs": needs, "status": status, "weights": registered.weights})
+    for name, point in _entry_points().items():
+        rows.append({"name": name, "source": f"entry point {point.value}", "needs": "-", "status": "installed", "weights": "see its package"})
+    return rows
 
 
 def reward_key(reward: object) -> str:
@@ -42,4 +112,4 @@ def score_batch(reward: object, images: torch.Tensor, prompts: list[str]) -> dic
     """Every per-image score a reward offers; the reward itself under `reward_key(reward)`."""
     if hasattr(reward, "score"):
         return reward.score(images, prompts)
-    return {"reward": torch.as_tensor(reward(images, prompts, {})).float().cpu()}
+    return {"reward": torch.as_tensor(reward(images, prompts, [{} for _ in prompts])).float().cpu()}

@@ -1,0 +1,92 @@
+"""The training signal of a run: its configured rewards, scored together and combined.
+
+`MultiReward` builds every component (`registry.build_reward`, or a `RemoteReward` for
+`{remote: URL}`), scores a batch with each, checks what came back at this boundary (shape, finite
+values), and combines the components (`combine.combine`). A required component that raises stops
+the run with one line naming the reward and the first prompt; an optional one (`required: false`)
+is missing for that batch, with a warning and a counter. Non-finite scores are counted and leave
+their component out of the groups holding them. A reward whose `higher_is_better` is False enters
+the signal with its weight negated.
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+from branchdiff.rewards.base import check_scores
+from branchdiff.rewards.combine import RewardSpec, combine
+from branchdiff.rewards.registry import build_reward, reward_key
+
+
+class RewardError(RuntimeError):
+    """A required reward failed; the message is one line naming it and the prompt."""
+
+
+@dataclass
+class RewardBatch:
+    total: torch.Tensor  # (B,) the combined training signal (NaN for a group with no component left)
+    components: dict[str, torch.Tensor]  # (B,) each component's scores by metric name, NaN where missing
+    extras: dict[str, torch.Tensor]  # (B,) other per-image scores a reward reports (tiny-geneval's attributes)
+    counts: dict[str, int]  # failures and non-finite scores per component, by metric name
+
+
+def metric_name(label: str) -> str:
+    """A component's label as a metric key: `reward_<label>` with characters other than letters,
+    digits, '.', '-' and '_' replaced by '_' (URLs and dotted paths become tag-safe)."""
+    return "reward_" + re.sub(r"[^A-Za-z0-9._-]", "_", label)
+
+
+class MultiReward:
+    def __init__(self, specs: list[RewardSpec], combine_mode: str, device: str | torch.device = "cpu") -> None:
+        self.specs = specs
+        self.combine_mode = combine_mode
+        self.rewards = [self._build(spec, str(device)) for spec in specs]
+        self.names = [metric_name(spec.label) for spec in specs]
+
+    @staticmethod
+    def _build(spec: RewardSpec, device: str) -> object:
+        if spec.remote is not None:
+            from branchdiff.rewards.remote import RemoteReward
+
+            return RemoteReward(spec.remote, **spec.kwargs)
+        return build_reward(spec.name, device, spec.kwargs)
+
+    def _score_one(self, index: int, images: torch.Tensor, prompts: list[str], metadata: list[dict]) -> tuple[torch.Tensor, dict]:
+        """(scores (B,), extras) of component `index`; an optional component's failure gives NaN."""
+        spec, reward = self.specs[index], self.rewards[index]
+        try:
+            if hasattr(reward, "score"):  # a reward that reports more than its score (tiny-geneval)
+                every = reward.score(images, prompts)
+                key = reward_key(reward)
+                return check_scores(every[key], len(prompts), spec.label), {k: v for k, v in every.items() if k != key}
+            return check_scores(reward(images, prompts, metadata), len(prompts), spec.label), {}
+        except Exception as error:  # a reward is user code: any failure is reported at this boundary
+            message = f"reward {spec.label!r} failed on prompt {prompts[0]!r}: {type(error).__name__}: {error}"
+            if spec.required:
+                raise RewardError(message + " (mark it required: false to train without it when it fails)") from error
+            warnings.warn(message + "; it is missing for this batch", RuntimeWarning, stacklevel=2)
+            return torch.full((len(prompts),), float("nan")), {"failed": True}
+
+    def __call__(self, images: torch.Tensor, prompts: list[str], metadata: list[dict], groups: torch.Tensor) -> RewardBatch:
+        """Score images (B, 3, H, W) in [0, 1]; `groups` (B,) the group (prompt) of each image."""
+        components, extras, counts = {}, {}, {}
+        for index, name in enumerate(self.names):
+            scores, more = self._score_one(index, images, prompts, metadata)
+            failed = bool(more.pop("failed", False))
+            counts[f"{name}_failed"] = int(failed)
+            counts[f"{name}_nonfinite"] = 0 if failed else int((~torch.isfinite(scores)).sum())
+            components[name] = scores
+            extras.update(more)
+        # a lower-is-better reward enters the signal negated; its logged scores stay as it returns them
+        signs = {name: 1.0 if getattr(reward, "higher_is_better", True) else -1.0 for name, reward in zip(self.names, self.rewards)}
+        weights = {name: spec.weight * signs[name] for name, spec in zip(self.names, self.specs)}
+        return RewardBatch(combine(components, weights, groups, self.combine_mode), components, extras, counts)
+
+    @property
+    def scale(self) -> str:
+        parts = [f"{spec.weight:g}·{spec.label} ({getattr(reward, 'scale', 'unspecified')})" for spec, reward in zip(self.specs, self.rewards)]
+        return f"{self.combine_mode}: " + " + ".join(parts)
