@@ -20,6 +20,7 @@ from branchdiff.config import ConfigError
 PREFIX = "iter-"
 STAGING = ".staging-"
 REPLACED = ".replaced-"
+PRUNED = ".pruned-"
 STATE_FILE = "trainer_state.json"
 RESUMABLE_KEYS = (
     "iterations", "output_dir", "final_eval", "logging.*", "prompts.eval", "prompts.eval_seeds",
@@ -29,6 +30,11 @@ RESUMABLE_KEYS = (
 
 def name(iteration: int) -> str:
     return f"{PREFIX}{iteration:06d}"
+
+
+def staging(final: Path) -> Path:
+    """The folder a checkpoint is written into before `publish` gives it the name `final`."""
+    return final.with_name(STAGING + final.name[len(PREFIX):])
 
 
 def checkpoints(directory: Path) -> list[Path]:
@@ -48,7 +54,7 @@ def clean_interrupted(directory: Path) -> None:
     """Undo what a crash during a save left: replaced checkpoints are restored (`restore_replaced`)
     or deleted, staging folders deleted."""
     restore_replaced(directory)
-    for leftover in [*directory.glob(f"{STAGING}*"), *directory.glob(f"{REPLACED}*")]:
+    for leftover in [*directory.glob(f"{STAGING}*"), *directory.glob(f"{REPLACED}*"), *directory.glob(f"{PRUNED}*")]:
         shutil.rmtree(leftover)
 
 
@@ -62,8 +68,12 @@ def publish(staging: Path, final: Path) -> None:
 
 
 def prune(directory: Path, keep: int) -> None:
+    """Delete all but the newest `keep` checkpoints; each loses its name first, so a crash mid-delete
+    never leaves a half-deleted `iter-*` that looks like a checkpoint."""
     for old in checkpoints(directory)[:-keep]:
-        shutil.rmtree(old)
+        doomed = old.with_name(PRUNED + old.name[len(PREFIX):])
+        old.rename(doomed)
+        shutil.rmtree(doomed)
 
 
 def find(directory: Path, which: str) -> Path:
@@ -79,8 +89,8 @@ def find(directory: Path, which: str) -> Path:
     return path
 
 
-def write_state(path: Path, iteration: int, config: dict) -> None:
-    (path / STATE_FILE).write_text(json.dumps({"iteration": iteration, "config": config}))
+def write_state(path: Path, iteration: int, config: dict, num_processes: int) -> None:
+    (path / STATE_FILE).write_text(json.dumps({"iteration": iteration, "config": config, "num_processes": num_processes}))
 
 
 def read_state(path: Path) -> dict:
@@ -102,6 +112,14 @@ def _flatten(tree: dict, prefix: str = "") -> dict[str, object]:
 
 def _resumable(key: str) -> bool:
     return any(key == k or (k.endswith(".*") and key.startswith(k[:-1])) for k in RESUMABLE_KEYS)
+
+
+def check_processes(saved: int | None, current: int, path: Path) -> None:
+    """A run resumes on as many processes as it ran on: prompts per iteration are per process, and
+    the prompt keys (hence the noise) follow the process layout."""
+    if saved is not None and saved != current:
+        raise ConfigError(f"--resume {path}: the run was trained on {saved} processes, this launch has {current}; "
+                          f"resume with --num_processes {saved} (prompts.per_iteration is per process)")
 
 
 def check_config(saved: dict, current: dict, path: Path) -> None:

@@ -16,11 +16,13 @@ from typing import NoReturn
 EXAMPLES = """examples:
   branchdiff train                                  # the built-in tiny task, best preset
   branchdiff train tiny-chain iterations=20 output_dir=runs/chain
-  branchdiff train my.yaml train.learning_rate=1e-4 --resume latest
+  branchdiff train my.yaml train.learning_rate=1e-4
+  branchdiff train my.yaml iterations=500 --resume latest   # continue, longer
   branchdiff sample --prompt "two red circles on the left" --lora runs/tiny/lora --out samples/
-  branchdiff eval --lora runs/tiny/lora --json eval.json
+  branchdiff eval --lora runs/tiny/lora --prompts tiny:held_out --rewards tiny-geneval --json eval.json
   branchdiff rewards list                           # what rewards exist, what each needs
   branchdiff rewards check my_pkg.rewards:Sharpness --prompts tiny:held_out
+  branchdiff serve-reward hpsv2.1 --port 8765 --device cuda:1   # then reward={remote: http://127.0.0.1:8765}
 """
 DEFAULT_PRESET = "tiny-mix"
 
@@ -49,19 +51,23 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. tree.roots=4")
     train.add_argument("--resume", default=None, help="'latest' or a checkpoint directory of this run")
 
-    for name, help_text in (("sample", "write PNGs for a prompt"), ("eval", "print the tiny-geneval table on held-out prompts")):
+    for name, help_text in (("sample", "write PNGs for a prompt"), ("eval", "generate on a prompt set and score with rewards")):
         sub = commands.add_parser(name, help=help_text)
         sub.add_argument("--lora", default=None, help="LoRA directory or .safetensors of a run (default: the base model)")
         sub.add_argument("--model", default=None, help="model directory (default: the built-in tiny model)")
         sub.add_argument("--steps", type=int, default=10, help="ODE sampling steps")
         sub.add_argument("--shift", type=float, default=1.0, help="σ schedule shift")
-        sub.add_argument("--seeds", type=int, default=4, help="images per prompt")
+        sub.add_argument("--images-per-prompt", "--seeds", dest="images_per_prompt", type=int, default=4, help="images per prompt (fixed seeds)")
         if name == "sample":
             sub.add_argument("--prompt", required=True, action="append", help="prompt (repeatable)")
             sub.add_argument("--out", type=Path, required=True, help="output directory")
         else:
-            sub.add_argument("--prompts", default="tiny:held_out", help="prompt source (tiny:held_out, a .txt file, ...)")
-            sub.add_argument("--json", type=Path, default=None, help="also write the scores to this JSON file")
+            sub.add_argument("--prompts", default="tiny:held_out", help="tiny:held_out, hpdv2[:style], or a .txt / .jsonl / .csv file")
+            sub.add_argument("--rewards", default="tiny-geneval", help="comma-separated rewards: names, dotted paths or server URLs")
+            sub.add_argument("--seed", type=int, default=1234, help="noise seed (the same for base and LoRA)")
+            sub.add_argument("--device", default="cpu", help="device of the rewards")
+            sub.add_argument("--out", type=Path, default=None, help="output directory (default: eval-<lora name or base>)")
+            sub.add_argument("--json", type=Path, default=None, help="also write the summary to this JSON file")
 
     rewards = commands.add_parser("rewards", help="list rewards, or check that one carries signal")
     which = rewards.add_subparsers(dest="rewards_command", required=True)
@@ -74,6 +80,12 @@ def _parser() -> argparse.ArgumentParser:
     check.add_argument("--model", default=None, help="model directory (default: the built-in tiny model)")
     check.add_argument("--steps", type=int, default=10, help="SDE sampling steps")
     check.add_argument("--device", default="cpu", help="device of the reward")
+
+    serve = commands.add_parser("serve-reward", help="serve a reward over HTTP (docs/reward-server.md)")
+    serve.add_argument("name", help="registered name, entry point or dotted path 'package.module:Name'")
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default: this machine only)")
+    serve.add_argument("--port", type=int, default=8765, help="port to listen on")
+    serve.add_argument("--device", default="cpu", help="device of the reward's model")
 
     bench = commands.add_parser("bench", help="side-by-side benchmarks")
     bench.add_argument("which", choices=["tree", "explore"], help="what to benchmark")
@@ -98,7 +110,7 @@ def cmd_train(args: argparse.Namespace) -> None:
     if not args.resume and ((run_dir / "metrics.jsonl").exists() or (run_dir / "checkpoints").exists()):
         raise ConfigError(f"output_dir {run_dir} already holds a run (metrics.jsonl or checkpoints/); "
                           "continue it with --resume latest, or pass another output_dir=")
-    from branchdiff.evaluate import format_table
+    from branchdiff.evaluate import format_comparison
     from branchdiff.trainer import Trainer
 
     trainer = Trainer(config)
@@ -107,7 +119,7 @@ def cmd_train(args: argparse.Namespace) -> None:
     trainer.train()
     if config.final_eval and trainer.accelerator.is_main_process:
         print(f"held-out evaluation ({config.prompts.eval}, {config.prompts.eval_seeds} seeds each, ODE {config.sampling.num_steps} steps):")
-        print(format_table(trainer.final_evaluation()))
+        print(format_comparison(trainer.final_evaluation()))
 
 
 def _load(args: argparse.Namespace):
@@ -124,7 +136,7 @@ def cmd_sample(args: argparse.Namespace) -> None:
     from branchdiff.evaluate import sample_ode
     from torchvision.utils import save_image
 
-    images, prompts = sample_ode(_load(args), args.prompt, args.seeds, args.steps, args.shift)
+    images, prompts = sample_ode(_load(args), args.prompt, args.images_per_prompt, args.steps, args.shift)
     args.out.mkdir(parents=True, exist_ok=True)
     for index, (image, prompt) in enumerate(zip(images, prompts)):
         path = args.out / f"{index:03d}-{prompt.replace(' ', '_')[:60]}.png"
@@ -133,14 +145,34 @@ def cmd_sample(args: argparse.Namespace) -> None:
 
 
 def cmd_eval(args: argparse.Namespace) -> None:
-    from branchdiff.data import load_prompts
-    from branchdiff.evaluate import evaluate_tiny, format_table
+    """Shards prompts over the processes of `accelerate launch` (each takes every P-th prompt) and
+    gathers once; the main process prints and writes."""
+    from accelerate import PartialState
 
-    prompts = load_prompts(args.prompts)
-    scores = evaluate_tiny(_load(args), prompts, args.seeds, args.steps, args.shift)
-    print(format_table({"trained" if args.lora else "base": scores}))
+    from branchdiff.data import load_prompt_set
+    from branchdiff.evaluate import evaluate, format_summary, gather_results, write_outputs
+    from branchdiff.rewards.combine import RewardSpec
+    from branchdiff.rewards.multi import build_component
+
+    state = PartialState(cpu=args.device == "cpu")
+    prompt_set = load_prompt_set(args.prompts)
+    specs = [RewardSpec(remote=name) if name.startswith(("http://", "https://")) else RewardSpec(name=name)
+             for name in args.rewards.split(",") if name]
+    rewards = {spec.label: build_component(spec, args.device) for spec in specs}
+    result = evaluate(_load(args), prompt_set, rewards, args.images_per_prompt, args.steps, args.shift, args.seed,
+                      state.process_index, state.num_processes)
+    result = gather_results(result, state)
+    if not state.is_main_process:
+        return
+    scales = {label: getattr(reward, "scale", "unspecified") for label, reward in rewards.items()}
+    extra = {"model": args.model or "built-in tiny", "lora": args.lora, "steps": args.steps, "seed": args.seed}
+    out = args.out or Path("eval-" + Path(args.lora or "base").stem)
+    summary = write_outputs(result, out, scales, extra)
+    print(f"{prompt_set.name}: {len(prompt_set.prompts)} prompts × {args.images_per_prompt} images, "
+          f"{'LoRA ' + args.lora if args.lora else 'base model'}; images, scores.csv, grid.png in {out}/")
+    print(format_summary(summary["summary"]))
     if args.json:
-        args.json.write_text(json.dumps({"prompts": args.prompts, "lora": args.lora, "scores": scores}, indent=1))
+        args.json.write_text(json.dumps(summary, indent=1))
 
 
 def cmd_bench(args: argparse.Namespace) -> None:
@@ -178,6 +210,13 @@ def cmd_rewards(args: argparse.Namespace) -> None:
         print("  weak signal: most groups score all their samples alike; GRPO learns nothing from those groups")
 
 
+def cmd_serve_reward(args: argparse.Namespace) -> None:
+    from branchdiff.rewards.registry import build_reward
+    from branchdiff.rewards.server import serve
+
+    serve(build_reward(args.name, args.device), args.host, args.port)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     try:
@@ -190,10 +229,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"branchdiff: error: {error}", file=sys.stderr)
         return 2
     from branchdiff.config import ConfigError
+    from branchdiff.rewards.multi import RewardError
+    from branchdiff.rewards.remote import RemoteRewardError
 
     try:
-        {"train": cmd_train, "sample": cmd_sample, "eval": cmd_eval, "bench": cmd_bench, "rewards": cmd_rewards}[args.command](args)
-    except (ConfigError, FileNotFoundError, ValueError) as error:
+        {"train": cmd_train, "sample": cmd_sample, "eval": cmd_eval, "bench": cmd_bench, "rewards": cmd_rewards,
+         "serve-reward": cmd_serve_reward}[args.command](args)
+    except (ConfigError, FileNotFoundError, ValueError, RewardError, RemoteRewardError) as error:
         print(f"branchdiff: error: {error}", file=sys.stderr)
         return 2
     return 0

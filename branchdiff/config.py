@@ -125,6 +125,7 @@ class TrainConfig:
     seed: int = 0  # run seed: prompts, noise and initialisation derive from it
     final_eval: bool = True  # evaluate base vs trained on the eval prompts at the end
     reward: str | dict | list[str | dict] = "tiny-geneval"  # a name, dotted path, {name|remote, weight, required, kwargs}, or a list (docs/rewards.md)
+    eval_rewards: list[str | dict] = field(default_factory=lambda: ["tiny-geneval"])  # rewards of the final base-vs-trained evaluation
     reward_combine: str = choice("sum_then_normalize", "sum_then_normalize", "normalize_then_sum")  # how several rewards combine (rewards/combine.py)
     model: ModelConfig = field(default_factory=ModelConfig)
     prompts: PromptConfig = field(default_factory=PromptConfig)
@@ -188,6 +189,7 @@ def validate(config: TrainConfig) -> None:
     """Cross-field checks that single fields cannot express."""
     try:
         parse_reward_specs(config.reward)
+        parse_reward_specs(config.eval_rewards)
     except ValueError as error:
         raise ConfigError(str(error)) from None
     steps = config.sampling.num_steps
@@ -213,6 +215,7 @@ def validate(config: TrainConfig) -> None:
     _validate_explore(config)
     _validate_trainable_steps(config)
     _validate_group_size(config)
+    _validate_compared_depths(config)
 
 
 SPLIT_FORM = "[step, k] or [step, k, {noise_level: x}] with whole step and k"
@@ -331,6 +334,31 @@ def _validate_trainable_steps(config: TrainConfig) -> None:
         raise ConfigError(f"'train.train_steps_fraction' = {fraction!r} trains only steps s < ⌊{fraction!r}·{steps}⌋ = {limit}, but {at}the "
                           f"SDE steps{window} are {_steps_text(usable[first])}: nothing would be trained; "
                           f"use train.train_steps_fraction ≥ {at_least:g}{shorter}")
+
+
+def _validate_compared_depths(config: TrainConfig) -> None:
+    """A trainable step must lead to a depth holding ≥ 2 nodes of a prompt's tree (nodes compared by
+    the depth-wise advantage; a lone node's advantage is 0), and static depth pruning must leave one.
+    Explore tree mode is left out: its regenerated sub-tree's widths depend on the selection."""
+    if config.explore.mode == "tree":
+        return
+    prune = config.prune
+    pruned = set(prune.depths) if not prune.slide_every else set()
+    for iteration in _window_iterations(config):
+        spec = tree_spec(config, iteration)
+        roots = config.explore.keep if config.explore.mode == "seeds" else spec.roots
+        sizes = dataclasses.replace(spec, roots=roots).level_sizes()  # nodes per prompt at each depth of the trained tree
+        trainable = trainable_steps(config, iteration)
+        compared = [s for s in trainable if sizes[s + 1] >= 2]
+        at = f"at iteration {iteration} " if iteration else ""
+        if not compared:
+            raise ConfigError(f"{at}the trainable steps {_steps_text(trainable)} (train.train_steps_fraction = "
+                              f"{config.train.train_steps_fraction!r}) all lead to depths with one node per prompt (the first split "
+                              f"is at step {min(spec.split_steps, default='none')}): every advantage there is 0, so nothing would be trained; "
+                              "split earlier or raise train.train_steps_fraction")
+        if pruned and {s + 1 for s in compared} <= pruned:
+            raise ConfigError(f"'prune.depths' = {sorted(prune.depths)} prunes every trained depth ({_steps_text([s + 1 for s in compared])}): "
+                              "nothing would be trained while pruning is active; keep at least one of them")
 
 
 def _validate_group_size(config: TrainConfig) -> None:

@@ -1,50 +1,182 @@
-"""Generate on a prompt set with fixed seeds and score: the tiny-geneval table (strict and
-per-attribute accuracy) that `branchdiff eval` and the end of `branchdiff train` print.
+"""Generate on a prompt set with fixed seeds, score with chosen rewards, and write what a user reads.
 
-Samples are deterministic (ODE) chains grown by the rollout engine: image s of prompt p starts
-from the addressable initial noise (EVAL_RUN_SEED, iteration -1, prompt p, root s), so base and
-trained models are compared on exactly the same noise.
+Samples are deterministic (ODE) chains: image s of prompt p starts from the addressable initial
+noise (seed, iteration -1, prompt p, root s), so base and LoRA see exactly the same noise, and
+forwards are padded to a fixed batch (`exact`) and prompts encoded one at a time, so an image does
+not depend on which other prompts share its batch: with `accelerate launch`, processes take every P-th prompt and the gathered
+results equal a one-process run's.
+
+Outputs (`write_outputs`): `images/<style>/<index:05d>.jpg` per seed folder (the HPDv2 benchmark's
+layout, which its official evaluator reads; prompts without a style go to `all/`), `scores.csv`
+(one row per image), `grid.png` (the first prompts × seeds), and the JSON summary: mean ± std per
+score, per style when the prompts have one, with each reward's scale and the prompt set.
 """
 
 from __future__ import annotations
 
+import csv
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
 import torch
 
+from branchdiff.data import PromptSet
 from branchdiff.models.base import ModelAdapter
+from branchdiff.report import save_grid
+from branchdiff.rewards.registry import reward_key
 from branchdiff.rollout import NoiseAddress, SamplerSettings, grow
-from branchdiff.tree import TreeSpec, build_tree
-from branchdiff.rewards.tiny_geneval import TinyGenEval
 from branchdiff.schedulers.flow import sigma_schedule
+from branchdiff.tree import TreeSpec, build_tree
 
 EVAL_RUN_SEED = 1234  # evaluation noise never coincides with training noise (iteration -1)
+EVAL_BATCH = 32  # rows per forward: fixed, so an image is the same whatever else is in its batch
 
 
 @torch.no_grad()
 def sample_ode(
-    adapter: ModelAdapter, prompts: list[str], num_seeds: int, num_steps: int, shift: float = 1.0, max_batch: int = 64
+    adapter: ModelAdapter, prompts: list[str], num_seeds: int, num_steps: int, shift: float = 1.0,
+    seed: int = EVAL_RUN_SEED, prompt_keys: list[int] | None = None,
 ) -> tuple[torch.Tensor, list[str]]:
     """ODE samples of every prompt × seed: images (P·S, 3, H, W) in [0, 1], prompt-major, and the
-    prompt of each image."""
+    prompt of each image. `prompt_keys[p]` addresses prompt p's noise (default: its position)."""
     tree = build_tree(TreeSpec(num_steps, roots=num_seeds, sde_steps=frozenset()), len(prompts))
-    address = NoiseAddress(EVAL_RUN_SEED, -1, tuple(range(len(prompts))))
-    settings = SamplerSettings(max_batch=max_batch, exact=False)
-    rollout = grow(adapter, tree, adapter.encode_prompts(prompts), sigma_schedule(num_steps, shift), settings, address)
+    address = NoiseAddress(seed, -1, tuple(prompt_keys if prompt_keys is not None else range(len(prompts))))
+    settings = SamplerSettings(max_batch=EVAL_BATCH, exact=True)
+    # one prompt per text-encoder call: an encoder's output, too, depends on its batch size
+    encoded = [adapter.encode_prompts([prompt]) for prompt in prompts]
+    embeds = {key: torch.cat([e[key] for e in encoded]) for key in encoded[0]}
+    rollout = grow(adapter, tree, embeds, sigma_schedule(num_steps, shift), settings, address)
     return adapter.decode(rollout.leaf_latents), [prompts[p] for p in tree.prompt[tree.leaf_index].tolist()]
 
 
-def evaluate_tiny(
-    adapter: ModelAdapter, prompts: list[str], num_seeds: int, num_steps: int, shift: float = 1.0
-) -> dict[str, float]:
-    """Mean tiny-geneval scores (strict, partial, count, color, shape, position) over prompts × seeds."""
-    images, image_prompts = sample_ode(adapter, prompts, num_seeds, num_steps, shift)
-    scores = TinyGenEval().score(images, image_prompts)
-    return {key: round(value.mean().item(), 4) for key, value in scores.items()} | {"images": len(image_prompts)}
+def score_images(rewards: dict[str, object], images: torch.Tensor, prompts: list[str], metadata: list[dict]) -> dict[str, torch.Tensor]:
+    """Per-image scores (B,) by name: each reward under its label, and the extra scores a reward
+    reports (tiny-geneval's strict and per-attribute accuracy) as `label.key`."""
+    scores = {}
+    for label, reward in rewards.items():
+        if hasattr(reward, "score"):
+            every = reward.score(images, prompts)
+            key = reward_key(reward)
+            scores[label] = every[key].float().cpu()
+            scores.update({f"{label}.{k}": v.float().cpu() for k, v in every.items() if k != key})
+        else:
+            scores[label] = torch.as_tensor(reward(images, prompts, metadata)).float().cpu()
+    return scores
 
 
-def format_table(rows: dict[str, dict[str, float]]) -> str:
-    """A fixed-width table: one row per model, one column per score."""
-    columns = ["strict", "count", "color", "shape", "position", "partial", "images"]
-    lines = [f"{'model':<10}" + "".join(f"{c:>10}" for c in columns)]
-    for name, scores in rows.items():
-        lines.append(f"{name:<10}" + "".join(f"{scores[c]:>10.3f}" if c != "images" else f"{scores[c]:>10d}" for c in columns))
+@dataclass
+class EvalResult:
+    prompt_set: PromptSet
+    images_per_prompt: int
+    prompt_index: torch.Tensor  # (N,) prompt of each image, prompt-major then seed
+    seed_index: torch.Tensor  # (N,) seed (root) of each image
+    scores: dict[str, torch.Tensor]  # (N,) per score name
+    images: torch.Tensor  # (N, 3, H, W) in [0, 1]
+
+
+def evaluate(
+    adapter: ModelAdapter, prompt_set: PromptSet, rewards: dict[str, object], images_per_prompt: int, num_steps: int,
+    shift: float = 1.0, seed: int = EVAL_RUN_SEED, process_index: int = 0, num_processes: int = 1, chunk: int = 16,
+) -> EvalResult:
+    """This process's share of the evaluation: prompts process_index, process_index + num_processes, ...
+    (`gather_results` joins the shares)."""
+    mine = list(range(process_index, len(prompt_set.prompts), num_processes))
+    parts: list[tuple[torch.Tensor, dict[str, torch.Tensor]]] = []
+    for start in range(0, len(mine), chunk):
+        keys = mine[start : start + chunk]
+        prompts = [prompt_set.prompts[k] for k in keys]
+        images, image_prompts = sample_ode(adapter, prompts, images_per_prompt, num_steps, shift, seed, keys)
+        metadata = [prompt_set.metadata[k] for k in keys for _ in range(images_per_prompt)]
+        parts.append((images, score_images(rewards, images, image_prompts, metadata)))
+    index = torch.tensor(mine, dtype=torch.long).repeat_interleave(images_per_prompt)
+    seeds = torch.arange(images_per_prompt).repeat(len(mine))
+    names = parts[0][1].keys() if parts else [*rewards]
+    scores = {name: torch.cat([p[1][name] for p in parts]) if parts else torch.empty(0) for name in names}
+    images = torch.cat([p[0] for p in parts]) if parts else torch.empty(0, 3, 1, 1)
+    return EvalResult(prompt_set, images_per_prompt, index, seeds, scores, images)
+
+
+def gather_results(result: EvalResult, accelerator) -> EvalResult:
+    """Every process's share joined in prompt order (one gather of Python objects)."""
+    if accelerator.num_processes == 1:
+        return result
+    from accelerate.utils import gather_object
+
+    shares = gather_object([(result.prompt_index, result.seed_index, result.scores, result.images)])
+    index = torch.cat([s[0] for s in shares])
+    order = torch.argsort(index * result.images_per_prompt + torch.cat([s[1] for s in shares]), stable=True)
+    scores = {name: torch.cat([s[2][name] for s in shares])[order] for name in result.scores}
+    return EvalResult(result.prompt_set, result.images_per_prompt, index[order], torch.cat([s[1] for s in shares])[order],
+                      scores, torch.cat([s[3] for s in shares])[order])
+
+
+def summarize(result: EvalResult) -> dict[str, dict[str, dict[str, float]]]:
+    """{group: {score: {mean, std, images}}}: group "all", and each style when prompts have one."""
+    styles = [result.prompt_set.metadata[p].get("style") for p in result.prompt_index.tolist()]
+    groups = {"all": torch.ones(len(styles), dtype=torch.bool)}
+    for style in sorted({s for s in styles if s}):
+        groups[style] = torch.tensor([s == style for s in styles])
+    summary = {}
+    for group, member in groups.items():
+        summary[group] = {}
+        for name, values in result.scores.items():
+            chosen = values[member]
+            summary[group][name] = {"mean": chosen.mean().item(), "std": chosen.std().item() if len(chosen) > 1 else 0.0,
+                                    "images": len(chosen)}
+    return summary
+
+
+def format_comparison(rows: dict[str, dict[str, float]]) -> str:
+    """Scores (rows) of several models (columns), e.g. base vs trained means."""
+    models = list(rows)
+    names = list(rows[models[0]])
+    width = max(len(n) for n in names) + 2
+    lines = [f"{'score':<{width}}" + "".join(f"{m:>12}" for m in models)]
+    lines += [f"{name:<{width}}" + "".join(f"{rows[m][name]:>12.4f}" for m in models) for name in names]
     return "\n".join(lines)
+
+
+def format_summary(summary: dict, label: str = "score") -> str:
+    """Mean ± std per score (rows) and group (columns)."""
+    groups = list(summary)
+    names = list(summary[groups[0]])
+    width = max(len(n) for n in names) + 2
+    lines = [f"{label:<{width}}" + "".join(f"{g:>20}" for g in groups)]
+    for name in names:
+        cells = [f"{summary[g][name]['mean']:.4f} ± {summary[g][name]['std']:.4f}" for g in groups]
+        lines.append(f"{name:<{width}}" + "".join(f"{c:>20}" for c in cells))
+    return "\n".join(lines)
+
+
+def write_outputs(result: EvalResult, out_dir: Path, scales: dict[str, str], extra: dict) -> dict:
+    """Images in the HPDv2 layout, scores.csv, grid.png and summary.json under `out_dir` (module
+    doc); returns the summary JSON. `scales`: each reward's scale note; `extra`: run facts to record."""
+    from torchvision.utils import save_image
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    prompts, metadata = result.prompt_set.prompts, result.prompt_set.metadata
+    styles = [m.get("style") or "all" for m in metadata]
+    seen: dict[str, int] = {}
+    number_in_style = []  # the benchmark numbers prompts within their style
+    for style in styles:
+        number_in_style.append(seen.get(style, 0))
+        seen[style] = number_in_style[-1] + 1
+    rows = []
+    for row, (p, s) in enumerate(zip(result.prompt_index.tolist(), result.seed_index.tolist())):
+        style = styles[p]
+        path = Path("images") / f"seed-{s}" / style / f"{number_in_style[p]:05d}.jpg"
+        (out_dir / path).parent.mkdir(parents=True, exist_ok=True)
+        save_image(result.images[row], out_dir / path)
+        rows.append({"prompt_index": p, "seed": s, "style": style, "prompt": prompts[p], "image": str(path),
+                     **{name: f"{values[row].item():.6g}" for name, values in result.scores.items()}})
+    with (out_dir / "scores.csv").open("w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=list(rows[0]) if rows else ["prompt_index"])
+        writer.writeheader()
+        writer.writerows(rows)
+    shown = min(8, len(prompts)) * result.images_per_prompt
+    save_grid(result.images[:shown], out_dir / "grid.png", nrow=result.images_per_prompt)
+    summary = {"prompts": result.prompt_set.name, "images_per_prompt": result.images_per_prompt, "scales": scales,
+               **extra, "summary": summarize(result)}
+    (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+    return summary

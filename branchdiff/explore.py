@@ -55,16 +55,24 @@ def selection_generators(run_seed: int, iteration: int, prompt_keys: tuple[int, 
 
 
 def ranking_agreement(pool: torch.Tensor, regenerated: torch.Tensor) -> dict[str, float]:
-    """Spearman ρ and Kendall τ between pool and regenerated rewards of the same candidates
-    (P, K), pooled over all prompts; and the mean top-half overlap within each prompt."""
+    """Agreement between pool and regenerated rewards of the same candidates (P, K): Spearman ρ and
+    Kendall τ pooled over all prompts (differences between prompts inflate these); their means over
+    prompts taken one at a time (`*_within`: what selection, which ranks within a prompt, depends on;
+    prompts whose rewards are constant on either side have no ranking and are left out); and the
+    mean top-half overlap within each prompt."""
     p, k = pool.shape
     spearman = stats.spearmanr(pool.flatten().numpy(), regenerated.flatten().numpy()).statistic
     kendall = stats.kendalltau(pool.flatten().numpy(), regenerated.flatten().numpy()).statistic
+    ranked = [i for i in range(p) if pool[i].unique().numel() > 1 and regenerated[i].unique().numel() > 1]
+    within = {"spearman_within": float("nan"), "kendall_within": float("nan")}
+    if ranked:
+        within["spearman_within"] = float(sum(stats.spearmanr(pool[i].numpy(), regenerated[i].numpy()).statistic for i in ranked) / len(ranked))
+        within["kendall_within"] = float(sum(stats.kendalltau(pool[i].numpy(), regenerated[i].numpy()).statistic for i in ranked) / len(ranked))
     half = max(1, k // 2)
     top_pool = torch.sort(-pool, dim=1, stable=True).indices[:, :half]
     top_regen = torch.sort(-regenerated, dim=1, stable=True).indices[:, :half]
     overlap = sum(len(set(a.tolist()) & set(b.tolist())) for a, b in zip(top_pool, top_regen)) / (p * half)
-    return {"spearman": float(spearman), "kendall": float(kendall), "topk_overlap": overlap}
+    return {"spearman": float(spearman), "kendall": float(kendall), **within, "topk_overlap": overlap}
 
 
 def _leaves_by_prompt(tree: Tree) -> torch.Tensor:

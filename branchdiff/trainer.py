@@ -27,18 +27,18 @@ from tqdm.auto import tqdm
 from branchdiff import checkpoint, prune
 from branchdiff.advantage import depthwise_advantages, fuse_rewards
 from branchdiff.config import TrainConfig, save_config, to_dict, trainable_steps, tree_spec
-from branchdiff.data import draw_prompts, load_prompts
+from branchdiff.data import draw_prompts, load_prompt_set, load_prompts
 from branchdiff.distributed import AcceleratorCollective
-from branchdiff.evaluate import evaluate_tiny
+from branchdiff.evaluate import evaluate, summarize
 from branchdiff.explore import ExploreResult, explore_seeds, explore_tree, latent_difference, pool_under_policy, selection_generators
 from branchdiff.metrics import iteration_metrics
 from branchdiff.models import load_adapter
-from branchdiff.models.base import ModelAdapter, select_embeds
+from branchdiff.models.base import ModelAdapter
 from branchdiff.models.lora import add_lora, load_lora_state, save_lora
 from branchdiff.quant import QuantConfig, make_quantized_copy, refresh_quantized_copy
 from branchdiff.report import save_grid
 from branchdiff.rewards.combine import parse_reward_specs
-from branchdiff.rewards.multi import MultiReward, RewardBatch
+from branchdiff.rewards.multi import MultiReward, RewardBatch, build_component
 from branchdiff.rollout import NoiseAddress, Rollout, SamplerSettings, grow
 from branchdiff.schedulers.flow import sigma_schedule
 from branchdiff.tree import build_tree
@@ -130,13 +130,14 @@ class Trainer:
     def save_checkpoint(self, iteration: int) -> None:
         """Written to a staging folder, published by renames (`checkpoint.publish`); old ones pruned."""
         final = self.checkpoint_dir / checkpoint.name(iteration)
-        staging = self.checkpoint_dir / (checkpoint.STAGING + final.name[len(checkpoint.PREFIX):])
+        staging = checkpoint.staging(final)
         if self.accelerator.is_main_process and self.checkpoint_dir.exists():
             checkpoint.clean_interrupted(self.checkpoint_dir)
         self.accelerator.wait_for_everyone()
         self.accelerator.save_state(str(staging))
+        self.accelerator.wait_for_everyone()  # every process's RNG state is in staging before it is published
         if self.accelerator.is_main_process:
-            checkpoint.write_state(staging, iteration, to_dict(self.config))
+            checkpoint.write_state(staging, iteration, to_dict(self.config), self.accelerator.num_processes)
             checkpoint.publish(staging, final)
             checkpoint.prune(self.checkpoint_dir, self.config.logging.keep_checkpoints)
         self.accelerator.wait_for_everyone()
@@ -152,6 +153,7 @@ class Trainer:
         saved = state.get("config") or _saved_run_config(self.run_dir)
         if saved is not None:
             checkpoint.check_config(saved, to_dict(self.config), path)
+        checkpoint.check_processes(state.get("num_processes"), self.accelerator.num_processes, path)
         if self.accelerator.is_main_process:
             checkpoint.clean_interrupted(self.checkpoint_dir)
         self.accelerator.load_state(str(path))
@@ -302,18 +304,22 @@ class Trainer:
         accelerator.end_training()
 
     def final_evaluation(self) -> dict[str, dict[str, float]]:
-        """Base (adapter disabled) vs trained on the eval prompts with the same fixed noise;
-        written to eval.json in the run directory. Runs the plain denoiser, so one process may
-        call it alone."""
+        """Base (adapter disabled) vs trained on the eval prompts with the eval rewards and the same
+        fixed noise: mean scores by model; the full summaries go to eval.json in the run directory.
+        Runs the plain denoiser, so one process may call it alone."""
         config = self.config
-        prompts = load_prompts(config.prompts.eval)
-        args = (prompts, config.prompts.eval_seeds, config.sampling.num_steps, config.sampling.shift)
+        specs = parse_reward_specs(config.eval_rewards)
+        rewards = {spec.label: build_component(spec, str(self.accelerator.device)) for spec in specs}
+        prompt_set = load_prompt_set(config.prompts.eval)
+        args = (prompt_set, rewards, config.prompts.eval_seeds, config.sampling.num_steps, config.sampling.shift)
         self.adapter.denoiser.disable_adapters()
-        rows = {"base": evaluate_tiny(self.adapter, *args)}
+        summaries = {"base": summarize(evaluate(self.adapter, *args))}
         self.adapter.denoiser.enable_adapters()
-        rows["trained"] = evaluate_tiny(self.adapter, *args)
-        (self.run_dir / "eval.json").write_text(json.dumps({"prompts": config.prompts.eval, **rows}, indent=1))
-        return rows
+        summaries["trained"] = summarize(evaluate(self.adapter, *args))
+        scales = {label: getattr(reward, "scale", "unspecified") for label, reward in rewards.items()}
+        report = {"prompts": config.prompts.eval, "images_per_prompt": config.prompts.eval_seeds, "scales": scales, **summaries}
+        (self.run_dir / "eval.json").write_text(json.dumps(report, indent=1))
+        return {model: {name: row["mean"] for name, row in summary["all"].items()} for model, summary in summaries.items()}
 
 
 WEAK_SIGNAL = 0.25  # the progress bar warns when more than this fraction of groups has no reward spread

@@ -48,7 +48,8 @@ class PolicyUpdate:
         parents, edge_parent = torch.unique(tree.parent[edges], return_inverse=True)  # (U,), (E,)
         generator = torch.Generator().manual_seed(config.seed * 104_729 + iteration)
         order = torch.randperm(len(parents), generator=generator)
-        minibatches = [rows.sort().values for rows in order.split(config.train.minibatch)]  # rows of `parents`
+        # rows of `parents`; none on a process whose edges were all pruned (it joins every step idle)
+        minibatches = [rows.sort().values for rows in order.split(config.train.minibatch)] if len(parents) else []
         minibatch_edges = [torch.nonzero(torch.isin(edge_parent, rows)).squeeze(1) for rows in minibatches]  # rows of `edges`
         groups = optimizer_groups([len(e) for e in minibatch_edges], global_edges, config.train.optimizer_every)
         local_group_edges = torch.tensor([float(sum(len(minibatch_edges[m]) for m in g)) for g in groups], dtype=torch.float64)
@@ -66,11 +67,10 @@ class PolicyUpdate:
                     else:
                         parent_rows, edge_rows = minibatches[m], minibatch_edges[m]  # (u,), (e,)
                         local = torch.searchsorted(parent_rows, edge_parent[edge_rows])  # (e,) parent row of each edge
-                        per_edge, log_prob, was_clipped, kl = self._edge_losses(
+                        per_edge, ratio_gap, was_clipped, kl = self._edge_losses(
                             rollout, embeds, node_advantages, parents[parent_rows], edges[edge_rows], local)
                         if not measured:  # the ratio before any update: rollout and training must agree
-                            old = rollout.log_prob[edges[edge_rows]].to(log_prob.device)
-                            stats["logprob_check"] = (log_prob.detach() - old).abs().max().item()
+                            stats["logprob_check"] = ratio_gap.abs().max().item()
                             measured = True
                         loss = per_edge.sum() * accelerator.num_processes / step_edges  # DDP averages over processes
                         stats["loss_sum"] += per_edge.sum().item()
@@ -87,7 +87,7 @@ class PolicyUpdate:
 
     def _edge_losses(self, rollout: Rollout, embeds: dict, node_advantages: torch.Tensor, parent_nodes: torch.Tensor,
                      child_nodes: torch.Tensor, local: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """Per-edge loss (e,), log-prob (e,), clip flags (e,) and KL (e,) of the edges into
+        """Per-edge loss (e,), logp_train - logp_rollout (e,), clip flags (e,) and KL (e,) of the edges into
         `child_nodes`, whose parents are `parent_nodes[local]` (one forward per parent)."""
         config, tree = self.config, rollout.tree
         x = rollout.latents[parent_nodes]  # (u, ...)
@@ -111,7 +111,7 @@ class PolicyUpdate:
             ref = step(self.settings.sde, x_parent, ref_velocity, sigma[local], sigma_next, torch.zeros_like(x_parent), level, self.sigmas[1])
             kl = kl_to_reference(out.mean, ref.mean, out.std)
             per_edge = per_edge + config.train.kl_beta * kl
-        return per_edge, log_prob, was_clipped, kl.detach()
+        return per_edge, (log_prob - old).detach(), was_clipped, kl.detach()
 
     def _idle_loss(self, rollout: Rollout, embeds: dict) -> torch.Tensor:
         """A zero loss through the wrapped denoiser, for a process with no edges in an optimizer
@@ -122,10 +122,12 @@ class PolicyUpdate:
 
 
 def optimizer_groups(edges_per_minibatch: list[int], global_edges: int, every: int) -> list[list[int]]:
-    """Minibatch indices of each optimizer step. Every process takes the same number of steps:
-    one (every = 0) or n = max(1, ⌊global_edges / every⌋), so steps hold about global_edges / n ≥
+    """Minibatch indices of each of n optimizer step slots, the same n on every process: one
+    (every = 0) or n = max(1, ⌊global_edges / every⌋), so a step holds about global_edges / n ≥
     every edges and a remainder never takes a step of its own. A process assigns each minibatch to
-    the step its edge midpoint falls in, ⌊n·(start + e/2) / E⌋; a step may be empty on a process."""
+    the slot its edge midpoint falls in, ⌊n·(start + e/2) / E⌋; a slot may be empty on a process,
+    and a slot empty on every process is skipped (so fewer than n steps may be taken, the same
+    number on every process)."""
     steps = 1 if every <= 0 else max(1, global_edges // every)
     total = sum(edges_per_minibatch)
     groups: list[list[int]] = [[] for _ in range(steps)]

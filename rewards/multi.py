@@ -40,20 +40,21 @@ def metric_name(label: str) -> str:
     return "reward_" + re.sub(r"[^A-Za-z0-9._-]", "_", label)
 
 
+def build_component(spec: RewardSpec, device: str) -> object:
+    """The reward a spec names: a `RemoteReward` for `remote`, else `registry.build_reward`."""
+    if spec.remote is not None:
+        from branchdiff.rewards.remote import RemoteReward
+
+        return RemoteReward(spec.remote, **spec.kwargs)
+    return build_reward(spec.name, device, spec.kwargs)
+
+
 class MultiReward:
     def __init__(self, specs: list[RewardSpec], combine_mode: str, device: str | torch.device = "cpu") -> None:
         self.specs = specs
         self.combine_mode = combine_mode
-        self.rewards = [self._build(spec, str(device)) for spec in specs]
+        self.rewards = [build_component(spec, str(device)) for spec in specs]
         self.names = [metric_name(spec.label) for spec in specs]
-
-    @staticmethod
-    def _build(spec: RewardSpec, device: str) -> object:
-        if spec.remote is not None:
-            from branchdiff.rewards.remote import RemoteReward
-
-            return RemoteReward(spec.remote, **spec.kwargs)
-        return build_reward(spec.name, device, spec.kwargs)
 
     def _score_one(self, index: int, images: torch.Tensor, prompts: list[str], metadata: list[dict]) -> tuple[torch.Tensor, dict]:
         """(scores (B,), extras) of component `index`; an optional component's failure gives NaN."""

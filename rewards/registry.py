@@ -35,6 +35,15 @@ class Registered:
 
 REGISTRY: dict[str, Registered] = {
     "tiny-geneval": Registered("branchdiff.rewards.tiny_geneval:TinyGenEval", weights="none: a programmatic verifier of the built-in task"),
+    "hpsv2": Registered("branchdiff.rewards.hps:hpsv2", weights="checkpoint=: xswu/HPSv2 HPS_v2_compressed.pt (hub id or local path)"),
+    "hpsv2.1": Registered("branchdiff.rewards.hps:hpsv2_1", weights="checkpoint=: xswu/HPSv2 HPS_v2.1_compressed.pt (hub id or local path)"),
+    "pickscore": Registered("branchdiff.rewards.pickscore:PickScoreReward",
+                            weights="model=: yuvalkirstain/PickScore_v1; processor=: laion/CLIP-ViT-H-14-laion2B-s32B-b79K"),
+    "clip-score": Registered("branchdiff.rewards.clip_score:CLIPScoreReward", weights="model=: openai/clip-vit-large-patch14"),
+    "aesthetic": Registered("branchdiff.rewards.aesthetic:AestheticReward",
+                            weights="mlp=: trl-lib/ddpo-aesthetic-predictor aesthetic-model.pth; clip_model=: openai/clip-vit-large-patch14"),
+    "imagereward": Registered("branchdiff.rewards.imagereward:ImageRewardReward", needs=("ImageReward",), extra="imagereward",
+                              weights="checkpoint=: THUDM/ImageReward ImageReward.pt"),
 }
 
 

@@ -21,7 +21,9 @@ import numpy as np
 import torch
 from diffusers.training_utils import EMAModel
 
-from branchdiff.evaluate import evaluate_tiny
+from branchdiff.data import PromptSet
+from branchdiff.evaluate import evaluate, summarize
+from branchdiff.rewards.tiny_geneval import TinyGenEval
 from branchdiff.models.tiny import TinyAdapter
 from branchdiff.tiny_task import render_batch, split_prompts
 
@@ -66,7 +68,9 @@ def main() -> None:
         if step % args.eval_every == 0 or minutes > args.max_minutes:
             ema_adapter = copy.deepcopy(adapter)
             ema.copy_to(torch.nn.ModuleList([ema_adapter.denoiser, ema_adapter.text_encoder]).parameters())
-            scores = evaluate_tiny(ema_adapter, [p.text for p in held_out], num_seeds=4, num_steps=args.eval_steps)
+            prompt_set = PromptSet("tiny:held_out", [p.text for p in held_out], [{} for _ in held_out])
+            summary = summarize(evaluate(ema_adapter, prompt_set, {"partial": TinyGenEval()}, 4, args.eval_steps))["all"]
+            scores = {name.removeprefix("partial."): row["mean"] for name, row in summary.items()}
             history.append({"step": step, "minutes": round(minutes, 2), "loss": loss.item(), **scores})
             print(json.dumps(history[-1]), flush=True)
             if scores["strict"] >= args.target or minutes > args.max_minutes:

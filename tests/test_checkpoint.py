@@ -45,3 +45,20 @@ def test_config_check_names_what_differs_and_ignores_what_may_change(tmp_path):
                                        "train.lora_rank: checkpoint 8, now 4; resume with the run's config")
     older = {**saved, "train": {k: v for k, v in saved["train"].items() if k != "kl_beta"}}  # a key a newer version added
     checkpoint.check_config(older, to_dict(load_config("tiny-chain")), tmp_path)
+
+
+def test_resume_on_another_number_of_processes_is_refused(tmp_path):
+    checkpoint.check_processes(None, 2, tmp_path)  # a checkpoint from before the count was stored
+    checkpoint.check_processes(2, 2, tmp_path)
+    with pytest.raises(ConfigError, match=r"trained on 2 processes, this launch has 1; resume with --num_processes 2"):
+        checkpoint.check_processes(2, 1, tmp_path)
+
+
+def test_pruning_renames_before_deleting(tmp_path):
+    for i in range(3):
+        _folder(tmp_path / checkpoint.name(i), str(i))
+    checkpoint.prune(tmp_path, 1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["iter-000002"]
+    _folder(tmp_path / ".pruned-000000", "half deleted")  # a crash inside prune
+    checkpoint.clean_interrupted(tmp_path)
+    assert [p.name for p in checkpoint.checkpoints(tmp_path)] == ["iter-000002"] and len(list(tmp_path.iterdir())) == 1

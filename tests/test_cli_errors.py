@@ -152,7 +152,7 @@ def test_resume_from_a_directory_that_is_not_a_checkpoint(capsys, run_dir, tiny_
 
 def test_eval_missing_prompt_file(capsys, tiny_model_dir):
     assert main(["eval", "--model", str(tiny_model_dir), "--prompts", "/nonexistent.txt", "--seeds", "1", "--steps", "1"]) == 2
-    assert error_line(capsys) == PREFIX + "prompt source '/nonexistent.txt' is neither tiny:train, tiny:held_out, tiny:all nor an existing file"
+    assert error_line(capsys) == PREFIX + "prompt source '/nonexistent.txt' is neither tiny:train, tiny:held_out, tiny:all, hpdv2[:style] nor an existing file"
 
 
 def test_eval_missing_model(capsys, tmp_path):
@@ -165,7 +165,7 @@ def test_eval_missing_model(capsys, tmp_path):
     "argv, expected",
     [
         (["eval", "--steps", "many"], "eval: argument --steps: invalid int value: 'many'; see branchdiff eval --help"),
-        (["trian"], "argument command: invalid choice: 'trian' (choose from 'train', 'sample', 'eval', 'rewards', 'bench'); see branchdiff --help"),
+        (["trian"], "argument command: invalid choice: 'trian' (choose from 'train', 'sample', 'eval', 'rewards', 'serve-reward', 'bench'); see branchdiff --help"),
         ([], "the following arguments are required: command; see branchdiff --help"),
         (["sample", "--seeds", "2"], "sample: the following arguments are required: --prompt, --out; see branchdiff sample --help"),
         (["sample", "--prompt"], "sample: argument --prompt: expected one argument; see branchdiff sample --help"),

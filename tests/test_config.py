@@ -522,3 +522,19 @@ def test_saved_choice_words_are_quoted(tmp_path):
 
 def test_noise_level_must_be_positive():
     assert config_error(None, ["sampling.noise_level=0"]) == "override 'sampling.noise_level=0': 'sampling.noise_level' = 0 is out of range; it must be > 0"
+
+
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        (["sampling.num_steps=4", "tree.roots=1", "tree.splits=[[3, 2]]", "train.train_steps_fraction=0.75"],
+         "the trainable steps 0..2 (train.train_steps_fraction = 0.75) all lead to depths with one node per prompt (the first split "
+         "is at step 3): every advantage there is 0, so nothing would be trained; split earlier or raise train.train_steps_fraction"),
+        (["sampling.num_steps=3", "tree.roots=4", "prune.depths=[1, 2, 3]"],
+         "'prune.depths' = [1, 2, 3] prunes every trained depth (1..3): nothing would be trained while pruning is active; keep at least one of them"),
+    ],
+)
+def test_trainable_steps_that_compare_nothing_are_refused(overrides, expected):
+    """Regression (review): trainable steps before the first split, or every trained depth pruned,
+    trained nothing without a word."""
+    assert config_error(None, overrides) == expected

@@ -110,3 +110,15 @@ def test_selection_generators_follow_the_prompt_not_the_process():
     one_process = select_per_group(torch.arange(16.0).expand(6, 16), 4, "random", selection_generators(0, 3, tuple(range(6))))
     assert not torch.equal(on_rank_0, on_rank_1)
     assert torch.equal(one_process[[0, 1, 4, 5]], torch.cat([on_rank_0, on_rank_1]))
+
+
+def test_within_prompt_agreement_is_not_inflated_by_differences_between_prompts():
+    """Two prompts whose candidates rank in opposite orders but sit at different reward levels: the
+    pooled ρ is high (the level dominates), the within-prompt mean is -1."""
+    from branchdiff.explore import ranking_agreement
+
+    pool = torch.tensor([[1.0, 2.0, 3.0], [11.0, 12.0, 13.0]])
+    regenerated = torch.tensor([[3.0, 2.0, 1.0], [13.0, 12.0, 11.0]])
+    agreement = ranking_agreement(pool, regenerated)
+    assert agreement["spearman"] > 0.5 and agreement["spearman_within"] == pytest.approx(-1.0)
+    assert agreement["kendall_within"] == pytest.approx(-1.0)

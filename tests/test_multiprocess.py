@@ -21,6 +21,7 @@ import torch
 from safetensors.torch import load_file
 
 from branchdiff.advantage import depthwise_advantages
+from branchdiff.cli import main
 from branchdiff.config import load_config, tree_spec
 from branchdiff.prune import width_mask
 from branchdiff.trainer import Trainer
@@ -46,14 +47,16 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
-def launch_two(record_dir: Path, cli_args: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
-    """`accelerate launch` two CPU processes of `branchdiff train` (recording, tests/two_process_run.py)."""
+def launch_two(record_dir: Path | None, cli_args: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
+    """`accelerate launch` two CPU processes of the CLI: `branchdiff train` recording into `record_dir`
+    (tests/two_process_run.py), or the plain CLI when `record_dir` is None."""
     accelerate = Path(sys.executable).parent / "accelerate"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]),
            "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "ACCELERATE_USE_CPU": "true"}
     command = [str(accelerate), "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
                "--main_process_ip", "127.0.0.1", "--main_process_port", str(_free_port()), "--mixed_precision", "no",
-               "--dynamo_backend", "no", str(TESTS / "two_process_run.py"), str(record_dir), *cli_args]
+               "--dynamo_backend", "no",
+               *([str(TESTS / "two_process_run.py"), str(record_dir)] if record_dir else ["-m", "branchdiff.cli"]), *cli_args]
     return subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
 
 
@@ -155,5 +158,18 @@ def test_resume_continues_and_the_run_ends_with_the_evaluation_table(two_process
     assert len(saved) == len(trained) and all(torch.equal(saved["transformer." + k.replace(".default", "")], v) for k, v in trained.items())
     out = two_process_run["resumed"].stdout
     assert "held-out evaluation" in out and "base" in out and "trained" in out
-    assert set(json.loads((run / "eval.json").read_text())) == {"prompts", "base", "trained"}
+    assert set(json.loads((run / "eval.json").read_text())) == {"prompts", "images_per_prompt", "scales", "base", "trained"}
     assert (run / "lora" / "pytorch_lora_weights.safetensors").is_file()
+
+
+def test_eval_gives_the_same_numbers_on_two_processes(tiny_model_dir, tmp_path):
+    """`branchdiff eval` shards prompts over two processes and gathers once: its summary and per-image
+    scores equal the one-process run's."""
+    args = ["eval", "--model", str(tiny_model_dir), "--prompts", "tiny:held_out", "--rewards", "tiny-geneval,rewards_for_tests:Redness",
+            "--images-per-prompt", "2", "--steps", "3"]
+    two = launch_two(None, [*args, "--out", str(tmp_path / "two"), "--json", str(tmp_path / "two.json")])
+    assert two.returncode == 0, two.stderr[-3000:]
+    assert main([*args, "--out", str(tmp_path / "one"), "--json", str(tmp_path / "one.json")]) == 0
+    one_summary, two_summary = (json.loads((tmp_path / f"{n}.json").read_text())["summary"] for n in ("one", "two"))
+    assert one_summary == two_summary and one_summary["all"]["tiny-geneval"]["images"] == 72
+    assert (tmp_path / "one" / "scores.csv").read_text() == (tmp_path / "two" / "scores.csv").read_text()

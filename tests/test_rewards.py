@@ -223,3 +223,27 @@ def test_rewards_list_and_check_commands(user_module, tiny_model_dir, capsys):
     out = capsys.readouterr().out
     assert "reward 'user_rewards:Brightness', scale: gain · mean pixel value; 6 images (2 prompts × 3)" in out
     assert "within_group_std" in out and "seconds_per_image" in out
+
+
+def test_training_with_a_reward_server(user_module, tiny_model_dir, tmp_path):
+    """One training iteration whose reward is served over HTTP on 127.0.0.1 (`reward: {remote: URL}`);
+    the logged component equals the in-process reward of the same images."""
+    from branchdiff.rewards.server import BackgroundServer
+
+    with BackgroundServer(build_reward("user_rewards:Brightness", "cpu", {"gain": 2.0})) as server:
+        overrides = [f"model.path={tiny_model_dir}", f"output_dir={tmp_path / 'run'}", "iterations=1", "final_eval=false",
+                     "prompts.per_iteration=2", "sampling.num_steps=3", "tree.roots=3", "logging.tensorboard=false",
+                     f"reward={{remote: '{server.url}', kwargs: {{image_format: float32}}}}"]
+        assert main(["train", "tiny-chain", *overrides]) == 0
+    metrics = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
+    name = "reward_" + server.url.replace(":", "_").replace("/", "_")
+    assert 0 < metrics[name] < 2 and metrics["reward_mean"] == pytest.approx(metrics[name]) and metrics["edges_trained"] > 0
+
+
+def test_serve_reward_and_list_name_the_built_ins(capsys):
+    assert main(["serve-reward", "hpsv2.2"]) == 2
+    assert "unknown reward 'hpsv2.2' (did you mean hpsv2.1, hpsv2?)" in capsys.readouterr().err
+    assert main(["rewards", "list"]) == 0
+    listed = capsys.readouterr().out
+    assert all(name in listed for name in ("hpsv2.1", "pickscore", "clip-score", "aesthetic", "imagereward"))
+    assert 'pip install "branchdiff-rl[imagereward]"' in listed  # the optional package is not installed here

@@ -144,10 +144,10 @@ def test_sample_and_eval_commands(tiny_model_dir, tmp_path, capsys):
     assert len(list(out.glob("*.png"))) == 2
     report = tmp_path / "eval.json"
     assert main(["eval", "--model", str(tiny_model_dir), "--prompts", "tiny:held_out", "--seeds", "1", "--steps", "3",
-                 "--json", str(report)]) == 0
-    scores = json.loads(report.read_text())["scores"]
-    assert scores["images"] == 36 and 0.0 <= scores["partial"] <= 1.0
-    assert "strict" in capsys.readouterr().out
+                 "--out", str(tmp_path / "eval"), "--json", str(report)]) == 0
+    scores = json.loads(report.read_text())["summary"]["all"]
+    assert scores["tiny-geneval"]["images"] == 36 and 0.0 <= scores["tiny-geneval"]["mean"] <= 1.0
+    assert "tiny-geneval.strict" in capsys.readouterr().out
 
 
 def test_a_new_run_never_appends_to_an_existing_one(tiny_model_dir, tmp_path, capsys):
@@ -157,3 +157,48 @@ def test_a_new_run_never_appends_to_an_existing_one(tiny_model_dir, tmp_path, ca
     assert main(["train", "tiny-chain", *_overrides(tiny_model_dir, run, 1)]) == 2
     assert "already holds a run" in capsys.readouterr().err.strip().splitlines()[-1]
     assert (run / "metrics.jsonl").read_bytes() == before
+
+
+class OtherProcessHoldsEdges:
+    """A collective as seen by a process whose edges were all pruned while another process holds
+    10 per optimizer step (`sum` adds the other process's share)."""
+
+    num_processes = 1
+
+    def sum(self, values):
+        return values + 10
+
+    def max(self, values):
+        return values
+
+    def cat(self, values):
+        return values, 0
+
+
+def test_a_process_without_trained_edges_joins_every_step_idle(tiny_model_dir, tmp_path):
+    """Regression: with every edge of one process pruned (global width pruning on chains does it),
+    that process built one empty minibatch and crashed in the forward, and its partner hung in DDP's
+    gradient sync; it must take the same optimizer steps with a zero loss."""
+    trainer = Trainer(load_config(None, _overrides(tiny_model_dir, tmp_path / "idle", 1)))
+    trainer.policy_update.collective = OtherProcessHoldsEdges()
+    rollout, _, _, info = trainer.rollout_and_score(0)
+    nothing = torch.zeros(rollout.tree.num_nodes, dtype=torch.bool)
+    stats = trainer.update(rollout, info["embeds"], torch.zeros(rollout.tree.num_nodes), nothing, 0)
+    assert stats["optimizer_steps"] == 1 and stats["nfe_trained"] == 0 and stats["logprob_check"] == 0.0
+
+
+@pytest.mark.parametrize("sde, level", [("dance", 0.3), ("flow", 0.7), ("cps", 0.8)])
+@pytest.mark.parametrize("anchor_multiplier", [1.0, 4.0])
+def test_training_recomputes_each_edge_at_its_own_noise_level(tiny_model_dir, tmp_path, sde, level, anchor_multiplier):
+    """Splits with their own level and a default split level: the training recomputation must use
+    every edge's level (and the release's convention when its multiplier is on), so the ratio before
+    the first update is 1 on every edge (one minibatch holds them all)."""
+    config = load_config(None, [
+        f"model.path={tiny_model_dir}", f"output_dir={tmp_path / 'levels'}", "iterations=1", "final_eval=false",
+        "reward=rewards_for_tests:Redness", "prompts.per_iteration=2", "sampling.num_steps=4", f"sampling.sde={sde}",
+        f"sampling.noise_level={level}", "tree.roots=1", f"tree.splits=[[0, 2, {{noise_level: {level * 0.5}}}], [2, 2]]",
+        f"tree.split_noise_level={min(level * 1.25, 1.0)}", f"tree.anchor_noise_multiplier={anchor_multiplier}",
+        "train.minibatch=64", "logging.tensorboard=false",
+    ])
+    metrics = Trainer(config).run_iteration(0).metrics
+    assert metrics["edges_trained"] > 0 and metrics["logprob_check"] < 1e-5
