@@ -6,7 +6,8 @@ takes its name, and the replaced one is deleted. A crash at any point leaves eit
 new checkpoint under its name, or the old one under `.replaced-*`, which `clean_interrupted` puts back.
 
 A resumed run must be the run that was saved: every config key must match the checkpoint's, except
-the keys of `RESUMABLE_KEYS`, which only say how long to run, where and what to log or evaluate.
+the keys of `RESUMABLE_KEYS`, which only say how long to run, where and what to log or evaluate
+(`iterations` only while `prune.active_fraction` is 1: otherwise it moves where pruning stops).
 """
 
 from __future__ import annotations
@@ -126,7 +127,10 @@ def check_config(saved: dict, current: dict, path: Path) -> None:
     """Raise a one-line ConfigError naming the keys whose values differ from the checkpoint's. Keys
     only one side has (a newer or older version of branchdiff) are not compared."""
     old, new = _flatten(saved), _flatten(current)
-    differing = [k for k in sorted(old.keys() & new.keys()) if not _resumable(k) and old[k] != new[k]]
+    # pruning stops after prune.active_fraction·iterations: with a fraction below 1, a new length moves that point
+    fixed_length = old.get("prune.active_fraction", 1.0) < 1.0
+    differing = [k for k in sorted(old.keys() & new.keys())
+                 if (not _resumable(k) or (k == "iterations" and fixed_length)) and old[k] != new[k]]
     if differing:
         shown = ", ".join(f"{k}: checkpoint {old[k]!r}, now {new[k]!r}" for k in differing[:4])
         more = f" (and {len(differing) - 4} more)" if len(differing) > 4 else ""

@@ -160,7 +160,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
              for name in args.rewards.split(",") if name]
     rewards = {spec.label: build_component(spec, args.device) for spec in specs}
     result = evaluate(_load(args), prompt_set, rewards, args.images_per_prompt, args.steps, args.shift, args.seed,
-                      state.process_index, state.num_processes)
+                      state.process_index, state.num_processes, progress=state.is_local_main_process)
     result = gather_results(result, state)
     if not state.is_main_process:
         return

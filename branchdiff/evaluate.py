@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
 
 from branchdiff.data import PromptSet
 from branchdiff.models.base import ModelAdapter
@@ -78,17 +79,21 @@ class EvalResult:
 def evaluate(
     adapter: ModelAdapter, prompt_set: PromptSet, rewards: dict[str, object], images_per_prompt: int, num_steps: int,
     shift: float = 1.0, seed: int = EVAL_RUN_SEED, process_index: int = 0, num_processes: int = 1, chunk: int = 16,
+    progress: bool = False,
 ) -> EvalResult:
     """This process's share of the evaluation: prompts process_index, process_index + num_processes, ...
-    (`gather_results` joins the shares)."""
+    (`gather_results` joins the shares); `progress` shows a bar over this share's prompts."""
     mine = list(range(process_index, len(prompt_set.prompts), num_processes))
     parts: list[tuple[torch.Tensor, dict[str, torch.Tensor]]] = []
+    bar = tqdm(total=len(mine), desc="eval", unit="prompt", disable=not progress)
     for start in range(0, len(mine), chunk):
         keys = mine[start : start + chunk]
         prompts = [prompt_set.prompts[k] for k in keys]
         images, image_prompts = sample_ode(adapter, prompts, images_per_prompt, num_steps, shift, seed, keys)
         metadata = [prompt_set.metadata[k] for k in keys for _ in range(images_per_prompt)]
         parts.append((images, score_images(rewards, images, image_prompts, metadata)))
+        bar.update(len(keys))
+    bar.close()
     index = torch.tensor(mine, dtype=torch.long).repeat_interleave(images_per_prompt)
     seeds = torch.arange(images_per_prompt).repeat(len(mine))
     names = parts[0][1].keys() if parts else [*rewards]

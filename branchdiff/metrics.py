@@ -2,7 +2,7 @@
 
 Counts (NFE, edges, explore NFE) are summed; per-edge means (loss, clip fraction, KL) are global
 sums over the global edge count; times and `logprob_check` (max |logp_train − logp_rollout| at
-the first inner step) are maxima; rewards, each reward component and per-attribute accuracies
+the first inner step) are maxima (`grad_norm` is the last optimizer step's); rewards, each reward component and per-attribute accuracies
 are means over every process's leaves (finite scores only); the explorer's ranking agreement is
 computed on every process's candidates.
 
@@ -65,14 +65,19 @@ def iteration_metrics(
     maxima = {
         "logprob_check": update["logprob_check"], "rollout_seconds": info["rollout_seconds"],
         "reward_seconds": info["reward_seconds"], "train_seconds": info["train_seconds"],
-        **{f"explore_{k}": v for k, v in explore_stats.items() if not k.endswith("_nfe")},
+        **{f"explore_{k}": v for k, v in explore_stats.items() if not k.endswith(("_nfe", "_mean_abs_diff"))},
     }
+    # every process holds the same number of kept candidates, so the mean of the processes' means is the global mean
+    means = {f"explore_{k}": v for k, v in explore_stats.items() if k.endswith("_mean_abs_diff")}
     summed = collective.sum(torch.tensor([*counts.values(), *edge_sums.values(), *sums.values()], dtype=torch.float64)).tolist()
     counts = {name: int(value) for name, value in zip(counts, summed)}
     edges = max(counts["edges_trained"], 1)
     edge_means = {name: value / edges for name, value in zip(edge_sums, summed[len(counts):])}
     groups, std_sum = max(counts.pop("groups"), 1), summed[-1]
     maxima = dict(zip(maxima, collective.max(torch.tensor(list(maxima.values()), dtype=torch.float64)).tolist()))
+    if means:
+        totals = collective.sum(torch.tensor(list(means.values()), dtype=torch.float64)) / collective.num_processes
+        maxima.update(zip(means, totals.tolist()))
     metrics = {
         "reward_mean": finite_totals.mean().item() if len(finite_totals) else float("nan"),
         "reward_std": finite_totals.std().item() if len(finite_totals) > 1 else 0.0,

@@ -62,3 +62,9 @@ def test_pruning_renames_before_deleting(tmp_path):
     _folder(tmp_path / ".pruned-000000", "half deleted")  # a crash inside prune
     checkpoint.clean_interrupted(tmp_path)
     assert [p.name for p in checkpoint.checkpoints(tmp_path)] == ["iter-000002"] and len(list(tmp_path.iterdir())) == 1
+
+
+def test_iterations_may_not_change_when_pruning_stops_at_a_fraction_of_them(tmp_path):
+    saved = to_dict(load_config("tiny-chain", ["prune.active_fraction=0.5"]))
+    with pytest.raises(ConfigError, match=r"iterations: checkpoint 60, now 120"):
+        checkpoint.check_config(saved, to_dict(load_config("tiny-chain", ["prune.active_fraction=0.5", "iterations=120"])), tmp_path)
