@@ -63,7 +63,8 @@ def _parser() -> argparse.ArgumentParser:
             sub.add_argument("--out", type=Path, required=True, help="output directory")
         else:
             sub.add_argument("--prompts", default="tiny:held_out", help="tiny:held_out, hpdv2[:style], or a .txt / .jsonl / .csv file")
-            sub.add_argument("--rewards", default="tiny-geneval", help="comma-separated rewards: names, dotted paths or server URLs")
+            sub.add_argument("--rewards", default="tiny-geneval",
+                             help="comma-separated names, dotted paths or server URLs, or the config's form '[{name: hpsv2.1, kwargs: {checkpoint: PATH}}]'")
             sub.add_argument("--seed", type=int, default=1234, help="noise seed (the same for base and LoRA)")
             sub.add_argument("--device", default="cpu", help="device of the rewards")
             sub.add_argument("--out", type=Path, default=None, help="output directory (default: eval-<lora name or base>)")
@@ -80,12 +81,14 @@ def _parser() -> argparse.ArgumentParser:
     check.add_argument("--model", default=None, help="model directory (default: the built-in tiny model)")
     check.add_argument("--steps", type=int, default=10, help="SDE sampling steps")
     check.add_argument("--device", default="cpu", help="device of the reward")
+    check.add_argument("--kwargs", default=None, help="keyword arguments of the reward, a YAML mapping: '{checkpoint: PATH}'")
 
     serve = commands.add_parser("serve-reward", help="serve a reward over HTTP (docs/reward-server.md)")
     serve.add_argument("name", help="registered name, entry point or dotted path 'package.module:Name'")
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default: this machine only)")
     serve.add_argument("--port", type=int, default=8765, help="port to listen on")
     serve.add_argument("--device", default="cpu", help="device of the reward's model")
+    serve.add_argument("--kwargs", default=None, help="keyword arguments of the reward, a YAML mapping: '{checkpoint: PATH}'")
 
     bench = commands.add_parser("bench", help="side-by-side benchmarks")
     bench.add_argument("which", choices=["tree", "explore"], help="what to benchmark")
@@ -122,11 +125,11 @@ def cmd_train(args: argparse.Namespace) -> None:
         print(format_comparison(trainer.final_evaluation()))
 
 
-def _load(args: argparse.Namespace):
+def _load(args: argparse.Namespace, device: str | object = "cpu"):
     from branchdiff.models.lora import load_lora
     from branchdiff.models.tiny import TinyAdapter
 
-    adapter = TinyAdapter.from_pretrained(args.model)
+    adapter = TinyAdapter.from_pretrained(args.model, device)
     if args.lora:
         load_lora(adapter.denoiser, args.lora)
     return adapter
@@ -151,22 +154,22 @@ def cmd_eval(args: argparse.Namespace) -> None:
 
     from branchdiff.data import load_prompt_set
     from branchdiff.evaluate import evaluate, format_summary, gather_results, write_outputs
-    from branchdiff.rewards.combine import RewardSpec
     from branchdiff.rewards.multi import build_component
 
     state = PartialState(cpu=args.device == "cpu")
     prompt_set = load_prompt_set(args.prompts)
-    specs = [RewardSpec(remote=name) if name.startswith(("http://", "https://")) else RewardSpec(name=name)
-             for name in args.rewards.split(",") if name]
+    specs = _reward_specs(args.rewards)
     rewards = {spec.label: build_component(spec, args.device) for spec in specs}
-    result = evaluate(_load(args), prompt_set, rewards, args.images_per_prompt, args.steps, args.shift, args.seed,
-                      state.process_index, state.num_processes, progress=state.is_local_main_process)
+    out = args.out or Path("eval-" + Path(args.lora or "base").stem)
+    result = evaluate(_load(args, state.device), prompt_set, rewards, args.images_per_prompt, args.steps, args.shift, args.seed,
+                      state.process_index, state.num_processes, progress=state.is_local_main_process, out_dir=out)
     result = gather_results(result, state)
+    state.wait_for_everyone()  # every process's images are on disk before the grid reads them
     if not state.is_main_process:
         return
+    out.mkdir(parents=True, exist_ok=True)
     scales = {label: getattr(reward, "scale", "unspecified") for label, reward in rewards.items()}
     extra = {"model": args.model or "built-in tiny", "lora": args.lora, "steps": args.steps, "seed": args.seed}
-    out = args.out or Path("eval-" + Path(args.lora or "base").stem)
     summary = write_outputs(result, out, scales, extra)
     print(f"{prompt_set.name}: {len(prompt_set.prompts)} prompts × {args.images_per_prompt} images, "
           f"{'LoRA ' + args.lora if args.lora else 'base model'}; images, scores.csv, grid.png in {out}/")
@@ -184,6 +187,31 @@ def cmd_bench(args: argparse.Namespace) -> None:
         bench_explore(args.json)
 
 
+def _yaml_value(text: str):
+    from branchdiff.typed_yaml import parse_override
+
+    return parse_override(f"value={text}")[1]
+
+
+def _kwargs(text: str | None) -> dict:
+    """`--kwargs '{checkpoint: /models/HPS_v2.1_compressed.pt}'`: keyword arguments of a reward."""
+    value = _yaml_value(text) if text else {}
+    if not isinstance(value, dict):
+        raise ValueError(f"--kwargs {text!r} must be a YAML mapping, e.g. '{{checkpoint: /models/HPS_v2.1_compressed.pt}}'")
+    return value
+
+
+def _reward_specs(text: str) -> list:
+    """`--rewards a,b,http://host:port` or the config's form, `'[{name: hpsv2.1, kwargs: {checkpoint: ...}}]'`."""
+    from branchdiff.rewards.combine import RewardSpec, parse_reward_specs
+
+    if text.lstrip().startswith(("[", "{")):
+        return parse_reward_specs(_yaml_value(text))
+    names = [name for name in text.split(",") if name]
+    specs = parse_reward_specs(names)
+    return [RewardSpec(remote=spec.name) if spec.name.startswith(("http://", "https://")) else spec for spec in specs]
+
+
 def cmd_rewards(args: argparse.Namespace) -> None:
     from branchdiff.rewards.registry import available, build_reward
 
@@ -195,16 +223,18 @@ def cmd_rewards(args: argparse.Namespace) -> None:
         for row in rows:
             print("  ".join(row[c].ljust(widths[c]) for c in columns))
         return
-    from branchdiff.data import load_prompts
+    from branchdiff.data import load_prompt_set
     from branchdiff.models.tiny import TinyAdapter
     from branchdiff.signal_check import check_reward
 
-    reward = build_reward(args.name, args.device)
-    prompts = load_prompts(args.prompts)[: args.num_prompts]
-    stats = check_reward(TinyAdapter.from_pretrained(args.model), reward, prompts, args.group_size, args.steps)
+    reward = build_reward(args.name, args.device, _kwargs(args.kwargs))
+    prompt_set = load_prompt_set(args.prompts)
+    prompts, metadata = prompt_set.prompts[: args.num_prompts], prompt_set.metadata[: args.num_prompts]
+    stats = check_reward(TinyAdapter.from_pretrained(args.model), reward, prompts, metadata, args.name, args.group_size, args.steps)
     print(f"reward {args.name!r}, scale: {getattr(reward, 'scale', 'unspecified')}; {stats['images']} images "
           f"({len(prompts)} prompts × {args.group_size}) from {args.prompts}")
-    for key in ("min", "mean", "max", "within_group_std", "between_prompt_std", "zero_spread_fraction", "seconds_per_image"):
+    for key in ("min", "mean", "max", "within_group_std", "between_prompt_std", "zero_spread_fraction", "seconds_per_image",
+                "nonfinite", "groups_dropped"):
         print(f"  {key:<22}{stats[key]:.4g}")
     if stats["zero_spread_fraction"] > 0.5 or stats["within_group_std"] < 1e-6:
         print("  weak signal: most groups score all their samples alike; GRPO learns nothing from those groups")
@@ -214,7 +244,7 @@ def cmd_serve_reward(args: argparse.Namespace) -> None:
     from branchdiff.rewards.registry import build_reward
     from branchdiff.rewards.server import serve
 
-    serve(build_reward(args.name, args.device), args.host, args.port)
+    serve(build_reward(args.name, args.device, _kwargs(args.kwargs)), args.host, args.port)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -235,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         {"train": cmd_train, "sample": cmd_sample, "eval": cmd_eval, "bench": cmd_bench, "rewards": cmd_rewards,
          "serve-reward": cmd_serve_reward}[args.command](args)
-    except (ConfigError, FileNotFoundError, ValueError, RewardError, RemoteRewardError) as error:
+    except (ConfigError, FileNotFoundError, ValueError, ImportError, RewardError, RemoteRewardError) as error:
         print(f"branchdiff: error: {error}", file=sys.stderr)
         return 2
     return 0

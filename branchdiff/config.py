@@ -239,9 +239,7 @@ def _validate_explore(config: TrainConfig) -> None:
     if explore.mode == "seeds" and explore.keep > explore.pool:
         raise ConfigError(f"'explore.keep' = {explore.keep} exceeds 'explore.pool' = {explore.pool}")
     if explore.mode == "tree":
-        leaves = config.tree.roots
-        for entry in config.tree.splits:
-            leaves *= int(entry[1])
+        leaves = tree_spec(config, 0).leaves
         if explore.keep > leaves:
             raise ConfigError(f"'explore.keep' = {explore.keep} exceeds the {leaves} leaves per prompt of the tree")
 

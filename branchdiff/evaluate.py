@@ -6,8 +6,9 @@ forwards are padded to a fixed batch (`exact`) and prompts encoded one at a time
 not depend on which other prompts share its batch: with `accelerate launch`, processes take every P-th prompt and the gathered
 results equal a one-process run's.
 
-Outputs (`write_outputs`): `images/<style>/<index:05d>.jpg` per seed folder (the HPDv2 benchmark's
-layout, which its official evaluator reads; prompts without a style go to `all/`), `scores.csv`
+Outputs: `images/seed-<s>/<style>/<index:05d>.jpg`, written by every process for its own prompts as
+they are made (the HPDv2 benchmark's layout, which its official evaluator reads; prompts without a
+style go to `all/`); then, by one process (`write_outputs`), `scores.csv`
 (one row per image), `grid.png` (the first prompts × seeds), and the JSON summary: mean ± std per
 score, per style when the prompts have one, with each reward's scale and the prompt set.
 """
@@ -25,7 +26,7 @@ from tqdm.auto import tqdm
 from branchdiff.data import PromptSet
 from branchdiff.models.base import ModelAdapter
 from branchdiff.report import save_grid
-from branchdiff.rewards.registry import reward_key
+from branchdiff.rewards.multi import extra_keys, score_component
 from branchdiff.rollout import NoiseAddress, SamplerSettings, grow
 from branchdiff.schedulers.flow import sigma_schedule
 from branchdiff.tree import TreeSpec, build_tree
@@ -51,18 +52,20 @@ def sample_ode(
     return adapter.decode(rollout.leaf_latents), [prompts[p] for p in tree.prompt[tree.leaf_index].tolist()]
 
 
+def score_names(rewards: dict[str, object]) -> list[str]:
+    """The score names `score_images` returns: each reward's label, then `label.key` for the extra
+    scores it declares (tiny-geneval's strict and per-attribute accuracy)."""
+    return [name for label, reward in rewards.items() for name in (label, *(f"{label}.{k}" for k in extra_keys(reward)))]
+
+
 def score_images(rewards: dict[str, object], images: torch.Tensor, prompts: list[str], metadata: list[dict]) -> dict[str, torch.Tensor]:
-    """Per-image scores (B,) by name: each reward under its label, and the extra scores a reward
-    reports (tiny-geneval's strict and per-attribute accuracy) as `label.key`."""
+    """Per-image scores (B,) by `score_names`, through the same boundary as training
+    (`score_component`: one-line errors, shapes checked; non-finite scores kept and counted later)."""
     scores = {}
     for label, reward in rewards.items():
-        if hasattr(reward, "score"):
-            every = reward.score(images, prompts)
-            key = reward_key(reward)
-            scores[label] = every[key].float().cpu()
-            scores.update({f"{label}.{k}": v.float().cpu() for k, v in every.items() if k != key})
-        else:
-            scores[label] = torch.as_tensor(reward(images, prompts, metadata)).float().cpu()
+        value, more, _ = score_component(reward, label, images, prompts, metadata)
+        scores[label] = value
+        scores.update({f"{label}.{k}": v for k, v in more.items()})
     return scores
 
 
@@ -73,51 +76,78 @@ class EvalResult:
     prompt_index: torch.Tensor  # (N,) prompt of each image, prompt-major then seed
     seed_index: torch.Tensor  # (N,) seed (root) of each image
     scores: dict[str, torch.Tensor]  # (N,) per score name
-    images: torch.Tensor  # (N, 3, H, W) in [0, 1]
+
+
+def benchmark_paths(prompt_set: PromptSet) -> list[Path]:
+    """Each prompt's image path below `images/seed-<s>/`: `<style>/<index within the style:05d>.jpg`
+    (HPDv2's layout; prompts without a style go to `all/`)."""
+    seen: dict[str, int] = {}
+    paths = []
+    for metadata in prompt_set.metadata:
+        style = metadata.get("style") or "all"
+        paths.append(Path(style) / f"{seen.get(style, 0):05d}.jpg")
+        seen[style] = seen.get(style, 0) + 1
+    return paths
+
+
+def image_path(prompt_set_paths: list[Path], prompt: int, seed: int) -> Path:
+    return Path("images") / f"seed-{seed}" / prompt_set_paths[prompt]
+
+
+def save_jpeg(image: torch.Tensor, path: Path) -> None:
+    """An image (3, H, W) in [0, 1] as JPEG quality 95 (the benchmark reads JPEG; PIL's default 75
+    would move the pixels its evaluator sees further from those scored here)."""
+    from PIL import Image
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pixels = (image.float().clamp(0, 1) * 255).round().to(torch.uint8).permute(1, 2, 0).cpu().numpy()
+    Image.fromarray(pixels).save(path, quality=95)
 
 
 def evaluate(
     adapter: ModelAdapter, prompt_set: PromptSet, rewards: dict[str, object], images_per_prompt: int, num_steps: int,
     shift: float = 1.0, seed: int = EVAL_RUN_SEED, process_index: int = 0, num_processes: int = 1, chunk: int = 16,
-    progress: bool = False,
+    progress: bool = False, out_dir: Path | None = None,
 ) -> EvalResult:
     """This process's share of the evaluation: prompts process_index, process_index + num_processes, ...
-    (`gather_results` joins the shares); `progress` shows a bar over this share's prompts."""
+    (`gather_results` joins the shares); with `out_dir`, each image is written there as it is made
+    (`image_path`), so no process holds more than a chunk of images; `progress` shows a bar."""
     mine = list(range(process_index, len(prompt_set.prompts), num_processes))
-    parts: list[tuple[torch.Tensor, dict[str, torch.Tensor]]] = []
-    bar = tqdm(total=len(mine), desc="eval", unit="prompt", disable=not progress)
-    for start in range(0, len(mine), chunk):
-        keys = mine[start : start + chunk]
-        prompts = [prompt_set.prompts[k] for k in keys]
-        images, image_prompts = sample_ode(adapter, prompts, images_per_prompt, num_steps, shift, seed, keys)
-        metadata = [prompt_set.metadata[k] for k in keys for _ in range(images_per_prompt)]
-        parts.append((images, score_images(rewards, images, image_prompts, metadata)))
-        bar.update(len(keys))
-    bar.close()
+    paths = benchmark_paths(prompt_set)
+    scores: dict[str, list[torch.Tensor]] = {name: [] for name in score_names(rewards)}
+    with tqdm(total=len(mine), desc="eval", unit="prompt", disable=not progress) as bar:  # closed (its line ended) on errors too
+        for start in range(0, len(mine), chunk):
+            keys = mine[start : start + chunk]
+            prompts = [prompt_set.prompts[k] for k in keys]
+            images, image_prompts = sample_ode(adapter, prompts, images_per_prompt, num_steps, shift, seed, keys)
+            metadata = [prompt_set.metadata[k] for k in keys for _ in range(images_per_prompt)]
+            for name, values in score_images(rewards, images, image_prompts, metadata).items():
+                scores[name].append(values)
+            if out_dir is not None:
+                for row, image in enumerate(images):
+                    save_jpeg(image, out_dir / image_path(paths, keys[row // images_per_prompt], row % images_per_prompt))
+            bar.update(len(keys))
     index = torch.tensor(mine, dtype=torch.long).repeat_interleave(images_per_prompt)
     seeds = torch.arange(images_per_prompt).repeat(len(mine))
-    names = parts[0][1].keys() if parts else [*rewards]
-    scores = {name: torch.cat([p[1][name] for p in parts]) if parts else torch.empty(0) for name in names}
-    images = torch.cat([p[0] for p in parts]) if parts else torch.empty(0, 3, 1, 1)
-    return EvalResult(prompt_set, images_per_prompt, index, seeds, scores, images)
+    return EvalResult(prompt_set, images_per_prompt, index, seeds, {name: torch.cat(v) if v else torch.empty(0) for name, v in scores.items()})
 
 
 def gather_results(result: EvalResult, accelerator) -> EvalResult:
-    """Every process's share joined in prompt order (one gather of Python objects)."""
+    """Every process's scores joined in prompt order (one gather of Python objects; images stay on disk)."""
     if accelerator.num_processes == 1:
         return result
     from accelerate.utils import gather_object
 
-    shares = gather_object([(result.prompt_index, result.seed_index, result.scores, result.images)])
-    index = torch.cat([s[0] for s in shares])
-    order = torch.argsort(index * result.images_per_prompt + torch.cat([s[1] for s in shares]), stable=True)
+    shares = gather_object([(result.prompt_index, result.seed_index, result.scores)])
+    index, seeds = torch.cat([s[0] for s in shares]), torch.cat([s[1] for s in shares])
+    order = torch.argsort(index * result.images_per_prompt + seeds, stable=True)
     scores = {name: torch.cat([s[2][name] for s in shares])[order] for name in result.scores}
-    return EvalResult(result.prompt_set, result.images_per_prompt, index[order], torch.cat([s[1] for s in shares])[order],
-                      scores, torch.cat([s[3] for s in shares])[order])
+    return EvalResult(result.prompt_set, result.images_per_prompt, index[order], seeds[order], scores)
 
 
 def summarize(result: EvalResult) -> dict[str, dict[str, dict[str, float]]]:
-    """{group: {score: {mean, std, images}}}: group "all", and each style when prompts have one."""
+    """{group: {score: {mean, std, images, nonfinite}}}: group "all", and each style when prompts
+    have one; mean and std over the finite scores, `nonfinite` counting the others."""
     styles = [result.prompt_set.metadata[p].get("style") for p in result.prompt_index.tolist()]
     groups = {"all": torch.ones(len(styles), dtype=torch.bool)}
     for style in sorted({s for s in styles if s}):
@@ -127,8 +157,10 @@ def summarize(result: EvalResult) -> dict[str, dict[str, dict[str, float]]]:
         summary[group] = {}
         for name, values in result.scores.items():
             chosen = values[member]
-            summary[group][name] = {"mean": chosen.mean().item(), "std": chosen.std().item() if len(chosen) > 1 else 0.0,
-                                    "images": len(chosen)}
+            finite = chosen[torch.isfinite(chosen)]
+            summary[group][name] = {"mean": finite.mean().item() if len(finite) else float("nan"),
+                                    "std": finite.std().item() if len(finite) > 1 else 0.0,
+                                    "images": len(chosen), "nonfinite": len(chosen) - len(finite)}
     return summary
 
 
@@ -149,38 +181,30 @@ def format_summary(summary: dict, label: str = "score") -> str:
     width = max(len(n) for n in names) + 2
     lines = [f"{label:<{width}}" + "".join(f"{g:>20}" for g in groups)]
     for name in names:
-        cells = [f"{summary[g][name]['mean']:.4f} ± {summary[g][name]['std']:.4f}" for g in groups]
+        cells = [f"{summary[g][name]['mean']:.4f} ± {summary[g][name]['std']:.4f}"
+                 + (f" ({summary[g][name]['nonfinite']} NaN)" if summary[g][name]["nonfinite"] else "") for g in groups]
         lines.append(f"{name:<{width}}" + "".join(f"{c:>20}" for c in cells))
     return "\n".join(lines)
 
 
 def write_outputs(result: EvalResult, out_dir: Path, scales: dict[str, str], extra: dict) -> dict:
-    """Images in the HPDv2 layout, scores.csv, grid.png and summary.json under `out_dir` (module
-    doc); returns the summary JSON. `scales`: each reward's scale note; `extra`: run facts to record."""
-    from torchvision.utils import save_image
+    """scores.csv, grid.png (from the images `evaluate` wrote) and summary.json under `out_dir`
+    (module doc); returns the summary JSON. `scales`: each reward's scale note; `extra`: run facts."""
+    from torchvision.io import read_image
 
-    out_dir.mkdir(parents=True, exist_ok=True)
     prompts, metadata = result.prompt_set.prompts, result.prompt_set.metadata
-    styles = [m.get("style") or "all" for m in metadata]
-    seen: dict[str, int] = {}
-    number_in_style = []  # the benchmark numbers prompts within their style
-    for style in styles:
-        number_in_style.append(seen.get(style, 0))
-        seen[style] = number_in_style[-1] + 1
+    paths = benchmark_paths(result.prompt_set)
     rows = []
     for row, (p, s) in enumerate(zip(result.prompt_index.tolist(), result.seed_index.tolist())):
-        style = styles[p]
-        path = Path("images") / f"seed-{s}" / style / f"{number_in_style[p]:05d}.jpg"
-        (out_dir / path).parent.mkdir(parents=True, exist_ok=True)
-        save_image(result.images[row], out_dir / path)
-        rows.append({"prompt_index": p, "seed": s, "style": style, "prompt": prompts[p], "image": str(path),
-                     **{name: f"{values[row].item():.6g}" for name, values in result.scores.items()}})
+        rows.append({"prompt_index": p, "seed": s, "style": metadata[p].get("style") or "all", "prompt": prompts[p],
+                     "image": str(image_path(paths, p, s)), **{name: f"{values[row].item():.6g}" for name, values in result.scores.items()}})
     with (out_dir / "scores.csv").open("w", newline="") as handle:
         writer = csv.DictWriter(handle, fieldnames=list(rows[0]) if rows else ["prompt_index"])
         writer.writeheader()
         writer.writerows(rows)
-    shown = min(8, len(prompts)) * result.images_per_prompt
-    save_grid(result.images[:shown], out_dir / "grid.png", nrow=result.images_per_prompt)
+    shown = [row["image"] for row in rows[: min(8, len(prompts)) * result.images_per_prompt]]
+    if shown:
+        save_grid(torch.stack([read_image(str(out_dir / path)).float() / 255 for path in shown]), out_dir / "grid.png", nrow=result.images_per_prompt)
     summary = {"prompts": result.prompt_set.name, "images_per_prompt": result.images_per_prompt, "scales": scales,
                **extra, "summary": summarize(result)}
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))

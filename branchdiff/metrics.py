@@ -20,7 +20,7 @@ from branchdiff.explore import ranking_agreement
 from branchdiff.rewards.multi import RewardBatch
 from branchdiff.rollout import Rollout
 
-ZERO_SPREAD = 1e-6
+ZERO_SPREAD = 1e-6  # a group whose rewards spread less than this trains nothing
 
 
 def group_spread(total: torch.Tensor, groups: torch.Tensor) -> tuple[int, int, float]:

@@ -27,7 +27,7 @@ from tqdm.auto import tqdm
 from branchdiff import checkpoint, prune
 from branchdiff.advantage import depthwise_advantages, fuse_rewards
 from branchdiff.config import TrainConfig, save_config, to_dict, trainable_steps, tree_spec
-from branchdiff.data import draw_prompts, load_prompt_set, load_prompts
+from branchdiff.data import draw_prompts, load_prompt_set
 from branchdiff.distributed import AcceleratorCollective
 from branchdiff.evaluate import evaluate, summarize
 from branchdiff.explore import ExploreResult, explore_seeds, explore_tree, latent_difference, pool_under_policy, selection_generators
@@ -90,7 +90,8 @@ class Trainer:
         self.accelerator.register_save_state_pre_hook(self._save_hook)
         self.accelerator.register_load_state_pre_hook(self._load_hook)
         self.reward = MultiReward(parse_reward_specs(config.reward), config.reward_combine, self.accelerator.device)
-        self.prompts = load_prompts(config.prompts.train)
+        self.prompt_set = load_prompt_set(config.prompts.train)
+        self.prompts = self.prompt_set.prompts
         self.explorer = self._make_explorer()
         self.start_iteration = 0
 
@@ -171,13 +172,18 @@ class Trainer:
             tmp.replace(path)
 
     # ---------------------------------------------------------------- one iteration
-    def iteration_prompts(self, iteration: int) -> tuple[list[str], tuple[int, ...]]:
-        """This process's prompts and their global keys (slots of the iteration's global draw)."""
+    def iteration_draw(self, iteration: int) -> tuple[list[int], tuple[int, ...]]:
+        """This process's prompt indices and their global keys (slots of the iteration's global draw)."""
         per_process = self.config.prompts.per_iteration
         indices = draw_prompts(self.prompts, per_process * self.accelerator.num_processes, self.config.seed, iteration)
         first = self.accelerator.process_index * per_process
         keys = tuple(range(first, first + per_process))
-        return [self.prompts[indices[k]] for k in keys], keys
+        return [indices[k] for k in keys], keys
+
+    def iteration_prompts(self, iteration: int) -> tuple[list[str], tuple[int, ...]]:
+        """This process's prompts and their global keys."""
+        indices, keys = self.iteration_draw(iteration)
+        return [self.prompts[i] for i in indices], keys
 
     def trainable_mask(self, rollout: Rollout, node_advantages: torch.Tensor, iteration: int) -> torch.Tensor:
         """(N,) edges that get gradients: SDE edges with a density, in the trainable steps, after
@@ -195,7 +201,8 @@ class Trainer:
 
     def rollout_and_score(self, iteration: int, per_node: bool = False) -> tuple[Rollout, torch.Tensor, RewardBatch, dict]:
         """Grow this iteration's trees and score the leaves: (rollout, leaf images, rewards, info)."""
-        prompts, keys = self.iteration_prompts(iteration)
+        indices, keys = self.iteration_draw(iteration)
+        prompts, metadata = [self.prompts[i] for i in indices], [self.prompt_set.metadata[i] for i in indices]
         spec = tree_spec(self.config, iteration)
         embeds = self.adapter.encode_prompts(prompts)
         address = NoiseAddress(self.config.seed, iteration, keys)
@@ -205,14 +212,14 @@ class Trainer:
             if self.explorer is None:
                 rollout = grow(self.adapter, build_tree(spec, len(prompts)), embeds, self.sigmas, self.settings, address, per_node)
             else:
-                explored = self._explore(spec, prompts, embeds, address, iteration)
+                explored = self._explore(spec, prompts, metadata, embeds, address, iteration)
                 rollout = explored.rollout
         info["rollout_seconds"] = time.perf_counter() - start
         start = time.perf_counter()
         images = self.adapter.decode(rollout.leaf_latents)
         tree = rollout.tree
         leaf_prompts = tree.prompt[tree.leaf_index]  # (L,) the group of each leaf
-        rewards = self.reward(images, [prompts[p] for p in leaf_prompts.tolist()], [{} for _ in leaf_prompts], leaf_prompts)
+        rewards = self.reward(images, [prompts[p] for p in leaf_prompts.tolist()], [metadata[p] for p in leaf_prompts.tolist()], leaf_prompts)
         info["reward_seconds"] = time.perf_counter() - start
         if self.explorer is not None:
             kept_regenerated = rewards.total.reshape(len(prompts), self.config.explore.keep, -1).mean(-1)
@@ -220,20 +227,21 @@ class Trainer:
             info["explore_stats"] = {**latent_difference(explored), **explored.stats}
             every = self.config.explore.fidelity_every
             if every and iteration % every == 0:
-                info["explore_pool"] = (explored.pool_rewards, self._pool_rewards_under_policy(spec, prompts, embeds, address))
+                info["explore_pool"] = (explored.pool_rewards, self._pool_rewards_under_policy(spec, prompts, metadata, embeds, address))
         return rollout, images, rewards, info
 
-    def _score_latents(self, prompts: list[str]):
+    def _score_latents(self, prompts: list[str], metadata: list[dict]):
         def score(latents: torch.Tensor, prompt_index: torch.Tensor) -> torch.Tensor:
             images = self.adapter.decode(latents)
-            return self.reward(images, [prompts[p] for p in prompt_index.tolist()], [{} for _ in prompt_index], prompt_index).total
+            rows = prompt_index.tolist()
+            return self.reward(images, [prompts[p] for p in rows], [metadata[p] for p in rows], prompt_index).total
 
         return score
 
-    def _explore(self, spec, prompts: list[str], embeds: dict, address: NoiseAddress, iteration: int) -> ExploreResult:
+    def _explore(self, spec, prompts: list[str], metadata: list[dict], embeds: dict, address: NoiseAddress, iteration: int) -> ExploreResult:
         explore = self.config.explore
         generators = selection_generators(self.config.seed, iteration, address.prompt_keys)
-        score = self._score_latents(prompts)
+        score = self._score_latents(prompts, metadata)
         if explore.mode == "tree":
             return explore_tree(self.adapter, self.explorer, embeds, spec, self.sigmas, self.settings, address,
                                 explore.keep, explore.selection, score, generators)
@@ -242,13 +250,13 @@ class Trainer:
         return explore_seeds(self.adapter, self.explorer, embeds, spec, self.sigmas, preview_sigmas, explore.preview_sampler == "sde",
                              self.settings, address, explore.pool, explore.keep, explore.selection, score, generators)
 
-    def _pool_rewards_under_policy(self, spec, prompts: list[str], embeds: dict, address: NoiseAddress) -> torch.Tensor:
+    def _pool_rewards_under_policy(self, spec, prompts: list[str], metadata: list[dict], embeds: dict, address: NoiseAddress) -> torch.Tensor:
         """(P, N) the policy's reward of every pool candidate (the explorer's ranking is judged on these)."""
         explore = self.config.explore
         with self.accelerator.autocast():
             latents, per_candidate = pool_under_policy(self.adapter, embeds, spec, self.sigmas, self.settings, address, explore.mode, explore.pool)
         prompt_index = torch.arange(len(prompts)).repeat_interleave(len(latents) // len(prompts))
-        return self._score_latents(prompts)(latents, prompt_index).reshape(len(prompts), -1, per_candidate).mean(-1)
+        return self._score_latents(prompts, metadata)(latents, prompt_index).reshape(len(prompts), -1, per_candidate).mean(-1)
 
     def run_iteration(self, iteration: int, per_node: bool = False) -> IterationResult:
         """One iteration; `per_node` grows the tree with batch-1 forwards (benchmarks)."""

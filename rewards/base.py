@@ -42,3 +42,10 @@ def check_scores(scores: object, batch: int, name: str) -> torch.Tensor:
     if scores.shape != (batch,):
         raise ValueError(f"reward {name!r} returned shape {tuple(scores.shape)} for {batch} images; it must return one score per image, shape ({batch},)")
     return scores.detach().float().cpu()
+
+
+def to_uint8(images: torch.Tensor) -> torch.Tensor:
+    """Images (B, 3, H, W) in [0, 1] as the 8-bit pixels a saved image holds: uint8 on the CPU,
+    `round(255 · clamp(x, 0, 1))`, ties to even (torch.round). Rewards that score saved-image pixels
+    and the reward server's wire both use it, so their pixels agree bit for bit."""
+    return images.detach().to("cpu", torch.float32).clamp(0, 1).mul(255).round().to(torch.uint8)

@@ -30,13 +30,11 @@ import torch
 import torch.nn.functional as F
 from torchvision.transforms.v2 import functional as TF
 
-from branchdiff.rewards.model_reward import ModelReward, first_line, resolve_weight_file, to_uint8
+from branchdiff.rewards.model_reward import CLIP_MEAN, CLIP_STD, ModelReward, first_line, resolve_weight_file, to_uint8
 
 HPS_HUB_REPO = "xswu/HPSv2"
 HPS_FILES = {"v2.0": "HPS_v2_compressed.pt", "v2.1": "HPS_v2.1_compressed.pt"}  # version -> file in HPS_HUB_REPO
 HPS_NAMES = {"v2.0": "hpsv2", "v2.1": "hpsv2.1"}  # version -> registry name
-CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)  # OpenAI CLIP statistics, the reference's normalisation
-CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 
 
 def hps_preprocess(images: torch.Tensor, size: int = 224) -> torch.Tensor:
@@ -103,7 +101,7 @@ class HPSReward(ModelReward):
         self.image_size = int(image_size[0] if isinstance(image_size, (tuple, list)) else image_size)
 
     def score_chunk(self, images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
-        pixels = hps_preprocess(to_uint8(images).float() / 255, self.image_size)  # (b, 3, 224, 224)
+        pixels = hps_preprocess(to_uint8(images).to(self.device).float() / 255, self.image_size)  # (b, 3, 224, 224)
         tokens = self.tokenizer(prompts).to(self.device)  # (b, context_length)
         image_features = self.model.encode_image(pixels, normalize=True)  # (b, D)
         text_features = self.model.encode_text(tokens, normalize=True)  # (b, D)

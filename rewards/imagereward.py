@@ -2,7 +2,7 @@
 image encoder and BERT text encoder with cross-attention, and an MLP head on the text [CLS] state.
 
 Optional: it needs the `image-reward` package (import name `ImageReward`), which pins old
-dependencies, so it is an extra (`pip install "branchdiff-rl[imagereward]"`) or best served from
+dependencies (timm 0.6, which branchdiff's open-clip-torch 3 excludes), so it is served from
 its own environment with `branchdiff serve-reward imagereward`. The package is imported only when
 the reward is built; without it, building the reward raises one ImportError line naming the extra.
 
@@ -24,16 +24,15 @@ import torch
 from torchvision.transforms.v2 import functional as TF
 
 from branchdiff.rewards.model_reward import (
-    ModelReward, import_optional, load_tensor_file, resolve_weight_file, to_uint8,
+    CLIP_MEAN, CLIP_STD, ModelReward, import_optional, load_tensor_file, resolve_weight_file, to_uint8,
 )
 
 IMAGEREWARD_HUB_REPO = "THUDM/ImageReward"
 IMAGEREWARD_FILE = "ImageReward.pt"
 MED_CONFIG_FILE = "med_config.json"
-IMAGEREWARD_INSTALL = 'pip install "branchdiff-rl[imagereward]"'
+IMAGEREWARD_INSTALL = ("install image-reward in its own environment (pip install image-reward; it pins timm 0.6, which "
+                       "open-clip-torch 3 excludes) and serve it: branchdiff serve-reward imagereward (docs/reward-server.md)")
 PROMPT_TOKENS = 35  # the package's max_length for BERT tokens
-CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
-CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 
 
 def center_crop_preprocess(images: torch.Tensor, size: int = 224) -> torch.Tensor:
@@ -85,7 +84,7 @@ class ImageRewardReward(ModelReward):
 
     def score_chunk(self, images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
         blip = self.model.blip
-        pixels = center_crop_preprocess(to_uint8(images))  # (b, 3, 224, 224)
+        pixels = center_crop_preprocess(to_uint8(images).to(self.device))  # (b, 3, 224, 224)
         tokens = blip.tokenizer(prompts, padding="max_length", truncation=True, max_length=PROMPT_TOKENS, return_tensors="pt").to(self.device)
         image_states = blip.visual_encoder(pixels)  # (b, 1 + patches, 1024)
         image_mask = torch.ones(image_states.shape[:-1], dtype=torch.long, device=self.device)

@@ -20,7 +20,7 @@ from types import ModuleType
 
 import torch
 
-from branchdiff.rewards.base import Reward
+from branchdiff.rewards.base import Reward, to_uint8  # noqa: F401  (to_uint8: the rewards below import it from here)
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")  # "owner/name", the form of a hub repo id
 
@@ -30,9 +30,8 @@ class MissingWeightsError(FileNotFoundError):
     naming what was asked for and where to get it."""
 
 
-def to_uint8(images: torch.Tensor) -> torch.Tensor:
-    """(B, 3, H, W) floats in [0, 1] -> (B, 3, H, W) uint8, `round(clamp(x, 0, 1) · 255)`."""
-    return (images.clamp(0, 1) * 255).round().to(torch.uint8)
+CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)  # OpenAI CLIP's image statistics (HPS, ImageReward normalise with them)
+CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 
 
 def first_line(error: BaseException) -> str:
@@ -95,6 +94,9 @@ def import_optional(module: str, *, reward: str, package: str, install: str) -> 
         if error.name is not None and error.name != module and not module.startswith(f"{error.name}."):
             raise ImportError(f"reward {reward!r}: the package {package!r} is installed but cannot import {error.name!r}: {install}") from error
         raise ImportError(f"reward {reward!r} needs the optional package {package!r}, which is not installed: {install}") from error
+    except ImportError as error:  # installed, but broken against this environment's versions
+        raise ImportError(f"reward {reward!r}: the package {package!r} is installed but fails to import "
+                          f"({' '.join(str(error).split())}); {install}") from error
 
 
 def load_tensor_file(path: Path, *, reward: str) -> dict[str, torch.Tensor]:

@@ -26,11 +26,47 @@ class RewardError(RuntimeError):
     """A required reward failed; the message is one line naming it and the prompt."""
 
 
+def one_line(error: BaseException) -> str:
+    return " ".join(f"{type(error).__name__}: {error}".split())
+
+
+def extra_keys(reward: object) -> tuple[str, ...]:
+    """The other per-image scores a reward reports beside its own (declared by `score_keys`)."""
+    key = reward_key(reward)
+    return tuple(k for k in getattr(reward, "score_keys", ()) if k != key)
+
+
+def score_component(reward: object, label: str, images: torch.Tensor, prompts: list[str], metadata: list[dict],
+                    required: bool = True) -> tuple[torch.Tensor, dict[str, torch.Tensor], bool]:
+    """The boundary every reward call goes through (training, evaluation, `rewards check`): the
+    reward's scores (B,) and its declared extra scores, each a float CPU tensor, and whether it
+    failed. A raising reward stops with a one-line `RewardError` when required, else is NaN for
+    this batch (with a warning); a wrong shape always stops (it is a bug in the reward, not a bad
+    batch); non-finite scores are returned as they are, for the caller to count."""
+    try:
+        if hasattr(reward, "score"):  # a reward that reports more than its score (tiny-geneval)
+            every = reward.score(images, prompts)
+            raw, more = every[reward_key(reward)], {k: every[k] for k in extra_keys(reward)}
+        else:
+            raw, more = reward(images, prompts, metadata), {}
+    except Exception as error:  # a reward is user code: any failure is reported at this boundary
+        message = f"reward {label!r} failed on a batch of {len(prompts)} images (first prompt {prompts[0]!r}): {one_line(error)}"
+        if required:
+            raise RewardError(message + " (mark it required: false to train without it when it fails)") from error
+        warnings.warn(message + "; it is missing for this batch", RuntimeWarning, stacklevel=2)
+        nan = torch.full((len(prompts),), float("nan"))
+        return nan, {k: nan.clone() for k in extra_keys(reward)}, True
+    try:
+        return check_scores(raw, len(prompts), label), {k: check_scores(v, len(prompts), label) for k, v in more.items()}, False
+    except ValueError as error:
+        raise RewardError(str(error)) from None
+
+
 @dataclass
 class RewardBatch:
     total: torch.Tensor  # (B,) the combined training signal (NaN for a group with no component left)
     components: dict[str, torch.Tensor]  # (B,) each component's scores by metric name, NaN where missing
-    extras: dict[str, torch.Tensor]  # (B,) other per-image scores a reward reports (tiny-geneval's attributes)
+    extras: dict[str, torch.Tensor]  # (B,) other per-image scores the rewards declare (tiny-geneval's attributes)
     counts: dict[str, int]  # failures and non-finite scores per component, by metric name
 
 
@@ -56,28 +92,11 @@ class MultiReward:
         self.rewards = [build_component(spec, str(device)) for spec in specs]
         self.names = [metric_name(spec.label) for spec in specs]
 
-    def _score_one(self, index: int, images: torch.Tensor, prompts: list[str], metadata: list[dict]) -> tuple[torch.Tensor, dict]:
-        """(scores (B,), extras) of component `index`; an optional component's failure gives NaN."""
-        spec, reward = self.specs[index], self.rewards[index]
-        try:
-            if hasattr(reward, "score"):  # a reward that reports more than its score (tiny-geneval)
-                every = reward.score(images, prompts)
-                key = reward_key(reward)
-                return check_scores(every[key], len(prompts), spec.label), {k: v for k, v in every.items() if k != key}
-            return check_scores(reward(images, prompts, metadata), len(prompts), spec.label), {}
-        except Exception as error:  # a reward is user code: any failure is reported at this boundary
-            message = f"reward {spec.label!r} failed on prompt {prompts[0]!r}: {type(error).__name__}: {error}"
-            if spec.required:
-                raise RewardError(message + " (mark it required: false to train without it when it fails)") from error
-            warnings.warn(message + "; it is missing for this batch", RuntimeWarning, stacklevel=2)
-            return torch.full((len(prompts),), float("nan")), {"failed": True}
-
     def __call__(self, images: torch.Tensor, prompts: list[str], metadata: list[dict], groups: torch.Tensor) -> RewardBatch:
         """Score images (B, 3, H, W) in [0, 1]; `groups` (B,) the group (prompt) of each image."""
         components, extras, counts = {}, {}, {}
-        for index, name in enumerate(self.names):
-            scores, more = self._score_one(index, images, prompts, metadata)
-            failed = bool(more.pop("failed", False))
+        for spec, reward, name in zip(self.specs, self.rewards, self.names):
+            scores, more, failed = score_component(reward, spec.label, images, prompts, metadata, spec.required)
             counts[f"{name}_failed"] = int(failed)
             counts[f"{name}_nonfinite"] = 0 if failed else int((~torch.isfinite(scores)).sum())
             components[name] = scores

@@ -29,7 +29,7 @@ ENTRY_POINT_GROUP = "branchdiff.rewards"
 class Registered:
     target: str  # "module:attribute" of the class or factory
     needs: tuple[str, ...] = ()  # importable modules it needs beyond branchdiff's own dependencies
-    extra: str | None = None  # the pip extra of branchdiff-rl that installs them
+    install: str = ""  # how to get them
     weights: str = "none"  # where its weights come from
 
 
@@ -42,8 +42,9 @@ REGISTRY: dict[str, Registered] = {
     "clip-score": Registered("branchdiff.rewards.clip_score:CLIPScoreReward", weights="model=: openai/clip-vit-large-patch14"),
     "aesthetic": Registered("branchdiff.rewards.aesthetic:AestheticReward",
                             weights="mlp=: trl-lib/ddpo-aesthetic-predictor aesthetic-model.pth; clip_model=: openai/clip-vit-large-patch14"),
-    "imagereward": Registered("branchdiff.rewards.imagereward:ImageRewardReward", needs=("ImageReward",), extra="imagereward",
-                              weights="checkpoint=: THUDM/ImageReward ImageReward.pt"),
+    "imagereward": Registered("branchdiff.rewards.imagereward:ImageRewardReward", needs=("ImageReward",),
+                              install="pip install image-reward in its own environment (old pins) and serve it: branchdiff serve-reward imagereward",
+                              weights="checkpoint=: THUDM/ImageReward ImageReward.pt, and bert-base-uncased's tokenizer from the hub"),
 }
 
 
@@ -81,7 +82,7 @@ def build_reward(name: str, device: str | torch.device = "cpu", kwargs: dict | N
         registered = REGISTRY[name]
         missing = [module for module in registered.needs if find_spec(module) is None]
         if missing:
-            raise ValueError(f"reward {name!r} needs {', '.join(missing)}: pip install \"branchdiff-rl[{registered.extra}]\"")
+            raise ValueError(f"reward {name!r} needs {', '.join(missing)}: {registered.install}")
         return _construct(_import(registered.target, f"reward {name!r}:"), name, device, kwargs)
     points = _entry_points()
     if name in points:
@@ -105,7 +106,7 @@ def available() -> list[dict[str, str]]:
     for name, registered in REGISTRY.items():
         missing = [module for module in registered.needs if find_spec(module) is None]
         needs = ", ".join(registered.needs) or "-"
-        status = "ready" if not missing else f"missing {', '.join(missing)}: pip install \"branchdiff-rl[{registered.extra}]\""
+        status = "ready" if not missing else f"missing {', '.join(missing)}: {registered.install}"
         rows.append({"name": name, "source": "built-in", "needs": needs, "status": status, "weights": registered.weights})
     for name, point in _entry_points().items():
         rows.append({"name": name, "source": f"entry point {point.value}", "needs": "-", "status": "installed", "weights": "see its package"})
@@ -113,12 +114,5 @@ def available() -> list[dict[str, str]]:
 
 
 def reward_key(reward: object) -> str:
-    """The key under which `score_batch` returns the reward itself."""
+    """The key of a reward's `score()` dict that is the reward itself (others are extra scores)."""
     return getattr(reward, "reward_key", "reward")
-
-
-def score_batch(reward: object, images: torch.Tensor, prompts: list[str]) -> dict[str, torch.Tensor]:
-    """Every per-image score a reward offers; the reward itself under `reward_key(reward)`."""
-    if hasattr(reward, "score"):
-        return reward.score(images, prompts)
-    return {"reward": torch.as_tensor(reward(images, prompts, [{} for _ in prompts])).float().cpu()}

@@ -33,6 +33,8 @@ import urllib.request
 import numpy as np
 import torch
 
+from branchdiff.rewards.base import to_uint8
+
 WIRE_VERSION = 1  # bumped when the format changes; /health reports it and the client checks it
 IMAGE_FORMATS = ("uint8", "float32", "png")
 CONTENT_TYPE = "application/x-branchdiff-batch"
@@ -55,11 +57,6 @@ def one_line(text: object, limit: int = 500) -> str:
 
 # ---------------------------------------------------------------------------------------------
 # Quantisation: shared by the client (encoding) and the server (decoding), hence bit-exact.
-
-
-def to_uint8(images: torch.Tensor) -> torch.Tensor:
-    """uint8 (B, 3, H, W) on the CPU: `round(255 · clamp(x, 0, 1))`, ties to even (torch.round)."""
-    return images.detach().to("cpu", torch.float32).clamp(0, 1).mul(255).round().to(torch.uint8)
 
 
 def from_uint8(pixels: torch.Tensor) -> torch.Tensor:

@@ -119,6 +119,7 @@ class TinyGenEval:
 
     name = "tiny-geneval"
     reward_key = "partial"  # the key of `score` that is the reward
+    score_keys = ("strict", "partial", *ATTRIBUTES)  # every key `score` returns
     scale = "partial credit in [0, 1]: mean of count, colour, shape and position scores"
 
     def __init__(self, device: str | torch.device = "cpu") -> None:

@@ -9,3 +9,40 @@ class Redness:
 
     def __call__(self, images: torch.Tensor, prompts: list[str], metadata: dict | None = None) -> torch.Tensor:
         return (images[:, 0] - images[:, 1:].mean(dim=1)).flatten(1).mean(dim=1)
+
+
+class Failing:
+    """Raises on every batch, with a two-line message (the CLI must still print one line)."""
+
+    name = "failing"
+    scale = "none"
+
+    def __call__(self, images, prompts, metadata):
+        raise RuntimeError("weights not found\nsecond line")
+
+
+class WrongShape:
+    name = "wrong-shape"
+    scale = "none"
+
+    def __call__(self, images, prompts, metadata):
+        return torch.zeros(len(prompts), 2)
+
+
+class AllNaN:
+    name = "all-nan"
+    scale = "none"
+
+    def __call__(self, images, prompts, metadata):
+        return torch.full((len(prompts),), float("nan"))
+
+
+class Darkness:
+    """Redness's opposite direction: lower is better."""
+
+    name = "darkness"
+    scale = "mean pixel value (lower is better)"
+    higher_is_better = False
+
+    def __call__(self, images, prompts, metadata):
+        return images.flatten(1).mean(dim=1)

@@ -404,4 +404,4 @@ def test_imagereward_without_its_package_names_the_extra(monkeypatch):
     with pytest.raises(ImportError) as error:
         ImageRewardReward()
     message = str(error.value)
-    assert 'pip install "branchdiff-rl[imagereward]"' in message and "image-reward" in message and "\n" not in message
+    assert "serve-reward imagereward" in message and "image-reward" in message and "\n" not in message

@@ -154,13 +154,13 @@ def _multi(monkeypatch, rewards: dict[str, object], required: dict[str, bool]) -
 
 def test_a_required_reward_that_fails_stops_with_its_name_and_prompt(monkeypatch):
     multi = _multi(monkeypatch, {"failing": Failing(), "constant": Constant()}, {"failing": True, "constant": True})
-    with pytest.raises(RewardError, match=r"^reward 'failing' failed on prompt 'a': RuntimeError: model server on fire"):
+    with pytest.raises(RewardError, match=r"^reward 'failing' failed on a batch of 4 images \(first prompt 'a'\): RuntimeError: model server on fire"):
         multi(IMAGES, PROMPTS, METADATA, GROUPS)
 
 
 def test_an_optional_reward_that_fails_is_missing_and_counted(monkeypatch):
     multi = _multi(monkeypatch, {"failing": Failing(), "constant": Constant()}, {"failing": False, "constant": True})
-    with pytest.warns(RuntimeWarning, match="reward 'failing' failed on prompt 'a'.*missing for this batch"):
+    with pytest.warns(RuntimeWarning, match="reward 'failing' failed on a batch of 4 images.*missing for this batch"):
         batch = multi(IMAGES, PROMPTS, METADATA, GROUPS)
     assert torch.equal(batch.total, torch.ones(4))  # the constant alone, not the constant plus a zero
     assert batch.counts["reward_failing_failed"] == 1 and torch.isnan(batch.components["reward_failing"]).all()
@@ -192,17 +192,17 @@ def test_training_with_a_user_reward_named_in_yaml(user_module, tiny_model_dir, 
         """))
     assert main(["train", str(config)]) == 0
     metrics = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
-    assert 0 < metrics["reward_user_rewards_Brightness"] < 10 and 0 <= metrics["reward_tiny-geneval"] <= 1
+    assert 1 < metrics["reward_user_rewards_Brightness"] < 10 and 0 <= metrics["reward_tiny-geneval"] <= 1  # gain 10 applied
     assert metrics["edges_trained"] > 0 and "accuracy_strict" in metrics and 0 <= metrics["reward_zero_spread_fraction"] <= 1
 
 
 def test_training_with_an_entry_point_reward(installed_entry_point, tiny_model_dir, tmp_path):
     overrides = [f"model.path={tiny_model_dir}", f"output_dir={tmp_path / 'run'}", "iterations=1", "final_eval=false",
                  "prompts.per_iteration=2", "sampling.num_steps=3", "tree.roots=3", "logging.tensorboard=false",
-                 "reward={name: brightness, kwargs: {gain: 2.0}}"]
+                 "reward={name: brightness, kwargs: {gain: 100.0}}"]
     assert main(["train", "tiny-chain", *overrides]) == 0
     metrics = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
-    assert 0 < metrics["reward_brightness"] < 2 and metrics["reward_mean"] == pytest.approx(metrics["reward_brightness"])
+    assert 10 < metrics["reward_brightness"] < 100 and metrics["reward_mean"] == pytest.approx(metrics["reward_brightness"])
 
 
 def test_spread_statistics_against_hand_computation():
@@ -237,7 +237,11 @@ def test_training_with_a_reward_server(user_module, tiny_model_dir, tmp_path):
         assert main(["train", "tiny-chain", *overrides]) == 0
     metrics = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
     name = "reward_" + server.url.replace(":", "_").replace("/", "_")
-    assert 0 < metrics[name] < 2 and metrics["reward_mean"] == pytest.approx(metrics[name]) and metrics["edges_trained"] > 0
+    local = [o for o in overrides if not o.startswith(("reward=", "output_dir="))] + [
+        f"output_dir={tmp_path / 'local'}", "reward={name: user_rewards:Brightness, kwargs: {gain: 2.0}}"]
+    assert main(["train", "tiny-chain", *local]) == 0
+    in_process = json.loads((tmp_path / "local" / "metrics.jsonl").read_text().splitlines()[0])
+    assert metrics[name] == in_process["reward_user_rewards_Brightness"] and metrics["edges_trained"] > 0  # float32 wire: exact
 
 
 def test_serve_reward_and_list_name_the_built_ins(capsys):
@@ -246,4 +250,56 @@ def test_serve_reward_and_list_name_the_built_ins(capsys):
     assert main(["rewards", "list"]) == 0
     listed = capsys.readouterr().out
     assert all(name in listed for name in ("hpsv2.1", "pickscore", "clip-score", "aesthetic", "imagereward"))
-    assert 'pip install "branchdiff-rl[imagereward]"' in listed  # the optional package is not installed here
+    assert "missing ImageReward: pip install image-reward in its own environment" in listed  # not installed here
+
+
+@pytest.mark.parametrize(
+    "reward, message",
+    [
+        ("rewards_for_tests:Failing", "reward 'rewards_for_tests:Failing' failed on a batch of 6 images (first prompt "),
+        ("rewards_for_tests:WrongShape", "reward 'rewards_for_tests:WrongShape' returned shape (6, 2) for 6 images; it must return one score per image"),
+    ],
+)
+def test_a_broken_reward_stops_training_and_eval_with_one_line(reward, message, tiny_model_dir, tmp_path, capsys):
+    overrides = [f"model.path={tiny_model_dir}", f"output_dir={tmp_path / 'run'}", "iterations=1", "final_eval=false",
+                 "prompts.per_iteration=2", "sampling.num_steps=3", "tree.roots=3", "logging.tensorboard=false", f"reward={reward}"]
+    assert main(["train", "tiny-chain", *overrides]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines[-1].startswith("branchdiff: error: " + message)
+    assert "weights not found second line" in lines[-1] or "WrongShape" in reward  # a two-line message folded into the one line
+    assert main(["eval", "--model", str(tiny_model_dir), "--prompts", "tiny:held_out", "--rewards", reward, "--seeds", "1",
+                 "--steps", "2", "--out", str(tmp_path / "eval")]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].startswith("branchdiff: error: reward 'rewards_for_tests:")
+
+
+def test_non_finite_scores_are_counted_not_trained_on(tiny_model_dir, tmp_path, capsys):
+    overrides = [f"model.path={tiny_model_dir}", f"output_dir={tmp_path / 'run'}", "iterations=1", "final_eval=false",
+                 "prompts.per_iteration=2", "sampling.num_steps=3", "tree.roots=3", "logging.tensorboard=false",
+                 "reward=[rewards_for_tests:AllNaN, rewards_for_tests:Redness]"]
+    assert main(["train", "tiny-chain", *overrides]) == 0
+    metrics = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
+    assert metrics["reward_rewards_for_tests_AllNaN_nonfinite"] == 6 and metrics["groups_dropped"] == 0
+    assert metrics["reward_mean"] == pytest.approx(metrics["reward_rewards_for_tests_Redness"])  # the NaN component is left out
+    only_nan = [*overrides[:1], f"output_dir={tmp_path / 'nan'}", *overrides[2:-1], "reward=rewards_for_tests:AllNaN"]
+    assert main(["train", "tiny-chain", *only_nan]) == 0
+    metrics = json.loads((tmp_path / "nan" / "metrics.jsonl").read_text().splitlines()[0])
+    assert metrics["groups_dropped"] == 2 and metrics["loss"] == 0.0  # every group dropped: trained with A = 0
+    assert main(["eval", "--model", str(tiny_model_dir), "--prompts", "tiny:held_out", "--rewards", "rewards_for_tests:AllNaN",
+                 "--seeds", "1", "--steps", "2", "--out", str(tmp_path / "eval")]) == 0
+    assert "(36 NaN)" in capsys.readouterr().out
+
+
+def test_a_lower_is_better_reward_enters_the_signal_negated(monkeypatch):
+    from rewards_for_tests import Darkness
+
+    multi = _multi(monkeypatch, {"darkness": Darkness()}, {"darkness": True})
+    batch = multi(IMAGES, PROMPTS, METADATA, GROUPS)
+    assert torch.equal(batch.total, -IMAGES.flatten(1).mean(1)) and torch.equal(batch.components["reward_darkness"], IMAGES.flatten(1).mean(1))
+
+
+def test_group_spread_against_hand_computation():
+    from branchdiff.metrics import group_spread
+
+    total = torch.tensor([1.0, 3.0, 5.0, 5.0, float("nan"), 2.0])
+    groups, flat, std_sum = group_spread(total, torch.tensor([0, 0, 1, 1, 2, 2]))
+    assert (groups, flat) == (3, 2) and std_sum == pytest.approx(2**0.5)  # std([1, 3]) = √2; [5, 5] and the lone [2] flat
