@@ -303,3 +303,19 @@ def test_group_spread_against_hand_computation():
     total = torch.tensor([1.0, 3.0, 5.0, 5.0, float("nan"), 2.0])
     groups, flat, std_sum = group_spread(total, torch.tensor([0, 0, 1, 1, 2, 2]))
     assert (groups, flat) == (3, 2) and std_sum == pytest.approx(2**0.5)  # std([1, 3]) = √2; [5, 5] and the lone [2] flat
+
+
+def test_a_failed_optional_reward_reports_the_same_score_keys(monkeypatch):
+    """Regression (review): a failed optional reward with extra scores (tiny-geneval) reported none,
+    so processes gathered different metric keys and the collectives of the iteration diverged."""
+    from branchdiff.rewards.tiny_geneval import TinyGenEval
+
+    class Broken(TinyGenEval):
+        def score(self, images, prompts):
+            raise RuntimeError("down")
+
+    working = _multi(monkeypatch, {"tiny-geneval": TinyGenEval()}, {"tiny-geneval": False})(IMAGES, PROMPTS, METADATA, GROUPS)
+    with pytest.warns(RuntimeWarning):
+        failed = _multi(monkeypatch, {"tiny-geneval": Broken()}, {"tiny-geneval": False})(IMAGES, PROMPTS, METADATA, GROUPS)
+    assert list(failed.extras) == list(working.extras) == ["strict", "count", "color", "shape", "position"]
+    assert list(failed.counts) == list(working.counts) and all(torch.isnan(v).all() for v in failed.extras.values())
