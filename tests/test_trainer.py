@@ -202,3 +202,26 @@ def test_training_recomputes_each_edge_at_its_own_noise_level(tiny_model_dir, tm
     ])
     metrics = Trainer(config).run_iteration(0).metrics
     assert metrics["edges_trained"] > 0 and metrics["logprob_check"] < 1e-5
+
+
+def test_exported_lora_keeps_its_scale_when_alpha_differs_from_rank(tiny_model_dir, tmp_path):
+    """Regression (issue 9): without the adapter's metadata diffusers assumes lora_alpha = rank, so a
+    LoRA with alpha ≠ rank loaded with the wrong scale; the export carries it, and a fresh model
+    loading the file through diffusers reproduces the trained model's output."""
+    from branchdiff.models.lora import add_lora, load_lora, save_lora
+    from branchdiff.models.tiny import TinyAdapter
+
+    trained = TinyAdapter.from_pretrained(tiny_model_dir)
+    params = add_lora(trained.denoiser, trained.lora_target_modules, rank=4, alpha=16.0, seed=0)
+    with torch.no_grad():
+        for p in params:
+            p.add_(0.05 * torch.randn_like(p))  # B moves away from 0, as training does
+    path = save_lora(trained.denoiser, tmp_path / "lora")
+    fresh = TinyAdapter.from_pretrained(tiny_model_dir)
+    load_lora(fresh.denoiser, path)
+    x, sigma = torch.randn(2, 3, 32, 32), torch.full((2,), 0.6)
+    embeds = trained.encode_prompts(["one red circle on the left"] * 2)
+    with torch.no_grad():
+        expected, got = trained.predict_velocity(x, sigma, embeds), fresh.predict_velocity(x, sigma, embeds)
+        base = TinyAdapter.from_pretrained(tiny_model_dir).predict_velocity(x, sigma, embeds)
+    assert (expected - base).abs().max() > 1e-3 and torch.allclose(got, expected, atol=1e-5)

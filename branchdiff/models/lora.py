@@ -26,21 +26,31 @@ def add_lora(denoiser: torch.nn.Module, target_modules: list[str], rank: int, al
 
 
 def save_lora(denoiser: torch.nn.Module, directory: Path) -> Path:
-    """Write the adapter as `pytorch_lora_weights.safetensors` with diffusers' `transformer.` keys."""
+    """Write the adapter as `pytorch_lora_weights.safetensors` with diffusers' `transformer.` keys and
+    the adapter's config as its metadata: without it diffusers assumes lora_alpha = rank, and a LoRA
+    with another alpha would load at the wrong scale."""
     from diffusers import StableDiffusion3Pipeline
 
     directory.mkdir(parents=True, exist_ok=True)
-    StableDiffusion3Pipeline.save_lora_weights(directory, transformer_lora_layers=get_peft_model_state_dict(denoiser))
+    metadata = denoiser.peft_config["default"].to_dict()
+    StableDiffusion3Pipeline.save_lora_weights(directory, transformer_lora_layers=get_peft_model_state_dict(denoiser),
+                                               transformer_lora_adapter_metadata=metadata)
     return directory / LORA_FILE
 
 
 def load_lora(denoiser: torch.nn.Module, path: str | Path) -> None:
-    """Load a LoRA saved by `save_lora` (a directory or the .safetensors file) into the denoiser."""
+    """Load a LoRA saved by `save_lora` (a directory or the .safetensors file) into the denoiser the
+    way `pipe.load_lora_weights()` does: the pipeline's `lora_state_dict` reads the adapter config
+    from the file's metadata and `load_lora_into_transformer` applies it (the model-level
+    `load_lora_adapter(path)` ignores it and would assume lora_alpha = rank)."""
+    from diffusers import StableDiffusion3Pipeline
+
     path = Path(path)
     file = path / LORA_FILE if path.is_dir() else path
     if not file.is_file():
         raise FileNotFoundError(f"no LoRA weights at {file}; pass a run's lora/ directory or its {LORA_FILE}")
-    denoiser.load_lora_adapter(str(file), prefix="transformer")
+    *state, metadata = StableDiffusion3Pipeline.lora_state_dict(str(file), return_lora_metadata=True)
+    StableDiffusion3Pipeline.load_lora_into_transformer(state[0], denoiser, metadata=metadata)
 
 
 def load_lora_state(denoiser: torch.nn.Module, directory: Path) -> None:
