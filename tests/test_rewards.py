@@ -196,12 +196,19 @@ def test_training_with_a_user_reward_named_in_yaml(user_module, tiny_model_dir, 
     assert metrics["edges_trained"] > 0 and "accuracy_strict" in metrics and 0 <= metrics["reward_zero_spread_fraction"] <= 1
 
 
+def _one_iteration(model_dir, run, reward: str) -> list[str]:
+    """Overrides of a one-iteration tiny-chain run on `model_dir` into `run` with `reward`."""
+    return [f"model.path={model_dir}", f"output_dir={run}", "iterations=1", "final_eval=false", "prompts.per_iteration=2",
+            "sampling.num_steps=3", "tree.roots=3", "logging.tensorboard=false", f"reward={reward}"]
+
+
+def _first_metrics(run) -> dict:
+    return json.loads((run / "metrics.jsonl").read_text().splitlines()[0])
+
+
 def test_training_with_an_entry_point_reward(installed_entry_point, tiny_model_dir, tmp_path):
-    overrides = [f"model.path={tiny_model_dir}", f"output_dir={tmp_path / 'run'}", "iterations=1", "final_eval=false",
-                 "prompts.per_iteration=2", "sampling.num_steps=3", "tree.roots=3", "logging.tensorboard=false",
-                 "reward={name: brightness, kwargs: {gain: 100.0}}"]
-    assert main(["train", "tiny-chain", *overrides]) == 0
-    metrics = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
+    assert main(["train", "tiny-chain", *_one_iteration(tiny_model_dir, tmp_path / "run", "{name: brightness, kwargs: {gain: 100.0}}")]) == 0
+    metrics = _first_metrics(tmp_path / "run")
     assert 10 < metrics["reward_brightness"] < 100 and metrics["reward_mean"] == pytest.approx(metrics["reward_brightness"])
 
 
@@ -231,16 +238,13 @@ def test_training_with_a_reward_server(user_module, tiny_model_dir, tmp_path):
     from branchdiff.rewards.server import BackgroundServer
 
     with BackgroundServer(build_reward("user_rewards:Brightness", "cpu", {"gain": 2.0})) as server:
-        overrides = [f"model.path={tiny_model_dir}", f"output_dir={tmp_path / 'run'}", "iterations=1", "final_eval=false",
-                     "prompts.per_iteration=2", "sampling.num_steps=3", "tree.roots=3", "logging.tensorboard=false",
-                     f"reward={{remote: '{server.url}', kwargs: {{image_format: float32}}}}"]
-        assert main(["train", "tiny-chain", *overrides]) == 0
-    metrics = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
+        remote = f"{{remote: '{server.url}', kwargs: {{image_format: float32}}}}"
+        assert main(["train", "tiny-chain", *_one_iteration(tiny_model_dir, tmp_path / "run", remote)]) == 0
+    metrics = _first_metrics(tmp_path / "run")
     name = "reward_" + server.url.replace(":", "_").replace("/", "_")
-    local = [o for o in overrides if not o.startswith(("reward=", "output_dir="))] + [
-        f"output_dir={tmp_path / 'local'}", "reward={name: user_rewards:Brightness, kwargs: {gain: 2.0}}"]
-    assert main(["train", "tiny-chain", *local]) == 0
-    in_process = json.loads((tmp_path / "local" / "metrics.jsonl").read_text().splitlines()[0])
+    local = "{name: user_rewards:Brightness, kwargs: {gain: 2.0}}"
+    assert main(["train", "tiny-chain", *_one_iteration(tiny_model_dir, tmp_path / "local", local)]) == 0
+    in_process = _first_metrics(tmp_path / "local")
     assert metrics[name] == in_process["reward_user_rewards_Brightness"] and metrics["edges_trained"] > 0  # float32 wire: exact
 
 
@@ -261,9 +265,7 @@ def test_serve_reward_and_list_name_the_built_ins(capsys):
     ],
 )
 def test_a_broken_reward_stops_training_and_eval_with_one_line(reward, message, tiny_model_dir, tmp_path, capsys):
-    overrides = [f"model.path={tiny_model_dir}", f"output_dir={tmp_path / 'run'}", "iterations=1", "final_eval=false",
-                 "prompts.per_iteration=2", "sampling.num_steps=3", "tree.roots=3", "logging.tensorboard=false", f"reward={reward}"]
-    assert main(["train", "tiny-chain", *overrides]) == 2
+    assert main(["train", "tiny-chain", *_one_iteration(tiny_model_dir, tmp_path / "run", reward)]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert lines[-1].startswith("branchdiff: error: " + message)
     assert "weights not found second line" in lines[-1] or "WrongShape" in reward  # a two-line message folded into the one line
@@ -273,16 +275,13 @@ def test_a_broken_reward_stops_training_and_eval_with_one_line(reward, message, 
 
 
 def test_non_finite_scores_are_counted_not_trained_on(tiny_model_dir, tmp_path, capsys):
-    overrides = [f"model.path={tiny_model_dir}", f"output_dir={tmp_path / 'run'}", "iterations=1", "final_eval=false",
-                 "prompts.per_iteration=2", "sampling.num_steps=3", "tree.roots=3", "logging.tensorboard=false",
-                 "reward=[rewards_for_tests:AllNaN, rewards_for_tests:Redness]"]
-    assert main(["train", "tiny-chain", *overrides]) == 0
-    metrics = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
+    both = "[rewards_for_tests:AllNaN, rewards_for_tests:Redness]"
+    assert main(["train", "tiny-chain", *_one_iteration(tiny_model_dir, tmp_path / "run", both)]) == 0
+    metrics = _first_metrics(tmp_path / "run")
     assert metrics["reward_rewards_for_tests_AllNaN_nonfinite"] == 6 and metrics["groups_dropped"] == 0
     assert metrics["reward_mean"] == pytest.approx(metrics["reward_rewards_for_tests_Redness"])  # the NaN component is left out
-    only_nan = [*overrides[:1], f"output_dir={tmp_path / 'nan'}", *overrides[2:-1], "reward=rewards_for_tests:AllNaN"]
-    assert main(["train", "tiny-chain", *only_nan]) == 0
-    metrics = json.loads((tmp_path / "nan" / "metrics.jsonl").read_text().splitlines()[0])
+    assert main(["train", "tiny-chain", *_one_iteration(tiny_model_dir, tmp_path / "nan", "rewards_for_tests:AllNaN")]) == 0
+    metrics = _first_metrics(tmp_path / "nan")
     assert metrics["groups_dropped"] == 2 and metrics["loss"] == 0.0  # every group dropped: trained with A = 0
     assert main(["eval", "--model", str(tiny_model_dir), "--prompts", "tiny:held_out", "--rewards", "rewards_for_tests:AllNaN",
                  "--seeds", "1", "--steps", "2", "--out", str(tmp_path / "eval")]) == 0
