@@ -68,6 +68,21 @@ def fuse_rewards(
     return rewards.to(leaf_rewards.dtype)
 
 
+def group_moments(values: torch.Tensor, groups: torch.Tensor, num_groups: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For values (N,) in groups (N,) of 0..num_groups-1, in float64: the count n_g (G,), each
+    value's residual r - mean_g (N,), and the sum of squared residuals S_g (G,)."""
+    values = values.double()
+    count = torch.bincount(groups, minlength=num_groups).double()
+    mean = torch.zeros(num_groups, dtype=torch.float64).index_add_(0, groups, values) / count.clamp(min=1)
+    residual = values - mean[groups]
+    return count, residual, torch.zeros(num_groups, dtype=torch.float64).index_add_(0, groups, residual**2)
+
+
+def unbiased_std(count: torch.Tensor, squares: torch.Tensor) -> torch.Tensor:
+    """√(S_g / (n_g - 1)) per group (G,); 0 for a group of one."""
+    return torch.sqrt(squares / (count - 1).clamp(min=1))
+
+
 def depthwise_advantages(tree: Tree, node_rewards: torch.Tensor, scope: str = "tree", collective: Collective = LOCAL) -> torch.Tensor:
     """Advantage of every node (N,) from its reward (N,), normalised per (prompt, depth) group;
     scope "batch" pools the std over the trees of every process of `collective`."""
@@ -75,14 +90,9 @@ def depthwise_advantages(tree: Tree, node_rewards: torch.Tensor, scope: str = "t
         raise ValueError(f"unknown advantage scope {scope!r}; allowed: {SCOPES}")
     num_depths = tree.spec.num_steps + 1
     group = tree.prompt * num_depths + tree.depth  # (N,)
-    num_groups = tree.num_prompts * num_depths
-    r = node_rewards.double()
-    count = torch.bincount(group, minlength=num_groups).double()  # (P·(T+1),)
-    mean = torch.zeros(num_groups, dtype=torch.float64).index_add_(0, group, r) / count.clamp(min=1)
-    residual = r - mean[group]  # (N,)
-    squares = torch.zeros(num_groups, dtype=torch.float64).index_add_(0, group, residual**2)
+    count, residual, squares = group_moments(node_rewards, group, tree.num_prompts * num_depths)  # (P·(T+1),), (N,), (P·(T+1),)
     if scope == "tree":
-        std = torch.sqrt(squares / (count - 1).clamp(min=1))[group]  # (N,)
+        std = unbiased_std(count, squares)[group]  # (N,)
         valid = (count[group] > 1) & (std >= MIN_STD)
     else:
         nodes_at = torch.bincount(tree.depth, minlength=num_depths).double()  # N_d

@@ -33,9 +33,14 @@ def name(iteration: int) -> str:
     return f"{PREFIX}{iteration:06d}"
 
 
+def _renamed(path: Path, old: str, new: str) -> Path:
+    """`path` with its name's prefix `old` replaced by `new` (iter-000003 ↔ .staging-000003, ...)."""
+    return path.with_name(new + path.name[len(old):])
+
+
 def staging(final: Path) -> Path:
     """The folder a checkpoint is written into before `publish` gives it the name `final`."""
-    return final.with_name(STAGING + final.name[len(PREFIX):])
+    return _renamed(final, PREFIX, STAGING)
 
 
 def checkpoints(directory: Path) -> list[Path]:
@@ -46,7 +51,7 @@ def checkpoints(directory: Path) -> list[Path]:
 def restore_replaced(directory: Path) -> None:
     """Put back a replaced checkpoint whose successor never got its name (a crash inside `publish`)."""
     for replaced in directory.glob(f"{REPLACED}*"):
-        final = directory / (PREFIX + replaced.name[len(REPLACED):])
+        final = _renamed(replaced, REPLACED, PREFIX)
         if not final.exists():
             replaced.rename(final)
 
@@ -61,7 +66,7 @@ def clean_interrupted(directory: Path) -> None:
 
 def publish(staging: Path, final: Path) -> None:
     """Give the complete checkpoint `staging` the name `final`, replacing any checkpoint there."""
-    replaced = final.with_name(REPLACED + final.name[len(PREFIX):])
+    replaced = _renamed(final, PREFIX, REPLACED)
     if final.exists():
         final.rename(replaced)
     staging.rename(final)
@@ -72,7 +77,7 @@ def prune(directory: Path, keep: int) -> None:
     """Delete all but the newest `keep` checkpoints; each loses its name first, so a crash mid-delete
     never leaves a half-deleted `iter-*` that looks like a checkpoint."""
     for old in checkpoints(directory)[:-keep]:
-        doomed = old.with_name(PRUNED + old.name[len(PREFIX):])
+        doomed = _renamed(old, PREFIX, PRUNED)
         old.rename(doomed)
         shutil.rmtree(doomed)
 

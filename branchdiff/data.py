@@ -99,10 +99,6 @@ def load_prompt_set(source: str) -> PromptSet:
     return PromptSet(source, [p for p, _ in rows], [m for _, m in rows])
 
 
-def load_prompts(source: str) -> list[str]:
-    return load_prompt_set(source).prompts
-
-
 def draw_prompts(prompts: list[str], count: int, seed: int, iteration: int) -> list[int]:
     """Indices of `count` prompts for an iteration, a pure function of (seed, iteration): without
     replacement while the source is large enough, so a resumed run draws the same prompts."""

@@ -73,9 +73,7 @@ class AcceleratorCollective:
         if self.num_processes == 1:
             return values, 0
         lengths = self.accelerator.gather(self._send(torch.tensor([len(values)]))).tolist()  # (W,)
-        longest = max(lengths)
-        padded = torch.zeros((longest, *values.shape[1:]), dtype=values.dtype, device=self.accelerator.device)
-        padded[: len(values)] = self._send(values)
-        rows = self.accelerator.gather(padded).reshape(len(lengths), longest, *values.shape[1:])  # (W, longest, ...)
+        padded = self.accelerator.pad_across_processes(self._send(values), dim=0)  # (longest, ...)
+        rows = self.accelerator.gather(padded).reshape(len(lengths), max(lengths), *values.shape[1:])  # (W, longest, ...)
         joined = torch.cat([rows[rank, :length] for rank, length in enumerate(lengths)])
         return joined.to(values.device), sum(lengths[: self.accelerator.process_index])

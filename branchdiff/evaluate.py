@@ -21,11 +21,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torchvision.io import write_jpeg
 from tqdm.auto import tqdm
 
 from branchdiff.data import PromptSet
 from branchdiff.models.base import ModelAdapter
 from branchdiff.report import save_grid
+from branchdiff.rewards.base import to_uint8
 from branchdiff.rewards.multi import extra_keys, score_component
 from branchdiff.rollout import NoiseAddress, SamplerSettings, grow
 from branchdiff.schedulers.flow import sigma_schedule
@@ -97,11 +99,8 @@ def image_path(prompt_set_paths: list[Path], prompt: int, seed: int) -> Path:
 def save_jpeg(image: torch.Tensor, path: Path) -> None:
     """An image (3, H, W) in [0, 1] as JPEG quality 95 (the benchmark reads JPEG; PIL's default 75
     would move the pixels its evaluator sees further from those scored here)."""
-    from PIL import Image
-
     path.parent.mkdir(parents=True, exist_ok=True)
-    pixels = (image.float().clamp(0, 1) * 255).round().to(torch.uint8).permute(1, 2, 0).cpu().numpy()
-    Image.fromarray(pixels).save(path, quality=95)
+    write_jpeg(to_uint8(image[None])[0], str(path), quality=95)
 
 
 def evaluate(

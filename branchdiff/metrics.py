@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from branchdiff.advantage import group_moments, unbiased_std
 from branchdiff.distributed import Collective
 from branchdiff.explore import ranking_agreement
 from branchdiff.rewards.multi import RewardBatch
@@ -24,13 +25,15 @@ ZERO_SPREAD = 1e-6  # a group whose rewards spread less than this trains nothing
 
 
 def group_spread(total: torch.Tensor, groups: torch.Tensor) -> tuple[int, int, float]:
-    """(groups, groups with std < 1e-6, sum of their stds) of the finite scores (B,) by group (B,)."""
+    """(groups, groups with std < 1e-6, sum of their unbiased stds) of the finite scores (B,) by
+    group (B,); a group of one has std 0."""
     finite = torch.isfinite(total)
-    stds = []
-    for group in torch.unique(groups[finite]).tolist():
-        values = total[finite & (groups == group)].double()
-        stds.append(values.std().item() if len(values) > 1 else 0.0)
-    return len(stds), sum(std < ZERO_SPREAD for std in stds), sum(stds)
+    values, members = total[finite], groups[finite]
+    if not len(values):
+        return 0, 0, 0.0
+    count, _, squares = group_moments(values, members, int(members.max()) + 1)
+    std = unbiased_std(count, squares)[count > 0]  # (groups present,)
+    return len(std), int((std < ZERO_SPREAD).sum()), std.sum().item()
 
 
 def _mean_finite(values: torch.Tensor) -> float:
@@ -49,9 +52,11 @@ def iteration_metrics(
     """`rewards`: this process's leaf rewards; `trained` (N,) bool; `update`: this process's sums
     from `PolicyUpdate`; `info`: timings, dropped groups and explore results of the iteration."""
     tree = rollout.tree
-    totals = collective.cat(rewards.total.float())[0]
+    scores = {**rewards.components, **rewards.extras}  # every per-leaf score, gathered at once with the total
+    gathered = collective.cat(torch.stack([rewards.total, *scores.values()], dim=1).float())[0]  # (L_all, 1 + K)
+    totals, *columns = gathered.unbind(1)
+    per_leaf = dict(zip(scores, columns))
     finite_totals = totals[torch.isfinite(totals)]
-    per_leaf = {name: collective.cat(values.float())[0] for name, values in {**rewards.components, **rewards.extras}.items()}
     groups, flat_groups, std_sum = group_spread(rewards.total, tree.prompt[tree.leaf_index])
     explore_stats = info.get("explore_stats", {})
     counts = {

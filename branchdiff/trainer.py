@@ -180,11 +180,6 @@ class Trainer:
         keys = tuple(range(first, first + per_process))
         return [indices[k] for k in keys], keys
 
-    def iteration_prompts(self, iteration: int) -> tuple[list[str], tuple[int, ...]]:
-        """This process's prompts and their global keys."""
-        indices, keys = self.iteration_draw(iteration)
-        return [self.prompts[i] for i in indices], keys
-
     def trainable_mask(self, rollout: Rollout, node_advantages: torch.Tensor, iteration: int) -> torch.Tensor:
         """(N,) edges that get gradients: SDE edges with a density, in the trainable steps, after
         step subsampling and (while active) depth and width pruning."""

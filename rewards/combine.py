@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from branchdiff.advantage import group_moments, unbiased_std
+
 COMBINE_MODES = ("sum_then_normalize", "normalize_then_sum")
 EPS = 1e-8
 
@@ -74,14 +76,8 @@ def parse_reward_specs(value: object) -> list[RewardSpec]:
 
 def group_zscore(scores: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
     """(scores - mean_g) / (std_g + 1e-8) within each group (B,); unbiased std, 0 for a group of one."""
-    num_groups = int(groups.max()) + 1 if len(groups) else 0
-    values = scores.double()
-    count = torch.bincount(groups, minlength=num_groups).double()
-    mean = torch.zeros(num_groups, dtype=torch.float64).index_add_(0, groups, values) / count.clamp(min=1)
-    residual = values - mean[groups]
-    squares = torch.zeros(num_groups, dtype=torch.float64).index_add_(0, groups, residual**2)
-    std = torch.sqrt(squares / (count - 1).clamp(min=1))
-    return (residual / (std[groups] + EPS)).float()
+    count, residual, squares = group_moments(scores, groups, int(groups.max()) + 1 if len(groups) else 0)
+    return (residual / (unbiased_std(count, squares)[groups] + EPS)).float()
 
 
 def missing_groups(scores: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:

@@ -17,17 +17,13 @@ from dataclasses import dataclass
 
 import torch
 
-from branchdiff.rewards.base import check_scores
+from branchdiff.rewards.base import check_scores, one_line
 from branchdiff.rewards.combine import RewardSpec, combine
 from branchdiff.rewards.registry import build_reward, reward_key
 
 
 class RewardError(RuntimeError):
     """A required reward failed; the message is one line naming it and the prompt."""
-
-
-def one_line(error: BaseException) -> str:
-    return " ".join(f"{type(error).__name__}: {error}".split())
 
 
 def extra_keys(reward: object) -> tuple[str, ...]:
@@ -50,7 +46,7 @@ def score_component(reward: object, label: str, images: torch.Tensor, prompts: l
         else:
             raw, more = reward(images, prompts, metadata), {}
     except Exception as error:  # a reward is user code: any failure is reported at this boundary
-        message = f"reward {label!r} failed on a batch of {len(prompts)} images (first prompt {prompts[0]!r}): {one_line(error)}"
+        message = f"reward {label!r} failed on a batch of {len(prompts)} images (first prompt {prompts[0]!r}): {one_line(f'{type(error).__name__}: {error}')}"
         if required:
             raise RewardError(message + " (mark it required: false to train without it when it fails)") from error
         warnings.warn(message + "; it is missing for this batch", RuntimeWarning, stacklevel=2)

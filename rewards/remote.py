@@ -33,7 +33,7 @@ import urllib.request
 import numpy as np
 import torch
 
-from branchdiff.rewards.base import to_uint8
+from branchdiff.rewards.base import one_line, to_uint8
 
 WIRE_VERSION = 1  # bumped when the format changes; /health reports it and the client checks it
 IMAGE_FORMATS = ("uint8", "float32", "png")
@@ -47,12 +47,6 @@ class RemoteRewardError(RuntimeError):
 
 class WireFormatError(ValueError):
     """A request body that does not follow the wire format (the server answers 400)."""
-
-
-def one_line(text: object, limit: int = 500) -> str:
-    """`text` with every run of whitespace (newlines included) collapsed to one space, cut at `limit`."""
-    line = " ".join(str(text).split())
-    return line if len(line) <= limit else line[: limit - 1] + "…"
 
 
 # ---------------------------------------------------------------------------------------------

@@ -20,10 +20,10 @@ run_iteration = Trainer.run_iteration
 
 def recording_run_iteration(self: Trainer, iteration: int, per_node: bool = False) -> IterationResult:
     result = run_iteration(self, iteration, per_node)
-    prompts, keys = self.iteration_prompts(iteration)
+    indices, keys = self.iteration_draw(iteration)
     tree = result.rollout.tree
     record = {
-        "keys": torch.tensor(keys), "prompt_ids": torch.tensor([self.prompts.index(p) for p in prompts]),
+        "keys": torch.tensor(keys), "prompt_ids": torch.tensor(indices),
         "parent": tree.parent, "depth": tree.depth, "prompt": tree.prompt,
         "node_rewards": result.node_rewards, "advantages": result.node_advantages, "trained": result.trained,
         **{f"lora/{name}": p.detach().clone() for name, p in self.adapter.denoiser.named_parameters() if "lora_" in name},
