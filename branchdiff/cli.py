@@ -54,9 +54,10 @@ def _parser() -> argparse.ArgumentParser:
     for name, help_text in (("sample", "write PNGs for a prompt"), ("eval", "generate on a prompt set and score with rewards")):
         sub = commands.add_parser(name, help=help_text)
         sub.add_argument("--lora", default=None, help="LoRA directory or .safetensors of a run (default: the base model)")
-        sub.add_argument("--model", default=None, help="model directory (default: the built-in tiny model)")
+        _model_arguments(sub)
         sub.add_argument("--steps", type=int, default=10, help="ODE sampling steps")
-        sub.add_argument("--shift", type=float, default=1.0, help="σ schedule shift")
+        sub.add_argument("--shift", type=float, default=None, help="σ schedule shift s (default: the family's own schedule)")
+        sub.add_argument("--guidance", type=float, default=None, help="CFG scale, or FLUX's guidance embedding (default: the family's)")
         sub.add_argument("--images-per-prompt", "--seeds", dest="images_per_prompt", type=int, default=4, help="images per prompt (fixed seeds)")
         if name == "sample":
             sub.add_argument("--prompt", required=True, action="append", help="prompt (repeatable)")
@@ -78,7 +79,7 @@ def _parser() -> argparse.ArgumentParser:
     check.add_argument("--prompts", default="tiny:held_out", help="prompt source (tiny:held_out, a .txt file, ...)")
     check.add_argument("--num-prompts", type=int, default=8, help="prompts sampled from the source")
     check.add_argument("--group-size", type=int, default=8, help="samples per prompt (a GRPO group)")
-    check.add_argument("--model", default=None, help="model directory (default: the built-in tiny model)")
+    _model_arguments(check)
     check.add_argument("--steps", type=int, default=10, help="SDE sampling steps")
     check.add_argument("--device", default="cpu", help="device of the reward")
     check.add_argument("--kwargs", default=None, help="keyword arguments of the reward, a YAML mapping: '{checkpoint: PATH}'")
@@ -95,6 +96,15 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--json", type=Path, default=None, help="write the table and ratios to this JSON file")
     bench.add_argument("--repeats", type=int, default=3, help="timed repeats of each variant (median reported)")
     return parser
+
+
+def _model_arguments(sub: argparse.ArgumentParser) -> None:
+    from branchdiff.models.families import FAMILIES
+
+    sub.add_argument("--family", default="tiny", choices=list(FAMILIES), help="model family (default: tiny)")
+    sub.add_argument("--model", default=None, help="diffusers pipeline directory or hub id (default: the built-in tiny model)")
+    sub.add_argument("--resolution", type=int, default=None, help="image side in pixels (default: the family's)")
+    sub.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="weights' dtype")
 
 
 def _split_train_args(args: argparse.Namespace) -> tuple[str | None, list[str]]:
@@ -126,12 +136,13 @@ def cmd_train(args: argparse.Namespace) -> None:
 
 
 def _load(args: argparse.Namespace, device: str | object = "cpu"):
-    from branchdiff.models.lora import load_lora
-    from branchdiff.models.tiny import TinyAdapter
+    import torch
 
-    adapter = TinyAdapter.from_pretrained(args.model, device)
-    if args.lora:
-        load_lora(adapter.denoiser, args.lora)
+    from branchdiff.models import load_adapter
+
+    adapter = load_adapter(args.family, args.model, device, args.resolution, getattr(torch, args.dtype))
+    if getattr(args, "lora", None):
+        adapter.load_lora(args.lora)
     return adapter
 
 
@@ -139,7 +150,7 @@ def cmd_sample(args: argparse.Namespace) -> None:
     from branchdiff.evaluate import sample_ode
     from torchvision.utils import save_image
 
-    images, prompts = sample_ode(_load(args), args.prompt, args.images_per_prompt, args.steps, args.shift)
+    images, prompts = sample_ode(_load(args), args.prompt, args.images_per_prompt, args.steps, args.shift, guidance=args.guidance)
     args.out.mkdir(parents=True, exist_ok=True)
     for index, (image, prompt) in enumerate(zip(images, prompts)):
         path = args.out / f"{index:03d}-{prompt.replace(' ', '_')[:60]}.png"
@@ -162,14 +173,15 @@ def cmd_eval(args: argparse.Namespace) -> None:
     rewards = {spec.label: build_component(spec, args.device) for spec in specs}
     out = args.out or Path("eval-" + Path(args.lora or "base").stem)
     result = evaluate(_load(args, state.device), prompt_set, rewards, args.images_per_prompt, args.steps, args.shift, args.seed,
-                      state.process_index, state.num_processes, progress=state.is_local_main_process, out_dir=out)
+                      state.process_index, state.num_processes, progress=state.is_local_main_process, out_dir=out, guidance=args.guidance)
     result = gather_results(result, state)
     state.wait_for_everyone()  # every process's images are on disk before the grid reads them
     if not state.is_main_process:
         return
     out.mkdir(parents=True, exist_ok=True)
     scales = {label: getattr(reward, "scale", "unspecified") for label, reward in rewards.items()}
-    extra = {"model": args.model or "built-in tiny", "lora": args.lora, "steps": args.steps, "seed": args.seed}
+    extra = {"family": args.family, "model": args.model or "built-in tiny", "lora": args.lora, "steps": args.steps, "seed": args.seed,
+             "shift": args.shift, "guidance": args.guidance}
     summary = write_outputs(result, out, scales, extra)
     print(f"{prompt_set.name}: {len(prompt_set.prompts)} prompts × {args.images_per_prompt} images, "
           f"{'LoRA ' + args.lora if args.lora else 'base model'}; images, scores.csv, grid.png in {out}/")
@@ -224,13 +236,14 @@ def cmd_rewards(args: argparse.Namespace) -> None:
             print("  ".join(row[c].ljust(widths[c]) for c in columns))
         return
     from branchdiff.data import load_prompt_set
-    from branchdiff.models.tiny import TinyAdapter
+    from branchdiff.models.families import FAMILIES
     from branchdiff.signal_check import check_reward
 
     reward = build_reward(args.name, args.device, _kwargs(args.kwargs))
     prompt_set = load_prompt_set(args.prompts)
     prompts, metadata = prompt_set.prompts[: args.num_prompts], prompt_set.metadata[: args.num_prompts]
-    stats = check_reward(TinyAdapter.from_pretrained(args.model), reward, prompts, metadata, args.name, args.group_size, args.steps)
+    sde = "ddim" if FAMILIES[args.family].steps == "ddim" else "flow"
+    stats = check_reward(_load(args), reward, prompts, metadata, args.name, args.group_size, args.steps, sde=sde)
     print(f"reward {args.name!r}, scale: {getattr(reward, 'scale', 'unspecified')}; {stats['images']} images "
           f"({len(prompts)} prompts × {args.group_size}) from {args.prompts}")
     for key in ("min", "mean", "max", "within_group_std", "between_prompt_std", "zero_spread_fraction", "seconds_per_image",

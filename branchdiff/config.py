@@ -20,6 +20,7 @@ from typing import Any
 
 import yaml
 
+from branchdiff.models.families import FAMILIES, STEP_KINDS
 from branchdiff.typed_yaml import ConfigError, build, choice, merge, non_negative, parse_override, positive, read_yaml
 from branchdiff.prune import mix_sde_steps
 from branchdiff.rewards.combine import parse_reward_specs
@@ -30,8 +31,11 @@ PRESET_DIR = Path(__file__).parent / "configs"
 
 @dataclass
 class ModelConfig:
-    family: str = choice("tiny", "tiny")  # model family (real families arrive with their adapters)
-    path: str | None = None  # local directory or hub id; None = the built-in assets/tiny
+    family: str = choice("tiny", *FAMILIES)  # model family (branchdiff/models/, docs/models.md)
+    path: str | None = None  # local directory or hub id of the diffusers pipeline; None = the built-in tiny model
+    resolution: int | None = positive(None)  # image side in pixels; None = the family's default (tiny 32, sd15 512, others 1024)
+    dtype: str = choice("float32", "float32", "bfloat16", "float16")  # base weights' dtype (LoRA parameters stay float32)
+    offload: bool = False  # keep text encoders and VAE on the CPU except while they run
 
 
 @dataclass
@@ -40,15 +44,17 @@ class PromptConfig:
     per_iteration: int = positive(8)  # prompts per iteration (per process)
     eval: str = "tiny:held_out"  # prompts of the final base-vs-trained evaluation
     eval_seeds: int = positive(8)  # images per evaluation prompt (fixed seeds)
+    eval_guidance: float | None = positive(None)  # guidance of evaluation sampling; None = the family's default
 
 
 @dataclass
 class SamplingConfig:
     num_steps: int = positive(10)  # T denoising steps
-    shift: float = positive(1.0)  # σ schedule shift s: σ = s·t / (1 + (s-1)·t)
-    sde: str = choice("flow", "dance", "flow", "cps")  # SDE discretisation (method.md §1)
-    noise_level: float = positive(0.7)  # η for dance, a for flow and cps (> 0: an SDE needs noise; cps: a in [0.01, 1])
-    max_batch: int = positive(64)  # rows per model forward in rollouts
+    shift: float | None = positive(None)  # σ = s·t / (1 + (s-1)·t) (the anchors'); None = the family's own schedule (tiny: s = 1)
+    sde: str = choice("flow", "dance", "flow", "cps", "ddim")  # SDE (method.md §1): dance | flow | cps for flow families, ddim for sd15
+    noise_level: float = positive(0.7)  # η for dance and ddim, a for flow and cps (> 0: an SDE needs noise; cps: a in [0.01, 1])
+    guidance: float | None = positive(None)  # CFG scale (sd3, sana, sd15) or guidance embedding (flux) of rollouts and training; None = family default
+    max_batch: int = positive(64)  # network rows per model forward in rollouts (a CFG prediction takes 2)
     exact: bool = False  # pad rollout forwards to max_batch rows: bit-exact regeneration, slower narrow levels
 
 
@@ -93,6 +99,8 @@ class OptimConfig:
     minibatch: int = positive(32)  # parent nodes per training forward/backward
     optimizer_every: int = non_negative(0)  # optimizer step every n trained edges (0: once per iteration)
     max_grad_norm: float = positive(1.0)  # gradient clipping
+    gradient_checkpointing: bool = False  # recompute the denoiser's activations in backward (less memory, ~30% slower)
+    optimizer: str = choice("adamw", "adamw", "adamw8bit")  # adamw8bit: bitsandbytes' 8-bit moments (needs the quant extra)
     weight_decay: float = non_negative(1e-4)  # AdamW weight decay
     mixed_precision: str = choice("no", "no", "bf16")  # autocast dtype of rollout and training forwards
 
@@ -100,7 +108,7 @@ class OptimConfig:
 @dataclass
 class ExploreConfig:
     mode: str = choice("off", "off", "seeds", "tree")  # FP4-explore / BF16-train (explore.py); off: plain rollouts
-    backend: str = choice("nvfp4-emulated", "none", "nvfp4-emulated", "mxfp4-emulated", "bnb-fp4", "bnb-nf4", "te-nvfp4")  # explorer copy; none: the policy itself
+    backend: str = choice("nvfp4-emulated", "none", "nvfp4-emulated", "mxfp4-emulated", "fp8-emulated", "fp8-emulated-tensor", "bnb-fp4", "bnb-nf4", "te-nvfp4", "te-fp8", "torchao-fp8")  # explorer copy (quant.py); none: the policy itself
     pool: int = positive(32)  # seeds mode: candidate seeds per prompt
     keep: int = positive(8)  # kept per prompt: seeds (seeds mode) or leaves (tree mode)
     selection: str = choice("best_worst", "best_worst", "random", "mean_deviation", "extremes_random")  # contrastive subset
@@ -210,6 +218,10 @@ def validate(config: TrainConfig) -> None:
     for name in ("step_fraction", "train_steps_fraction"):
         if getattr(config.train, name) > 1:
             raise ConfigError(f"'train.{name}' = {getattr(config.train, name)} must be in (0, 1]")
+    steps_family = FAMILIES[config.model.family].steps
+    if config.sampling.sde not in STEP_KINDS[steps_family]:
+        raise ConfigError(f"'sampling.sde' = {config.sampling.sde!r} is not an SDE of model.family={config.model.family} "
+                          f"({steps_family} steps); allowed: {', '.join(STEP_KINDS[steps_family])}")
     if config.sampling.sde == "cps":
         _validate_cps(config)
     _validate_explore(config)

@@ -30,7 +30,6 @@ from branchdiff.report import save_grid
 from branchdiff.rewards.base import to_uint8
 from branchdiff.rewards.multi import extra_keys, score_component
 from branchdiff.rollout import NoiseAddress, SamplerSettings, grow
-from branchdiff.schedulers.flow import sigma_schedule
 from branchdiff.tree import TreeSpec, build_tree
 
 EVAL_RUN_SEED = 1234  # evaluation noise never coincides with training noise (iteration -1)
@@ -39,18 +38,20 @@ EVAL_BATCH = 32  # rows per forward: fixed, so an image is the same whatever els
 
 @torch.no_grad()
 def sample_ode(
-    adapter: ModelAdapter, prompts: list[str], num_seeds: int, num_steps: int, shift: float = 1.0,
-    seed: int = EVAL_RUN_SEED, prompt_keys: list[int] | None = None,
+    adapter: ModelAdapter, prompts: list[str], num_seeds: int, num_steps: int, shift: float | None = None,
+    seed: int = EVAL_RUN_SEED, prompt_keys: list[int] | None = None, guidance: float | None = None,
 ) -> tuple[torch.Tensor, list[str]]:
-    """ODE samples of every prompt × seed: images (P·S, 3, H, W) in [0, 1], prompt-major, and the
-    prompt of each image. `prompt_keys[p]` addresses prompt p's noise (default: its position)."""
+    """ODE samples of every prompt × seed on the adapter's schedule (`shift` None: the family's
+    own) with `guidance` (None: the family's default): images (P·S, 3, H, W) in [0, 1],
+    prompt-major, and the prompt of each image. `prompt_keys[p]` addresses prompt p's noise
+    (default: its position)."""
     tree = build_tree(TreeSpec(num_steps, roots=num_seeds, sde_steps=frozenset()), len(prompts))
     address = NoiseAddress(seed, -1, tuple(prompt_keys if prompt_keys is not None else range(len(prompts))))
-    settings = SamplerSettings(max_batch=EVAL_BATCH, exact=True)
+    settings = SamplerSettings(max_batch=EVAL_BATCH, exact=True, guidance=guidance)
     # one prompt per text-encoder call: an encoder's output, too, depends on its batch size
     encoded = [adapter.encode_prompts([prompt]) for prompt in prompts]
     embeds = {key: torch.cat([e[key] for e in encoded]) for key in encoded[0]}
-    rollout = grow(adapter, tree, embeds, sigma_schedule(num_steps, shift), settings, address)
+    rollout = grow(adapter, tree, embeds, adapter.schedule(num_steps, shift), settings, address)
     return adapter.decode(rollout.leaf_latents), [prompts[p] for p in tree.prompt[tree.leaf_index].tolist()]
 
 
@@ -105,8 +106,8 @@ def save_jpeg(image: torch.Tensor, path: Path) -> None:
 
 def evaluate(
     adapter: ModelAdapter, prompt_set: PromptSet, rewards: dict[str, object], images_per_prompt: int, num_steps: int,
-    shift: float = 1.0, seed: int = EVAL_RUN_SEED, process_index: int = 0, num_processes: int = 1, chunk: int = 16,
-    progress: bool = False, out_dir: Path | None = None,
+    shift: float | None = None, seed: int = EVAL_RUN_SEED, process_index: int = 0, num_processes: int = 1, chunk: int = 16,
+    progress: bool = False, out_dir: Path | None = None, guidance: float | None = None,
 ) -> EvalResult:
     """This process's share of the evaluation: prompts process_index, process_index + num_processes, ...
     (`gather_results` joins the shares); with `out_dir`, each image is written there as it is made
@@ -118,7 +119,7 @@ def evaluate(
         for start in range(0, len(mine), chunk):
             keys = mine[start : start + chunk]
             prompts = [prompt_set.prompts[k] for k in keys]
-            images, image_prompts = sample_ode(adapter, prompts, images_per_prompt, num_steps, shift, seed, keys)
+            images, image_prompts = sample_ode(adapter, prompts, images_per_prompt, num_steps, shift, seed, keys, guidance)
             metadata = [prompt_set.metadata[k] for k in keys for _ in range(images_per_prompt)]
             for name, values in score_images(rewards, images, image_prompts, metadata).items():
                 scores[name].append(values)

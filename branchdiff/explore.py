@@ -33,6 +33,7 @@ from scipy import stats
 from branchdiff import noise
 from branchdiff.models.base import ModelAdapter, PromptEmbeds
 from branchdiff.rollout import NoiseAddress, Rollout, SamplerSettings, grow, regenerate
+from branchdiff.schedulers.schedule import Schedule
 from branchdiff.selection import select_per_group
 from branchdiff.tree import Tree, TreeSpec, build_tree
 
@@ -85,8 +86,8 @@ def explore_seeds(
     explorer: ModelAdapter,
     embeds: PromptEmbeds,
     spec: TreeSpec,
-    sigmas: torch.Tensor,
-    preview_sigmas: torch.Tensor,
+    schedule: Schedule,
+    preview_schedule: Schedule,
     preview_sde: bool,
     settings: SamplerSettings,
     address: NoiseAddress,
@@ -99,11 +100,11 @@ def explore_seeds(
     """Seeds mode. `score(latents (B, ...), prompt_index (B,)) -> rewards (B,)` decodes and scores.
     `spec` is the training spec; its `roots` is replaced by `keep` chosen seeds per prompt."""
     num_prompts = len(address.prompt_keys)
-    preview_steps = len(preview_sigmas) - 1
+    preview_steps = preview_schedule.num_steps
     preview_spec = TreeSpec(preview_steps, roots=pool, sde_steps=None if preview_sde else frozenset())
     start = time.perf_counter()
     preview_tree = build_tree(preview_spec, num_prompts)
-    explored = grow(explorer, preview_tree, embeds, preview_sigmas, settings, address)
+    explored = grow(explorer, preview_tree, embeds, preview_schedule, settings, address)
     leaves = _leaves_by_prompt(preview_tree)  # (P, pool) in root order
     pool_rewards = score(explored.latents[leaves.flatten()], preview_tree.prompt[leaves.flatten()]).reshape(num_prompts, pool)
     pool_seconds = time.perf_counter() - start
@@ -111,7 +112,7 @@ def explore_seeds(
     start = time.perf_counter()
     train_spec = replace(spec, roots=keep)
     train_tree = build_tree(train_spec, num_prompts, root_ids=kept.tolist())
-    rollout = grow(policy, train_tree, embeds, sigmas, settings, address)
+    rollout = grow(policy, train_tree, embeds, schedule, settings, address)
     regen_seconds = time.perf_counter() - start
     # the regenerated counterpart of each kept seed: its first leaf (a chain's only leaf)
     per_root = train_spec.leaves // keep  # leaves below each kept root
@@ -133,7 +134,7 @@ def explore_tree(
     explorer: ModelAdapter,
     embeds: PromptEmbeds,
     spec: TreeSpec,
-    sigmas: torch.Tensor,
+    schedule: Schedule,
     settings: SamplerSettings,
     address: NoiseAddress,
     keep: int,
@@ -146,14 +147,14 @@ def explore_tree(
     num_prompts = len(address.prompt_keys)
     start = time.perf_counter()
     tree = build_tree(spec, num_prompts)
-    explored = grow(explorer, tree, embeds, sigmas, settings, address)
+    explored = grow(explorer, tree, embeds, schedule, settings, address)
     leaves = _leaves_by_prompt(tree)  # (P, L)
     pool_rewards = score(explored.latents[leaves.flatten()], tree.prompt[leaves.flatten()]).reshape(num_prompts, -1)
     pool_seconds = time.perf_counter() - start
     kept = select_per_group(pool_rewards, keep, selection, generators)  # (P, K) leaf ranks
     kept_nodes = leaves.gather(1, kept).flatten()  # (P·K,)
     start = time.perf_counter()
-    rollout = regenerate(policy, tree, kept_nodes, embeds, sigmas, settings, address)
+    rollout = regenerate(policy, tree, kept_nodes, embeds, schedule, settings, address)
     regen_seconds = time.perf_counter() - start
     # the sub-tree's leaves are exactly the kept leaves, in the same (prompt, path) order
     return ExploreResult(
@@ -182,7 +183,7 @@ def pool_under_policy(
     policy: ModelAdapter,
     embeds: PromptEmbeds,
     spec: TreeSpec,
-    sigmas: torch.Tensor,
+    schedule: Schedule,
     settings: SamplerSettings,
     address: NoiseAddress,
     mode: str,
@@ -199,4 +200,4 @@ def pool_under_policy(
     else:
         tree = build_tree(spec, num_prompts)
         per_candidate = 1
-    return grow(policy, tree, embeds, sigmas, settings, address).leaf_latents, per_candidate
+    return grow(policy, tree, embeds, schedule, settings, address).leaf_latents, per_candidate

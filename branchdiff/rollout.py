@@ -17,21 +17,23 @@ are drawn as `mean + m·std·ε` while the log-prob keeps N(mean, std²), as the
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from branchdiff import noise
 from branchdiff.models.base import ModelAdapter, PromptEmbeds, select_embeds
+from branchdiff.schedulers.flow import gaussian_log_prob
+from branchdiff.schedulers.schedule import Schedule
 from branchdiff.tree import Tree
-from branchdiff.schedulers.flow import gaussian_log_prob, step
 
 @dataclass(frozen=True)
 class SamplerSettings:
-    sde: str = "flow"  # SDE kind: dance | flow | cps (schedulers.flow)
-    noise_level: float = 0.7  # η for dance, a for flow and cps
-    max_batch: int = 64  # rows per model forward
+    sde: str = "flow"  # SDE kind: dance | flow | cps (flow families), ddim (ε families)
+    noise_level: float = 0.7  # η for dance and ddim, a for flow and cps
+    max_batch: int = 64  # network rows per model forward (a CFG prediction costs 2)
     exact: bool = False  # pad forwards to max_batch so any node regenerates bit for bit
+    guidance: float | None = None  # CFG scale or embedded guidance; None = the adapter's default
 
 
 @dataclass(frozen=True)
@@ -44,38 +46,45 @@ class NoiseAddress:
 @dataclass
 class Rollout:
     tree: Tree
-    sigmas: torch.Tensor  # (T+1,)
+    schedule: Schedule
     latents: torch.Tensor  # (N, *latent_shape) every node's latent
     log_prob: torch.Tensor  # (N,) log-prob of the edge into each node (0 for roots and ODE edges)
     std: torch.Tensor  # (N,) std the edge's log-prob is evaluated with (0 for roots and ODE edges)
     noise_level: torch.Tensor  # (N,) SDE noise level of the edge into each node (0 for roots and ODE edges)
-    nfe: int  # model forward rows of real nodes
-    nfe_computed: int  # model forward rows computed, padding included (= nfe unless exact)
+    nfe: int  # network rows of real nodes (2 per node under CFG)
+    nfe_computed: int  # network rows computed, padding included (= nfe unless exact)
 
     @property
     def leaf_latents(self) -> torch.Tensor:
         return self.latents[self.tree.leaf_index]
 
 
+def rows_per_latent(adapter: ModelAdapter, settings: SamplerSettings) -> int:
+    """Network rows one latent's prediction costs at these settings (2 under CFG)."""
+    return adapter.rows_per_sample(adapter.default_guidance if settings.guidance is None else settings.guidance)
+
+
 def forward_chunked(
     adapter: ModelAdapter,
     latents: torch.Tensor,
-    sigmas: torch.Tensor,
+    times: torch.Tensor,
     embeds: PromptEmbeds,
-    max_batch: int,
-    exact: bool,
+    settings: SamplerSettings,
 ) -> tuple[torch.Tensor, int]:
-    """Velocity for latents (B, ...) in chunks of `max_batch` rows, and the rows computed; with
-    `exact`, a short chunk is padded (its last row repeated) to exactly `max_batch` rows and the
+    """The guided model output for latents (B, ...) at times (B,) in forwards of at most
+    `max_batch` network rows (max_batch // 2 latents under CFG), and the network rows computed;
+    with `exact`, a short chunk is padded (its last latent repeated) to a full chunk and the
     padding dropped after."""
+    rows_each = rows_per_latent(adapter, settings)
+    chunk = max(1, settings.max_batch // rows_each)
     outputs, computed = [], 0
-    for start in range(0, latents.shape[0], max_batch):
-        rows = torch.arange(start, min(start + max_batch, latents.shape[0]))
-        if exact and len(rows) < max_batch:
-            rows = torch.cat([rows, rows[-1:].expand(max_batch - len(rows))])
-        velocity = adapter.predict_velocity(latents[rows], sigmas[rows], select_embeds(embeds, rows))
-        outputs.append(velocity[: min(max_batch, latents.shape[0] - start)])
-        computed += len(rows)
+    for start in range(0, latents.shape[0], chunk):
+        rows = torch.arange(start, min(start + chunk, latents.shape[0]))
+        if settings.exact and len(rows) < chunk:
+            rows = torch.cat([rows, rows[-1:].expand(chunk - len(rows))])
+        output = adapter.predict(latents[rows], times[rows], select_embeds(embeds, rows), settings.guidance)
+        outputs.append(output[: min(chunk, latents.shape[0] - start)])
+        computed += len(rows) * rows_each
     return torch.cat(outputs), computed
 
 
@@ -83,30 +92,29 @@ def _transition(
     tree: Tree,
     depth: int,
     parent_latents: torch.Tensor,
-    parent_velocity: torch.Tensor,
-    sigmas: torch.Tensor,
+    parent_output: torch.Tensor,
+    schedule: Schedule,
     settings: SamplerSettings,
     address: NoiseAddress,
     children: torch.Tensor,
     parent_row: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]:
     """Latents, log-probs and log-prob stds (C,) of `children` (node indices, at depth+1), whose
-    parents' latents and velocities are rows `parent_row` of the given tensors; and the step's
+    parents' latents and model outputs are rows `parent_row` of the given tensors; and the step's
     noise level (0 for an ODE step)."""
     spec = tree.spec
-    kind = settings.sde if spec.is_sde(depth) else "ode"
-    if kind == "cps" and sigmas[depth + 1] == 0:
-        kind = "ode"  # cps has std σ'·sin(aπ/2) = 0 at the last step: no density, so deterministic
-    x, v = parent_latents[parent_row], parent_velocity[parent_row]
+    kind = schedule.kind_at(settings.sde if spec.is_sde(depth) else "ode", depth)
+    x, output = parent_latents[parent_row], parent_output[parent_row]
+    at_depth = torch.full((len(children),), depth, dtype=torch.long)
     if kind == "ode":
-        out = step("ode", x, v, sigmas[depth], sigmas[depth + 1], None, 0.0)
+        out = schedule.step("ode", x, output, at_depth, None, 0.0)
         zeros = torch.zeros(len(children))
         return out.sample, zeros, zeros, 0.0
     level = spec.noise_level(depth, settings.noise_level)
     keys = [address.prompt_keys[p] for p in tree.prompt[children].tolist()]
     paths = [tree.paths[c] for c in children.tolist()]
     eps = noise.draw("step", address.run_seed, address.iteration, keys, paths, x.shape[1:], x.device)
-    out = step(kind, x, v, sigmas[depth], sigmas[depth + 1], eps * spec.noise_multiplier(depth), level, sigmas[1])
+    out = schedule.step(kind, x, output, at_depth, eps * spec.noise_multiplier(depth), level)
     return out.sample, gaussian_log_prob(out.sample, out.mean, out.std).cpu(), out.std.cpu(), level
 
 
@@ -115,14 +123,17 @@ def grow(
     adapter: ModelAdapter,
     tree: Tree,
     embeds: PromptEmbeds,
-    sigmas: torch.Tensor,
+    schedule: Schedule,
     settings: SamplerSettings,
     address: NoiseAddress,
     per_node: bool = False,
 ) -> Rollout:
-    """Sample every node of `tree` (embeds: one row per prompt of the batch). With `per_node`, every
-    node is expanded by its own batch-1 forward, as the BranchGRPO release does (for benchmarks)."""
-    sigmas = sigmas.to(adapter.device)
+    """Sample every node of `tree` (embeds: one row per prompt of the batch) on the adapter's
+    `schedule`. With `per_node`, every node is expanded by its own forward, as the BranchGRPO
+    release does (for benchmarks)."""
+    schedule = schedule.to(adapter.device)
+    if per_node:
+        settings = replace(settings, max_batch=1, exact=False)  # one latent per forward (its CFG pair included)
     shape = adapter.latent_shape
     latents = torch.empty((tree.num_nodes, *shape), device=adapter.device)
     log_prob = torch.zeros(tree.num_nodes)
@@ -138,23 +149,16 @@ def grow(
             break
         x = latents[level]  # (n_level, *shape)
         level_embeds = select_embeds(embeds, tree.prompt[level])
-        level_sigmas = sigmas[depth].expand(len(level))
-        if per_node:
-            velocity = torch.cat([
-                adapter.predict_velocity(x[i : i + 1], level_sigmas[i : i + 1], select_embeds(level_embeds, torch.tensor([i])))
-                for i in range(len(level))
-            ])
-            computed = len(level)
-        else:
-            velocity, computed = forward_chunked(adapter, x, level_sigmas, level_embeds, settings.max_batch, settings.exact)
-        nfe += len(level)
+        level_times = schedule.model_times[depth].expand(len(level))
+        output, computed = forward_chunked(adapter, x, level_times, level_embeds, settings)
+        nfe += len(level) * rows_per_latent(adapter, settings)
         nfe_computed += computed
         children = torch.arange(tree.level_start[depth + 1], tree.level_start[depth + 2])
         parent_row = tree.parent[children] - tree.level_start[depth]
         latents[children], log_prob[children], std[children], noise_level[children] = _transition(
-            tree, depth, x, velocity, sigmas, settings, address, children, parent_row
+            tree, depth, x, output, schedule, settings, address, children, parent_row
         )
-    return Rollout(tree, sigmas, latents, log_prob, std, noise_level, nfe, nfe_computed)
+    return Rollout(tree, schedule, latents, log_prob, std, noise_level, nfe, nfe_computed)
 
 
 @torch.no_grad()
@@ -163,7 +167,7 @@ def regenerate(
     tree: Tree,
     nodes: torch.Tensor,
     embeds: PromptEmbeds,
-    sigmas: torch.Tensor,
+    schedule: Schedule,
     settings: SamplerSettings,
     address: NoiseAddress,
 ) -> Rollout:
@@ -176,7 +180,7 @@ def regenerate(
         keep[frontier] = True
         frontier = tree.parent[frontier]
         frontier = frontier[(frontier >= 0) & ~keep[frontier.clamp(min=0)]].unique()
-    return grow(adapter, subtree(tree, keep), embeds, sigmas, settings, address)
+    return grow(adapter, subtree(tree, keep), embeds, schedule, settings, address)
 
 
 def subtree(tree: Tree, keep: torch.Tensor) -> Tree:

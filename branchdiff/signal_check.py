@@ -22,7 +22,6 @@ from branchdiff.metrics import ZERO_SPREAD
 from branchdiff.models.base import ModelAdapter
 from branchdiff.rewards.multi import RewardError, score_component
 from branchdiff.rollout import NoiseAddress, SamplerSettings, grow
-from branchdiff.schedulers.flow import sigma_schedule
 from branchdiff.tree import TreeSpec, build_tree
 
 CHECK_RUN_SEED = 4321  # sampling noise of the check, apart from training and evaluation noise
@@ -43,15 +42,15 @@ def spread_statistics(scores: torch.Tensor) -> dict[str, float]:
 @torch.no_grad()
 def check_reward(
     adapter: ModelAdapter, reward, prompts: list[str], metadata: list[dict], label: str, group_size: int = 8, num_steps: int = 10,
-    shift: float = 1.0, sde: str = "flow", noise_level: float = 0.7,
+    shift: float | None = None, sde: str = "flow", noise_level: float = 0.7, guidance: float | None = None,
 ) -> dict[str, float]:
     """Sample `group_size` SDE samples per prompt and report the reward's spread (module doc),
     scored through the same boundary as training (`score_component`); non-finite scores are
     counted and their groups left out, as training drops them."""
     tree = build_tree(TreeSpec(num_steps, roots=group_size), len(prompts))
-    settings = SamplerSettings(sde=sde, noise_level=noise_level)
+    settings = SamplerSettings(sde=sde, noise_level=noise_level, guidance=guidance)
     address = NoiseAddress(CHECK_RUN_SEED, 0, tuple(range(len(prompts))))
-    rollout = grow(adapter, tree, adapter.encode_prompts(prompts), sigma_schedule(num_steps, shift), settings, address)
+    rollout = grow(adapter, tree, adapter.encode_prompts(prompts), adapter.schedule(num_steps, shift), settings, address)
     images = adapter.decode(rollout.leaf_latents)  # (P·G, 3, H, W), prompt-major
     image_prompts = [prompts[p] for p in tree.prompt[tree.leaf_index].tolist()]
     start = time.perf_counter()

@@ -34,13 +34,12 @@ from branchdiff.explore import ExploreResult, explore_seeds, explore_tree, laten
 from branchdiff.metrics import iteration_metrics
 from branchdiff.models import load_adapter
 from branchdiff.models.base import ModelAdapter
-from branchdiff.models.lora import add_lora, load_lora_state, save_lora
+from branchdiff.models.lora import add_lora
 from branchdiff.quant import QuantConfig, make_quantized_copy, refresh_quantized_copy
 from branchdiff.report import save_grid
 from branchdiff.rewards.combine import parse_reward_specs
 from branchdiff.rewards.multi import MultiReward, RewardBatch, build_component
 from branchdiff.rollout import NoiseAddress, Rollout, SamplerSettings, grow
-from branchdiff.schedulers.flow import sigma_schedule
 from branchdiff.tree import build_tree
 from branchdiff.update import PolicyUpdate
 
@@ -57,7 +56,23 @@ class IterationResult:
 
 def sampler_settings(config: TrainConfig) -> SamplerSettings:
     s = config.sampling
-    return SamplerSettings(s.sde, s.noise_level, s.max_batch, s.exact)
+    return SamplerSettings(s.sde, s.noise_level, s.max_batch, s.exact, s.guidance)
+
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def make_optimizer(config: TrainConfig, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    """AdamW over the LoRA parameters, or bitsandbytes' 8-bit AdamW (`train.optimizer=adamw8bit`:
+    its two moments in 8 bits, a quarter of AdamW's optimizer memory)."""
+    train = config.train
+    if train.optimizer == "adamw8bit":
+        try:
+            import bitsandbytes
+        except ImportError:
+            raise ImportError("train.optimizer=adamw8bit needs bitsandbytes: pip install 'branchdiff-rl[quant]'") from None
+        return bitsandbytes.optim.AdamW8bit(params, lr=train.learning_rate, weight_decay=train.weight_decay)
+    return torch.optim.AdamW(params, lr=train.learning_rate, weight_decay=train.weight_decay)
 
 
 class Trainer:
@@ -73,20 +88,23 @@ class Trainer:
             kwargs_handlers=[DistributedDataParallelKwargs(broadcast_buffers=False)],
         )
         self.collective = AcceleratorCollective(self.accelerator)
-        self.sigmas = sigma_schedule(config.sampling.num_steps, config.sampling.shift).to(self.accelerator.device)
         self.settings = sampler_settings(config)
         set_seed(config.seed)
-        self.adapter = load_adapter(config.model.family, config.model.path, self.accelerator.device)
+        model = config.model
+        self.adapter = load_adapter(model.family, model.path, self.accelerator.device, model.resolution, DTYPES[model.dtype], model.offload)
+        self.schedule = self.adapter.schedule(config.sampling.num_steps, config.sampling.shift).to(self.accelerator.device)
         self.lora_params = add_lora(
             self.adapter.denoiser, self.adapter.lora_target_modules, config.train.lora_rank, config.train.lora_alpha, config.seed
         )
-        optimizer = torch.optim.AdamW(self.lora_params, lr=config.train.learning_rate, weight_decay=config.train.weight_decay)
+        if config.train.gradient_checkpointing:
+            self.adapter.denoiser.enable_gradient_checkpointing()
+        optimizer = make_optimizer(config, self.lora_params)
         wrapped, self.optimizer = self.accelerator.prepare(self.adapter.denoiser, optimizer)
         # the training forward goes through the (DDP-)wrapped module; everything else uses the plain one
         self.train_adapter = copy.copy(self.adapter)
         self.train_adapter.denoiser = wrapped
         self.policy_update = PolicyUpdate(config, self.accelerator, self.collective, self.adapter, self.train_adapter,
-                                          self.optimizer, self.lora_params, self.sigmas, self.settings)
+                                          self.optimizer, self.lora_params, self.schedule, self.settings)
         self.accelerator.register_save_state_pre_hook(self._save_hook)
         self.accelerator.register_load_state_pre_hook(self._load_hook)
         self.reward = MultiReward(parse_reward_specs(config.reward), config.reward_combine, self.accelerator.device)
@@ -102,7 +120,7 @@ class Trainer:
             return None
         if explore.backend == "none":
             return self.adapter
-        self.quant_config = QuantConfig.for_family(self.config.model.family, explore.backend, explore.min_features)
+        self.quant_config = QuantConfig(explore.backend, self.adapter.quant_skip_modules, explore.min_features)
         explorer = copy.copy(self.adapter)
         explorer.denoiser = make_quantized_copy(self.adapter.denoiser, self.quant_config)
         return explorer
@@ -117,12 +135,12 @@ class Trainer:
         """Only the LoRA weights of the denoiser are saved (not the frozen base), by one process."""
         if self.accelerator.is_main_process:
             for model in models:
-                save_lora(self.accelerator.unwrap_model(model), Path(output_dir))
+                self.adapter.save_lora(Path(output_dir), self.accelerator.unwrap_model(model))
         weights.clear()
 
     def _load_hook(self, models: list, input_dir: str) -> None:
         while models:
-            load_lora_state(self.accelerator.unwrap_model(models.pop()), Path(input_dir))
+            self.adapter.load_lora_state(Path(input_dir), self.accelerator.unwrap_model(models.pop()))
 
     @property
     def checkpoint_dir(self) -> Path:
@@ -205,7 +223,7 @@ class Trainer:
         start = time.perf_counter()
         with self.accelerator.autocast():
             if self.explorer is None:
-                rollout = grow(self.adapter, build_tree(spec, len(prompts)), embeds, self.sigmas, self.settings, address, per_node)
+                rollout = grow(self.adapter, build_tree(spec, len(prompts)), embeds, self.schedule, self.settings, address, per_node)
             else:
                 explored = self._explore(spec, prompts, metadata, embeds, address, iteration)
                 rollout = explored.rollout
@@ -238,18 +256,18 @@ class Trainer:
         generators = selection_generators(self.config.seed, iteration, address.prompt_keys)
         score = self._score_latents(prompts, metadata)
         if explore.mode == "tree":
-            return explore_tree(self.adapter, self.explorer, embeds, spec, self.sigmas, self.settings, address,
+            return explore_tree(self.adapter, self.explorer, embeds, spec, self.schedule, self.settings, address,
                                 explore.keep, explore.selection, score, generators)
         preview_steps = explore.preview_steps or self.config.sampling.num_steps
-        preview_sigmas = sigma_schedule(preview_steps, self.config.sampling.shift)
-        return explore_seeds(self.adapter, self.explorer, embeds, spec, self.sigmas, preview_sigmas, explore.preview_sampler == "sde",
+        preview_schedule = self.adapter.schedule(preview_steps, self.config.sampling.shift).to(self.accelerator.device)
+        return explore_seeds(self.adapter, self.explorer, embeds, spec, self.schedule, preview_schedule, explore.preview_sampler == "sde",
                              self.settings, address, explore.pool, explore.keep, explore.selection, score, generators)
 
     def _pool_rewards_under_policy(self, spec, prompts: list[str], metadata: list[dict], embeds: dict, address: NoiseAddress) -> torch.Tensor:
         """(P, N) the policy's reward of every pool candidate (the explorer's ranking is judged on these)."""
         explore = self.config.explore
         with self.accelerator.autocast():
-            latents, per_candidate = pool_under_policy(self.adapter, embeds, spec, self.sigmas, self.settings, address, explore.mode, explore.pool)
+            latents, per_candidate = pool_under_policy(self.adapter, embeds, spec, self.schedule, self.settings, address, explore.mode, explore.pool)
         prompt_index = torch.arange(len(prompts)).repeat_interleave(len(latents) // len(prompts))
         return self._score_latents(prompts, metadata)(latents, prompt_index).reshape(len(prompts), -1, per_candidate).mean(-1)
 
@@ -303,7 +321,7 @@ class Trainer:
             if (every and (iteration + 1) % every == 0) or iteration == config.iterations - 1:
                 self.save_checkpoint(iteration)
         if accelerator.is_main_process:
-            save_lora(self.adapter.denoiser, self.run_dir / "lora")
+            self.adapter.save_lora(self.run_dir / "lora")
         accelerator.end_training()
 
     def final_evaluation(self) -> dict[str, dict[str, float]]:
@@ -315,10 +333,11 @@ class Trainer:
         rewards = {spec.label: build_component(spec, str(self.accelerator.device)) for spec in specs}
         prompt_set = load_prompt_set(config.prompts.eval)
         args = (prompt_set, rewards, config.prompts.eval_seeds, config.sampling.num_steps, config.sampling.shift)
+        guidance = config.prompts.eval_guidance
         self.adapter.denoiser.disable_adapters()
-        summaries = {"base": summarize(evaluate(self.adapter, *args))}
+        summaries = {"base": summarize(evaluate(self.adapter, *args, guidance=guidance))}
         self.adapter.denoiser.enable_adapters()
-        summaries["trained"] = summarize(evaluate(self.adapter, *args))
+        summaries["trained"] = summarize(evaluate(self.adapter, *args, guidance=guidance))
         scales = {label: getattr(reward, "scale", "unspecified") for label, reward in rewards.items()}
         report = {"prompts": config.prompts.eval, "images_per_prompt": config.prompts.eval_seeds, "scales": scales, **summaries}
         (self.run_dir / "eval.json").write_text(json.dumps(report, indent=1))

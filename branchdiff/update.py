@@ -20,7 +20,8 @@ from branchdiff.distributed import Collective
 from branchdiff.loss import clipped_surrogate, kl_to_reference
 from branchdiff.models.base import ModelAdapter, select_embeds
 from branchdiff.rollout import Rollout, SamplerSettings
-from branchdiff.schedulers.flow import gaussian_log_prob, step
+from branchdiff.schedulers.flow import gaussian_log_prob
+from branchdiff.schedulers.schedule import Schedule
 
 
 @dataclass
@@ -32,8 +33,8 @@ class PolicyUpdate:
     train_policy: ModelAdapter  # the same denoiser behind the (DDP-)wrapper: the training forward
     optimizer: torch.optim.Optimizer
     params: list[torch.nn.Parameter]  # the LoRA parameters (gradient clipping)
-    sigmas: torch.Tensor  # (T+1,)
-    settings: SamplerSettings
+    schedule: Schedule  # the rollouts' schedule
+    settings: SamplerSettings  # the rollouts' sampler: SDE kind and guidance
 
     def __call__(self, rollout: Rollout, embeds: dict, node_advantages: torch.Tensor, mask: torch.Tensor, iteration: int) -> dict[str, float]:
         """Train the edges into the nodes `mask` (N,) with their `node_advantages` (N,); returns this
@@ -91,13 +92,14 @@ class PolicyUpdate:
         `child_nodes`, whose parents are `parent_nodes[local]` (one forward per parent)."""
         config, tree = self.config, rollout.tree
         x = rollout.latents[parent_nodes]  # (u, ...)
-        sigma = self.sigmas[tree.depth[parent_nodes]]
-        sigma_next = self.sigmas[tree.depth[child_nodes]]
+        depth = tree.depth[parent_nodes]  # (u,) step index of each parent
+        times = self.schedule.model_times[depth.to(self.schedule.model_times.device)]  # (u,)
         level = rollout.noise_level[child_nodes].to(x.device)  # (e,) each edge's own SDE level
         node_embeds = select_embeds(embeds, tree.prompt[parent_nodes])
         x_parent = x[local]
-        velocity = self.train_policy.predict_velocity(x, sigma, node_embeds)[local]
-        out = step(self.settings.sde, x_parent, velocity, sigma[local], sigma_next, torch.zeros_like(x_parent), level, self.sigmas[1])
+        guidance = self.settings.guidance  # the rollout's guided prediction, recomputed (Flow-GRPO)
+        output = self.train_policy.predict(x, times, node_embeds, guidance)[local]
+        out = self.schedule.step(self.settings.sde, x_parent, output, depth[local], torch.zeros_like(x_parent), level)
         log_prob = gaussian_log_prob(rollout.latents[child_nodes], out.mean, out.std)
         old = rollout.log_prob[child_nodes].to(log_prob.device)
         advantages = node_advantages[child_nodes].to(log_prob.device).float()
@@ -106,9 +108,9 @@ class PolicyUpdate:
         if config.train.kl_beta > 0:
             with torch.no_grad():
                 self.policy.denoiser.disable_adapters()
-                ref_velocity = self.policy.predict_velocity(x, sigma, node_embeds)[local]
+                ref_output = self.policy.predict(x, times, node_embeds, guidance)[local]
                 self.policy.denoiser.enable_adapters()
-            ref = step(self.settings.sde, x_parent, ref_velocity, sigma[local], sigma_next, torch.zeros_like(x_parent), level, self.sigmas[1])
+            ref = self.schedule.step(self.settings.sde, x_parent, ref_output, depth[local], torch.zeros_like(x_parent), level)
             kl = kl_to_reference(out.mean, ref.mean, out.std)
             per_edge = per_edge + config.train.kl_beta * kl
         return per_edge, (log_prob - old).detach(), was_clipped, kl.detach()
@@ -117,8 +119,9 @@ class PolicyUpdate:
         """A zero loss through the wrapped denoiser, for a process with no edges in an optimizer
         step: DDP's gradient sync needs every process's backward."""
         root = torch.tensor([0])
-        velocity = self.train_policy.predict_velocity(rollout.latents[root], self.sigmas[:1], select_embeds(embeds, rollout.tree.prompt[root]))
-        return velocity.sum() * 0.0
+        output = self.train_policy.predict(rollout.latents[root], self.schedule.model_times[:1],
+                                           select_embeds(embeds, rollout.tree.prompt[root]), self.settings.guidance)
+        return output.sum() * 0.0
 
 
 def optimizer_groups(edges_per_minibatch: list[int], global_edges: int, every: int) -> list[list[int]]:

@@ -204,7 +204,7 @@ def test_section_given_a_scalar():
 
 def test_choice_outside_the_allowed_set_lists_choices_and_suggests():
     message = config_error(None, ["sampling.sde=flw"])
-    assert message == "override 'sampling.sde=flw': 'sampling.sde' = 'flw' is not allowed; allowed: dance, flow, cps (did you mean 'flow'?)"
+    assert message == "override 'sampling.sde=flw': 'sampling.sde' = 'flw' is not allowed; allowed: dance, flow, cps, ddim (did you mean 'flow'?)"
 
 
 def test_choice_without_close_match_has_no_suggestion():
@@ -475,7 +475,7 @@ def test_empty_yaml_file_gives_defaults(tmp_path):
         ("iterations: 3\ntree:\n  roots: 2\n  splits: []\n  rots: 4\nsampling:\n  sde: flow\n",
          ":5: unknown key 'tree.rots'; did you mean tree.roots?"),
         ("seed: 1\nsampling:\n  num_steps: 10\n  sde: flw\n",
-         ":4: 'sampling.sde' = 'flw' is not allowed; allowed: dance, flow, cps (did you mean 'flow'?)"),
+         ":4: 'sampling.sde' = 'flw' is not allowed; allowed: dance, flow, cps, ddim (did you mean 'flow'?)"),
         ("seed: 1\n\ntrain: {learning_rate: -1}\n", ":3: 'train.learning_rate' = -1 is out of range; it must be > 0"),
         ("iterations: 3\nseed: 1: 2\n", ":2: not valid YAML (mapping values are not allowed here)"),
         ("- iterations: 3\n- seed: 1\n", ": expected a mapping of keys to values, got list"),

@@ -54,11 +54,11 @@ def test_nvfp4_explorer_differs_only_by_quantisation_and_follows_the_policy(tiny
     embeds = trainer.adapter.encode_prompts(["one red circle on the left"] * 2)
     trainer.run_iteration(0)  # an update, then the explorer is refreshed with the merged LoRA
     with torch.no_grad():
-        policy = trainer.adapter.predict_velocity(x, sigma, embeds)
-        fresh = trainer.explorer.predict_velocity(x, sigma, embeds)
+        policy = trainer.adapter.predict(x, sigma, embeds)
+        fresh = trainer.explorer.predict(x, sigma, embeds)
         trainer.explorer.denoiser = __import__("branchdiff.quant", fromlist=["make_quantized_copy"]).make_quantized_copy(
             trainer.adapter.denoiser.__class__.from_pretrained(tiny_model_dir / "transformer"), trainer.quant_config)
-        stale = trainer.explorer.predict_velocity(x, sigma, embeds)
+        stale = trainer.explorer.predict(x, sigma, embeds)
     assert (fresh - policy).abs().mean() < (stale - policy).abs().mean()
 
 
@@ -73,7 +73,7 @@ def test_resume_refreshes_the_quantised_explorer(tiny_model_dir, tmp_path):
     x, sigma = torch.randn(2, 3, 32, 32), torch.full((2,), 0.7)
     embeds = trainer.adapter.encode_prompts(["one red circle on the left"] * 2)
     with torch.no_grad():
-        assert torch.equal(resumed.explorer.predict_velocity(x, sigma, embeds), trainer.explorer.predict_velocity(x, sigma, embeds))
+        assert torch.equal(resumed.explorer.predict(x, sigma, embeds), trainer.explorer.predict(x, sigma, embeds))
 
 
 def test_ranking_agreement_is_reported_over_the_whole_pool(tiny_model_dir, tmp_path):

@@ -20,7 +20,7 @@ ADDRESS = NoiseAddress(run_seed=7, iteration=3, prompt_keys=(10, 11, 12))
 def _grow(adapter, spec=SPEC, settings=SamplerSettings(sde="dance", noise_level=0.3, max_batch=8), **kw):
     tree = build_tree(spec, len(PROMPTS))
     embeds = adapter.encode_prompts(PROMPTS)
-    return grow(adapter, tree, embeds, sigma_schedule(spec.num_steps, 3.0), settings, ADDRESS, **kw), embeds
+    return grow(adapter, tree, embeds, adapter.schedule(spec.num_steps, 3.0), settings, ADDRESS, **kw), embeds
 
 
 def _index(tree):
@@ -32,7 +32,7 @@ def test_regenerating_random_leaves_is_bit_exact(tiny_adapter):
     rollout, embeds = _grow(tiny_adapter, settings=settings)
     tree = rollout.tree
     leaves = tree.leaf_index[torch.randperm(len(tree.leaf_index), generator=torch.Generator().manual_seed(0))[:5]]
-    sub = regenerate(tiny_adapter, tree, leaves, embeds, rollout.sigmas, settings, ADDRESS)
+    sub = regenerate(tiny_adapter, tree, leaves, embeds, rollout.schedule, settings, ADDRESS)
     where = _index(sub.tree)
     for leaf in leaves.tolist():
         node = where[(tree.prompt[leaf].item(), tree.paths[leaf])]
@@ -45,7 +45,7 @@ def test_regenerating_one_node_alone_is_bit_exact(tiny_adapter):
     settings = SamplerSettings(sde="flow", noise_level=0.7, max_batch=8, exact=True)
     rollout, embeds = _grow(tiny_adapter, settings=settings)
     node = rollout.tree.level_start[3] + 4  # an inner node at depth 3
-    sub = regenerate(tiny_adapter, rollout.tree, torch.tensor([node]), embeds, rollout.sigmas, settings, ADDRESS)
+    sub = regenerate(tiny_adapter, rollout.tree, torch.tensor([node]), embeds, rollout.schedule, settings, ADDRESS)
     assert sub.tree.num_nodes == 4  # root, depth 1, depth 2, the node
     assert torch.equal(sub.latents[-1], rollout.latents[node])
 
@@ -79,8 +79,8 @@ def test_split_edges_use_their_noise_level(tiny_adapter, multiplier):
         child = tree.level_start[depth + 1] + 1  # a node of prompt 0
         parent = tree.parent[child].item()
         x = rollout.latents[parent : parent + 1]
-        v = tiny_adapter.predict_velocity(x, rollout.sigmas[depth : depth + 1], {k: t[:1] for k, t in embeds.items()})
-        mean, std = _dance_float64(x, v, rollout.sigmas[depth], rollout.sigmas[depth + 1], level)
+        v = tiny_adapter.predict(x, rollout.schedule.sigmas[depth : depth + 1], {k: t[:1] for k, t in embeds.items()})
+        mean, std = _dance_float64(x, v, rollout.schedule.sigmas[depth], rollout.schedule.sigmas[depth + 1], level)
         eps = noise.draw("step", ADDRESS.run_seed, ADDRESS.iteration, [ADDRESS.prompt_keys[0]], [tree.paths[child]], x.shape[1:]).double()
         kick = multiplier if on_split else 1.0
         assert torch.allclose(rollout.latents[child : child + 1].double(), mean + kick * std * eps, atol=1e-5)

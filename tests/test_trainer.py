@@ -100,15 +100,15 @@ def test_kl_to_the_adapter_free_base(tiny_model_dir, tmp_path):
     tree, denoiser = rollout.tree, trainer.adapter.denoiser
     children = torch.nonzero(tree.depth > 0).squeeze(1)  # every edge is trained (no pruning, all SDE)
     parents = tree.parent[children]
-    x, sigma = rollout.latents[parents], rollout.sigmas[tree.depth[parents]]
+    x, sigma = rollout.latents[parents], rollout.schedule.sigmas[tree.depth[parents]]
     embeds = {k: v[tree.prompt[parents]] for k, v in info["embeds"].items()}
     with torch.no_grad():
-        v_policy = trainer.adapter.predict_velocity(x, sigma, embeds)
+        v_policy = trainer.adapter.predict(x, sigma, embeds)
         denoiser.disable_adapters()
-        v_reference = trainer.adapter.predict_velocity(x, sigma, embeds)
+        v_reference = trainer.adapter.predict(x, sigma, embeds)
         denoiser.enable_adapters()
     expected = torch.stack([
-        _dance_kl_float64(v_policy[i : i + 1], v_reference[i : i + 1], sigma[i].item(), rollout.sigmas[tree.depth[c]].item(), 0.3)
+        _dance_kl_float64(v_policy[i : i + 1], v_reference[i : i + 1], sigma[i].item(), rollout.schedule.sigmas[tree.depth[c]].item(), 0.3)
         for i, c in enumerate(children.tolist())
     ]).mean()
     kl = trainer.run_iteration(1).metrics["kl"]
@@ -208,7 +208,7 @@ def test_exported_lora_keeps_its_scale_when_alpha_differs_from_rank(tiny_model_d
     """Regression (issue 9): without the adapter's metadata diffusers assumes lora_alpha = rank, so a
     LoRA with alpha ≠ rank loaded with the wrong scale; the export carries it, and a fresh model
     loading the file through diffusers reproduces the trained model's output."""
-    from branchdiff.models.lora import add_lora, load_lora, save_lora
+    from branchdiff.models.lora import add_lora
     from branchdiff.models.tiny import TinyAdapter
 
     trained = TinyAdapter.from_pretrained(tiny_model_dir)
@@ -216,12 +216,12 @@ def test_exported_lora_keeps_its_scale_when_alpha_differs_from_rank(tiny_model_d
     with torch.no_grad():
         for p in params:
             p.add_(0.05 * torch.randn_like(p))  # B moves away from 0, as training does
-    path = save_lora(trained.denoiser, tmp_path / "lora")
+    path = trained.save_lora(tmp_path / "lora")
     fresh = TinyAdapter.from_pretrained(tiny_model_dir)
-    load_lora(fresh.denoiser, path)
+    fresh.load_lora(path)
     x, sigma = torch.randn(2, 3, 32, 32), torch.full((2,), 0.6)
     embeds = trained.encode_prompts(["one red circle on the left"] * 2)
     with torch.no_grad():
-        expected, got = trained.predict_velocity(x, sigma, embeds), fresh.predict_velocity(x, sigma, embeds)
-        base = TinyAdapter.from_pretrained(tiny_model_dir).predict_velocity(x, sigma, embeds)
+        expected, got = trained.predict(x, sigma, embeds), fresh.predict(x, sigma, embeds)
+        base = TinyAdapter.from_pretrained(tiny_model_dir).predict(x, sigma, embeds)
     assert (expected - base).abs().max() > 1e-3 and torch.allclose(got, expected, atol=1e-5)

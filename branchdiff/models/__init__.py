@@ -1,17 +1,37 @@
-"""Model adapters by family."""
+"""Model adapters by family (`families.FAMILIES`): one module per family, the only family-specific
+code in branchdiff (`base.ModelAdapter` is the contract; docs/models.md)."""
 
 from __future__ import annotations
 
-import torch
+import importlib
+from typing import TYPE_CHECKING
 
-from branchdiff.models.base import ModelAdapter
+from branchdiff.models.families import FAMILIES
 
-FAMILIES = ("tiny",)
+if TYPE_CHECKING:
+    import torch
+
+    from branchdiff.models.base import ModelAdapter
 
 
-def load_adapter(family: str, path: str | None, device: torch.device | str = "cpu") -> ModelAdapter:
-    if family == "tiny":
-        from branchdiff.models.tiny import TinyAdapter
+def adapter_class(family: str) -> type[ModelAdapter]:
+    if family not in FAMILIES:
+        raise ValueError(f"unknown model family {family!r}; allowed: {', '.join(FAMILIES)}")
+    module, name = FAMILIES[family].adapter.split(":")
+    return getattr(importlib.import_module(module), name)
 
-        return TinyAdapter.from_pretrained(path, device)
-    raise ValueError(f"unknown model family {family!r}; allowed: {FAMILIES}")
+
+def load_adapter(
+    family: str,
+    path: str | None,
+    device: torch.device | str = "cpu",
+    resolution: int | None = None,
+    dtype: torch.dtype | None = None,
+    offload: bool = False,
+) -> ModelAdapter:
+    """The family's adapter loaded from `path` (a local directory or a hub id; None: the family's
+    default, which only the built-in tiny model has) at `resolution` (None: the family's default),
+    base weights in `dtype` (None: float32)."""
+    import torch
+
+    return adapter_class(family).from_pretrained(path, device, resolution or FAMILIES[family].resolution, dtype or torch.float32, offload)

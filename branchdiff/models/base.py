@@ -1,17 +1,39 @@
-"""The model-adapter contract: the only family-specific code in branchdiff.
+"""The model-adapter contract: the only family-specific code in branchdiff (docs/models.md).
 
-An adapter owns the denoiser (`denoiser`, the module LoRA is attached to), encodes prompts,
-predicts the velocity for a batch of latents at given σ, and decodes latents to images in [0, 1].
+An adapter owns the denoiser (`denoiser`, the module LoRA is attached to) and answers everything
+the rollout, the trainer, explore and evaluation need to know about its family:
+
+- `schedule(T, shift)`: the family's discretisation (`FlowSchedule` for velocity models, with the
+  family's own σ schedule; `DDIMSchedule` for ε-models): what the denoiser is conditioned on at
+  each step and the SDE/ODE transition with its log-prob;
+- `latent_shape`: per-sample latent shape at the adapter's `resolution` (packed for FLUX);
+- `encode_prompts`: conditioning rows, one per prompt, every tensor batched on dim 0; families
+  with classifier-free guidance add the unconditional rows under `negative_<key>`;
+- `forward`: the raw network output for a batch of latents (one row each); `predict` applies
+  guidance around it: CFG (`uses_cfg`: one forward of [unconditional; conditional] rows,
+  u + g·(c − u), so it costs `rows_per_sample(g)` = 2 rows per latent, counted in NFE and
+  `max_batch`), or an embedded guidance value the family's `forward` consumes (FLUX);
+- `decode`: latents → images (B, 3, H, W) in [0, 1], in chunks;
+- LoRA: `lora_target_modules`, `lora_prefix` (the state-dict prefix of the export, "transformer"
+  or "unet") and `pipeline_class` (the diffusers pipeline whose `load_lora_weights` reads it);
+- `quant_skip_modules`: modules a quantised explorer keeps in high precision.
 Nothing outside `branchdiff.models` knows which family it runs.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
 
 import torch
 
+from branchdiff.models import lora
+from branchdiff.schedulers.schedule import Schedule
+
 PromptEmbeds = dict[str, torch.Tensor]  # every tensor has the prompt batch as its first dimension
+NEGATIVE = "negative_"  # key prefix of the unconditional rows of a CFG family's embeddings
 
 
 def select_embeds(embeds: PromptEmbeds, index: torch.Tensor) -> PromptEmbeds:
@@ -19,20 +41,91 @@ def select_embeds(embeds: PromptEmbeds, index: torch.Tensor) -> PromptEmbeds:
     return {key: value.index_select(0, index.to(value.device)) for key, value in embeds.items()}
 
 
+def cat_embeds(parts: list[PromptEmbeds]) -> PromptEmbeds:
+    """Row-wise concatenation of batches of prompt embeddings with the same keys."""
+    return {key: torch.cat([part[key] for part in parts]) for key in parts[0]}
+
+
 class ModelAdapter(ABC):
+    family: str  # registry name (`branchdiff.models.FAMILIES`)
     denoiser: torch.nn.Module  # the network that LoRA adapts
-    latent_shape: tuple[int, ...]  # per-sample latent shape, e.g. (3, 32, 32)
-    lora_target_modules: list[str]  # module-name suffixes LoRA wraps (attention projections)
     device: torch.device
+    resolution: int  # image side in pixels
+    lora_target_modules: list[str]  # module-name suffixes LoRA wraps (attention projections)
+    lora_prefix: str = "transformer"  # state-dict prefix of the exported LoRA ("unet" for UNet families)
+    pipeline_class_name: str  # the diffusers pipeline class whose `load_lora_weights` reads the export
+    quant_skip_modules: tuple[str, ...] = ()  # module-name patterns a quantised explorer keeps in high precision
+    uses_cfg: bool = False  # guidance as classifier-free guidance rows (else embedded, or none)
+    default_guidance: float = 1.0  # the family's guidance when the config leaves it unset (1: none)
+    decode_batch: int = 8  # images per VAE decode call
+
+    @property
+    @abstractmethod
+    def latent_shape(self) -> tuple[int, ...]:
+        """Per-sample latent shape at `resolution`, e.g. (16, 64, 64), or (1024, 64) packed."""
+
+    @abstractmethod
+    def schedule(self, num_steps: int, shift: float | None = None) -> Schedule:
+        """The family's T-step schedule; `shift` (s > 0) replaces the family's own σ schedule by the
+        anchors' σ = s·t / (1 + (s-1)·t) (flow families), None keeps the family's."""
 
     @abstractmethod
     def encode_prompts(self, prompts: list[str]) -> PromptEmbeds:
-        """Conditioning for each prompt; computed without gradients (encoders stay frozen)."""
+        """Conditioning for each prompt, without gradients (encoders stay frozen)."""
 
     @abstractmethod
-    def predict_velocity(self, latents: torch.Tensor, sigmas: torch.Tensor, embeds: PromptEmbeds) -> torch.Tensor:
-        """v ≈ ε - x0 for latents (B, *latent_shape) at noise levels sigmas (B,), embeds with B rows."""
+    def forward(self, latents: torch.Tensor, times: torch.Tensor, embeds: PromptEmbeds, guidance: float) -> torch.Tensor:
+        """The network's output (velocity or ε) for latents (B, *latent_shape) conditioned on times
+        (B,) (`Schedule.model_times` values) and conditional embeddings with B rows."""
 
     @abstractmethod
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         """Images (B, 3, H, W) in [0, 1]."""
+
+    def rows_per_sample(self, guidance: float) -> int:
+        """Network rows one prediction costs: 2 under CFG (unconditional and conditional), else 1."""
+        return 2 if self.uses_cfg and guidance > 1 else 1
+
+    def predict(self, latents: torch.Tensor, times: torch.Tensor, embeds: PromptEmbeds, guidance: float | None = None) -> torch.Tensor:
+        """The guided model output for latents (B, ...) at times (B,), embeds with B rows: under CFG
+        u + g·(c − u) from one forward of the 2B rows [unconditional; conditional] (the diffusers
+        pipelines' order and formula)."""
+        guidance = self.default_guidance if guidance is None else guidance
+        conditional = {key: value for key, value in embeds.items() if not key.startswith(NEGATIVE)}
+        if self.rows_per_sample(guidance) == 1:
+            return self.forward(latents, times, conditional, guidance)
+        unconditional = {key[len(NEGATIVE) :]: value for key, value in embeds.items() if key.startswith(NEGATIVE)}
+        if not unconditional:
+            raise ValueError(f"guidance {guidance} needs unconditional embeddings; encode_prompts of {self.family} returned none")
+        both = cat_embeds([unconditional, conditional])
+        output = self.forward(torch.cat([latents, latents]), torch.cat([times, times]), both, guidance)
+        uncond, cond = output.chunk(2)
+        return uncond + guidance * (cond - uncond)
+
+    def save_lora(self, directory: Path, denoiser: torch.nn.Module | None = None) -> Path:
+        """Export the LoRA of `denoiser` (default: this adapter's) for `<pipeline>.load_lora_weights`."""
+        return lora.save_lora(denoiser or self.denoiser, directory, self.pipeline_class_name, self.lora_prefix)
+
+    def load_lora(self, path: str | Path) -> None:
+        """Load an exported LoRA into the denoiser, the way the family's pipeline loads it."""
+        lora.load_lora(self.denoiser, path, self.pipeline_class_name, self.lora_prefix)
+
+    def load_lora_state(self, directory: Path, denoiser: torch.nn.Module | None = None) -> None:
+        """Restore the values of an attached LoRA from an export (checkpoint resume)."""
+        lora.load_lora_state(denoiser or self.denoiser, directory, self.lora_prefix)
+
+    @contextmanager
+    def modules_on_device(self, *modules: torch.nn.Module | None) -> Iterator[None]:
+        """With `offload`, move helper modules (text encoders, VAE) to the accelerator for the block
+        and back to the CPU after it; without, they stay on the accelerator."""
+        present = [m for m in modules if m is not None]
+        if not getattr(self, "offload", False):
+            yield
+            return
+        for module in present:
+            module.to(self.device)
+        try:
+            yield
+        finally:
+            for module in present:
+                module.to("cpu")

@@ -1,5 +1,5 @@
-"""LoRA on a diffusers denoiser through diffusers' peft integration, saved in the format that
-`pipeline.load_lora_weights()` (and `model.load_lora_adapter()`) loads."""
+"""LoRA on a diffusers denoiser through diffusers' peft integration, saved in the format that the
+family's `pipeline.load_lora_weights()` loads (the adapter names the pipeline class and prefix)."""
 
 from __future__ import annotations
 
@@ -13,51 +13,56 @@ from safetensors.torch import load_file
 LORA_FILE = "pytorch_lora_weights.safetensors"
 
 
+def pipeline_class(name: str) -> type:
+    """The diffusers pipeline class `name` (e.g. "FluxPipeline"), imported lazily."""
+    import diffusers
+
+    return getattr(diffusers, name)
+
+
 def add_lora(denoiser: torch.nn.Module, target_modules: list[str], rank: int, alpha: float, seed: int) -> list[torch.nn.Parameter]:
     """Attach a trainable LoRA adapter (B = 0, so the model is unchanged at first) and freeze the
-    rest. Returns the LoRA parameters."""
+    rest. The LoRA parameters are float32 whatever the base weights' dtype. Returns them."""
     denoiser.requires_grad_(False)
     torch.manual_seed(seed)
     denoiser.add_adapter(LoraConfig(r=rank, lora_alpha=alpha, init_lora_weights="gaussian", target_modules=target_modules))
     params = [p for n, p in denoiser.named_parameters() if "lora_" in n]
     for p in params:
+        p.data = p.data.float()
         p.requires_grad_(True)
     return params
 
 
-def save_lora(denoiser: torch.nn.Module, directory: Path) -> Path:
-    """Write the adapter as `pytorch_lora_weights.safetensors` with diffusers' `transformer.` keys and
+def save_lora(denoiser: torch.nn.Module, directory: Path, pipeline_class_name: str, prefix: str) -> Path:
+    """Write the adapter as `pytorch_lora_weights.safetensors` with diffusers' `<prefix>.` keys and
     the adapter's config as its metadata: without it diffusers assumes lora_alpha = rank, and a LoRA
     with another alpha would load at the wrong scale."""
-    from diffusers import StableDiffusion3Pipeline
-
     directory.mkdir(parents=True, exist_ok=True)
     metadata = denoiser.peft_config["default"].to_dict()
-    StableDiffusion3Pipeline.save_lora_weights(directory, transformer_lora_layers=get_peft_model_state_dict(denoiser),
-                                               transformer_lora_adapter_metadata=metadata)
+    pipeline_class(pipeline_class_name).save_lora_weights(
+        directory, **{f"{prefix}_lora_layers": get_peft_model_state_dict(denoiser), f"{prefix}_lora_adapter_metadata": metadata}
+    )
     return directory / LORA_FILE
 
 
-def load_lora(denoiser: torch.nn.Module, path: str | Path) -> None:
+def load_lora(denoiser: torch.nn.Module, path: str | Path, pipeline_class_name: str, prefix: str) -> None:
     """Load a LoRA saved by `save_lora` (a directory or the .safetensors file) into the denoiser the
     way `pipe.load_lora_weights()` does: the pipeline's `lora_state_dict` reads the adapter config
-    from the file's metadata and `load_lora_into_transformer` applies it (the model-level
-    `load_lora_adapter(path)` ignores it and would assume lora_alpha = rank)."""
-    from diffusers import StableDiffusion3Pipeline
-
+    from the file's metadata, which `load_lora_adapter` applies (given a path instead, the
+    model-level loader would ignore it and assume lora_alpha = rank)."""
     path = Path(path)
     file = path / LORA_FILE if path.is_dir() else path
     if not file.is_file():
         raise FileNotFoundError(f"no LoRA weights at {file}; pass a run's lora/ directory or its {LORA_FILE}")
-    *state, metadata = StableDiffusion3Pipeline.lora_state_dict(str(file), return_lora_metadata=True)
-    StableDiffusion3Pipeline.load_lora_into_transformer(state[0], denoiser, metadata=metadata)
+    *state, metadata = pipeline_class(pipeline_class_name).lora_state_dict(str(file), return_lora_metadata=True)
+    denoiser.load_lora_adapter(state[0], prefix=prefix, metadata=metadata)
 
 
-def load_lora_state(denoiser: torch.nn.Module, directory: Path) -> None:
+def load_lora_state(denoiser: torch.nn.Module, directory: Path, prefix: str) -> None:
     """Restore the weights of the adapter `add_lora` attached, from a `save_lora` directory
     (checkpoint resume: the adapter exists, only its values change)."""
-    prefix = "transformer."
-    state = {k[len(prefix) :]: v for k, v in load_file(directory / LORA_FILE).items() if k.startswith(prefix)}
+    start = prefix + "."
+    state = {k[len(start) :]: v for k, v in load_file(directory / LORA_FILE).items() if k.startswith(start)}
     result = set_peft_model_state_dict(denoiser, state, adapter_name="default")
     if result.unexpected_keys:
         raise ValueError(f"{directory / LORA_FILE} does not match the model's LoRA: unexpected keys {result.unexpected_keys[:3]}")

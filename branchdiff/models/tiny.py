@@ -19,6 +19,7 @@ from diffusers import SD3Transformer2DModel
 from transformers import CLIPTextConfig, CLIPTextModelWithProjection, CLIPTokenizer
 
 from branchdiff.models.base import ModelAdapter, PromptEmbeds
+from branchdiff.schedulers.schedule import FlowSchedule
 
 MAX_PROMPT_TOKENS = 16
 TOKENIZER_MERGES = 1000  # first BPE merges of open_clip's vocabulary: a small, valid CLIP vocab
@@ -61,8 +62,11 @@ def build_text_encoder(tokenizer: CLIPTokenizer) -> CLIPTextModelWithProjection:
 
 
 class TinyAdapter(ModelAdapter):
-    latent_shape = (3, 32, 32)
+    family = "tiny"
+    resolution = 32
     lora_target_modules = SD3_ATTENTION_PROJECTIONS
+    quant_skip_modules = ("pos_embed", "time_text_embed", "context_embedder", "norm_out", "proj_out")
+    pipeline_class_name = "StableDiffusion3Pipeline"  # its LoRA loads into an SD3 transformer
 
     def __init__(
         self,
@@ -84,8 +88,13 @@ class TinyAdapter(ModelAdapter):
         return cls(SD3Transformer2DModel(**TRANSFORMER_CONFIG), build_text_encoder(tokenizer), tokenizer, device)
 
     @classmethod
-    def from_pretrained(cls, path: str | Path | None = None, device: str | torch.device = "cpu") -> "TinyAdapter":
-        """Load `transformer/`, `text_encoder/` and `tokenizer/` saved by `save_pretrained`."""
+    def from_pretrained(cls, path: str | Path | None = None, device: str | torch.device = "cpu", resolution: int = 32,
+                        dtype: torch.dtype = torch.float32, offload: bool = False) -> "TinyAdapter":
+        """Load `transformer/`, `text_encoder/` and `tokenizer/` saved by `save_pretrained` (the
+        built-in model when `path` is None). The model is 32×32 pixels, small enough to stay on the
+        device: `offload` is ignored."""
+        if resolution != cls.resolution:
+            raise ValueError(f"the tiny model makes {cls.resolution}×{cls.resolution} images; model.resolution={resolution} is not possible")
         path = Path(path) if path else default_assets_dir()
         if not (path / "transformer" / "config.json").is_file():
             raise FileNotFoundError(
@@ -93,7 +102,7 @@ class TinyAdapter(ModelAdapter):
                 "$BRANCHDIFF_TINY_MODEL to a directory holding one (the source tree's scripts/pretrain_tiny.py makes one)"
             )
         return cls(
-            SD3Transformer2DModel.from_pretrained(path / "transformer"),
+            SD3Transformer2DModel.from_pretrained(path / "transformer", torch_dtype=dtype),
             CLIPTextModelWithProjection.from_pretrained(path / "text_encoder"),
             CLIPTokenizer.from_pretrained(path / "tokenizer"),
             device,
@@ -104,6 +113,14 @@ class TinyAdapter(ModelAdapter):
         self.denoiser.save_pretrained(path / "transformer")
         self.text_encoder.save_pretrained(path / "text_encoder")
         self.tokenizer.save_pretrained(path / "tokenizer")
+
+    @property
+    def latent_shape(self) -> tuple[int, ...]:
+        return (3, self.resolution, self.resolution)  # pixel space
+
+    def schedule(self, num_steps: int, shift: float | None = None) -> FlowSchedule:
+        """σ = s·t / (1 + (s-1)·t) (s = 1: linear); the denoiser is conditioned on σ itself."""
+        return FlowSchedule.shifted(num_steps, 1.0 if shift is None else shift, time_scale=1.0)
 
     def text_features(self, prompts: list[str]) -> PromptEmbeds:
         """Text-encoder outputs with gradients (pretraining trains the encoder jointly)."""
@@ -120,7 +137,9 @@ class TinyAdapter(ModelAdapter):
     def predict_x0(self, latents: torch.Tensor, sigmas: torch.Tensor, embeds: PromptEmbeds) -> torch.Tensor:
         return self.denoiser(hidden_states=latents, timestep=sigmas * 1000, **embeds).sample
 
-    def predict_velocity(self, latents: torch.Tensor, sigmas: torch.Tensor, embeds: PromptEmbeds) -> torch.Tensor:
+    def forward(self, latents: torch.Tensor, times: torch.Tensor, embeds: PromptEmbeds, guidance: float = 1.0) -> torch.Tensor:
+        """v = (x - x̂0) / σ, with times = σ."""
+        sigmas = times
         x0_hat = self.predict_x0(latents, sigmas, embeds)  # (B, 3, 32, 32)
         return (latents - x0_hat) / sigmas.reshape(-1, 1, 1, 1).to(latents.dtype)
 
