@@ -1,0 +1,119 @@
+"""What the diffusers-backed adapters share: loading a pipeline, placing (and offloading) its
+modules, chunked decoding, the latent grid from the resolution, and the flow schedule taken from
+the pipeline's own scheduler. A family file adds only what differs: prompt encoding, the network
+call, and how latents become VAE input.
+
+The adapter keeps the loaded diffusers pipeline (`pipe`) and uses its own `encode_prompt`, image
+post-processing and scheduler, so conventions (tokenisation, timestep scaling, VAE scaling and
+shift) are diffusers', not copies of them; `tests/test_model_families.py` checks that sampling
+through the adapter reproduces `pipe(...)` itself.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import torch
+
+from branchdiff.models.base import ModelAdapter
+from branchdiff.schedulers.schedule import FlowSchedule
+
+
+class PipelineAdapter(ModelAdapter):
+    denoiser_name = "transformer"  # the pipeline component LoRA adapts
+    helper_names: tuple[str, ...] = ("text_encoder", "text_encoder_2", "text_encoder_3", "vae")  # offloadable components
+    example_hub_id = ""  # shown in the error when model.path is missing
+
+    def __init__(self, pipe, device: torch.device | str = "cpu", resolution: int = 1024, offload: bool = False) -> None:
+        self.pipe = pipe
+        if resolution % self.resolution_multiple:
+            raise ValueError(f"model.resolution={resolution} is not possible for {self.family}: the image side must be a multiple "
+                             f"of {self.resolution_multiple} (e.g. {max(1, round(resolution / self.resolution_multiple)) * self.resolution_multiple})")
+        self.device = torch.device(device)
+        self.resolution = resolution
+        self.offload = offload
+        pipe.set_progress_bar_config(disable=True)
+        self.denoiser = getattr(pipe, self.denoiser_name).to(self.device)
+        self.config = self.denoiser.config  # kept: `denoiser` may later be a DDP wrapper without it
+        self.dtype = self.denoiser.dtype
+        for module in self.helpers():
+            module.requires_grad_(False).eval().to("cpu" if offload else self.device)
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path | None, device: torch.device | str = "cpu", resolution: int = 1024,
+                        dtype: torch.dtype = torch.float32, offload: bool = False) -> "PipelineAdapter":
+        """Load the family's diffusers pipeline from a local folder or a hub id, weights in `dtype`."""
+        if not path:
+            raise ValueError(f"model.path is required for model.family={cls.family}: a local diffusers pipeline folder or a hub id "
+                             f"such as {cls.example_hub_id}")
+        from branchdiff.models.lora import pipeline_class
+
+        return cls(pipeline_class(cls.pipeline_class_name).from_pretrained(str(path), torch_dtype=dtype), device, resolution, offload)
+
+    def helpers(self) -> list[torch.nn.Module]:
+        """The pipeline's text encoders and VAE (frozen; offloaded with `offload`)."""
+        return [m for m in (getattr(self.pipe, name, None) for name in self.helper_names) if m is not None]
+
+    @property
+    def text_encoders(self) -> list[torch.nn.Module]:
+        return [m for m in self.helpers() if m is not self.pipe.vae]
+
+    @property
+    def resolution_multiple(self) -> int:
+        """Image sides must be multiples of this (VAE factor × patch size)."""
+        return self.pipe.vae_scale_factor * getattr(getattr(self.pipe, self.denoiser_name).config, "patch_size", 1)
+
+    @property
+    def vae_scale_factor(self) -> int:
+        return self.pipe.vae_scale_factor
+
+    def latent_grid(self) -> int:
+        """Latent side (height = width) at `resolution`."""
+        return self.resolution // self.vae_scale_factor
+
+    def encode_prompts(self, prompts: list[str]) -> dict[str, torch.Tensor]:
+        with torch.no_grad(), self.modules_on_device(*self.text_encoders):
+            embeds = self.encode(prompts)
+        return {key: value.to(self.device) for key, value in embeds.items()}
+
+    def encode(self, prompts: list[str]) -> dict[str, torch.Tensor]:
+        """Family part of `encode_prompts` (text encoders are on the device)."""
+        raise NotImplementedError
+
+    def vae_input(self, latents: torch.Tensor) -> torch.Tensor:
+        """Latents as the VAE decodes them (scaling, shift, unpacking)."""
+        return latents / self.pipe.vae.config.scaling_factor
+
+    @torch.no_grad()
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        """Images (B, 3, H, W) in [0, 1], `decode_batch` at a time, post-processed by the pipeline's
+        image processor as `pipe(..., output_type="pt")` does."""
+        vae = self.pipe.vae
+        images = []
+        with self.modules_on_device(vae):
+            for chunk in latents.split(self.decode_batch):
+                decoded = vae.decode(self.vae_input(chunk.to(self.device)).to(vae.dtype), return_dict=False)[0]
+                images.append(self.pipe.image_processor.postprocess(decoded, output_type="pt").float())
+        return torch.cat(images)
+
+    # ---------------------------------------------------------------- flow schedules
+    time_scale = 1000.0  # the denoiser's timestep per unit σ under the anchors' shifted schedule
+
+    def schedule(self, num_steps: int, shift: float | None = None) -> FlowSchedule:
+        """The pipeline's own scheduler set for `num_steps` (its shift, or its dynamic shift at this
+        resolution) with the pipeline's arguments; or, with `shift`, the anchors' σ schedule."""
+        if shift is not None:
+            return FlowSchedule.shifted(num_steps, shift, self.time_scale)
+        scheduler = copy.deepcopy(self.pipe.scheduler)
+        scheduler.set_timesteps(device="cpu", **self.scheduler_arguments(num_steps))
+        sigmas = scheduler.sigmas.float()  # (T+1,) ending at 0
+        return FlowSchedule(sigmas, self.model_times(scheduler.timesteps.float()))
+
+    def scheduler_arguments(self, num_steps: int) -> dict:
+        """What the pipeline passes to `scheduler.set_timesteps`."""
+        return {"num_inference_steps": num_steps}
+
+    def model_times(self, timesteps: torch.Tensor) -> torch.Tensor:
+        """The scheduler's timesteps as the pipeline hands them to the denoiser."""
+        return timesteps
