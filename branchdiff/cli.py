@@ -23,6 +23,7 @@ EXAMPLES = """examples:
   branchdiff rewards list                           # what rewards exist, what each needs
   branchdiff rewards check my_pkg.rewards:Sharpness --prompts tiny:held_out
   branchdiff serve-reward hpsv2.1 --port 8765 --device cuda:1   # then reward={remote: http://127.0.0.1:8765}
+  accelerate launch --config_file $(branchdiff accelerate-config multi-gpu) -m branchdiff.cli train flux-hps-branch
 """
 DEFAULT_PRESET = "tiny-mix"
 
@@ -90,6 +91,9 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=8765, help="port to listen on")
     serve.add_argument("--device", default="cpu", help="device of the reward's model")
     serve.add_argument("--kwargs", default=None, help="keyword arguments of the reward, a YAML mapping: '{checkpoint: PATH}'")
+
+    accel = commands.add_parser("accelerate-config", help="print the path of a packaged accelerate config (for --config_file)")
+    accel.add_argument("name", nargs="?", default=None, help="single-gpu | multi-gpu | multi-node (none: list them)")
 
     bench = commands.add_parser("bench", help="side-by-side benchmarks")
     bench.add_argument("which", choices=["tree", "explore"], help="what to benchmark")
@@ -190,6 +194,22 @@ def cmd_eval(args: argparse.Namespace) -> None:
         args.json.write_text(json.dumps(summary, indent=1))
 
 
+ACCELERATE_DIR = Path(__file__).parent / "configs" / "accelerate"
+
+
+def cmd_accelerate_config(args: argparse.Namespace) -> None:
+    """The path of a packaged accelerate config, or the list of them with their first comment line."""
+    configs = sorted(p.stem for p in ACCELERATE_DIR.glob("*.yaml"))
+    if args.name is None:
+        for name in configs:
+            first = (ACCELERATE_DIR / f"{name}.yaml").read_text().splitlines()[0].lstrip("# ")
+            print(f"{name:<12}{first}")
+        return
+    if args.name not in configs:
+        raise ValueError(f"no packaged accelerate config {args.name!r}; available: {', '.join(configs)}")
+    print(ACCELERATE_DIR / f"{args.name}.yaml")
+
+
 def cmd_bench(args: argparse.Namespace) -> None:
     from branchdiff.bench import bench_explore, bench_tree
 
@@ -277,6 +297,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         {"train": cmd_train, "sample": cmd_sample, "eval": cmd_eval, "bench": cmd_bench, "rewards": cmd_rewards,
+         "accelerate-config": cmd_accelerate_config,
          "serve-reward": cmd_serve_reward}[args.command](args)
     except (ConfigError, FileNotFoundError, ValueError, ImportError, RewardError, RemoteRewardError) as error:
         print(f"branchdiff: error: {error}", file=sys.stderr)

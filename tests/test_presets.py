@@ -1,0 +1,46 @@
+"""The packaged presets and accelerate configs: each loads and validates, the real-family presets
+carry the anchors' defaults they name, and `branchdiff accelerate-config` finds the configs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from branchdiff.cli import main
+from branchdiff.config import load_config, tree_spec
+
+FAMILY_PRESETS = {"sd35-pickscore": "sd3", "flux-hps-branch": "flux", "flux-hps-mix": "flux", "sana-pickscore": "sana", "sd15-hps": "sd15"}
+
+
+@pytest.mark.parametrize("name", sorted(FAMILY_PRESETS))
+def test_family_preset_and_its_explore_variant(name):
+    config, explore = load_config(name), load_config(f"{name}-explore")
+    assert config.model.family == FAMILY_PRESETS[name] and config.explore.mode == "off"
+    assert explore.explore.mode in ("seeds", "tree") and explore.explore.backend == "torchao-fp8"
+    assert config.model.dtype in ("bfloat16", "float16") and config.model.path  # real weights, bf16/fp16 base
+
+
+def test_flux_branch_preset_is_branchgrpo():
+    """BranchGRPO: 20 steps, shift 3, k = 2 at steps 0, 3, 6, 9 (16 leaves, 203 forwards a tree), η 0.3."""
+    config = load_config("flux-hps-branch")
+    spec = tree_spec(config, 0)
+    assert (config.sampling.num_steps, config.sampling.shift, config.sampling.sde, config.sampling.noise_level) == (20, 3.0, "dance", 0.3)
+    assert [(s.step, s.branches) for s in spec.splits] == [(0, 2), (3, 2), (6, 2), (9, 2)] and spec.leaves == 16
+    assert load_config("flux-hps-mix").tree.mix_window > 0
+
+
+def test_accelerate_configs_are_found_and_parse(capsys):
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    assert main(["accelerate-config"]) == 0
+    listed = [line.split()[0] for line in capsys.readouterr().out.splitlines()]
+    assert listed == ["multi-gpu", "multi-node", "single-gpu"]
+    expected = {"single-gpu": (1, 1), "multi-gpu": (8, 1), "multi-node": (16, 2)}
+    for name, (processes, machines) in expected.items():
+        assert main(["accelerate-config", name]) == 0
+        path = Path(capsys.readouterr().out.strip())
+        parsed = load_config_from_file(str(path))
+        assert (parsed.num_processes, parsed.num_machines, parsed.mixed_precision) == (processes, machines, "bf16")
+    assert main(["accelerate-config", "fsdp-typo"]) == 2
+    assert "available: multi-gpu, multi-node, single-gpu" in capsys.readouterr().err

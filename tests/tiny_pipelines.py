@@ -1,0 +1,340 @@
+"""Tiny, randomly initialised diffusers pipelines of four families, for offline tests.
+
+`build_pipeline(family)` builds one from configs (no hub access: CLIP tokenizers come from
+open_clip's shipped BPE vocabulary via `branchdiff.models.tiny.build_tokenizer`, T5 and Gemma
+tokenizers are `PreTrainedTokenizerFast` objects over a small in-code WordPiece vocabulary);
+`save_pipeline` writes it with `save_pretrained` and `load_pipeline` reloads it with the family's
+pipeline class `from_pretrained(folder)`. Every model has hidden sizes 16–64 and 1–2 layers, so a
+3-step call with CFG at `RESOLUTION[family]` takes ≈ 0.05–0.15 s on one CPU thread.
+
+Latents that each pipeline's `latents=` argument expects at `RESOLUTION` (B = number of images;
+read from the pipelines' `prepare_latents`, see `latent_shape`):
+
+- sd3  (StableDiffusion3Pipeline, 32 px): (B, 16, 16, 16) — unpacked (B, C, H/f, W/f); VAE factor
+  f = 2, 16 latent channels as SD3; the transformer patchifies 2×2 itself (8×8 = 64 image tokens).
+  Height/width must be divisible by f·patch_size = 4.
+- flux (FluxPipeline, 32 px): (B, 64, 64) — *packed* (B, (H/f/2)·(W/f/2), 4·C): f = 2, C = 16
+  latent channels packed 2×2 → 64 features, an 8×8 grid of 64 tokens. Passed latents are used as
+  they are (no packing); the pipeline unpacks them to (B, 16, 16, 16) before the VAE.
+- sana (SanaPipeline, 32 px): (B, 32, 8, 8) — unpacked (B, C, H/f, W/f); DC-AE factor
+  f = 2**(len(encoder_block_out_channels) - 1) = 4, 32 latent channels as SANA's DC-AE f32c32,
+  patch_size 1. Height/width must be divisible by 32 (`check_inputs`). Call with
+  `use_resolution_binning=False` (in `CALL_KWARGS`): by default SanaPipeline snaps height/width to
+  its aspect-ratio bins (the smallest table is 512×512-ish), generates there — latents would then be
+  (B, 32, 128, 128) — and resizes back to the requested size.
+- sd15 (StableDiffusionPipeline, 32 px): (B, 4, 16, 16) — unpacked (B, C, H/f, W/f); VAE factor
+  f = 2, 4 latent channels as SD 1.5. Height/width must be divisible by 8 (`check_inputs`, whatever
+  the VAE). The pipeline multiplies passed latents by `scheduler.init_noise_sigma` (1.0 for DDIM).
+
+Pitfalls handled here:
+- open_clip-derived CLIP tokenizers have `model_max_length` ≈ 1e30; SD3/FLUX/SD15 pad CLIP prompts to
+  `tokenizer.model_max_length`, so it is set to 77 (saved in tokenizer_config.json) and the CLIP
+  encoders get `max_position_embeddings=77`.
+- SD3 zero-pads the concatenated CLIP hidden states (2 × 32) to the T5 width, so T5's d_model (= the
+  transformer's `joint_attention_dim`) must be ≥ 64 (smaller silently crops); `caption_projection_dim`
+  must equal heads × head_dim; `pooled_projection_dim` = sum of both CLIP projection dims.
+- SD3 and FLUX decode with `latents / scaling_factor + shift_factor`: their AutoencoderKL configs must
+  set `shift_factor` (None fails).
+- FLUX: `in_channels` = 4 × VAE latent channels, `sum(axes_dims_rope) == attention_head_dim`,
+  `joint_attention_dim` = T5 d_model, `pooled_projection_dim` = CLIP hidden size (pooled output of
+  CLIPTextModel). T5 prompts are padded to `max_sequence_length` (512 by default, 256 for SD3); T5's
+  relative position buckets make any length fine.
+- SANA prepends its `complex_human_instruction` (≈ 1,060 characters) to each prompt, pads to (its
+  token count + max_sequence_length − 2) tokens and keeps the first + last 299 of the encoded states.
+  Gemma2's rotary positions are computed on the fly, so no length is a hard error; with
+  `max_position_embeddings` and `sliding_window` at 2048, every layer attends over all ~500 tokens. The WordPiece vocabulary falls back to characters for words it
+  lacks, so the instruction and any ASCII prompt encode without `<unk>` (199 Gemma tokens for the
+  instruction: Gemma runs on 497 tokens per prompt; the negative prompt is encoded without the
+  instruction, 300 tokens). With resolution binning on, the transformer's `sample_size` must be one
+  of 16/32/64/128 (it selects the bin table; anything else raises "Invalid sample size"); it is 16.
+- `from_pretrained` records T5/Gemma tokenizers as transformers `TokenizersBackend` (what
+  `PreTrainedTokenizerFast` is in transformers 5) and reloads them with their special tokens,
+  post-processor and `model_max_length`.
+- Run these models with one intra-op thread (`torch.set_num_threads(1)`): with 2 threads on a busy
+  2-core machine, OpenMP spin-waits turned a 0.1 s SD3 call into 4 s.
+"""
+
+from __future__ import annotations
+
+import inspect
+import string
+from pathlib import Path
+from typing import Any
+
+import torch
+from diffusers import (
+    AutoencoderDC,
+    AutoencoderKL,
+    DDIMScheduler,
+    DiffusionPipeline,
+    FlowMatchEulerDiscreteScheduler,
+    FluxPipeline,
+    FluxTransformer2DModel,
+    SanaPipeline,
+    SanaTransformer2DModel,
+    SD3Transformer2DModel,
+    StableDiffusion3Pipeline,
+    StableDiffusionPipeline,
+    UNet2DConditionModel,
+)
+from tokenizers import Tokenizer, decoders, normalizers, pre_tokenizers, processors
+from tokenizers.models import WordPiece
+from transformers import (
+    CLIPTextConfig,
+    CLIPTextModel,
+    CLIPTextModelWithProjection,
+    CLIPTokenizer,
+    Gemma2Config,
+    Gemma2Model,
+    PreTrainedTokenizerFast,
+    T5Config,
+    T5EncoderModel,
+)
+
+from branchdiff.models.tiny import build_tokenizer as build_clip_tokenizer
+
+FAMILIES = ("sd3", "flux", "sana", "sd15")
+RESOLUTION: dict[str, int] = {"sd3": 32, "flux": 32, "sana": 32, "sd15": 32}
+PIPELINE_CLASS: dict[str, type[DiffusionPipeline]] = {
+    "sd3": StableDiffusion3Pipeline,
+    "flux": FluxPipeline,
+    "sana": SanaPipeline,
+    "sd15": StableDiffusionPipeline,
+}
+# Extra `__call__` keyword arguments a family needs at RESOLUTION (see the module docstring).
+CALL_KWARGS: dict[str, dict[str, Any]] = {"sd3": {}, "flux": {}, "sana": {"use_resolution_binning": False}, "sd15": {}}
+# Guidance scale per family for tests: > 1 runs classifier-free guidance (sd3, sana, sd15);
+# FLUX.1-dev is guidance-distilled, its guidance scale is an embedding input (3.5 as released).
+GUIDANCE_SCALE: dict[str, float] = {"sd3": 4.5, "flux": 3.5, "sana": 4.5, "sd15": 4.5}
+
+CLIP_MAX_LENGTH = 77
+VAE_SCALE_FACTOR: dict[str, int] = {"sd3": 2, "flux": 2, "sana": 4, "sd15": 2}
+LATENT_CHANNELS: dict[str, int] = {"sd3": 16, "flux": 16, "sana": 32, "sd15": 4}
+
+# A few hundred words for the T5 / Gemma WordPiece vocabularies; anything else falls back to
+# single characters (`##x` continuations), so ASCII text never maps to <unk>.
+_WORDS = """
+a an the and or of in on at to from with without by for as is are be it its this that these those
+one two three four five six seven eight nine ten many few some all each every no not only more less
+red green blue yellow orange purple pink black white gray grey brown gold silver dark light bright
+circle circles square squares triangle triangles star stars line lines dot dots shape shapes
+small large big tiny huge round flat tall short long wide thin thick left right top bottom middle
+center above below under over near next behind front inside outside beside between around
+cat dog bird fish horse tree trees flower flowers house car bus street city sky sun moon water
+photo picture image painting drawing scene background foreground style detailed simple color colors
+sizes textures spatial relationships vivid concrete scenes given user prompt prompts generate
+enhanced provides visual descriptions suitable generation evaluate level detail details if
+focus adding specifics about create already refine enhance existing slightly overcomplicating here
+examples how transform sleeping fluffy curled up shape peacefully warm sunny windowsill surrounded
+pots blooming busy bustling dusk featuring glowing lamps diverse crowd people colorful clothing
+double decker passing towering glass skyscrapers please description avoid including any additional
+commentary evaluations
+"""
+_CHARS = string.ascii_lowercase + string.digits
+
+
+def _wordpiece_tokenizer(specials: dict[str, str], template: str, model_max_length: int) -> PreTrainedTokenizerFast:
+    """A lowercase WordPiece tokenizer over `_WORDS` plus single characters. `specials` maps roles
+    ("pad_token", "eos_token", …) to tokens, which get ids 0, 1, … in that order; `template` is the
+    post-processor's single-sequence template (e.g. "$A </s>")."""
+    words = [w for w in dict.fromkeys(_WORDS.split()) if w not in _CHARS]
+    tokens = list(specials.values()) + words + list(_CHARS) + ["##" + c for c in _CHARS] + list(string.punctuation)
+    vocab = {t: i for i, t in enumerate(tokens)}
+    assert len(vocab) == len(tokens)
+    tok = Tokenizer(WordPiece(vocab, unk_token=specials["unk_token"], max_input_chars_per_word=100))
+    tok.normalizer = normalizers.Sequence([normalizers.NFKC(), normalizers.Lowercase()])
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()  # split on whitespace and punctuation
+    tok.decoder = decoders.WordPiece()
+    tok.post_processor = processors.TemplateProcessing(
+        single=template,
+        pair=template.replace("$A", "$A $B"),
+        special_tokens=[(t, vocab[t]) for t in specials.values() if t in template.split()],
+    )
+    return PreTrainedTokenizerFast(tokenizer_object=tok, model_max_length=model_max_length, **specials)
+
+
+def build_t5_tokenizer() -> PreTrainedTokenizerFast:
+    """T5-style: <pad>=0, </s>=1, <unk>=2, "</s>" appended."""
+    specials = {"pad_token": "<pad>", "eos_token": "</s>", "unk_token": "<unk>"}
+    return _wordpiece_tokenizer(specials, "$A </s>", model_max_length=512)
+
+
+def build_gemma_tokenizer() -> PreTrainedTokenizerFast:
+    """Gemma-style: <pad>=0, <eos>=1, <bos>=2, <unk>=3, "<bos>" prepended."""
+    specials = {"pad_token": "<pad>", "eos_token": "<eos>", "bos_token": "<bos>", "unk_token": "<unk>"}
+    return _wordpiece_tokenizer(specials, "<bos> $A", model_max_length=2048)
+
+
+def _clip_tokenizer() -> CLIPTokenizer:
+    tokenizer = build_clip_tokenizer()
+    tokenizer.model_max_length = CLIP_MAX_LENGTH
+    return tokenizer
+
+
+def _clip_config(tokenizer: CLIPTokenizer, hidden: int = 32, projection: int = 32) -> CLIPTextConfig:
+    return CLIPTextConfig(
+        vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
+        num_attention_heads=2, max_position_embeddings=CLIP_MAX_LENGTH, projection_dim=projection,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+    )
+
+
+def _t5_encoder(tokenizer: PreTrainedTokenizerFast, d_model: int) -> T5EncoderModel:
+    config = T5Config(
+        vocab_size=len(tokenizer), d_model=d_model, d_kv=16, d_ff=2 * d_model, num_layers=1, num_heads=2,
+        relative_attention_num_buckets=8, feed_forward_proj="gated-gelu", is_encoder_decoder=False,
+        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, decoder_start_token_id=0,
+    )
+    return T5EncoderModel(config)
+
+
+def _autoencoder_kl(latent_channels: int, scaling_factor: float, shift_factor: float | None, flow: bool) -> AutoencoderKL:
+    """Two levels (scale factor 2); `flow` mimics SD3/FLUX's VAE (no quant convs)."""
+    return AutoencoderKL(
+        in_channels=3, out_channels=3, latent_channels=latent_channels,
+        down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
+        block_out_channels=(16, 32), layers_per_block=1, norm_num_groups=8,
+        scaling_factor=scaling_factor, shift_factor=shift_factor,
+        use_quant_conv=not flow, use_post_quant_conv=not flow,
+    )
+
+
+def _build_sd3(res: int) -> StableDiffusion3Pipeline:
+    tokenizer, tokenizer_2, tokenizer_3 = _clip_tokenizer(), _clip_tokenizer(), build_t5_tokenizer()
+    text_encoder = CLIPTextModelWithProjection(_clip_config(tokenizer))
+    text_encoder_2 = CLIPTextModelWithProjection(_clip_config(tokenizer_2))
+    text_encoder_3 = _t5_encoder(tokenizer_3, d_model=64)  # ≥ 32 + 32: SD3 pads CLIP states to T5 width
+    latent = res // VAE_SCALE_FACTOR["sd3"]
+    transformer = SD3Transformer2DModel(
+        sample_size=latent, patch_size=2, in_channels=LATENT_CHANNELS["sd3"], out_channels=LATENT_CHANNELS["sd3"],
+        num_layers=2, attention_head_dim=16, num_attention_heads=2, joint_attention_dim=64,
+        caption_projection_dim=32, pooled_projection_dim=64, pos_embed_max_size=latent,
+    )
+    vae = _autoencoder_kl(LATENT_CHANNELS["sd3"], scaling_factor=1.5305, shift_factor=0.0609, flow=True)
+    scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0)  # SD3.5's config
+    return StableDiffusion3Pipeline(
+        transformer=transformer, scheduler=scheduler, vae=vae,
+        text_encoder=text_encoder, tokenizer=tokenizer, text_encoder_2=text_encoder_2, tokenizer_2=tokenizer_2,
+        text_encoder_3=text_encoder_3, tokenizer_3=tokenizer_3,
+    )
+
+
+def _build_flux(res: int) -> FluxPipeline:
+    tokenizer, tokenizer_2 = _clip_tokenizer(), build_t5_tokenizer()
+    text_encoder = CLIPTextModel(_clip_config(tokenizer))
+    text_encoder_2 = _t5_encoder(tokenizer_2, d_model=32)
+    transformer = FluxTransformer2DModel(
+        patch_size=1, in_channels=4 * LATENT_CHANNELS["flux"], num_layers=1, num_single_layers=1,
+        attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32,
+        guidance_embeds=True, axes_dims_rope=(4, 6, 6),
+    )
+    vae = _autoencoder_kl(LATENT_CHANNELS["flux"], scaling_factor=0.3611, shift_factor=0.1159, flow=True)
+    scheduler = FlowMatchEulerDiscreteScheduler(  # FLUX.1-dev's scheduler_config.json
+        num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=True,
+        base_shift=0.5, max_shift=1.15, base_image_seq_len=256, max_image_seq_len=4096,
+    )
+    return FluxPipeline(
+        scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
+        text_encoder_2=text_encoder_2, tokenizer_2=tokenizer_2, transformer=transformer,
+    )
+
+
+def _build_sana(res: int) -> SanaPipeline:
+    tokenizer = build_gemma_tokenizer()
+    text_encoder = Gemma2Model(Gemma2Config(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=2048,
+        sliding_window=2048, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+    ))
+    vae = AutoencoderDC(  # 3 levels: spatial factor 4
+        in_channels=3, latent_channels=LATENT_CHANNELS["sana"], attention_head_dim=8,
+        encoder_block_types=("ResBlock", "ResBlock", "EfficientViTBlock"),
+        decoder_block_types=("ResBlock", "ResBlock", "EfficientViTBlock"),
+        encoder_block_out_channels=(16, 32, 32), decoder_block_out_channels=(16, 32, 32),
+        encoder_layers_per_block=(1, 1, 1), decoder_layers_per_block=(1, 1, 1),
+        encoder_qkv_multiscales=((), (), (5,)), decoder_qkv_multiscales=((), (), (5,)),
+        downsample_block_type="Conv", upsample_block_type="interpolate",
+        decoder_norm_types="rms_norm", decoder_act_fns="silu", scaling_factor=0.41407,
+    )
+    transformer = SanaTransformer2DModel(
+        in_channels=LATENT_CHANNELS["sana"], out_channels=LATENT_CHANNELS["sana"], num_attention_heads=2,
+        attention_head_dim=16, num_layers=2, num_cross_attention_heads=2, cross_attention_head_dim=16,
+        cross_attention_dim=32, caption_channels=32, sample_size=16, patch_size=1,
+    )
+    scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0)
+    return SanaPipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, transformer=transformer, scheduler=scheduler)
+
+
+def _build_sd15(res: int) -> StableDiffusionPipeline:
+    tokenizer = _clip_tokenizer()
+    text_encoder = CLIPTextModel(_clip_config(tokenizer))
+    unet = UNet2DConditionModel(
+        sample_size=res // VAE_SCALE_FACTOR["sd15"], in_channels=4, out_channels=4, layers_per_block=1,
+        block_out_channels=(16, 32), down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"), cross_attention_dim=32, attention_head_dim=8,
+        norm_num_groups=8,
+    )
+    vae = _autoencoder_kl(LATENT_CHANNELS["sd15"], scaling_factor=0.18215, shift_factor=None, flow=False)
+    scheduler = DDIMScheduler(  # SD 1.5's scheduler_config.json
+        num_train_timesteps=1000, beta_schedule="scaled_linear", beta_start=0.00085, beta_end=0.012,
+        clip_sample=False, set_alpha_to_one=False, steps_offset=1, timestep_spacing="leading",
+        prediction_type="epsilon",
+    )
+    return StableDiffusionPipeline(
+        vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, unet=unet, scheduler=scheduler,
+        safety_checker=None, feature_extractor=None, requires_safety_checker=False,
+    )
+
+
+_BUILDERS = {"sd3": _build_sd3, "flux": _build_flux, "sana": _build_sana, "sd15": _build_sd15}
+
+
+def _check(family: str) -> None:
+    if family not in FAMILIES:
+        raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES}")
+
+
+def build_pipeline(family: str, seed: int = 0) -> DiffusionPipeline:
+    """A tiny randomly initialised pipeline of `family` (float32, CPU, eval mode); deterministic in `seed`."""
+    _check(family)
+    torch.manual_seed(seed)
+    pipe = _BUILDERS[family](RESOLUTION[family])
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def save_pipeline(family: str, directory: Path, seed: int = 0) -> Path:
+    """Build `family` and `save_pretrained` it (safetensors) into `directory`; returns `directory`."""
+    directory = Path(directory)
+    build_pipeline(family, seed).save_pretrained(directory, safe_serialization=True)
+    return directory
+
+
+def load_pipeline(family: str, directory: str | Path) -> DiffusionPipeline:
+    """`<PipelineClass>.from_pretrained(directory)` in float32 with the progress bar off."""
+    _check(family)
+    pipe = PIPELINE_CLASS[family].from_pretrained(directory, dtype=torch.float32)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def denoiser(pipe: DiffusionPipeline) -> torch.nn.Module:
+    """The pipeline's transformer, or its UNet for SD 1.5."""
+    return pipe.unet if isinstance(pipe, StableDiffusionPipeline) else pipe.transformer
+
+
+def latent_shape(family: str, batch_size: int, resolution: int | None = None) -> tuple[int, ...]:
+    """Shape of the `latents=` argument of `family`'s pipeline at `resolution` (default RESOLUTION);
+    SANA assumes `use_resolution_binning=False`."""
+    _check(family)
+    side = (resolution or RESOLUTION[family]) // VAE_SCALE_FACTOR[family]
+    channels = LATENT_CHANNELS[family]
+    if family == "flux":
+        return (batch_size, (side // 2) ** 2, 4 * channels)
+    return (batch_size, channels, side, side)
+
+
+def sana_default_instruction() -> list[str]:
+    """SanaPipeline's default `complex_human_instruction` (prepended to every prompt)."""
+    return inspect.signature(SanaPipeline.__call__).parameters["complex_human_instruction"].default
