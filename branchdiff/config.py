@@ -222,6 +222,9 @@ def validate(config: TrainConfig) -> None:
     if config.sampling.sde not in STEP_KINDS[steps_family]:
         raise ConfigError(f"'sampling.sde' = {config.sampling.sde!r} is not an SDE of model.family={config.model.family} "
                           f"({steps_family} steps); allowed: {', '.join(STEP_KINDS[steps_family])}")
+    if steps_family == "ddim" and config.sampling.shift is not None:
+        raise ConfigError(f"'sampling.shift' = {config.sampling.shift} applies to flow families; model.family={config.model.family} "
+                          "samples on its scheduler's DDIM timesteps: leave sampling.shift unset")
     if config.sampling.sde == "cps":
         _validate_cps(config)
     _validate_explore(config)

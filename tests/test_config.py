@@ -538,3 +538,12 @@ def test_trainable_steps_that_compare_nothing_are_refused(overrides, expected):
     """Regression (review): trainable steps before the first split, or every trained depth pruned,
     trained nothing without a word."""
     assert config_error(None, overrides) == expected
+
+
+def test_sde_and_shift_must_fit_the_family_steps():
+    assert config_error(None, ["model.family=sd15", "model.path=x", "sampling.sde=flow"]) == (
+        "'sampling.sde' = 'flow' is not an SDE of model.family=sd15 (ddim steps); allowed: ddim")
+    assert config_error(None, ["model.family=flux", "model.path=x", "sampling.sde=ddim"]) == (
+        "'sampling.sde' = 'ddim' is not an SDE of model.family=flux (flow steps); allowed: dance, flow, cps")
+    assert config_error(None, ["model.family=sd15", "model.path=x", "sampling.sde=ddim", "sampling.shift=3"]).startswith(
+        "'sampling.shift' = 3 applies to flow families")
