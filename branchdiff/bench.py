@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import statistics
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -62,15 +63,15 @@ def measure_trained_row_cost(trainer: Trainer, rows: int = 64, repeats: int = 5)
     """c: seconds of a forward+backward row (LoRA gradients) over seconds of a no-grad rollout row."""
     adapter = trainer.adapter
     x = torch.randn(rows, *adapter.latent_shape)
-    sigmas = torch.full((rows,), 0.5)
+    times = trainer.schedule.model_times[len(trainer.schedule.model_times) // 2].expand(rows)  # a mid-schedule step
     embeds = select_embeds(adapter.encode_prompts(["one red circle on the left"]), torch.zeros(rows, dtype=torch.long))
 
     def rollout_rows() -> None:
         with torch.no_grad():
-            adapter.predict_velocity(x, sigmas, embeds)
+            adapter.predict(x, times, embeds, trainer.settings.guidance)
 
     def trained_rows() -> None:
-        adapter.predict_velocity(x, sigmas, embeds).square().mean().backward()
+        adapter.predict(x, times, embeds, trainer.settings.guidance).square().mean().backward()
         trainer.optimizer.zero_grad(set_to_none=True)
 
     rollout_rows(), trained_rows()  # warm-up
@@ -81,13 +82,14 @@ def rollout_and_bare_seconds(trainer: Trainer, iteration: int) -> tuple[float, f
     """Seconds of a batched rollout of this iteration's tree, and of only the model forwards of its
     real rows (same chunks, no padding), measured back to back."""
     rollout, _, _, info = trainer.rollout_and_score(iteration)
-    tree, adapter, max_batch = rollout.tree, trainer.adapter, trainer.settings.max_batch
+    tree, adapter = rollout.tree, trainer.adapter
+    settings = replace(trainer.settings, exact=False)
     start = time.perf_counter()
     with torch.no_grad():
         for depth in range(tree.spec.num_steps):
             level = torch.arange(tree.level_start[depth], tree.level_start[depth + 1])
             embeds = select_embeds(info["embeds"], tree.prompt[level])
-            forward_chunked(adapter, rollout.latents[level], rollout.sigmas[depth].expand(len(level)), embeds, max_batch, False)
+            forward_chunked(adapter, rollout.latents[level], rollout.schedule.model_times[depth].expand(len(level)), embeds, settings)
     return info["rollout_seconds"], time.perf_counter() - start
 
 
@@ -186,15 +188,19 @@ def format_bench(rows: dict, ratios: dict) -> str:
     return "\n".join(lines)
 
 
-EXPLORE_BACKENDS = ("nvfp4-emulated", "mxfp4-emulated", "bnb-fp4", "bnb-nf4", "te-nvfp4")
+# FP4 (Blackwell) and FP8 (Hopper) explorers side by side; each GPU backend follows its CPU emulation
+EXPLORE_BACKENDS = ("nvfp4-emulated", "mxfp4-emulated", "fp8-emulated", "fp8-emulated-tensor", "bnb-fp4", "bnb-nf4",
+                    "te-nvfp4", "torchao-fp8", "te-fp8")
 
 
-def bench_explore(json_path: Path | None = None, iterations: int = 4, extra_overrides: list[str] = ()) -> dict:
-    """Ranking fidelity and cost of each 4-bit explorer on the built-in model. Every candidate is
-    regenerated (keep = pool) with the training sampler, so pool and regenerated samples differ
-    only by the quantisation; ρ and τ are pooled over prompts and iterations."""
+def bench_explore(json_path: Path | None = None, iterations: int = 4, extra_overrides: list[str] = (),
+                  backends: tuple[str, ...] = EXPLORE_BACKENDS) -> dict:
+    """Ranking fidelity and cost of each low-precision explorer (FP4, FP8) on the built-in model.
+    Every candidate is regenerated (keep = pool) with the training sampler, so pool and regenerated
+    samples differ only by the quantisation; ρ and τ are pooled over prompts and iterations. A
+    backend this machine cannot run gets a row with the one-line reason."""
     rows: dict[str, dict] = {}
-    for backend in EXPLORE_BACKENDS:
+    for backend in backends:
         overrides = ["explore.mode=seeds", f"explore.backend={backend}", "explore.pool=16", "explore.keep=16",
                      "explore.preview_sampler=sde", "explore.fidelity_every=0", "prompts.per_iteration=8", "logging.tensorboard=false",
                      "final_eval=false", "output_dir=runs/bench-explore", *extra_overrides]
@@ -217,8 +223,10 @@ def bench_explore(json_path: Path | None = None, iterations: int = 4, extra_over
             "regen_seconds": statistics.median(t["regen_seconds"] for t in timings),
         }
         rows[backend]["pool_over_regen_seconds"] = rows[backend]["pool_seconds"] / rows[backend]["regen_seconds"]
-    ratios = {"spearman_pool_vs_regen": rows["nvfp4-emulated"]["spearman"],
-              **{f"spearman_{name}": row["spearman"] for name, row in rows.items() if row["available"]}}
+    spearman = {name: row["spearman"] for name, row in rows.items() if row["available"]}
+    ratios = {"spearman_pool_vs_regen": spearman.get("nvfp4-emulated"), **{f"spearman_{k}": v for k, v in spearman.items()}}
+    if "fp8-emulated" in spearman and "nvfp4-emulated" in spearman:  # Hopper's explorer against Blackwell's
+        ratios["spearman_fp8_minus_nvfp4"] = spearman["fp8-emulated"] - spearman["nvfp4-emulated"]
     result = {"backends": rows, "ratios": ratios, "iterations": iterations}
     print(format_explore(rows))
     if json_path:
@@ -227,12 +235,14 @@ def bench_explore(json_path: Path | None = None, iterations: int = 4, extra_over
 
 
 def format_explore(rows: dict) -> str:
-    lines = [f"{'backend':<16}{'spearman':>9}{'kendall':>9}{'top-K':>7}{'|Δx| mean':>10}{'pool s':>8}{'regen s':>8}{'pool/regen':>11}"]
+    """One line per backend: ranking agreement (pooled ρ and τ, mean within-prompt ρ, top-half
+    overlap), latent gap, cost."""
+    lines = [f"{'backend':<20}{'spearman':>9}{'kendall':>9}{'ρ within':>9}{'top-K':>7}{'|Δx| mean':>10}{'pool s':>8}{'regen s':>8}{'pool/regen':>11}"]
     for name, row in rows.items():
         if not row["available"]:
-            lines.append(f"{name:<16}  unavailable: {row['reason']}")
+            lines.append(f"{name:<20}  unavailable: {row['reason']}")
             continue
-        lines.append(f"{name:<16}{row['spearman']:>9.3f}{row['kendall']:>9.3f}{row['topk_overlap']:>7.2f}{row['latent_mean_abs_diff']:>10.4f}"
+        lines.append(f"{name:<20}{row['spearman']:>9.3f}{row['kendall']:>9.3f}{row['spearman_within']:>9.3f}{row['topk_overlap']:>7.2f}{row['latent_mean_abs_diff']:>10.4f}"
                      f"{row['pool_seconds']:>8.2f}{row['regen_seconds']:>8.2f}{row['pool_over_regen_seconds']:>11.2f}")
-    lines.append("emulated FP4 runs the matmuls in the original dtype after quantise-dequantise: slower than the policy, not faster")
+    lines.append("emulated FP4/FP8 runs the matmuls in the original dtype after quantise-dequantise: slower than the policy, not faster")
     return "\n".join(lines)

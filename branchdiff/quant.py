@@ -1,20 +1,29 @@
-"""4-bit exploration copies of a policy (Sol-RL: explore in FP4, train in BF16; method.md §4).
+"""Low-precision exploration copies of a policy (Sol-RL: explore in FP4, train in BF16; method.md §4).
 
 A quantised copy is a deep copy of the policy with its LoRA merged into the base weights and its
-eligible `nn.Linear` layers replaced by a 4-bit version; it is only used to roll out and rank a
-large candidate pool, never to compute a training signal. After every optimizer step
+eligible `nn.Linear` layers replaced by a 4-bit or 8-bit version; it is only used to roll out and
+rank a large candidate pool, never to compute a training signal. After every optimizer step
 `refresh_quantized_copy` re-derives its weights from the current policy, so exploration follows it.
 
-Formats: E2M1 elements q (magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6) with NVFP4, w ≈ q · s_block · s_tensor
-(FP8 E4M3 s_block per 16 elements of the last dim, FP32 s_tensor), or MXFP4, w ≈ q · 2^e_block
-(power-of-two E8M0 scale per 32 elements).
+Formats (NVFP4, MXFP4, FP8 E4M3) are pure functions in `branchdiff.formats`. FP8 is what Hopper
+(sm89/sm90, e.g. H100) multiplies natively, FP4 needs Blackwell (sm100+). Which modules stay in
+high precision is the model adapter's `quant_skip_modules`.
 
 Backends (`QuantConfig.backend`):
 - `nvfp4-emulated`, `mxfp4-emulated`: weight-only emulation; each eligible weight is replaced by
   its quantise-dequantise and the matmul runs in the original dtype (correct, not faster).
 - `bnb-fp4`, `bnb-nf4`: bitsandbytes `Linear4bit` (64-element blocks, absmax scales; CPU or CUDA).
+- `fp8-emulated` (per-row scales), `fp8-emulated-tensor` (per-tensor scales): FP8 weights and
+  activations emulated by `FP8EmulatedLinear` (quantise-dequantise the input rows and the weight,
+  matmul in the original dtype): the CPU counterparts of `torchao-fp8` and `te-fp8` respectively.
 - `te-nvfp4`: NVIDIA Transformer Engine `Linear` under an `NVFP4BlockScaling` recipe: real FP4
-  matmuls, CUDA Blackwell (sm100+) only. Written against TE's `te.autocast` API; untested here (no GPU).
+  matmuls, CUDA Blackwell (sm100+) only. `te-fp8`: the same under `Float8CurrentScaling` (E4M3,
+  per-tensor scales from the current amax), sm89+. Written against TE's `te.autocast` API.
+- `torchao-fp8`: torchao `Float8DynamicActivationFloat8WeightConfig(granularity=PerRow())`: E4M3
+  weights with per-channel scales, activations quantised per row in every forward, FP8 matmuls
+  (`torch._scaled_mm`); CUDA sm89+ only.
+The real-hardware backends (te-*, torchao-fp8) are untested here (no GPU); on a machine without
+what they need, building the copy raises one line naming what is missing.
 """
 
 from __future__ import annotations
@@ -24,128 +33,52 @@ import fnmatch
 import sys
 from dataclasses import dataclass
 from types import ModuleType
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 from torch import Tensor, nn
 
-E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])  # non-negative FP4 E2M1 magnitudes
-E2M1_MAX = 6.0
-E4M3_MAX = 448.0  # largest finite float8_e4m3fn
-NVFP4_BLOCK = 16
-MXFP4_BLOCK = 32
-MXFP4_ELEMENT_EMAX = 2  # exponent of E2M1's largest power of two (4 = 2^2)
+from branchdiff.formats import fake_quantize_fp8, fake_quantize_mxfp4, fake_quantize_nvfp4
 
-EMULATED_BACKENDS = ("nvfp4-emulated", "mxfp4-emulated")
+
+FP8_EMULATED = {"fp8-emulated": "row", "fp8-emulated-tensor": "tensor"}  # backend -> scale granularity
+EMULATED_BACKENDS = ("nvfp4-emulated", "mxfp4-emulated", *FP8_EMULATED)
 BNB_BACKENDS = ("bnb-fp4", "bnb-nf4")
-BACKENDS = EMULATED_BACKENDS + BNB_BACKENDS + ("te-nvfp4",)
-
-DEFAULT_SKIPS: dict[str, tuple[str, ...]] = {  # embedders, output norm and final projection per family
-    "tiny": ("pos_embed", "time_text_embed", "context_embedder", "norm_out", "proj_out"),
-    "sd3": ("pos_embed", "time_text_embed", "context_embedder", "norm_out", "proj_out"),
-    "flux": ("x_embedder", "time_text_embed", "context_embedder", "norm_out", "proj_out"),
-    "sana": ("patch_embed", "time_embed", "caption_projection", "norm_out", "proj_out"),
-}
+TE_BACKENDS = ("te-nvfp4", "te-fp8")
+GPU_BACKENDS = (*TE_BACKENDS, "torchao-fp8")  # real low-precision matmuls; CUDA only
+BACKENDS = EMULATED_BACKENDS + BNB_BACKENDS + GPU_BACKENDS
 
 
-# --- formats: pure functions on tensors ---------------------------------------------------------
+class FP8EmulatedLinear(nn.Linear):
+    """Emulated FP8 weights-and-activations Linear, as an FP8 GEMM with dynamic scales (Hopper;
+    torchao's Float8DynamicActivationFloat8WeightConfig for `row`, TE's current scaling for `tensor`):
 
-def round_to_e2m1(x: Tensor) -> Tensor:
-    """Round to the nearest signed E2M1 value, ties to even mantissa, saturating at ±6.
-
-    The grid spacing is 0.5 on [0, 2), 1 on [2, 4) and 2 on [4, 6], so with a = min(|x|, 6):
-    q = rne(2a)/2, rne(a) or 2·rne(a/2) on those ranges (rne = round half to even, whose "even"
-    is exactly the even-mantissa neighbour here). Returns float32 of x's shape; NaN stays NaN.
+        y = fq(x) · fq(W)ᵀ + b,      fq = fake_quantize_fp8(·, granularity)
+    with per-row scales one per output channel of W and one per token of x (a row of its last dim),
+    with per-tensor scales one for W and one for each forward's x. The weight is stored
+    quantise-dequantised (`load`); the input is quantised in every forward. Emulated: both E4M3
+    roundings and scales. Not emulated: the matmul runs in the input's dtype on the dequantised
+    values (the hardware multiplies the E4M3 values and accumulates at its own precision), and the
+    bias stays full precision.
     """
-    a = x.float().abs().clamp(max=E2M1_MAX)
-    q = torch.where(a < 2, torch.round(a * 2) / 2, torch.where(a < 4, torch.round(a), torch.round(a / 2) * 2))
-    return torch.where(x < 0, -q, q)
 
+    def __init__(self, weight: Tensor, bias: Tensor | None, granularity: str = "row") -> None:
+        out_features, in_features = weight.shape
+        super().__init__(in_features, out_features, bias=bias is not None, device=weight.device, dtype=weight.dtype)
+        self.granularity = granularity
+        self.load(weight, bias)
 
-def _check_blocks(w: Tensor, block: int) -> None:
-    if w.dim() == 0 or w.shape[-1] % block != 0:
-        raise ValueError(f"last dim of shape {tuple(w.shape)} must be divisible by the block size {block}")
+    def load(self, weight: Tensor, bias: Tensor | None) -> None:
+        with torch.no_grad():
+            self.weight.copy_(fake_quantize_fp8(weight, self.granularity))
+            if bias is not None:
+                self.bias.copy_(bias)
 
+    def forward(self, x: Tensor) -> Tensor:
+        return nn.functional.linear(fake_quantize_fp8(x, self.granularity), self.weight, self.bias)
 
-def _scale_blocks(values: Tensor, scales: Tensor, dtype: torch.dtype) -> Tensor:
-    """values (..., K) times scales (..., K/B), each scale shared by B consecutive values."""
-    blocks = values.reshape(*scales.shape, -1) * scales.unsqueeze(-1)  # (..., K/B, B)
-    return blocks.reshape(values.shape).to(dtype)
-
-
-def _pad_last(w: Tensor, block: int) -> Tensor:
-    """Zero-pad the last dim to a multiple of `block` (zeros change neither amax nor values)."""
-    pad = -w.shape[-1] % block
-    return torch.nn.functional.pad(w, (0, pad)) if pad else w
-
-
-class NVFP4Parts(NamedTuple):
-    values: Tensor  # (..., K) float32 on the signed E2M1 grid
-    block_scales: Tensor  # (..., K // 16) float8_e4m3fn
-    tensor_scale: Tensor  # () float32
-
-
-def nvfp4_quantize(w: Tensor) -> NVFP4Parts:
-    """NVFP4 quantisation of w (..., K), K divisible by 16 (else ValueError), computed in float32:
-
-        s_tensor = amax(|w|) / (448 · 6)                       (1 if w is all zeros)
-        s_block  = e4m3( (amax_block(|w|) / 6) / s_tensor )    (cast rounds to nearest even)
-        q        = e2m1( w / (s_block · s_tensor) )            (0 where s_block is 0)
-    """
-    _check_blocks(w, NVFP4_BLOCK)
-    blocks = w.float().reshape(*w.shape[:-1], -1, NVFP4_BLOCK)  # (..., K/16, 16)
-    amax = blocks.abs().amax()
-    tensor_scale = torch.where(amax > 0, amax / (E4M3_MAX * E2M1_MAX), torch.ones_like(amax))  # ()
-    block_amax = blocks.abs().amax(dim=-1)  # (..., K/16)
-    block_scales = ((block_amax / E2M1_MAX) / tensor_scale).clamp(max=E4M3_MAX).to(torch.float8_e4m3fn)
-    scale = block_scales.float() * tensor_scale  # (..., K/16)
-    safe = torch.where(scale > 0, scale, torch.ones_like(scale)).unsqueeze(-1)  # (..., K/16, 1)
-    values = torch.where(scale.unsqueeze(-1) > 0, round_to_e2m1(blocks / safe), torch.zeros_like(blocks))
-    return NVFP4Parts(values.reshape(w.shape), block_scales, tensor_scale)
-
-
-def nvfp4_dequantize(parts: NVFP4Parts, dtype: torch.dtype = torch.float32) -> Tensor:
-    """w_hat = q · s_block · s_tensor, shape (..., K), in `dtype`."""
-    return _scale_blocks(parts.values, parts.block_scales.float() * parts.tensor_scale, dtype)
-
-
-def fake_quantize_nvfp4(w: Tensor) -> Tensor:
-    """NVFP4 quantise-dequantise of w (..., K) in w's dtype; a short final block is zero-padded."""
-    padded = _pad_last(w, NVFP4_BLOCK)
-    return nvfp4_dequantize(nvfp4_quantize(padded), w.dtype)[..., : w.shape[-1]]
-
-
-class MXFP4Parts(NamedTuple):
-    values: Tensor  # (..., K) float32 on the signed E2M1 grid
-    scales: Tensor  # (..., K // 32) float32, powers of two (E8M0)
-
-
-def mxfp4_quantize(w: Tensor) -> MXFP4Parts:
-    """MXFP4 (OCP MX) quantisation of w (..., K), K divisible by 32 (else ValueError):
-
-        e_block = clamp(floor(log2(amax_block(|w|))) - 2, -127, 127)     (2 = E2M1's emax)
-        q       = e2m1( w / 2^e_block )                                 (saturates at ±6)
-    floor(log2 a) is read exactly from frexp (a = m · 2^k, m ∈ [0.5, 1) gives k - 1); an all-zero
-    block gets some finite scale and zero values.
-    """
-    _check_blocks(w, MXFP4_BLOCK)
-    blocks = w.float().reshape(*w.shape[:-1], -1, MXFP4_BLOCK)  # (..., K/32, 32)
-    _, exponent = torch.frexp(blocks.abs().amax(dim=-1))  # (..., K/32)
-    shared = (exponent - 1 - MXFP4_ELEMENT_EMAX).clamp(-127, 127)
-    scales = torch.ldexp(torch.ones_like(shared, dtype=torch.float32), shared)  # (..., K/32)
-    values = round_to_e2m1(blocks / scales.unsqueeze(-1))
-    return MXFP4Parts(values.reshape(w.shape), scales)
-
-
-def mxfp4_dequantize(parts: MXFP4Parts, dtype: torch.dtype = torch.float32) -> Tensor:
-    """w_hat = q · 2^e_block, shape (..., K), in `dtype`."""
-    return _scale_blocks(parts.values, parts.scales, dtype)
-
-
-def fake_quantize_mxfp4(w: Tensor) -> Tensor:
-    """MXFP4 quantise-dequantise of w (..., K) in w's dtype; a short final block is zero-padded."""
-    padded = _pad_last(w, MXFP4_BLOCK)
-    return mxfp4_dequantize(mxfp4_quantize(padded), w.dtype)[..., : w.shape[-1]]
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, fp8_e4m3 granularity={self.granularity}"
 
 
 # --- quantised copies of a model -----------------------------------------------------------------
@@ -153,7 +86,7 @@ def fake_quantize_mxfp4(w: Tensor) -> Tensor:
 @dataclass
 class QuantConfig:
     backend: str = "nvfp4-emulated"  # one of BACKENDS
-    skip_modules: tuple[str, ...] = DEFAULT_SKIPS["sd3"]  # module-name patterns never quantised (see is_skipped)
+    skip_modules: tuple[str, ...] = ()  # module-name patterns never quantised (the adapter's quant_skip_modules; see is_skipped)
     min_features: int = 0  # skip Linear layers with in_features * out_features below this
 
     def __post_init__(self) -> None:
@@ -163,12 +96,6 @@ class QuantConfig:
             raise ValueError(f"QuantConfig.min_features={self.min_features}; must be >= 0")
         self.skip_modules = tuple(self.skip_modules)
 
-    @classmethod
-    def for_family(cls, family: str, backend: str = "nvfp4-emulated", min_features: int = 0) -> "QuantConfig":
-        """Config with the family's default skips (`DEFAULT_SKIPS` keys: tiny, sd3, flux, sana)."""
-        if family not in DEFAULT_SKIPS:
-            raise ValueError(f"family={family!r}; known: {', '.join(DEFAULT_SKIPS)}")
-        return cls(backend=backend, skip_modules=DEFAULT_SKIPS[family], min_features=min_features)
 
 
 def is_skipped(name: str, patterns: tuple[str, ...]) -> bool:
@@ -214,11 +141,12 @@ def _linear_layers(model: nn.Module) -> dict[str, nn.Linear]:
 
 def _fits_backend(layer: nn.Linear, backend: str) -> bool:
     """Shape limits of the kernels: bitsandbytes' CPU inference kernel packs 32 output rows by
-    64-element input blocks; Transformer Engine's FP4 GEMMs want both dims divisible by 16.
-    The emulated backends take any shape (a short final block is zero-padded)."""
+    64-element input blocks; Transformer Engine's FP4/FP8 GEMMs and torch._scaled_mm (torchao)
+    want both dims divisible by 16. The emulated backends take any shape (a short final block is
+    zero-padded)."""
     if backend in BNB_BACKENDS:
         return layer.in_features % 64 == 0 and layer.out_features % 32 == 0
-    if backend == "te-nvfp4":
+    if backend in GPU_BACKENDS:
         return layer.in_features % 16 == 0 and layer.out_features % 16 == 0
     return True
 
@@ -271,29 +199,78 @@ def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
     setattr(model.get_submodule(parent) if parent else model, child, new)
 
 
-def _require_transformer_engine() -> tuple[ModuleType, type]:
-    """(transformer_engine.pytorch, NVFP4BlockScaling) or RuntimeError saying what is missing."""
-    missing = []
-    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 10:
-        missing.append("a CUDA Blackwell GPU (sm100+)")
+GPU_NEEDS = {  # backend -> (minimum compute capability, what to call it, its CPU emulation)
+    "te-nvfp4": ((10, 0), "a CUDA Blackwell GPU (sm100+)", "nvfp4-emulated"),
+    "te-fp8": ((8, 9), "a CUDA GPU with FP8 (sm89+, e.g. H100)", "fp8-emulated-tensor"),
+    "torchao-fp8": ((8, 9), "a CUDA GPU with FP8 (sm89+, e.g. H100)", "fp8-emulated"),
+}
+
+
+def _require_gpu_backend(backend: str, library: str, import_library: Callable[[], object]) -> object:
+    """import_library() if this machine has the GPU `backend` needs and the import works, else one
+    RuntimeError line naming what is missing, what the machine has and what works here."""
+    capability, gpu, emulation = GPU_NEEDS[backend]
+    missing, result = [], None
+    if torch.cuda.is_available():
+        found = torch.cuda.get_device_capability()
+        has = f"a CUDA GPU of compute capability sm{found[0]}{found[1]}"
+    else:
+        found, has = None, "no CUDA GPU"
+    if found is None or found < capability:
+        missing.append(gpu)
     try:
-        import transformer_engine.pytorch as te
-        from transformer_engine.common.recipe import NVFP4BlockScaling
+        result = import_library()
     except ImportError:
-        missing.insert(0, "NVIDIA Transformer Engine (transformer_engine.pytorch)")
+        missing.insert(0, library)
     if missing:
-        raise RuntimeError(f"backend te-nvfp4 needs {' and '.join(missing)}; "
-                           f"backends that work here: {', '.join(EMULATED_BACKENDS + BNB_BACKENDS)}")
-    return te, NVFP4BlockScaling
+        raise RuntimeError(f"backend {backend} needs {' and '.join(missing)}; this machine has {has}; its emulation is "
+                           f"{emulation}; backends that work here: {', '.join(EMULATED_BACKENDS + BNB_BACKENDS)}")
+    return result
+
+
+def _require_transformer_engine(backend: str = "te-nvfp4") -> tuple[ModuleType, type]:
+    """(transformer_engine.pytorch, the backend's recipe class) or RuntimeError saying what is missing."""
+    def load() -> tuple[ModuleType, type]:
+        import transformer_engine.pytorch as te
+        from transformer_engine.common import recipe
+
+        return te, recipe.NVFP4BlockScaling if backend == "te-nvfp4" else recipe.Float8CurrentScaling
+
+    return _require_gpu_backend(backend, "NVIDIA Transformer Engine (transformer_engine.pytorch)", load)
+
+
+def _require_torchao_fp8() -> tuple[object, object]:
+    """(torchao's quantize_, its per-row dynamic FP8 config) or RuntimeError saying what is missing."""
+    def load() -> tuple[object, object]:
+        from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow, quantize_
+
+        return quantize_, Float8DynamicActivationFloat8WeightConfig(granularity=PerRow())
+
+    return _require_gpu_backend("torchao-fp8", "torchao (pip install torchao)", load)
+
+
+def _torchao_fp8_linear(weight: Tensor, bias: Tensor | None) -> nn.Linear:
+    """A Linear(weight (out, in), bias) quantised by torchao: E4M3 weight with per-channel scales,
+    activations quantised per row in every forward, FP8 matmul (torch._scaled_mm)."""
+    quantize, fp8_config = _require_torchao_fp8()
+    out_features, in_features = weight.shape
+    layer = nn.Linear(in_features, out_features, bias=bias is not None, device=weight.device, dtype=weight.dtype)
+    with torch.no_grad():
+        layer.weight.copy_(weight)
+        if bias is not None:
+            layer.bias.copy_(bias)
+    quantize(layer, fp8_config)  # replaces layer.weight by a torchao Float8Tensor in place
+    return layer.requires_grad_(False)
 
 
 class TELinear(nn.Module):
-    """A Transformer Engine Linear run under the NVFP4 recipe (weights kept in their dtype; TE
-    quantises them and the activations in every forward)."""
+    """A Transformer Engine Linear run under the backend's recipe (te-nvfp4: NVFP4BlockScaling,
+    te-fp8: Float8CurrentScaling); weights are kept in their dtype, TE quantises them and the
+    activations in every forward."""
 
-    def __init__(self, weight: Tensor, bias: Tensor | None) -> None:
+    def __init__(self, weight: Tensor, bias: Tensor | None, backend: str = "te-nvfp4") -> None:
         super().__init__()
-        te, recipe = _require_transformer_engine()
+        te, recipe = _require_transformer_engine(backend)
         self.te, self.recipe = te, recipe()
         out_features, in_features = weight.shape
         self.linear = te.Linear(in_features, out_features, bias=bias is not None,
@@ -326,28 +303,32 @@ def _bnb_linear(weight: Tensor, bias: Tensor | None, quant_type: str) -> nn.Modu
 def _set_layer(quantized: nn.Module, name: str, weight: Tensor, bias: Tensor | None, backend: str) -> None:
     """Make layer `name` of `quantized` the `backend` version of Linear(weight (out, in), bias)."""
     with torch.no_grad():
-        if backend in EMULATED_BACKENDS:
-            layer = quantized.get_submodule(name)
+        layer = quantized.get_submodule(name)
+        if isinstance(layer, (FP8EmulatedLinear, TELinear)):  # a refresh: the layer re-quantises itself
+            layer.load(weight, bias)
+        elif backend in FP8_EMULATED:
+            _replace(quantized, name, FP8EmulatedLinear(weight, bias, FP8_EMULATED[backend]))
+        elif backend in TE_BACKENDS:
+            _replace(quantized, name, TELinear(weight, bias, backend))
+        elif backend in EMULATED_BACKENDS:
             fake = fake_quantize_nvfp4 if backend == "nvfp4-emulated" else fake_quantize_mxfp4
             layer.weight.copy_(fake(weight))
             if bias is not None:
                 layer.bias.copy_(bias)
         elif backend in BNB_BACKENDS:
             _replace(quantized, name, _bnb_linear(weight, bias, backend.removeprefix("bnb-")))
-        else:
-            layer = quantized.get_submodule(name)
-            if isinstance(layer, TELinear):
-                layer.load(weight, bias)
-            else:
-                _replace(quantized, name, TELinear(weight, bias))
+        else:  # torchao-fp8: re-quantised from scratch
+            _replace(quantized, name, _torchao_fp8_linear(weight, bias))
 
 
 def make_quantized_copy(model: nn.Module, config: QuantConfig) -> nn.Module:
-    """A 4-bit copy of `model` for exploration: deep copy, LoRA merged (peft merge API, on the copy
-    only), layers from `quantized_layer_names` quantised by `config.backend`; eval mode, frozen.
-    The original model is left untouched."""
-    if config.backend == "te-nvfp4":
-        _require_transformer_engine()  # fail before the deep copy
+    """A low-precision copy of `model` for exploration: deep copy, LoRA merged (peft merge API, on
+    the copy only), layers from `quantized_layer_names` quantised by `config.backend`; eval mode,
+    frozen. The original model is left untouched."""
+    if config.backend in TE_BACKENDS:  # fail before the deep copy
+        _require_transformer_engine(config.backend)
+    elif config.backend == "torchao-fp8":
+        _require_torchao_fp8()
     quantized = _merge_lora_into(copy.deepcopy(model))
     for parameter in quantized.parameters():
         parameter.grad = None

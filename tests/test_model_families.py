@@ -154,3 +154,18 @@ def test_memory_controls_gradient_checkpointing_and_8bit_adam(saved, tmp_path):
     base = [p for n, p in trainer.adapter.denoiser.named_parameters() if "lora_" not in n]
     assert {p.dtype for p in lora} == {torch.float32} and {p.dtype for p in base} == {torch.bfloat16}
     assert trainer.run_iteration(0).metrics["optimizer_steps"] == 1
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_quantised_explorer_keeps_the_adapters_skip_modules_in_full_precision(saved, family):
+    """Every pattern of the adapter's quant_skip_modules names modules of its denoiser, and those
+    stay out of the quantised copy while the attention projections are quantised."""
+    from branchdiff.quant import QuantConfig, is_skipped, quantized_layer_names
+
+    adapter = load_adapter(family, str(saved[family]), resolution=RESOLUTION[family])
+    names = [name for name, _ in adapter.denoiser.named_modules()]
+    for pattern in adapter.quant_skip_modules:
+        assert any(is_skipped(name, (pattern,)) for name in names), pattern
+    quantized = quantized_layer_names(adapter.denoiser, QuantConfig("nvfp4-emulated", adapter.quant_skip_modules))
+    assert quantized and not any(is_skipped(name, adapter.quant_skip_modules) for name in quantized)
+    assert any(name.endswith("to_q") for name in quantized)

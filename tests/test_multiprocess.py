@@ -187,7 +187,7 @@ def test_tiny_flux_trains_with_the_tree_preset_on_two_processes(tmp_path):
     records.mkdir()
     run = tmp_path / "run"
     overrides = [f"model.path={model}", "model.resolution=32", "model.dtype=float32", "model.offload=false", f"output_dir={run}",
-                 "reward=rewards_for_tests:Redness", "prompts.train=tiny:train", "iterations=2", "final_eval=false",
+                 "reward=rewards_for_tests:Redness", "prompts.train=tiny:train", "prompts.per_iteration=1", "iterations=2", "final_eval=false",
                  "logging.tensorboard=false", "train.mixed_precision=no", "train.learning_rate=1e-2", "logging.checkpoint_every=1"]
     result = launch_two(records, ["train", "flux-hps-branch", *overrides])
     assert result.returncode == 0, result.stderr[-3000:]
@@ -198,7 +198,7 @@ def test_tiny_flux_trains_with_the_tree_preset_on_two_processes(tmp_path):
         assert all(torch.equal(a[k], b[k]) for k in a), iteration
         ids = [set(record[rank, iteration]["prompt_ids"].tolist()) for rank in (0, 1)]
         assert not ids[0] & ids[1]
-        assert len(record[0, iteration]["parent"]) == 2 * (1 + 2 * 3 + 4 * 3 + 8 * 3 + 16 * 11)  # 2 prompts, 219 nodes a tree (203 forwards)
+        assert len(record[0, iteration]["parent"]) == 1 + 2 * 3 + 4 * 3 + 8 * 3 + 16 * 11  # one 16-leaf tree: 219 nodes (203 forwards)
     assert any(not torch.equal(v, torch.zeros_like(v)) for k, v in _lora(record[0, 1]).items() if "lora_B" in k)  # it trained
     pipe = load_pipeline("flux", model)
     pipe.load_lora_weights(str(run / "lora"))

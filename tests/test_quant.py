@@ -1,27 +1,41 @@
-"""4-bit formats against independent float64 references, and quantised exploration copies."""
+"""4-bit and FP8 formats against independent references (float64 grids, torch's float8 cast,
+torchao), and quantised exploration copies."""
 
 from __future__ import annotations
 
 import copy
+import functools
+import re
+import sys
 
 import pytest
 import torch
 from torch import nn
 
-from branchdiff.quant import (
-    BACKENDS,
-    DEFAULT_SKIPS,
-    QuantConfig,
+from branchdiff.config import load_config
+from branchdiff.formats import (
+    fake_quantize_fp8,
     fake_quantize_mxfp4,
     fake_quantize_nvfp4,
-    is_skipped,
-    make_quantized_copy,
+    fp8_quantize,
     mxfp4_quantize,
     nvfp4_quantize,
+    round_to_e2m1,
+    round_to_e4m3,
+)
+from branchdiff.models.tiny import TinyAdapter
+from branchdiff.quant import (
+    BACKENDS,
+    GPU_BACKENDS,
+    FP8EmulatedLinear,
+    QuantConfig,
+    is_skipped,
+    make_quantized_copy,
     quantized_layer_names,
     refresh_quantized_copy,
-    round_to_e2m1,
 )
+
+SD3_SKIPS = TinyAdapter.quant_skip_modules  # the SD3 architecture's embedders, output norm and projection
 
 torch.set_num_threads(1)
 
@@ -47,6 +61,14 @@ def round_to_grid(x: torch.Tensor, grid: torch.Tensor) -> torch.Tensor:
 
 def relative_error(approx: torch.Tensor, exact: torch.Tensor) -> float:
     return ((approx.float() - exact.float()).norm() / exact.float().norm()).item()
+
+
+FAKE_QUANTIZE = {  # emulated backend -> what its copy's weights must equal
+    "nvfp4-emulated": fake_quantize_nvfp4,
+    "mxfp4-emulated": fake_quantize_mxfp4,
+    "fp8-emulated": functools.partial(fake_quantize_fp8, granularity="row"),
+    "fp8-emulated-tensor": functools.partial(fake_quantize_fp8, granularity="tensor"),
+}
 
 
 # --- formats ----------------------------------------------------------------------------------
@@ -145,6 +167,110 @@ def test_matches_torchao_emulation_bit_for_bit():
     assert torch.equal(fake_quantize_mxfp4(w), reference)
 
 
+def e4m3_test_values() -> torch.Tensor:
+    """Every E4M3 value, every midpoint (ties) and its float32 neighbours, subnormals and below,
+    log-uniform values over the whole range, saturation and NaN; both signs."""
+    grid = e4m3_grid().float()
+    midpoints = (grid[1:] + grid[:-1]) / 2  # exact in float32 (5 significant bits)
+    edges = torch.cat([midpoints, torch.tensor([464.0])])  # 464: halfway from 448 to the missing 480
+    near = torch.cat([torch.nextafter(edges, torch.tensor(0.0)), torch.nextafter(edges, torch.tensor(1e9))])
+    spread = torch.logspace(-14, 3, 20001, base=2.0)  # 2^-14 .. 2^3, then scaled over the range
+    spread = torch.cat([spread * 2.0**k for k in range(0, 9, 3)])
+    special = torch.tensor([2.0**-10, 2.0**-11, 1e-30, 449.0, 479.0, 480.0, 1e9, float("inf"), float("nan")])
+    positive = torch.cat([grid, edges, near, spread, special])
+    return torch.cat([positive, -positive])
+
+
+def test_e4m3_matches_torch_float8_cast():
+    x = e4m3_test_values()
+    rounded = round_to_e4m3(x)
+    # torch's own cast, an independent implementation; clamping first makes it saturating whatever
+    # this torch version does with overflow (2.15 saturates on CPU; older versions give NaN)
+    reference = x.clamp(-448, 448).to(torch.float8_e4m3fn).float()
+    torch.testing.assert_close(rounded, reference, rtol=0, atol=0, equal_nan=True)
+    finite = torch.isfinite(x)
+    assert torch.equal(rounded[finite].double(), round_to_grid(x[finite].double(), e4m3_grid()))
+    assert torch.isnan(round_to_e4m3(torch.tensor(float("nan"))))
+
+
+def test_e4m3_ties_subnormals_and_saturation():
+    ties = torch.tensor([2.0**-10, 3 * 2.0**-10, 1.0625, 1.1875, 17.0, 432.0, 464.0])
+    expected = torch.tensor([0.0, 2.0**-8, 1.0, 1.25, 16.0, 448.0, 448.0])  # the even-mantissa neighbour
+    assert torch.equal(round_to_e4m3(ties), expected) and torch.equal(round_to_e4m3(-ties), -expected)
+    subnormals = torch.arange(8) * 2.0**-9  # m · 2^-9, m = 0..7, and the smallest normal 2^-6 = 8 · 2^-9
+    assert torch.equal(round_to_e4m3(subnormals), subnormals)
+    assert round_to_e4m3(torch.tensor(0.9 * 2.0**-9)).item() == 2.0**-9
+    assert torch.equal(round_to_e4m3(torch.tensor([465.0, 1e30, float("inf")])), torch.full((3,), 448.0))
+    assert torch.equal(round_to_e4m3(torch.tensor([-500.0, -float("inf")])), torch.full((2,), -448.0))
+
+
+def test_fp8_scales_per_row_and_per_tensor_by_hand():
+    w = torch.tensor([[7.0, -3.3, 0.005, 0.5], [0.0, 0.0, 0.0, 0.0], [-896.0, 3.0, 1e-3, 100.0]])
+    # per row: s = amax/448 = 1/64, 1 (zero row), 2. Row 0: 3.3·64 = 211.2 → 208 (spacing 16);
+    # 0.005·64 = 0.32 → 0.3125 (spacing 2^-5). Row 2: 1e-3/2 = 2^-9 · 0.256 → 0; 100/2 = 50 is a tie
+    # between 48 and 52 → 48 (even mantissa)
+    rows = fp8_quantize(w, "row")
+    assert torch.equal(rows.scales, torch.tensor([[1 / 64], [1.0], [2.0]]))
+    assert torch.equal(rows.values, torch.tensor([[448.0, -208.0, 0.3125, 32.0], [0.0] * 4, [-448.0, 1.5, 0.0, 48.0]]))
+    assert torch.equal(fake_quantize_fp8(w, "row"), torch.tensor(
+        [[7.0, -3.25, 0.0048828125, 0.5], [0.0] * 4, [-896.0, 3.0, 0.0, 96.0]]))
+    # per tensor: s = 896/448 = 2 for every row; row 0 now lands in the subnormals: 0.005/2 → 2^-9
+    whole = fp8_quantize(w, "tensor")
+    assert whole.scales.shape == () and whole.scales.item() == 2.0
+    assert torch.equal(whole.values[0], torch.tensor([3.5, -1.625, 2.0**-9, 0.25]))
+    assert torch.equal(fake_quantize_fp8(w, "tensor")[0], torch.tensor([7.0, -3.25, 2.0**-8, 0.5]))
+    assert torch.equal(fake_quantize_fp8(torch.zeros(3, 5), "tensor"), torch.zeros(3, 5))
+    assert fake_quantize_fp8(w.bfloat16()).dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="granularity='block'"):
+        fp8_quantize(w, "block")
+
+
+def test_fp8_relative_error_on_randn_weights(capsys):
+    torch.manual_seed(2)
+    w = torch.randn(256, 512)
+    row, tensor = relative_error(fake_quantize_fp8(w, "row"), w), relative_error(fake_quantize_fp8(w, "tensor"), w)
+    nvfp4 = relative_error(fake_quantize_nvfp4(w), w)
+    with capsys.disabled():
+        print(f"\nrelative weight error on randn(256, 512): fp8 per-row {row:.4f}, per-tensor {tensor:.4f}, nvfp4 {nvfp4:.4f}")
+    # 3 mantissa bits: uniform rounding error of spacing 2^(e-3) on [2^e, 2^(e+1)) is ≈ 2.6% RMS
+    assert 0.022 < row < 0.030 and 0.022 < tensor < 0.030
+    assert row < nvfp4 / 3
+
+
+def test_fp8_matches_torchao_bit_for_bit():
+    primitives = pytest.importorskip("torchao.quantization.quant_primitives")
+    if not hasattr(primitives, "_choose_scale_float8"):
+        pytest.skip("this torchao has no _choose_scale_float8")
+    torch.manual_seed(3)
+    w = torch.randn(64, 128) * torch.logspace(-4, 2, 64)[:, None]
+    for granularity, block in (("row", [1, 128]), ("tensor", [64, 128])):
+        scale = primitives._choose_scale_float8(w, block)
+        reference = primitives._dequantize_affine_float8(primitives._quantize_affine_float8(w, scale), scale)
+        assert torch.equal(fake_quantize_fp8(w, granularity), reference), granularity
+
+
+@pytest.mark.parametrize("granularity", ["row", "tensor"])
+def test_fp8_emulated_linear_is_the_scaled_fp8_matmul(granularity):
+    torch.manual_seed(8)
+    weight, bias = torch.randn(24, 40), torch.randn(24)
+    x = torch.randn(2, 5, 40) * torch.logspace(-2, 2, 5)[:, None]  # tokens of very different scales
+    layer = FP8EmulatedLinear(weight, bias, granularity)
+    assert torch.equal(layer.weight, fake_quantize_fp8(weight, granularity))
+    # what an FP8 GEMM computes: exact products of E4M3 values, then the two scales
+    x_parts, w_parts = fp8_quantize(x, granularity), fp8_quantize(weight, granularity)
+    products = x_parts.values.double() @ w_parts.values.double().T  # (2, 5, 24)
+    w_scales = w_parts.scales.double().reshape(-1) if granularity == "row" else w_parts.scales.double()
+    expected = x_parts.scales.double() * products * w_scales + bias.double()
+    with torch.no_grad():
+        torch.testing.assert_close(layer(x).double(), expected, rtol=1e-5, atol=1e-5)
+        assert relative_error(layer(x), nn.functional.linear(x, weight, bias)) < 0.06
+    if granularity == "row":  # a token's output depends only on its own scale
+        scaled = x.clone()
+        scaled[0, 0] *= 1000
+        with torch.no_grad():
+            assert torch.equal(layer(scaled)[:, 1:], layer(x)[:, 1:]) and torch.equal(layer(scaled)[1], layer(x)[1])
+
+
 # --- configs and layer selection --------------------------------------------------------------
 
 
@@ -153,9 +279,11 @@ def test_config_validation():
         QuantConfig(backend="int4")
     with pytest.raises(ValueError, match="min_features"):
         QuantConfig(min_features=-1)
-    with pytest.raises(ValueError, match="sana"):
-        QuantConfig.for_family("sdxl")
-    assert QuantConfig.for_family("flux", "bnb-nf4").skip_modules == DEFAULT_SKIPS["flux"]
+    for backend in BACKENDS:  # every backend is a valid explore.backend
+        assert load_config(None, [f"explore.backend={backend}"]).explore.backend == backend
+    shapes = nn.Sequential(nn.Linear(20, 16), nn.Linear(16, 32))  # FP8 GEMMs want dims divisible by 16
+    assert quantized_layer_names(shapes, QuantConfig(backend="torchao-fp8", skip_modules=())) == ["1"]
+    assert quantized_layer_names(shapes, QuantConfig(backend="fp8-emulated", skip_modules=())) == ["0", "1"]
 
 
 def test_skip_patterns_are_anchored_dotted_paths():
@@ -206,34 +334,56 @@ def sd3_forward(model: nn.Module) -> torch.Tensor:
 
 def test_layer_names_respect_default_skips_and_min_features(sd3):
     linear = [n for n, m in sd3.named_modules() if isinstance(m, nn.Linear)]
-    names = quantized_layer_names(sd3, QuantConfig.for_family("sd3"))
-    expected = [n for n in linear if not n.startswith(DEFAULT_SKIPS["sd3"])]
+    names = quantized_layer_names(sd3, QuantConfig(skip_modules=SD3_SKIPS))
+    expected = [n for n in linear if not n.startswith(SD3_SKIPS)]
     assert names == expected and "transformer_blocks.0.attn.to_q" in names and "proj_out" not in names
-    big = quantized_layer_names(sd3, QuantConfig.for_family("sd3", min_features=16 * 17))
+    big = quantized_layer_names(sd3, QuantConfig(skip_modules=SD3_SKIPS, min_features=16 * 17))
     assert big == [n for n in expected if sd3.get_submodule(n).weight.numel() >= 16 * 17] and len(big) < len(names)
 
 
-@pytest.mark.parametrize("backend", ["nvfp4-emulated", "mxfp4-emulated"])
+@pytest.mark.parametrize("backend", list(FAKE_QUANTIZE))
 def test_emulated_copy_quantises_only_eligible_layers(sd3, backend):
     before = {k: v.clone() for k, v in sd3.state_dict().items()}
-    config = QuantConfig.for_family("sd3", backend)
+    config = QuantConfig(backend, SD3_SKIPS)
     quantized = make_quantized_copy(sd3, config)
     assert all(torch.equal(v, before[k]) for k, v in sd3.state_dict().items())  # original untouched
     assert not quantized.training and not any(p.requires_grad for p in quantized.parameters())
-    fake = fake_quantize_nvfp4 if backend == "nvfp4-emulated" else fake_quantize_mxfp4
+    fake = FAKE_QUANTIZE[backend]
     names = quantized_layer_names(sd3, config)
+    fp8 = backend.startswith("fp8")
+    assert all(isinstance(quantized.get_submodule(n), FP8EmulatedLinear) == fp8 for n in names)
     for key, value in quantized.state_dict().items():
         layer = key.rpartition(".")[0]
         expected = fake(before[key]) if layer in names and key.endswith("weight") else before[key]
         assert torch.equal(value, expected), key
     error = relative_error(sd3_forward(quantized), sd3_forward(sd3))
-    assert 0 < error < 0.2
+    assert 0 < error < (0.05 if fp8 else 0.2)
 
 
-def test_te_nvfp4_raises_a_clear_error(sd3):
-    with pytest.raises(RuntimeError, match="te-nvfp4 needs .*backends that work here: nvfp4-emulated"):
-        make_quantized_copy(sd3, QuantConfig.for_family("sd3", "te-nvfp4"))
-    assert "te-nvfp4" in BACKENDS
+GPU_ERRORS = {  # backend -> (what it needs on this machine, its emulation)
+    "te-nvfp4": ("NVIDIA Transformer Engine .* and a CUDA Blackwell GPU \\(sm100\\+\\)", "nvfp4-emulated"),
+    "te-fp8": ("NVIDIA Transformer Engine .* and a CUDA GPU with FP8 \\(sm89\\+, e.g. H100\\)", "fp8-emulated-tensor"),
+    "torchao-fp8": ("a CUDA GPU with FP8 \\(sm89\\+, e.g. H100\\)", "fp8-emulated"),
+}
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the messages for a machine without CUDA")
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+def test_gpu_backends_raise_one_clear_line(sd3, backend):
+    needs, emulation = GPU_ERRORS[backend]
+    with pytest.raises(RuntimeError) as caught:
+        make_quantized_copy(sd3, QuantConfig(backend, SD3_SKIPS))
+    message = str(caught.value)
+    assert "\n" not in message
+    assert re.fullmatch(
+        f"backend {backend} needs {needs}; this machine has no CUDA GPU; its emulation is {emulation}; "
+        f"backends that work here: nvfp4-emulated, .*fp8-emulated.*bnb-nf4", message), message
+
+
+def test_torchao_fp8_names_torchao_when_it_is_missing(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torchao.quantization", None)  # makes the import raise ImportError
+    with pytest.raises(RuntimeError, match=r"^backend torchao-fp8 needs torchao \(pip install torchao\)"):
+        make_quantized_copy(Net(), QuantConfig(backend="torchao-fp8", **NET_CONFIG))
 
 
 # --- LoRA: the copy follows the policy ----------------------------------------------------------
@@ -246,20 +396,21 @@ def randomise_lora(model: nn.Module, std: float) -> None:
                 parameter.normal_(0, std)
 
 
-def test_peft_lora_is_merged_and_refresh_follows_the_policy():
+@pytest.mark.parametrize("backend", ["nvfp4-emulated", "fp8-emulated", "fp8-emulated-tensor"])
+def test_peft_lora_is_merged_and_refresh_follows_the_policy(backend):
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(6)
     policy = get_peft_model(Net(), LoraConfig(r=4, lora_alpha=4, target_modules=["up", "down"]))
     randomise_lora(policy, 0.2)
-    config = QuantConfig(backend="nvfp4-emulated", **NET_CONFIG)
+    config = QuantConfig(backend=backend, **NET_CONFIG)
     assert quantized_layer_names(policy, config) == ["up", "down"]
     base_before = {k: v.clone() for k, v in policy.state_dict().items()}
     quantized = make_quantized_copy(policy, config)
     assert all(torch.equal(v, base_before[k]) for k, v in policy.state_dict().items())
     merged = copy.deepcopy(policy).merge_and_unload()
-    assert torch.equal(quantized.up.weight, fake_quantize_nvfp4(merged.up.weight))
-    assert torch.equal(quantized.out.weight, merged.out.weight)
+    assert torch.equal(quantized.up.weight, FAKE_QUANTIZE[backend](merged.up.weight))
+    assert torch.equal(quantized.out.weight, merged.out.weight) and type(quantized.out) is nn.Linear
 
     randomise_lora(policy, 0.2)  # an optimizer step on the adapter ...
     with torch.no_grad():
@@ -281,7 +432,7 @@ def test_diffusers_injected_lora_is_merged(sd3):
     model = copy.deepcopy(sd3)
     model.add_adapter(LoraConfig(r=2, lora_alpha=2, target_modules=["to_q", "to_v"]))
     randomise_lora(model, 0.3)
-    config = QuantConfig.for_family("sd3", "mxfp4-emulated")
+    config = QuantConfig("mxfp4-emulated", SD3_SKIPS)
     quantized = make_quantized_copy(model, config)
     assert not any("lora_" in k for k in quantized.state_dict())
     attn = model.transformer_blocks[0].attn.to_q
