@@ -1,0 +1,865 @@
+#!/usr/bin/env python
+"""Per-preset GPU memory estimate, worked out on paper: parameters, activations at the preset's
+batch, LoRA and optimizer state, beside the GPU each preset targets. Prints a markdown table.
+
+    python scripts/memory_table.py            # the table (CPU only, no network; ~30 s, a third of it imports)
+    python scripts/memory_table.py --detail   # plus the per-row activation figures behind it
+
+Nothing is downloaded and no weights exist: every network is built at its real size on the `meta`
+device from its published config (hard-coded below, each with its source), so parameter counts are
+exact. Activation memory is measured, not guessed: a reduced-depth copy of each denoiser (one block
+of every kind, full width) runs one forward on fake CUDA tensors (`FakeTensorMode`: shapes only) with
+CUDA bf16 autocast switched on as `accelerator.autocast()` does, the preset's LoRA attached and
+gradient checkpointing as in the preset; a dispatch mode counts the bytes of every tensor storage
+alive. What the forward leaves alive is what autograd keeps for the backward; per-block figures are
+scaled to the real number of blocks and linearly in network rows. Attention is counted as the
+memory-efficient SDPA kernel (q, k, v, output and log-sum-exp kept, no N×N matrix), which is what
+the GPU runs; the math fallback that CPU/fake tensors would pick is replaced for the trace.
+
+Every figure is an ESTIMATE (see docs/memory-table.md for the formulas and what is not counted:
+CUDA context, allocator fragmentation and caching, NCCL buffers, the backward's exact transients).
+GiB = 2^30 bytes throughout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import math
+import os
+import sys
+import warnings
+import weakref
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+warnings.filterwarnings("ignore")
+logging.disable(logging.WARNING)  # torchao/pytree import chatter
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+from torch.utils import _pytree as pytree  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+
+GIB = 2**30
+
+# ------------------------------------------------------------------------------------------------
+# Published configs. Sources: the hub config.json of each component (read through the public
+# mirrors named below; the diffusers/transformers defaults fill the keys a config leaves out).
+# ------------------------------------------------------------------------------------------------
+
+# black-forest-labs/FLUX.1-dev transformer/config.json (19 double + 38 single blocks, width 3072).
+FLUX_DEV_TRANSFORMER = dict(
+    attention_head_dim=128, axes_dims_rope=[16, 56, 56], guidance_embeds=True, in_channels=64, joint_attention_dim=4096,
+    num_attention_heads=24, num_layers=19, num_single_layers=38, patch_size=1, pooled_projection_dim=768,
+)
+# stabilityai/stable-diffusion-3.5-medium transformer/config.json (MMDiT-X: 24 blocks of width 1536,
+# dual self-attention in blocks 0-12, RMS qk-norm). The hub repo is gated; the same values are
+# hard-coded, identically, in public code that builds SD3.5-M without the repo (e.g. tenstorrent/
+# tt-metal's and Comfy-Org fp8 loaders' _MEDIUM_TRANSFORMER_CONFIG), and SD3.5-M is published as 2.5B.
+SD35_MEDIUM_TRANSFORMER = dict(
+    sample_size=128, patch_size=2, in_channels=16, num_layers=24, attention_head_dim=64, num_attention_heads=24,
+    joint_attention_dim=4096, caption_projection_dim=1536, pooled_projection_dim=2048, out_channels=16,
+    pos_embed_max_size=384, dual_attention_layers=tuple(range(13)), qk_norm="rms_norm",
+)
+# Efficient-Large-Model/Sana_1600M_1024px_diffusers transformer/config.json (20 blocks of width
+# 2240 = 70 heads × 32, linear self-attention, cross-attention 20 × 112, Mix-FFN ratio 2.5); the same
+# values as diffusers' scripts/convert_sana_to_diffusers.py "SanaMS_1600M_P1_D20".
+SANA_1600M_1024_TRANSFORMER = dict(
+    sample_size=32, patch_size=1, num_layers=20, num_attention_heads=70, attention_head_dim=32,
+    num_cross_attention_heads=20, cross_attention_head_dim=112, cross_attention_dim=2240, caption_channels=2304,
+    in_channels=32, out_channels=32, attention_bias=False, mlp_ratio=2.5, dropout=0.0, norm_elementwise_affine=False,
+    norm_eps=1e-6, interpolation_scale=None,
+)
+# stable-diffusion-v1-5/stable-diffusion-v1-5 unet/config.json: UNet2DConditionModel's defaults
+# (blocks 320/640/1280/1280, 2 layers per block, 8 heads, cross-attention dim 768), sample 64.
+SD15_UNET = dict(sample_size=64, in_channels=4, out_channels=4, cross_attention_dim=768, attention_head_dim=8)
+
+# VAEs. SD3.5 and FLUX.1: vae/config.json, AutoencoderKL with 16 latent channels and no quant convs;
+# SD 1.5: vae/config.json, AutoencoderKL with 4 latent channels and quant convs; SANA: DC-AE f32c32
+# (mit-han-lab/dc-ae-f32c32-sana-1.0-diffusers, the pipeline's vae/config.json).
+_KL_BLOCKS = dict(in_channels=3, out_channels=3, down_block_types=["DownEncoderBlock2D"] * 4, up_block_types=["UpDecoderBlock2D"] * 4,
+                  block_out_channels=[128, 256, 512, 512], layers_per_block=2, norm_num_groups=32)
+VAE_KL16 = dict(_KL_BLOCKS, latent_channels=16, use_quant_conv=False, use_post_quant_conv=False)
+VAE_KL4 = dict(_KL_BLOCKS, latent_channels=4)
+VAE_DCAE_F32C32 = dict(
+    in_channels=3, latent_channels=32, attention_head_dim=32,
+    encoder_block_types=["ResBlock"] * 3 + ["EfficientViTBlock"] * 3, decoder_block_types=["ResBlock"] * 3 + ["EfficientViTBlock"] * 3,
+    encoder_block_out_channels=[128, 256, 512, 512, 1024, 1024], decoder_block_out_channels=[128, 256, 512, 512, 1024, 1024],
+    encoder_layers_per_block=[2, 2, 2, 3, 3, 3], decoder_layers_per_block=[3, 3, 3, 3, 3, 3],
+    encoder_qkv_multiscales=[[], [], [], [5], [5], [5]], decoder_qkv_multiscales=[[], [], [], [5], [5], [5]],
+    upsample_block_type="interpolate", downsample_block_type="Conv", decoder_norm_types="rms_norm", decoder_act_fns="silu",
+)
+
+# Text encoders (transformers configs of the pipelines' text_encoder*/config.json).
+CLIP_L = dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12, vocab_size=49408,
+              max_position_embeddings=77, projection_dim=768, hidden_act="quick_gelu")  # openai/clip-vit-large-patch14
+CLIP_G = dict(hidden_size=1280, intermediate_size=5120, num_hidden_layers=32, num_attention_heads=20, vocab_size=49408,
+              max_position_embeddings=77, projection_dim=1280, hidden_act="gelu")  # OpenCLIP bigG (SD3 text_encoder_2)
+T5_XXL = dict(d_model=4096, d_ff=10240, d_kv=64, num_heads=64, num_layers=24, vocab_size=32128,
+              feed_forward_proj="gated-gelu")  # google/t5-v1_1-xxl (encoder only: SD3 text_encoder_3, FLUX text_encoder_2)
+GEMMA2_2B = dict(hidden_size=2304, intermediate_size=9216, num_hidden_layers=26, num_attention_heads=8, num_key_value_heads=4,
+                 head_dim=256, vocab_size=256000)  # google/gemma-2-2b-it (SANA text_encoder, Gemma2Model)
+
+# Reward models, resident on the GPU in float32 (rewards/hps.py: open_clip ViT-H-14 built in fp32 and
+# loaded from HPS_v2.1_compressed.pt; rewards/pickscore.py: transformers CLIPModel of
+# yuvalkirstain/PickScore_v1, laion/CLIP-ViT-H-14 geometry, stored in fp32).
+VIT_H14_CLIP = dict(
+    text_config=dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24, num_attention_heads=16, vocab_size=49408,
+                     max_position_embeddings=77, hidden_act="gelu"),
+    vision_config=dict(hidden_size=1280, intermediate_size=5120, num_hidden_layers=32, num_attention_heads=16, patch_size=14,
+                       image_size=224, hidden_act="gelu"),
+    projection_dim=1024,
+)
+
+# The GPU each preset targets (the presets' headers; one DDP process per GPU). Capacity as
+# nvidia-smi reports it: H100 80GB SXM 81559 MiB (A100 80GB: 81920), a 24 GB card (RTX 4090,
+# A10, L4): 24564 MiB.
+GPUS = {"80": ("H100/A100 80 GB", 81559 / 1024), "24": ("24 GB GPU", 24564 / 1024)}
+
+
+# ------------------------------------------------------------------------------------------------
+# Families: what the adapters in branchdiff/models/ load, how many tokens a row carries, and the
+# reduced-depth copy whose blocks are traced.
+# ------------------------------------------------------------------------------------------------
+
+@dataclass
+class Family:
+    name: str
+    label: str
+    adapter: type  # branchdiff adapter: LoRA targets, CFG, quantisation skips
+    denoiser: str  # diffusers class
+    config: dict
+    block_lists: tuple[str, ...]  # ModuleLists of the blocks whose per-block figures scale to the real depth
+    reduced: dict  # config overrides of the traced copy (one block of every kind)
+    block_kind: Callable[[str, torch.nn.Module], str]
+    inputs: Callable[[int, int, torch.dtype, int], dict]  # (rows, resolution, dtype, text tokens) -> forward kwargs
+    text_tokens: int  # per row: T5 512 (FLUX); CLIP 77 + T5 256 concatenated (SD3); Gemma 300 (SANA); CLIP 77 (SD 1.5)
+    tokens: Callable[[int], str]  # description of a row's tokens at a resolution
+    text_encoders: list[tuple[str, Callable[[], torch.nn.Module]]]
+    vae: tuple[str, dict]
+    vae_latent: Callable[[int], tuple[int, ...]]  # per image latent the VAE decodes
+    latent: Callable[[int], tuple[int, ...]]  # per node latent the rollout stores (fp32)
+    gpu: str
+    ckpt_units: tuple[str, ...] = ()  # module classes diffusers checkpoints (UNet: resnets and transformer blocks)
+
+
+def _text_models():
+    from transformers import (CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, Gemma2Config, Gemma2Model,
+                              T5Config, T5EncoderModel)
+
+    return {
+        "CLIP-L": lambda: CLIPTextModel(CLIPTextConfig(**CLIP_L)),
+        "CLIP-L+proj": lambda: CLIPTextModelWithProjection(CLIPTextConfig(**CLIP_L)),
+        "CLIP-G+proj": lambda: CLIPTextModelWithProjection(CLIPTextConfig(**CLIP_G)),
+        "T5-XXL enc": lambda: T5EncoderModel(T5Config(**T5_XXL)),
+        "Gemma-2-2B": lambda: Gemma2Model(Gemma2Config(**GEMMA2_2B)),
+    }
+
+
+# The forward's inputs for `rows` network rows, as the adapters pass them (branchdiff/models/*.py):
+# latents and text embeddings in the model dtype; `text` = the adapter's text tokens per row.
+
+def _flux_inputs(rows: int, resolution: int, dtype: torch.dtype, text: int) -> dict:
+    side = resolution // 16  # VAE /8, then 2×2 packing
+    e = lambda *shape, dt=dtype: torch.empty(*shape, device="cuda", dtype=dt)  # noqa: E731
+    return dict(hidden_states=e(rows, side * side, 64), encoder_hidden_states=e(rows, text, 4096), pooled_projections=e(rows, 768),
+                timestep=e(rows), guidance=e(rows, dt=torch.float32), img_ids=e(side * side, 3), txt_ids=e(text, 3), return_dict=False)
+
+
+def _sd3_inputs(rows: int, resolution: int, dtype: torch.dtype, text: int) -> dict:
+    side = resolution // 8
+    e = lambda *shape, dt=dtype: torch.empty(*shape, device="cuda", dtype=dt)  # noqa: E731
+    return dict(hidden_states=e(rows, 16, side, side), encoder_hidden_states=e(rows, text, 4096), pooled_projections=e(rows, 2048),
+                timestep=e(rows, dt=torch.float32), return_dict=False)
+
+
+def _sana_inputs(rows: int, resolution: int, dtype: torch.dtype, text: int) -> dict:
+    side = resolution // 32
+    e = lambda *shape, dt=dtype: torch.empty(*shape, device="cuda", dtype=dt)  # noqa: E731
+    return dict(hidden_states=e(rows, 32, side, side), encoder_hidden_states=e(rows, text, 2304),
+                encoder_attention_mask=e(rows, text, dt=torch.int64), timestep=e(rows, dt=torch.float32), return_dict=False)
+
+
+def _sd15_inputs(rows: int, resolution: int, dtype: torch.dtype, text: int) -> dict:
+    side = resolution // 8
+    e = lambda *shape, dt=dtype: torch.empty(*shape, device="cuda", dtype=dt)  # noqa: E731
+    return dict(sample=e(rows, 4, side, side), timestep=e(rows, dt=torch.float32), encoder_hidden_states=e(rows, text, 768), return_dict=False)
+
+
+def _sd3_kind(name: str, block: torch.nn.Module) -> str:
+    if getattr(block, "context_pre_only", False):
+        return "last joint block (context pre-only)"
+    return "joint block + dual attention" if getattr(block, "attn2", None) is not None else "joint block"
+
+
+def families() -> dict[str, Family]:
+    from branchdiff.models.flux import FluxAdapter
+    from branchdiff.models.sana import SanaAdapter
+    from branchdiff.models.sd3 import SD3Adapter
+    from branchdiff.models.sd15 import SD15Adapter
+
+    text = _text_models()
+    return {
+        "flux": Family(
+            "flux", "FLUX.1-dev", FluxAdapter, "FluxTransformer2DModel", FLUX_DEV_TRANSFORMER,
+            ("transformer_blocks", "single_transformer_blocks"), dict(num_layers=1, num_single_layers=1),
+            lambda name, block: type(block).__name__, _flux_inputs, FluxAdapter.max_sequence_length,
+            lambda r: f"{(r // 16) ** 2} image + {FluxAdapter.max_sequence_length} text",
+            [("CLIP-L", text["CLIP-L"]), ("T5-XXL enc", text["T5-XXL enc"])], ("AutoencoderKL", VAE_KL16),
+            lambda r: (16, r // 8, r // 8), lambda r: ((r // 16) ** 2, 64), "80",
+        ),
+        "sd3": Family(
+            "sd3", "SD3.5 Medium", SD3Adapter, "SD3Transformer2DModel", SD35_MEDIUM_TRANSFORMER,
+            ("transformer_blocks",), dict(num_layers=3, dual_attention_layers=(0,)), _sd3_kind, _sd3_inputs, 77 + SD3Adapter.max_sequence_length,
+            lambda r: f"{(r // 16) ** 2} image + {77 + SD3Adapter.max_sequence_length} text",
+            [("CLIP-L", text["CLIP-L+proj"]), ("CLIP-G", text["CLIP-G+proj"]), ("T5-XXL enc", text["T5-XXL enc"])], ("AutoencoderKL", VAE_KL16),
+            lambda r: (16, r // 8, r // 8), lambda r: (16, r // 8, r // 8), "80",
+        ),
+        "sana": Family(
+            "sana", "SANA 1600M 1024px", SanaAdapter, "SanaTransformer2DModel", SANA_1600M_1024_TRANSFORMER,
+            ("transformer_blocks",), dict(num_layers=1), lambda name, block: type(block).__name__, _sana_inputs, SanaAdapter.max_sequence_length,
+            lambda r: f"{(r // 32) ** 2} image (+ {SanaAdapter.max_sequence_length} text, cross-attention)",
+            [("Gemma-2-2B", text["Gemma-2-2B"])], ("AutoencoderDC", VAE_DCAE_F32C32),
+            lambda r: (32, r // 32, r // 32), lambda r: (32, r // 32, r // 32), "80",
+        ),
+        "sd15": Family(
+            "sd15", "SD 1.5", SD15Adapter, "UNet2DConditionModel", SD15_UNET,
+            (), {}, lambda name, block: name, _sd15_inputs, 77,
+            lambda r: f"{(r // 8) ** 2} at the top level (+ 77 text, cross-attention)",
+            [("CLIP-L", text["CLIP-L"])], ("AutoencoderKL", VAE_KL4),
+            lambda r: (4, r // 8, r // 8), lambda r: (4, r // 8, r // 8), "24",
+            ckpt_units=("ResnetBlock2D", "BasicTransformerBlock"),
+        ),
+    }
+
+
+# ------------------------------------------------------------------------------------------------
+# Counting on the meta device
+# ------------------------------------------------------------------------------------------------
+
+def numel(module: torch.nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def build_meta(class_name: str, config: dict, dtype: torch.dtype) -> torch.nn.Module:
+    import diffusers
+
+    with torch.device("meta"):
+        model = getattr(diffusers, class_name).from_config(config)
+    return model.to(dtype)
+
+
+def add_lora(model: torch.nn.Module, targets: list[str], rank: int, alpha: float) -> int:
+    """peft LoRA attached exactly as branchdiff.models.lora.add_lora does (fp32, trainable); returns its size."""
+    from peft import LoraConfig
+
+    model.requires_grad_(False)
+    model.add_adapter(LoraConfig(r=rank, lora_alpha=alpha, init_lora_weights="gaussian", target_modules=targets))
+    params = [p for n, p in model.named_parameters() if "lora_" in n]
+    for p in params:
+        p.data = p.data.float()
+        p.requires_grad_(True)
+    return sum(p.numel() for p in params)
+
+
+def lora_targets_by_formula(model: torch.nn.Module, targets: list[str], rank: int) -> tuple[int, int]:
+    """Σ r·(in + out) and Σ in·out over the nn.Linear layers whose name ends with a target (peft's
+    suffix match), on a model without an adapter."""
+    lora = base = 0
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) and any(name == t or name.endswith("." + t) for t in targets):
+            lora += rank * (module.in_features + module.out_features)
+            base += module.in_features * module.out_features
+    return lora, base
+
+
+def explore_copy_bytes(model: torch.nn.Module, skips: tuple[str, ...], dtype_bytes: int) -> tuple[int, int]:
+    """Bytes of the torchao-fp8 exploration copy (branchdiff.quant.make_quantized_copy): LoRA merged,
+    the Linear layers quantised: E4M3 weights (1 B/param) with one fp32 scale per output row, bias
+    kept; everything else (convs, norms, embedders, skipped layers) in the model dtype. Also returns
+    the number of quantised weights."""
+    try:
+        from branchdiff.quant import QuantConfig, quantized_layer_names
+
+        names = set(quantized_layer_names(model, QuantConfig("torchao-fp8", tuple(skips))))
+    except (ImportError, AttributeError, TypeError):  # the same rule (Linear, dims % 16, not skipped) if quant.py moves
+        import fnmatch
+
+        def skipped(name):
+            parts = name.split(".")
+            return any(fnmatch.fnmatchcase(".".join(parts[: i + 1]), s) for s in skips for i in range(len(parts)))
+        names = {n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and m.in_features % 16 == 0
+                 and m.out_features % 16 == 0 and not skipped(n)}
+    total = quantised = 0
+    for name, module in model.named_modules():
+        for pname, p in module.named_parameters(recurse=False):
+            if "lora_" in name or "lora_" in pname:
+                continue  # merged into the base weight
+            base_name = name.replace(".base_layer", "")
+            if base_name in names and pname == "weight":
+                total += p.numel() + p.shape[0] * 4
+                quantised += p.numel()
+            else:
+                total += p.numel() * dtype_bytes
+    total += sum(b.numel() for b in model.buffers()) * dtype_bytes
+    return total, quantised
+
+
+# ------------------------------------------------------------------------------------------------
+# Activation trace: fake CUDA tensors, CUDA autocast, live-storage accounting
+# ------------------------------------------------------------------------------------------------
+
+ALIASING: dict = {}  # aten op -> whether its outputs alias its inputs (schema annotation)
+
+
+@dataclass(frozen=True)
+class Cost:
+    """Bytes = fixed + per_row · rows. Per-row: activations. Fixed: tensors made once per forward
+    whatever the batch, i.e. weights cast by autocast (SD 1.5's fp16 weights cast to bf16, kept for
+    the backward; the fp32 LoRA weights' bf16 copies)."""
+
+    fixed: float = 0.0
+    per_row: float = 0.0
+
+    def __add__(self, other: "Cost") -> "Cost":
+        return Cost(self.fixed + other.fixed, self.per_row + other.per_row)
+
+    def __sub__(self, other: "Cost") -> "Cost":
+        return Cost(self.fixed - other.fixed, self.per_row - other.per_row)
+
+    def __rmul__(self, k: float) -> "Cost":
+        return Cost(k * self.fixed, k * self.per_row)
+
+    def at(self, rows: int) -> float:
+        return self.fixed + self.per_row * rows
+
+
+class Peak:
+    """The peak of fixed + per_row · rows over a run, for any rows: the live (fixed, per_row) points
+    that no other point dominates (their maximum at `rows` is the peak)."""
+
+    def __init__(self, start: Cost = Cost()) -> None:
+        self.start, self.points = start, [start]
+
+    def add(self, point: Cost) -> None:
+        if any(p.fixed >= point.fixed and p.per_row >= point.per_row for p in self.points):
+            return
+        self.points = [p for p in self.points if not (point.fixed >= p.fixed and point.per_row >= p.per_row)] + [point]
+
+    def at(self, rows: int) -> float:
+        """Peak above the start."""
+        return max(p.at(rows) for p in self.points) - self.start.at(rows)
+
+
+class LiveBytes(TorchDispatchMode):
+    """Bytes of the tensor storages allocated inside the mode and still alive, split into per-forward
+    weight casts (`fixed`: an `_to_copy` of a parameter) and the rest (per row); the run's peak and a
+    peak local to the current block (reset by `mark`)."""
+
+    def __init__(self, weights: set[int]) -> None:
+        super().__init__()
+        self.weights = weights  # storage ids of the model's parameters
+        self.fixed = self.rows = 0
+        self.sizes: dict[int, tuple[int, bool]] = {}
+        self.peak = Peak()
+        self.local = Peak()
+
+    @property
+    def live(self) -> Cost:
+        return Cost(self.fixed, self.rows)
+
+    def mark(self) -> Cost:
+        self.local = Peak(self.live)
+        return self.live
+
+    def _free(self, key: int) -> None:
+        size, fixed = self.sizes.pop(key)
+        if fixed:
+            self.fixed -= size
+        else:
+            self.rows -= size
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func not in ALIASING:  # views and in-place ops return (parts of) their inputs: nothing allocated
+            ALIASING[func] = any(r.alias_info is not None for r in func._schema.returns)
+        if ALIASING[func]:
+            return out
+        fixed = func is torch.ops.aten._to_copy.default and isinstance(args[0], torch.Tensor) and id(args[0].untyped_storage()) in self.weights
+        for t in pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                storage = t.untyped_storage()
+                key = id(storage)
+                if key not in self.sizes:
+                    self.sizes[key] = (storage.nbytes(), fixed)
+                    if fixed:
+                        self.fixed += storage.nbytes()
+                    else:
+                        self.rows += storage.nbytes()
+                    weakref.finalize(storage, self._free, key)
+        self.peak.add(self.live)
+        self.local.add(self.live)
+        return out
+
+
+def efficient_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    """F.scaled_dot_product_attention as the CUDA memory-efficient kernel runs it (keeps q, k, v, out,
+    log-sum-exp; a mask becomes an additive bias, padded to a multiple of 16 keys as PyTorch does)."""
+    if torch.is_autocast_enabled("cuda"):
+        dtype = torch.get_autocast_dtype("cuda")
+        query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
+    if enable_gqa and key.shape[-3] != query.shape[-3]:
+        repeat = query.shape[-3] // key.shape[-3]
+        key, value = key.repeat_interleave(repeat, -3), value.repeat_interleave(repeat, -3)
+    bias = None
+    if attn_mask is not None:
+        bias = attn_mask if attn_mask.dtype != torch.bool else torch.zeros_like(attn_mask, dtype=query.dtype).masked_fill(~attn_mask, -math.inf)
+        bias = bias.to(query.dtype).expand(*query.shape[:-1], key.shape[-2])
+        pad = -key.shape[-2] % 16
+        if pad:
+            bias = torch.nn.functional.pad(bias, (0, pad))[..., : key.shape[-2]]
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
+    return torch.ops.aten._scaled_dot_product_efficient_attention(query, key, value, bias, grad, dropout_p, is_causal, scale=scale)[0]
+
+
+@contextlib.contextmanager
+def efficient_attention():
+    original = torch.nn.functional.scaled_dot_product_attention
+    torch.nn.functional.scaled_dot_product_attention = efficient_sdpa
+    try:
+        yield
+    finally:
+        torch.nn.functional.scaled_dot_product_attention = original
+
+
+@contextlib.contextmanager
+def cuda_autocast(dtype: torch.dtype | None):
+    """CUDA autocast as `accelerator.autocast()` enables it (torch.autocast refuses without a GPU; the
+    dispatch keys work on fake CUDA tensors)."""
+    if dtype is None:
+        yield
+        return
+    torch._C.set_autocast_enabled("cuda", True)
+    torch._C.set_autocast_dtype("cuda", dtype)
+    torch._C.autocast_increment_nesting()
+    try:
+        yield
+    finally:
+        if torch._C.autocast_decrement_nesting() == 0:
+            torch._C.clear_autocast_cache()
+        torch._C.set_autocast_enabled("cuda", False)
+
+
+@dataclass
+class Trace:
+    held: Cost = Cost()  # alive after the forward: what autograd keeps for the backward (+ the output)
+    peak: Peak = field(default_factory=Peak)  # during the forward
+    delta: dict[str, Cost] = field(default_factory=dict)  # per block kind: what the block leaves alive
+    transient: dict[str, Peak] = field(default_factory=dict)  # per block kind: its peak above its start
+    count: dict[str, int] = field(default_factory=dict)  # blocks of each kind in the traced copy
+
+
+def units(model: torch.nn.Module, family: Family):
+    """(name, module) of the blocks whose figures are kept per kind."""
+    if family.ckpt_units:
+        return [(n, m) for n, m in model.named_modules() if type(m).__name__ in family.ckpt_units]
+    return [(f"{lst}.{i}", m) for lst in family.block_lists for i, m in enumerate(getattr(model, lst))]
+
+
+def trace(model: torch.nn.Module, family: Family, resolution: int, grad: bool, autocast: torch.dtype | None) -> Trace:
+    """One forward of one network row through `model` (already on fake CUDA)."""
+    tracker = LiveBytes({id(p.untyped_storage()) for p in model.parameters()})
+    result = Trace()
+    starts: dict[str, Cost] = {}
+    hooks = []
+    for name, module in units(model, family):
+        kind = family.block_kind(name, module)
+        result.count[kind] = result.count.get(kind, 0) + 1
+
+        def pre(mod, args, name=name):
+            starts[name] = tracker.mark()
+
+        def post(mod, args, out, name=name, kind=kind):
+            result.delta[kind] = tracker.live - starts[name]  # the last block of a kind stands for all of them
+            if kind not in result.transient or tracker.local.at(1) > result.transient[kind].at(1):
+                result.transient[kind] = tracker.local
+
+        hooks += [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
+    try:
+        with efficient_attention(), torch.set_grad_enabled(grad), cuda_autocast(autocast), tracker:
+            out = model(**family.inputs(1, resolution, model.dtype, family.text_tokens))
+            result.held, result.peak = tracker.live, tracker.peak
+            del out
+    finally:
+        for h in hooks:
+            h.remove()
+    return result
+
+
+def trace_vae_decode(vae: torch.nn.Module, latent: tuple[int, ...]) -> float:
+    """Peak bytes of decoding one image (no grad, the VAE's dtype, outside autocast as adapter.decode)."""
+    tracker = LiveBytes(set())
+    with efficient_attention(), torch.no_grad(), tracker:
+        z = torch.empty(1, *latent, device="cuda", dtype=vae.dtype)
+        vae.decode(z, return_dict=False)
+    return tracker.peak.at(1)
+
+
+# ------------------------------------------------------------------------------------------------
+# Per-family measurements (independent of the preset's batch sizes)
+# ------------------------------------------------------------------------------------------------
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+@dataclass
+class Measured:
+    denoiser_params: int
+    denoiser_buffers: int  # persistent buffers (SD3's positional table), held in the model dtype too
+    lora_params: int
+    lora_base_params: int  # weights of the LoRA-wrapped layers
+    copy_bytes: int  # fp8 explore copy
+    copy_quantised: int
+    encoders: dict[str, int]  # params
+    vae_params: int
+    counts: dict[str, int]  # blocks of each kind in the real denoiser
+    plain: Trace  # training forward, no checkpointing
+    ckpt: Trace  # training forward, gradient checkpointing
+    nograd: Trace  # rollout forward
+    decode_image: float  # VAE decode peak per image
+
+    def held(self, rows: int, ckpt: bool) -> float:
+        """Alive after the training forward, at the real depth: traced + Σ (real − traced blocks) × per-block."""
+        t = self.ckpt if ckpt else self.plain
+        return sum(((self.counts[k] - t.count.get(k, 0)) * t.delta[k] for k in self.counts), t.held).at(rows)
+
+    def recompute(self, rows: int) -> float:
+        """Checkpointing: one block's saved set, rebuilt during the backward (the largest kind)."""
+        return max(((self.plain.delta[k] - self.ckpt.delta[k]).at(rows) for k in self.counts), default=0.0)
+
+    def backward(self, rows: int) -> float:
+        """The backward's working set (gradients of one block's ops), taken as one block's no-grad working set."""
+        return max((p.at(rows) for p in self.nograd.transient.values()), default=0.0)
+
+    def train(self, rows: int, ckpt: bool) -> float:
+        """Peak of the training forward + backward."""
+        return self.held(rows, ckpt) + (self.recompute(rows) if ckpt else 0.0) + self.backward(rows)
+
+    def rollout(self, rows: int) -> float:
+        """Peak of a no-grad forward (rollout chunk, KL reference)."""
+        return self.nograd.peak.at(rows)
+
+
+def measure(family: Family, dtype: torch.dtype, rank: int, alpha: float, resolution: int, autocast: torch.dtype | None) -> Measured:
+    import diffusers
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    targets = list(family.adapter.lora_target_modules)
+    dbytes = torch.finfo(dtype).bits // 8
+    full = build_meta(family.denoiser, family.config, dtype)
+    params, buffers = numel(full), sum(b.numel() for b in full.buffers())
+    lora, lora_base = lora_targets_by_formula(full, targets, rank)  # verified against peft below
+    counts: dict[str, int] = {}
+    for name, module in units(full, family):
+        kind = family.block_kind(name, module)
+        counts[kind] = counts.get(kind, 0) + 1
+    copy_bytes, quantised = explore_copy_bytes(full, tuple(family.adapter.quant_skip_modules), dbytes)
+
+    encoders = {}
+    for label, build in family.text_encoders:
+        with torch.device("meta"):
+            encoders[label] = numel(build())
+    vae_class, vae_config = family.vae
+    with torch.device("meta"):
+        vae = getattr(diffusers, vae_class).from_config(vae_config).to(dtype)
+    vae_params = numel(vae)
+
+    # the traced copy (the full model itself when nothing is reduced), built on meta outside the
+    # fake mode and materialised as fake CUDA tensors inside it
+    model = build_meta(family.denoiser, {**family.config, **family.reduced}, dtype) if family.reduced else full
+    expected = lora_targets_by_formula(model, targets, rank)[0]
+    attached = add_lora(model, targets, rank, alpha)
+    if attached != expected:  # peft's count on the traced copy must equal the formula used for the full model
+        raise RuntimeError(f"{family.name}: peft attached {attached} LoRA parameters, r·(in+out) over the targets gives {expected}")
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        model.to_empty(device="cuda")
+        plain = trace(model, family, resolution, True, autocast)
+        nograd = trace(model, family, resolution, False, autocast)
+        # diffusers' checkpointing (non-reentrant); the RNG state is not saved: there is no CUDA to ask
+        model.enable_gradient_checkpointing(
+            lambda module, *args: torch.utils.checkpoint.checkpoint(module.__call__, *args, use_reentrant=False, preserve_rng_state=False))
+        ckpt = trace(model, family, resolution, True, autocast)
+        vae.to_empty(device="cuda")
+        decode_image = trace_vae_decode(vae, family.vae_latent(resolution))
+    return Measured(params, buffers, lora, lora_base, copy_bytes, quantised, encoders, vae_params, counts, plain, ckpt, nograd, decode_image)
+
+
+# ------------------------------------------------------------------------------------------------
+# Presets
+# ------------------------------------------------------------------------------------------------
+
+PRESETS = ["sd35-pickscore", "flux-hps-branch", "flux-hps-mix", "sana-pickscore", "sd15-hps"]
+EVAL_BATCH = 32  # branchdiff.evaluate.EVAL_BATCH: network rows per evaluation forward
+RESERVE = 2 * GIB  # a suggested setting must leave this free: CUDA context (~1 GiB) and allocator slack
+REWARD_PARAMS: dict[str, int] = {}
+
+
+def reward_params() -> int:
+    """ViT-H-14 CLIP (HPS v2.1 and PickScore share the geometry), counted on meta."""
+    if "vit-h-14" not in REWARD_PARAMS:
+        from transformers import CLIPConfig, CLIPModel
+
+        with torch.device("meta"):
+            REWARD_PARAMS["vit-h-14"] = numel(CLIPModel(CLIPConfig(**VIT_H14_CLIP)))
+    return REWARD_PARAMS["vit-h-14"]
+
+
+@dataclass
+class Row:
+    preset: str
+    values: dict
+
+
+def estimate(preset: str, fams: dict[str, Family], cache: dict, overrides: tuple[str, ...] = ()) -> Row:
+    """The estimate for `preset` (and its -explore variant) with dotted config `overrides`."""
+    from branchdiff.config import load_config, tree_spec
+    from branchdiff.tree import build_tree
+
+    config = load_config(preset, list(overrides))
+    explore = load_config(preset + "-explore", list(overrides))
+    family = fams[config.model.family]
+    dtype = DTYPES[config.model.dtype]
+    dbytes = torch.finfo(dtype).bits // 8
+    autocast = torch.bfloat16 if config.train.mixed_precision == "bf16" else None
+    rank, alpha, res = config.train.lora_rank, config.train.lora_alpha, config.model.resolution
+    key = (family.name, dtype, rank, alpha, res, autocast)
+    if key not in cache:
+        cache[key] = measure(family, dtype, rank, alpha, res, autocast)
+    m: Measured = cache[key]
+
+    cfg_rows = 2 if family.adapter.uses_cfg and (config.sampling.guidance or family.adapter.default_guidance) > 1 else 1
+    train_rows = config.train.minibatch * cfg_rows
+    chunk_rows = max(1, config.sampling.max_batch // cfg_rows) * cfg_rows
+    ckpt = config.train.gradient_checkpointing
+    offload = config.model.offload
+
+    denoiser = (m.denoiser_params + m.denoiser_buffers) * dbytes
+    encoders = sum(m.encoders.values()) * dbytes
+    vae = m.vae_params * dbytes
+    helpers = encoders + vae
+    resident_helpers = 0 if offload else helpers
+    reward = reward_params() * 4
+    moments = 2 if config.train.optimizer == "adamw8bit" else 8  # AdamW: two fp32 moments (bitsandbytes 8-bit: two bytes)
+    lora_state = m.lora_params * (4 + 4 + moments + 4)  # fp32 params, fp32 grads, optimizer moments, DDP gradient bucket (fp32)
+    tree = build_tree(tree_spec(config, 0), config.prompts.per_iteration)
+    latents = tree.num_nodes * math.prod(family.latent(res)) * 4
+    images = len(tree.leaf_index) * 3 * res * res * 4  # decoded leaves, fp32 (B, 3, H, W)
+
+    train_act = m.train(train_rows, ckpt)
+    # sd35 (train.kl_beta > 0): the adapter-free reference forward runs without grad while the
+    # training forward's graph is still held (update.py, _edge_losses)
+    kl_ref = m.held(train_rows, ckpt) + m.rollout(train_rows) if config.train.kl_beta > 0 else 0
+    rollout = m.rollout(chunk_rows)
+    decode = min(family.adapter.decode_batch, len(tree.leaf_index)) * m.decode_image + images
+
+    static = denoiser + resident_helpers + reward + m.lora_params * (4 + moments + 4) + latents  # LoRA + moments + DDP bucket
+    phases = {  # what each phase of an iteration adds on top of `static`
+        "encode": encoders if offload else 0,  # text encoders moved in (model.offload)
+        "rollout": rollout,
+        "decode": (vae if offload else 0) + decode,
+        "update": m.lora_params * 4 + max(train_act, kl_ref),  # LoRA grads + activations
+        # final_evaluation: one more reward model per eval reward (all ViT-H-14 here), ODE sampling at
+        # evaluate.EVAL_BATCH rows for 16 prompts at a time, then their decode
+        "final eval": len(config.eval_rewards) * reward + max(
+            encoders if offload else 0, m.rollout(EVAL_BATCH), (vae if offload else 0) + 8 * m.decode_image + 16 * 3 * res * res * 4),
+    }
+    peak_phase = max(phases, key=phases.get)
+    total = static + phases[peak_phase]
+
+    # explore variant: + the fp8 copy (resident), its refresh after every update, its build at start-up
+    refresh = m.lora_base_params * 4  # quant._merged_tensors: W + B·A of every LoRA layer in fp32, all alive at once
+    explore_static = static + m.copy_bytes
+    explore_phases = dict(phases, refresh=refresh)
+    if explore.explore.mode == "seeds":  # the pool: previewed latents and decoded images of pool × prompts candidates
+        pool = explore.explore.pool * explore.prompts.per_iteration
+        pool_latents = pool * (explore.explore.preview_steps + 1) * math.prod(family.latent(res)) * 4
+        explore_phases["decode"] = (vae if offload else 0) + min(8, pool) * m.decode_image + pool * 3 * res * res * 4 + pool_latents
+    else:  # tree: the explored tree is kept while its kept paths are regenerated
+        explore_static += latents
+    explore_peak_phase = max(explore_phases, key=explore_phases.get)
+    explore_total = explore_static + explore_phases[explore_peak_phase]
+    # start-up: make_quantized_copy deep-copies the policy (bf16 + LoRA) on the GPU before quantising it
+    build = 2 * (denoiser + m.lora_params * 4) + m.lora_params * 4 + reward + resident_helpers
+    if build > explore_total:
+        explore_total, explore_peak_phase = build, "start-up copy"
+
+    gpu_label, capacity = GPUS[family.gpu]
+    return Row(preset, dict(
+        family=family, config=config, m=m, gpu=gpu_label, capacity=capacity * GIB, dtype=config.model.dtype, denoiser=denoiser,
+        encoders=encoders, vae=vae, helpers=helpers, resident_helpers=resident_helpers, offload=offload, reward=reward,
+        lora_state=lora_state, latents=latents, train_rows=train_rows, chunk_rows=chunk_rows, ckpt=ckpt, train_act=train_act,
+        kl_ref=kl_ref, rollout=rollout, decode=decode, static=static, phases=phases, peak_phase=peak_phase, total=total,
+        copy=m.copy_bytes, refresh=refresh, explore_total=explore_total, explore_peak_phase=explore_peak_phase, build=build,
+        explore_phases=explore_phases, explore_static=explore_static, overrides=overrides,
+    ))
+
+
+# ------------------------------------------------------------------------------------------------
+# Output
+# ------------------------------------------------------------------------------------------------
+
+def g(x: float) -> str:
+    return f"{x / GIB:.1f}"
+
+
+def millions(n: int) -> str:
+    return f"{n / 1e9:.3f} B" if n >= 1e9 else f"{n / 1e6:.1f} M"
+
+
+def fits(row: Row, fams: dict[str, Family], cache: dict, key: str = "total") -> str:
+    """If the estimate (`total`, or `explore_total`) is less than RESERVE under the GPU: the single
+    settings (largest values) that bring it RESERVE under, or else a combination."""
+    v = row.values
+    limit = v["capacity"] - RESERVE
+    if v[key] <= limit:
+        return ""
+    config = v["config"]
+
+    def peak(*overrides: str) -> float:
+        return estimate(row.preset, fams, cache, (*v["overrides"], *overrides)).values[key]
+
+    def largest(setting: str, current: int, *fixed: str) -> str | None:
+        """The largest value below `current` that fits (the peak grows with it: bisection)."""
+        low, high = 0, current  # peak(low) fits (0: nothing tried yet), peak(high) does not
+        while high - low > 1:
+            middle = (low + high) // 2
+            low, high = (middle, high) if peak(*fixed, f"{setting}={middle}") <= limit else (low, middle)
+        return f"{' + '.join((*fixed, f'{setting}={low}'))} (→ {g(peak(*fixed, f'{setting}={low}'))} GiB)" if low else None
+
+    options = [largest("train.minibatch", config.train.minibatch), largest("sampling.max_batch", config.sampling.max_batch)]
+    for flag, on in (("train.gradient_checkpointing", config.train.gradient_checkpointing), ("model.offload", config.model.offload)):
+        if not on and (p := peak(f"{flag}=true")) <= limit:
+            options.append(f"{flag}=true (→ {g(p)} GiB)")
+    options = [o for o in options if o]
+    if not options and not config.train.gradient_checkpointing:
+        options = [largest("train.minibatch", config.train.minibatch, "train.gradient_checkpointing=true")]
+    return "; or ".join(o for o in options if o) or "no setting tried (minibatch, max_batch, checkpointing, offload) is enough"
+
+
+def _table(head: list[str], lines: list[list[str]]) -> str:
+    return "\n".join("| " + " | ".join(cells) + " |" for cells in [head, ["---"] * len(head), *lines])
+
+
+def table(rows: list[Row]) -> str:
+    """The main table (GiB; estimates)."""
+    head = ["preset", "GPU (per process)", "denoiser params (weights)", "text enc. + VAE resident", "reward model (fp32)", "LoRA params",
+            "LoRA + grad + AdamW + DDP bucket", "training activations", "rollout chunk peak", "est. peak (when)", "headroom",
+            "+ explore FP8 copy", "-explore est. peak (when)", "-explore headroom"]
+    lines = []
+    for row in rows:
+        v = row.values
+        m: Measured = v["m"]
+        params = millions(m.denoiser_params) + (f" + {millions(m.denoiser_buffers)} buffer" if m.denoiser_buffers else "")
+        helpers = (f"0 (offloaded: {g(v['encoders'])} enc. / {g(v['vae'])} VAE while in use)" if v["offload"]
+                   else f"{g(v['resident_helpers'])} (not offloaded)")
+        act = f"{g(v['train_act'])} ({v['train_rows']} rows, ckpt {'on' if v['ckpt'] else 'off'})"
+        if v["kl_ref"]:
+            act += f"; KL ref. {g(v['kl_ref'])}"
+        lines.append([
+            row.preset, f"{v['gpu']} ({g(v['capacity'])})", f"{params} ({g(v['denoiser'])} {v['dtype']})", helpers, g(v["reward"]),
+            f"{millions(m.lora_params)} (r {v['config'].train.lora_rank})", g(v["lora_state"]), act, f"{g(v['rollout'])} ({v['chunk_rows']} rows)",
+            f"**{g(v['total'])}** ({v['peak_phase']})", g(v["capacity"] - v["total"]), g(v["copy"]),
+            f"**{g(v['explore_total'])}** ({v['explore_peak_phase']})", g(v["capacity"] - v["explore_total"]),
+        ])
+    return _table(head, lines)
+
+
+def phase_table(rows: list[Row]) -> str:
+    head = ["preset", "static (resident all run)", "encode", "rollout", "decode + images", "update", "final eval",
+            "-explore: static", "-explore: decode", "-explore: refresh", "-explore: start-up copy (absolute)"]
+    lines = []
+    for row in rows:
+        v = row.values
+        p, e = v["phases"], v["explore_phases"]
+        lines.append([row.preset, g(v["static"]), *(f"+{g(p[k])}" for k in ("encode", "rollout", "decode", "update", "final eval")),
+                      g(v["explore_static"]), f"+{g(e['decode'])}", f"+{g(e['refresh'])}", g(v["build"])])
+    return _table(head, lines)
+
+
+def per_row_table(rows: list[Row]) -> str:
+    head = ("| family @ px | tokens per row | blocks | training, ckpt off: held + backward = per row | training, ckpt on: held + recompute "
+            "+ backward = per row | fixed per training forward, ckpt off / on | rollout (no grad) per row | VAE decode per image |")
+    out = [head, "|" + "|".join(["---"] * (head.count("|") - 1)) + "|"]
+    seen = set()
+    mib = lambda x: f"{x / 2**20:,.0f}"  # noqa: E731
+    slope = lambda f: f(2) - f(1)  # noqa: E731  (bytes per network row)
+    for row in rows:
+        v = row.values
+        f, m = v["family"], v["m"]
+        res = v["config"].model.resolution
+        if (f.name, res) in seen:
+            continue
+        seen.add((f.name, res))
+        blocks = (", ".join(f"{n}× {k}" for k, n in m.counts.items()) if f.block_lists
+                  else f"{sum(m.counts.values())} checkpointed units (resnets, transformer blocks)")
+        off = [slope(lambda r: m.held(r, False)), slope(m.backward)]
+        on = [slope(lambda r: m.held(r, True)), slope(m.recompute), slope(m.backward)]
+        fixed = [m.train(1, ckpt) - slope(lambda r: m.train(r, ckpt)) for ckpt in (False, True)]
+        out.append(f"| {f.label} @ {res} | {f.tokens(res)} | {blocks} | {' + '.join(map(mib, off))} = **{mib(sum(off))} MiB** "
+                   f"| {' + '.join(map(mib, on))} = **{mib(sum(on))} MiB** | {mib(fixed[0])} / {mib(fixed[1])} MiB "
+                   f"| {mib(slope(m.rollout))} MiB | {mib(m.decode_image)} MiB |")
+    return "\n".join(out)
+
+
+def components_table(rows: list[Row]) -> str:
+    head = "| family | denoiser (exact) | LoRA targets | LoRA params (rank) | FP8 copy: quantised weights / bytes | text encoders | VAE |"
+    out = [head, "|" + "|".join(["---"] * (head.count("|") - 1)) + "|"]
+    seen = set()
+    for row in rows:
+        v = row.values
+        f, m = v["family"], v["m"]
+        if f.name in seen:
+            continue
+        seen.add(f.name)
+        enc = ", ".join(f"{k} {n:,}" for k, n in m.encoders.items())
+        out.append(f"| {f.label} | {m.denoiser_params:,} | {', '.join(f.adapter.lora_target_modules)} | {m.lora_params:,} (r {v['config'].train.lora_rank}) "
+                   f"| {m.copy_quantised:,} / {g(m.copy_bytes)} GiB | {enc} | {f.vae[0]} {m.vae_params:,} |")
+    out.append(f"| reward (HPS v2.1 / PickScore, ViT-H-14) | {reward_params():,} | | | | | |")
+    return "\n".join(out)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--detail", action="store_true", help="also print the phases, per-row figures and component counts")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a config override applied to every preset, e.g. --set train.gradient_checkpointing=false (repeatable)")
+    args = parser.parse_args()
+    fams = families()
+    cache: dict = {}
+    overrides = tuple(args.set)
+    rows = [estimate(p, fams, cache, overrides) for p in PRESETS]
+    print(table(rows))
+    notes = [(r.preset, fits(r, fams, cache)) for r in rows] + [(r.preset + "-explore", fits(r, fams, cache, "explore_total")) for r in rows]
+    print()
+    if any(note for _, note in notes):
+        print(f"Over the GPU or less than {RESERVE // GIB} GiB under it, and settings that bring the estimate {RESERVE // GIB} GiB under it:\n")
+        for preset, note in notes:
+            if note:
+                print(f"- {preset}: {note}")
+    else:
+        print(f"Every preset and its -explore variant leaves at least {RESERVE // GIB} GiB of its GPU free (estimate).")
+    if args.detail:
+        print("\nPhases (GiB; a phase adds to the static part, the peak is static + the largest phase):\n")
+        print(phase_table(rows))
+        print("\nPer network row (bf16 autocast, LoRA attached; MiB):\n")
+        print(per_row_table(rows))
+        print("\nComponents (parameters counted on the meta device):\n")
+        print(components_table(rows))
+
+
+if __name__ == "__main__":
+    main()
