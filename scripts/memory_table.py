@@ -603,7 +603,11 @@ def measure(family: Family, dtype: torch.dtype, rank: int, alpha: float, resolut
 # ------------------------------------------------------------------------------------------------
 
 PRESETS = ["sd35-pickscore", "flux-hps-branch", "flux-hps-mix", "sana-pickscore", "sd15-hps"]
-EVAL_BATCH = 32  # branchdiff.evaluate.EVAL_BATCH: network rows per evaluation forward
+try:
+    from branchdiff.evaluate import EVAL_BATCH  # network rows per evaluation forward
+except ImportError:
+    EVAL_BATCH = 32
+EVAL_CHUNK = 16  # prompts per evaluate() chunk (its default)
 RESERVE = 2 * GIB  # a suggested setting must leave this free: CUDA context (~1 GiB) and allocator slack
 REWARD_PARAMS: dict[str, int] = {}
 
@@ -664,7 +668,9 @@ def estimate(preset: str, fams: dict[str, Family], cache: dict, overrides: tuple
     # training forward's graph is still held (update.py, _edge_losses)
     kl_ref = m.held(train_rows, ckpt) + m.rollout(train_rows) if config.train.kl_beta > 0 else 0
     rollout = m.rollout(chunk_rows)
-    decode = min(family.adapter.decode_batch, len(tree.leaf_index)) * m.decode_image + images
+    decode_batch = family.adapter.decode_batch  # images per VAE call
+    decode = min(decode_batch, len(tree.leaf_index)) * m.decode_image + images
+    eval_images = EVAL_CHUNK * config.prompts.eval_seeds
 
     static = denoiser + resident_helpers + reward + m.lora_params * (4 + moments + 4) + latents  # LoRA + moments + DDP bucket
     phases = {  # what each phase of an iteration adds on top of `static`
@@ -673,9 +679,10 @@ def estimate(preset: str, fams: dict[str, Family], cache: dict, overrides: tuple
         "decode": (vae if offload else 0) + decode,
         "update": m.lora_params * 4 + max(train_act, kl_ref),  # LoRA grads + activations
         # final_evaluation: one more reward model per eval reward (all ViT-H-14 here), ODE sampling at
-        # evaluate.EVAL_BATCH rows for 16 prompts at a time, then their decode
+        # evaluate.EVAL_BATCH rows for EVAL_CHUNK prompts at a time, then their decode
         "final eval": len(config.eval_rewards) * reward + max(
-            encoders if offload else 0, m.rollout(EVAL_BATCH), (vae if offload else 0) + 8 * m.decode_image + 16 * 3 * res * res * 4),
+            encoders if offload else 0, m.rollout(EVAL_BATCH),
+            (vae if offload else 0) + min(decode_batch, eval_images) * m.decode_image + eval_images * 3 * res * res * 4),
     }
     peak_phase = max(phases, key=phases.get)
     total = static + phases[peak_phase]
@@ -687,7 +694,7 @@ def estimate(preset: str, fams: dict[str, Family], cache: dict, overrides: tuple
     if explore.explore.mode == "seeds":  # the pool: previewed latents and decoded images of pool × prompts candidates
         pool = explore.explore.pool * explore.prompts.per_iteration
         pool_latents = pool * (explore.explore.preview_steps + 1) * math.prod(family.latent(res)) * 4
-        explore_phases["decode"] = (vae if offload else 0) + min(8, pool) * m.decode_image + pool * 3 * res * res * 4 + pool_latents
+        explore_phases["decode"] = (vae if offload else 0) + min(decode_batch, pool) * m.decode_image + pool * 3 * res * res * 4 + pool_latents
     else:  # tree: the explored tree is kept while its kept paths are regenerated
         explore_static += latents
     explore_peak_phase = max(explore_phases, key=explore_phases.get)
