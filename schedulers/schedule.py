@@ -18,7 +18,6 @@ from dataclasses import dataclass
 import torch
 
 from branchdiff.schedulers.ddim import ddim_step
-from branchdiff.schedulers.flow import STEP_KINDS as FLOW_STEP_KINDS
 from branchdiff.schedulers.flow import StepOutput, sigma_schedule, step
 
 
@@ -26,8 +25,6 @@ from branchdiff.schedulers.flow import StepOutput, sigma_schedule, step
 class FlowSchedule:
     sigmas: torch.Tensor  # (T+1,) σ_0 = 1 (or near) down to σ_T = 0
     model_times: torch.Tensor  # (T,) what the denoiser is conditioned on at each step (σ, or σ·1000, ...)
-    step_kinds = FLOW_STEP_KINDS
-    prediction = "velocity"
 
     @classmethod
     def shifted(cls, num_steps: int, shift: float, time_scale: float) -> "FlowSchedule":
@@ -60,7 +57,6 @@ class DDIMSchedule:
     alpha_bars: torch.Tensor  # (T+1,) float64 ᾱ at each step, increasing; ᾱ_T is the final (set_alpha_to_one) value
     model_times: torch.Tensor  # (T,) the integer timesteps the denoiser is conditioned on
     step_kinds = ("ode", "ddim")
-    prediction = "epsilon"
 
     @property
     def num_steps(self) -> int:
