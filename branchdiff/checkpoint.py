@@ -24,7 +24,7 @@ REPLACED = ".replaced-"
 PRUNED = ".pruned-"
 STATE_FILE = "trainer_state.json"
 RESUMABLE_KEYS = (
-    "iterations", "output_dir", "final_eval", "logging.*", "prompts.eval", "prompts.eval_seeds",
+    "iterations", "output_dir", "final_eval", "eval_every", "logging.*", "prompts.eval", "prompts.eval_seeds",
     "sampling.max_batch", "sampling.exact",
 )
 
@@ -95,8 +95,11 @@ def find(directory: Path, which: str) -> Path:
     return path
 
 
-def write_state(path: Path, iteration: int, config: dict, num_processes: int) -> None:
-    (path / STATE_FILE).write_text(json.dumps({"iteration": iteration, "config": config, "num_processes": num_processes}))
+def write_state(path: Path, iteration: int, config: dict, num_processes: int, run_state: dict) -> None:
+    """The trainer's state beside accelerate's files: the last complete iteration (the tracker's
+    step), the config, the process count and the run's counters (`run_state`)."""
+    state = {"iteration": iteration, "config": config, "num_processes": num_processes, "run_state": run_state}
+    (path / STATE_FILE).write_text(json.dumps(state))
 
 
 def read_state(path: Path) -> dict:

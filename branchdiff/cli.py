@@ -1,8 +1,9 @@
 """`branchdiff train | sample | eval | bench | rewards`: parse, call, print.
 
 Bad input ends with one line `branchdiff: error: ...` on stderr and exit status 2 (argparse's own
-errors too, without its usage block); nothing already written (checkpoints, metrics) is touched
-before the configuration has been validated.
+errors too, without its usage block; `--debug` shows the traceback instead); Ctrl-C exits with 130
+(`train`: after a checkpoint). Nothing already written (checkpoints, metrics) is touched before the
+configuration has been validated. Every case is listed in docs/errors.md.
 """
 
 from __future__ import annotations
@@ -96,9 +97,15 @@ def _parser() -> argparse.ArgumentParser:
     accel.add_argument("name", nargs="?", default=None, help="single-gpu | multi-gpu | multi-node (none: list them)")
 
     bench = commands.add_parser("bench", help="side-by-side benchmarks")
-    bench.add_argument("which", choices=["tree", "explore"], help="what to benchmark")
+    bench.add_argument("which", choices=["tree", "explore", "curves"], help="what to benchmark")
     bench.add_argument("--json", type=Path, default=None, help="write the table and ratios to this JSON file")
     bench.add_argument("--repeats", type=int, default=3, help="timed repeats of each variant (median reported)")
+    bench.add_argument("--minutes", type=float, default=2.0, help="curves: training wall time of each variant and seed")
+    bench.add_argument("--seeds", type=int, default=3, help="curves: seeds of each variant")
+    bench.add_argument("--out", type=Path, default=Path("docs"), help="curves: folder of the plot and the table")
+
+    report = commands.add_parser("report", help="(re)build RUN_DIR/report.html from a run's metrics, evaluations and samples")
+    report.add_argument("run_dir", type=Path, help="a run directory (output_dir of branchdiff train)")
     return parser
 
 
@@ -128,12 +135,14 @@ def cmd_train(args: argparse.Namespace) -> None:
         raise ConfigError(f"output_dir {run_dir} already holds a run (metrics.jsonl or checkpoints/); "
                           "continue it with --resume latest, or pass another output_dir=")
     from branchdiff.evaluate import format_comparison
+    from branchdiff.run import check_writable, train
     from branchdiff.trainer import Trainer
 
+    check_writable(run_dir)
     trainer = Trainer(config)
     if args.resume:
         trainer.resume(args.resume)
-    trainer.train()
+    train(trainer)
     if config.final_eval and trainer.accelerator.is_main_process:
         print(f"held-out evaluation ({config.prompts.eval}, {config.prompts.eval_seeds} seeds each, ODE {config.sampling.num_steps} steps):")
         print(format_comparison(trainer.final_evaluation()))
@@ -215,8 +224,18 @@ def cmd_bench(args: argparse.Namespace) -> None:
 
     if args.which == "tree":
         bench_tree(args.json, args.repeats)
-    else:
+    elif args.which == "explore":
         bench_explore(args.json)
+    else:
+        from branchdiff.bench_curves import bench_curves
+
+        bench_curves(args.minutes, args.seeds, args.json, args.out)
+
+
+def cmd_report(args: argparse.Namespace) -> None:
+    from branchdiff.run_report import write_report
+
+    print(write_report(args.run_dir))
 
 
 def _yaml_value(text: str):
@@ -281,6 +300,11 @@ def cmd_serve_reward(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run a command. Bad input: one line `branchdiff: error: ...`, exit 2 (`--debug` anywhere on the
+    command line re-raises with the traceback instead); Ctrl-C: exit 130."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv
+    argv = [item for item in argv if item != "--debug"]
     parser = _parser()
     try:
         args, extra = parser.parse_known_args(argv)
@@ -292,17 +316,33 @@ def main(argv: list[str] | None = None) -> int:
         print(f"branchdiff: error: {error}", file=sys.stderr)
         return 2
     from branchdiff.config import ConfigError
+    from branchdiff.errors import UserError
     from branchdiff.rewards.multi import RewardError
     from branchdiff.rewards.remote import RemoteRewardError
 
     try:
         {"train": cmd_train, "sample": cmd_sample, "eval": cmd_eval, "bench": cmd_bench, "rewards": cmd_rewards,
-         "accelerate-config": cmd_accelerate_config,
+         "accelerate-config": cmd_accelerate_config, "report": cmd_report,
          "serve-reward": cmd_serve_reward}[args.command](args)
-    except (ConfigError, FileNotFoundError, ValueError, ImportError, RewardError, RemoteRewardError) as error:
-        print(f"branchdiff: error: {error}", file=sys.stderr)
+    except KeyboardInterrupt as interrupt:
+        if debug:
+            raise
+        print(f"branchdiff: {interrupt or 'interrupted'}", file=sys.stderr)
+        return 130
+    except (ConfigError, UserError, OSError, ValueError, ImportError, RewardError, RemoteRewardError) as error:
+        if debug:
+            raise
+        print(f"branchdiff: error: {_one_line(error)}", file=sys.stderr)
         return 2
     return 0
+
+
+def _one_line(error: BaseException) -> str:
+    """The error's message on one line; an OSError names its file (`[Errno 28] ...: 'path'`)."""
+    if isinstance(error, OSError) and not isinstance(error, FileNotFoundError) and error.strerror:
+        where = f": {error.filename}" if error.filename else ""
+        return f"{error.strerror}{where} ({type(error).__name__}); free space or fix the path's permissions and run again"
+    return " ".join(str(error).split())
 
 
 if __name__ == "__main__":

@@ -99,6 +99,7 @@ class OptimConfig:
     minibatch: int = positive(32)  # parent nodes per training forward/backward
     optimizer_every: int = non_negative(0)  # optimizer step every n trained edges (0: once per iteration)
     max_grad_norm: float = positive(1.0)  # gradient clipping
+    max_skipped_steps: int = positive(5)  # stop (after a checkpoint) when this many optimizer steps in a row had a non-finite gradient
     gradient_checkpointing: bool = False  # recompute the denoiser's activations in backward (less memory, ~30% slower)
     optimizer: str = choice("adamw", "adamw", "adamw8bit")  # adamw8bit: bitsandbytes' 8-bit moments (needs the quant extra)
     weight_decay: float = non_negative(1e-4)  # AdamW weight decay
@@ -122,7 +123,7 @@ class ExploreConfig:
 class LogConfig:
     sample_every: int = non_negative(10)  # save a grid of leaf samples every n iterations (0: never)
     checkpoint_every: int = non_negative(10)  # accelerator.save_state every n iterations (and at the end)
-    keep_checkpoints: int = positive(2)  # newest checkpoints kept
+    checkpoints_total_limit: int = positive(2)  # newest checkpoints kept (older ones deleted after each save)
     tensorboard: bool = True  # log metrics to TensorBoard through accelerate's tracker
 
 
@@ -132,6 +133,7 @@ class TrainConfig:
     iterations: int = positive(60)  # training iterations (rollout + update)
     seed: int = 0  # run seed: prompts, noise and initialisation derive from it
     final_eval: bool = True  # evaluate base vs trained on the eval prompts at the end
+    eval_every: int = non_negative(0)  # held-out evaluation (prompts.eval, eval_rewards) every n iterations into the metrics (0: never)
     reward: str | dict | list[str | dict] = "tiny-geneval"  # a name, dotted path, {name|remote, weight, required, kwargs}, or a list (docs/rewards.md)
     eval_rewards: list[str | dict] = field(default_factory=lambda: ["tiny-geneval"])  # rewards of the final base-vs-trained evaluation
     reward_combine: str = choice("sum_then_normalize", "sum_then_normalize", "normalize_then_sum")  # how several rewards combine (rewards/combine.py)
@@ -157,6 +159,7 @@ def tree_spec(config: TrainConfig, iteration: int) -> TreeSpec:
 
 
 REPLACED_KEYS = {
+    "logging.keep_checkpoints": "renamed logging.checkpoints_total_limit (the newest checkpoints kept)",
     "tree.split_noise_scale": "use tree.split_noise_level (an SDE noise level that enters drift and noise, e.g. 1.2 for η = 0.3 × 4) "
                               "or tree.anchor_noise_multiplier (the BranchGRPO release's noise-only kick); see docs/trees.md",
     "tree.split_logprob": "split edges' log-probs are the density sampled; tree.anchor_noise_multiplier reproduces the release's convention",

@@ -6,6 +6,10 @@ the first inner step) are maxima (`grad_norm` is the last optimizer step's); rew
 are means over every process's leaves (finite scores only); the explorer's ranking agreement is
 computed on every process's candidates.
 
+Per depth d (the depth of an edge's child, 1..T), over the edges with a density (SDE edges):
+`advantage_std/depth_d` and `advantage_abs_mean/depth_d` of the clipped advantages, and
+`edges_trained/depth_d`. `steps_skipped` counts optimizer steps skipped for a non-finite gradient.
+
 Signal diagnostics (a group is one prompt's leaves, the samples GRPO compares):
 `reward_zero_spread_fraction`, the fraction of groups whose combined rewards have (near) zero
 spread, std < 1e-6 (they train nothing), and `reward_group_std`, the mean within-group std.
@@ -36,6 +40,32 @@ def group_spread(total: torch.Tensor, groups: torch.Tensor) -> tuple[int, int, f
     return len(std), int((std < ZERO_SPREAD).sum()), std.sum().item()
 
 
+def depth_advantage_sums(depth: torch.Tensor, advantages: torch.Tensor, has_density: torch.Tensor, trained: torch.Tensor,
+                         num_steps: int) -> torch.Tensor:
+    """(T, 5) float64 per child depth 1..T: edges with a density n, Σ A, Σ A², Σ |A|, edges trained,
+    from each node's depth (N,), advantage (N,) and the masks (N,); sums add up over processes."""
+    rows = torch.zeros(num_steps + 1, 5, dtype=torch.float64)
+    a = advantages.double()
+    values = torch.stack([torch.ones_like(a), a, a**2, a.abs(), trained.double()], dim=1)  # (N, 5)
+    rows.index_add_(0, depth[has_density], values[has_density])
+    return rows[1:]
+
+
+def depth_advantage_metrics(sums: torch.Tensor) -> dict[str, float]:
+    """The per-depth metrics of `depth_advantage_sums` (summed over processes): unbiased std and
+    mean |A| of the depth's advantages, edges trained; depths without SDE edges are left out."""
+    metrics = {}
+    for index, (n, total, squares, absolute, trained) in enumerate(sums.tolist()):
+        if n == 0:
+            continue
+        d = index + 1
+        variance = (squares - total * total / n) / max(n - 1, 1)
+        metrics[f"advantage_std/depth_{d}"] = max(variance, 0.0) ** 0.5
+        metrics[f"advantage_abs_mean/depth_{d}"] = absolute / n
+        metrics[f"edges_trained/depth_{d}"] = int(trained)
+    return metrics
+
+
 def _mean_finite(values: torch.Tensor) -> float:
     finite = values[torch.isfinite(values)]
     return finite.mean().item() if len(finite) else float("nan")
@@ -45,12 +75,14 @@ def iteration_metrics(
     collective: Collective,
     rollout: Rollout,
     rewards: RewardBatch,
+    node_advantages: torch.Tensor,
     trained: torch.Tensor,
     update: dict[str, float],
     info: dict,
 ) -> dict[str, float]:
-    """`rewards`: this process's leaf rewards; `trained` (N,) bool; `update`: this process's sums
-    from `PolicyUpdate`; `info`: timings, dropped groups and explore results of the iteration."""
+    """`rewards`: this process's leaf rewards; `node_advantages` (N,) clipped; `trained` (N,) bool;
+    `update`: this process's sums from `PolicyUpdate`; `info`: timings, dropped groups and explore
+    results of the iteration."""
     tree = rollout.tree
     scores = {**rewards.components, **rewards.extras}  # every per-leaf score, gathered at once with the total
     gathered = collective.cat(torch.stack([rewards.total, *scores.values()], dim=1).float())[0]  # (L_all, 1 + K)
@@ -92,8 +124,11 @@ def iteration_metrics(
         **{f"accuracy_{name}": _mean_finite(per_leaf[name]) for name in rewards.extras},
         **counts, **edge_means, **maxima,
         "grad_norm": update["grad_norm"],  # identical on every process after DDP's gradient sync
-        "optimizer_steps": update["optimizer_steps"],
+        "optimizer_steps": update["optimizer_steps"], "steps_skipped": update["steps_skipped"],  # the same on every process
     }
+    has_density = tree.is_sde_edge & (rollout.std > 0)
+    depth_sums = depth_advantage_sums(tree.depth, node_advantages, has_density, trained, tree.spec.num_steps)
+    metrics.update(depth_advantage_metrics(collective.sum(depth_sums)))
     for subset in ("kept", "pool"):  # explorer vs policy rewards (P, K) of the kept subset, (P, N) of the whole pool
         if f"explore_{subset}" in info:
             pool, policy = (collective.cat(values)[0] for values in info[f"explore_{subset}"])

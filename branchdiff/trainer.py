@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import json
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,21 +23,20 @@ from pathlib import Path
 import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedDataParallelKwargs, ProjectConfiguration, set_seed
-from tqdm.auto import tqdm
 
 from branchdiff import checkpoint, prune
 from branchdiff.advantage import depthwise_advantages, fuse_rewards
 from branchdiff.config import TrainConfig, save_config, to_dict, trainable_steps, tree_spec
 from branchdiff.data import draw_prompts, load_prompt_set
 from branchdiff.distributed import AcceleratorCollective
-from branchdiff.evaluate import evaluate, summarize
+from branchdiff.errors import CheckpointError
+from branchdiff.evaluate import EvalResult, evaluate, gather_results, sample_ode, summarize
 from branchdiff.explore import ExploreResult, explore_seeds, explore_tree, latent_difference, pool_under_policy, selection_generators
 from branchdiff.metrics import iteration_metrics
 from branchdiff.models import load_adapter
 from branchdiff.models.base import ModelAdapter
 from branchdiff.models.lora import add_lora
 from branchdiff.quant import QuantConfig, make_quantized_copy, refresh_quantized_copy
-from branchdiff.report import save_grid
 from branchdiff.rewards.combine import parse_reward_specs
 from branchdiff.rewards.multi import MultiReward, RewardBatch, build_component
 from branchdiff.rollout import NoiseAddress, Rollout, SamplerSettings, grow
@@ -112,6 +112,8 @@ class Trainer:
         self.prompts = self.prompt_set.prompts
         self.explorer = self._make_explorer()
         self.start_iteration = 0
+        self._eval_rewards: dict[str, object] | None = None
+        self.run_state = {"skipped_in_a_row": 0}  # optimizer steps skipped in a row (non-finite gradients), across iterations
 
     def _make_explorer(self) -> ModelAdapter | None:
         """The policy itself (backend none) or a 4-bit copy of it, for explore modes."""
@@ -147,23 +149,35 @@ class Trainer:
         return self.run_dir / "checkpoints"
 
     def save_checkpoint(self, iteration: int) -> None:
-        """Written to a staging folder, published by renames (`checkpoint.publish`); old ones pruned."""
+        """Everything the run needs to continue as if never stopped: LoRA, optimizer and RNG states
+        (accelerate), the iteration, config and `run_state` counters; the rest is a function of the
+        iteration (prompts, noise, step subsampling, pruning and Mix windows) or of the LoRA (the
+        explorer's quantised copy). Written to a staging folder, published by renames
+        (`checkpoint.publish`); old ones pruned. A failed write (a full disk) removes the staging
+        folder and raises `CheckpointError`: the published checkpoints stay as they were."""
         final = self.checkpoint_dir / checkpoint.name(iteration)
         staging = checkpoint.staging(final)
         if self.accelerator.is_main_process and self.checkpoint_dir.exists():
             checkpoint.clean_interrupted(self.checkpoint_dir)
         self.accelerator.wait_for_everyone()
-        self.accelerator.save_state(str(staging))
-        self.accelerator.wait_for_everyone()  # every process's RNG state is in staging before it is published
-        if self.accelerator.is_main_process:
-            checkpoint.write_state(staging, iteration, to_dict(self.config), self.accelerator.num_processes)
-            checkpoint.publish(staging, final)
-            checkpoint.prune(self.checkpoint_dir, self.config.logging.keep_checkpoints)
+        try:
+            self.accelerator.save_state(str(staging))
+            self.accelerator.wait_for_everyone()  # every process's RNG state is in staging before it is published
+            if self.accelerator.is_main_process:
+                checkpoint.write_state(staging, iteration, to_dict(self.config), self.accelerator.num_processes, self.run_state)
+                checkpoint.publish(staging, final)
+                checkpoint.prune(self.checkpoint_dir, self.config.logging.checkpoints_total_limit)
+        except OSError as error:
+            shutil.rmtree(staging, ignore_errors=True)
+            kept = checkpoint.checkpoints(self.checkpoint_dir)
+            previous = f"the newest complete one, {kept[-1]}, is intact" if kept else "no earlier checkpoint exists"
+            raise CheckpointError(f"could not write checkpoint {final} ({error.strerror or error}); {previous}; "
+                                  "free disk space (or pass another output_dir=) and continue with --resume latest") from None
         self.accelerator.wait_for_everyone()
 
     def resume(self, which: str) -> None:
-        """Continue from checkpoint `which` ("latest" or a path): LoRA, optimizer, iteration. The
-        checkpoint must have been made with this config (`checkpoint.check_config`)."""
+        """Continue from checkpoint `which` ("latest" or a path): LoRA, optimizer, iteration and
+        counters. The checkpoint must have been made with this config (`checkpoint.check_config`)."""
         if self.accelerator.is_main_process and self.checkpoint_dir.exists():
             checkpoint.restore_replaced(self.checkpoint_dir)
         self.accelerator.wait_for_everyone()
@@ -175,9 +189,16 @@ class Trainer:
         checkpoint.check_processes(state.get("num_processes"), self.accelerator.num_processes, path)
         if self.accelerator.is_main_process:
             checkpoint.clean_interrupted(self.checkpoint_dir)
-        self.accelerator.load_state(str(path))
+        try:
+            self.accelerator.load_state(str(path))
+        except Exception as error:  # safetensors, torch.load and peft each raise their own types for a bad file
+            older = [p for p in checkpoint.checkpoints(self.checkpoint_dir) if p.name < path.name]
+            hint = f"resume from an older one (--resume {older[-1]})" if older else "start a new run in another output_dir="
+            reason = " ".join(str(error).split())[:200]
+            raise CheckpointError(f"--resume: checkpoint {path} is damaged or not this run's ({type(error).__name__}: {reason}); {hint}") from None
         self.refresh_explorer()  # the 4-bit copy must follow the restored LoRA
         self.start_iteration = state["iteration"] + 1
+        self.run_state.update(state.get("run_state", {}))
         self._truncate_metrics(state["iteration"])
 
     def _truncate_metrics(self, last_iteration: int) -> None:
@@ -272,22 +293,27 @@ class Trainer:
         return self._score_latents(prompts, metadata)(latents, prompt_index).reshape(len(prompts), -1, per_candidate).mean(-1)
 
     def run_iteration(self, iteration: int, per_node: bool = False) -> IterationResult:
-        """One iteration; `per_node` grows the tree with batch-1 forwards (benchmarks)."""
+        """One iteration; `per_node` grows the tree with batch-1 forwards (benchmarks). A group with
+        a non-finite reward on any leaf is dropped: its advantages are 0 and none of its edges train."""
         config = self.config
         rollout, images, rewards, info = self.rollout_and_score(iteration, per_node)
         tree = rollout.tree
-        leaf_rewards = rewards.total
-        dropped = ~torch.isfinite(leaf_rewards)  # groups with no usable reward component: no signal, trained with A = 0
-        info["groups_dropped"] = len(torch.unique(tree.prompt[tree.leaf_index][dropped]))
-        leaf_rewards = torch.where(dropped, torch.zeros_like(leaf_rewards), leaf_rewards)
+        leaf_groups = tree.prompt[tree.leaf_index]  # (L,)
+        dropped = torch.zeros(tree.num_prompts, dtype=torch.bool)  # (P,)
+        dropped[leaf_groups[~torch.isfinite(rewards.total)]] = True
+        info["groups_dropped"] = int(dropped.sum())
+        leaf_rewards = torch.where(dropped[leaf_groups], torch.zeros_like(rewards.total), rewards.total)
         node_rewards = fuse_rewards(tree, leaf_rewards, rollout.log_prob, config.advantage.fusion, config.advantage.alpha)
         node_advantages = depthwise_advantages(tree, node_rewards, config.advantage.scope, self.collective)
         node_advantages = node_advantages.clamp(-config.advantage.clip, config.advantage.clip)
-        mask = self.trainable_mask(rollout, node_advantages, iteration)
+        node_advantages = torch.where(dropped[tree.prompt], torch.zeros_like(node_advantages), node_advantages)
+        mask = self.trainable_mask(rollout, node_advantages, iteration) & ~dropped[tree.prompt]
         start = time.perf_counter()
         train_stats = self.update(rollout, info["embeds"], node_advantages, mask, iteration)
         info["train_seconds"] = time.perf_counter() - start
-        metrics = {"iteration": iteration, **iteration_metrics(self.collective, rollout, rewards, mask, train_stats, info)}
+        streak = self.run_state["skipped_in_a_row"] + train_stats["steps_skipped"]
+        self.run_state["skipped_in_a_row"] = train_stats["trailing_skips"] if train_stats["optimizer_steps"] else streak
+        metrics = {"iteration": iteration, **iteration_metrics(self.collective, rollout, rewards, node_advantages, mask, train_stats, info)}
         self.refresh_explorer()
         return IterationResult(metrics, rollout, images, node_rewards, node_advantages, mask)
 
@@ -295,69 +321,49 @@ class Trainer:
         """Clipped GRPO on the masked edges (`branchdiff.update.PolicyUpdate`)."""
         return self.policy_update(rollout, embeds, node_advantages, mask, iteration)
 
-    # ---------------------------------------------------------------- the run
-    def train(self) -> None:
-        config, accelerator = self.config, self.accelerator
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        if accelerator.is_main_process:
-            save_config(config, self.run_dir / "config.yaml")
-        accelerator.init_trackers("branchdiff")
-        progress = tqdm(range(self.start_iteration, config.iterations), initial=self.start_iteration, total=config.iterations,
-                        desc="train", disable=not accelerator.is_local_main_process)
-        for iteration in progress:
-            result = self.run_iteration(iteration)
-            metrics = result.metrics
-            accelerator.log({k: v for k, v in metrics.items() if k != "iteration"}, step=iteration)
-            if accelerator.is_main_process:
-                with (self.run_dir / "metrics.jsonl").open("a") as handle:
-                    handle.write(json.dumps(metrics) + "\n")
-                every = config.logging.sample_every
-                if every and (iteration % every == 0 or iteration == config.iterations - 1):
-                    tree = result.rollout.tree
-                    leaves_per_prompt = len(tree.leaf_index) // tree.num_prompts
-                    save_grid(result.leaf_images[: 4 * leaves_per_prompt], self.run_dir / "samples" / f"iter-{iteration:06d}.png", nrow=leaves_per_prompt)
-            progress.set_postfix(progress_fields(metrics))
-            every = config.logging.checkpoint_every
-            if (every and (iteration + 1) % every == 0) or iteration == config.iterations - 1:
-                self.save_checkpoint(iteration)
-        if accelerator.is_main_process:
-            self.adapter.save_lora(self.run_dir / "lora")
-        accelerator.end_training()
+    # ---------------------------------------------------------------- evaluation
+    def eval_rewards(self) -> dict[str, object]:
+        """The evaluation rewards (`eval_rewards`) by label, built on first use."""
+        if self._eval_rewards is None:
+            specs = parse_reward_specs(self.config.eval_rewards)
+            self._eval_rewards = {spec.label: build_component(spec, str(self.accelerator.device)) for spec in specs}
+        return self._eval_rewards
+
+    def _evaluate(self, process_index: int = 0, num_processes: int = 1) -> EvalResult:
+        config = self.config
+        return evaluate(self.adapter, load_prompt_set(config.prompts.eval), self.eval_rewards(), config.prompts.eval_seeds,
+                        config.sampling.num_steps, config.sampling.shift, process_index=process_index, num_processes=num_processes,
+                        guidance=config.prompts.eval_guidance)
+
+    def heldout_metrics(self) -> dict[str, float]:
+        """The policy's mean score on the eval prompts, `eval_<score>` for each eval reward and its
+        extras (fixed noise, ODE), each process sampling its share of the prompts; `eval_seconds`."""
+        start = time.perf_counter()
+        result = gather_results(self._evaluate(self.accelerator.process_index, self.accelerator.num_processes), self.accelerator)
+        summary = summarize(result)["all"]
+        return {**{f"eval_{name}": row["mean"] for name, row in summary.items()}, "eval_seconds": time.perf_counter() - start}
+
+    def fixed_samples(self, prompts: int = 4, images_per_prompt: int = 4) -> torch.Tensor:
+        """(prompts · images_per_prompt, 3, H, W) the policy's ODE samples of the first eval prompts
+        with fixed seeds: the same noise at every call, so grids compare across iterations."""
+        config = self.config
+        chosen = load_prompt_set(config.prompts.eval).prompts[:prompts]
+        return sample_ode(self.adapter, chosen, images_per_prompt, config.sampling.num_steps, config.sampling.shift,
+                          guidance=config.prompts.eval_guidance)[0]
 
     def final_evaluation(self) -> dict[str, dict[str, float]]:
         """Base (adapter disabled) vs trained on the eval prompts with the eval rewards and the same
         fixed noise: mean scores by model; the full summaries go to eval.json in the run directory.
         Runs the plain denoiser, so one process may call it alone."""
         config = self.config
-        specs = parse_reward_specs(config.eval_rewards)
-        rewards = {spec.label: build_component(spec, str(self.accelerator.device)) for spec in specs}
-        prompt_set = load_prompt_set(config.prompts.eval)
-        args = (prompt_set, rewards, config.prompts.eval_seeds, config.sampling.num_steps, config.sampling.shift)
-        guidance = config.prompts.eval_guidance
         self.adapter.denoiser.disable_adapters()
-        summaries = {"base": summarize(evaluate(self.adapter, *args, guidance=guidance))}
+        summaries = {"base": summarize(self._evaluate())}
         self.adapter.denoiser.enable_adapters()
-        summaries["trained"] = summarize(evaluate(self.adapter, *args, guidance=guidance))
-        scales = {label: getattr(reward, "scale", "unspecified") for label, reward in rewards.items()}
+        summaries["trained"] = summarize(self._evaluate())
+        scales = {label: getattr(reward, "scale", "unspecified") for label, reward in self.eval_rewards().items()}
         report = {"prompts": config.prompts.eval, "images_per_prompt": config.prompts.eval_seeds, "scales": scales, **summaries}
         (self.run_dir / "eval.json").write_text(json.dumps(report, indent=1))
         return {model: {name: row["mean"] for name, row in summary["all"].items()} for model, summary in summaries.items()}
-
-
-WEAK_SIGNAL = 0.25  # the progress bar warns when more than this fraction of groups has no reward spread
-
-
-def progress_fields(metrics: dict[str, float]) -> dict[str, str]:
-    """The progress bar's fields: reward, tiny-task accuracy when scored, and a warning when many
-    groups carry no signal (all their samples scored alike) or were dropped."""
-    fields = {"reward": f"{metrics['reward_mean']:.3f}"}
-    if "accuracy_strict" in metrics:
-        fields["strict"] = f"{metrics['accuracy_strict']:.2f}"
-    if metrics["reward_zero_spread_fraction"] > WEAK_SIGNAL:
-        fields["no-spread groups"] = f"{metrics['reward_zero_spread_fraction']:.0%}"
-    if metrics["groups_dropped"]:
-        fields["dropped groups"] = str(metrics["groups_dropped"])
-    return fields
 
 
 def _saved_run_config(run_dir: Path) -> dict | None:

@@ -5,10 +5,15 @@ velocity serves all its trained children. With several processes, every process 
 optimizer steps (`optimizer_groups` from the global edge count), and a step's loss is the sum over
 its edges on all processes divided by their global count, so an edge weighs the same whichever
 process holds it; a process with no edges in a step joins DDP's gradient sync with a zero loss.
+
+A step whose gradient norm is not finite (a NaN or inf loss or gradient on any process: DDP's
+all-reduce spreads it to every process, so all of them decide alike) is skipped: its gradients are
+dropped and the weights and optimizer moments stay as they were (`steps_skipped`).
 """
 
 from __future__ import annotations
 
+import math
 from contextlib import nullcontext
 from dataclasses import dataclass
 
@@ -39,10 +44,12 @@ class PolicyUpdate:
     def __call__(self, rollout: Rollout, embeds: dict, node_advantages: torch.Tensor, mask: torch.Tensor, iteration: int) -> dict[str, float]:
         """Train the edges into the nodes `mask` (N,) with their `node_advantages` (N,); returns this
         process's sums (loss, clipped edges, KL, parent forwards), the log-prob check, the gradient
-        norm and the number of optimizer steps."""
+        norm, the number of optimizer steps taken and skipped (non-finite gradients), and the skips
+        after the last step taken (`trailing_skips`)."""
         config, tree, accelerator = self.config, rollout.tree, self.accelerator
         edges = torch.nonzero(mask).squeeze(1)  # (E,) child node of each trained edge
-        stats = {"loss_sum": 0.0, "clipped": 0.0, "kl_sum": 0.0, "logprob_check": 0.0, "nfe_trained": 0, "optimizer_steps": 0, "grad_norm": 0.0}
+        stats = {"loss_sum": 0.0, "clipped": 0.0, "kl_sum": 0.0, "logprob_check": 0.0, "nfe_trained": 0, "optimizer_steps": 0,
+                 "steps_skipped": 0, "trailing_skips": 0, "grad_norm": 0.0}
         global_edges = int(self.collective.sum(torch.tensor([float(len(edges))], dtype=torch.float64)).item())
         if global_edges == 0:
             return stats
@@ -79,11 +86,16 @@ class PolicyUpdate:
                         stats["kl_sum"] += kl.sum().item()
                         stats["nfe_trained"] += len(parent_rows)
                     accelerator.backward(loss)
-            if accelerator.sync_gradients:
-                stats["grad_norm"] = float(accelerator.clip_grad_norm_(self.params, config.train.max_grad_norm))
-            self.optimizer.step()
+            grad_norm = float(accelerator.clip_grad_norm_(self.params, config.train.max_grad_norm))
+            stats["grad_norm"] = grad_norm
+            if math.isfinite(grad_norm):
+                self.optimizer.step()
+                stats["optimizer_steps"] += 1
+                stats["trailing_skips"] = 0
+            else:
+                stats["steps_skipped"] += 1
+                stats["trailing_skips"] += 1
             self.optimizer.zero_grad(set_to_none=True)
-            stats["optimizer_steps"] += 1
         return stats
 
     def _edge_losses(self, rollout: Rollout, embeds: dict, node_advantages: torch.Tensor, parent_nodes: torch.Tensor,

@@ -280,9 +280,12 @@ def test_non_finite_scores_are_counted_not_trained_on(tiny_model_dir, tmp_path, 
     metrics = _first_metrics(tmp_path / "run")
     assert metrics["reward_rewards_for_tests_AllNaN_nonfinite"] == 6 and metrics["groups_dropped"] == 0
     assert metrics["reward_mean"] == pytest.approx(metrics["reward_rewards_for_tests_Redness"])  # the NaN component is left out
-    assert main(["train", "tiny-chain", *_one_iteration(tiny_model_dir, tmp_path / "nan", "rewards_for_tests:AllNaN")]) == 0
+    # every group dropped: the run stops with one line, after a checkpoint of the iteration
+    assert main(["train", "tiny-chain", *_one_iteration(tiny_model_dir, tmp_path / "nan", "rewards_for_tests:AllNaN")]) == 2
+    assert "every group of iteration 0 had a non-finite reward (reward_rewards_for_tests_AllNaN" in capsys.readouterr().err.splitlines()[-1]
     metrics = _first_metrics(tmp_path / "nan")
-    assert metrics["groups_dropped"] == 2 and metrics["loss"] == 0.0  # every group dropped: trained with A = 0
+    assert metrics["groups_dropped"] == 2 and metrics["edges_trained"] == 0 and metrics["optimizer_steps"] == 0
+    assert (tmp_path / "nan" / "checkpoints" / "iter-000000" / "trainer_state.json").is_file()
     assert main(["eval", "--model", str(tiny_model_dir), "--prompts", "tiny:held_out", "--rewards", "rewards_for_tests:AllNaN",
                  "--seeds", "1", "--steps", "2", "--out", str(tmp_path / "eval")]) == 0
     assert "(36 NaN)" in capsys.readouterr().out

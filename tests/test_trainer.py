@@ -59,7 +59,7 @@ def test_resume_continues_exactly(tiny_model_dir, tmp_path):
 
 def test_resume_from_an_earlier_checkpoint_rewrites_later_metrics(tiny_model_dir, tmp_path):
     run = tmp_path / "run"
-    assert main(["train", "tiny-chain", *_overrides(tiny_model_dir, run, 2, "logging.keep_checkpoints=5")]) == 0
+    assert main(["train", "tiny-chain", *_overrides(tiny_model_dir, run, 2, "logging.checkpoints_total_limit=5")]) == 0
     assert main(["train", "tiny-chain", *_overrides(tiny_model_dir, run, 2), "--resume", str(run / "checkpoints" / "iter-000000")]) == 0
     assert [m["iteration"] for m in _metrics(run)] == [0, 1]
 

@@ -1,0 +1,510 @@
+"""A run's report: RUN_DIR/report.html, one self-contained page (plots and sample grids embedded as
+base64 PNGs; no script, no external CSS, font or image) that opens offline.
+
+Built from what the run directory holds; only metrics.jsonl is required:
+  config.yaml              the effective config (a few facts on top, the whole file folded away)
+  metrics.jsonl            one JSON object per iteration; a line cut off by a crash is skipped
+  eval.json                the final base-vs-trained evaluation
+  samples/iter-*.png       training leaves of random prompts
+  samples/eval-iter-*.png  fixed held-out prompts and seeds at each evaluation
+A section whose inputs are absent says "not recorded in this run", and a section that fails to draw
+says so in place: the trainer rebuilds the report at every checkpoint and must not stop for it.
+
+The base model's level of a curve is its value at iteration 0: the LoRA starts at zero, so
+iteration 0's rollouts, and the evaluation logged with it, come from the base model.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import math
+import os
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from html import escape
+from pathlib import Path
+
+import numpy as np
+import yaml
+from matplotlib.axes import Axes
+from matplotlib.figure import Figure
+from matplotlib.ticker import LogLocator, MaxNLocator, NullLocator
+from PIL import Image
+
+# keys of metrics.jsonl that are not reward components (branchdiff/metrics.py, trainer.py)
+NOT_COMPONENTS = frozenset({
+    "iteration", "reward_mean", "reward_std", "reward_zero_spread_fraction", "reward_group_std",
+    "groups_dropped", "groups_dropped_nonfinite", "nfe_rollout", "nfe_rollout_computed", "nfe_trained",
+    "edges_trained", "rollout_seconds", "reward_seconds", "train_seconds", "eval_seconds",
+    "loss", "clip_fraction", "kl", "logprob_check", "grad_norm", "optimizer_steps", "steps_skipped",
+})
+NOT_COMPONENT_PREFIXES = ("accuracy_", "eval_", "explore_", "advantage_")
+NOT_COMPONENT_SUFFIXES = ("_failed", "_nonfinite")  # per-component failure counts
+DEPTH_KEY = re.compile(r"^(advantage_std|advantage_abs_mean|edges_trained)/depth_(\d+)$")
+GRID_FILE = re.compile(r"^(eval-)?iter-(\d+)\.png$")
+PHASES = ("rollout_seconds", "reward_seconds", "train_seconds", "eval_seconds")
+NFE_KEYS = ("nfe_rollout", "nfe_rollout_computed", "nfe_trained")
+UPDATE_KEYS = ("logprob_check", "loss", "clip_fraction", "kl", "grad_norm", "steps_skipped")
+EVAL_GRIDS = 8  # held-out grids shown, evenly spaced, first and last included
+TRAIN_GRIDS = 3  # newest training grids shown
+MAX_GRID_SIDE = 2048  # larger grids are downscaled before embedding (keeps the page a few MB)
+LOGPROB_FLOOR = 1e-12  # exact zeros of logprob_check drawn here on the log axis
+
+STYLE = """body{font-family:system-ui,sans-serif;max-width:1240px;margin:1em auto;padding:0 1em;color:#222}
+h2{border-bottom:1px solid #ccc;margin-top:1.6em}nav a{margin-right:1em}
+img.plot{max-width:100%;display:block}img.grid{width:100%;display:block;image-rendering:pixelated}
+figure{display:inline-block;width:calc(50% - 1.2em);margin:.4em;vertical-align:top}figcaption{font-size:.85em;color:#555}
+table{border-collapse:collapse;margin:.5em 0}td,th{border:1px solid #ccc;padding:2px 8px;text-align:right}
+td:first-child,th:first-child{text-align:left}.missing{color:#888;font-style:italic}
+pre{background:#f6f6f6;padding:.5em;overflow:auto;font-size:.85em}"""
+
+Column = tuple[np.ndarray, np.ndarray]  # (iterations, values) of the rows that log a key; NaN kept (a gap)
+
+
+@dataclass
+class Run:
+    """What a run directory holds."""
+
+    run_dir: Path
+    iterations: np.ndarray  # (R,) the logged iterations, increasing
+    columns: dict[str, Column]  # every numeric metric, in first-logged order
+    config: dict | None  # config.yaml parsed
+    config_text: str | None  # config.yaml as written
+    evaluation: dict | None  # eval.json
+
+    def has(self, *keys: str) -> list[str]:
+        """The keys the run logged."""
+        return [k for k in keys if k in self.columns]
+
+    def aligned(self, key: str) -> np.ndarray:
+        """(R,) the key's values on every logged iteration, NaN where not logged."""
+        out = np.full(len(self.iterations), np.nan)
+        if key in self.columns:
+            iterations, values = self.columns[key]
+            out[np.searchsorted(self.iterations, iterations)] = values
+        return out
+
+
+# ---------------------------------------------------------------- reading
+def read_metrics(path: Path) -> list[dict]:
+    """The JSON objects of a metrics.jsonl with an integer `iteration`, sorted by iteration; lines
+    that do not parse (a crash cuts the last one) are skipped, a repeated iteration keeps its last line."""
+    rows: dict[int, dict] = {}
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(row, dict) and isinstance(row.get("iteration"), int):
+            rows[row["iteration"]] = row
+    return [rows[i] for i in sorted(rows)]
+
+
+def columns(rows: list[dict]) -> dict[str, Column]:
+    """Every numeric key of `rows` (sorted by iteration) as (iterations, values), in first-seen order."""
+    pairs: dict[str, list[tuple[int, float]]] = {}
+    for row in rows:
+        for key, value in row.items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and key != "iteration":
+                pairs.setdefault(key, []).append((row["iteration"], value))
+    return {key: (np.array([p[0] for p in kept], dtype=float), np.array([p[1] for p in kept], dtype=float)) for key, kept in pairs.items()}
+
+
+def base_level(iterations: np.ndarray, values: np.ndarray) -> float | None:
+    """The base model's level of a curve: its value at iteration 0 (None when not logged or not finite)."""
+    at_zero = values[iterations == 0]
+    return float(at_zero[0]) if len(at_zero) and math.isfinite(at_zero[0]) else None
+
+
+def moving_average(values: np.ndarray, window: int) -> np.ndarray:
+    """Trailing mean of the finite values among the last `window` at each point:
+    m_i = mean{v_j : i - w < j <= i, v_j finite} (NaN where there is none)."""
+    finite = np.isfinite(values)
+    sums = np.concatenate([[0.0], np.cumsum(np.where(finite, values, 0.0))])
+    counts = np.concatenate([[0], np.cumsum(finite)])
+    end = np.arange(1, len(values) + 1)
+    start = np.maximum(end - window, 0)
+    n = counts[end] - counts[start]
+    return np.where(n > 0, (sums[end] - sums[start]) / np.maximum(n, 1), np.nan)
+
+
+def smoothing_window(count: int) -> int:
+    """Moving-average window of a curve of `count` points: max(1, count // 20)."""
+    return max(1, count // 20)
+
+
+def reward_components(keys: list[str]) -> list[str]:
+    """Reward component keys among metric keys: the ones no other part of the metrics claims."""
+    return [k for k in keys if k not in NOT_COMPONENTS and not k.startswith(NOT_COMPONENT_PREFIXES)
+            and not k.endswith(NOT_COMPONENT_SUFFIXES) and not DEPTH_KEY.match(k)]
+
+
+def evenly_spaced(items: list, count: int) -> list:
+    """At most `count` items evenly spaced over `items`, first and last included."""
+    if len(items) <= count:
+        return list(items)
+    return [items[i] for i in sorted({round(x) for x in np.linspace(0, len(items) - 1, count)})]
+
+
+def _read_run(run_dir: Path) -> Run:
+    metrics = run_dir / "metrics.jsonl"
+    if not metrics.is_file():
+        raise FileNotFoundError(f"{run_dir} is not a run directory (no metrics.jsonl); pass the output_dir of branchdiff train")
+    rows = read_metrics(metrics)
+    config_path, eval_path = run_dir / "config.yaml", run_dir / "eval.json"
+    config_text = config_path.read_text(errors="replace") if config_path.is_file() else None
+    try:
+        config = yaml.safe_load(config_text) if config_text else None
+    except yaml.YAMLError:
+        config = None
+    try:
+        evaluation = json.loads(eval_path.read_text()) if eval_path.is_file() else None
+    except json.JSONDecodeError:
+        evaluation = None
+    return Run(run_dir, np.array([r["iteration"] for r in rows], dtype=float), columns(rows),
+               config if isinstance(config, dict) else None, config_text, evaluation if isinstance(evaluation, dict) else None)
+
+
+# ---------------------------------------------------------------- drawing
+def _png(figure: Figure) -> str:
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png", pil_kwargs={"compress_level": 3})
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+def _img(uri: str, alt: str, kind: str = "plot") -> str:
+    return f'<img class="{kind}" alt="{escape(alt)}" src="{uri}">'
+
+
+def _note(text: str) -> str:
+    return f'<p class="missing">{escape(text)}</p>'
+
+
+def _missing(what: str) -> str:
+    return _note(f"{what} not recorded in this run.")
+
+
+def _table(header: list[str], body: list[list[str]]) -> str:
+    head = "".join(f"<th>{escape(h)}</th>" for h in header)
+    lines = "".join("<tr>" + "".join(f"<td>{escape(c)}</td>" for c in line) + "</tr>" for line in body)
+    return f"<table><tr>{head}</tr>{lines}</table>"
+
+
+def _get(config: object, dotted: str) -> object:
+    """config["a"]["b"] for "a.b"; None when a level is absent."""
+    for key in dotted.split("."):
+        config = config.get(key) if isinstance(config, dict) else None
+    return config
+
+
+def _mean(values: np.ndarray, axis: int | None = None) -> np.ndarray:
+    """Mean of the finite values (NaN where there is none), without numpy's empty-slice warning."""
+    finite = np.isfinite(values)
+    with np.errstate(invalid="ignore"):
+        return np.where(finite, values, 0.0).sum(axis) / finite.sum(axis)
+
+
+def _fmt(x: float | None) -> str:
+    return "–" if x is None else f"{x:.4g}"
+
+
+def _figure(width: float, height: float, lines: int = 1, columns: int = 1) -> tuple[Figure, np.ndarray]:
+    """lines × columns axes with fixed margins in inches (a layout engine doubles the drawing time)."""
+    figure = Figure(figsize=(width, height), dpi=100)
+    margins = dict(left=0.55 / width, right=1 - 0.15 / width, bottom=0.45 / height, top=1 - 0.3 / height, wspace=0.3, hspace=0.65)
+    axes = figure.subplots(lines, columns, squeeze=False, gridspec_kw=margins).ravel()
+    for ax in axes:
+        ax.tick_params(labelsize=7)
+        ax.xaxis.set_major_locator(MaxNLocator(5, integer=True))
+        ax.yaxis.set_major_locator(MaxNLocator(4))
+    return figure, axes
+
+
+def _curve(ax: Axes, key: str, column: Column, smooth: bool = True, markers: bool = False) -> None:
+    """One metric over iterations: a thin raw line and its moving average (or markers), and the
+    base model's level dashed when the curve starts at iteration 0."""
+    iterations, values = column
+    ax.set_title(key, fontsize=9)
+    if smooth and len(values) > 1:
+        window = smoothing_window(len(values))
+        ax.plot(iterations, values, lw=0.6, alpha=0.45, color="C0", label="per iteration")
+        ax.plot(iterations, moving_average(values, window), lw=1.5, color="C0", label=f"moving average ({window})")
+    else:
+        ax.plot(iterations, values, lw=1.2, marker="o" if markers else None, ms=3, color="C0", label=key)
+    if (base := base_level(iterations, values)) is not None:
+        ax.axhline(base, ls="--", lw=1, color="0.35", label="base (iteration 0)")
+    ax.grid(alpha=0.3)
+
+
+def _log_curve(ax: Axes, key: str, column: Column) -> None:
+    """logprob_check on a log axis, exact zeros at LOGPROB_FLOOR, with the 1e-6 line."""
+    iterations, values = column
+    ax.set_title(key, fontsize=9)
+    ax.semilogy(iterations, np.maximum(values, LOGPROB_FLOOR), lw=1.2, color="C0", label="per iteration")
+    ax.axhline(1e-6, ls=":", color="C3", lw=1, label="1e-6")
+    ax.yaxis.set_major_locator(LogLocator(numticks=5))
+    ax.yaxis.set_minor_locator(NullLocator())
+    ax.grid(alpha=0.3)
+
+
+def _panels(run: Run, keys: list[str], alt: str, draw: Callable[[Axes, str, Column], None] = _curve) -> str:
+    """Small multiples, three a row: one axes per key, legend on the first."""
+    columns = min(3, len(keys))
+    lines = math.ceil(len(keys) / columns)
+    figure, axes = _figure(3.1 * columns + 0.3, 2.3 * lines + 0.2, lines, columns)
+    for ax, key in zip(axes, keys):
+        draw(ax, key, run.columns[key])
+        ax.set_xlabel("iteration", fontsize=7, labelpad=1)
+    for ax in axes[len(keys):]:
+        ax.set_visible(False)
+    axes[0].legend(fontsize=6)
+    return _img(_png(figure), alt)
+
+
+# ---------------------------------------------------------------- sections
+def _header(run: Run) -> str:
+    parts = [f"{len(run.iterations)} iterations logged"]
+    if len(run.iterations):
+        parts.append(f"last iteration {run.iterations[-1]:.0f}")
+    if "reward_mean" in run.columns:
+        iterations, rewards = run.columns["reward_mean"]
+        finite, base = rewards[np.isfinite(rewards)], base_level(iterations, rewards)
+        if len(finite):
+            window = min(smoothing_window(len(rewards)), len(finite))
+            final = float(finite[-window:].mean())
+            text = f"final reward_mean {final:.4g} (mean of the last {window} logged)"
+            parts.append(text + (f" vs base {base:.4g} (iteration 0): {final - base:+.4g}" if base is not None else ""))
+    parts.append("generated " + time.strftime("%Y-%m-%d %H:%M:%S"))
+    if run.config_text is None:
+        facts = _missing("config.yaml")
+    else:
+        c = run.config or {}
+        body = [["family", str(_get(c, "model.family"))], ["model.path", str(_get(c, "model.path"))],
+                ["iterations", str(_get(c, "iterations"))], ["reward", str(_get(c, "reward"))],
+                ["tree", f"{_get(c, 'tree.roots')} roots, splits {_get(c, 'tree.splits')}"],
+                ["sampling steps", f"{_get(c, 'sampling.num_steps')} ({_get(c, 'sampling.sde')} SDE)"],
+                ["learning rate", str(_get(c, "train.learning_rate"))], ["explore", str(_get(c, "explore.mode"))]]
+        facts = _table(["config", "value"], body) + f"<details><summary>config.yaml</summary><pre>{escape(run.config_text)}</pre></details>"
+    nav = "".join(f'<a href="#{i}">{t}</a>' for i, t, _ in SECTIONS)
+    return f"<h1>branchdiff run {escape(run.run_dir.resolve().name)}</h1><p>{escape(' · '.join(parts))}</p>{facts}<nav>{nav}</nav>"
+
+
+def _rewards(run: Run) -> str:
+    mean = run.aligned("reward_mean")
+    # a single component equals reward_mean: drawn once
+    components = [k for k in reward_components(list(run.columns)) if not np.array_equal(run.aligned(k), mean, equal_nan=True)]
+    accuracies = sorted((k for k in run.columns if k.startswith("accuracy_")), key=lambda k: (k != "accuracy_strict", k))
+    keys = run.has("reward_mean", *components, *accuracies)
+    if not keys:
+        return _missing("Rewards")
+    html = _panels(run, keys, "reward curves")
+    signal = run.has("reward_zero_spread_fraction", "reward_group_std")
+    signal += [k for k in run.has("groups_dropped", "groups_dropped_nonfinite") if np.nansum(run.columns[k][1])]
+    if signal:
+        html += ("<p>Signal: the fraction of groups whose rewards do not spread (they train nothing), "
+                 "the mean within-group std, and dropped groups when there were any.</p>")
+        html += _panels(run, signal, "reward signal")
+    return html
+
+
+def _heldout(run: Run) -> str:
+    keys = [k for k in run.columns if k.startswith("eval_") and not k.endswith("_seconds")]
+    if keys:
+        html = "<p>Mean scores on the fixed held-out prompts and seeds, of the policy each iteration's rollouts came from.</p>"
+        html += _panels(run, keys, "held-out evaluation", lambda ax, key, column: _curve(ax, key, column, smooth=False, markers=True))
+    else:
+        html = _missing("Held-out evaluation during training")
+    evaluation = run.evaluation
+    if evaluation is None:
+        return html + _missing("The final evaluation (eval.json)")
+    html += (f"<p>Final evaluation: prompts {escape(str(evaluation.get('prompts')))}, "
+             f"{escape(str(evaluation.get('images_per_prompt')))} images per prompt, the same noise for both models.</p>")
+    base, trained = evaluation.get("base") or {}, evaluation.get("trained") or {}
+    for group in base:
+        body = []
+        for score in {**base[group], **trained.get(group, {})}:
+            b, t = base[group].get(score, {}), trained.get(group, {}).get(score, {})
+            diff = f"{t['mean'] - b['mean']:+.4g}" if "mean" in b and "mean" in t else "–"
+            body.append([score, f"{_fmt(b.get('mean'))} ± {_fmt(b.get('std'))}", f"{_fmt(t.get('mean'))} ± {_fmt(t.get('std'))}",
+                         diff, str(t.get("images", b.get("images", "–"))), f"{b.get('nonfinite', 0)} / {t.get('nonfinite', 0)}"])
+        html += f"<h3>{escape(group)}</h3>" + _table(["score", "base", "trained", "trained − base", "images", "non-finite (base / trained)"], body)
+    return html + "".join(f"<p>{escape(k)}: {escape(str(v))}</p>" for k, v in (evaluation.get("scales") or {}).items())
+
+
+def _advantages(run: Run) -> str:
+    by_kind: dict[str, dict[int, str]] = {}
+    for key in run.columns:
+        if match := DEPTH_KEY.match(key):
+            by_kind.setdefault(match[1], {})[int(match[2])] = key
+    if not by_kind:
+        return _missing("Per-depth advantage statistics")
+    depths = sorted({d for keys in by_kind.values() for d in keys})
+
+    def matrix(kind: str) -> np.ndarray:  # (depths, R), NaN where not logged
+        return np.stack([run.aligned(by_kind.get(kind, {}).get(d, "")) for d in depths])
+
+    kinds = [k for k in ("advantage_std", "advantage_abs_mean") if k in by_kind]
+    html = ""
+    if kinds:
+        figure, axes = _figure(9.4, 2.3 * len(kinds) + 0.2, len(kinds))
+        for ax, kind in zip(axes, kinds):
+            mesh = ax.pcolormesh(run.iterations, depths, np.ma.masked_invalid(matrix(kind)), shading="nearest", cmap="viridis")
+            figure.colorbar(mesh, ax=ax, pad=0.01)
+            ax.set_title(f"{kind} by child depth", fontsize=9)
+            ax.set(xlabel="iteration", ylabel="depth", yticks=depths)
+        html += _img(_png(figure), "advantage heatmaps by depth")
+    figure, (left, right) = _figure(9.4, 2.6, 1, 2)
+    for offset, kind in zip((-0.2, 0.2), kinds):
+        left.bar(np.array(depths) + offset, _mean(matrix(kind), 1), width=0.4, label=kind)
+    left.set_title("mean over the run", fontsize=9)
+    if kinds:
+        left.legend(fontsize=6)
+    if "edges_trained" in by_kind:
+        right.bar(depths, _mean(matrix("edges_trained"), 1), color="C2")
+    right.set_title("edges trained per iteration (mean)", fontsize=9)
+    for ax in (left, right):
+        ax.set(xlabel="depth", xticks=depths)
+    return html + _img(_png(figure), "per-depth means over the run and edges trained per depth")
+
+
+def _cost(run: Run) -> str:
+    nfe = run.has(*NFE_KEYS, *(k for k in run.columns if k.startswith("explore_") and k.endswith("_nfe")))
+    phases = run.has(*PHASES)
+    if not nfe and not phases:
+        return _missing("Cost (NFE and time)")
+    figure, (left, right) = _figure(9.4, 2.8, 1, 2)
+    for key in nfe:
+        left.plot(*run.columns[key], lw=1.2, label=key)
+    left.set_title("network evaluations per iteration", fontsize=9)
+    seconds = np.nan_to_num(np.stack([run.aligned(k) for k in phases])) if phases else np.zeros((0, len(run.iterations)))
+    if phases:
+        right.stackplot(run.iterations, seconds, labels=phases, alpha=0.8)
+    right.set_title("seconds per iteration (stacked)", fontsize=9)
+    for ax in (left, right):
+        ax.set_xlabel("iteration")
+        if ax.has_data():
+            ax.legend(fontsize=6)
+    html = _img(_png(figure), "network evaluations and time per iteration")
+    totals, count = seconds.sum(axis=1), len(run.iterations)
+    wall = float(totals.sum())
+    body = [[k, f"{t:.1f}", f"{t / count:.3g}", f"{t / wall:.0%}" if wall else "–"] for k, t in zip(phases, totals)]
+    body.append(["total of the timed phases", f"{wall:.1f}", f"{wall / count:.3g}", "100%" if wall else "–"])
+    body += [[k, f"{np.nansum(run.columns[k][1]):.0f}", _fmt(_mean(run.columns[k][1])), ""] for k in nfe]
+    html += _table(["over the logged iterations", "total", "per iteration", "share of time"], body)
+    return html + "<p>Seconds are the slowest process's; checkpoints, sample grids and this report are not timed.</p>"
+
+
+def _update(run: Run) -> str:
+    keys = run.has(*UPDATE_KEYS)
+    if not keys:
+        return _missing("Update statistics")
+    html = ("<p>logprob_check is max |log p<sub>train</sub> − log p<sub>rollout</sub>| at the first inner step, where the "
+            f"ratio is exactly 1 before the first update: it should be ~1e-6 or below (exact zeros drawn at {LOGPROB_FLOOR:g}).</p>")
+    draw = lambda ax, key, column: (_log_curve if key == "logprob_check" else _curve)(ax, key, column)  # noqa: E731
+    html += _panels(run, keys, "update statistics: " + ", ".join(keys), draw)
+    absent = [k for k in UPDATE_KEYS if k not in keys]
+    return html + (_missing(", ".join(absent)) if absent else "")
+
+
+def _explore(run: Run) -> str:
+    keys = [k for k in run.columns if k.startswith("explore_")]
+    if not keys:
+        return _note("Explore not recorded in this run: explore was off.")
+    agreement = [k for k in keys if any(w in k for w in ("spearman", "kendall", "top"))]
+    html = ""
+    if agreement:
+        figure, (ax,) = _figure(7, 3)
+        for key in agreement:
+            ax.plot(*run.columns[key], lw=1.0, marker="o", ms=2.5, label=key)
+        ax.set_title("explorer vs policy: ranking agreement", fontsize=9)
+        ax.set_xlabel("iteration")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=6)
+        html += _img(_png(figure), "explore ranking agreement")
+    body = [[k, _fmt(_mean(run.columns[k][1]))] for k in keys if k not in agreement]
+    return html + (_table(["explore metric", "mean over the run"], body) if body else "")
+
+
+def _grid_uri(path: Path) -> str | None:
+    """A grid PNG as a data URI (downscaled past MAX_GRID_SIDE); None when unreadable (being written)."""
+    try:
+        data = path.read_bytes()
+        with Image.open(io.BytesIO(data)) as image:
+            if max(image.size) > MAX_GRID_SIDE:
+                image.thumbnail((MAX_GRID_SIDE, MAX_GRID_SIDE))
+                buffer = io.BytesIO()
+                image.save(buffer, format="PNG")
+                data = buffer.getvalue()
+            else:
+                image.verify()
+    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError):
+        return None
+    return "data:image/png;base64," + base64.b64encode(data).decode()
+
+
+def _figures(grids: list[tuple[int, Path]], alt: str) -> str:
+    html = ""
+    for iteration, path in grids:
+        uri = _grid_uri(path)
+        image = _img(uri, f"{alt}, iteration {iteration}", "grid") if uri else _note(f"{path.name} unreadable")
+        html += f"<figure>{image}<figcaption>iteration {iteration}</figcaption></figure>"
+    return html
+
+
+def _samples(run: Run) -> str:
+    grids: dict[bool, list[tuple[int, Path]]] = {True: [], False: []}
+    folder = run.run_dir / "samples"
+    for path in folder.glob("*.png") if folder.is_dir() else []:
+        if match := GRID_FILE.match(path.name):
+            grids[bool(match[1])].append((int(match[2]), path))
+    held_out, training = sorted(grids[True]), sorted(grids[False])
+    html = "<h3>Held-out prompts across iterations</h3>"
+    if held_out:
+        html += f"<p>The same prompts and seeds at each evaluation ({len(held_out)} grids, at most {EVAL_GRIDS} shown).</p>"
+        html += _figures(evenly_spaced(held_out, EVAL_GRIDS), "held-out samples")
+    else:
+        html += _missing("Held-out sample grids (samples/eval-iter-*.png)")
+    html += "<h3>Latest training leaves</h3>"
+    if training:
+        html += "<p>Leaves of the iteration's random training prompts, one row a prompt.</p>"
+        html += _figures(training[-TRAIN_GRIDS:], "training samples")
+    else:
+        html += _missing("Training sample grids (samples/iter-*.png)")
+    return html
+
+
+SECTIONS: list[tuple[str, str, Callable[[Run], str]]] = [
+    ("rewards", "Rewards", _rewards), ("heldout", "Held-out evaluation", _heldout),
+    ("advantages", "Advantages by depth", _advantages), ("cost", "Cost", _cost), ("update", "Update", _update),
+    ("explore", "Explore", _explore), ("samples", "Samples", _samples),
+]
+
+
+def _section(run: Run, section_id: str, title: str, build: Callable[[Run], str]) -> str:
+    if not len(run.iterations) and section_id != "samples":
+        body = _note("No iteration logged yet: metrics not recorded in this run.")
+    else:
+        try:
+            body = build(run)
+        except Exception as error:  # noqa: BLE001: a report must not stop the run that rebuilds it
+            body = _note(f"This section could not be drawn: {error!r}")
+    return f'<section><h2 id="{section_id}">{title}</h2>{body}</section>'
+
+
+def write_report(run_dir: Path) -> Path:
+    """Write `run_dir/report.html` (module doc) atomically, through report.html.tmp and os.replace,
+    and return its path. Raises FileNotFoundError when `run_dir` has no metrics.jsonl."""
+    run_dir = Path(run_dir)
+    run = _read_run(run_dir)
+    body = _header(run) + "".join(_section(run, *section) for section in SECTIONS)
+    title = escape(run_dir.resolve().name)
+    page = (f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"><title>branchdiff run {title}</title>'
+            f"<style>{STYLE}</style></head><body>{body}</body></html>\n")
+    path, tmp = run_dir / "report.html", run_dir / "report.html.tmp"
+    tmp.write_text(page, encoding="utf-8")
+    os.replace(tmp, path)
+    return path

@@ -1,0 +1,277 @@
+"""`branchdiff report`: RUN_DIR/report.html from a fake run (metrics with a cut-off last line,
+per-depth keys, held-out evaluations, explore keys, eval.json, sample grids), a partial run, an
+empty one and a directory that is no run; the pure helpers against direct computations; and
+headless Chromium rendering the page (skipped without the Debian package chromium)."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import math
+import re
+import shutil
+import subprocess
+import time
+from html.parser import HTMLParser
+
+import numpy as np
+import pytest
+import yaml
+from PIL import Image
+
+from branchdiff.cli import main
+from branchdiff.run_report import base_level, columns, evenly_spaced, moving_average, read_metrics, reward_components, write_report
+
+ITERATIONS = 40
+EVAL_EVERY = 4  # held-out evaluation (and its grid) every 4 iterations: 10 grids, more than the 8 shown
+SAMPLE_EVERY = 10  # training grids at 0, 10, 20, 30 and the last iteration
+DEPTHS = 4
+ATTRIBUTES = ("strict", "count", "color", "shape", "position")
+SECTIONS = ("rewards", "heldout", "advantages", "cost", "update", "explore", "samples")
+CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
+                  "--disable-component-update", "--disable-sync"]
+
+
+def metrics_row(i: int, rng: np.random.Generator, iterations: int = ITERATIONS, full: bool = True) -> dict:
+    """A realistic metrics line of iteration i (the keys of branchdiff/metrics.py; `full`: with
+    held-out evaluations, per-depth statistics and explore)."""
+    progress = i / iterations
+    noise = lambda scale: scale * float(rng.standard_normal())  # noqa: E731
+    row = {"iteration": i, "reward_mean": 0.6 + 0.2 * progress + noise(0.03), "reward_std": 0.1 + noise(0.01),
+           "tiny-geneval": 0.6 + 0.2 * progress + noise(0.03), "hpsv2.1": 0.25 + 0.02 * progress + noise(0.005),
+           "tiny-geneval_failed": 0, "tiny-geneval_nonfinite": 0,
+           **{f"accuracy_{a}": min(1.0, 0.3 + 0.4 * progress + noise(0.05)) for a in ATTRIBUTES},
+           "reward_zero_spread_fraction": 0.1, "reward_group_std": 0.1 + noise(0.01), "groups_dropped": 0, "groups_dropped_nonfinite": 0,
+           "nfe_rollout": 504, "nfe_rollout_computed": 480, "nfe_trained": 120, "edges_trained": 176,
+           "rollout_seconds": 0.7 + noise(0.05), "reward_seconds": 0.08, "train_seconds": 0.4 + noise(0.02),
+           "loss": noise(1e-8), "clip_fraction": 0.01 * progress, "kl": 1e-5 * progress, "logprob_check": 0.0 if i == 0 else 1e-7,
+           "grad_norm": 3e-4 + noise(1e-5), "optimizer_steps": 1, "steps_skipped": 0}
+    if not full:
+        return row
+    for d in range(1, DEPTHS + 1):
+        row |= {f"advantage_std/depth_{d}": 1.0 / d + noise(0.05), f"advantage_abs_mean/depth_{d}": 0.8 / d + noise(0.05),
+                f"edges_trained/depth_{d}": 2 ** d * 8}
+    row |= {"explore_spearman_kept": 0.8 + noise(0.05), "explore_kendall_kept": 0.6 + noise(0.05), "explore_topk_overlap_kept": 0.7,
+            "explore_pool_nfe": 1024, "explore_regen_nfe": 504, "explore_regen_seconds": 0.3}
+    if i % 10 == 0:
+        row["explore_spearman_pool"] = 0.7 + noise(0.05)
+    if i % EVAL_EVERY == 0:
+        row |= {"eval_tiny-geneval": 0.55 + 0.2 * progress, "eval_tiny-geneval.strict": 0.2 + 0.3 * progress,
+                "eval_tiny-geneval.count": 0.6 + 0.1 * progress, "eval_seconds": 1.5}
+    if i == 5:
+        row["kl"] = float("nan")  # written as NaN, as json.dumps does
+    return row
+
+
+def write_metrics(run, iterations: int = ITERATIONS, full: bool = True) -> list[dict]:
+    """metrics.jsonl of `iterations` lines plus the start of a line a crash cut off; the rows."""
+    rng = np.random.default_rng(0)
+    rows = [metrics_row(i, rng, iterations, full) for i in range(iterations)]
+    cut = json.dumps(metrics_row(iterations, rng, iterations, full))[:30]
+    run.mkdir(parents=True, exist_ok=True)
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + cut)
+    return rows
+
+
+def write_grid(path, seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.fromarray(rng.integers(0, 256, (66, 130, 3), dtype=np.uint8)).save(path)
+
+
+def summary(mean: float) -> dict:
+    return {"mean": mean, "std": 0.1, "images": 96, "nonfinite": 0}
+
+
+@pytest.fixture
+def full_run(tmp_path):
+    run = tmp_path / "run"
+    rows = write_metrics(run)
+    config = {"output_dir": str(run), "iterations": ITERATIONS, "reward": ["tiny-geneval", "hpsv2.1"],
+              "model": {"family": "tiny", "path": None}, "tree": {"roots": 1, "splits": [[0, 2], [1, 2], [2, 2], [3, 2]]},
+              "sampling": {"num_steps": 10, "sde": "flow"}, "train": {"learning_rate": 0.001}, "explore": {"mode": "seeds"}}
+    (run / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+    evaluation = {"prompts": "tiny:held_out", "images_per_prompt": 8, "scales": {"tiny-geneval": "partial credit in [0, 1]"},
+                  "base": {"all": {"tiny-geneval": summary(0.55), "tiny-geneval.strict": summary(0.2)}, "photo": {"tiny-geneval": summary(0.5)}},
+                  "trained": {"all": {"tiny-geneval": summary(0.75), "tiny-geneval.strict": summary(0.5)}, "photo": {"tiny-geneval": summary(0.7)}}}
+    (run / "eval.json").write_text(json.dumps(evaluation))
+    for i in range(0, ITERATIONS, EVAL_EVERY):
+        write_grid(run / "samples" / f"eval-iter-{i:06d}.png", i)
+    for i in [*range(0, ITERATIONS, SAMPLE_EVERY), ITERATIONS - 1]:
+        write_grid(run / "samples" / f"iter-{i:06d}.png", 1000 + i)
+    return run, rows
+
+
+class Page(HTMLParser):
+    """The h2 ids and, for each <img>, (section id, class, alt, src) of an HTML page."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__()
+        self.sections: list[str] = []
+        self.images: list[tuple[str | None, str, str, str]] = []
+        self.feed(text)
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        attributes = dict(attrs)
+        if tag == "h2" and attributes.get("id"):
+            self.sections.append(attributes["id"])
+        if tag == "img":
+            section = self.sections[-1] if self.sections else None
+            self.images.append((section, attributes.get("class"), attributes.get("alt"), attributes.get("src")))
+
+
+def decode(src: str) -> Image.Image:
+    image = Image.open(io.BytesIO(base64.b64decode(src.removeprefix("data:image/png;base64,"), validate=True)))
+    image.load()
+    return image
+
+
+# ---------------------------------------------------------------- the page
+def test_a_full_run_gives_one_self_contained_page_with_every_section(full_run):
+    run, rows = full_run
+    path = write_report(run)
+    assert path == run / "report.html" and not (run / "report.html.tmp").exists()
+    text = path.read_text()
+    assert not re.search(r"""(src|href)\s*=\s*["']?\s*(https?:)?//""", text), "the page must not load anything"
+    assert "<script" not in text and "<link" not in text and "@import" not in text and "url(" not in text
+    page = Page(text)
+    assert page.sections == list(SECTIONS)
+    assert "not recorded" not in text and "could not be drawn" not in text  # every input is there and every plot drew
+    for section, kind, alt, src in page.images:
+        assert src.startswith("data:image/png;base64,") and alt and kind in ("plot", "grid")
+        assert decode(src).size[0] > 0
+    plots = {section for section, kind, _, _ in page.images if kind == "plot"}
+    assert plots == set(SECTIONS) - {"samples"}
+    alts = [alt for _, _, alt, _ in page.images]
+    assert {"reward curves", "held-out evaluation", "advantage heatmaps by depth", "explore ranking agreement"} <= set(alts)
+    # 10 held-out grids: 8 shown, first and last included; the 3 newest training grids
+    held_out = [alt for _, kind, alt, _ in page.images if kind == "grid" and alt.startswith("held-out")]
+    training = [alt for _, kind, alt, _ in page.images if kind == "grid" and alt.startswith("training")]
+    assert len(held_out) == 8 and held_out[0].endswith("iteration 0") and held_out[-1].endswith(f"iteration {ITERATIONS - EVAL_EVERY}")
+    assert training == [f"training samples, iteration {i}" for i in (20, 30, ITERATIONS - 1)]
+    grid = next(src for _, kind, _, src in page.images if kind == "grid")
+    assert decode(grid).size == (130, 66)  # small grids are embedded as they are
+    # header: run facts, the final reward against the base model's
+    assert f"{ITERATIONS} iterations logged" in text and f"last iteration {ITERATIONS - 1}" in text
+    assert f"vs base {rows[0]['reward_mean']:.4g} (iteration 0)" in text
+    assert "<details><summary>config.yaml</summary>" in text and "learning rate" in text
+    # eval.json: a base / trained / difference table per prompt group
+    assert "<h3>all</h3>" in text and "<h3>photo</h3>" in text and "+0.3" in text
+
+
+def test_the_cli_prints_the_page(full_run, capsys):
+    run, _ = full_run
+    assert main(["report", str(run)]) in (0, None)
+    assert capsys.readouterr().out.strip() == str(run / "report.html")
+
+
+def test_a_partial_run_says_what_was_not_recorded(tmp_path):
+    run = tmp_path / "partial"
+    write_metrics(run, iterations=12, full=False)
+    text = write_report(run).read_text()
+    page = Page(text)
+    assert page.sections == list(SECTIONS) and "could not be drawn" not in text
+    for what in ("Held-out evaluation during training", "The final evaluation (eval.json)", "Per-depth advantage statistics",
+                 "Held-out sample grids (samples/eval-iter-*.png)", "Training sample grids (samples/iter-*.png)", "config.yaml"):
+        assert f"{what} not recorded in this run." in text
+    assert "Explore not recorded in this run: explore was off." in text
+    assert {s for s, kind, _, _ in page.images} == {"rewards", "cost", "update"}
+
+
+def test_an_empty_or_broken_run_still_renders(tmp_path):
+    run = tmp_path / "empty"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"iteration": 0, "reward_mean"')  # the first line, cut off
+    (run / "config.yaml").write_text("iterations: [unclosed\n")
+    (run / "eval.json").write_text('{"base": ')
+    write_grid(run / "samples" / "iter-000000.png", 0)
+    (run / "samples" / "iter-000010.png").write_bytes(b"\x89PNG\r\n\x1a\n truncated")
+    text = write_report(run).read_text()
+    assert Page(text).sections == list(SECTIONS) and "No iteration logged yet" in text
+    assert "could not be drawn" not in text and "unreadable" in text  # the half-written grid
+
+
+def test_a_directory_without_metrics_is_refused(tmp_path, capsys):
+    message = f"{tmp_path} is not a run directory (no metrics.jsonl); pass the output_dir of branchdiff train"
+    with pytest.raises(FileNotFoundError, match=f"^{re.escape(message)}$"):
+        write_report(tmp_path)
+    assert main(["report", str(tmp_path)]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [f"branchdiff: error: {message}"]
+    assert not (tmp_path / "report.html").exists()
+
+
+def test_500_iterations_take_under_three_seconds_of_cpu(tmp_path):
+    run = tmp_path / "long"
+    write_metrics(run, iterations=500)
+    write_report(run)  # the first call pays matplotlib's font cache and imports
+    start = time.process_time()  # CPU time: a loaded machine slows the wall clock, not this
+    write_report(run)
+    assert time.process_time() - start < 3.0
+
+
+# ---------------------------------------------------------------- helpers
+def test_metrics_lines_cut_off_are_skipped_and_nan_kept(full_run):
+    run, rows = full_run
+    read = read_metrics(run / "metrics.jsonl")
+    assert [r["iteration"] for r in read] == list(range(ITERATIONS))
+    assert math.isnan(read[5]["kl"]) and read[7] == json.loads(json.dumps(rows[7]))
+
+
+def test_base_level_is_the_value_at_iteration_zero(full_run):
+    _, rows = full_run
+    logged = columns(rows)
+    assert base_level(*logged["reward_mean"]) == rows[0]["reward_mean"]
+    assert base_level(*logged["eval_tiny-geneval.strict"]) == rows[0]["eval_tiny-geneval.strict"] == 0.2
+    iterations, values = logged["eval_tiny-geneval.strict"]
+    assert list(iterations) == list(range(0, ITERATIONS, EVAL_EVERY))  # only the lines that log it
+    assert base_level(*columns(rows[1:])["reward_mean"]) is None  # a resumed run's log without iteration 0
+    assert base_level(*columns([{"iteration": 0, "kl": float("nan")}])["kl"]) is None
+
+
+def test_reward_components_are_the_unclaimed_keys(full_run):
+    _, rows = full_run
+    assert reward_components(list(columns(rows))) == ["tiny-geneval", "hpsv2.1"]
+    prefixed = ["reward_mean", "reward_tiny-geneval", "reward_tiny-geneval_failed", "reward_tiny-geneval_nonfinite",
+                "accuracy_strict", "explore_spearman_kept", "edges_trained/depth_2"]  # the trainer's earlier key names
+    assert reward_components(prefixed) == ["reward_tiny-geneval"]
+
+
+@pytest.mark.parametrize("window", [1, 2, 3, 7])
+def test_moving_average_is_the_trailing_mean_of_finite_values(window):
+    values = np.random.default_rng(window).normal(size=30)
+    values[[4, 5, 17]] = np.nan
+    expected = []
+    for i in range(len(values)):
+        recent = values[max(0, i - window + 1): i + 1]
+        recent = recent[np.isfinite(recent)]
+        expected.append(recent.mean() if len(recent) else np.nan)
+    np.testing.assert_allclose(moving_average(values, window), expected, rtol=1e-12, equal_nan=True)
+
+
+@pytest.mark.parametrize("length", [0, 1, 5, 8, 9, 10, 37, 500])
+def test_evenly_spaced_keeps_first_and_last(length):
+    items = list(range(length))
+    chosen = evenly_spaced(items, 8)
+    assert len(chosen) == min(length, 8) and chosen == sorted(set(chosen))
+    if length:
+        assert chosen[0] == 0 and chosen[-1] == length - 1
+
+
+# ---------------------------------------------------------------- a browser
+def test_headless_chromium_renders_the_page(full_run, tmp_path):
+    chromium = shutil.which("chromium")
+    if chromium is None:
+        pytest.skip("Chromium not installed (Debian package chromium)")
+    run, _ = full_run
+    report = write_report(run)
+    expected = Page(report.read_text())
+    flags = [chromium, *CHROMIUM_FLAGS, f"--user-data-dir={tmp_path / 'profile'}"]
+    dom = subprocess.run([*flags, "--dump-dom", report.as_uri()], capture_output=True, text=True, timeout=120, check=True).stdout
+    rendered = Page(dom)
+    assert rendered.sections == list(SECTIONS)
+    assert [(s, kind, alt) for s, kind, alt, _ in rendered.images] == [(s, kind, alt) for s, kind, alt, _ in expected.images]
+    shot = tmp_path / "shot.png"
+    subprocess.run([*flags, f"--screenshot={shot}", "--window-size=1280,2400", report.as_uri()], capture_output=True, timeout=120, check=True)
+    colours = Image.open(shot).convert("RGB").getcolors(maxcolors=1 << 24)
+    assert len(colours) > 1000  # plots drawn (a blank or text-only page has a few hundred at most)
