@@ -6,7 +6,8 @@ takes its name, and the replaced one is deleted. A crash at any point leaves eit
 new checkpoint under its name, or the old one under `.replaced-*`, which `clean_interrupted` puts back.
 
 A resumed run must be the run that was saved: every config key must match the checkpoint's, except
-the keys of `RESUMABLE_KEYS`, which only say how long to run, where and what to log or evaluate
+the keys of `RESUMABLE_KEYS`, which only say how long to run, where and what to log or evaluate,
+and when to give up
 (`iterations` only while `prune.active_fraction` is 1: otherwise it moves where pruning stops).
 """
 
@@ -25,7 +26,7 @@ PRUNED = ".pruned-"
 STATE_FILE = "trainer_state.json"
 RESUMABLE_KEYS = (
     "iterations", "output_dir", "final_eval", "eval_every", "logging.*", "prompts.eval", "prompts.eval_seeds",
-    "sampling.max_batch", "sampling.exact",
+    "sampling.max_batch", "sampling.exact", "train.max_skipped_steps",
 )
 
 

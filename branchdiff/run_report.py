@@ -25,6 +25,7 @@ import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from html import escape
 from pathlib import Path
 
@@ -172,7 +173,7 @@ def _read_run(run_dir: Path) -> Run:
 # ---------------------------------------------------------------- drawing
 def _png(figure: Figure) -> str:
     buffer = io.BytesIO()
-    figure.savefig(buffer, format="png", pil_kwargs={"compress_level": 3})
+    figure.savefig(buffer, format="png")
     return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
 
 
@@ -212,36 +213,41 @@ def _fmt(x: float | None) -> str:
     return "–" if x is None else f"{x:.4g}"
 
 
-def _figure(width: float, height: float, lines: int = 1, columns: int = 1) -> tuple[Figure, np.ndarray]:
-    """lines × columns axes with fixed margins in inches (a layout engine doubles the drawing time)."""
+def _figure(width: float, height: float, lines: int = 1, columns: int = 1, top: float = 0.3) -> tuple[Figure, np.ndarray]:
+    """lines × columns axes with fixed margins in inches, `top` above the first line (a layout
+    engine doubles the drawing time)."""
     figure = Figure(figsize=(width, height), dpi=100)
-    margins = dict(left=0.55 / width, right=1 - 0.15 / width, bottom=0.45 / height, top=1 - 0.3 / height, wspace=0.3, hspace=0.65)
+    margins = dict(left=0.55 / width, right=1 - 0.15 / width, bottom=0.45 / height, top=1 - top / height, wspace=0.3, hspace=0.65)
     axes = figure.subplots(lines, columns, squeeze=False, gridspec_kw=margins).ravel()
     for ax in axes:
         ax.tick_params(labelsize=7)
+        ax.ticklabel_format(useOffset=False)
         ax.xaxis.set_major_locator(MaxNLocator(5, integer=True))
         ax.yaxis.set_major_locator(MaxNLocator(4))
     return figure, axes
 
 
-def _curve(ax: Axes, key: str, column: Column, smooth: bool = True, markers: bool = False) -> None:
-    """One metric over iterations: a thin raw line and its moving average (or markers), and the
-    base model's level dashed when the curve starts at iteration 0."""
+def _curve(ax: Axes, key: str, column: Column, smooth: bool = True, markers: bool = False, base: bool = False) -> None:
+    """One metric over iterations: a thin raw line and its moving average (or markers); `base`:
+    the base model's level dashed, when the curve starts at iteration 0."""
     iterations, values = column
     ax.set_title(key, fontsize=9)
-    if smooth and len(values) > 1:
-        window = smoothing_window(len(values))
+    window = smoothing_window(len(values))
+    if smooth and window > 1:
         ax.plot(iterations, values, lw=0.6, alpha=0.45, color="C0", label="per iteration")
-        ax.plot(iterations, moving_average(values, window), lw=1.5, color="C0", label=f"moving average ({window})")
+        ax.plot(iterations, moving_average(values, window), lw=1.5, color="C0", label=f"moving average of {window} iterations")
     else:
-        ax.plot(iterations, values, lw=1.2, marker="o" if markers else None, ms=3, color="C0", label=key)
-    if (base := base_level(iterations, values)) is not None:
-        ax.axhline(base, ls="--", lw=1, color="0.35", label="base (iteration 0)")
+        ax.plot(iterations, values, lw=1.2, marker="o" if markers else None, ms=3, color="C0", label="per evaluation" if markers else "per iteration")
+    if base and (level := base_level(iterations, values)) is not None:
+        ax.axhline(level, ls="--", lw=1, color="0.35", label="base (iteration 0)")
     ax.grid(alpha=0.3)
 
 
-def _log_curve(ax: Axes, key: str, column: Column) -> None:
-    """logprob_check on a log axis, exact zeros at LOGPROB_FLOOR, with the 1e-6 line."""
+def _update_curve(ax: Axes, key: str, column: Column) -> None:
+    """An update statistic; logprob_check on a log axis, exact zeros at LOGPROB_FLOOR, with the 1e-6 line."""
+    if key != "logprob_check":
+        _curve(ax, key, column)
+        return
     iterations, values = column
     ax.set_title(key, fontsize=9)
     ax.semilogy(iterations, np.maximum(values, LOGPROB_FLOOR), lw=1.2, color="C0", label="per iteration")
@@ -252,16 +258,18 @@ def _log_curve(ax: Axes, key: str, column: Column) -> None:
 
 
 def _panels(run: Run, keys: list[str], alt: str, draw: Callable[[Axes, str, Column], None] = _curve) -> str:
-    """Small multiples, three a row: one axes per key, legend on the first."""
+    """Small multiples, three a row: one axes per key, one legend on top for all."""
     columns = min(3, len(keys))
     lines = math.ceil(len(keys) / columns)
-    figure, axes = _figure(3.1 * columns + 0.3, 2.3 * lines + 0.2, lines, columns)
+    figure, axes = _figure(3.1 * columns + 0.3, 2.3 * lines + 0.45, lines, columns, top=0.55)
+    legend: dict[str, object] = {}
     for ax, key in zip(axes, keys):
         draw(ax, key, run.columns[key])
         ax.set_xlabel("iteration", fontsize=7, labelpad=1)
+        legend.update(zip(*reversed(ax.get_legend_handles_labels())))
     for ax in axes[len(keys):]:
         ax.set_visible(False)
-    axes[0].legend(fontsize=6)
+    figure.legend(list(legend.values()), list(legend), loc="upper center", ncols=len(legend), fontsize=7, frameon=False)
     return _img(_png(figure), alt)
 
 
@@ -301,7 +309,7 @@ def _rewards(run: Run) -> str:
     keys = run.has("reward_mean", *components, *accuracies)
     if not keys:
         return _missing("Rewards")
-    html = _panels(run, keys, "reward curves")
+    html = _panels(run, keys, "reward curves", partial(_curve, base=True))
     signal = run.has("reward_zero_spread_fraction", "reward_group_std")
     signal += [k for k in run.has("groups_dropped", "groups_dropped_nonfinite") if np.nansum(run.columns[k][1])]
     if signal:
@@ -315,7 +323,7 @@ def _heldout(run: Run) -> str:
     keys = [k for k in run.columns if k.startswith("eval_") and not k.endswith("_seconds")]
     if keys:
         html = "<p>Mean scores on the fixed held-out prompts and seeds, of the policy each iteration's rollouts came from.</p>"
-        html += _panels(run, keys, "held-out evaluation", lambda ax, key, column: _curve(ax, key, column, smooth=False, markers=True))
+        html += _panels(run, keys, "held-out evaluation", partial(_curve, smooth=False, markers=True, base=True))
     else:
         html = _missing("Held-out evaluation during training")
     evaluation = run.evaluation
@@ -404,8 +412,7 @@ def _update(run: Run) -> str:
         return _missing("Update statistics")
     html = ("<p>logprob_check is max |log p<sub>train</sub> − log p<sub>rollout</sub>| at the first inner step, where the "
             f"ratio is exactly 1 before the first update: it should be ~1e-6 or below (exact zeros drawn at {LOGPROB_FLOOR:g}).</p>")
-    draw = lambda ax, key, column: (_log_curve if key == "logprob_check" else _curve)(ax, key, column)  # noqa: E731
-    html += _panels(run, keys, "update statistics: " + ", ".join(keys), draw)
+    html += _panels(run, keys, "update statistics: " + ", ".join(keys), _update_curve)
     absent = [k for k in UPDATE_KEYS if k not in keys]
     return html + (_missing(", ".join(absent)) if absent else "")
 

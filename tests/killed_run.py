@@ -1,0 +1,56 @@
+"""`branchdiff train` that stops itself at a chosen point, for the crash tests:
+`python killed_run.py POINT N CLI_ARGS...`, POINT one of
+- `optimizer_step`: SIGKILL on entering the N-th optimizer step (1-based: mid-iteration after N - 1 steps);
+- `write_state`: SIGKILL on the N-th checkpoint's trainer_state.json write (accelerate's files are
+  already in the staging folder, the checkpoint is not published);
+- `sigint`: SIGINT (Ctrl-C) to itself at the start of the update of iteration N, on process 0 only.
+Under `accelerate launch` every process runs this script.
+"""
+
+import os
+import signal
+import sys
+
+import torch
+
+from branchdiff import checkpoint
+from branchdiff.cli import main
+from branchdiff.trainer import Trainer
+
+point, target = sys.argv[1], int(sys.argv[2])
+calls = 0
+
+
+def counted(function, when):
+    """`function` that first counts its calls and runs `when()` on the target-th one."""
+
+    def wrapper(*args, **kwargs):
+        global calls
+        calls += 1
+        if calls == target:
+            when(*args)
+        return function(*args, **kwargs)
+
+    return wrapper
+
+
+def sigkill(*args) -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+if point == "optimizer_step":
+    torch.optim.AdamW.step = counted(torch.optim.AdamW.step, sigkill)
+elif point == "write_state":
+    checkpoint.write_state = counted(checkpoint.write_state, sigkill)
+elif point == "sigint":
+    update = Trainer.update
+
+    def interrupted_update(self, rollout, embeds, advantages, mask, iteration):
+        if iteration == target and os.environ.get("RANK", "0") == "0":
+            os.kill(os.getpid(), signal.SIGINT)
+        return update(self, rollout, embeds, advantages, mask, iteration)
+
+    Trainer.update = interrupted_update
+else:
+    raise SystemExit(f"unknown point {point!r}")
+sys.exit(main(sys.argv[3:]))

@@ -1,0 +1,234 @@
+"""The bad-input catalogue of docs/errors.md, end to end through the CLI: every case ends with one
+line `branchdiff: error: ...` naming the problem and the fix, exit status 2, no traceback, and
+every file that existed before is still there with the same bytes. (Ctrl-C, exit 130, and kills
+at any moment are in test_crash_resume.py.)
+"""
+
+from __future__ import annotations
+
+import errno
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import pytest
+import torch
+
+from branchdiff.cli import main
+
+DOCS = Path(__file__).parent.parent / "docs" / "errors.md"
+PREFIX = "branchdiff: error: "
+
+
+@dataclass
+class Env:
+    tmp: Path  # empty per case
+    model: Path  # a saved tiny model
+    run: Path  # a finished 2-iteration run (checkpoints iter-000000, iter-000001), a copy per case
+
+    def train(self, *overrides: str, resume: bool = False) -> list[str]:
+        """`branchdiff train` with the finished run's settings (model, output_dir, size) and `overrides`."""
+        return ["train", "tiny-chain", *RUN_SETTINGS, f"model.path={self.model}", f"output_dir={self.run}", *overrides,
+                *(["--resume", "latest"] if resume else [])]
+
+    def fresh(self, *overrides: str) -> list[str]:
+        """`branchdiff train` into a new output_dir."""
+        return ["train", "tiny-chain", *RUN_SETTINGS, f"model.path={self.model}", f"output_dir={self.tmp / 'new'}", *overrides]
+
+
+RUN_SETTINGS = ["iterations=2", "seed=0", "prompts.per_iteration=2", "tree.roots=3", "sampling.num_steps=3", "sampling.max_batch=8",
+                "final_eval=false", "logging.checkpoint_every=1", "logging.sample_every=0", "logging.tensorboard=false"]
+
+
+@dataclass
+class Case:
+    id: str  # the heading of the case in docs/errors.md
+    argv: Callable[[Env], list[str]]
+    message: str  # a regular expression the error line matches after the prefix
+    setup: Callable[[Env], None] = lambda env: None
+
+
+def _write(name: str, text: str) -> Callable[[Env], None]:
+    return lambda env: (env.tmp / name).write_text(text)
+
+
+def _damage(file: str, how: str) -> Callable[[Env], None]:
+    def setup(env: Env) -> None:
+        path = env.run / "checkpoints" / "iter-000001" / file
+        data = path.read_bytes()
+        path.write_bytes(data[: len(data) // 2] if how == "truncate" else b"\x00garbage" * 64)
+
+    return setup
+
+
+def _unwritable(env: Env) -> None:
+    (env.tmp / "a-file").write_text("not a folder")  # an output_dir inside a file cannot be created, even by root
+
+
+CASES = [
+    # configuration
+    Case("unknown-key", lambda e: e.fresh("tree.rots=2"), r"override 'tree.rots=2': unknown key 'tree.rots'; did you mean tree.roots\?"),
+    Case("unknown-section", lambda e: e.fresh("trainer.learning_rate=1e-4"), r"unknown key 'trainer'; did you mean train\?"),
+    Case("wrong-type", lambda e: e.fresh("iterations=ten"), r"'iterations' = 'ten' has the wrong type; expected int"),
+    Case("value-not-allowed", lambda e: e.fresh("sampling.sde=flw"), r"'sampling.sde' = 'flw' is not allowed; allowed: .*did you mean 'flow'"),
+    Case("out-of-range", lambda e: e.fresh("prompts.per_iteration=0"), r"'prompts.per_iteration' = 0 is out of range; it must be > 0"),
+    Case("renamed-key", lambda e: e.fresh("logging.keep_checkpoints=3"), r"'logging.keep_checkpoints' was replaced: renamed logging.checkpoints_total_limit"),
+    Case("unknown-preset", lambda e: ["train", "tiny-mixx"], r"no preset or file 'tiny-mixx'; presets: .*did you mean tiny-mix"),
+    Case("yaml-unknown-key", lambda e: ["train", str(e.tmp / "my.yaml")], r".*my.yaml:3: unknown key 'train.learning_rat'; did you mean train.learning_rate\?",
+         _write("my.yaml", "iterations: 2\ntrain:\n  learning_rat: 1.0e-4\n")),
+    Case("yaml-syntax", lambda e: ["train", str(e.tmp / "my.yaml")], r".*my.yaml:3: not valid YAML \(expected ',' or '\]'", _write("my.yaml", "iterations: 2\ntree: [roots: 1\n")),
+    Case("override-form", lambda e: e.fresh("--resume", "latest", "roots"), r"train: unrecognized arguments: roots"),
+    # trees and sampling
+    Case("split-after-last-step", lambda e: e.fresh("tree.splits=[[5,2]]"), r"'tree.splits' = \[\[5, 2\]\]: split step 5 is outside 0..2 \(num_steps = 3\)"),
+    Case("group-of-one", lambda e: e.fresh("tree.roots=1"), r"'tree.roots' = 1 with no 'tree.splits' grows one sample per prompt: .*use tree.roots ≥ 2 or add a split"),
+    Case("no-trainable-step", lambda e: e.fresh("train.train_steps_fraction=0.05"), r"'train.train_steps_fraction' = 0.05 trains only steps .*nothing would be trained; use train.train_steps_fraction ≥ 0.34"),
+    Case("sde-of-another-family", lambda e: e.fresh("sampling.sde=ddim"), r"'sampling.sde' = 'ddim' is not an SDE of model.family=tiny \(flow steps\); allowed: dance, flow, cps"),
+    # prompts
+    Case("prompt-file-missing", lambda e: e.fresh(f"prompts.train={e.tmp / 'nope.txt'}"), r"prompt source '.*nope.txt' is neither"),
+    Case("prompt-file-empty", lambda e: e.fresh(f"prompts.train={e.tmp / 'empty.txt'}"), r"prompt source '.*empty.txt' holds no prompts",
+         _write("empty.txt", "\n  \n")),
+    Case("prompt-jsonl-malformed", lambda e: e.fresh(f"prompts.train={e.tmp / 'p.jsonl'}"), r".*p.jsonl:2: expected a JSON object with a \"prompt\" field",
+         _write("p.jsonl", '{"prompt": "one red circle on the left"}\n{"text": "two blue squares"}\n')),
+    Case("prompt-csv-no-column", lambda e: e.fresh(f"prompts.train={e.tmp / 'p.csv'}"), r".*p.csv:1: no \"prompt\" column \(columns: text, style\)",
+         _write("p.csv", "text,style\ntwo red circles,anime\n")),
+    # model and reward weights
+    Case("model-missing", lambda e: ["train", "tiny-chain", f"model.path={e.tmp / 'no-model'}", f"output_dir={e.tmp / 'new'}"], r".*no-model"),
+    Case("reward-weights-missing", lambda e: e.fresh(f"reward={{name: hpsv2.1, kwargs: {{checkpoint: {e.tmp / 'HPS.pt'}}}}}"), r".*HPS.pt"),
+    Case("reward-unknown", lambda e: e.fresh("reward=hpsv3"), r".*hpsv3.*"),
+    # rewards misbehaving during a run
+    Case("reward-raises", lambda e: e.fresh("reward=rewards_for_tests:Failing"), r"reward 'rewards_for_tests:Failing' failed.*weights not found second line"),
+    Case("reward-wrong-shape", lambda e: e.fresh("reward=rewards_for_tests:WrongShape"), r"reward 'rewards_for_tests:WrongShape' returned .*shape"),
+    Case("reward-all-nan", lambda e: e.fresh("reward=rewards_for_tests:AllNaN"), r"every group of iteration 0 had a non-finite reward .*--resume latest"),
+    Case("reward-all-inf", lambda e: e.fresh("reward=rewards_for_tests:AllInf"), r"every group of iteration 0 had a non-finite reward .*--resume latest"),
+    # checkpoints and the output directory
+    Case("output-dir-holds-a-run", lambda e: e.train(), r"output_dir .* already holds a run .*--resume latest, or pass another output_dir="),
+    Case("output-dir-unwritable", lambda e: e.fresh(f"output_dir={e.tmp / 'a-file' / 'run'}"), r"output_dir .*a-file/run is not writable \(Not a directory\)",
+         _unwritable),
+    Case("resume-config-differs", lambda e: e.train("train.lora_rank=4", resume=True), r"--resume .*iter-000001: the config differs .*train.lora_rank: checkpoint 8, now 4"),
+    Case("resume-no-checkpoint", lambda e: e.fresh("--resume", "latest"), r"--resume latest: no checkpoint under .*new/checkpoints"),
+    Case("resume-not-a-checkpoint", lambda e: e.train("--resume", str(e.tmp)), r"--resume .*is not a checkpoint \(no trainer_state.json\)"),
+    Case("checkpoint-state-corrupt", lambda e: e.train(resume=True), r"--resume: .*iter-000001/trainer_state.json is unreadable .*resume from an older checkpoint",
+         lambda e: (e.run / "checkpoints" / "iter-000001" / "trainer_state.json").write_text('{"iteration": ')),
+    Case("checkpoint-lora-corrupt", lambda e: e.train(resume=True), r"--resume: checkpoint .*iter-000001 is damaged or not this run's .*--resume .*iter-000000",
+         _damage("pytorch_lora_weights.safetensors", "garbage")),
+    Case("checkpoint-optimizer-truncated", lambda e: e.train(resume=True), r"--resume: checkpoint .*iter-000001 is damaged or not this run's .*--resume .*iter-000000",
+         _damage("optimizer.bin", "truncate")),
+    Case("checkpoint-other-process-count", lambda e: e.train(resume=True), r"the run was trained on 2 processes, this launch has 1; resume with --num_processes 2",
+         lambda e: _set_processes(e.run / "checkpoints" / "iter-000001", 2)),
+    # commands
+    Case("report-not-a-run", lambda e: ["report", str(e.tmp)], r".* is not a run directory \(no metrics.jsonl\); pass the output_dir of branchdiff train"),
+    Case("unknown-command", lambda e: ["trian"], r"argument command: invalid choice: 'trian'"),
+    Case("bad-number", lambda e: ["eval", "--steps", "many"], r"eval: argument --steps: invalid int value: 'many'"),
+]
+
+
+def _set_processes(checkpoint: Path, processes: int) -> None:
+    import json
+
+    state = json.loads((checkpoint / "trainer_state.json").read_text())
+    (checkpoint / "trainer_state.json").write_text(json.dumps({**state, "num_processes": processes}))
+
+
+def snapshot(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def finished_run(tiny_model_dir, tmp_path_factory) -> Path:
+    run = tmp_path_factory.mktemp("finished") / "run"
+    assert main(["train", "tiny-chain", *RUN_SETTINGS, f"model.path={tiny_model_dir}", f"output_dir={run}"]) == 0
+    return run
+
+
+@pytest.fixture
+def env(tmp_path, tiny_model_dir, finished_run) -> Env:
+    run = tmp_path / "run"
+    shutil.copytree(finished_run, run)
+    (tmp_path / "work").mkdir()
+    return Env(tmp_path / "work", tiny_model_dir, run)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[case.id for case in CASES])
+def test_bad_input_gives_one_line_exit_2_and_loses_nothing(case, env, capsys):
+    case.setup(env)
+    before_run, before_work = snapshot(env.run), snapshot(env.tmp)
+    assert main(case.argv(env)) == 2
+    err = capsys.readouterr().err
+    lines = [line for line in err.replace("\r", "\n").splitlines() if line.strip()]
+    assert lines[-1].startswith(PREFIX) and sum(line.startswith(PREFIX) for line in lines) == 1, err
+    assert re.search(case.message, lines[-1][len(PREFIX):]), lines[-1]
+    assert "Traceback" not in err
+    after_run, after_work = snapshot(env.run), snapshot(env.tmp)
+    assert all(after_run.get(name) == data for name, data in before_run.items())  # nothing written before is lost or changed
+    assert all(after_work.get(name) == data for name, data in before_work.items())
+
+
+def test_the_docs_list_every_case_and_only_those():
+    documented = re.findall(r"^### `([a-z0-9-]+)`", DOCS.read_text(), flags=re.M)
+    assert sorted(documented) == sorted([case.id for case in CASES] + ["full-disk-during-checkpoint", "non-finite-gradients", "ctrl-c"])
+
+
+def test_full_disk_during_a_checkpoint_keeps_the_previous_one(env, capsys, monkeypatch):
+    """The disk fills while checkpoint 2 is written: one line, the staging folder removed, checkpoint 1
+    and the metrics intact; the run then resumes from checkpoint 1 once there is space."""
+    import accelerate.checkpointing
+
+    save = accelerate.checkpointing.save
+
+    def full_disk(obj, path, *args, **kwargs):
+        if "iter-000002" in str(path) or "staging-000002" in str(path):
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        return save(obj, path, *args, **kwargs)
+
+    monkeypatch.setattr(accelerate.checkpointing, "save", full_disk)
+    before = snapshot(env.run)
+    assert main(env.train("iterations=3", resume=True)) == 2
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert line == (f"{PREFIX}could not write checkpoint {env.run / 'checkpoints' / 'iter-000002'} (No space left on device); "
+                    f"the newest complete one, {env.run / 'checkpoints' / 'iter-000001'}, is intact; "
+                    "free disk space (or pass another output_dir=) and continue with --resume latest")
+    assert sorted(p.name for p in (env.run / "checkpoints").iterdir()) == ["iter-000000", "iter-000001"]
+    after = snapshot(env.run)
+    assert all(after[name] == data for name, data in before.items() if name not in ("metrics.jsonl", "config.yaml"))  # iterations=3
+    monkeypatch.setattr(accelerate.checkpointing, "save", save)
+    assert main(env.train("iterations=3", resume=True)) == 0
+    assert (env.run / "checkpoints" / "iter-000002").is_dir()
+
+
+def test_non_finite_gradients_skip_steps_then_stop_after_a_checkpoint(env, capsys, monkeypatch):
+    """A NaN loss skips the optimizer step (weights and moments untouched, counted); after
+    train.max_skipped_steps skips in a row the run stops with one line, after a checkpoint."""
+    from branchdiff.update import PolicyUpdate
+
+    edge_losses = PolicyUpdate._edge_losses
+
+    def nan_losses(self, *args):
+        per_edge, *rest = edge_losses(self, *args)
+        return (per_edge * float("nan"), *rest)
+
+    monkeypatch.setattr(PolicyUpdate, "_edge_losses", nan_losses)
+    before = snapshot(env.run / "checkpoints" / "iter-000001")
+    assert main(env.train("iterations=5", "train.max_skipped_steps=2", "logging.checkpoints_total_limit=5", resume=True)) == 2
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert line == (f"{PREFIX}2 optimizer steps in a row had a non-finite loss or gradient (up to iteration 3); the weights before them "
+                    "are saved; lower train.learning_rate or check the reward's scale, then start a new run")
+    import json
+
+    lines = [json.loads(l) for l in (env.run / "metrics.jsonl").read_text().splitlines()]
+    assert [(l["iteration"], l["steps_skipped"], l["optimizer_steps"]) for l in lines[2:]] == [(2, 1, 0), (3, 1, 0)]
+    from safetensors.torch import load_file
+
+    lora = "pytorch_lora_weights.safetensors"
+    kept, stopped = (load_file(env.run / "checkpoints" / name / lora) for name in ("iter-000001", "iter-000003"))
+    assert all(torch.equal(kept[k], stopped[k]) for k in kept)  # skipped steps left the weights as they were
+    assert json.loads((env.run / "checkpoints" / "iter-000003" / "trainer_state.json").read_text())["run_state"] == {"skipped_in_a_row": 2}
+    assert snapshot(env.run / "checkpoints" / "iter-000001") == before
+
+
+def test_debug_shows_the_traceback(env):
+    from branchdiff.config import ConfigError
+
+    with pytest.raises(ConfigError, match="unknown key 'tree.rots'"):
+        main([*env.fresh("tree.rots=2"), "--debug"])
