@@ -29,6 +29,8 @@ their wall time here is their CPU cost, not a GPU's.
 Ratios: `time_to_chain_final[v]` is the first time v's mean curve reaches the chain's final mean
 (linear between grid points; `first_time_reaching`) over the budget. The chain gets the same rule,
 so its own value is ≤ 1 (below 1 when its mean curve peaked before the end); null when never reached.
+Before the timed runs, each variant runs one untimed iteration (a discarded trainer), so that the
+process's one-time costs (allocations, kernel choices) are charged to no variant.
 """
 
 from __future__ import annotations
@@ -40,6 +42,8 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+
+import torch
 
 from branchdiff.config import TrainConfig, load_config, tree_spec
 from branchdiff.data import load_prompt_set
@@ -143,6 +147,7 @@ def bench_curves(minutes: float, seeds: int, json_path: Path | None, out_dir: Pa
         return summarize(result)["all"][SCORE]["mean"]
 
     runs: dict[str, list[dict]] = {name: [] for name in names}
+    load_start = os.getloadavg()[0]
     base = None  # held-out strict of the base model, from the first run
     with tempfile.TemporaryDirectory() as tmp:
         def config(name: str, seed: int) -> TrainConfig:
@@ -155,6 +160,8 @@ def bench_curves(minutes: float, seeds: int, json_path: Path | None, out_dir: Pa
             shapes[name] = (loaded.prompts.per_iteration, group_size(loaded))
         if len(set(shapes.values())) > 1:
             raise ValueError(f"variants differ in (prompts per iteration, group size): {shapes}; equalise them in VARIANTS")
+        for name in names:  # one untimed iteration of each variant: the process's one-time costs fall on none of them
+            Trainer(config(name, 0)).run_iteration(0)
         for seed in range(seeds):
             for name in names:
                 run = _train_and_evaluate(config(name, seed), [t * 60 for t in grid], held_out_strict, base)
@@ -163,8 +170,9 @@ def bench_curves(minutes: float, seeds: int, json_path: Path | None, out_dir: Pa
                 print(f"seed {seed} {name}: {run['iterations']} iterations in {run['seconds']:.0f} s, strict "
                       + " ".join(f"{v:.3f}" for v in run["strict"]), flush=True)
     result = _result(minutes, seeds, grid, runs, images_per_prompt, shapes[names[0]])
-    table = format_table(result)
-    print(table)
+    result["notes"]["machine"] = (f"{len(os.sched_getaffinity(0))} CPU cores, torch threads {torch.get_num_threads()}, load average "
+                                  f"{load_start:.1f} at the start and {os.getloadavg()[0]:.1f} at the end (other processes slow the clock)")
+    print(format_table(result))
     print(format_ratios(result))
     out_dir.mkdir(parents=True, exist_ok=True)
     plot_curves(result, out_dir / "curves.png")
@@ -172,9 +180,9 @@ def bench_curves(minutes: float, seeds: int, json_path: Path | None, out_dir: Pa
     parameters = f"points={points}, images_per_prompt={images_per_prompt}, variants={names}, extra_overrides={list(extra_overrides)}"
     (out_dir / "curves.md").write_text(
         f"# Held-out strict accuracy against training wall time\n\n`{command}` ({parameters})\n\n"
-        f"{datetime.datetime.now().isoformat(timespec='minutes')}, {len(os.sched_getaffinity(0))} CPU cores\n\n"
+        f"{datetime.datetime.now().isoformat(timespec='minutes')}, {result['notes']['machine']}\n\n"
         f"![curves](curves.png)\n\n{format_table(result, markdown=True)}\n\n{format_ratios(result)}\n\n"
-        + "".join(f"- {key}: {note}\n" for key, note in result["notes"].items() if isinstance(note, str)))
+        + "".join(f"- {key}: {note}\n" for key, note in result["notes"].items() if isinstance(note, str) and key != "machine"))
     if json_path:
         json_path.parent.mkdir(parents=True, exist_ok=True)
         json_path.write_text(json.dumps(result, indent=1))
@@ -199,6 +207,10 @@ def _result(minutes: float, seeds: int, grid: list[float], runs: dict[str, list[
         "time_0": "the base model (LoRA B = 0), evaluated once and shared by every variant and seed",
         "std": "sample standard deviation over seeds (0 with one seed); the plot's band is min–max over seeds",
     }
+    step = grid[1] * 60
+    slow = [name for name, v in variants.items() if v["seconds_per_iteration"] > step]
+    if slow:
+        notes["coarse_grid"] = f"{', '.join(slow)}: an iteration takes longer than the grid step ({step:.1f} s), so grid values repeat"
     ratios: dict = {}
     if REFERENCE in variants:
         ratios["time_to_chain_final"], notes["time_to_chain_final"] = time_to_reference_final(
@@ -238,7 +250,8 @@ def plot_curves(result: dict, path: Path) -> None:
     grid = result["grid_minutes"]
     for name, v in result["variants"].items():
         per_time = list(zip(*v["strict"]))
-        line, = axes.plot(grid, v["mean"], marker="o", markersize=3, label=name)
+        style = {"color": "black", "linestyle": "--"} if name == REFERENCE else {}
+        line, = axes.plot(grid, v["mean"], marker="o", markersize=3, label=name, **style)
         axes.fill_between(grid, [min(x) for x in per_time], [max(x) for x in per_time], color=line.get_color(), alpha=0.15)
     axes.set_xlabel("training wall time (minutes; evaluation not counted)")
     axes.set_ylabel("held-out strict accuracy")

@@ -43,7 +43,9 @@ def setting(tiny_model_dir, tmp_path_factory):
 
 def _killed(setting: dict, name: str, point: str, n: int) -> tuple[Path, subprocess.CompletedProcess]:
     run = setting["base"] / name
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]), "HF_HUB_OFFLINE": "1"}
+    # the killed process computes with as many threads as this one: another count sums in another order (last-bit differences)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]), "HF_HUB_OFFLINE": "1",
+           "OMP_NUM_THREADS": str(torch.get_num_threads())}
     args = _args(setting["model_dir"], run, setting["eval_prompts"])
     process = subprocess.run([sys.executable, str(TESTS / "killed_run.py"), point, str(n), *args], env=env,
                              capture_output=True, text=True, timeout=600)

@@ -47,16 +47,16 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
-def launch_two(record_dir: Path | None, cli_args: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
+def launch_two(record_dir: Path | None, cli_args: list[str], timeout: float = 300, program: list[str] | None = None) -> subprocess.CompletedProcess:
     """`accelerate launch` two CPU processes of the CLI: `branchdiff train` recording into `record_dir`
-    (tests/two_process_run.py), or the plain CLI when `record_dir` is None."""
+    (tests/two_process_run.py), the plain CLI when `record_dir` is None, or `program` + `cli_args`."""
     accelerate = Path(sys.executable).parent / "accelerate"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]),
            "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "ACCELERATE_USE_CPU": "true"}
     command = [str(accelerate), "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
                "--main_process_ip", "127.0.0.1", "--main_process_port", str(_free_port()), "--mixed_precision", "no",
                "--dynamo_backend", "no",
-               *([str(TESTS / "two_process_run.py"), str(record_dir)] if record_dir else ["-m", "branchdiff.cli"]), *cli_args]
+               *(program or ([str(TESTS / "two_process_run.py"), str(record_dir)] if record_dir else ["-m", "branchdiff.cli"])), *cli_args]
     return subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
 
 
@@ -66,7 +66,7 @@ def two_process_run(tiny_model_dir, tmp_path_factory):
     run, records = base / "run", base / "records"
     records.mkdir()
     overrides = _overrides(tiny_model_dir, run, PER_PROCESS)
-    first = launch_two(records, ["train", "tiny-chain", *overrides, "iterations=2", "final_eval=false"])
+    first = launch_two(records, ["train", "tiny-chain", *overrides, "iterations=2", "final_eval=false", "eval_every=1"])
     assert first.returncode == 0, first.stderr[-3000:]
     resumed = launch_two(records, ["train", "tiny-chain", *overrides, "iterations=3", "--resume", "latest"])
     assert resumed.returncode == 0, resumed.stderr[-3000:]
@@ -160,6 +160,33 @@ def test_resume_continues_and_the_run_ends_with_the_evaluation_table(two_process
     assert "held-out evaluation" in out and "base" in out and "trained" in out
     assert set(json.loads((run / "eval.json").read_text())) == {"prompts", "images_per_prompt", "scales", "base", "trained"}
     assert (run / "lora" / "pytorch_lora_weights.safetensors").is_file()
+
+
+def test_heldout_evaluation_and_depth_statistics_equal_one_process(two_process_run):
+    """`eval_every`: the two processes each sample half the eval prompts and log the scores of all;
+    the per-depth advantage statistics sum over processes: both equal one process on all prompts."""
+    two = [json.loads(line) for line in (two_process_run["run"] / "metrics.jsonl").read_text().splitlines()]
+    single = Trainer(load_config("tiny-chain", _overrides(two_process_run["model_dir"], two_process_run["base"] / "single-eval", 2 * PER_PROCESS)))
+    heldout = single.heldout_metrics()
+    one = single.run_iteration(0).metrics
+    assert {k for k in two[0] if k.startswith("eval_")} == set(heldout) and "eval_tiny-geneval.strict" in heldout
+    assert all(two[0][k] == pytest.approx(v, abs=1e-6) for k, v in heldout.items() if k != "eval_seconds")
+    assert "eval_tiny-geneval" in two[1] and "eval_tiny-geneval" not in two[2]  # the resumed launch has eval_every 0
+    depth_keys = [k for k in one if "/depth_" in k]
+    assert depth_keys and {k for k in two[0] if "/depth_" in k} == set(depth_keys)
+    assert all(two[0][k] == pytest.approx(one[k], rel=1e-4, abs=1e-6) for k in depth_keys)
+    assert (two_process_run["run"] / "report.html").is_file() and (two_process_run["run"] / "samples" / "eval-iter-000001.png").is_file()
+
+
+def test_ctrl_c_on_one_process_stops_both_after_the_same_iteration(tiny_model_dir, tmp_path):
+    """SIGINT reaches process 0 only, during iteration 0's update: both processes finish the
+    iteration, save one checkpoint together and stop (no process waits for the other)."""
+    run = tmp_path / "run"
+    args = ["train", "tiny-chain", *_overrides(tiny_model_dir, run, PER_PROCESS), "iterations=4", "final_eval=false"]
+    result = launch_two(None, ["sigint", "0", *args], program=[str(TESTS / "killed_run.py")])
+    assert result.returncode != 0 and result.stderr.count("branchdiff: interrupted: checkpoint of iteration 0 saved") == 2, result.stderr[-3000:]
+    assert [json.loads(line)["iteration"] for line in (run / "metrics.jsonl").read_text().splitlines()] == [0]
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["iter-000000"]
 
 
 def test_eval_gives_the_same_numbers_on_two_processes(tiny_model_dir, tmp_path):
