@@ -21,6 +21,7 @@ EXAMPLES = """examples:
   branchdiff train my.yaml iterations=500 --resume latest   # continue, longer
   branchdiff sample --prompt "two red circles on the left" --lora runs/tiny/lora --out samples/
   branchdiff eval --lora runs/tiny/lora --prompts tiny:held_out --rewards tiny-geneval --json eval.json
+  branchdiff report runs/tiny-mix                   # rebuild the run's report.html
   branchdiff rewards list                           # what rewards exist, what each needs
   branchdiff rewards check my_pkg.rewards:Sharpness --prompts tiny:held_out
   branchdiff serve-reward hpsv2.1 --port 8765 --device cuda:1   # then reward={remote: http://127.0.0.1:8765}

@@ -1,15 +1,136 @@
-"""Images and plots of a run: sample grids."""
+"""Images and plots of a run: sample grids (saved by training and evaluation, read back as data URIs
+for a page), and the matplotlib primitives the run's report draws with: figures with fixed margins,
+metric curves with a moving average, small multiples, PNG data URIs.
+
+Nothing here knows a run's sections or metric names (branchdiff/run_report.py is the page). torch is
+imported by `save_grid` only, so that building a report does not load it.
+"""
 
 from __future__ import annotations
 
+import base64
+import io
+import math
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-from torchvision.utils import save_image
+import numpy as np
+from matplotlib.axes import Axes
+from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
+from PIL import Image
+
+if TYPE_CHECKING:
+    import torch
+
+MAX_GRID_SIDE = 2048  # larger grids are downscaled before embedding (keeps the page a few MB)
+
+Column = tuple[np.ndarray, np.ndarray]  # (iterations, values) of the rows that log a key; NaN kept (a gap)
 
 
+# ---------------------------------------------------------------- sample grids
 def save_grid(images: torch.Tensor, path: Path, nrow: int = 8, upscale: int = 4) -> None:
     """Save images (B, 3, H, W) in [0, 1] as one PNG grid, each image enlarged `upscale`× (nearest)."""
+    import torch
+    from torchvision.utils import save_image
+
     path.parent.mkdir(parents=True, exist_ok=True)
     big = torch.nn.functional.interpolate(images.float().cpu(), scale_factor=upscale, mode="nearest")
     save_image(big, path, nrow=nrow, padding=2, pad_value=0.5)
+
+
+def grid_data_uri(path: Path) -> str | None:
+    """A grid PNG as a data URI (downscaled past MAX_GRID_SIDE); None when unreadable (being written)."""
+    try:
+        data = path.read_bytes()
+        with Image.open(io.BytesIO(data)) as image:
+            if max(image.size) > MAX_GRID_SIDE:
+                image.thumbnail((MAX_GRID_SIDE, MAX_GRID_SIDE))
+                buffer = io.BytesIO()
+                image.save(buffer, format="PNG")
+                data = buffer.getvalue()
+            else:
+                image.verify()
+    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError):
+        return None
+    return "data:image/png;base64," + base64.b64encode(data).decode()
+
+
+# ---------------------------------------------------------------- curves
+def base_level(iterations: np.ndarray, values: np.ndarray) -> float | None:
+    """The base model's level of a curve: its value at iteration 0 (None when not logged or not finite).
+    The LoRA starts at zero, so iteration 0's rollouts, and the evaluation logged with it, come from the base model."""
+    at_zero = values[iterations == 0]
+    return float(at_zero[0]) if len(at_zero) and math.isfinite(at_zero[0]) else None
+
+
+def moving_average(values: np.ndarray, window: int) -> np.ndarray:
+    """Trailing mean of the finite values among the last `window` at each point:
+    m_i = mean{v_j : i - w < j <= i, v_j finite} (NaN where there is none)."""
+    finite = np.isfinite(values)
+    sums = np.concatenate([[0.0], np.cumsum(np.where(finite, values, 0.0))])
+    counts = np.concatenate([[0], np.cumsum(finite)])
+    end = np.arange(1, len(values) + 1)
+    start = np.maximum(end - window, 0)
+    n = counts[end] - counts[start]
+    return np.where(n > 0, (sums[end] - sums[start]) / np.maximum(n, 1), np.nan)
+
+
+def smoothing_window(count: int) -> int:
+    """Moving-average window of a curve of `count` points: max(1, count // 20)."""
+    return max(1, count // 20)
+
+
+# ---------------------------------------------------------------- drawing
+def png_data_uri(figure: Figure) -> str:
+    """The figure as a PNG data URI."""
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+def new_figure(width: float, height: float, lines: int = 1, columns: int = 1, top: float = 0.3) -> tuple[Figure, np.ndarray]:
+    """lines × columns axes with fixed margins in inches, `top` above the first line (a layout
+    engine doubles the drawing time)."""
+    figure = Figure(figsize=(width, height), dpi=100)
+    margins = dict(left=0.55 / width, right=1 - 0.15 / width, bottom=0.45 / height, top=1 - top / height, wspace=0.3, hspace=0.65)
+    axes = figure.subplots(lines, columns, squeeze=False, gridspec_kw=margins).ravel()
+    for ax in axes:
+        ax.tick_params(labelsize=7)
+        ax.ticklabel_format(useOffset=False)
+        ax.xaxis.set_major_locator(MaxNLocator(5, integer=True))
+        ax.yaxis.set_major_locator(MaxNLocator(4))
+    return figure, axes
+
+
+def draw_curve(ax: Axes, key: str, column: Column, smooth: bool = True, markers: bool = False, base: bool = False) -> None:
+    """One metric over iterations: a thin raw line and its moving average (or markers); `base`:
+    the base model's level dashed, when the curve starts at iteration 0."""
+    iterations, values = column
+    ax.set_title(key, fontsize=9)
+    window = smoothing_window(len(values))
+    if smooth and window > 1:
+        ax.plot(iterations, values, lw=0.6, alpha=0.45, color="C0", label="per iteration")
+        ax.plot(iterations, moving_average(values, window), lw=1.5, color="C0", label=f"moving average of {window} iterations")
+    else:
+        ax.plot(iterations, values, lw=1.2, marker="o" if markers else None, ms=3, color="C0", label="per evaluation" if markers else "per iteration")
+    if base and (level := base_level(iterations, values)) is not None:
+        ax.axhline(level, ls="--", lw=1, color="0.35", label="base (iteration 0)")
+    ax.grid(alpha=0.3)
+
+
+def small_multiples(columns: dict[str, Column], keys: list[str], draw: Callable[[Axes, str, Column], None] = draw_curve) -> Figure:
+    """One axes per key, three a row, drawn by `draw(ax, key, columns[key])`; one legend on top for all."""
+    per_line = min(3, len(keys))
+    lines = math.ceil(len(keys) / per_line)
+    figure, axes = new_figure(3.1 * per_line + 0.3, 2.3 * lines + 0.45, lines, per_line, top=0.55)
+    legend: dict[str, object] = {}
+    for ax, key in zip(axes, keys):
+        draw(ax, key, columns[key])
+        ax.set_xlabel("iteration", fontsize=7, labelpad=1)
+        legend.update(zip(*reversed(ax.get_legend_handles_labels())))
+    for ax in axes[len(keys):]:
+        ax.set_visible(False)
+    figure.legend(list(legend.values()), list(legend), loc="upper center", ncols=len(legend), fontsize=7, frameon=False)
+    return figure

@@ -117,24 +117,27 @@ def train(trainer: Trainer) -> None:
     accelerator.init_trackers("branchdiff", init_kwargs={"tensorboard": {"purge_step": trainer.start_iteration}})
     progress = tqdm(range(trainer.start_iteration, config.iterations), initial=trainer.start_iteration, total=config.iterations,
                     desc="train", disable=not accelerator.is_local_main_process)
-    with InterruptRequest() as interrupt:
-        for iteration in progress:
-            metrics = _iteration(trainer, iteration)
-            progress.set_postfix(progress_fields(metrics))
-            reason = stop_reason(config, metrics, trainer.run_state["skipped_in_a_row"], accelerator.num_processes)
-            stop = trainer.collective.max(torch.tensor([float(interrupt.requested or reason is not None)])).item() > 0
-            every = config.logging.checkpoint_every
-            if stop or (every and (iteration + 1) % every == 0) or iteration == config.iterations - 1:
-                trainer.save_checkpoint(iteration)
-                _write_report(trainer)
-            if reason is not None:
-                raise RunStopped(reason)
-            if stop:
-                raise Interrupted(f"interrupted: checkpoint of iteration {iteration} saved in {trainer.checkpoint_dir}; "
-                                  "continue with --resume latest")
+    try:
+        with InterruptRequest() as interrupt:
+            for iteration in progress:
+                metrics = _iteration(trainer, iteration)
+                progress.set_postfix(progress_fields(metrics))
+                reason = stop_reason(config, metrics, trainer.run_state["skipped_in_a_row"], accelerator.num_processes)
+                stop = trainer.collective.max(torch.tensor([float(interrupt.requested or reason is not None)])).item() > 0
+                every = config.logging.checkpoint_every
+                if stop or (every and (iteration + 1) % every == 0) or iteration == config.iterations - 1:
+                    trainer.save_checkpoint(iteration)
+                    _write_report(trainer)
+                if reason is not None:
+                    raise RunStopped(reason)
+                if stop:
+                    raise Interrupted(f"interrupted: checkpoint of iteration {iteration} saved in {trainer.checkpoint_dir}; "
+                                      "continue with --resume latest")
+    finally:
+        progress.close()
+        accelerator.end_training()  # flushes TensorBoard, on a stop too
     if accelerator.is_main_process:
         trainer.adapter.save_lora(run_dir / "lora")
-    accelerator.end_training()
 
 
 def _iteration(trainer: Trainer, iteration: int) -> dict[str, float]:

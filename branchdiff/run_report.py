@@ -10,16 +10,14 @@ Built from what the run directory holds; only metrics.jsonl is required:
 A section whose inputs are absent says "not recorded in this run", and a section that fails to draw
 says so in place: the trainer rebuilds the report at every checkpoint and must not stop for it.
 
-The base model's level of a curve is its value at iteration 0: the LoRA starts at zero, so
-iteration 0's rollouts, and the evaluation logged with it, come from the base model.
+This module is the page: reading the run, the sections, `write_report`. The figures, curves and
+grid images it embeds are drawn with branchdiff/report.py. The base model's level of a curve is its
+value at iteration 0 (`report.base_level`).
 """
 
 from __future__ import annotations
 
-import base64
-import io
 import json
-import math
 import os
 import re
 import time
@@ -32,9 +30,9 @@ from pathlib import Path
 import numpy as np
 import yaml
 from matplotlib.axes import Axes
-from matplotlib.figure import Figure
-from matplotlib.ticker import LogLocator, MaxNLocator, NullLocator
-from PIL import Image
+from matplotlib.ticker import LogLocator, NullLocator
+
+from branchdiff.report import Column, base_level, draw_curve, grid_data_uri, new_figure, png_data_uri, small_multiples, smoothing_window
 
 # keys of metrics.jsonl that are not reward components (branchdiff/metrics.py, trainer.py)
 NOT_COMPONENTS = frozenset({
@@ -52,7 +50,6 @@ NFE_KEYS = ("nfe_rollout", "nfe_rollout_computed", "nfe_trained")
 UPDATE_KEYS = ("logprob_check", "loss", "clip_fraction", "kl", "grad_norm", "steps_skipped")
 EVAL_GRIDS = 8  # held-out grids shown, evenly spaced, first and last included
 TRAIN_GRIDS = 3  # newest training grids shown
-MAX_GRID_SIDE = 2048  # larger grids are downscaled before embedding (keeps the page a few MB)
 LOGPROB_FLOOR = 1e-12  # exact zeros of logprob_check drawn here on the log axis
 
 STYLE = """body{font-family:system-ui,sans-serif;max-width:1240px;margin:1em auto;padding:0 1em;color:#222}
@@ -62,8 +59,6 @@ figure{display:inline-block;width:calc(50% - 1.2em);margin:.4em;vertical-align:t
 table{border-collapse:collapse;margin:.5em 0}td,th{border:1px solid #ccc;padding:2px 8px;text-align:right}
 td:first-child,th:first-child{text-align:left}.missing{color:#888;font-style:italic}
 pre{background:#f6f6f6;padding:.5em;overflow:auto;font-size:.85em}"""
-
-Column = tuple[np.ndarray, np.ndarray]  # (iterations, values) of the rows that log a key; NaN kept (a gap)
 
 
 @dataclass
@@ -115,29 +110,6 @@ def columns(rows: list[dict]) -> dict[str, Column]:
     return {key: (np.array([p[0] for p in kept], dtype=float), np.array([p[1] for p in kept], dtype=float)) for key, kept in pairs.items()}
 
 
-def base_level(iterations: np.ndarray, values: np.ndarray) -> float | None:
-    """The base model's level of a curve: its value at iteration 0 (None when not logged or not finite)."""
-    at_zero = values[iterations == 0]
-    return float(at_zero[0]) if len(at_zero) and math.isfinite(at_zero[0]) else None
-
-
-def moving_average(values: np.ndarray, window: int) -> np.ndarray:
-    """Trailing mean of the finite values among the last `window` at each point:
-    m_i = mean{v_j : i - w < j <= i, v_j finite} (NaN where there is none)."""
-    finite = np.isfinite(values)
-    sums = np.concatenate([[0.0], np.cumsum(np.where(finite, values, 0.0))])
-    counts = np.concatenate([[0], np.cumsum(finite)])
-    end = np.arange(1, len(values) + 1)
-    start = np.maximum(end - window, 0)
-    n = counts[end] - counts[start]
-    return np.where(n > 0, (sums[end] - sums[start]) / np.maximum(n, 1), np.nan)
-
-
-def smoothing_window(count: int) -> int:
-    """Moving-average window of a curve of `count` points: max(1, count // 20)."""
-    return max(1, count // 20)
-
-
 def reward_components(keys: list[str]) -> list[str]:
     """Reward component keys among metric keys: the ones no other part of the metrics claims."""
     return [k for k in keys if k not in NOT_COMPONENTS and not k.startswith(NOT_COMPONENT_PREFIXES)
@@ -170,13 +142,7 @@ def _read_run(run_dir: Path) -> Run:
                config if isinstance(config, dict) else None, config_text, evaluation if isinstance(evaluation, dict) else None)
 
 
-# ---------------------------------------------------------------- drawing
-def _png(figure: Figure) -> str:
-    buffer = io.BytesIO()
-    figure.savefig(buffer, format="png")
-    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
-
-
+# ---------------------------------------------------------------- page pieces
 def _img(uri: str, alt: str, kind: str = "plot") -> str:
     return f'<img class="{kind}" alt="{escape(alt)}" src="{uri}">'
 
@@ -213,40 +179,10 @@ def _fmt(x: float | None) -> str:
     return "–" if x is None else f"{x:.4g}"
 
 
-def _figure(width: float, height: float, lines: int = 1, columns: int = 1, top: float = 0.3) -> tuple[Figure, np.ndarray]:
-    """lines × columns axes with fixed margins in inches, `top` above the first line (a layout
-    engine doubles the drawing time)."""
-    figure = Figure(figsize=(width, height), dpi=100)
-    margins = dict(left=0.55 / width, right=1 - 0.15 / width, bottom=0.45 / height, top=1 - top / height, wspace=0.3, hspace=0.65)
-    axes = figure.subplots(lines, columns, squeeze=False, gridspec_kw=margins).ravel()
-    for ax in axes:
-        ax.tick_params(labelsize=7)
-        ax.ticklabel_format(useOffset=False)
-        ax.xaxis.set_major_locator(MaxNLocator(5, integer=True))
-        ax.yaxis.set_major_locator(MaxNLocator(4))
-    return figure, axes
-
-
-def _curve(ax: Axes, key: str, column: Column, smooth: bool = True, markers: bool = False, base: bool = False) -> None:
-    """One metric over iterations: a thin raw line and its moving average (or markers); `base`:
-    the base model's level dashed, when the curve starts at iteration 0."""
-    iterations, values = column
-    ax.set_title(key, fontsize=9)
-    window = smoothing_window(len(values))
-    if smooth and window > 1:
-        ax.plot(iterations, values, lw=0.6, alpha=0.45, color="C0", label="per iteration")
-        ax.plot(iterations, moving_average(values, window), lw=1.5, color="C0", label=f"moving average of {window} iterations")
-    else:
-        ax.plot(iterations, values, lw=1.2, marker="o" if markers else None, ms=3, color="C0", label="per evaluation" if markers else "per iteration")
-    if base and (level := base_level(iterations, values)) is not None:
-        ax.axhline(level, ls="--", lw=1, color="0.35", label="base (iteration 0)")
-    ax.grid(alpha=0.3)
-
-
 def _update_curve(ax: Axes, key: str, column: Column) -> None:
     """An update statistic; logprob_check on a log axis, exact zeros at LOGPROB_FLOOR, with the 1e-6 line."""
     if key != "logprob_check":
-        _curve(ax, key, column)
+        draw_curve(ax, key, column)
         return
     iterations, values = column
     ax.set_title(key, fontsize=9)
@@ -257,20 +193,9 @@ def _update_curve(ax: Axes, key: str, column: Column) -> None:
     ax.grid(alpha=0.3)
 
 
-def _panels(run: Run, keys: list[str], alt: str, draw: Callable[[Axes, str, Column], None] = _curve) -> str:
-    """Small multiples, three a row: one axes per key, one legend on top for all."""
-    columns = min(3, len(keys))
-    lines = math.ceil(len(keys) / columns)
-    figure, axes = _figure(3.1 * columns + 0.3, 2.3 * lines + 0.45, lines, columns, top=0.55)
-    legend: dict[str, object] = {}
-    for ax, key in zip(axes, keys):
-        draw(ax, key, run.columns[key])
-        ax.set_xlabel("iteration", fontsize=7, labelpad=1)
-        legend.update(zip(*reversed(ax.get_legend_handles_labels())))
-    for ax in axes[len(keys):]:
-        ax.set_visible(False)
-    figure.legend(list(legend.values()), list(legend), loc="upper center", ncols=len(legend), fontsize=7, frameon=False)
-    return _img(_png(figure), alt)
+def _panels(run: Run, keys: list[str], alt: str, draw: Callable[[Axes, str, Column], None] = draw_curve) -> str:
+    """Small multiples of the run's `keys` as an <img>."""
+    return _img(png_data_uri(small_multiples(run.columns, keys, draw)), alt)
 
 
 # ---------------------------------------------------------------- sections
@@ -309,7 +234,7 @@ def _rewards(run: Run) -> str:
     keys = run.has("reward_mean", *components, *accuracies)
     if not keys:
         return _missing("Rewards")
-    html = _panels(run, keys, "reward curves", partial(_curve, base=True))
+    html = _panels(run, keys, "reward curves", partial(draw_curve, base=True))
     signal = run.has("reward_zero_spread_fraction", "reward_group_std")
     signal += [k for k in run.has("groups_dropped", "groups_dropped_nonfinite") if np.nansum(run.columns[k][1])]
     if signal:
@@ -323,7 +248,7 @@ def _heldout(run: Run) -> str:
     keys = [k for k in run.columns if k.startswith("eval_") and not k.endswith("_seconds")]
     if keys:
         html = "<p>Mean scores on the fixed held-out prompts and seeds, of the policy each iteration's rollouts came from.</p>"
-        html += _panels(run, keys, "held-out evaluation", partial(_curve, smooth=False, markers=True, base=True))
+        html += _panels(run, keys, "held-out evaluation", partial(draw_curve, smooth=False, markers=True, base=True))
     else:
         html = _missing("Held-out evaluation during training")
     evaluation = run.evaluation
@@ -358,14 +283,14 @@ def _advantages(run: Run) -> str:
     kinds = [k for k in ("advantage_std", "advantage_abs_mean") if k in by_kind]
     html = ""
     if kinds:
-        figure, axes = _figure(9.4, 2.3 * len(kinds) + 0.2, len(kinds))
+        figure, axes = new_figure(9.4, 2.3 * len(kinds) + 0.2, len(kinds))
         for ax, kind in zip(axes, kinds):
             mesh = ax.pcolormesh(run.iterations, depths, np.ma.masked_invalid(matrix(kind)), shading="nearest", cmap="viridis")
             figure.colorbar(mesh, ax=ax, pad=0.01)
             ax.set_title(f"{kind} by child depth", fontsize=9)
             ax.set(xlabel="iteration", ylabel="depth", yticks=depths)
-        html += _img(_png(figure), "advantage heatmaps by depth")
-    figure, (left, right) = _figure(9.4, 2.6, 1, 2)
+        html += _img(png_data_uri(figure), "advantage heatmaps by depth")
+    figure, (left, right) = new_figure(9.4, 2.6, 1, 2)
     for offset, kind in zip((-0.2, 0.2), kinds):
         left.bar(np.array(depths) + offset, _mean(matrix(kind), 1), width=0.4, label=kind)
     left.set_title("mean over the run", fontsize=9)
@@ -376,7 +301,7 @@ def _advantages(run: Run) -> str:
     right.set_title("edges trained per iteration (mean)", fontsize=9)
     for ax in (left, right):
         ax.set(xlabel="depth", xticks=depths)
-    return html + _img(_png(figure), "per-depth means over the run and edges trained per depth")
+    return html + _img(png_data_uri(figure), "per-depth means over the run and edges trained per depth")
 
 
 def _cost(run: Run) -> str:
@@ -384,7 +309,7 @@ def _cost(run: Run) -> str:
     phases = run.has(*PHASES)
     if not nfe and not phases:
         return _missing("Cost (NFE and time)")
-    figure, (left, right) = _figure(9.4, 2.8, 1, 2)
+    figure, (left, right) = new_figure(9.4, 2.8, 1, 2)
     for key in nfe:
         left.plot(*run.columns[key], lw=1.2, label=key)
     left.set_title("network evaluations per iteration", fontsize=9)
@@ -396,7 +321,7 @@ def _cost(run: Run) -> str:
         ax.set_xlabel("iteration")
         if ax.has_data():
             ax.legend(fontsize=6)
-    html = _img(_png(figure), "network evaluations and time per iteration")
+    html = _img(png_data_uri(figure), "network evaluations and time per iteration")
     totals, count = seconds.sum(axis=1), len(run.iterations)
     wall = float(totals.sum())
     body = [[k, f"{t:.1f}", f"{t / count:.3g}", f"{t / wall:.0%}" if wall else "–"] for k, t in zip(phases, totals)]
@@ -424,39 +349,22 @@ def _explore(run: Run) -> str:
     agreement = [k for k in keys if any(w in k for w in ("spearman", "kendall", "top"))]
     html = ""
     if agreement:
-        figure, (ax,) = _figure(7, 3)
+        figure, (ax,) = new_figure(7, 3)
         for key in agreement:
             ax.plot(*run.columns[key], lw=1.0, marker="o", ms=2.5, label=key)
         ax.set_title("explorer vs policy: ranking agreement", fontsize=9)
         ax.set_xlabel("iteration")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=6)
-        html += _img(_png(figure), "explore ranking agreement")
+        html += _img(png_data_uri(figure), "explore ranking agreement")
     body = [[k, _fmt(_mean(run.columns[k][1]))] for k in keys if k not in agreement]
     return html + (_table(["explore metric", "mean over the run"], body) if body else "")
-
-
-def _grid_uri(path: Path) -> str | None:
-    """A grid PNG as a data URI (downscaled past MAX_GRID_SIDE); None when unreadable (being written)."""
-    try:
-        data = path.read_bytes()
-        with Image.open(io.BytesIO(data)) as image:
-            if max(image.size) > MAX_GRID_SIDE:
-                image.thumbnail((MAX_GRID_SIDE, MAX_GRID_SIDE))
-                buffer = io.BytesIO()
-                image.save(buffer, format="PNG")
-                data = buffer.getvalue()
-            else:
-                image.verify()
-    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError):
-        return None
-    return "data:image/png;base64," + base64.b64encode(data).decode()
 
 
 def _figures(grids: list[tuple[int, Path]], alt: str) -> str:
     html = ""
     for iteration, path in grids:
-        uri = _grid_uri(path)
+        uri = grid_data_uri(path)
         image = _img(uri, f"{alt}, iteration {iteration}", "grid") if uri else _note(f"{path.name} unreadable")
         html += f"<figure>{image}<figcaption>iteration {iteration}</figcaption></figure>"
     return html

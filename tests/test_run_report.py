@@ -21,7 +21,8 @@ import yaml
 from PIL import Image
 
 from branchdiff.cli import main
-from branchdiff.run_report import base_level, columns, evenly_spaced, moving_average, read_metrics, reward_components, write_report
+from branchdiff.report import base_level, moving_average
+from branchdiff.run_report import columns, evenly_spaced, read_metrics, reward_components, write_report
 
 ITERATIONS = 40
 EVAL_EVERY = 4  # held-out evaluation (and its grid) every 4 iterations: 10 grids, more than the 8 shown
