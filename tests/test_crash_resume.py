@@ -86,7 +86,7 @@ def test_sigkill_in_the_middle_of_an_iteration_then_resume_gives_the_same_weight
 
 
 def test_sigkill_during_a_checkpoint_write_resumes_from_the_previous_complete_one(setting):
-    run, process = _killed(setting, "write_state", 2)  # the second checkpoint (iteration 5), before it is published
+    run, process = _killed(setting, "killed-in-save", "write_state", 2)  # the second checkpoint (iteration 5), before it is published
     assert process.returncode == -9, process.stderr[-2000:]
     checkpoints = sorted(p.name for p in (run / "checkpoints").iterdir())
     assert checkpoints == [".staging-000005", "iter-000002"]  # the half-written one never took a checkpoint's name
@@ -96,7 +96,7 @@ def test_sigkill_during_a_checkpoint_write_resumes_from_the_previous_complete_on
 
 
 def test_ctrl_c_stops_after_the_iteration_with_a_checkpoint_and_exit_130(setting):
-    run, process = _killed(setting, "sigint", 1)
+    run, process = _killed(setting, "ctrl-c", "sigint", 1)
     assert process.returncode == 130, process.stderr[-2000:]
     last = process.stderr.strip().splitlines()[-1]
     assert last == f"branchdiff: interrupted: checkpoint of iteration 1 saved in {run / 'checkpoints'}; continue with --resume latest"
