@@ -211,6 +211,11 @@ def _header(run: Run) -> str:
             final = float(finite[-window:].mean())
             text = f"final reward_mean {final:.4g} (mean of the last {window} logged)"
             parts.append(text + (f" vs base {base:.4g} (iteration 0): {final - base:+.4g}" if base is not None else ""))
+    summary = (run.evaluation or {}).get("trained", {}).get("all", {})
+    for score, row in summary.items():  # the held-out result, less noisy than one batch of training prompts
+        base = run.evaluation.get("base", {}).get("all", {}).get(score, {}).get("mean")
+        if base is not None and row.get("mean") is not None:
+            parts.append(f"held-out {score} {base:.3f} → {row['mean']:.3f}")
     parts.append("generated " + time.strftime("%Y-%m-%d %H:%M:%S"))
     if run.config_text is None:
         facts = _missing("config.yaml")
