@@ -37,7 +37,7 @@ from branchdiff.report import Column, base_level, draw_curve, grid_data_uri, new
 # keys of metrics.jsonl that are not reward components (branchdiff/metrics.py, trainer.py)
 NOT_COMPONENTS = frozenset({
     "iteration", "reward_mean", "reward_std", "reward_zero_spread_fraction", "reward_group_std",
-    "groups_dropped", "groups_dropped_nonfinite", "nfe_rollout", "nfe_rollout_computed", "nfe_trained",
+    "groups_dropped", "nfe_rollout", "nfe_rollout_computed", "nfe_trained",
     "edges_trained", "rollout_seconds", "reward_seconds", "train_seconds", "eval_seconds",
     "loss", "clip_fraction", "kl", "logprob_check", "grad_norm", "optimizer_steps", "steps_skipped",
 })
@@ -241,7 +241,7 @@ def _rewards(run: Run) -> str:
         return _missing("Rewards")
     html = _panels(run, keys, "reward curves", partial(draw_curve, base=True))
     signal = run.has("reward_zero_spread_fraction", "reward_group_std")
-    signal += [k for k in run.has("groups_dropped", "groups_dropped_nonfinite") if np.nansum(run.columns[k][1])]
+    signal += [k for k in run.has("groups_dropped") if np.nansum(run.columns[k][1])]
     if signal:
         html += ("<p>Signal: the fraction of groups whose rewards do not spread (they train nothing), "
                  "the mean within-group std, and dropped groups when there were any.</p>")

@@ -294,7 +294,8 @@ class Trainer:
 
     def run_iteration(self, iteration: int, per_node: bool = False) -> IterationResult:
         """One iteration; `per_node` grows the tree with batch-1 forwards (benchmarks). A group with
-        a non-finite reward on any leaf is dropped: its advantages are 0 and none of its edges train."""
+        a non-finite reward on any leaf is dropped: its leaves score 0 alike, so its advantages are 0,
+        and none of its edges train."""
         config = self.config
         rollout, images, rewards, info = self.rollout_and_score(iteration, per_node)
         tree = rollout.tree
@@ -306,7 +307,6 @@ class Trainer:
         node_rewards = fuse_rewards(tree, leaf_rewards, rollout.log_prob, config.advantage.fusion, config.advantage.alpha)
         node_advantages = depthwise_advantages(tree, node_rewards, config.advantage.scope, self.collective)
         node_advantages = node_advantages.clamp(-config.advantage.clip, config.advantage.clip)
-        node_advantages = torch.where(dropped[tree.prompt], torch.zeros_like(node_advantages), node_advantages)
         mask = self.trainable_mask(rollout, node_advantages, iteration) & ~dropped[tree.prompt]
         start = time.perf_counter()
         train_stats = self.update(rollout, info["embeds"], node_advantages, mask, iteration)

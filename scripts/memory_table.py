@@ -44,6 +44,8 @@ import torch  # noqa: E402
 from torch.utils import _pytree as pytree  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
+from branchdiff.models.lora import add_lora  # noqa: E402
+
 GIB = 2**30
 
 # ------------------------------------------------------------------------------------------------
@@ -251,19 +253,6 @@ def build_meta(class_name: str, config: dict, dtype: torch.dtype) -> torch.nn.Mo
     with torch.device("meta"):
         model = getattr(diffusers, class_name).from_config(config)
     return model.to(dtype)
-
-
-def add_lora(model: torch.nn.Module, targets: list[str], rank: int, alpha: float) -> int:
-    """peft LoRA attached exactly as branchdiff.models.lora.add_lora does (fp32, trainable); returns its size."""
-    from peft import LoraConfig
-
-    model.requires_grad_(False)
-    model.add_adapter(LoraConfig(r=rank, lora_alpha=alpha, init_lora_weights="gaussian", target_modules=targets))
-    params = [p for n, p in model.named_parameters() if "lora_" in n]
-    for p in params:
-        p.data = p.data.float()
-        p.requires_grad_(True)
-    return sum(p.numel() for p in params)
 
 
 def lora_targets_by_formula(model: torch.nn.Module, targets: list[str], rank: int) -> tuple[int, int]:
@@ -582,7 +571,7 @@ def measure(family: Family, dtype: torch.dtype, rank: int, alpha: float, resolut
     # fake mode and materialised as fake CUDA tensors inside it
     model = build_meta(family.denoiser, {**family.config, **family.reduced}, dtype) if family.reduced else full
     expected = lora_targets_by_formula(model, targets, rank)[0]
-    attached = add_lora(model, targets, rank, alpha)
+    attached = sum(p.numel() for p in add_lora(model, targets, rank, alpha, seed=0))
     if attached != expected:  # peft's count on the traced copy must equal the formula used for the full model
         raise RuntimeError(f"{family.name}: peft attached {attached} LoRA parameters, r·(in+out) over the targets gives {expected}")
     with FakeTensorMode(allow_non_fake_inputs=True):

@@ -54,3 +54,14 @@ class AllInf:
 
     def __call__(self, images, prompts, metadata):
         return torch.full((len(prompts),), float("inf"))
+
+
+class FirstNaN(Redness):
+    """Redness with NaN for the first image of every batch (one leaf of the first group)."""
+
+    name = "first-nan"
+
+    def __call__(self, images, prompts, metadata=None):
+        scores = super().__call__(images, prompts, metadata)
+        scores[0] = float("nan")
+        return scores

@@ -291,6 +291,21 @@ def test_non_finite_scores_are_counted_not_trained_on(tiny_model_dir, tmp_path, 
     assert "(36 NaN)" in capsys.readouterr().out
 
 
+def test_one_non_finite_leaf_drops_its_whole_group(tiny_model_dir, tmp_path):
+    """Before: only the NaN leaf was set to 0 and its siblings trained against that 0."""
+    from branchdiff.config import load_config
+    from branchdiff.trainer import Trainer
+
+    config = load_config("tiny-chain", _one_iteration(tiny_model_dir, tmp_path / "run", "rewards_for_tests:FirstNaN"))
+    result = Trainer(config).run_iteration(0)
+    tree = result.rollout.tree
+    first, second = tree.prompt == 0, tree.prompt == 1  # the NaN leaf is the first leaf, in group 0
+    assert result.metrics["groups_dropped"] == 1
+    assert torch.all(result.node_advantages[first] == 0) and not result.trained[first].any()
+    assert result.node_advantages[second].abs().sum() > 0 and result.trained[second].any()
+    assert result.metrics["edges_trained"] == int(result.trained[second].sum())
+
+
 def test_a_lower_is_better_reward_enters_the_signal_negated(monkeypatch):
     from rewards_for_tests import Darkness
 

@@ -12,7 +12,6 @@ import math
 import re
 import shutil
 import subprocess
-import time
 from html.parser import HTMLParser
 
 import numpy as np
@@ -43,7 +42,7 @@ def metrics_row(i: int, rng: np.random.Generator, iterations: int = ITERATIONS, 
            "tiny-geneval": 0.6 + 0.2 * progress + noise(0.03), "hpsv2.1": 0.25 + 0.02 * progress + noise(0.005),
            "tiny-geneval_failed": 0, "tiny-geneval_nonfinite": 0,
            **{f"accuracy_{a}": min(1.0, 0.3 + 0.4 * progress + noise(0.05)) for a in ATTRIBUTES},
-           "reward_zero_spread_fraction": 0.1, "reward_group_std": 0.1 + noise(0.01), "groups_dropped": 0, "groups_dropped_nonfinite": 0,
+           "reward_zero_spread_fraction": 0.1, "reward_group_std": 0.1 + noise(0.01), "groups_dropped": 0,
            "nfe_rollout": 504, "nfe_rollout_computed": 480, "nfe_trained": 120, "edges_trained": 176,
            "rollout_seconds": 0.7 + noise(0.05), "reward_seconds": 0.08, "train_seconds": 0.4 + noise(0.02),
            "loss": noise(1e-8), "clip_fraction": 0.01 * progress, "kl": 1e-5 * progress, "logprob_check": 0.0 if i == 0 else 1e-7,
@@ -170,7 +169,7 @@ def test_a_full_run_gives_one_self_contained_page_with_every_section(full_run, f
 
 def test_the_cli_prints_the_page(tmp_path, capsys):
     (tmp_path / "metrics.jsonl").write_text("")  # a run that has not logged yet
-    assert main(["report", str(tmp_path)]) in (0, None)
+    assert main(["report", str(tmp_path)]) == 0
     assert capsys.readouterr().out.strip() == str(tmp_path / "report.html")
 
 
@@ -207,14 +206,6 @@ def test_a_directory_without_metrics_is_refused(tmp_path, capsys):
     assert main(["report", str(tmp_path)]) == 2
     assert capsys.readouterr().err.strip().splitlines() == [f"branchdiff: error: {message}"]
     assert not (tmp_path / "report.html").exists()
-
-
-def test_500_iterations_take_under_three_seconds_of_cpu(tmp_path):
-    run = tmp_path / "long"
-    write_metrics(run, iterations=500)
-    start = time.process_time()  # CPU time: a loaded machine slows the wall clock, not this
-    write_report(run)
-    assert time.process_time() - start < 3.0
 
 
 # ---------------------------------------------------------------- helpers
