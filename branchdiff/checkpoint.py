@@ -1,9 +1,15 @@
-"""Checkpoint folders of a run: atomic publication, crash clean-up, and the resume check.
+"""Checkpoint folders of a run: atomic publication, crash clean-up, self-checks, and the resume check.
 
 A checkpoint is written into `.staging-<iteration>` and published as `iter-<iteration>` by renames
 only: an existing `iter-<iteration>` is first renamed to `.replaced-<iteration>`, the staging folder
 takes its name, and the replaced one is deleted. A crash at any point leaves either the old or the
 new checkpoint under its name, or the old one under `.replaced-*`, which `clean_interrupted` puts back.
+
+A checkpoint proves itself: `manifest.json`, written last, lists every file with its size and
+SHA-256, and `verify` checks them and every field of `trainer_state.json` before anything is
+loaded. `select` picks the checkpoint to resume: a named one must pass; `latest` takes the newest
+that passes and says which newer ones it skipped and why. Checkpoints of branchdiff before the
+manifest (no `format` in their state) are read without it, with a notice.
 
 A resumed run must be the run that was saved: every config key must match the checkpoint's, except
 the keys of `RESUMABLE_KEYS`, which only say how long to run, where and what to log or evaluate,
@@ -13,20 +19,25 @@ and when to give up
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 from branchdiff.config import ConfigError
+from branchdiff.errors import CheckpointError
 
 PREFIX = "iter-"
 STAGING = ".staging-"
 REPLACED = ".replaced-"
 PRUNED = ".pruned-"
 STATE_FILE = "trainer_state.json"
+MANIFEST = "manifest.json"
+FORMAT = 2  # trainer_state.json's format: 2 = with a manifest
 RESUMABLE_KEYS = (
     "iterations", "output_dir", "final_eval", "eval_every", "logging.*", "prompts.eval", "prompts.eval_seeds",
-    "sampling.max_batch", "sampling.exact", "train.max_skipped_steps",
+    "sampling.max_batch", "sampling.exact", "train.max_skipped_steps", "collective_timeout",
 )
 
 
@@ -83,31 +94,131 @@ def prune(directory: Path, keep: int) -> None:
         shutil.rmtree(doomed)
 
 
-def find(directory: Path, which: str) -> Path:
-    """The checkpoint `which` names: "latest" or a path."""
-    if which == "latest":
-        found = checkpoints(directory)
-        if not found:
-            raise FileNotFoundError(f"--resume latest: no checkpoint under {directory}")
-        return found[-1]
-    path = Path(which)
-    if not (path / STATE_FILE).is_file():
-        raise FileNotFoundError(f"--resume {which}: {path} is not a checkpoint (no {STATE_FILE})")
-    return path
-
-
 def write_state(path: Path, iteration: int, config: dict, num_processes: int, run_state: dict) -> None:
     """The trainer's state beside accelerate's files: the last complete iteration (the tracker's
     step), the config, the process count and the run's counters (`run_state`)."""
-    state = {"iteration": iteration, "config": config, "num_processes": num_processes, "run_state": run_state}
+    state = {"format": FORMAT, "iteration": iteration, "config": config, "num_processes": num_processes, "run_state": run_state}
     (path / STATE_FILE).write_text(json.dumps(state))
 
 
-def read_state(path: Path) -> dict:
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def write_manifest(path: Path) -> None:
+    """`manifest.json`: every file of the checkpoint folder with its size and SHA-256; written last."""
+    files = {str(f.relative_to(path)): {"bytes": f.stat().st_size, "sha256": _sha256(f)}
+             for f in sorted(path.rglob("*")) if f.is_file() and f.name != MANIFEST}
+    (path / MANIFEST).write_text(json.dumps({"format": FORMAT, "files": files}, indent=1))
+
+
+def _whole(value: object, minimum: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
+
+
+def state_problem(state: object) -> str | None:
+    """What is wrong with a parsed trainer_state.json, or None: every field present (format 2;
+    older states may lack the later ones) and of its type."""
+    if not isinstance(state, dict):
+        return f"holds {type(state).__name__}, not a mapping"
+    fields = {"iteration": (lambda v: _whole(v, 0), "an integer ≥ 0"), "config": (lambda v: isinstance(v, dict), "a mapping"),
+              "num_processes": (lambda v: _whole(v, 1), "an integer ≥ 1"), "run_state": (lambda v: isinstance(v, dict), "a mapping"),
+              "format": (lambda v: _whole(v, 1), "an integer ≥ 1")}
+    required = fields if "format" in state else ("iteration",)
+    for name, (valid, expected) in fields.items():
+        if name not in state:
+            if name in required:
+                return f"field '{name}' is missing"
+            continue
+        if not valid(state[name]):
+            return f"field '{name}' = {json.dumps(state[name])[:40]} is not {expected}"
+    skipped = state.get("run_state", {}).get("skipped_in_a_row", 0)
+    if not _whole(skipped, 0):
+        return f"field 'run_state.skipped_in_a_row' = {json.dumps(skipped)[:40]} is not an integer ≥ 0"
+    return None
+
+
+def _manifest_problem(path: Path) -> str | None:
     try:
-        return json.loads((path / STATE_FILE).read_text())
-    except (json.JSONDecodeError, OSError) as error:
-        raise FileNotFoundError(f"--resume: {path / STATE_FILE} is unreadable ({error}); resume from an older checkpoint") from None
+        manifest = json.loads((path / MANIFEST).read_text())
+        files = manifest["files"]
+        expected = {name: (int(entry["bytes"]), str(entry["sha256"])) for name, entry in files.items()}
+    except FileNotFoundError:
+        return f"its {MANIFEST} is missing"
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return f"its {MANIFEST} is unreadable"
+    for name, (size, digest) in expected.items():
+        file = path / name
+        if not file.is_file():
+            return f"{name} is missing"
+        if file.stat().st_size != size:
+            return f"{name} has {file.stat().st_size} bytes, the manifest says {size}"
+        if _sha256(file) != digest:
+            return f"{name} does not match its SHA-256 in the manifest"
+    present = {str(f.relative_to(path)) for f in path.rglob("*") if f.is_file() and f.name != MANIFEST}
+    if present - set(expected):
+        return f"{sorted(present - set(expected))[0]} is not in the manifest"
+    return None
+
+
+def verify(path: Path) -> tuple[dict | None, str | None]:
+    """(state, None) for a checkpoint whose state and manifest check out, else (None, the problem)."""
+    try:
+        state = json.loads((path / STATE_FILE).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return None, f"it holds no {STATE_FILE}"
+    except (OSError, ValueError) as error:
+        return None, f"its {STATE_FILE} is unreadable ({type(error).__name__})"
+    problem = state_problem(state)
+    if problem:
+        return None, f"{STATE_FILE}: {problem}"
+    if state.get("format", 1) >= 2 or (path / MANIFEST).exists():
+        problem = _manifest_problem(path)
+        if problem:
+            return None, problem
+    return state, None
+
+
+@dataclass
+class Selected:
+    path: Path  # the checkpoint folder to resume from
+    state: dict  # its trainer_state.json, checked
+    notices: list[str]  # what a user should know (newer checkpoints skipped, no manifest)
+
+
+def select(directory: Path, which: str) -> Selected:
+    """The checkpoint `which` names ("latest" or a folder), checked by `verify`: `latest` falls back
+    to the newest one that passes; a named one that fails is refused (`CheckpointError`)."""
+    if which != "latest":
+        path = Path(which)
+        if not path.is_dir() or not ((path / STATE_FILE).is_file() or (path / MANIFEST).is_file()):
+            raise FileNotFoundError(f"--resume {which}: {path} is not a checkpoint (no {STATE_FILE}); pass a folder under {directory} or latest")
+        candidates = [path]
+    else:
+        candidates = list(reversed(checkpoints(directory)))
+        if not candidates:
+            raise FileNotFoundError(f"--resume latest: no checkpoint under {directory}")
+    notices: list[str] = []
+    first_problem = None
+    for path in candidates:
+        state, problem = verify(path)
+        if problem is None:
+            if state.get("format", 1) < 2:
+                notices.append(f"checkpoint {path} predates checkpoint manifests: its files are not verified")
+            return Selected(path, state, notices)
+        first_problem = first_problem or f"checkpoint {path} is damaged ({problem})"
+        if which == "latest":
+            notices.append(f"skipping checkpoint {path}: damaged ({problem})")
+    if which != "latest":
+        older = [p for p in checkpoints(directory) if p.name < candidates[0].name]
+        hint = f"resume from an older one (--resume {older[-1]})" if older else "start a new run in another output_dir="
+        raise CheckpointError(f"--resume: {first_problem}; {hint}")
+    raise CheckpointError(f"--resume latest: every checkpoint under {directory} is damaged; the newest: {first_problem.removeprefix('checkpoint ')}; "
+                          "start a new run in another output_dir=")
 
 
 def _flatten(tree: dict, prefix: str = "") -> dict[str, object]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 from typing import NoReturn
@@ -127,26 +128,38 @@ def _split_train_args(args: argparse.Namespace) -> tuple[str | None, list[str]]:
 
 
 def cmd_train(args: argparse.Namespace) -> None:
-    from branchdiff.config import ConfigError, load_config
+    """Validate everything, claim the run directory (the first process), load, train, evaluate,
+    and say where the results are. A failure before the first file is written leaves no folder behind."""
+    from branchdiff.config import load_config
+    from branchdiff.preflight import check_inputs
+    from branchdiff.run_dir import claim
 
     source, overrides = _split_train_args(args)
-    config = load_config(source or DEFAULT_PRESET, overrides)  # validated before anything is written
+    config = load_config(source or DEFAULT_PRESET, overrides)
+    check_inputs(config)  # rewards and prompt sources, before anything is created
     run_dir = Path(config.output_dir)
-    if not args.resume and ((run_dir / "metrics.jsonl").exists() or (run_dir / "checkpoints").exists()):
-        raise ConfigError(f"output_dir {run_dir} already holds a run (metrics.jsonl or checkpoints/); "
-                          "continue it with --resume latest, or pass another output_dir=")
+    first_process = int(os.environ.get("RANK", "0")) == 0
+    claimed = claim(run_dir, resume=bool(args.resume)) if first_process else None
     from branchdiff.evaluate import format_comparison
-    from branchdiff.run import check_writable, train
+    from branchdiff.run import train
     from branchdiff.trainer import Trainer
 
-    check_writable(run_dir)
-    trainer = Trainer(config)
-    if args.resume:
-        trainer.resume(args.resume)
+    try:
+        trainer = Trainer(config, resume=args.resume)
+    except BaseException:
+        if claimed:
+            claimed.abandon()
+        raise
     train(trainer)
-    if config.final_eval and trainer.accelerator.is_main_process:
+    if not trainer.accelerator.is_main_process:
+        return
+    if config.final_eval:
         print(f"held-out evaluation ({config.prompts.eval}, {config.prompts.eval_seeds} seeds each, ODE {config.sampling.num_steps} steps):")
         print(format_comparison(trainer.final_evaluation()))
+    from branchdiff.run_report import write_report
+
+    print(f"run folder: {run_dir}/\n  LoRA:   {run_dir / 'lora'}/  (pipe.load_lora_weights loads it; branchdiff sample/eval --lora)\n"
+          f"  report: {write_report(run_dir)}\n  checkpoints: {trainer.checkpoint_dir}/ (continue with --resume latest)")
 
 
 def _load(args: argparse.Namespace, device: str | object = "cpu"):

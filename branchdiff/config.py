@@ -21,7 +21,7 @@ from typing import Any
 import yaml
 
 from branchdiff.models.families import FAMILIES, STEP_KINDS
-from branchdiff.typed_yaml import ConfigError, build, choice, merge, non_negative, parse_override, positive, read_yaml
+from branchdiff.typed_yaml import ConfigError, build, choice, in_range, merge, non_negative, parse_override, positive, read_yaml
 from branchdiff.prune import mix_sde_steps
 from branchdiff.rewards.combine import parse_reward_specs
 from branchdiff.tree import Split, TreeSpec
@@ -33,7 +33,7 @@ PRESET_DIR = Path(__file__).parent / "configs"
 class ModelConfig:
     family: str = choice("tiny", *FAMILIES)  # model family (branchdiff/models/, docs/models.md)
     path: str | None = None  # local directory or hub id of the diffusers pipeline; None = the built-in tiny model
-    resolution: int | None = positive(None)  # image side in pixels; None = the family's default (tiny 32, sd15 512, others 1024)
+    resolution: int | None = in_range(None, 8, 8192)  # image side in pixels; None = the family's default (tiny 32, sd15 512, others 1024)
     dtype: str = choice("float32", "float32", "bfloat16", "float16")  # base weights' dtype (LoRA parameters stay float32)
     offload: bool = False  # keep text encoders and VAE on the CPU except while they run
 
@@ -131,11 +131,12 @@ class LogConfig:
 class TrainConfig:
     output_dir: str = "runs/tiny"  # run directory: config, metrics, checkpoints, samples, LoRA
     iterations: int = positive(60)  # training iterations (rollout + update)
-    seed: int = 0  # run seed: prompts, noise and initialisation derive from it
+    seed: int = in_range(0, 0, 2**32 - 1)  # run seed: prompts, noise and initialisation derive from it
     final_eval: bool = True  # evaluate base vs trained on the eval prompts at the end
     eval_every: int = non_negative(0)  # held-out evaluation (prompts.eval, eval_rewards) every n iterations into the metrics (0: never)
     reward: str | dict | list[str | dict] = "tiny-geneval"  # a name, dotted path, {name|remote, weight, required, kwargs}, or a list (docs/rewards.md)
     eval_rewards: list[str | dict] = field(default_factory=lambda: ["tiny-geneval"])  # rewards of the final base-vs-trained evaluation
+    collective_timeout: float = positive(600.0)  # seconds a process waits for the others at a collective before the job ends, naming the silent rank
     reward_combine: str = choice("sum_then_normalize", "sum_then_normalize", "normalize_then_sum")  # how several rewards combine (rewards/combine.py)
     model: ModelConfig = field(default_factory=ModelConfig)
     prompts: PromptConfig = field(default_factory=PromptConfig)
@@ -198,6 +199,12 @@ def load_config(source: str | None = None, overrides: list[str] = ()) -> TrainCo
 
 def validate(config: TrainConfig) -> None:
     """Cross-field checks that single fields cannot express."""
+    if not config.output_dir.strip():
+        raise ConfigError("'output_dir' is empty; pass output_dir= a folder for the run, e.g. output_dir=runs/my-run")
+    family = FAMILIES[config.model.family]
+    if family.fixed_resolution and config.model.resolution not in (None, family.resolution):
+        raise ConfigError(f"'model.resolution' = {config.model.resolution}: model.family={config.model.family} makes only "
+                          f"{family.resolution}×{family.resolution} images; leave model.resolution unset")
     try:
         parse_reward_specs(config.reward)
         parse_reward_specs(config.eval_rewards)
@@ -248,8 +255,9 @@ def _validate_split_entry(entry: list) -> None:
                           "(the SDE's η / a at this split); the release's noise-only kick is tree.anchor_noise_multiplier")
     if options and set(options[0]) != {"noise_level"}:
         raise ConfigError(f"'tree.splits' entry {entry!r}: allowed split options: noise_level")
-    if options and (isinstance(options[0]["noise_level"], bool) or not isinstance(options[0]["noise_level"], (int, float))):
-        raise ConfigError(f"'tree.splits' entry {entry!r}: noise_level must be a number > 0")
+    level = options[0]["noise_level"] if options else 1.0
+    if isinstance(level, bool) or not isinstance(level, (int, float)) or not math.isfinite(level) or level <= 0:
+        raise ConfigError(f"'tree.splits' entry {entry!r}: noise_level must be a finite number > 0")
 
 
 def _validate_explore(config: TrainConfig) -> None:
@@ -396,4 +404,7 @@ def to_dict(config: TrainConfig) -> dict:
 
 
 def save_config(config: TrainConfig, path: Path) -> None:
-    path.write_text(yaml.safe_dump(to_dict(config), sort_keys=False))
+    """The effective config as YAML, written whole or not at all; the same config gives the same bytes."""
+    from branchdiff import storage
+
+    storage.write_text(path, yaml.safe_dump(to_dict(config), sort_keys=False))

@@ -16,6 +16,7 @@ groups its tables by.
 from __future__ import annotations
 
 import csv
+import io
 import json
 import os
 import shutil
@@ -24,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from branchdiff.errors import quote
 from branchdiff.tiny_task import all_prompts, split_prompts
 
 TINY_SOURCES = {"tiny:train": lambda: split_prompts()[0], "tiny:held_out": lambda: split_prompts()[1], "tiny:all": all_prompts}
@@ -75,28 +77,48 @@ def load_prompt_set(source: str) -> PromptSet:
         return PromptSet(source, [p for p, _ in rows], [m for _, m in rows])
     path = Path(source)
     if not path.is_file():
-        raise FileNotFoundError(f"prompt source {source!r} is neither {', '.join(TINY_SOURCES)}, hpdv2[:style] nor an existing file")
+        raise FileNotFoundError(f"prompt source {quote(source, 80)} is neither {', '.join(TINY_SOURCES)}, hpdv2[:style] nor an existing file")
+    text = _text(path)
+    lines = text.splitlines()
     if path.suffix == ".jsonl":
         rows = []
-        for number, line in enumerate(path.read_text().splitlines(), start=1):
+        for number, line in enumerate(lines, start=1):
             if not line.strip():
                 continue
             try:
                 record = json.loads(line)
-                rows.append((record.pop("prompt"), record))
-            except (json.JSONDecodeError, KeyError, AttributeError, TypeError):
-                raise ValueError(f"{path}:{number}: expected a JSON object with a \"prompt\" field") from None
+            except json.JSONDecodeError:
+                raise ValueError(f"{path}:{number}: expected a JSON object with a \"prompt\" field, got {quote(line)}") from None
+            if not isinstance(record, dict) or "prompt" not in record:
+                raise ValueError(f"{path}:{number}: expected a JSON object with a \"prompt\" field")
+            rows.append((_prompt_text(record.pop("prompt"), path, number), record))
     elif path.suffix == ".csv":
-        with path.open(newline="") as handle:
-            reader = csv.DictReader(handle)
-            if "prompt" not in (reader.fieldnames or []):
-                raise ValueError(f"{path}:1: no \"prompt\" column (columns: {', '.join(reader.fieldnames or [])})")
-            rows = [(row.pop("prompt"), row) for row in reader]
+        reader = csv.DictReader(io.StringIO(text, newline=""))
+        if "prompt" not in (reader.fieldnames or []):
+            raise ValueError(f"{path}:1: no \"prompt\" column (columns: {', '.join(reader.fieldnames or [])})")
+        rows = [(_prompt_text(row.pop("prompt"), path, reader.line_num), row) for row in reader]
     else:
-        rows = [(line.strip(), {}) for line in path.read_text().splitlines() if line.strip()]
+        rows = [(line.strip(), {}) for line in lines if line.strip()]
     if not rows:
-        raise ValueError(f"prompt source {source!r} holds no prompts")
+        raise ValueError(f"prompt source {quote(source, 80)} holds no prompts")
     return PromptSet(source, [p for p, _ in rows], [m for _, m in rows])
+
+
+def _text(path: Path) -> str:
+    """A UTF-8 text file's text; a byte that is not UTF-8 is named with its line."""
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as error:
+        line = data[: error.start].count(b"\n") + 1
+        raise ValueError(f"{path}:{line}: not UTF-8 text (byte {data[error.start]:#04x}); save the file as UTF-8") from None
+
+
+def _prompt_text(value: object, path: Path, line: int) -> str:
+    """A record's prompt: a string with text in it."""
+    if not isinstance(value, str) or not value.strip():
+        raise ValueError(f"{path}:{line}: \"prompt\" must be a non-empty string, got {quote(json.dumps(value))}")
+    return value
 
 
 def draw_prompts(prompts: list[str], count: int, seed: int, iteration: int) -> list[int]:

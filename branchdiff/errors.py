@@ -1,4 +1,14 @@
-"""Errors a user fixes: the CLI prints each as one line `branchdiff: error: ...` and exits with 2."""
+"""Errors a user fixes, and how their messages stay short.
+
+The CLI prints each error as one line `branchdiff: error: ...` and exits with 2. User text inside a
+message (a prompt, a value, a reward's own error) is quoted through `quote` or `one_line`, and the
+whole line is capped by `bounded` in the middle, so the fix at its end always shows.
+"""
+
+from __future__ import annotations
+
+MAX_QUOTE = 40  # characters of user text (a prompt, a file line) a message quotes
+MAX_LINE = 600  # characters of an error line; longer lines lose their middle
 
 
 class UserError(Exception):
@@ -11,3 +21,26 @@ class CheckpointError(UserError):
 
 class RunStopped(UserError):
     """Training stopped on purpose after a checkpoint: no signal left (non-finite rewards or gradients)."""
+
+
+def one_line(text: object, limit: int = 500) -> str:
+    """`text` with every run of whitespace (newlines included) collapsed to one space, cut at `limit`."""
+    line = " ".join(str(text).split())
+    return line if len(line) <= limit else line[: limit - 1] + "…"
+
+
+def quote(text: object, limit: int = MAX_QUOTE) -> str:
+    """`repr(text)` of at most `limit` characters of it, elided in the middle: 'two red ci…the left'."""
+    text = str(text)
+    if len(text) > limit:
+        head = (limit + 1) // 2
+        text = text[:head] + "…" + text[len(text) - (limit - head) :]
+    return repr(text)
+
+
+def bounded(line: str, limit: int = MAX_LINE) -> str:
+    """`line` of at most `limit` characters: the start and the end (where the fix is) kept, the middle elided."""
+    if len(line) <= limit:
+        return line
+    tail = limit // 3
+    return line[: limit - tail - 3] + " … " + line[len(line) - tail :]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import io
+import json
 import math
 from collections.abc import Callable
 from pathlib import Path
@@ -24,20 +25,41 @@ from PIL import Image
 if TYPE_CHECKING:
     import torch
 
+CAPTIONS_KEY = "branchdiff:row_captions"  # PNG text chunk of a grid: JSON list, one caption per row
 MAX_GRID_SIDE = 2048  # larger grids are downscaled before embedding (keeps the page a few MB)
 
 Column = tuple[np.ndarray, np.ndarray]  # (iterations, values) of the rows that log a key; NaN kept (a gap)
 
 
 # ---------------------------------------------------------------- sample grids
-def save_grid(images: torch.Tensor, path: Path, nrow: int = 8, upscale: int = 4) -> None:
-    """Save images (B, 3, H, W) in [0, 1] as one PNG grid, each image enlarged `upscale`× (nearest)."""
+def save_grid(images: torch.Tensor, path: Path, nrow: int = 8, upscale: int = 4, row_captions: list[str] | None = None) -> None:
+    """Save images (B, 3, H, W) in [0, 1] as one PNG grid, each image enlarged `upscale`× (nearest),
+    written atomically (`storage.replace_file`). `row_captions` (one per row, e.g. its prompt) go
+    into the PNG's text chunk `CAPTIONS_KEY` as a JSON list, which the report shows under the grid."""
     import torch
-    from torchvision.utils import save_image
+    from PIL.PngImagePlugin import PngInfo
+    from torchvision.utils import make_grid
 
-    path.parent.mkdir(parents=True, exist_ok=True)
+    from branchdiff import storage
+    from branchdiff.rewards.base import to_uint8
+
     big = torch.nn.functional.interpolate(images.float().cpu(), scale_factor=upscale, mode="nearest")
-    save_image(big, path, nrow=nrow, padding=2, pad_value=0.5)
+    grid = make_grid(big, nrow=nrow, padding=2, pad_value=0.5)  # (3, H', W')
+    info = PngInfo()
+    if row_captions is not None:
+        info.add_text(CAPTIONS_KEY, json.dumps(list(row_captions)))
+    image = Image.fromarray(to_uint8(grid[None])[0].permute(1, 2, 0).numpy())
+    storage.replace_file(path, lambda tmp: image.save(tmp, format="PNG", pnginfo=info))
+
+
+def grid_captions(path: Path) -> list[str] | None:
+    """The row captions `save_grid` stored in a grid PNG, or None."""
+    try:
+        with Image.open(path) as image:
+            captions = json.loads(image.text.get(CAPTIONS_KEY, "null"))
+    except (OSError, SyntaxError, ValueError, AttributeError):
+        return None
+    return [str(c) for c in captions] if isinstance(captions, list) else None
 
 
 def grid_data_uri(path: Path) -> str | None:

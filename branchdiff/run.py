@@ -15,11 +15,15 @@ continues as if the run had never stopped:
 The processes decide together (one max-reduction per iteration), so none waits on another.
 A crash or SIGKILL at any moment loses only the iterations after the last checkpoint: on resume,
 metrics.jsonl is cut back to it and TensorBoard is told to drop later steps (`purge_step`).
+
+Every file is written whole or not at all (branchdiff/storage.py); a full disk stops the run with
+one line naming the file, the space and the newest complete checkpoint (`storage.DiskFull`). With
+several processes a heartbeat watches the others (branchdiff/watchdog.py): a process that stops
+responding for `collective_timeout` seconds ends the job with one line naming it.
 """
 
 from __future__ import annotations
 
-import json
 import signal
 import sys
 from pathlib import Path
@@ -27,10 +31,12 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from branchdiff import metrics_log, storage
 from branchdiff.config import TrainConfig
-from branchdiff.errors import RunStopped
+from branchdiff.errors import CheckpointError, RunStopped
 from branchdiff.report import save_grid
 from branchdiff.trainer import Trainer
+from branchdiff.watchdog import Heartbeat
 
 WEAK_SIGNAL = 0.25  # the progress bar warns when more than this fraction of groups has no reward spread
 
@@ -58,19 +64,6 @@ class InterruptRequest:
 
     def __exit__(self, *exc: object) -> None:
         signal.signal(signal.SIGINT, self.previous)
-
-
-def check_writable(run_dir: Path) -> None:
-    """Refuse, before any work, an output_dir that cannot be created or written to."""
-    from branchdiff.config import ConfigError
-
-    probe = run_dir / ".write-test"
-    try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        probe.write_bytes(b"")
-        probe.unlink()
-    except OSError as error:
-        raise ConfigError(f"output_dir {run_dir} is not writable ({error.strerror or error}); pass output_dir= a folder you can write to") from None
 
 
 def progress_fields(metrics: dict[str, float]) -> dict[str, str]:
@@ -106,11 +99,31 @@ def stop_reason(config: TrainConfig, metrics: dict[str, float], skipped_in_a_row
 
 
 def train(trainer: Trainer) -> None:
-    """Iterations start_iteration .. iterations-1, then the final LoRA in run_dir/lora."""
+    """Iterations start_iteration .. iterations-1, then the final LoRA in run_dir/lora. A full disk
+    or a silent process ends it with one line (`CheckpointError`, `watchdog.CollectiveTimeout`)."""
+    accelerator = trainer.accelerator
+    heartbeat = None
+    if accelerator.num_processes > 1:
+        heartbeat = Heartbeat(trainer.run_dir, accelerator.process_index, accelerator.num_processes,
+                              trainer.config.collective_timeout, trainer.newest_checkpoint).start()
+    try:
+        _train(trainer, heartbeat)
+    except storage.DiskFull as error:
+        raise CheckpointError(error.line(trainer.newest_checkpoint())) from None
+    except RuntimeError as error:  # a collective that timed out, or lost its peer
+        explained = heartbeat.explain(error) if heartbeat else None
+        if explained is None:
+            raise
+        raise explained from None
+    finally:
+        if heartbeat:
+            heartbeat.stop()
+
+
+def _train(trainer: Trainer, heartbeat: Heartbeat | None) -> None:
     config, accelerator, run_dir = trainer.config, trainer.accelerator, trainer.run_dir
     from branchdiff.config import save_config
 
-    run_dir.mkdir(parents=True, exist_ok=True)
     if accelerator.is_main_process:
         save_config(config, run_dir / "config.yaml")
     # TensorBoard drops the events of steps ≥ purge_step that an earlier session wrote after its last checkpoint
@@ -120,12 +133,16 @@ def train(trainer: Trainer) -> None:
     try:
         with InterruptRequest() as interrupt:
             for iteration in progress:
+                if heartbeat:
+                    heartbeat.doing(f"iteration {iteration}")
                 metrics = _iteration(trainer, iteration)
                 progress.set_postfix(progress_fields(metrics))
                 reason = stop_reason(config, metrics, trainer.run_state["skipped_in_a_row"], accelerator.num_processes)
                 stop = trainer.collective.max(torch.tensor([float(interrupt.requested or reason is not None)])).item() > 0
                 every = config.logging.checkpoint_every
                 if stop or (every and (iteration + 1) % every == 0) or iteration == config.iterations - 1:
+                    if heartbeat:
+                        heartbeat.doing(f"the checkpoint of iteration {iteration}")
                     trainer.save_checkpoint(iteration)
                     _write_report(trainer)
                 if reason is not None:
@@ -135,9 +152,19 @@ def train(trainer: Trainer) -> None:
                                       "continue with --resume latest")
     finally:
         progress.close()
-        accelerator.end_training()  # flushes TensorBoard, on a stop too
+        _end_trackers(accelerator)
     if accelerator.is_main_process:
-        trainer.adapter.save_lora(run_dir / "lora")
+        storage.replace_folder(run_dir / "lora", lambda folder: trainer.adapter.save_lora(folder))
+
+
+def _end_trackers(accelerator) -> None:
+    """Flush and close TensorBoard, on a stop too; a full disk here is not a second error (the run
+    reports the first, and TensorBoard readers skip a last record cut short)."""
+    try:
+        accelerator.end_training()
+    except Exception as error:  # noqa: BLE001: TensorBoard's writer raises its own types
+        if not storage.is_disk_full(error, Path(accelerator.project_dir or ".")):
+            raise
 
 
 def _iteration(trainer: Trainer, iteration: int) -> dict[str, float]:
@@ -147,18 +174,21 @@ def _iteration(trainer: Trainer, iteration: int) -> dict[str, float]:
     if config.eval_every and iteration % config.eval_every == 0:
         heldout = trainer.heldout_metrics()
         if accelerator.is_main_process:
-            save_grid(trainer.fixed_samples(), run_dir / "samples" / f"eval-iter-{iteration:06d}.png", nrow=4)
+            images, prompts = trainer.fixed_samples()
+            save_grid(images, run_dir / "samples" / f"eval-iter-{iteration:06d}.png", nrow=len(images) // len(prompts), row_captions=prompts)
     result = trainer.run_iteration(iteration)
     metrics = {**result.metrics, **heldout}
-    accelerator.log({k: v for k, v in metrics.items() if k != "iteration"}, step=iteration)
+    with storage.disk_full_as_error(run_dir / "logs"):
+        accelerator.log({k: v for k, v in metrics.items() if k != "iteration"}, step=iteration)
     if accelerator.is_main_process:
-        with (run_dir / "metrics.jsonl").open("a") as handle:
-            handle.write(json.dumps(metrics) + "\n")
+        metrics_log.append(run_dir / "metrics.jsonl", metrics)
         every = config.logging.sample_every
         if every and (iteration % every == 0 or iteration == config.iterations - 1):
             tree = result.rollout.tree
             leaves_per_prompt = len(tree.leaf_index) // tree.num_prompts
-            save_grid(result.leaf_images[: 4 * leaves_per_prompt], run_dir / "samples" / f"iter-{iteration:06d}.png", nrow=leaves_per_prompt)
+            shown = 4 * leaves_per_prompt
+            save_grid(result.leaf_images[:shown], run_dir / "samples" / f"iter-{iteration:06d}.png", nrow=leaves_per_prompt,
+                      row_captions=result.prompts[: shown // leaves_per_prompt])
     return metrics
 
 

@@ -16,15 +16,17 @@ from __future__ import annotations
 import copy
 import json
 import shutil
+import sys
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import DistributedDataParallelKwargs, ProjectConfiguration, set_seed
+from accelerate.utils import DistributedDataParallelKwargs, InitProcessGroupKwargs, ProjectConfiguration, set_seed
 
-from branchdiff import checkpoint, prune
+from branchdiff import checkpoint, metrics_log, prune, storage
 from branchdiff.advantage import depthwise_advantages, fuse_rewards
 from branchdiff.config import TrainConfig, save_config, to_dict, trainable_steps, tree_spec
 from branchdiff.data import draw_prompts, load_prompt_set
@@ -52,6 +54,7 @@ class IterationResult:
     node_rewards: torch.Tensor  # (N,) fused reward of each node
     node_advantages: torch.Tensor  # (N,) clipped advantage of the edge into each node
     trained: torch.Tensor  # (N,) bool: the edge into the node got gradients
+    prompts: list[str]  # (P,) the prompt of each tree
 
 
 def sampler_settings(config: TrainConfig) -> SamplerSettings:
@@ -76,7 +79,9 @@ def make_optimizer(config: TrainConfig, params: list[torch.nn.Parameter]) -> tor
 
 
 class Trainer:
-    def __init__(self, config: TrainConfig) -> None:
+    def __init__(self, config: TrainConfig, resume: str | None = None) -> None:
+        """Everything an iteration needs. `resume` ("latest" or a checkpoint folder): continue from
+        that checkpoint, which is chosen and checked before any model or reward loads (`select_checkpoint`)."""
         self.config = config
         self.run_dir = Path(config.output_dir)
         self.accelerator = Accelerator(
@@ -84,12 +89,17 @@ class Trainer:
             mixed_precision=config.train.mixed_precision,
             log_with="tensorboard" if config.logging.tensorboard else None,
             project_config=ProjectConfiguration(project_dir=str(self.run_dir), logging_dir=str(self.run_dir / "logs")),
-            # the denoiser's buffers are constants (SD3's positional table): nothing to broadcast
-            kwargs_handlers=[DistributedDataParallelKwargs(broadcast_buffers=False)],
+            # the denoiser's buffers are constants (SD3's positional table): nothing to broadcast; a collective
+            # that waits longer than collective_timeout raises (branchdiff/watchdog.py names the silent rank)
+            kwargs_handlers=[DistributedDataParallelKwargs(broadcast_buffers=False),
+                             InitProcessGroupKwargs(timeout=timedelta(seconds=config.collective_timeout))],
         )
         self.collective = AcceleratorCollective(self.accelerator)
+        resumed = self.select_checkpoint(resume) if resume else None
         self.settings = sampler_settings(config)
         set_seed(config.seed)
+        self.reward = MultiReward(parse_reward_specs(config.reward), config.reward_combine, self.accelerator.device)
+        self.eval_rewards = self._build_eval_rewards()  # by label: resolved and loaded before the first iteration
         model = config.model
         self.adapter = load_adapter(model.family, model.path, self.accelerator.device, model.resolution, DTYPES[model.dtype], model.offload)
         self.schedule = self.adapter.schedule(config.sampling.num_steps, config.sampling.shift).to(self.accelerator.device)
@@ -107,13 +117,13 @@ class Trainer:
                                           self.optimizer, self.lora_params, self.schedule, self.settings)
         self.accelerator.register_save_state_pre_hook(self._save_hook)
         self.accelerator.register_load_state_pre_hook(self._load_hook)
-        self.reward = MultiReward(parse_reward_specs(config.reward), config.reward_combine, self.accelerator.device)
         self.prompt_set = load_prompt_set(config.prompts.train)
         self.prompts = self.prompt_set.prompts
         self.explorer = self._make_explorer()
         self.start_iteration = 0
-        self._eval_rewards: dict[str, object] | None = None
         self.run_state = {"skipped_in_a_row": 0}  # optimizer steps skipped in a row (non-finite gradients), across iterations
+        if resumed is not None:
+            self._load_checkpoint(resumed)
 
     def _make_explorer(self) -> ModelAdapter | None:
         """The policy itself (backend none) or a 4-bit copy of it, for explore modes."""
@@ -150,45 +160,71 @@ class Trainer:
 
     def save_checkpoint(self, iteration: int) -> None:
         """Everything the run needs to continue as if never stopped: LoRA, optimizer and RNG states
-        (accelerate), the iteration, config and `run_state` counters; the rest is a function of the
-        iteration (prompts, noise, step subsampling, pruning and Mix windows) or of the LoRA (the
-        explorer's quantised copy). Written to a staging folder, published by renames
-        (`checkpoint.publish`); old ones pruned. A failed write (a full disk) removes the staging
-        folder and raises `CheckpointError`: the published checkpoints stay as they were."""
+        (accelerate), the iteration, config and `run_state` counters, and a manifest of it all; the
+        rest is a function of the iteration (prompts, noise, step subsampling, pruning and Mix
+        windows) or of the LoRA (the explorer's quantised copy). Written to a staging folder and
+        published by renames (`checkpoint.publish`); old ones pruned. A failed write on any process
+        (a full disk: `storage.DiskFull`) removes the staging folder on every process and raises:
+        the published checkpoints stay as they were."""
         final = self.checkpoint_dir / checkpoint.name(iteration)
         staging = checkpoint.staging(final)
-        if self.accelerator.is_main_process and self.checkpoint_dir.exists():
+        main = self.accelerator.is_main_process
+        if main and self.checkpoint_dir.exists():
             checkpoint.clean_interrupted(self.checkpoint_dir)
+        kept = checkpoint.checkpoints(self.checkpoint_dir)
         self.accelerator.wait_for_everyone()
+        failure: Exception | None = None
         try:
-            self.accelerator.save_state(str(staging))
-            self.accelerator.wait_for_everyone()  # every process's RNG state is in staging before it is published
-            if self.accelerator.is_main_process:
-                checkpoint.write_state(staging, iteration, to_dict(self.config), self.accelerator.num_processes, self.run_state)
-                checkpoint.publish(staging, final)
-                checkpoint.prune(self.checkpoint_dir, self.config.logging.checkpoints_total_limit)
-        except OSError as error:
-            shutil.rmtree(staging, ignore_errors=True)
-            kept = checkpoint.checkpoints(self.checkpoint_dir)
-            previous = f"the newest complete one, {kept[-1]}, is intact" if kept else "no earlier checkpoint exists"
-            raise CheckpointError(f"could not write checkpoint {final} ({error.strerror or error}); {previous}; "
-                                  "free disk space (or pass another output_dir=) and continue with --resume latest") from None
+            with storage.disk_full_as_error(final, storage.tree_size(kept[-1]) if kept else 0):
+                self.accelerator.save_state(str(staging))
+                self.accelerator.wait_for_everyone()  # every process's RNG state is in staging before the manifest
+                if main:
+                    checkpoint.write_state(staging, iteration, to_dict(self.config), self.accelerator.num_processes, self.run_state)
+                    checkpoint.write_manifest(staging)
+        except Exception as error:  # torch, safetensors and the OS each raise their own type
+            failure = error
+        if self.collective.max(torch.tensor([float(failure is not None)])).item() > 0:  # every process stops together
+            if main:
+                shutil.rmtree(staging, ignore_errors=True)
+            raise failure or CheckpointError(f"another process could not write its part of checkpoint {final}; its error is in its "
+                                             "output; the published checkpoints are intact; continue with --resume latest")
+        if main:
+            checkpoint.publish(staging, final)
+            checkpoint.prune(self.checkpoint_dir, self.config.logging.checkpoints_total_limit)
         self.accelerator.wait_for_everyone()
 
-    def resume(self, which: str) -> None:
-        """Continue from checkpoint `which` ("latest" or a path): LoRA, optimizer, iteration and
-        counters. The checkpoint must have been made with this config (`checkpoint.check_config`)."""
+    def newest_checkpoint(self) -> Path | None:
+        """The newest published checkpoint folder, or None."""
+        found = checkpoint.checkpoints(self.checkpoint_dir) if self.checkpoint_dir.exists() else []
+        return found[-1] if found else None
+
+    def select_checkpoint(self, which: str) -> checkpoint.Selected:
+        """The checkpoint to resume from (`checkpoint.select`: checked, `latest` falling back past
+        damaged ones, notices printed by the main process), made with this config and process count,
+        and a readable metrics.jsonl. Every process chooses alike: the main one first puts back a
+        checkpoint a crash left renamed, and the others wait for it."""
         if self.accelerator.is_main_process and self.checkpoint_dir.exists():
             checkpoint.restore_replaced(self.checkpoint_dir)
         self.accelerator.wait_for_everyone()
-        path = checkpoint.find(self.checkpoint_dir, which)
-        state = checkpoint.read_state(path)
-        saved = state.get("config") or _saved_run_config(self.run_dir)
+        selected = checkpoint.select(self.checkpoint_dir, which)
+        saved = selected.state.get("config") or _saved_run_config(self.run_dir)
         if saved is not None:
-            checkpoint.check_config(saved, to_dict(self.config), path)
-        checkpoint.check_processes(state.get("num_processes"), self.accelerator.num_processes, path)
+            checkpoint.check_config(saved, to_dict(self.config), selected.path)
+        checkpoint.check_processes(selected.state.get("num_processes"), self.accelerator.num_processes, selected.path)
+        if (self.run_dir / "metrics.jsonl").is_file():
+            metrics_log.read(self.run_dir / "metrics.jsonl")
+        if self.accelerator.is_main_process:
+            for notice in selected.notices:
+                print(f"branchdiff: {notice}", file=sys.stderr)
+        return selected
+
+    def _load_checkpoint(self, selected: checkpoint.Selected) -> None:
+        """LoRA, optimizer, iteration and counters from the selected checkpoint; metrics.jsonl cut back to it."""
+        path, state = selected.path, selected.state
+        self.accelerator.wait_for_everyone()
         if self.accelerator.is_main_process:
             checkpoint.clean_interrupted(self.checkpoint_dir)
+        self.accelerator.wait_for_everyone()
         try:
             self.accelerator.load_state(str(path))
         except Exception as error:  # safetensors, torch.load and peft each raise their own types for a bad file
@@ -199,16 +235,8 @@ class Trainer:
         self.refresh_explorer()  # the 4-bit copy must follow the restored LoRA
         self.start_iteration = state["iteration"] + 1
         self.run_state.update(state.get("run_state", {}))
-        self._truncate_metrics(state["iteration"])
-
-    def _truncate_metrics(self, last_iteration: int) -> None:
-        """Drop metrics lines after the checkpoint (a resumed run rewrites them)."""
-        path = self.run_dir / "metrics.jsonl"
-        if self.accelerator.is_main_process and path.is_file():
-            lines = [l for l in path.read_text().splitlines() if _iteration_of(l) <= last_iteration]
-            tmp = path.with_suffix(".tmp")
-            tmp.write_text("".join(l + "\n" for l in lines))
-            tmp.replace(path)
+        if self.accelerator.is_main_process:
+            metrics_log.truncate(self.run_dir / "metrics.jsonl", state["iteration"])  # a resumed run rewrites the later lines
 
     # ---------------------------------------------------------------- one iteration
     def iteration_draw(self, iteration: int) -> tuple[list[int], tuple[int, ...]]:
@@ -240,7 +268,7 @@ class Trainer:
         spec = tree_spec(self.config, iteration)
         embeds = self.adapter.encode_prompts(prompts)
         address = NoiseAddress(self.config.seed, iteration, keys)
-        info: dict = {"embeds": embeds}
+        info: dict = {"embeds": embeds, "prompts": prompts}
         start = time.perf_counter()
         with self.accelerator.autocast():
             if self.explorer is None:
@@ -315,23 +343,27 @@ class Trainer:
         self.run_state["skipped_in_a_row"] = train_stats["trailing_skips"] if train_stats["optimizer_steps"] else streak
         metrics = {"iteration": iteration, **iteration_metrics(self.collective, rollout, rewards, node_advantages, mask, train_stats, info)}
         self.refresh_explorer()
-        return IterationResult(metrics, rollout, images, node_rewards, node_advantages, mask)
+        return IterationResult(metrics, rollout, images, node_rewards, node_advantages, mask, info["prompts"])
 
     def update(self, rollout: Rollout, embeds: dict, node_advantages: torch.Tensor, mask: torch.Tensor, iteration: int) -> dict[str, float]:
         """Clipped GRPO on the masked edges (`branchdiff.update.PolicyUpdate`)."""
         return self.policy_update(rollout, embeds, node_advantages, mask, iteration)
 
     # ---------------------------------------------------------------- evaluation
-    def eval_rewards(self) -> dict[str, object]:
-        """The evaluation rewards (`eval_rewards`) by label, built on first use."""
-        if self._eval_rewards is None:
-            specs = parse_reward_specs(self.config.eval_rewards)
-            self._eval_rewards = {spec.label: build_component(spec, str(self.accelerator.device)) for spec in specs}
-        return self._eval_rewards
+    def _build_eval_rewards(self) -> dict[str, object]:
+        """The evaluation rewards (`eval_rewards`) by label, built before the first iteration; a
+        component the training reward already built (the same spec) is shared, not loaded twice."""
+        def component(spec) -> object:
+            for trained, reward in zip(self.reward.specs, self.reward.rewards):
+                if (trained.name, trained.remote, trained.kwargs) == (spec.name, spec.remote, spec.kwargs):
+                    return reward
+            return build_component(spec, str(self.accelerator.device))
+
+        return {spec.label: component(spec) for spec in parse_reward_specs(self.config.eval_rewards)}
 
     def _evaluate(self, process_index: int = 0, num_processes: int = 1) -> EvalResult:
         config = self.config
-        return evaluate(self.adapter, load_prompt_set(config.prompts.eval), self.eval_rewards(), config.prompts.eval_seeds,
+        return evaluate(self.adapter, load_prompt_set(config.prompts.eval), self.eval_rewards, config.prompts.eval_seeds,
                         config.sampling.num_steps, config.sampling.shift, process_index=process_index, num_processes=num_processes,
                         guidance=config.prompts.eval_guidance)
 
@@ -343,13 +375,14 @@ class Trainer:
         summary = summarize(result)["all"]
         return {**{f"eval_{name}": row["mean"] for name, row in summary.items()}, "eval_seconds": time.perf_counter() - start}
 
-    def fixed_samples(self, prompts: int = 4, images_per_prompt: int = 4) -> torch.Tensor:
-        """(prompts · images_per_prompt, 3, H, W) the policy's ODE samples of the first eval prompts
-        with fixed seeds: the same noise at every call, so grids compare across iterations."""
+    def fixed_samples(self, prompts: int = 4, images_per_prompt: int = 4) -> tuple[torch.Tensor, list[str]]:
+        """The policy's ODE samples (prompts · images_per_prompt, 3, H, W) of the first eval prompts
+        with fixed seeds, and those prompts: the same noise at every call, so grids compare across iterations."""
         config = self.config
         chosen = load_prompt_set(config.prompts.eval).prompts[:prompts]
-        return sample_ode(self.adapter, chosen, images_per_prompt, config.sampling.num_steps, config.sampling.shift,
-                          guidance=config.prompts.eval_guidance)[0]
+        images = sample_ode(self.adapter, chosen, images_per_prompt, config.sampling.num_steps, config.sampling.shift,
+                            guidance=config.prompts.eval_guidance)[0]
+        return images, chosen
 
     def final_evaluation(self) -> dict[str, dict[str, float]]:
         """Base (adapter disabled) vs trained on the eval prompts with the eval rewards and the same
@@ -360,9 +393,9 @@ class Trainer:
         summaries = {"base": summarize(self._evaluate())}
         self.adapter.denoiser.enable_adapters()
         summaries["trained"] = summarize(self._evaluate())
-        scales = {label: getattr(reward, "scale", "unspecified") for label, reward in self.eval_rewards().items()}
+        scales = {label: getattr(reward, "scale", "unspecified") for label, reward in self.eval_rewards.items()}
         report = {"prompts": config.prompts.eval, "images_per_prompt": config.prompts.eval_seeds, "scales": scales, **summaries}
-        (self.run_dir / "eval.json").write_text(json.dumps(report, indent=1))
+        storage.write_text(self.run_dir / "eval.json", json.dumps(report, indent=1))
         return {model: {name: row["mean"] for name, row in summary["all"].items()} for model, summary in summaries.items()}
 
 
@@ -372,11 +405,3 @@ def _saved_run_config(run_dir: Path) -> dict | None:
 
     path = run_dir / "config.yaml"
     return yaml.safe_load(path.read_text()) if path.is_file() else None
-
-
-def _iteration_of(line: str) -> float:
-    """The iteration of a metrics line; a line cut off by a crash counts as after any checkpoint."""
-    try:
-        return json.loads(line)["iteration"]
-    except (json.JSONDecodeError, KeyError, TypeError):
-        return float("inf")

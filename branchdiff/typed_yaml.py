@@ -3,14 +3,17 @@
 - `read_yaml` and `parse_override` read YAML with two YAML 1.2 rules (see `_Loader`) and keep
   every key's line, so an error can name `file:line`.
 - `build` makes a dataclass from a mapping and checks every field: unknown keys (with close
-  matches), types, `choice(...)` sets and `positive` / `non_negative` ranges, raising `ConfigError`
-  with one line naming the location, the key, the value and what is allowed.
+  matches), types, `choice(...)` sets, `positive` / `non_negative` / `in_range` ranges and finite
+  numbers (NaN and ±inf are refused for every float), raising `ConfigError` with one line naming
+  the location, the key, the value and what is allowed.
+- A key given twice in one mapping is refused (YAML would silently keep the last one).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import re
 import types
 import typing
@@ -44,6 +47,32 @@ _Loader.yaml_implicit_resolvers = {  # the line above gave _Loader its own copy 
 # e.g. 'tRuE', which must read back as the string it was
 _Loader.add_implicit_resolver("tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF"))
 
+
+
+def _construct_unique_mapping(loader: yaml.SafeLoader, node: yaml.MappingNode) -> dict:
+    """A mapping whose keys are all distinct: a repeated key raises `DuplicateKey` at its line
+    (merge keys `<<` excepted: what they bring in may be overridden)."""
+    seen: dict[str, int] = {}
+    for key_node, _ in node.value:
+        if not isinstance(key_node, yaml.ScalarNode) or key_node.tag == "tag:yaml.org,2002:merge":
+            continue
+        if key_node.value in seen:
+            raise DuplicateKey(key_node.value, seen[key_node.value], key_node.start_mark.line + 1)
+        seen[key_node.value] = key_node.start_mark.line + 1
+    loader.flatten_mapping(node)
+    return loader.construct_mapping(node)
+
+
+class DuplicateKey(yaml.YAMLError):
+    """A key given twice in one YAML mapping."""
+
+    def __init__(self, key: object, first_line: int, line: int) -> None:
+        super().__init__(f"duplicate key {key!r}")
+        self.key, self.first_line, self.line = key, first_line, line
+
+
+_Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_unique_mapping)
+
 BOOL_WORDS = {"yes": True, "no": False, "on": True, "off": False}  # YAML 1.1 words a bool-typed key also accepts, any case
 
 
@@ -57,6 +86,20 @@ def positive(default: Any) -> Any:
 
 def non_negative(default: Any) -> Any:
     return field(default=default, metadata={"min": 0})
+
+
+def in_range(default: Any, low: float, high: float) -> Any:
+    """A number in [low, high]."""
+    return field(default=default, metadata={"min": low, "max": high})
+
+
+def finite_numbers(value: Any) -> bool:
+    """False when `value` is, or is a list holding, a float that is NaN or ±inf."""
+    if isinstance(value, float):
+        return math.isfinite(value)
+    if isinstance(value, list):
+        return all(finite_numbers(item) for item in value)
+    return True
 
 
 def key_lines(text: str) -> dict[str, int]:
@@ -77,9 +120,16 @@ def key_lines(text: str) -> dict[str, int]:
 
 
 def read_yaml(path: Path) -> tuple[dict, dict[str, int]]:
-    text = path.read_text()
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as error:
+        line = path.read_bytes()[: error.start].count(b"\n") + 1
+        raise ConfigError(f"{path}:{line}: not UTF-8 text (byte {path.read_bytes()[error.start]:#04x}); save the file as UTF-8") from None
     try:
         data = yaml.load(text, Loader=_Loader) or {}
+    except DuplicateKey as error:
+        raise ConfigError(f"{path}:{error.line}: key {error.key!r} is given twice (first at line {error.first_line}); YAML would keep "
+                          "only the last one: merge the two into one") from None
     except yaml.YAMLError as error:
         mark = getattr(error, "problem_mark", None)
         where = f"{path}:{mark.line + 1}" if mark else str(path)
@@ -155,11 +205,19 @@ def build(cls: type, data: dict, prefix: str, where: dict[str, str], replaced_ke
             close = difflib.get_close_matches(str(value), [str(c) for c in meta["choices"]], n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
             raise ConfigError(f"{loc}'{dotted}' = {value!r} is not allowed; allowed: {', '.join(map(str, meta['choices']))}{hint}")
+        if not finite_numbers(value):
+            raise ConfigError(f"{loc}'{dotted}' = {value!r} is not a finite number; give a number (default: {_default(fields[key])!r})")
         if "min" in meta and value is not None and value < meta["min"]:
-            bound = "> 0" if meta["min"] > 0 else "≥ 0"
+            bound = f"in [{meta['min']}, {meta['max']}]" if "max" in meta else "> 0" if meta["min"] > 0 else "≥ 0"
             raise ConfigError(f"{loc}'{dotted}' = {value!r} is out of range; it must be {bound}")
+        if "max" in meta and value is not None and value > meta["max"]:
+            raise ConfigError(f"{loc}'{dotted}' = {value!r} is out of range; it must be in [{meta['min']}, {meta['max']}]")
         kwargs[key] = value
     return cls(**kwargs)
+
+
+def _default(spec: dataclasses.Field) -> Any:
+    return spec.default if spec.default is not dataclasses.MISSING else spec.default_factory()
 
 
 def merge(base: dict, update: dict) -> dict:
@@ -176,6 +234,8 @@ def parse_override(text: str) -> tuple[list[str], Any]:
         raise ConfigError(f"override {text!r} is not of the form key=value (e.g. tree.roots=4)")
     try:
         value = yaml.load(raw, Loader=_Loader) if raw.strip() else ""
+    except DuplicateKey as error:
+        raise ConfigError(f"override {text!r}: key {error.key!r} is given twice; give it once") from None
     except yaml.YAMLError:
         value = raw
     return key.strip().split("."), value

@@ -49,10 +49,3 @@ def to_uint8(images: torch.Tensor) -> torch.Tensor:
     `round(255 · clamp(x, 0, 1))`, ties to even (torch.round). Rewards that score saved-image pixels
     and the reward server's wire both use it, so their pixels agree bit for bit."""
     return images.detach().to("cpu", torch.float32).clamp(0, 1).mul(255).round().to(torch.uint8)
-
-
-def one_line(text: object, limit: int = 500) -> str:
-    """`text` with every run of whitespace (newlines included) collapsed to one space, cut at `limit`:
-    what a reward's failure becomes in an error message."""
-    line = " ".join(str(text).split())
-    return line if len(line) <= limit else line[: limit - 1] + "…"

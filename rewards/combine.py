@@ -16,6 +16,7 @@ component has r = NaN for all its images, and the trainer drops it.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -63,8 +64,8 @@ def parse_reward_specs(value: object) -> list[RewardSpec]:
         if ("name" in entry) == ("remote" in entry):
             raise ValueError(f"'reward' entry {entry!r} needs exactly one of 'name' and 'remote'")
         weight = entry.get("weight", 1.0)
-        if isinstance(weight, bool) or not isinstance(weight, (int, float)):
-            raise ValueError(f"'reward' entry {entry!r}: weight must be a number")
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight):
+            raise ValueError(f"'reward' entry {entry!r}: weight must be a finite number")
         if not isinstance(entry.get("required", True), bool) or not isinstance(entry.get("kwargs", {}), dict):
             raise ValueError(f"'reward' entry {entry!r}: required must be true or false and kwargs a mapping")
         specs.append(RewardSpec(entry.get("name"), entry.get("remote"), float(weight), entry.get("required", True), dict(entry.get("kwargs", {}))))

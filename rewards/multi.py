@@ -17,7 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from branchdiff.rewards.base import check_scores, one_line
+from branchdiff.errors import one_line, quote
+from branchdiff.rewards.base import check_scores
 from branchdiff.rewards.combine import RewardSpec, combine
 from branchdiff.rewards.registry import build_reward, reward_key
 
@@ -46,7 +47,7 @@ def score_component(reward: object, label: str, images: torch.Tensor, prompts: l
         else:
             raw, more = reward(images, prompts, metadata), {}
     except Exception as error:  # a reward is user code: any failure is reported at this boundary
-        message = f"reward {label!r} failed on a batch of {len(prompts)} images (first prompt {prompts[0]!r}): {one_line(f'{type(error).__name__}: {error}')}"
+        message = f"reward {label!r} failed on a batch of {len(prompts)} images (first prompt {quote(prompts[0])}): {one_line(f'{type(error).__name__}: {error}')}"
         if required:
             raise RewardError(message + " (mark it required: false to train without it when it fails)") from error
         warnings.warn(message + "; it is missing for this batch", RuntimeWarning, stacklevel=2)

@@ -22,6 +22,8 @@ from importlib.util import find_spec
 
 import torch
 
+from branchdiff.errors import quote
+
 ENTRY_POINT_GROUP = "branchdiff.rewards"
 
 
@@ -74,29 +76,46 @@ def _construct(factory, name: str, device: str, kwargs: dict) -> object:
         raise ValueError(f"reward {name!r}: {error}; check its kwargs") from None
 
 
-def build_reward(name: str, device: str | torch.device = "cpu", kwargs: dict | None = None) -> object:
-    """The reward `name` (registered name, entry point name or dotted path), built with `kwargs`."""
-    kwargs = dict(kwargs or {})
-    device = str(device)
+def resolve_reward(name: str):
+    """The class or factory `name` names (registered name, entry point or dotted path), imported but
+    not built: what a run checks before it loads anything."""
     if name in REGISTRY:
         registered = REGISTRY[name]
         missing = [module for module in registered.needs if find_spec(module) is None]
         if missing:
             raise ValueError(f"reward {name!r} needs {', '.join(missing)}: {registered.install}")
-        return _construct(_import(registered.target, f"reward {name!r}:"), name, device, kwargs)
+        return _import(registered.target, f"reward {name!r}:")
     points = _entry_points()
     if name in points:
         try:
-            factory = points[name].load()
+            return points[name].load()
         except (ImportError, AttributeError) as error:
             raise ValueError(f"reward {name!r} (entry point {points[name].value!r}) could not be loaded ({error})") from None
-        return _construct(factory, name, device, kwargs)
     if ":" in name:
-        return _construct(_import(name, "reward"), name, device, kwargs)
+        return _import(name, "reward")
     known = [*REGISTRY, *points]
     close = difflib.get_close_matches(name, known, n=2)
     hint = f" (did you mean {', '.join(close)}?)" if close else ""
-    raise ValueError(f"unknown reward {name!r}{hint}; available: {', '.join(known)}, or a dotted path 'package.module:Name'")
+    raise ValueError(f"unknown reward {quote(name)}{hint}; available: {', '.join(known)}, or a dotted path 'package.module:Name'")
+
+
+def check_reward_kwargs(name: str, factory, kwargs: dict) -> None:
+    """Refuse keyword arguments the reward's class or factory does not take (before it is built)."""
+    try:
+        parameters = inspect.signature(factory).parameters
+    except (TypeError, ValueError):  # a builtin or C callable: nothing to check
+        return
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+        return
+    unknown = sorted(set(kwargs) - set(parameters))
+    if unknown:
+        takes = [p for p in parameters if p != "device"]
+        raise ValueError(f"reward {name!r} takes no keyword argument {unknown[0]!r}; it takes: {', '.join(takes) or 'none'}")
+
+
+def build_reward(name: str, device: str | torch.device = "cpu", kwargs: dict | None = None) -> object:
+    """The reward `name` (registered name, entry point name or dotted path), built with `kwargs`."""
+    return _construct(resolve_reward(name), name, str(device), dict(kwargs or {}))
 
 
 def available() -> list[dict[str, str]]:

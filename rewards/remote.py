@@ -33,7 +33,8 @@ import urllib.request
 import numpy as np
 import torch
 
-from branchdiff.rewards.base import one_line, to_uint8
+from branchdiff.errors import one_line
+from branchdiff.rewards.base import to_uint8
 
 WIRE_VERSION = 1  # bumped when the format changes; /health reports it and the client checks it
 IMAGE_FORMATS = ("uint8", "float32", "png")

@@ -29,7 +29,8 @@ from importlib.metadata import PackageNotFoundError, version
 
 import torch
 
-from branchdiff.rewards.base import check_scores, one_line
+from branchdiff.errors import one_line
+from branchdiff.rewards.base import check_scores
 from branchdiff.rewards.remote import IMAGE_FORMATS, WIRE_VERSION, WireFormatError, decode_batch
 
 DEFAULT_PORT = 8765  # `branchdiff serve-reward` and docs/reward-server.md use it too

@@ -78,7 +78,7 @@ def test_tiny_chain_preset_values():
         ("prune.depths=[1,2]", lambda c: c.prune.depths, [1, 2], list),
         ("sampling.sde=dance", lambda c: c.sampling.sde, "dance", str),
         ("output_dir=runs/x", lambda c: c.output_dir, "runs/x", str),
-        ("seed=-3", lambda c: c.seed, -3, int),
+        ("seed=3", lambda c: c.seed, 3, int),
     ],
 )
 def test_override_sets_nested_value_with_yaml_typing(override, get, expected, kind):
@@ -239,11 +239,11 @@ def test_boundary_values_are_accepted():
         (["tree.splits=[[-1, 2]]"], "'tree.splits' = [[-1, 2]]: split step -1 is outside 0..9 (num_steps = 10)"),
         (["tree.splits=[[1, 2], [1, 3]]"], "'tree.splits' = [[1, 2], [1, 3]]: split step 1 is given twice"),
         (["tree.splits=[[1, 1]]"], "'tree.splits' = [[1, 1]]: split at step 1 has 1 branches; a split needs k ≥ 2"),
-        (["tree.splits=[[1, 2, {noise_level: 0}]]"], "'tree.splits' = [[1, 2, {'noise_level': 0}]]: split at step 1 has noise_level 0; it must be > 0"),
+        (["tree.splits=[[1, 2, {noise_level: 0}]]"], "'tree.splits' entry [1, 2, {'noise_level': 0}]: noise_level must be a finite number > 0"),
         (["tree.splits=[[1, 2, 4.0]]"], "'tree.splits' entry [1, 2, 4.0]: the third element must be a mapping {noise_level: x} (the SDE's η / a at "
                                         "this split); the release's noise-only kick is tree.anchor_noise_multiplier"),
         (["tree.splits=[[1, 2, {noise_scale: 2}]]"], "'tree.splits' entry [1, 2, {'noise_scale': 2}]: allowed split options: noise_level"),
-        (["tree.splits=[[1, 2, {noise_level: high}]]"], "'tree.splits' entry [1, 2, {'noise_level': 'high'}]: noise_level must be a number > 0"),
+        (["tree.splits=[[1, 2, {noise_level: high}]]"], "'tree.splits' entry [1, 2, {'noise_level': 'high'}]: noise_level must be a finite number > 0"),
         (["tree.split_noise_scale=4"], "override 'tree.split_noise_scale=4': 'tree.split_noise_scale' was replaced: use tree.split_noise_level (an SDE "
                                        "noise level that enters drift and noise, e.g. 1.2 for η = 0.3 × 4) or tree.anchor_noise_multiplier (the "
                                        "BranchGRPO release's noise-only kick); see docs/trees.md"),
@@ -498,7 +498,7 @@ def test_invalid_yaml_reports_file_and_line(tmp_path):
     [
         [],
         ["tree.splits=[[0,2],[3,2,{noise_level: 0.5}]]", "tree.split_noise_level=1.2", "tree.anchor_noise_multiplier=2", "model.path=null", "train.learning_rate=1e-5", "prune.depths=[1,2]", "logging.tensorboard=false"],
-        ["model.path=/x/y", "output_dir=runs/rt", "sampling.sde=cps", "tree.mix_window=3", "seed=-1", "train.kl_beta=1e-12"],
+        ["model.path=/x/y", "output_dir=runs/rt", "sampling.sde=cps", "tree.mix_window=3", "seed=4294967295", "train.kl_beta=1e-12"],
         ["train.mixed_precision=no", "explore.mode=off", "output_dir=yes", "model.path=tRuE", "logging.tensorboard=off", "final_eval=No"],
         ["prompts.train=off", "prompts.eval=yes", "reward=Off", "model.path=null"],
     ],

@@ -9,12 +9,12 @@ from branchdiff.selection import select_per_group
 from branchdiff.trainer import Trainer
 
 
-def _trainer(model_dir, tmp_path, *extra):
+def _trainer(model_dir, tmp_path, *extra, resume: str | None = None):
     return Trainer(load_config(None, [
         f"model.path={model_dir}", f"output_dir={tmp_path}", "iterations=2", "reward=rewards_for_tests:Redness",
         "prompts.per_iteration=2", "sampling.num_steps=3", "sampling.max_batch=8", "train.minibatch=8",
         "logging.tensorboard=false", "final_eval=false", *extra,
-    ]))
+    ]), resume)
 
 
 def test_seeds_mode_regenerates_kept_seeds_bit_for_bit(tiny_model_dir, tmp_path):
@@ -68,8 +68,7 @@ def test_resume_refreshes_the_quantised_explorer(tiny_model_dir, tmp_path):
     trainer = _trainer(tiny_model_dir, tmp_path, *extra)
     trainer.run_iteration(0)  # updates the LoRA, then refreshes the explorer
     trainer.save_checkpoint(0)
-    resumed = _trainer(tiny_model_dir, tmp_path, *extra)
-    resumed.resume("latest")
+    resumed = _trainer(tiny_model_dir, tmp_path, *extra, resume="latest")
     x, sigma = torch.randn(2, 3, 32, 32), torch.full((2,), 0.7)
     embeds = trainer.adapter.encode_prompts(["one red circle on the left"] * 2)
     with torch.no_grad():

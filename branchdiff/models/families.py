@@ -16,10 +16,11 @@ class Family:
     adapter: str  # "module:Class" of the ModelAdapter
     steps: str  # "flow" | "ddim": which schedulers the family samples with
     resolution: int  # default image side in pixels
+    fixed_resolution: bool = False  # True: the family makes images of `resolution` only
 
 
 FAMILIES: dict[str, Family] = {
-    "tiny": Family("branchdiff.models.tiny:TinyAdapter", "flow", 32),
+    "tiny": Family("branchdiff.models.tiny:TinyAdapter", "flow", 32, fixed_resolution=True),
     "sd3": Family("branchdiff.models.sd3:SD3Adapter", "flow", 1024),
     "flux": Family("branchdiff.models.flux:FluxAdapter", "flow", 1024),
     "sana": Family("branchdiff.models.sana:SanaAdapter", "flow", 1024),

@@ -36,9 +36,11 @@ def add_lora(denoiser: torch.nn.Module, target_modules: list[str], rank: int, al
 def save_lora(denoiser: torch.nn.Module, directory: Path, pipeline_class_name: str, prefix: str) -> Path:
     """Write the adapter as `pytorch_lora_weights.safetensors` with diffusers' `<prefix>.` keys and
     the adapter's config as its metadata: without it diffusers assumes lora_alpha = rank, and a LoRA
-    with another alpha would load at the wrong scale."""
+    with another alpha would load at the wrong scale. The same weights give the same bytes."""
     directory.mkdir(parents=True, exist_ok=True)
-    metadata = denoiser.peft_config["default"].to_dict()
+    # sets (target_modules) in sorted order: the file's bytes must not depend on PYTHONHASHSEED
+    metadata = {key: sorted(value) if isinstance(value, (set, frozenset)) else value
+                for key, value in denoiser.peft_config["default"].to_dict().items()}
     pipeline_class(pipeline_class_name).save_lora_weights(
         directory, **{f"{prefix}_lora_layers": get_peft_model_state_dict(denoiser), f"{prefix}_lora_adapter_metadata": metadata}
     )
@@ -63,6 +65,10 @@ def load_lora_state(denoiser: torch.nn.Module, directory: Path, prefix: str) -> 
     (checkpoint resume: the adapter exists, only its values change)."""
     start = prefix + "."
     state = {k[len(start) :]: v for k, v in load_file(directory / LORA_FILE).items() if k.startswith(start)}
-    result = set_peft_model_state_dict(denoiser, state, adapter_name="default")
-    if result.unexpected_keys:
-        raise ValueError(f"{directory / LORA_FILE} does not match the model's LoRA: unexpected keys {result.unexpected_keys[:3]}")
+    expected = {name for name in get_peft_model_state_dict(denoiser)}
+    if set(state) != expected:
+        missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
+        raise ValueError(f"{directory / LORA_FILE} does not match the model's LoRA: {len(missing)} of its {len(expected)} tensors missing"
+                         f"{f' (e.g. {missing[0]})' if missing else ''}, {len(unexpected)} unexpected"
+                         f"{f' (e.g. {unexpected[0]})' if unexpected else ''}")
+    set_peft_model_state_dict(denoiser, state, adapter_name="default")

@@ -1,0 +1,25 @@
+"""What `branchdiff train` checks before it claims a run directory, loads a model, a reward or a
+checkpoint, or writes anything: beyond the config itself (branchdiff/config.py), every training
+and evaluation reward resolves (its name imported, its keyword arguments accepted) and every prompt
+source the run reads decodes (a problem is named with its file and line). The run directory is then
+claimed (branchdiff/run_dir.py) and the checkpoint to resume chosen (`Trainer.select_checkpoint`),
+still before the model loads.
+"""
+
+from __future__ import annotations
+
+from branchdiff.config import TrainConfig
+from branchdiff.data import load_prompt_set
+from branchdiff.rewards.combine import parse_reward_specs
+from branchdiff.rewards.registry import check_reward_kwargs, resolve_reward
+
+
+def check_inputs(config: TrainConfig) -> None:
+    """Raise a one-line error for a reward that does not resolve or a prompt source that does not read."""
+    for value in (config.reward, config.eval_rewards):
+        for spec in parse_reward_specs(value):
+            if spec.remote is None:
+                check_reward_kwargs(spec.name, resolve_reward(spec.name), spec.kwargs)
+    load_prompt_set(config.prompts.train)
+    if config.final_eval or config.eval_every:
+        load_prompt_set(config.prompts.eval)

@@ -1,0 +1,171 @@
+"""Writes that never leave a partial file behind, and a full disk told apart from other failures.
+
+Every file a run writes goes through one of these (checkpoints are folders staged by
+branchdiff/checkpoint.py, the same way):
+- `replace_file(path, write)`: `write(tmp)` fills a temporary file beside `path`, which then takes
+  the name by `os.replace`; on any failure the temporary file is removed and `path` is as it was.
+- `replace_folder(path, write)`: the same for a folder (the exported LoRA).
+- `append_line(path, text)`: one line appended; on failure the file is cut back to its old length.
+A failure that comes from a full disk is re-raised as `DiskFull`, whatever exception the writer
+raised: torch's zip writer says "unexpected pos", safetensors "os error 28", PIL and Python raise
+OSError(ENOSPC) (`is_disk_full`). `DiskFull` carries the path, the space left and the space the
+write needed, and `DiskFull.line` turns it into the one line the CLI prints (docs/errors.md,
+`full-disk`).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from branchdiff.errors import UserError
+
+FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
+FULL_WORDS = ("no space left on device", "disk quota exceeded", "os error 28", "storagefull", "unexpected pos", "file write failed")
+HEADROOM = 1 << 20  # a failed write with less than this free (or less than it needed) counts as a full disk
+
+
+class DiskFull(UserError):
+    """A write failed because its filesystem is full."""
+
+    def __init__(self, path: Path, needed: int, free: int) -> None:
+        self.path, self.needed, self.free = path, needed, free
+        super().__init__(f"could not write {path} (No space left on device: {size_text(free)} free, about {size_text(needed)} needed); "
+                         "free disk space (or pass another output_dir=) and run again")
+
+    def line(self, newest_checkpoint: Path | None) -> str:
+        """The documented line: what failed, the space, the intact checkpoint and how to go on."""
+        kept = (f"the newest complete checkpoint, {newest_checkpoint}, is intact" if newest_checkpoint
+                else "no checkpoint was written before it")
+        go_on = "continue with --resume latest" if newest_checkpoint else "start the run again"
+        return (f"could not write {self.path} (No space left on device: {size_text(self.free)} free, about "
+                f"{size_text(self.needed)} needed); {kept}; free disk space (or pass another output_dir=) and {go_on}")
+
+
+def size_text(count: int) -> str:
+    """Bytes for a person: '512 B', '3.4 MB', '1.2 GB'."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if count >= scale:
+            return f"{count / scale:.1f} {unit}"
+    return f"{count} B"
+
+
+def free_bytes(path: Path) -> int:
+    """Space left on the filesystem of `path` (or of its nearest existing parent)."""
+    for folder in (path, *path.parents):
+        if folder.exists():
+            return shutil.disk_usage(folder).free
+    return 0
+
+
+def tree_size(path: Path) -> int:
+    """Bytes of a file, or of every file below a folder (0 when absent)."""
+    if path.is_file():
+        return path.stat().st_size
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.is_dir() else 0
+
+
+def _chain(error: BaseException) -> Iterator[BaseException]:
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        yield error
+        error = error.__cause__ or error.__context__
+
+
+def is_disk_full(error: BaseException, path: Path, needed: int = 0) -> bool:
+    """Whether `error`, raised while writing `path`, comes from a full filesystem: an OSError with
+    ENOSPC, EDQUOT or EFBIG anywhere in its chain, a message that says so, or less space left than
+    the write needed (or than `HEADROOM`)."""
+    for link in _chain(error):
+        if isinstance(link, OSError) and link.errno in FULL_ERRNOS:
+            return True
+        if any(word in str(link).lower() for word in FULL_WORDS):
+            return True
+    return isinstance(error, (OSError, RuntimeError)) and free_bytes(path) < max(needed, HEADROOM)
+
+
+@contextmanager
+def disk_full_as_error(path: Path, needed: int = 0) -> Iterator[None]:
+    """Re-raise a failure of the block that writes `path` as `DiskFull` when the disk is full."""
+    try:
+        yield
+    except DiskFull:
+        raise
+    except Exception as error:
+        if is_disk_full(error, path, needed):
+            raise DiskFull(path, needed or HEADROOM, free_bytes(path)) from error
+        raise
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def replace_file(path: Path, write: Callable[[Path], None], needed: int = 0) -> Path:
+    """Fill `path` through `write(tmp)` on a temporary file beside it, then rename it into place;
+    a failure removes the temporary file and leaves `path` as it was (`DiskFull` on a full disk).
+    `needed`: bytes the write takes, when known (else the old file's size)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with disk_full_as_error(path, needed or tree_size(path)):
+            write(tmp)
+            os.replace(tmp, path)
+    finally:
+        _remove(tmp)
+    return path
+
+
+def write_bytes(path: Path, data: bytes) -> Path:
+    return replace_file(path, lambda tmp: tmp.write_bytes(data), len(data))
+
+
+def write_text(path: Path, text: str) -> Path:
+    return write_bytes(path, text.encode("utf-8"))
+
+
+def replace_folder(path: Path, write: Callable[[Path], None]) -> Path:
+    """A folder filled by `write(staging)` and renamed into place, replacing `path` whole; a failure
+    removes the staging folder and leaves `path` as it was (`DiskFull` on a full disk)."""
+    staging = path.with_name(f".{path.name}.{os.getpid()}.staging")
+    replaced = path.with_name(f".{path.name}.{os.getpid()}.replaced")
+    _remove(staging)
+    try:
+        with disk_full_as_error(path, tree_size(path)):
+            staging.mkdir(parents=True)
+            write(staging)
+            if path.exists():
+                path.rename(replaced)
+            staging.rename(path)
+    except BaseException:
+        if replaced.exists() and not path.exists():
+            replaced.rename(path)
+        raise
+    finally:
+        _remove(staging)
+        _remove(replaced)
+    return path
+
+
+def append_line(path: Path, line: str) -> None:
+    """Append `line` and a newline to `path`; a failure cuts the file back to its old length, so it
+    never ends in half a line (`DiskFull` on a full disk)."""
+    data = (line + "\n").encode("utf-8")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    length = path.stat().st_size if path.exists() else 0
+    with disk_full_as_error(path, len(data)):
+        try:
+            with path.open("ab") as handle:
+                handle.write(data)
+        except BaseException:
+            with path.open("r+b") as handle:
+                handle.truncate(length)
+            raise

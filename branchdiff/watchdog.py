@@ -1,0 +1,144 @@
+"""No hung jobs: with several processes, each one beats a heartbeat, and a process that stops
+beating for `collective_timeout` seconds ends the job with one line naming it.
+
+Every process runs a daemon thread that writes `RUN_DIR/.heartbeat/rank-R.json` (pid, parent pid,
+host, what the process is doing, the time) every `period` seconds and reads the others'. A process
+that is stopped (SIGSTOP, a debugger), frozen or gone without ending its run stops beating; when a
+peer's heartbeat is older than the timeout, every live process prints the line
+(`silent_rank_line`), kills the silent process when it is its sibling on this machine (a stopped
+process runs no handler of its own), and exits with status 2. The last checkpoint stays intact:
+checkpoints are published by renames only, so a job ended at any moment keeps the newest one.
+
+The process group's own timeout (`InitProcessGroupKwargs(timeout=collective_timeout)`) is the
+second line of defence: a collective that waits past it raises in the waiting process (gloo), and
+`explain` turns that into the same line, naming the ranks whose heartbeats are stale or whose last
+activity differs from this process's. A rank on another machine whose folder is not shared never
+shows a heartbeat here and is never called silent by the heartbeat check.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+
+from branchdiff.errors import UserError
+
+FOLDER = ".heartbeat"
+
+
+class CollectiveTimeout(UserError):
+    """A process stopped responding; the job ended."""
+
+
+def _read(path: Path) -> dict | None:
+    try:
+        beat = json.loads(path.read_text())
+        return beat if isinstance(beat, dict) and isinstance(beat.get("time"), (int, float)) else None
+    except (OSError, ValueError):
+        return None
+
+
+class Heartbeat:
+    """This process's heartbeat and its watch over the others' (module doc)."""
+
+    def __init__(self, run_dir: Path, rank: int, world: int, timeout: float, newest_checkpoint) -> None:
+        self.folder = run_dir / FOLDER
+        self.rank, self.world, self.timeout = rank, world, timeout
+        self.period = min(max(timeout / 10, 0.2), 10.0)
+        self.newest_checkpoint = newest_checkpoint  # () -> Path | None
+        self.activity = "starting"
+        self._seen: dict[int, tuple[float, float]] = {}  # rank → (its last heartbeat's time, when it changed on this clock)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="branchdiff-heartbeat", daemon=True)
+
+    def start(self) -> Heartbeat:
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self._beat("running")
+        self._thread.start()
+        return self
+
+    def doing(self, activity: str) -> None:
+        """What this process does now, shown in the line when it goes silent ("iteration 5")."""
+        self.activity = activity
+
+    def stop(self) -> None:
+        """This process ends its run normally: it no longer beats, and nobody waits for it."""
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+        self._beat("ended")
+
+    def _beat(self, state: str) -> None:
+        beat = {"pid": os.getpid(), "ppid": os.getppid(), "host": socket.gethostname(), "state": state,
+                "activity": self.activity, "time": time.time()}
+        tmp = self.folder / f".rank-{self.rank}.tmp"
+        try:
+            tmp.write_text(json.dumps(beat))
+            os.replace(tmp, self.folder / f"rank-{self.rank}.json")
+        except OSError:  # a full disk must not stop the watch; the writers report it
+            pass
+
+    def peers(self) -> dict[int, dict]:
+        """The other ranks' last heartbeats that can be read from here."""
+        beats = {r: _read(self.folder / f"rank-{r}.json") for r in range(self.world) if r != self.rank}
+        return {r: beat for r, beat in beats.items() if beat is not None}
+
+    def silent(self) -> dict[int, dict]:
+        """Peers still running whose heartbeat has not changed for longer than the timeout, on this
+        machine's clock (the peers' clocks are never compared with it); each with `quiet`, the seconds."""
+        now = time.monotonic()
+        quiet = {}
+        for rank, beat in self.peers().items():
+            seen = self._seen.get(rank)
+            if seen is None or seen[0] != beat["time"]:
+                self._seen[rank] = (beat["time"], now)
+            elif beat.get("state") == "running" and now - seen[1] > self.timeout:
+                quiet[rank] = {**beat, "quiet": now - seen[1]}
+        return quiet
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period):
+            self._beat("running")
+            silent = self.silent()
+            if silent:
+                print(f"branchdiff: error: {self.line(silent)}", file=sys.stderr, flush=True)
+                self._end_siblings(silent)
+                os._exit(2)
+
+    def _end_siblings(self, silent: dict[int, dict]) -> None:
+        """SIGKILL the silent processes that run on this machine under the same launcher."""
+        for beat in silent.values():
+            if beat.get("host") == socket.gethostname() and beat.get("ppid") == os.getppid() and isinstance(beat.get("pid"), int):
+                try:
+                    os.kill(beat["pid"], signal.SIGKILL)
+                except OSError:
+                    pass
+
+    def line(self, silent: dict[int, dict]) -> str:
+        """The one line: who is silent, for how long, doing what; the intact checkpoint; the fix."""
+        who = "; ".join(f"rank {r} (pid {b.get('pid')} on {b.get('host')}, silent for {b.get('quiet', 0):.0f} s, last in {b.get('activity')})"
+                        for r, b in sorted(silent.items()))
+        newest = self.newest_checkpoint()
+        kept = f"the newest complete checkpoint, {newest}, is intact" if newest else "no checkpoint was written yet"
+        return (f"process {who} stopped responding for more than collective_timeout = {self.timeout:g} s, so the job ends; {kept}; "
+                "find why it stalled (a stopped or frozen process, a hung device), then continue with --resume latest "
+                "(raise collective_timeout= if it was only slow)")
+
+    def explain(self, error: BaseException) -> CollectiveTimeout | None:
+        """A collective's failure as the one line, when it looks like a timeout or a lost peer."""
+        text = str(error).lower()
+        if not any(word in text for word in ("timed out", "timeout", "connection closed", "connection reset", "broken pipe")):
+            return None
+        silent = self.silent() or {r: b for r, b in self.peers().items() if b.get("activity") != self.activity}
+        if silent:
+            return CollectiveTimeout(self.line(silent))
+        newest = self.newest_checkpoint()
+        kept = f"the newest complete checkpoint, {newest}, is intact" if newest else "no checkpoint was written yet"
+        return CollectiveTimeout(f"a collective failed after waiting for another process ({' '.join(str(error).split())[:200]}); "
+                                 f"{kept}; check the other processes' output, then continue with --resume latest")
