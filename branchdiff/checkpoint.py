@@ -38,6 +38,7 @@ FORMAT = 2  # trainer_state.json's format: 2 = with a manifest
 RESUMABLE_KEYS = (
     "iterations", "output_dir", "final_eval", "eval_every", "logging.*", "prompts.eval", "prompts.eval_seeds",
     "sampling.max_batch", "sampling.exact", "train.max_skipped_steps", "collective_timeout",
+    "train.gradient_checkpointing", "model.offload", "eval_rewards", "prompts.eval_guidance",
 )
 
 

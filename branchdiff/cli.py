@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
+import re
 import sys
 from pathlib import Path
 from typing import NoReturn
@@ -29,6 +31,11 @@ EXAMPLES = """examples:
   accelerate launch --config_file $(branchdiff accelerate-config multi-gpu) -m branchdiff.cli train flux-hps-branch
 """
 DEFAULT_PRESET = "tiny-mix"
+RUN_DEFAULTS = """defaults: with --lora of a run (RUN/lora, or a checkpoint RUN/checkpoints/iter-N), every option left unset takes
+the run's own value from RUN/config.yaml (model, resolution, dtype, steps, shift, eval prompts, images per prompt,
+guidance, eval rewards), so `branchdiff eval --lora RUN/lora` reproduces the trained column of the run's final
+evaluation (a line names any setting that differs); otherwise the built-in tiny model, 10 steps, tiny:held_out,
+8 images per prompt, tiny-geneval."""
 
 
 class UsageError(Exception):
@@ -50,29 +57,36 @@ def _parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
 
     train = commands.add_parser("train", help="fine-tune with GRPO", formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog="presets: see branchdiff/configs/; keys: see branchdiff/config.py")
+                                epilog=_presets_help())
     train.add_argument("config", nargs="?", default=None, help=f"preset name or YAML file (default: {DEFAULT_PRESET})")
     train.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. tree.roots=4")
     train.add_argument("--resume", default=None, help="'latest' or a checkpoint directory of this run")
 
+    show = commands.add_parser("config", help="print the effective config of a preset or YAML file with overrides (a start for your own YAML)")
+    show.add_argument("config", nargs="?", default=None, help=f"preset name or YAML file (default: {DEFAULT_PRESET})")
+    show.add_argument("overrides", nargs="*", help="dotted key=value overrides")
+
     for name, help_text in (("sample", "write PNGs for a prompt"), ("eval", "generate on a prompt set and score with rewards")):
-        sub = commands.add_parser(name, help=help_text)
+        sub = commands.add_parser(name, help=help_text, epilog=RUN_DEFAULTS if name == "eval" else None,
+                                  formatter_class=argparse.RawDescriptionHelpFormatter)
         sub.add_argument("--lora", default=None, help="LoRA directory or .safetensors of a run (default: the base model)")
         _model_arguments(sub)
-        sub.add_argument("--steps", type=int, default=10, help="ODE sampling steps")
-        sub.add_argument("--shift", type=float, default=None, help="σ schedule shift s (default: the family's own schedule)")
-        sub.add_argument("--guidance", type=float, default=None, help="CFG scale, or FLUX's guidance embedding (default: the family's)")
-        sub.add_argument("--images-per-prompt", "--seeds", dest="images_per_prompt", type=int, default=4, help="images per prompt (fixed seeds)")
+        sub.add_argument("--steps", type=_at_least(1), default=None, help="ODE sampling steps (default: the run's, else 10)")
+        sub.add_argument("--shift", type=_finite, default=None, help="σ schedule shift s (default: the family's own schedule)")
+        sub.add_argument("--guidance", type=_finite, default=None, help="CFG scale, or FLUX's guidance embedding (default: the family's)")
+        sub.add_argument("--images-per-prompt", "--seeds", dest="images_per_prompt", type=_at_least(1), default=None,
+                         help="images per prompt (fixed seeds; default: the run's prompts.eval_seeds, else 8)")
         if name == "sample":
             sub.add_argument("--prompt", required=True, action="append", help="prompt (repeatable)")
             sub.add_argument("--out", type=Path, required=True, help="output directory")
         else:
-            sub.add_argument("--prompts", default="tiny:held_out", help="tiny:held_out, hpdv2[:style], or a .txt / .jsonl / .csv file")
-            sub.add_argument("--rewards", default="tiny-geneval",
-                             help="comma-separated names, dotted paths or server URLs, or the config's form '[{name: hpsv2.1, kwargs: {checkpoint: PATH}}]'")
-            sub.add_argument("--seed", type=int, default=1234, help="noise seed (the same for base and LoRA)")
-            sub.add_argument("--device", default="cpu", help="device of the rewards")
-            sub.add_argument("--out", type=Path, default=None, help="output directory (default: eval-<lora name or base>)")
+            sub.add_argument("--prompts", default=None, help="tiny:held_out, hpdv2[:style], or a .txt / .jsonl / .csv file (default: the run's prompts.eval)")
+            sub.add_argument("--rewards", default=None,
+                             help="comma-separated names, dotted paths or server URLs, or the config's form '[{name: hpsv2.1, kwargs: {checkpoint: PATH}}]' "
+                                  "(default: the run's eval_rewards, else tiny-geneval)")
+            sub.add_argument("--seed", type=_at_least(0), default=None, help="noise seed, the same for base and LoRA (default: 1234, as a run's evaluations)")
+            sub.add_argument("--device", default="cpu", help="device of the rewards (cpu, cuda, cuda:1)")
+            sub.add_argument("--out", type=Path, default=None, help="output directory (default: eval-<run or lora name, or base>)")
             sub.add_argument("--json", type=Path, default=None, help="also write the summary to this JSON file")
 
     rewards = commands.add_parser("rewards", help="list rewards, or check that one carries signal")
@@ -81,17 +95,17 @@ def _parser() -> argparse.ArgumentParser:
     check = which.add_parser("check", help="sample groups from the model and print the reward's scale and spread")
     check.add_argument("name", help="registered name, entry point or dotted path 'package.module:Name'")
     check.add_argument("--prompts", default="tiny:held_out", help="prompt source (tiny:held_out, a .txt file, ...)")
-    check.add_argument("--num-prompts", type=int, default=8, help="prompts sampled from the source")
-    check.add_argument("--group-size", type=int, default=8, help="samples per prompt (a GRPO group)")
+    check.add_argument("--num-prompts", type=_at_least(1), default=8, help="prompts sampled from the source")
+    check.add_argument("--group-size", type=_at_least(2), default=8, help="samples per prompt (a GRPO group)")
     _model_arguments(check)
-    check.add_argument("--steps", type=int, default=10, help="SDE sampling steps")
+    check.add_argument("--steps", type=_at_least(1), default=10, help="SDE sampling steps")
     check.add_argument("--device", default="cpu", help="device of the reward")
     check.add_argument("--kwargs", default=None, help="keyword arguments of the reward, a YAML mapping: '{checkpoint: PATH}'")
 
     serve = commands.add_parser("serve-reward", help="serve a reward over HTTP (docs/reward-server.md)")
     serve.add_argument("name", help="registered name, entry point or dotted path 'package.module:Name'")
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default: this machine only)")
-    serve.add_argument("--port", type=int, default=8765, help="port to listen on")
+    serve.add_argument("--port", type=_at_least(1), default=8765, help="port to listen on")
     serve.add_argument("--device", default="cpu", help="device of the reward's model")
     serve.add_argument("--kwargs", default=None, help="keyword arguments of the reward, a YAML mapping: '{checkpoint: PATH}'")
 
@@ -101,23 +115,69 @@ def _parser() -> argparse.ArgumentParser:
     bench = commands.add_parser("bench", help="side-by-side benchmarks")
     bench.add_argument("which", choices=["tree", "explore", "curves"], help="what to benchmark")
     bench.add_argument("--json", type=Path, default=None, help="write the table and ratios to this JSON file")
-    bench.add_argument("--repeats", type=int, default=3, help="timed repeats of each variant (median reported)")
-    bench.add_argument("--minutes", type=float, default=2.0, help="curves: training wall time of each variant and seed")
-    bench.add_argument("--seeds", type=int, default=3, help="curves: seeds of each variant")
+    bench.add_argument("--repeats", type=_at_least(1), default=3, help="timed repeats of each variant (median reported)")
+    bench.add_argument("--minutes", type=_positive, default=2.0, help="curves: training wall time of each variant and seed")
+    bench.add_argument("--seeds", type=_at_least(1), default=3, help="curves: seeds of each variant")
     bench.add_argument("--out", type=Path, default=Path("docs"), help="curves: folder of the plot and the table")
 
     report = commands.add_parser("report", help="(re)build RUN_DIR/report.html from a run's metrics, evaluations and samples")
     report.add_argument("run_dir", type=Path, help="a run directory (output_dir of branchdiff train)")
+    for sub in (parser, *commands.choices.values()):
+        sub.add_argument("--debug", action="store_true", help="on an error, show the traceback instead of one line")
     return parser
+
+
+def _presets_help() -> str:
+    """`train --help`'s epilog: the packaged presets, each with the first line of its comment."""
+    lines = ["presets (branchdiff/configs/; print one with `branchdiff config NAME`):"]
+    for path in sorted((Path(__file__).parent / "configs").glob("*.yaml")):
+        first = path.read_text().splitlines()[0].lstrip("# ").strip()
+        lines.append(f"  {path.stem:<26}{first[:90]}")
+    lines += ["", "every key, its type, default and meaning: branchdiff/config.py; bad input ends with one line and exit 2",
+              "(docs/errors.md), --debug shows the traceback; runs end by printing where their folder, LoRA and report are"]
+    return "\n".join(lines)
 
 
 def _model_arguments(sub: argparse.ArgumentParser) -> None:
     from branchdiff.models.families import FAMILIES
 
-    sub.add_argument("--family", default="tiny", choices=list(FAMILIES), help="model family (default: tiny)")
+    sub.add_argument("--family", default=None, choices=list(FAMILIES), help="model family (default: tiny)")
     sub.add_argument("--model", default=None, help="diffusers pipeline directory or hub id (default: the built-in tiny model)")
-    sub.add_argument("--resolution", type=int, default=None, help="image side in pixels (default: the family's)")
-    sub.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="weights' dtype")
+    sub.add_argument("--resolution", type=_at_least(8), default=None, help="image side in pixels (default: the family's)")
+    sub.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"], help="weights' dtype (default: float32)")
+
+
+def _at_least(low: int):
+    """argparse type: an integer ≥ `low`."""
+    def whole(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be ≥ {low}, got {value}")
+        return value
+
+    return whole
+
+
+def _finite(text: str) -> float:
+    """argparse type: a finite number."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid float value: {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
+    return value
+
+
+def _positive(text: str) -> float:
+    """argparse type: a finite number > 0."""
+    value = _finite(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
 
 
 def _split_train_args(args: argparse.Namespace) -> tuple[str | None, list[str]]:
@@ -162,25 +222,66 @@ def cmd_train(args: argparse.Namespace) -> None:
           f"  report: {write_report(run_dir)}\n  checkpoints: {trainer.checkpoint_dir}/ (continue with --resume latest)")
 
 
-def _load(args: argparse.Namespace, device: str | object = "cpu"):
+def _settings(args: argparse.Namespace):
+    """The sampling settings of `sample` / `eval` (branchdiff/eval_settings.py): the options given,
+    else the LoRA's run's, else the defaults; a line says where they came from and what differs."""
+    from branchdiff.eval_settings import EvalSettings, differences, resolve
+
+    given = {name: getattr(args, name, None) for name in EvalSettings.__dataclass_fields__}
+    settings, run, config = resolve(given, getattr(args, "lora", None))
+    if run is not None:
+        differ = differences(settings, config) if args.command == "eval" else []
+        note = ("; differs from the run's final evaluation in " + ", ".join(differ)) if differ else (
+            ", as the run's final evaluation" if args.command == "eval" else "")
+        print(f"settings of the run {run} (its config.yaml) unless given{note}", file=sys.stderr)
+    return settings, run
+
+
+def cmd_config(args: argparse.Namespace) -> None:
+    import yaml
+
+    from branchdiff.config import load_config, to_dict
+
+    source, overrides = _split_train_args(args)
+    print(yaml.safe_dump(to_dict(load_config(source or DEFAULT_PRESET, overrides)), sort_keys=False), end="")
+
+
+def _load(settings, lora: str | None, device: str | object = "cpu"):
     import torch
 
     from branchdiff.models import load_adapter
 
-    adapter = load_adapter(args.family, args.model, device, args.resolution, getattr(torch, args.dtype))
-    if getattr(args, "lora", None):
-        adapter.load_lora(args.lora)
+    adapter = load_adapter(settings.family, settings.model, device, settings.resolution, getattr(torch, settings.dtype))
+    if lora:
+        adapter.load_lora(lora)
     return adapter
 
 
+def _check_device(device: str) -> None:
+    """Refuse a CUDA device on a machine without one, before anything loads."""
+    import torch
+
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"--device {device}: no CUDA device is visible here (torch.cuda.is_available() is False); use --device cpu")
+
+
+def file_name(index: int, prompt: str) -> str:
+    """A sample's file name from its index and prompt: letters, digits, '-' and '_' only, ≤ 60 of them."""
+    slug = re.sub(r"[^A-Za-z0-9_-]+", "_", prompt).strip("_")[:60] or "prompt"
+    return f"{index:03d}-{slug}.png"
+
+
 def cmd_sample(args: argparse.Namespace) -> None:
-    from branchdiff.evaluate import sample_ode
     from torchvision.utils import save_image
 
-    images, prompts = sample_ode(_load(args), args.prompt, args.images_per_prompt, args.steps, args.shift, guidance=args.guidance)
+    from branchdiff.evaluate import sample_ode
+
+    settings, _ = _settings(args)
+    images, prompts = sample_ode(_load(settings, args.lora), args.prompt, settings.images_per_prompt, settings.steps, settings.shift,
+                                 guidance=settings.guidance)
     args.out.mkdir(parents=True, exist_ok=True)
     for index, (image, prompt) in enumerate(zip(images, prompts)):
-        path = args.out / f"{index:03d}-{prompt.replace(' ', '_')[:60]}.png"
+        path = args.out / file_name(index, prompt)
         save_image(image, path)
         print(path)
 
@@ -192,29 +293,35 @@ def cmd_eval(args: argparse.Namespace) -> None:
 
     from branchdiff.data import load_prompt_set
     from branchdiff.evaluate import evaluate, format_summary, gather_results, write_outputs
+    from branchdiff.rewards.combine import parse_reward_specs
     from branchdiff.rewards.multi import build_component
 
+    _check_device(args.device)
+    settings, run = _settings(args)
     state = PartialState(cpu=args.device == "cpu")
-    prompt_set = load_prompt_set(args.prompts)
-    specs = _reward_specs(args.rewards)
+    prompt_set = load_prompt_set(settings.prompts)
+    specs = _reward_specs(settings.rewards) if isinstance(settings.rewards, str) else parse_reward_specs(settings.rewards)
     rewards = {spec.label: build_component(spec, args.device) for spec in specs}
-    out = args.out or Path("eval-" + Path(args.lora or "base").stem)
-    result = evaluate(_load(args, state.device), prompt_set, rewards, args.images_per_prompt, args.steps, args.shift, args.seed,
-                      state.process_index, state.num_processes, progress=state.is_local_main_process, out_dir=out, guidance=args.guidance)
+    out = args.out or Path("eval-" + (run.name if run else Path(args.lora or "base").stem))
+    result = evaluate(_load(settings, args.lora, state.device), prompt_set, rewards, settings.images_per_prompt, settings.steps,
+                      settings.shift, settings.seed, state.process_index, state.num_processes, progress=state.is_local_main_process,
+                      out_dir=out, guidance=settings.guidance)
     result = gather_results(result, state)
     state.wait_for_everyone()  # every process's images are on disk before the grid reads them
     if not state.is_main_process:
         return
     out.mkdir(parents=True, exist_ok=True)
     scales = {label: getattr(reward, "scale", "unspecified") for label, reward in rewards.items()}
-    extra = {"family": args.family, "model": args.model or "built-in tiny", "lora": args.lora, "steps": args.steps, "seed": args.seed,
-             "shift": args.shift, "guidance": args.guidance}
+    extra = {"family": settings.family, "model": settings.model or "built-in tiny", "lora": args.lora, "steps": settings.steps,
+             "seed": settings.seed, "shift": settings.shift, "guidance": settings.guidance}
     summary = write_outputs(result, out, scales, extra)
-    print(f"{prompt_set.name}: {len(prompt_set.prompts)} prompts × {args.images_per_prompt} images, "
+    print(f"{prompt_set.name}: {len(prompt_set.prompts)} prompts × {settings.images_per_prompt} images, "
           f"{'LoRA ' + args.lora if args.lora else 'base model'}; images, scores.csv, grid.png in {out}/")
     print(format_summary(summary["summary"]))
     if args.json:
-        args.json.write_text(json.dumps(summary, indent=1))
+        from branchdiff import storage
+
+        storage.write_text(args.json, json.dumps(summary, indent=1))
 
 
 ACCELERATE_DIR = Path(__file__).parent / "configs" / "accelerate"
@@ -292,11 +399,13 @@ def cmd_rewards(args: argparse.Namespace) -> None:
     from branchdiff.models.families import FAMILIES
     from branchdiff.signal_check import check_reward
 
+    _check_device(args.device)
     reward = build_reward(args.name, args.device, _kwargs(args.kwargs))
     prompt_set = load_prompt_set(args.prompts)
     prompts, metadata = prompt_set.prompts[: args.num_prompts], prompt_set.metadata[: args.num_prompts]
-    sde = "ddim" if FAMILIES[args.family].steps == "ddim" else "flow"
-    stats = check_reward(_load(args), reward, prompts, metadata, args.name, args.group_size, args.steps, sde=sde)
+    settings, _ = _settings(args)
+    sde = "ddim" if FAMILIES[settings.family].steps == "ddim" else "flow"
+    stats = check_reward(_load(settings, None), reward, prompts, metadata, args.name, args.group_size, settings.steps, sde=sde)
     print(f"reward {args.name!r}, scale: {getattr(reward, 'scale', 'unspecified')}; {stats['images']} images "
           f"({len(prompts)} prompts × {args.group_size}) from {args.prompts}")
     for key in ("min", "mean", "max", "within_group_std", "between_prompt_std", "zero_spread_fraction", "seconds_per_image",
@@ -310,6 +419,7 @@ def cmd_serve_reward(args: argparse.Namespace) -> None:
     from branchdiff.rewards.registry import build_reward
     from branchdiff.rewards.server import serve
 
+    _check_device(args.device)
     serve(build_reward(args.name, args.device, _kwargs(args.kwargs)), args.host, args.port)
 
 
@@ -322,20 +432,22 @@ def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     try:
         args, extra = parser.parse_known_args(argv)
-        if args.command == "train" and all("=" in item and not item.startswith("-") for item in extra):
+        if args.command in ("train", "config") and all("=" in item and not item.startswith("-") for item in extra):
             args.overrides = [*args.overrides, *extra]  # overrides may also follow --resume
         elif extra:
             raise UsageError(f"{args.command}: unrecognized arguments: {' '.join(extra)}; see branchdiff {args.command} --help")
     except UsageError as error:
         print(f"branchdiff: error: {error}", file=sys.stderr)
         return 2
+    if not debug:
+        _quiet_third_party_logs()
     from branchdiff.config import ConfigError
-    from branchdiff.errors import UserError
+    from branchdiff.errors import UserError, is_out_of_memory, out_of_memory
     from branchdiff.rewards.multi import RewardError
     from branchdiff.rewards.remote import RemoteRewardError
 
     try:
-        {"train": cmd_train, "sample": cmd_sample, "eval": cmd_eval, "bench": cmd_bench, "rewards": cmd_rewards,
+        {"train": cmd_train, "config": cmd_config, "sample": cmd_sample, "eval": cmd_eval, "bench": cmd_bench, "rewards": cmd_rewards,
          "accelerate-config": cmd_accelerate_config, "report": cmd_report,
          "serve-reward": cmd_serve_reward}[args.command](args)
     except KeyboardInterrupt as interrupt:
@@ -348,15 +460,37 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"branchdiff: error: {_one_line(error)}", file=sys.stderr)
         return 2
+    except (MemoryError, RuntimeError) as error:
+        if debug or not is_out_of_memory(error):
+            raise
+        line = out_of_memory(error, f"in branchdiff {args.command}", "use a smaller batch (fewer images per prompt or prompts), a smaller "
+                             "--resolution, --dtype bfloat16, or a device with more memory")
+        print(f"branchdiff: error: {_one_line(line)}", file=sys.stderr)
+        return 2
     return 0
 
 
+NOISY_LOGGERS = ("torch.utils._pytree", "bitsandbytes", "diffusers.quantizers")  # import-time notices about optional kernels
+
+
+def _quiet_third_party_logs() -> None:
+    """Hold back the notices optional dependencies print when they are imported (a missing optional
+    kernel, a deprecated registration): they are not the user's to fix. `--debug` shows them."""
+    import logging
+
+    for name in NOISY_LOGGERS:
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
 def _one_line(error: BaseException) -> str:
-    """The error's message on one line; an OSError names its file (`[Errno 28] ...: 'path'`)."""
+    """The error's message on one line of at most `errors.MAX_LINE` characters; an OSError names its
+    file (`[Errno 28] ...: 'path'`)."""
+    from branchdiff.errors import bounded
+
     if isinstance(error, OSError) and not isinstance(error, FileNotFoundError) and error.strerror:
         where = f": {error.filename}" if error.filename else ""
-        return f"{error.strerror}{where} ({type(error).__name__}); free space or fix the path's permissions and run again"
-    return " ".join(str(error).split())
+        return bounded(f"{error.strerror}{where} ({type(error).__name__}); free space or fix the path's permissions and run again")
+    return bounded(" ".join(str(error).split()))
 
 
 if __name__ == "__main__":

@@ -44,3 +44,21 @@ def bounded(line: str, limit: int = MAX_LINE) -> str:
         return line
     tail = limit // 3
     return line[: limit - tail - 3] + " … " + line[len(line) - tail :]
+
+
+OUT_OF_MEMORY_WORDS = ("out of memory", "can't allocate memory", "cannot allocate memory")
+
+
+class OutOfMemory(UserError):
+    """The device or the machine ran out of memory."""
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """Python's MemoryError, torch.OutOfMemoryError (CUDA), or the CPU allocator's 'can't allocate memory'."""
+    return isinstance(error, MemoryError) or (isinstance(error, RuntimeError) and any(w in str(error).lower() for w in OUT_OF_MEMORY_WORDS))
+
+
+def out_of_memory(error: BaseException, where: str, fix: str) -> OutOfMemory:
+    """The one line for an allocation that failed `where`, with what to lower (`fix`)."""
+    reason = one_line(error, 160) or type(error).__name__
+    return OutOfMemory(f"out of memory {where} ({reason}); {fix}")

@@ -25,6 +25,7 @@ from torchvision.io import write_jpeg
 from tqdm.auto import tqdm
 
 from branchdiff.data import PromptSet
+from branchdiff.eval_settings import EVAL_RUN_SEED
 from branchdiff.models.base import ModelAdapter
 from branchdiff.report import save_grid
 from branchdiff.rewards.base import to_uint8
@@ -32,7 +33,6 @@ from branchdiff.rewards.multi import extra_keys, score_component
 from branchdiff.rollout import NoiseAddress, SamplerSettings, grow
 from branchdiff.tree import TreeSpec, build_tree
 
-EVAL_RUN_SEED = 1234  # evaluation noise never coincides with training noise (iteration -1)
 EVAL_BATCH = 32  # rows per forward: fixed, so an image is the same whatever else is in its batch
 
 

@@ -5,7 +5,7 @@
 - `read(path)`: every line checked: a JSON object whose `iteration` is an integer ≥ 0. Only the
   last line may be cut off (a crash while it was written); it is dropped. Anything else stops with
   one line naming `path:line` and the fix. (The report reads the file leniently instead:
-  branchdiff/run_report.py.)
+  branchdiff/run_report_data.py.)
 - `truncate(path, last_iteration)`: keep the lines up to a checkpoint's iteration, rewritten
   atomically, so a resumed run writes the later ones again instead of twice.
 """

@@ -2,6 +2,10 @@
 for a page), and the matplotlib primitives the run's report draws with: figures with fixed margins,
 metric curves with a moving average, small multiples, PNG data URIs.
 
+No legend covers data: an axes' legend lies between the axes and their title (`title_and_legend`),
+the legend of small multiples above them all, each in as many columns as fit; `png_data_uri` grows
+a figure at the top until its titles and legends fit (`fit_top`).
+
 Nothing here knows a run's sections or metric names (branchdiff/run_report.py is the page). torch is
 imported by `save_grid` only, so that building a report does not load it.
 """
@@ -18,7 +22,9 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 from matplotlib.axes import Axes
+from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
+from matplotlib.legend import Legend
 from matplotlib.ticker import MaxNLocator
 from PIL import Image
 
@@ -27,6 +33,8 @@ if TYPE_CHECKING:
 
 CAPTIONS_KEY = "branchdiff:row_captions"  # PNG text chunk of a grid: JSON list, one caption per row
 MAX_GRID_SIDE = 2048  # larger grids are downscaled before embedding (keeps the page a few MB)
+LEGEND_PAD = 0.05  # inches kept free above a figure's titles and legends
+TITLE_PAD = 3.0  # points between an axes' legend and the title above it
 
 Column = tuple[np.ndarray, np.ndarray]  # (iterations, values) of the rows that log a key; NaN kept (a gap)
 
@@ -106,7 +114,8 @@ def smoothing_window(count: int) -> int:
 
 # ---------------------------------------------------------------- drawing
 def png_data_uri(figure: Figure) -> str:
-    """The figure as a PNG data URI."""
+    """The figure, grown at the top to hold its titles and legends (`fit_top`), as a PNG data URI."""
+    fit_top(figure)
     buffer = io.BytesIO()
     figure.savefig(buffer, format="png")
     return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
@@ -116,6 +125,7 @@ def new_figure(width: float, height: float, lines: int = 1, columns: int = 1, to
     """lines × columns axes with fixed margins in inches, `top` above the first line (a layout
     engine doubles the drawing time)."""
     figure = Figure(figsize=(width, height), dpi=100)
+    FigureCanvasAgg(figure)  # the renderer that measures legends and titles is the one that draws the PNG
     margins = dict(left=0.55 / width, right=1 - 0.15 / width, bottom=0.45 / height, top=1 - top / height, wspace=0.3, hspace=0.65)
     axes = figure.subplots(lines, columns, squeeze=False, gridspec_kw=margins).ravel()
     for ax in axes:
@@ -124,6 +134,51 @@ def new_figure(width: float, height: float, lines: int = 1, columns: int = 1, to
         ax.xaxis.set_major_locator(MaxNLocator(5, integer=True))
         ax.yaxis.set_major_locator(MaxNLocator(4))
     return figure, axes
+
+
+def grow_top(figure: Figure, inches: float) -> None:
+    """Add `inches` at the top of the figure; every axes keeps its size and distance from the bottom."""
+    width, height = figure.get_size_inches()
+    scale = height / (height + inches)
+    boxes = [(ax, ax.get_position(original=True)) for ax in figure.axes]
+    figure.set_size_inches(width, height + inches)
+    for ax, box in boxes:
+        ax.set_position((box.x0, box.y0 * scale, box.width, box.height * scale))
+
+
+def fit_top(figure: Figure) -> None:
+    """Grow the figure at the top until its axes' titles and legends lie LEGEND_PAD below its edge,
+    and its own legends (on top, `small_multiples`) LEGEND_PAD above all of them."""
+    pad = LEGEND_PAD * figure.dpi
+    shown = [ax for ax in figure.axes if ax.get_visible()]
+    top = max((artist.get_window_extent().y1 for ax in shown for artist in (ax, ax.title, ax.get_legend()) if artist is not None), default=0.0)
+    lacking = max([top + pad - figure.bbox.height, *(top + pad - legend.get_window_extent().y0 for legend in figure.legends)])
+    if lacking > 0:
+        grow_top(figure, lacking / figure.dpi)
+
+
+def widest_legend(make: Callable[[int], Legend], count: int, width: float) -> Legend:
+    """`make(ncols)` with the most columns, at most `count`, whose legend fits `width` pixels (one
+    column when none does); the wider legends tried are removed."""
+    for ncols in range(count, 1, -1):
+        legend = make(ncols)
+        if legend.get_window_extent().width <= width:
+            return legend
+        legend.remove()
+    return make(1)
+
+
+def title_and_legend(ax: Axes, title: str) -> None:
+    """The axes' title, and their legend between them and the title (which moves up to make room),
+    in as many columns as fit their width; the title alone when nothing drawn has a label."""
+    handles, labels = ax.get_legend_handles_labels()
+    if not labels:
+        ax.set_title(title, fontsize=9)
+        return
+    legend = widest_legend(lambda ncols: ax.legend(handles, labels, loc="lower left", bbox_to_anchor=(0, 1), ncols=ncols, fontsize=6,
+                                                   frameon=False, borderaxespad=0.2), len(labels), ax.bbox.width)
+    above = (legend.get_window_extent().y1 - ax.bbox.y1) * 72 / ax.figure.dpi  # points
+    ax.set_title(title, fontsize=9, pad=above + TITLE_PAD)
 
 
 def draw_curve(ax: Axes, key: str, column: Column, smooth: bool = True, markers: bool = False, base: bool = False) -> None:
@@ -143,7 +198,8 @@ def draw_curve(ax: Axes, key: str, column: Column, smooth: bool = True, markers:
 
 
 def small_multiples(columns: dict[str, Column], keys: list[str], draw: Callable[[Axes, str, Column], None] = draw_curve) -> Figure:
-    """One axes per key, three a row, drawn by `draw(ax, key, columns[key])`; one legend on top for all."""
+    """One axes per key, three a row, drawn by `draw(ax, key, columns[key])`; one legend on top for all,
+    in as many columns as fit the figure's width."""
     per_line = min(3, len(keys))
     lines = math.ceil(len(keys) / per_line)
     figure, axes = new_figure(3.1 * per_line + 0.3, 2.3 * lines + 0.45, lines, per_line, top=0.55)
@@ -154,5 +210,7 @@ def small_multiples(columns: dict[str, Column], keys: list[str], draw: Callable[
         legend.update(zip(*reversed(ax.get_legend_handles_labels())))
     for ax in axes[len(keys):]:
         ax.set_visible(False)
-    figure.legend(list(legend.values()), list(legend), loc="upper center", ncols=len(legend), fontsize=7, frameon=False)
+    if legend:
+        widest_legend(lambda ncols: figure.legend(list(legend.values()), list(legend), loc="upper center", ncols=ncols, fontsize=7, frameon=False),
+                      len(legend), figure.bbox.width)
     return figure

@@ -33,7 +33,7 @@ from tqdm.auto import tqdm
 
 from branchdiff import metrics_log, storage
 from branchdiff.config import TrainConfig
-from branchdiff.errors import CheckpointError, RunStopped
+from branchdiff.errors import CheckpointError, RunStopped, is_out_of_memory, out_of_memory
 from branchdiff.report import save_grid
 from branchdiff.trainer import Trainer
 from branchdiff.watchdog import Heartbeat
@@ -110,7 +110,12 @@ def train(trainer: Trainer) -> None:
         _train(trainer, heartbeat)
     except storage.DiskFull as error:
         raise CheckpointError(error.line(trainer.newest_checkpoint())) from None
-    except RuntimeError as error:  # a collective that timed out, or lost its peer
+    except (MemoryError, RuntimeError) as error:  # out of memory, a collective that timed out or lost its peer
+        if is_out_of_memory(error):
+            newest = trainer.newest_checkpoint()
+            then = f"continue from {newest} with --resume latest" if newest else "start again"
+            raise out_of_memory(error, "during training", "lower sampling.max_batch or turn on train.gradient_checkpointing or model.offload, "
+                                f"and {then} (or start a new run with a smaller train.minibatch or prompts.per_iteration)") from None
         explained = heartbeat.explain(error) if heartbeat else None
         if explained is None:
             raise

@@ -1,56 +1,42 @@
 """A run's report: RUN_DIR/report.html, one self-contained page (plots and sample grids embedded as
 base64 PNGs; no script, no external CSS, font or image) that opens offline.
 
-Built from what the run directory holds; only metrics.jsonl is required:
-  config.yaml              the effective config (a few facts on top, the whole file folded away)
-  metrics.jsonl            one JSON object per iteration; a line cut off by a crash is skipped
-  eval.json                the final base-vs-trained evaluation
-  samples/iter-*.png       training leaves of random prompts
-  samples/eval-iter-*.png  fixed held-out prompts and seeds at each evaluation
-A section whose inputs are absent says "not recorded in this run", and a section that fails to draw
-says so in place: the trainer rebuilds the report at every checkpoint and must not stop for it.
+Built from what the run directory holds (branchdiff/run_report_data.py reads it); only metrics.jsonl
+is required. A section whose inputs are absent says "not recorded in this run", and a section that
+fails to draw says so in place: the trainer rebuilds the report at every checkpoint and must not
+stop for it.
 
-This module is the page: reading the run, the sections, `write_report`. The figures, curves and
-grid images it embeds are drawn with branchdiff/report.py. The base model's level of a curve is its
-value at iteration 0 (`report.base_level`).
+This module is the page: the sections and `write_report`. The figures, curves and grid images it
+embeds are drawn with branchdiff/report.py. The base model's level of a curve is its value at
+iteration 0 (`report.base_level`); the final evaluation (eval.json) is a point after the held-out
+curves, at the updates it followed (`Run.final_x`).
 """
 
 from __future__ import annotations
 
-import json
-import os
-import re
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from functools import partial
 from html import escape
 from pathlib import Path
 
 import numpy as np
-import yaml
 from matplotlib.axes import Axes
 from matplotlib.ticker import LogLocator, NullLocator
 
-from branchdiff.report import Column, base_level, draw_curve, grid_data_uri, new_figure, png_data_uri, small_multiples, smoothing_window
+from branchdiff import storage
+from branchdiff.report import (Column, base_level, draw_curve, grid_captions, grid_data_uri, new_figure, png_data_uri, small_multiples,
+                               smoothing_window, title_and_legend)
+from branchdiff.run_report_data import DEPTH_KEY, Grid, Run, read_run, reward_components, sample_grids
 
-# keys of metrics.jsonl that are not reward components (branchdiff/metrics.py, trainer.py)
-NOT_COMPONENTS = frozenset({
-    "iteration", "reward_mean", "reward_std", "reward_zero_spread_fraction", "reward_group_std",
-    "groups_dropped", "nfe_rollout", "nfe_rollout_computed", "nfe_trained",
-    "edges_trained", "rollout_seconds", "reward_seconds", "train_seconds", "eval_seconds",
-    "loss", "clip_fraction", "kl", "logprob_check", "grad_norm", "optimizer_steps", "steps_skipped",
-})
-NOT_COMPONENT_PREFIXES = ("accuracy_", "eval_", "explore_", "advantage_")
-NOT_COMPONENT_SUFFIXES = ("_failed", "_nonfinite")  # per-component failure counts
-DEPTH_KEY = re.compile(r"^(advantage_std|advantage_abs_mean|edges_trained)/depth_(\d+)$")
-GRID_FILE = re.compile(r"^(eval-)?iter-(\d+)\.png$")
 PHASES = ("rollout_seconds", "reward_seconds", "train_seconds", "eval_seconds")
 NFE_KEYS = ("nfe_rollout", "nfe_rollout_computed", "nfe_trained")
 UPDATE_KEYS = ("logprob_check", "loss", "clip_fraction", "kl", "grad_norm", "steps_skipped")
 EVAL_GRIDS = 8  # held-out grids shown, evenly spaced, first and last included
 TRAIN_GRIDS = 3  # newest training grids shown
 LOGPROB_FLOOR = 1e-12  # exact zeros of logprob_check drawn here on the log axis
+CAPTION_CHARS = 80  # a grid row's caption (its prompt) is cut to this many characters
+FINAL_LABEL = "final evaluation (eval.json)"
 
 STYLE = """body{font-family:system-ui,sans-serif;max-width:1240px;margin:1em auto;padding:0 1em;color:#222}
 h2{border-bottom:1px solid #ccc;margin-top:1.6em}nav a{margin-right:1em}
@@ -58,64 +44,10 @@ img.plot{max-width:100%;display:block}img.grid{width:100%;display:block;image-re
 figure{display:inline-block;width:calc(50% - 1.2em);margin:.4em;vertical-align:top}figcaption{font-size:.85em;color:#555}
 table{border-collapse:collapse;margin:.5em 0}td,th{border:1px solid #ccc;padding:2px 8px;text-align:right}
 td:first-child,th:first-child{text-align:left}.missing{color:#888;font-style:italic}
-pre{background:#f6f6f6;padding:.5em;overflow:auto;font-size:.85em}"""
+figcaption ol{margin:.2em 0;padding-left:1.8em}pre{background:#f6f6f6;padding:.5em;overflow:auto;font-size:.85em}"""
 
 
-@dataclass
-class Run:
-    """What a run directory holds."""
-
-    run_dir: Path
-    iterations: np.ndarray  # (R,) the logged iterations, increasing
-    columns: dict[str, Column]  # every numeric metric, in first-logged order
-    config: dict | None  # config.yaml parsed
-    config_text: str | None  # config.yaml as written
-    evaluation: dict | None  # eval.json
-
-    def has(self, *keys: str) -> list[str]:
-        """The keys the run logged."""
-        return [k for k in keys if k in self.columns]
-
-    def aligned(self, key: str) -> np.ndarray:
-        """(R,) the key's values on every logged iteration, NaN where not logged."""
-        out = np.full(len(self.iterations), np.nan)
-        if key in self.columns:
-            iterations, values = self.columns[key]
-            out[np.searchsorted(self.iterations, iterations)] = values
-        return out
-
-
-# ---------------------------------------------------------------- reading
-def read_metrics(path: Path) -> list[dict]:
-    """The JSON objects of a metrics.jsonl with an integer `iteration`, sorted by iteration; lines
-    that do not parse (a crash cuts the last one) are skipped, a repeated iteration keeps its last line."""
-    rows: dict[int, dict] = {}
-    for line in path.read_text(errors="replace").splitlines():
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(row, dict) and isinstance(row.get("iteration"), int):
-            rows[row["iteration"]] = row
-    return [rows[i] for i in sorted(rows)]
-
-
-def columns(rows: list[dict]) -> dict[str, Column]:
-    """Every numeric key of `rows` (sorted by iteration) as (iterations, values), in first-seen order."""
-    pairs: dict[str, list[tuple[int, float]]] = {}
-    for row in rows:
-        for key, value in row.items():
-            if isinstance(value, (int, float)) and not isinstance(value, bool) and key != "iteration":
-                pairs.setdefault(key, []).append((row["iteration"], value))
-    return {key: (np.array([p[0] for p in kept], dtype=float), np.array([p[1] for p in kept], dtype=float)) for key, kept in pairs.items()}
-
-
-def reward_components(keys: list[str]) -> list[str]:
-    """Reward component keys among metric keys: the ones no other part of the metrics claims."""
-    return [k for k in keys if k not in NOT_COMPONENTS and not k.startswith(NOT_COMPONENT_PREFIXES)
-            and not k.endswith(NOT_COMPONENT_SUFFIXES) and not DEPTH_KEY.match(k)]
-
-
+# ---------------------------------------------------------------- page pieces
 def evenly_spaced(items: list, count: int) -> list:
     """At most `count` items evenly spaced over `items`, first and last included."""
     if len(items) <= count:
@@ -123,26 +55,6 @@ def evenly_spaced(items: list, count: int) -> list:
     return [items[i] for i in sorted({round(x) for x in np.linspace(0, len(items) - 1, count)})]
 
 
-def _read_run(run_dir: Path) -> Run:
-    metrics = run_dir / "metrics.jsonl"
-    if not metrics.is_file():
-        raise FileNotFoundError(f"{run_dir} is not a run directory (no metrics.jsonl); pass the output_dir of branchdiff train")
-    rows = read_metrics(metrics)
-    config_path, eval_path = run_dir / "config.yaml", run_dir / "eval.json"
-    config_text = config_path.read_text(errors="replace") if config_path.is_file() else None
-    try:
-        config = yaml.safe_load(config_text) if config_text else None
-    except yaml.YAMLError:
-        config = None
-    try:
-        evaluation = json.loads(eval_path.read_text()) if eval_path.is_file() else None
-    except json.JSONDecodeError:
-        evaluation = None
-    return Run(run_dir, np.array([r["iteration"] for r in rows], dtype=float), columns(rows),
-               config if isinstance(config, dict) else None, config_text, evaluation if isinstance(evaluation, dict) else None)
-
-
-# ---------------------------------------------------------------- page pieces
 def _img(uri: str, alt: str, kind: str = "plot") -> str:
     return f'<img class="{kind}" alt="{escape(alt)}" src="{uri}">'
 
@@ -211,11 +123,10 @@ def _header(run: Run) -> str:
             final = float(finite[-window:].mean())
             text = f"final reward_mean {final:.4g} (mean of the last {window} logged)"
             parts.append(text + (f" vs base {base:.4g} (iteration 0): {final - base:+.4g}" if base is not None else ""))
-    summary = (run.evaluation or {}).get("trained", {}).get("all", {})
-    for score, row in summary.items():  # the held-out result, less noisy than one batch of training prompts
-        base = run.evaluation.get("base", {}).get("all", {}).get(score, {}).get("mean")
-        if base is not None and row.get("mean") is not None:
-            parts.append(f"held-out {score} {base:.3f} → {row['mean']:.3f}")
+    base_means = run.means("base")
+    for score, trained in run.means("trained").items():  # the held-out result, less noisy than one batch of training prompts
+        if score in base_means:
+            parts.append(f"held-out {score} {base_means[score]:.3f} → {trained:.3f}")
     parts.append("generated " + time.strftime("%Y-%m-%d %H:%M:%S"))
     if run.config_text is None:
         facts = _missing("config.yaml")
@@ -249,13 +160,43 @@ def _rewards(run: Run) -> str:
     return html
 
 
+def _heldout_curve(x: int | None, finals: dict[str, float], ax: Axes, key: str, column: Column) -> None:
+    """A held-out curve `eval_<score>` with its base level and the final evaluation of the score (eval.json)
+    as a star at `x`."""
+    draw_curve(ax, key, column, smooth=False, markers=True, base=True)
+    score = key.removeprefix("eval_")
+    if x is not None and score in finals:
+        ax.plot([x], [finals[score]], ls="none", marker="*", ms=11, color="C3", label=FINAL_LABEL)
+
+
+def _heldout_table(run: Run, keys: list[str]) -> str:
+    """Base, last in-training and final evaluation of each held-out score, with their iterations."""
+    x, base_means, finals = run.final_x(), run.means("base"), run.means("trained")
+    body = []
+    for score in dict.fromkeys([*(k.removeprefix("eval_") for k in keys), *finals]):
+        iterations, values = run.columns.get(f"eval_{score}", (np.zeros(0), np.zeros(0)))
+        base = base_level(iterations, values)
+        base = base_means.get(score) if base is None else base  # the same evaluation of the base model
+        last = f"{_fmt(values[-1])} at {iterations[-1]:.0f}" if len(values) else "–"
+        body.append([score, _fmt(base), last, f"{_fmt(finals[score])} at {x}" if score in finals and x is not None else "–"])
+    text = "x counts the updates before an evaluation: the one logged at iteration i ran before that iteration's update"
+    if finals and x is not None:
+        after = run.after_iteration()
+        text += (f", the final one (★, eval.json) after the update of iteration {after}, at {x}" if after is not None
+                 else f", the final one (★, eval.json) after the last logged iteration (eval.json does not say which), at {x}")
+    return f"<p>{escape(text)}.</p>" + _table(["held-out score", "base (iteration 0)", "last in training", FINAL_LABEL], body)
+
+
 def _heldout(run: Run) -> str:
     keys = [k for k in run.columns if k.startswith("eval_") and not k.endswith("_seconds")]
+    draw = partial(_heldout_curve, run.final_x(), run.means("trained"))
     if keys:
         html = "<p>Mean scores on the fixed held-out prompts and seeds, of the policy each iteration's rollouts came from.</p>"
-        html += _panels(run, keys, "held-out evaluation", partial(draw_curve, smooth=False, markers=True, base=True))
+        html += _panels(run, keys, "held-out evaluation", draw)
     else:
         html = _missing("Held-out evaluation during training")
+    if keys or run.means("trained"):
+        html += _heldout_table(run, keys)
     evaluation = run.evaluation
     if evaluation is None:
         return html + _missing("The final evaluation (eval.json)")
@@ -298,9 +239,7 @@ def _advantages(run: Run) -> str:
     figure, (left, right) = new_figure(9.4, 2.6, 1, 2)
     for offset, kind in zip((-0.2, 0.2), kinds):
         left.bar(np.array(depths) + offset, _mean(matrix(kind), 1), width=0.4, label=kind)
-    left.set_title("mean over the run", fontsize=9)
-    if kinds:
-        left.legend(fontsize=6)
+    title_and_legend(left, "mean over the run")
     if "edges_trained" in by_kind:
         right.bar(depths, _mean(matrix("edges_trained"), 1), color="C2")
     right.set_title("edges trained per iteration (mean)", fontsize=9)
@@ -317,15 +256,13 @@ def _cost(run: Run) -> str:
     figure, (left, right) = new_figure(9.4, 2.8, 1, 2)
     for key in nfe:
         left.plot(*run.columns[key], lw=1.2, label=key)
-    left.set_title("network evaluations per iteration", fontsize=9)
     seconds = np.nan_to_num(np.stack([run.aligned(k) for k in phases])) if phases else np.zeros((0, len(run.iterations)))
     if phases:
         right.stackplot(run.iterations, seconds, labels=phases, alpha=0.8)
-    right.set_title("seconds per iteration (stacked)", fontsize=9)
+    title_and_legend(left, "network evaluations per iteration")
+    title_and_legend(right, "seconds per iteration (stacked)")
     for ax in (left, right):
         ax.set_xlabel("iteration")
-        if ax.has_data():
-            ax.legend(fontsize=6)
     html = _img(png_data_uri(figure), "network evaluations and time per iteration")
     totals, count = seconds.sum(axis=1), len(run.iterations)
     wall = float(totals.sum())
@@ -357,31 +294,33 @@ def _explore(run: Run) -> str:
         figure, (ax,) = new_figure(7, 3)
         for key in agreement:
             ax.plot(*run.columns[key], lw=1.0, marker="o", ms=2.5, label=key)
-        ax.set_title("explorer vs policy: ranking agreement", fontsize=9)
+        title_and_legend(ax, "explorer vs policy: ranking agreement")
         ax.set_xlabel("iteration")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=6)
         html += _img(png_data_uri(figure), "explore ranking agreement")
     body = [[k, _fmt(_mean(run.columns[k][1]))] for k in keys if k not in agreement]
     return html + (_table(["explore metric", "mean over the run"], body) if body else "")
 
 
-def _figures(grids: list[tuple[int, Path]], alt: str) -> str:
+def _cut(text: str) -> str:
+    """`text` cut to at most CAPTION_CHARS characters, an ellipsis ending a cut one."""
+    return text if len(text) <= CAPTION_CHARS else text[:CAPTION_CHARS - 1] + "…"
+
+
+def _figures(grids: list[Grid], alt: str) -> str:
+    """The grids as figures captioned with their iteration and, when the grid stores them, its rows'
+    captions (prompts) in a numbered list."""
     html = ""
     for iteration, path in grids:
         uri = grid_data_uri(path)
         image = _img(uri, f"{alt}, iteration {iteration}", "grid") if uri else _note(f"{path.name} unreadable")
-        html += f"<figure>{image}<figcaption>iteration {iteration}</figcaption></figure>"
+        rows = "".join(f"<li>{escape(_cut(caption))}</li>" for caption in grid_captions(path) or [])
+        html += f"<figure>{image}<figcaption>iteration {iteration}{f'<ol>{rows}</ol>' if rows else ''}</figcaption></figure>"
     return html
 
 
 def _samples(run: Run) -> str:
-    grids: dict[bool, list[tuple[int, Path]]] = {True: [], False: []}
-    folder = run.run_dir / "samples"
-    for path in folder.glob("*.png") if folder.is_dir() else []:
-        if match := GRID_FILE.match(path.name):
-            grids[bool(match[1])].append((int(match[2]), path))
-    held_out, training = sorted(grids[True]), sorted(grids[False])
+    held_out, training = sample_grids(run.run_dir)
     html = "<h3>Held-out prompts across iterations</h3>"
     if held_out:
         html += f"<p>The same prompts and seeds at each evaluation ({len(held_out)} grids, at most {EVAL_GRIDS} shown).</p>"
@@ -416,15 +355,12 @@ def _section(run: Run, section_id: str, title: str, build: Callable[[Run], str])
 
 
 def write_report(run_dir: Path) -> Path:
-    """Write `run_dir/report.html` (module doc) atomically, through report.html.tmp and os.replace,
-    and return its path. Raises FileNotFoundError when `run_dir` has no metrics.jsonl."""
+    """Write `run_dir/report.html` (module doc) atomically (`storage.write_text`) and return its path.
+    Raises FileNotFoundError when `run_dir` has no metrics.jsonl."""
     run_dir = Path(run_dir)
-    run = _read_run(run_dir)
+    run = read_run(run_dir)
     body = _header(run) + "".join(_section(run, *section) for section in SECTIONS)
     title = escape(run_dir.resolve().name)
     page = (f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"><title>branchdiff run {title}</title>'
             f"<style>{STYLE}</style></head><body>{body}</body></html>\n")
-    path, tmp = run_dir / "report.html", run_dir / "report.html.tmp"
-    tmp.write_text(page, encoding="utf-8")
-    os.replace(tmp, path)
-    return path
+    return storage.write_text(run_dir / "report.html", page)

@@ -8,9 +8,9 @@ branchdiff/checkpoint.py, the same way):
 - `append_line(path, text)`: one line appended; on failure the file is cut back to its old length.
 A failure that comes from a full disk is re-raised as `DiskFull`, whatever exception the writer
 raised: torch's zip writer says "unexpected pos", safetensors "os error 28", PIL and Python raise
-OSError(ENOSPC) (`is_disk_full`). `DiskFull` carries the path, the space left and the space the
-write needed, and `DiskFull.line` turns it into the one line the CLI prints (docs/errors.md,
-`full-disk`).
+OSError(ENOSPC) (`is_disk_full`). `DiskFull` carries the path and the space the write needed, and
+`DiskFull.line` turns it into the one line the CLI prints, with the space left once the failed
+write's leftovers are gone (docs/errors.md, `full-disk`).
 """
 
 from __future__ import annotations
@@ -32,18 +32,23 @@ HEADROOM = 1 << 20  # a failed write with less than this free (or less than it n
 class DiskFull(UserError):
     """A write failed because its filesystem is full."""
 
-    def __init__(self, path: Path, needed: int, free: int) -> None:
-        self.path, self.needed, self.free = path, needed, free
-        super().__init__(f"could not write {path} (No space left on device: {size_text(free)} free, about {size_text(needed)} needed); "
-                         "free disk space (or pass another output_dir=) and run again")
+    def __init__(self, path: Path, needed: int) -> None:
+        super().__init__()
+        self.path, self.needed = path, needed
+
+    def _space(self) -> str:
+        """The space left now (after the failed write's leftovers are gone) and the space it needed."""
+        return f"No space left on device: {size_text(free_bytes(self.path))} free, about {size_text(self.needed)} needed"
+
+    def __str__(self) -> str:
+        return f"could not write {self.path} ({self._space()}); free disk space (or pass another output_dir=) and run again"
 
     def line(self, newest_checkpoint: Path | None) -> str:
         """The documented line: what failed, the space, the intact checkpoint and how to go on."""
         kept = (f"the newest complete checkpoint, {newest_checkpoint}, is intact" if newest_checkpoint
                 else "no checkpoint was written before it")
         go_on = "continue with --resume latest" if newest_checkpoint else "start the run again"
-        return (f"could not write {self.path} (No space left on device: {size_text(self.free)} free, about "
-                f"{size_text(self.needed)} needed); {kept}; free disk space (or pass another output_dir=) and {go_on}")
+        return f"could not write {self.path} ({self._space()}); {kept}; free disk space (or pass another output_dir=) and {go_on}"
 
 
 def size_text(count: int) -> str:
@@ -98,7 +103,7 @@ def disk_full_as_error(path: Path, needed: int = 0) -> Iterator[None]:
         raise
     except Exception as error:
         if is_disk_full(error, path, needed):
-            raise DiskFull(path, needed or HEADROOM, free_bytes(path)) from error
+            raise DiskFull(path, needed or HEADROOM) from error
         raise
 
 

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from branchdiff.errors import quote
+
 IMAGE_SIZE = 32
 COLORS: dict[str, tuple[float, float, float]] = {
     "red": (0.9, 0.1, 0.1),
@@ -66,7 +68,7 @@ def parse_prompt(text: str) -> TinyPrompt:
         if prompt.text == text.strip().lower():
             return prompt
     raise ValueError(
-        f"prompt {text!r} is not in the tiny grammar; expected e.g. 'two red circles on the left' "
+        f"prompt {quote(text)} is not in the tiny grammar; expected e.g. 'two red circles on the left' "
         f"(counts {list(COUNTS)}, colours {list(COLORS)}, shapes {list(SHAPES)}, positions {list(POSITIONS)})"
     )
 

@@ -44,6 +44,7 @@ from branchdiff.rewards.multi import MultiReward, RewardBatch, build_component
 from branchdiff.rollout import NoiseAddress, Rollout, SamplerSettings, grow
 from branchdiff.tree import build_tree
 from branchdiff.update import PolicyUpdate
+from branchdiff.watchdog import backend_timeout
 
 
 @dataclass
@@ -90,9 +91,9 @@ class Trainer:
             log_with="tensorboard" if config.logging.tensorboard else None,
             project_config=ProjectConfiguration(project_dir=str(self.run_dir), logging_dir=str(self.run_dir / "logs")),
             # the denoiser's buffers are constants (SD3's positional table): nothing to broadcast; a collective
-            # that waits longer than collective_timeout raises (branchdiff/watchdog.py names the silent rank)
+            # still waiting a while after the heartbeat watch (branchdiff/watchdog.py) would have named a frozen rank raises
             kwargs_handlers=[DistributedDataParallelKwargs(broadcast_buffers=False),
-                             InitProcessGroupKwargs(timeout=timedelta(seconds=config.collective_timeout))],
+                             InitProcessGroupKwargs(timeout=timedelta(seconds=backend_timeout(config.collective_timeout)))],
         )
         self.collective = AcceleratorCollective(self.accelerator)
         resumed = self.select_checkpoint(resume) if resume else None
@@ -394,7 +395,8 @@ class Trainer:
         self.adapter.denoiser.enable_adapters()
         summaries["trained"] = summarize(self._evaluate())
         scales = {label: getattr(reward, "scale", "unspecified") for label, reward in self.eval_rewards.items()}
-        report = {"prompts": config.prompts.eval, "images_per_prompt": config.prompts.eval_seeds, "scales": scales, **summaries}
+        report = {"prompts": config.prompts.eval, "images_per_prompt": config.prompts.eval_seeds, "scales": scales,
+                  "after_iteration": config.iterations - 1, **summaries}
         storage.write_text(self.run_dir / "eval.json", json.dumps(report, indent=1))
         return {model: {name: row["mean"] for name, row in summary["all"].items()} for model, summary in summaries.items()}
 

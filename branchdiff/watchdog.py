@@ -9,9 +9,10 @@ peer's heartbeat is older than the timeout, every live process prints the line
 process runs no handler of its own), and exits with status 2. The last checkpoint stays intact:
 checkpoints are published by renames only, so a job ended at any moment keeps the newest one.
 
-The process group's own timeout (`InitProcessGroupKwargs(timeout=collective_timeout)`) is the
-second line of defence: a collective that waits past it raises in the waiting process (gloo), and
-`explain` turns that into the same line, naming the ranks whose heartbeats are stale or whose last
+The process group's own timeout (`backend_timeout`: a little longer than `collective_timeout`, so
+that a frozen rank is named by the heartbeats first) is the second line of defence, for a rank that
+beats but never arrives (a deadlock): a collective that waits past it raises in the waiting process
+(gloo; NCCL's watchdog aborts it), and `explain` turns that into the same line, naming the ranks whose heartbeats are stale or whose last
 activity differs from this process's. A rank on another machine whose folder is not shared never
 shows a heartbeat here and is never called silent by the heartbeat check.
 """
@@ -30,6 +31,12 @@ from pathlib import Path
 from branchdiff.errors import UserError
 
 FOLDER = ".heartbeat"
+
+
+def backend_timeout(collective_timeout: float) -> float:
+    """Seconds torch.distributed's collectives wait before they fail: the heartbeat threshold plus a
+    margin of half of it (at least 10 s), so that the heartbeat watch, which can name the rank, fires first."""
+    return collective_timeout + max(10.0, collective_timeout / 2)
 
 
 class CollectiveTimeout(UserError):

@@ -146,7 +146,7 @@ def test_resume_from_a_directory_that_is_not_a_checkpoint(capsys, run_dir, tiny_
     before = snapshot(run_dir)
     bogus = run_dir / "checkpoints"
     assert main(["train", f"output_dir={run_dir}", f"model.path={tiny_model_dir}", "--resume", str(bogus)]) == 2
-    assert error_line(capsys) == PREFIX + f"--resume {bogus}: {bogus} is not a checkpoint (no trainer_state.json)"
+    assert error_line(capsys) == PREFIX + f"--resume {bogus}: {bogus} is not a checkpoint (no trainer_state.json); pass a folder under {bogus} or latest"
     assert snapshot(run_dir) == before
 
 

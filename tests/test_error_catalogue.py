@@ -9,7 +9,9 @@ from __future__ import annotations
 import errno
 import re
 import shutil
-from dataclasses import dataclass
+import fcntl
+import json
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -27,6 +29,10 @@ class Env:
     tmp: Path  # empty per case
     model: Path  # a saved tiny model
     run: Path  # a finished 2-iteration run (checkpoints iter-000000, iter-000001), a copy per case
+    held: list = field(default_factory=list)  # open files a case holds (a lock) until it ends
+
+    def checkpoint(self, iteration: int = 1) -> Path:
+        return self.run / "checkpoints" / f"iter-{iteration:06d}"
 
     def train(self, *overrides: str, resume: bool = False) -> list[str]:
         """`branchdiff train` with the finished run's settings (model, output_dir, size) and `overrides`."""
@@ -48,6 +54,8 @@ class Case:
     argv: Callable[[Env], list[str]]
     message: str  # a regular expression the error line matches after the prefix
     setup: Callable[[Env], None] = lambda env: None
+    creates_nothing: bool = True  # refused before anything is written: a new output_dir is not even created
+    max_length: int = 600  # characters of the error line
 
 
 def _write(name: str, text: str) -> Callable[[Env], None]:
@@ -63,9 +71,63 @@ def _damage(file: str, how: str) -> Callable[[Env], None]:
     return setup
 
 
+def _rewrite_state(**changes) -> Callable[[Env], None]:
+    """Change fields of iter-000001's trainer_state.json (None: remove the field) and write a manifest
+    that matches: a checkpoint whose files agree with its manifest but whose state is wrong."""
+    def setup(env: Env) -> None:
+        from branchdiff import checkpoint
+
+        path = env.checkpoint() / "trainer_state.json"
+        state = json.loads(path.read_text())
+        for key, value in changes.items():
+            state.pop(key) if value is None else state.__setitem__(key, value)
+        path.write_text(json.dumps(state))
+        checkpoint.write_manifest(env.checkpoint())
+
+    return setup
+
+
+def _empty_lora(env: Env) -> None:
+    """A valid safetensors file with no tensor in it, and a manifest that agrees."""
+    from safetensors.torch import save_file
+
+    from branchdiff import checkpoint
+
+    save_file({}, env.checkpoint() / "pytorch_lora_weights.safetensors")
+    checkpoint.write_manifest(env.checkpoint())
+
+
+def _flip_byte(file: str) -> Callable[[Env], None]:
+    def setup(env: Env) -> None:
+        path = env.checkpoint() / file
+        data = bytearray(path.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        path.write_bytes(bytes(data))
+
+    return setup
+
+
+def _damage_all(env: Env) -> None:
+    for iteration in (0, 1):
+        (env.checkpoint(iteration) / "optimizer.bin").write_bytes(b"\x00")
+
+
+def _hold_lock(env: Env) -> None:
+    """Another run holds the output_dir: its lock file, locked, with its pid."""
+    handle = (env.run / ".lock").open("a+")
+    fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    handle.seek(0)
+    handle.truncate()
+    handle.write('{"pid": 4242, "host": "gpu-node-7", "started": "2026-11-23 09:00:00"}')
+    handle.flush()
+    env.held.append(handle)
+
+
 def _unwritable(env: Env) -> None:
     (env.tmp / "a-file").write_text("not a folder")  # an output_dir inside a file cannot be created, even by root
 
+
+LONG_PROMPT = "two red circles on the left " * 400  # 10,800 characters
 
 CASES = [
     # configuration
@@ -74,11 +136,23 @@ CASES = [
     Case("wrong-type", lambda e: e.fresh("iterations=ten"), r"'iterations' = 'ten' has the wrong type; expected int"),
     Case("value-not-allowed", lambda e: e.fresh("sampling.sde=flw"), r"'sampling.sde' = 'flw' is not allowed; allowed: .*did you mean 'flow'"),
     Case("out-of-range", lambda e: e.fresh("prompts.per_iteration=0"), r"'prompts.per_iteration' = 0 is out of range; it must be > 0"),
+    Case("not-a-number", lambda e: e.fresh("train.max_grad_norm=.nan"), r"'train.max_grad_norm' = nan is not a finite number; give a number \(default: 1.0\)"),
+    Case("infinite-number", lambda e: e.fresh("sampling.noise_level=.inf"), r"'sampling.noise_level' = inf is not a finite number"),
+    Case("learning-rate-nan", lambda e: e.fresh("train.learning_rate=.nan"), r"'train.learning_rate' = nan is not a finite number"),
+    Case("seed-out-of-range", lambda e: e.fresh("seed=-1"), r"'seed' = -1 is out of range; it must be in \[0, 4294967295\]"),
+    Case("reward-weight-nan", lambda e: e.fresh("reward={name: tiny-geneval, weight: .nan}"), r"'reward' entry .*: weight must be a finite number"),
+    Case("split-noise-level-nan", lambda e: e.fresh("tree.splits=[[0, 2, {noise_level: .nan}]]"), r"'tree.splits' entry .*: noise_level must be a finite number > 0"),
+    Case("resolution-of-a-fixed-family", lambda e: e.fresh("model.resolution=64"), r"'model.resolution' = 64: model.family=tiny makes only 32×32 images"),
+    Case("output-dir-empty", lambda e: e.fresh("output_dir="), r"'output_dir' is empty; pass output_dir= a folder for the run"),
     Case("renamed-key", lambda e: e.fresh("logging.keep_checkpoints=3"), r"'logging.keep_checkpoints' was replaced: renamed logging.checkpoints_total_limit"),
     Case("unknown-preset", lambda e: ["train", "tiny-mixx"], r"no preset or file 'tiny-mixx'; presets: .*did you mean tiny-mix"),
     Case("yaml-unknown-key", lambda e: ["train", str(e.tmp / "my.yaml")], r".*my.yaml:3: unknown key 'train.learning_rat'; did you mean train.learning_rate\?",
          _write("my.yaml", "iterations: 2\ntrain:\n  learning_rat: 1.0e-4\n")),
     Case("yaml-syntax", lambda e: ["train", str(e.tmp / "my.yaml")], r".*my.yaml:3: not valid YAML \(expected ',' or '\]'", _write("my.yaml", "iterations: 2\ntree: [roots: 1\n")),
+    Case("yaml-duplicate-key", lambda e: ["train", str(e.tmp / "my.yaml")], r".*my.yaml:4: key 'train' is given twice \(first at line 1\); YAML would keep only the last",
+         _write("my.yaml", "train:\n  learning_rate: 1.0e-4\niterations: 2\ntrain:\n  lora_rank: 4\n")),
+    Case("yaml-not-utf8", lambda e: ["train", str(e.tmp / "my.yaml")], r".*my.yaml:2: not UTF-8 text \(byte 0xe9\); save the file as UTF-8",
+         lambda e: (e.tmp / "my.yaml").write_bytes(b"iterations: 2\n# caf\xe9\n")),
     Case("override-form", lambda e: e.fresh("--resume", "latest", "roots"), r"train: unrecognized arguments: roots"),
     # trees and sampling
     Case("split-after-last-step", lambda e: e.fresh("tree.splits=[[5,2]]"), r"'tree.splits' = \[\[5, 2\]\]: split step 5 is outside 0..2 \(num_steps = 3\)"),
@@ -89,46 +163,98 @@ CASES = [
     Case("prompt-file-missing", lambda e: e.fresh(f"prompts.train={e.tmp / 'nope.txt'}"), r"prompt source '.*nope.txt' is neither"),
     Case("prompt-file-empty", lambda e: e.fresh(f"prompts.train={e.tmp / 'empty.txt'}"), r"prompt source '.*empty.txt' holds no prompts",
          _write("empty.txt", "\n  \n")),
+    Case("prompt-file-not-utf8", lambda e: e.fresh(f"prompts.train={e.tmp / 'p.txt'}"), r".*p.txt:2: not UTF-8 text \(byte 0xff\); save the file as UTF-8",
+         lambda e: (e.tmp / "p.txt").write_bytes(b"one red circle on the left\ntwo \xff squares\n")),
     Case("prompt-jsonl-malformed", lambda e: e.fresh(f"prompts.train={e.tmp / 'p.jsonl'}"), r".*p.jsonl:2: expected a JSON object with a \"prompt\" field",
          _write("p.jsonl", '{"prompt": "one red circle on the left"}\n{"text": "two blue squares"}\n')),
+    Case("prompt-jsonl-not-a-string", lambda e: e.fresh(f"prompts.train={e.tmp / 'p.jsonl'}"), r".*p.jsonl:2: \"prompt\" must be a non-empty string, got '3'",
+         _write("p.jsonl", '{"prompt": "one red circle on the left"}\n{"prompt": 3}\n')),
     Case("prompt-csv-no-column", lambda e: e.fresh(f"prompts.train={e.tmp / 'p.csv'}"), r".*p.csv:1: no \"prompt\" column \(columns: text, style\)",
          _write("p.csv", "text,style\ntwo red circles,anime\n")),
+    Case("prompt-csv-empty-prompt", lambda e: e.fresh(f"prompts.train={e.tmp / 'p.csv'}"), r".*p.csv:3: \"prompt\" must be a non-empty string, got '\"\"'",
+         _write("p.csv", "prompt,style\ntwo red circles on the left,anime\n,photo\n")),
+    Case("eval-prompts-missing", lambda e: e.fresh("final_eval=true", f"prompts.eval={e.tmp / 'held.txt'}"), r"prompt source '.*held.txt' is neither"),
     # model and reward weights
     Case("model-missing", lambda e: ["train", "tiny-chain", f"model.path={e.tmp / 'no-model'}", f"output_dir={e.tmp / 'new'}"], r".*no-model"),
+    Case("model-folder-incomplete", lambda e: e.fresh("model.family=sd3", f"model.path={e.tmp}", "model.resolution=64"),
+         r"model.path='.*' could not be loaded as a StableDiffusion3Pipeline \(no model_index.json in that folder\); pass model.path= a local diffusers folder"),
+    Case("model-hub-unreachable", lambda e: e.fresh("model.family=sd3", "model.path=stabilityai/not-cached-here", "model.resolution=64"),
+         r"model.path='stabilityai/not-cached-here' could not be loaded as a StableDiffusion3Pipeline \(not in the local hub cache, and the hub could not be reached\)"),
     Case("reward-weights-missing", lambda e: e.fresh(f"reward={{name: hpsv2.1, kwargs: {{checkpoint: {e.tmp / 'HPS.pt'}}}}}"), r".*HPS.pt"),
-    Case("reward-unknown", lambda e: e.fresh("reward=hpsv3"), r".*hpsv3.*"),
+    Case("reward-unknown", lambda e: e.fresh("reward=hpsv3"), r"unknown reward 'hpsv3'.*available: .*dotted path"),
+    Case("eval-reward-unknown", lambda e: e.fresh("eval_rewards=[pickscor]"), r"unknown reward 'pickscor' \(did you mean pickscore\?\)"),
+    Case("reward-kwarg-unknown", lambda e: e.fresh("reward={name: rewards_for_tests:Redness, kwargs: {strength: 2}}"),
+         r"reward 'rewards_for_tests:Redness' takes no keyword argument 'strength'"),
     # rewards misbehaving during a run
-    Case("reward-raises", lambda e: e.fresh("reward=rewards_for_tests:Failing"), r"reward 'rewards_for_tests:Failing' failed.*weights not found second line"),
-    Case("reward-wrong-shape", lambda e: e.fresh("reward=rewards_for_tests:WrongShape"), r"reward 'rewards_for_tests:WrongShape' returned .*shape"),
-    Case("reward-all-nan", lambda e: e.fresh("reward=rewards_for_tests:AllNaN"), r"every group of iteration 0 had a non-finite reward .*--resume latest"),
-    Case("reward-all-inf", lambda e: e.fresh("reward=rewards_for_tests:AllInf"), r"every group of iteration 0 had a non-finite reward .*--resume latest"),
+    Case("reward-raises", lambda e: e.fresh("reward=rewards_for_tests:Failing"), r"reward 'rewards_for_tests:Failing' failed.*weights not found second line",
+         creates_nothing=False),
+    Case("reward-raises-on-a-long-prompt", lambda e: e.fresh("reward=rewards_for_tests:Failing", f"prompts.train={e.tmp / 'long.txt'}"),
+         r"reward 'rewards_for_tests:Failing' failed on a batch of \d+ images \(first prompt 'two red circles on t… circles on the left'\): RuntimeError",
+         _write("long.txt", LONG_PROMPT + "\n"), creates_nothing=False, max_length=300),
+    Case("reward-wrong-shape", lambda e: e.fresh("reward=rewards_for_tests:WrongShape"), r"reward 'rewards_for_tests:WrongShape' returned .*shape",
+         creates_nothing=False),
+    Case("reward-all-nan", lambda e: e.fresh("reward=rewards_for_tests:AllNaN"), r"every group of iteration 0 had a non-finite reward .*--resume latest",
+         creates_nothing=False),
+    Case("reward-all-inf", lambda e: e.fresh("reward=rewards_for_tests:AllInf"), r"every group of iteration 0 had a non-finite reward .*--resume latest",
+         creates_nothing=False),
     # checkpoints and the output directory
     Case("output-dir-holds-a-run", lambda e: e.train(), r"output_dir .* already holds a run .*--resume latest, or pass another output_dir="),
     Case("output-dir-unwritable", lambda e: e.fresh(f"output_dir={e.tmp / 'a-file' / 'run'}"), r"output_dir .*a-file/run is not writable \(Not a directory\)",
          _unwritable),
+    Case("output-dir-in-use", lambda e: e.train(resume=True), r"output_dir .*run is in use by another run \(pid 4242 on gpu-node-7, since 2026-11-23 09:00:00\); "
+         "wait for it to end or stop it, or pass another output_dir=", _hold_lock),
     Case("resume-config-differs", lambda e: e.train("train.lora_rank=4", resume=True), r"--resume .*iter-000001: the config differs .*train.lora_rank: checkpoint 8, now 4"),
     Case("resume-no-checkpoint", lambda e: e.fresh("--resume", "latest"), r"--resume latest: no checkpoint under .*new/checkpoints"),
     Case("resume-not-a-checkpoint", lambda e: e.train("--resume", str(e.tmp)), r"--resume .*is not a checkpoint \(no trainer_state.json\)"),
-    Case("checkpoint-state-corrupt", lambda e: e.train(resume=True), r"--resume: .*iter-000001/trainer_state.json is unreadable .*resume from an older checkpoint",
-         lambda e: (e.run / "checkpoints" / "iter-000001" / "trainer_state.json").write_text('{"iteration": ')),
-    Case("checkpoint-lora-corrupt", lambda e: e.train(resume=True), r"--resume: checkpoint .*iter-000001 is damaged or not this run's .*--resume .*iter-000000",
+    Case("resume-every-checkpoint-damaged", lambda e: e.train(resume=True),
+         r"--resume latest: every checkpoint under .*checkpoints is damaged; the newest: .*iter-000001 is damaged \(optimizer.bin has 1 bytes, the manifest says \d+\); start a new run",
+         _damage_all),
+    Case("checkpoint-state-corrupt", lambda e: e.train("--resume", str(e.checkpoint())),
+         r"--resume: checkpoint .*iter-000001 is damaged \(its trainer_state.json is unreadable \(JSONDecodeError\)\); resume from an older one \(--resume .*iter-000000\)",
+         lambda e: (e.checkpoint() / "trainer_state.json").write_text('{"iteration": ')),
+    Case("checkpoint-state-field-missing", lambda e: e.train("--resume", str(e.checkpoint())),
+         r"--resume: checkpoint .*iter-000001 is damaged \(trainer_state.json: field 'iteration' is missing\); resume from an older one", _rewrite_state(iteration=None)),
+    Case("checkpoint-state-field-mistyped", lambda e: e.train("--resume", str(e.checkpoint())),
+         r"--resume: checkpoint .*iter-000001 is damaged \(trainer_state.json: field 'iteration' = \"1\" is not an integer ≥ 0\)", _rewrite_state(iteration="1")),
+    Case("checkpoint-manifest-missing", lambda e: e.train("--resume", str(e.checkpoint())),
+         r"--resume: checkpoint .*iter-000001 is damaged \(its manifest.json is missing\)", lambda e: (e.checkpoint() / "manifest.json").unlink()),
+    Case("checkpoint-file-changed", lambda e: e.train("--resume", str(e.checkpoint())),
+         r"--resume: checkpoint .*iter-000001 is damaged \(optimizer.bin does not match its SHA-256 in the manifest\)", _flip_byte("optimizer.bin")),
+    Case("checkpoint-lora-corrupt", lambda e: e.train("--resume", str(e.checkpoint())),
+         r"--resume: checkpoint .*iter-000001 is damaged \(pytorch_lora_weights.safetensors has 512 bytes, the manifest says \d+\); resume from an older one \(--resume .*iter-000000\)",
          _damage("pytorch_lora_weights.safetensors", "garbage")),
-    Case("checkpoint-optimizer-truncated", lambda e: e.train(resume=True), r"--resume: checkpoint .*iter-000001 is damaged or not this run's .*--resume .*iter-000000",
+    Case("checkpoint-lora-empty", lambda e: e.train("--resume", str(e.checkpoint())),
+         r"--resume: checkpoint .*iter-000001 is damaged or not this run's \(ValueError: .*pytorch_lora_weights.safetensors does not match the model's LoRA: (\d+) of its \1 tensors missing",
+         _empty_lora),
+    Case("checkpoint-optimizer-truncated", lambda e: e.train("--resume", str(e.checkpoint())),
+         r"--resume: checkpoint .*iter-000001 is damaged \(optimizer.bin has \d+ bytes, the manifest says \d+\); resume from an older one \(--resume .*iter-000000\)",
          _damage("optimizer.bin", "truncate")),
     Case("checkpoint-other-process-count", lambda e: e.train(resume=True), r"the run was trained on 2 processes, this launch has 1; resume with --num_processes 2",
-         lambda e: _set_processes(e.run / "checkpoints" / "iter-000001", 2)),
+         _rewrite_state(num_processes=2)),
+    Case("metrics-field-mistyped", lambda e: e.train(resume=True), r".*run/metrics.jsonl:2: field 'iteration' = \"x\" is not an integer ≥ 0; delete that line and resume again",
+         lambda e: _edit_metrics(e, 1, '{"iteration": "x"}')),
+    Case("metrics-not-utf8", lambda e: e.train(resume=True), r".*run/metrics.jsonl:2: not UTF-8 text \(byte 0xff\)",
+         lambda e: _edit_metrics(e, 1, '{"iteration": 1, "note": "\udcff"}')),
     # commands
     Case("report-not-a-run", lambda e: ["report", str(e.tmp)], r".* is not a run directory \(no metrics.jsonl\); pass the output_dir of branchdiff train"),
     Case("unknown-command", lambda e: ["trian"], r"argument command: invalid choice: 'trian'"),
     Case("bad-number", lambda e: ["eval", "--steps", "many"], r"eval: argument --steps: invalid int value: 'many'"),
+    Case("count-below-one", lambda e: ["eval", "--images-per-prompt", "0"], r"eval: argument --images-per-prompt/--seeds: must be ≥ 1, got 0"),
+    Case("minutes-not-finite", lambda e: ["bench", "curves", "--minutes", "nan"], r"bench: argument --minutes: must be a finite number, got nan"),
+    Case("lora-missing", lambda e: ["sample", "--model", str(e.model), "--lora", str(e.tmp / "no-lora"), "--prompt", "one red circle on the left",
+                                    "--out", str(e.tmp / "out"), "--steps", "1", "--images-per-prompt", "1"], r"no LoRA weights at .*no-lora; pass a run's lora/ directory or its pytorch_lora_weights.safetensors"),
+    Case("device-unavailable", lambda e: ["eval", "--device", "cuda", "--model", str(e.model)],
+         r"--device cuda: no CUDA device is visible here \(torch.cuda.is_available\(\) is False\); use --device cpu"),
+    Case("accelerate-config-unknown", lambda e: ["accelerate-config", "multi-gpus"], r"no packaged accelerate config 'multi-gpus'; available: multi-gpu, multi-node, single-gpu"),
 ]
 
 
-def _set_processes(checkpoint: Path, processes: int) -> None:
-    import json
-
-    state = json.loads((checkpoint / "trainer_state.json").read_text())
-    (checkpoint / "trainer_state.json").write_text(json.dumps({**state, "num_processes": processes}))
+def _edit_metrics(env: Env, index: int, line: str) -> None:
+    """Replace line `index` of the finished run's metrics.jsonl (surrogates become raw bytes: not UTF-8)."""
+    path = env.run / "metrics.jsonl"
+    lines = path.read_text().splitlines()
+    lines[index] = line
+    path.write_bytes(("\n".join(lines) + "\n").encode("utf-8", "surrogateescape"))
 
 
 def snapshot(root: Path) -> dict[str, bytes]:
@@ -143,11 +269,15 @@ def finished_run(tiny_model_dir, tmp_path_factory) -> Path:
 
 
 @pytest.fixture
-def env(tmp_path, tiny_model_dir, finished_run) -> Env:
+def env(tmp_path, tiny_model_dir, finished_run, monkeypatch) -> Env:
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # model-hub-unreachable: no network here, and none wanted in a test
     run = tmp_path / "run"
     shutil.copytree(finished_run, run)
     (tmp_path / "work").mkdir()
-    return Env(tmp_path / "work", tiny_model_dir, run)
+    env = Env(tmp_path / "work", tiny_model_dir, run)
+    yield env
+    for handle in env.held:
+        handle.close()
 
 
 @pytest.mark.parametrize("case", CASES, ids=[case.id for case in CASES])
@@ -159,10 +289,14 @@ def test_bad_input_gives_one_line_exit_2_and_loses_nothing(case, env, capsys):
     lines = [line for line in err.replace("\r", "\n").splitlines() if line.strip()]
     assert lines[-1].startswith(PREFIX) and sum(line.startswith(PREFIX) for line in lines) == 1, err
     assert re.search(case.message, lines[-1][len(PREFIX):]), lines[-1]
+    assert len(lines[-1]) <= case.max_length, len(lines[-1])
     assert "Traceback" not in err
     after_run, after_work = snapshot(env.run), snapshot(env.tmp)
     assert all(after_run.get(name) == data for name, data in before_run.items())  # nothing written before is lost or changed
     assert all(after_work.get(name) == data for name, data in before_work.items())
+    if case.creates_nothing:  # refused before the run directory was created or anything written into one
+        assert after_run.keys() == before_run.keys() and after_work.keys() == before_work.keys()
+        assert not (env.tmp / "new").exists()
 
 
 def test_the_docs_list_every_case_and_only_those():

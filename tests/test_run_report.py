@@ -1,7 +1,8 @@
 """`branchdiff report`: RUN_DIR/report.html from a fake run (metrics with a cut-off last line,
-per-depth keys, held-out evaluations, explore keys, eval.json, sample grids), a partial run, an
-empty one and a directory that is no run; the pure helpers against direct computations; and
-headless Chromium rendering the page (skipped without the Debian package chromium)."""
+per-depth keys, held-out evaluations, explore keys, eval.json, sample grids with and without row
+captions), a partial run, an empty one and a directory that is no run; the figures it embeds (the
+final evaluation's point, legends clear of every axes); the pure helpers against direct
+computations; and headless Chromium rendering the page (skipped without the Debian package chromium)."""
 
 from __future__ import annotations
 
@@ -9,19 +10,25 @@ import base64
 import io
 import json
 import math
+import os
 import re
 import shutil
 import subprocess
+from dataclasses import dataclass, field
 from html.parser import HTMLParser
 
 import numpy as np
 import pytest
+import torch
 import yaml
+from matplotlib.figure import Figure
 from PIL import Image
 
+from branchdiff import run_report
 from branchdiff.cli import main
-from branchdiff.report import base_level, moving_average
-from branchdiff.run_report import columns, evenly_spaced, read_metrics, reward_components, write_report
+from branchdiff.report import base_level, grid_captions, moving_average, png_data_uri, save_grid
+from branchdiff.run_report import evenly_spaced, write_report
+from branchdiff.run_report_data import columns, read_metrics, reward_components
 
 ITERATIONS = 40
 EVAL_EVERY = 4  # held-out evaluation (and its grid) every 4 iterations: 10 grids, more than the 8 shown
@@ -29,6 +36,9 @@ SAMPLE_EVERY = 10  # training grids at 0, 10, 20, 30 and the last iteration
 DEPTHS = 4
 ATTRIBUTES = ("strict", "count", "color", "shape", "position")
 SECTIONS = ("rewards", "heldout", "advantages", "cost", "update", "explore", "samples")
+HELD_OUT_PROMPTS = ["a red cube left of a blue sphere", "two green cones", 'a photo of a cat & a <dog> "inside"']
+CAPTIONED_TRAINING = (30, ITERATIONS - 1)  # training grids saved with their prompts; the others are older, uncaptioned grids
+FINAL_LABEL = "final evaluation (eval.json)"
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
                   "--disable-component-update", "--disable-sync"]
 
@@ -75,9 +85,21 @@ def write_metrics(run, iterations: int = ITERATIONS, full: bool = True) -> list[
 
 
 def write_grid(path, seed: int) -> None:
+    """A grid as grids were saved before row captions: a PNG without text chunks."""
     rng = np.random.default_rng(seed)
     path.parent.mkdir(parents=True, exist_ok=True)
     Image.fromarray(rng.integers(0, 256, (66, 130, 3), dtype=np.uint8)).save(path)
+
+
+def write_captioned_grid(path, seed: int, prompts: list[str], per_prompt: int = 2) -> None:
+    """A grid of `per_prompt` 8×8 images a row, one row a prompt, saved with the prompts as row captions."""
+    images = torch.rand(len(prompts) * per_prompt, 3, 8, 8, generator=torch.Generator().manual_seed(seed))
+    save_grid(images, path, nrow=per_prompt, row_captions=prompts)
+
+
+def training_prompts(i: int) -> list[str]:
+    """The random training prompts of iteration i's grid: one longer than a caption shows, one with HTML's special characters."""
+    return [f"iteration {i}: " + "a very long prompt about a tiny yellow cylinder on a table " * 2, f'<b>{i} bold</b> & "quoted"']
 
 
 def summary(mean: float) -> dict:
@@ -94,38 +116,111 @@ def full_run(tmp_path_factory):
               "sampling": {"num_steps": 10, "sde": "flow"}, "train": {"learning_rate": 0.001}, "explore": {"mode": "seeds"}}
     (run / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
     evaluation = {"prompts": "tiny:held_out", "images_per_prompt": 8, "scales": {"tiny-geneval": "partial credit in [0, 1]"},
+                  "after_iteration": ITERATIONS - 1,
                   "base": {"all": {"tiny-geneval": summary(0.55), "tiny-geneval.strict": summary(0.2)}, "photo": {"tiny-geneval": summary(0.5)}},
                   "trained": {"all": {"tiny-geneval": summary(0.75), "tiny-geneval.strict": summary(0.5)}, "photo": {"tiny-geneval": summary(0.7)}}}
     (run / "eval.json").write_text(json.dumps(evaluation))
     for i in range(0, ITERATIONS, EVAL_EVERY):
-        write_grid(run / "samples" / f"eval-iter-{i:06d}.png", i)
+        write_captioned_grid(run / "samples" / f"eval-iter-{i:06d}.png", i, HELD_OUT_PROMPTS)
     for i in [*range(0, ITERATIONS, SAMPLE_EVERY), ITERATIONS - 1]:
-        write_grid(run / "samples" / f"iter-{i:06d}.png", 1000 + i)
+        if i in CAPTIONED_TRAINING:
+            write_captioned_grid(run / "samples" / f"iter-{i:06d}.png", 1000 + i, training_prompts(i), per_prompt=4)
+        else:
+            write_grid(run / "samples" / f"iter-{i:06d}.png", 1000 + i)
     return run, rows
 
 
+def capture_figures(patch: pytest.MonkeyPatch) -> list[Figure]:
+    """The figures the report embeds from now on, each after it was turned into its PNG."""
+    figures: list[Figure] = []
+
+    def capture(figure: Figure) -> str:
+        uri = png_data_uri(figure)
+        figures.append(figure)
+        return uri
+
+    patch.setattr(run_report, "png_data_uri", capture)
+    return figures
+
+
 @pytest.fixture(scope="module")
-def full_report(full_run):
-    """The full run's report, written once for the tests that read it."""
-    return write_report(full_run[0])
+def written_report(full_run):
+    """The full run's report, written once for the tests that read it, and the figures it embeds."""
+    with pytest.MonkeyPatch.context() as patch:
+        figures = capture_figures(patch)
+        return write_report(full_run[0]), figures
+
+
+@pytest.fixture(scope="module")
+def full_report(written_report):
+    return written_report[0]
+
+
+@pytest.fixture(scope="module")
+def report_figures(written_report):
+    return written_report[1]
+
+
+@dataclass
+class Shown:
+    """A <figure> of the page: its image's alt, its caption's own text and the items of its list."""
+
+    alt: str | None = None
+    caption: str = ""
+    items: list[str] = field(default_factory=list)
 
 
 class Page(HTMLParser):
-    """The h2 ids and, for each <img>, (section id, class, alt, src) of an HTML page."""
+    """Of an HTML page: the h2 ids; for each <img>, (section id, class, alt, src); the <figure>s; and
+    each table as (section id, rows of cell texts)."""
 
     def __init__(self, text: str) -> None:
         super().__init__()
         self.sections: list[str] = []
         self.images: list[tuple[str | None, str, str, str]] = []
+        self.figures: list[Shown] = []
+        self.tables: list[tuple[str | None, list[list[str]]]] = []
+        self.open: list[str] = []  # the elements the parser is in, of those it follows
         self.feed(text)
 
     def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
         attributes = dict(attrs)
+        section = self.sections[-1] if self.sections else None
         if tag == "h2" and attributes.get("id"):
             self.sections.append(attributes["id"])
         if tag == "img":
-            section = self.sections[-1] if self.sections else None
             self.images.append((section, attributes.get("class"), attributes.get("alt"), attributes.get("src")))
+            if "figure" in self.open:
+                self.figures[-1].alt = attributes.get("alt")
+        if tag == "figure":
+            self.figures.append(Shown())
+        if tag == "li" and "figure" in self.open:
+            self.figures[-1].items.append("")
+        if tag == "table":
+            self.tables.append((section, []))
+        if tag == "tr":
+            self.tables[-1][1].append([])
+        if tag in ("td", "th"):
+            self.tables[-1][1][-1].append("")
+        if tag in ("figure", "figcaption", "li", "td", "th"):
+            self.open.append(tag)
+
+    def handle_endtag(self, tag: str) -> None:
+        if tag in self.open:
+            del self.open[len(self.open) - 1 - self.open[::-1].index(tag):]
+
+    def handle_data(self, data: str) -> None:
+        inner = self.open[-1] if self.open else None
+        if inner == "li" and "figure" in self.open:
+            self.figures[-1].items[-1] += data
+        elif inner == "figcaption":
+            self.figures[-1].caption += data
+        elif inner in ("td", "th"):
+            self.tables[-1][1][-1][-1] += data
+
+    def table(self, last_header: str) -> list[list[str]]:
+        """The rows of the table whose header ends with `last_header`, the header left out."""
+        return next(rows[1:] for _, rows in self.tables if rows and rows[0][-1] == last_header)
 
 
 def decode(src: str) -> Image.Image:
@@ -137,7 +232,8 @@ def decode(src: str) -> Image.Image:
 # ---------------------------------------------------------------- the page
 def test_a_full_run_gives_one_self_contained_page_with_every_section(full_run, full_report):
     (run, rows), path = full_run, full_report
-    assert path == run / "report.html" and not (run / "report.html.tmp").exists()
+    assert path == run / "report.html"
+    assert sorted(p.name for p in run.iterdir()) == ["config.yaml", "eval.json", "metrics.jsonl", "report.html", "samples"]  # no temporary file
     text = path.read_text()
     assert not re.search(r"""(src|href)\s*=\s*["']?\s*(https?:)?//""", text), "the page must not load anything"
     assert "<script" not in text and "<link" not in text and "@import" not in text and "url(" not in text
@@ -157,14 +253,115 @@ def test_a_full_run_gives_one_self_contained_page_with_every_section(full_run, f
     shown = [int(alt.rsplit(" ", 1)[1]) for alt in held_out]
     assert len(shown) == 8 and shown == sorted(shown) and shown[0] == 0 and shown[-1] == ITERATIONS - EVAL_EVERY
     assert training == [f"training samples, iteration {i}" for i in (20, 30, ITERATIONS - 1)]
-    grid = next(src for _, kind, _, src in page.images if kind == "grid")
-    assert decode(grid).size == (130, 66)  # small grids are embedded as they are
+    grid = next(src for _, kind, _, src in page.images if kind == "grid")  # held-out, iteration 0
+    assert base64.b64decode(grid.removeprefix("data:image/png;base64,")) == (run / "samples" / "eval-iter-000000.png").read_bytes()
     # header: run facts, the final reward against the base model's
     assert f"{ITERATIONS} iterations logged" in text and f"last iteration {ITERATIONS - 1}" in text
     assert f"vs base {rows[0]['reward_mean']:.4g} (iteration 0)" in text
     assert "<details><summary>config.yaml</summary>" in text and "learning rate" in text
     # eval.json: a base / trained / difference table per prompt group
     assert "<h3>all</h3>" in text and "<h3>photo</h3>" in text and "+0.3" in text
+
+
+def shows_captions(figure: Shown, captions: list[str]) -> bool:
+    """Whether the figure lists each caption, in order, whole or cut (an ellipsis ending it) to at most 80 characters."""
+    return len(figure.items) == len(captions) and all(
+        len(item) <= 80 and (item == caption or (item.endswith("…") and caption.startswith(item[:-1])))
+        for item, caption in zip(figure.items, captions))
+
+
+def check_captions(page: Page) -> None:
+    """Every grid figure of `page` is captioned with its iteration and, when saved with them, its prompts."""
+    grids = [f for f in page.figures if f.alt and f.alt.startswith(("held-out samples", "training samples"))]
+    assert len(grids) == 8 + 3
+    for figure in grids:
+        iteration = int(figure.alt.rsplit(" ", 1)[1])
+        assert figure.caption == f"iteration {iteration}"
+        if figure.alt.startswith("held-out"):
+            assert figure.items == HELD_OUT_PROMPTS
+        elif iteration in CAPTIONED_TRAINING:
+            assert shows_captions(figure, training_prompts(iteration)) and figure.items[0] != training_prompts(iteration)[0]  # cut
+        else:
+            assert figure.items == []  # a grid saved without captions
+
+
+def check_final_row(page: Page, rows: list[dict]) -> None:
+    """The held-out section's table: base, last in-training and final value of each held-out score."""
+    table = page.table(FINAL_LABEL)
+    last = ITERATIONS - EVAL_EVERY
+    assert table == [
+        ["tiny-geneval", f"{rows[0]['eval_tiny-geneval']:.4g}", f"{rows[last]['eval_tiny-geneval']:.4g} at {last}", f"0.75 at {ITERATIONS}"],
+        ["tiny-geneval.strict", "0.2", f"{rows[last]['eval_tiny-geneval.strict']:.4g} at {last}", f"0.5 at {ITERATIONS}"],
+        ["tiny-geneval.count", "0.6", f"{rows[last]['eval_tiny-geneval.count']:.4g} at {last}", "–"],  # not in eval.json
+    ]
+
+
+def test_grids_list_the_prompts_of_their_rows(full_report):
+    page = Page(full_report.read_text())
+    check_captions(page)
+    text = full_report.read_text()
+    assert "&lt;b&gt;30 bold&lt;/b&gt; &amp; &quot;quoted&quot;" in text and "<b>30" not in text  # escaped
+    assert grid_captions(full_report.parent / "samples" / "iter-000020.png") is None  # the fixture's uncaptioned grid
+
+
+def test_the_final_evaluation_follows_the_heldout_curves(full_run, full_report, report_figures):
+    (_, rows), page = full_run, Page(full_report.read_text())
+    check_final_row(page, rows)
+    assert f"after the update of iteration {ITERATIONS - 1}, at {ITERATIONS}" in full_report.read_text()
+    heldout = next(f for f in report_figures if any(ax.get_title() == "eval_tiny-geneval" for ax in f.axes))
+    stars = {ax.get_title(): [line.get_xydata().tolist() for line in ax.get_lines() if line.get_label() == FINAL_LABEL] for ax in heldout.axes}
+    assert stars == {"eval_tiny-geneval": [[[ITERATIONS, 0.75]]], "eval_tiny-geneval.strict": [[[ITERATIONS, 0.5]]], "eval_tiny-geneval.count": []}
+    assert FINAL_LABEL in [text.get_text() for text in heldout.legends[0].get_texts()]
+
+
+@pytest.mark.parametrize("after_iteration", [13, None])
+def test_the_final_evaluation_lies_after_the_iteration_eval_json_names(tmp_path, monkeypatch, after_iteration):
+    run = tmp_path / "run"
+    write_metrics(run, iterations=12)  # evaluations at 0, 4 and 8
+    evaluation = {"base": {"all": {"tiny-geneval.strict": summary(0.2)}}, "trained": {"all": {"tiny-geneval.strict": summary(0.5)}}}
+    if after_iteration is not None:
+        evaluation["after_iteration"] = after_iteration
+    (run / "eval.json").write_text(json.dumps(evaluation))
+    figures = capture_figures(monkeypatch)
+    page = Page(write_report(run).read_text())
+    x = 14 if after_iteration is not None else 12  # after the update of iteration 13, else of the last logged, 11
+    axes = next(ax for f in figures for ax in f.axes if ax.get_title() == "eval_tiny-geneval.strict")
+    assert [line.get_xydata().tolist() for line in axes.get_lines() if line.get_label() == FINAL_LABEL] == [[[x, 0.5]]]
+    assert ["tiny-geneval.strict", "0.2", "0.4 at 8", f"0.5 at {x}"] in page.table(FINAL_LABEL)
+
+
+def test_no_legend_covers_an_axes_or_leaves_the_figure(report_figures):
+    legends = 0
+    for figure in report_figures:
+        figure.canvas.draw()
+        renderer = figure.canvas.get_renderer()
+        for legend in [*figure.legends, *(ax.get_legend() for ax in figure.axes if ax.get_legend())]:
+            box = legend.get_window_extent(renderer)
+            assert box.x0 >= 0 and box.y0 >= 0 and box.x1 <= figure.bbox.width and box.y1 <= figure.bbox.height
+            for ax in figure.axes:
+                assert not box.overlaps(ax.get_window_extent(renderer)), ax.get_title()
+                assert not ax.get_title() or not box.overlaps(ax.title.get_window_extent(renderer)), ax.get_title()
+            legends += 1
+    # on top of small multiples: rewards, signal, held-out, update; above axes: per-depth means, the two cost plots, explore
+    assert legends == 4 + 4
+
+
+def test_a_failed_write_keeps_the_old_page(tmp_path, monkeypatch):
+    run = tmp_path / "run"
+    rows = write_metrics(run, iterations=3, full=False)
+    old = write_report(run).read_text()
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[:1]))  # the page would change
+
+    class Refused(Exception):
+        pass
+
+    def refuse(*args: object) -> None:
+        raise Refused
+
+    monkeypatch.setattr(os, "replace", refuse)
+    with pytest.raises(Refused):
+        write_report(run)
+    assert (run / "report.html").read_text() == old and sorted(p.name for p in run.iterdir()) == ["metrics.jsonl", "report.html"]
 
 
 def test_the_cli_prints_the_page(tmp_path, capsys):
@@ -257,7 +454,7 @@ def test_evenly_spaced_keeps_first_and_last(length):
 
 
 # ---------------------------------------------------------------- a browser
-def test_headless_chromium_renders_the_page(full_report, tmp_path):
+def test_headless_chromium_renders_the_page(full_run, full_report, tmp_path):
     chromium = shutil.which("chromium")
     if chromium is None:
         pytest.skip("Chromium not installed (Debian package chromium)")
@@ -268,6 +465,9 @@ def test_headless_chromium_renders_the_page(full_report, tmp_path):
     rendered = Page(dom)
     assert rendered.sections == list(SECTIONS)
     assert [(s, kind, alt) for s, kind, alt, _ in rendered.images] == [(s, kind, alt) for s, kind, alt, _ in expected.images]
+    check_captions(rendered)  # the prompts as <li> under their grids
+    check_final_row(rendered, full_run[1])
+    assert f"after the update of iteration {ITERATIONS - 1}, at {ITERATIONS}" in dom
     shot = tmp_path / "shot.png"
     subprocess.run([*flags, f"--screenshot={shot}", "--window-size=1280,2400", report.as_uri()], capture_output=True, timeout=120, check=True)
     counts = {colour: n for n, colour in Image.open(shot).convert("RGB").getcolors(maxcolors=1 << 24)}

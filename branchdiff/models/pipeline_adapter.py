@@ -12,9 +12,14 @@ through the adapter reproduces `pipe(...)` itself.
 from __future__ import annotations
 
 import copy
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+
+from branchdiff.errors import UserError, one_line, quote
 
 from branchdiff.models.base import ModelAdapter
 from branchdiff.schedulers.schedule import FlowSchedule
@@ -49,7 +54,16 @@ class PipelineAdapter(ModelAdapter):
                              f"such as {cls.example_hub_id}")
         from branchdiff.models.lora import pipeline_class
 
-        return cls(pipeline_class(cls.pipeline_class_name).from_pretrained(str(path), torch_dtype=dtype), device, resolution, offload)
+        pipeline = pipeline_class(cls.pipeline_class_name)  # imported first: diffusers sets its log level on import
+        with _quiet_loading():
+            try:
+                pipe = pipeline.from_pretrained(str(path), dtype=dtype)
+            except (OSError, ValueError, EnvironmentError) as error:
+                raise UserError(f"model.path={quote(str(path), 80)} could not be loaded as a {cls.pipeline_class_name} ({_load_failure(path, error)}); "
+                                f"pass model.path= a local diffusers folder (model_index.json beside {cls.denoiser_name}/, vae/, "
+                                "text_encoder*/, tokenizer*/ and scheduler/), or a hub id on a machine that reaches the hub "
+                                "(gated models: huggingface-cli login first)") from None
+        return cls(pipe, device, resolution, offload)
 
     def helpers(self) -> list[torch.nn.Module]:
         """The pipeline's text encoders and VAE (frozen; offloaded with `offload`)."""
@@ -117,3 +131,31 @@ class PipelineAdapter(ModelAdapter):
     def model_times(self, timesteps: torch.Tensor) -> torch.Tensor:
         """The scheduler's timesteps as the pipeline hands them to the denoiser."""
         return timesteps
+
+
+@contextmanager
+def _quiet_loading() -> Iterator[None]:
+    """diffusers', transformers' and the hub client's warnings (deprecations, "couldn't connect to the
+    Hub") are held back while a pipeline loads: a failure is reported as one line instead."""
+    names = ("diffusers", "transformers", "huggingface_hub")
+    levels = {name: logging.getLogger(name).level for name in names}
+    for name in names:
+        logging.getLogger(name).setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for name, level in levels.items():
+            logging.getLogger(name).setLevel(level)
+
+
+def _load_failure(path: str | Path, error: Exception) -> str:
+    """Why a pipeline did not load, in a few words."""
+    folder = Path(path)
+    if folder.is_dir():
+        return "no model_index.json in that folder" if not (folder / "model_index.json").is_file() else one_line(error, 160)
+    if str(path).startswith((".", "/", "~")) or str(path).count("/") != 1:  # a hub id is "owner/name"
+        return "no such folder"
+    message = str(error).lower()
+    if "cached" in message or "offline" in message or "connect" in message or "resolve" in message:
+        return "not in the local hub cache, and the hub could not be reached"
+    return one_line(error, 160)

@@ -1,0 +1,82 @@
+"""The settings of `branchdiff sample` and `branchdiff eval`: what the command line gives, else the
+settings of the run the LoRA comes from, else the built-in defaults.
+
+A LoRA of a run (`RUN/lora`, `RUN/lora/pytorch_lora_weights.safetensors` or a checkpoint
+`RUN/checkpoints/iter-N`) brings the run's `config.yaml`: its model (family, path, resolution,
+dtype) and its final evaluation's settings (prompts.eval, prompts.eval_seeds, sampling steps and
+shift, prompts.eval_guidance, eval_rewards). With those `branchdiff eval --lora RUN/lora`
+reproduces the `trained` column of the run's final evaluation (RUN/eval.json) exactly; a setting
+given on the command line that differs is named (`differences`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+import yaml
+
+EVAL_RUN_SEED = 1234  # the noise seed of every evaluation, in training too (evaluation noise is iteration -1 of it)
+
+@dataclass
+class EvalSettings:
+    family: str = "tiny"
+    model: str | None = None  # None: the built-in tiny model
+    resolution: int | None = None
+    dtype: str = "float32"
+    steps: int = 10
+    shift: float | None = None
+    guidance: float | None = None
+    images_per_prompt: int = 8
+    prompts: str = "tiny:held_out"
+    rewards: object = "tiny-geneval"  # command-line text, or the config's list form
+    seed: int = EVAL_RUN_SEED
+
+
+# settings field → the key of a run's config that holds it
+FROM_RUN = {"family": "model.family", "model": "model.path", "resolution": "model.resolution", "dtype": "model.dtype",
+            "steps": "sampling.num_steps", "shift": "sampling.shift", "guidance": "prompts.eval_guidance",
+            "images_per_prompt": "prompts.eval_seeds", "prompts": "prompts.eval", "rewards": "eval_rewards"}
+
+
+def run_of(lora: str | None) -> Path | None:
+    """The run directory a LoRA path belongs to (the folder holding config.yaml), or None."""
+    if not lora:
+        return None
+    path = Path(lora)
+    for folder in (path, *path.parents[:3]):
+        if (folder / "config.yaml").is_file() and ((folder / "metrics.jsonl").is_file() or (folder / "checkpoints").is_dir()):
+            return folder
+    return None
+
+
+def _get(config: dict, dotted: str) -> object:
+    for key in dotted.split("."):
+        config = config.get(key) if isinstance(config, dict) else None
+    return config
+
+
+def resolve(given: dict[str, object], lora: str | None) -> tuple[EvalSettings, Path | None, dict]:
+    """(settings, the run, its config) from the options `given` (None where unset) and the LoRA's run."""
+    run = run_of(lora)
+    config = yaml.safe_load((run / "config.yaml").read_text()) if run else {}
+    config = config if isinstance(config, dict) else {}
+    values = {}
+    for spec in fields(EvalSettings):
+        if given.get(spec.name) is not None:
+            values[spec.name] = given[spec.name]
+        elif spec.name in FROM_RUN and _get(config, FROM_RUN[spec.name]) is not None:
+            values[spec.name] = _get(config, FROM_RUN[spec.name])
+    return EvalSettings(**values), run, config
+
+
+def differences(settings: EvalSettings, config: dict) -> list[str]:
+    """The settings that differ from those of the run's final evaluation, e.g. 'images per prompt 4 (run: 8)'."""
+    out = []
+    for name, key in FROM_RUN.items():
+        mine, theirs = getattr(settings, name), _get(config, key)
+        if name == "rewards" and isinstance(mine, str) and isinstance(theirs, list) and mine == ",".join(map(str, theirs)):
+            continue
+        if theirs is not None and mine != theirs:
+            out.append(f"{name.replace('_', ' ')} {mine} (run: {theirs})")
+    return out
