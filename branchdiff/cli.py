@@ -119,6 +119,11 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--minutes", type=_positive, default=2.0, help="curves: training wall time of each variant and seed")
     bench.add_argument("--seeds", type=_at_least(1), default=3, help="curves: seeds of each variant")
     bench.add_argument("--out", type=Path, default=Path("docs"), help="curves: folder of the plot and the table")
+    bench.add_argument("--variants", default=None, help="curves: comma-separated variants (default: all: chain, branch, branch_pruned, mix, "
+                                                         "explore_seeds, explore_tree)")
+    bench.add_argument("--points", type=_at_least(2), default=7, help="curves: evaluations over the budget")
+    bench.add_argument("--eval-images", type=_at_least(1), default=4, help="curves: held-out images per prompt at each evaluation")
+    bench.add_argument("overrides", nargs="*", help="dotted key=value overrides of every variant, e.g. prompts.per_iteration=2")
 
     report = commands.add_parser("report", help="(re)build RUN_DIR/report.html from a run's metrics, evaluations and samples")
     report.add_argument("run_dir", type=Path, help="a run directory (output_dir of branchdiff train)")
@@ -344,13 +349,14 @@ def cmd_bench(args: argparse.Namespace) -> None:
     from branchdiff.bench import bench_explore, bench_tree
 
     if args.which == "tree":
-        bench_tree(args.json, args.repeats)
+        bench_tree(args.json, args.repeats, args.overrides)
     elif args.which == "explore":
-        bench_explore(args.json)
+        bench_explore(args.json, extra_overrides=args.overrides)
     else:
         from branchdiff.bench_curves import bench_curves
 
-        bench_curves(args.minutes, args.seeds, args.json, args.out)
+        variants = [name for name in args.variants.split(",") if name] if args.variants else None
+        bench_curves(args.minutes, args.seeds, args.json, args.out, args.points, variants, args.eval_images, args.overrides)
 
 
 def cmd_report(args: argparse.Namespace) -> None:
@@ -432,7 +438,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     try:
         args, extra = parser.parse_known_args(argv)
-        if args.command in ("train", "config") and all("=" in item and not item.startswith("-") for item in extra):
+        if args.command in ("train", "config", "bench") and all("=" in item and not item.startswith("-") for item in extra):
             args.overrides = [*args.overrides, *extra]  # overrides may also follow --resume
         elif extra:
             raise UsageError(f"{args.command}: unrecognized arguments: {' '.join(extra)}; see branchdiff {args.command} --help")

@@ -352,14 +352,17 @@ class Trainer:
 
     # ---------------------------------------------------------------- evaluation
     def _build_eval_rewards(self) -> dict[str, object]:
-        """The evaluation rewards (`eval_rewards`) by label, built before the first iteration; a
-        component the training reward already built (the same spec) is shared, not loaded twice."""
+        """The evaluation rewards (`eval_rewards`) by label, built before the first iteration when the
+        run evaluates; a component the training reward already built (the same spec) is shared, not
+        loaded twice."""
         def component(spec) -> object:
             for trained, reward in zip(self.reward.specs, self.reward.rewards):
                 if (trained.name, trained.remote, trained.kwargs) == (spec.name, spec.remote, spec.kwargs):
                     return reward
             return build_component(spec, str(self.accelerator.device))
 
+        if not (self.config.final_eval or self.config.eval_every):
+            return {}  # the run never evaluates
         return {spec.label: component(spec) for spec in parse_reward_specs(self.config.eval_rewards)}
 
     def _evaluate(self, process_index: int = 0, num_processes: int = 1) -> EvalResult:

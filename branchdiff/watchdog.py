@@ -28,6 +28,8 @@ import threading
 import time
 from pathlib import Path
 
+from tqdm.auto import tqdm
+
 from branchdiff.errors import UserError
 
 FOLDER = ".heartbeat"
@@ -71,8 +73,9 @@ class Heartbeat:
         return self
 
     def doing(self, activity: str) -> None:
-        """What this process does now, shown in the line when it goes silent ("iteration 5")."""
+        """What this process does now ("iteration 5"), beaten at once: the line names it when the process goes silent."""
         self.activity = activity
+        self._beat("running")
 
     def stop(self) -> None:
         """This process ends its run normally: it no longer beats, and nobody waits for it."""
@@ -114,7 +117,8 @@ class Heartbeat:
             self._beat("running")
             silent = self.silent()
             if silent:
-                print(f"branchdiff: error: {self.line(silent)}", file=sys.stderr, flush=True)
+                tqdm.write(f"branchdiff: error: {self.line(silent)}", file=sys.stderr)  # clears a progress bar first
+                sys.stderr.flush()
                 self._end_siblings(silent)
                 os._exit(2)
 

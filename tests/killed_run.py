@@ -3,7 +3,8 @@
 - `optimizer_step`: SIGKILL on entering the N-th optimizer step (1-based: mid-iteration after N - 1 steps);
 - `write_state`: SIGKILL on the N-th checkpoint's trainer_state.json write (accelerate's files are
   already in the staging folder, the checkpoint is not published);
-- `sigint`: SIGINT (Ctrl-C) to itself at the start of the update of iteration N, on process 0 only.
+- `sigint`: SIGINT (Ctrl-C) to itself at the start of the update of iteration N, on process 0 only;
+- `sigstop`: SIGSTOP to itself at the start of iteration N, on process 1 only (a frozen rank).
 Under `accelerate launch` every process runs this script.
 """
 
@@ -51,6 +52,15 @@ elif point == "sigint":
         return update(self, rollout, embeds, advantages, mask, iteration)
 
     Trainer.update = interrupted_update
+elif point == "sigstop":
+    run_iteration = Trainer.run_iteration
+
+    def frozen_run_iteration(self, iteration, *args, **kwargs):
+        if iteration == target and os.environ.get("RANK") == "1":
+            os.kill(os.getpid(), signal.SIGSTOP)
+        return run_iteration(self, iteration, *args, **kwargs)
+
+    Trainer.run_iteration = frozen_run_iteration
 else:
     raise SystemExit(f"unknown point {point!r}")
 sys.exit(main(sys.argv[3:]))

@@ -9,6 +9,7 @@ from __future__ import annotations
 import errno
 import re
 import shutil
+import sys
 import fcntl
 import json
 from dataclasses import dataclass, field
@@ -299,9 +300,34 @@ def test_bad_input_gives_one_line_exit_2_and_loses_nothing(case, env, capsys):
         assert not (env.tmp / "new").exists()
 
 
+# cases tested outside the parametrised test above: the tests that run them, "module::name" or a name in this module
+TESTED_ELSEWHERE = {
+    "non-finite-gradients": ["test_non_finite_gradients_skip_steps_then_stop_after_a_checkpoint"],
+    "out-of-memory": ["test_out_of_memory_is_one_line_naming_what_to_lower", "test_a_failed_cpu_allocation_is_recognised"],
+    "full-disk": ["test_full_disk_during_a_checkpoint_keeps_the_previous_one",
+                  "test_faults::test_a_real_full_disk_stops_with_one_line_keeps_the_last_checkpoint_and_resumes_exactly"],
+    "resume-falls-back": ["test_faults::test_resume_latest_falls_back_past_a_damaged_checkpoint_and_ends_as_if_never_stopped"],
+    "ctrl-c": ["test_crash_resume::test_ctrl_c_stops_after_the_iteration_with_a_checkpoint_and_exit_130",
+               "test_multiprocess::test_ctrl_c_on_one_process_stops_both_after_the_same_iteration"],
+    "frozen-rank": ["test_multiprocess::test_a_frozen_rank_ends_the_job_with_one_line_naming_it_and_the_run_resumes_exactly"],
+}
+ALSO_TESTED = {"output-dir-in-use": "test_faults::test_two_runs_started_at_once_on_one_output_dir_one_trains_the_other_stops"}
+
+
+def _test_exists(name: str) -> bool:
+    import importlib
+
+    module, _, function = name.rpartition("::")
+    return hasattr(importlib.import_module(module) if module else sys.modules[__name__], function)
+
+
 def test_the_docs_list_every_case_and_only_those():
     documented = re.findall(r"^### `([a-z0-9-]+)`", DOCS.read_text(), flags=re.M)
-    assert sorted(documented) == sorted([case.id for case in CASES] + ["full-disk-during-checkpoint", "non-finite-gradients", "ctrl-c"])
+    assert len(documented) == len(set(documented)) >= 60
+    assert sorted(documented) == sorted([case.id for case in CASES] + list(TESTED_ELSEWHERE))
+    for tests in [*TESTED_ELSEWHERE.values(), list(ALSO_TESTED.values())]:
+        assert all(_test_exists(name) for name in tests), tests
+        assert all(name.rpartition("::")[2] in DOCS.read_text() for name in tests)  # the docs name the test
 
 
 def test_full_disk_during_a_checkpoint_keeps_the_previous_one(env, capsys, monkeypatch):
@@ -320,12 +346,14 @@ def test_full_disk_during_a_checkpoint_keeps_the_previous_one(env, capsys, monke
     before = snapshot(env.run)
     assert main(env.train("iterations=3", resume=True)) == 2
     line = capsys.readouterr().err.strip().splitlines()[-1]
-    assert line == (f"{PREFIX}could not write checkpoint {env.run / 'checkpoints' / 'iter-000002'} (No space left on device); "
-                    f"the newest complete one, {env.run / 'checkpoints' / 'iter-000001'}, is intact; "
-                    "free disk space (or pass another output_dir=) and continue with --resume latest")
+    assert re.fullmatch(re.escape(f"{PREFIX}could not write {env.run / 'checkpoints' / 'iter-000002'} (No space left on device: ")
+                        + r"[\d.]+ [kMG]?B free, about [\d.]+ kB needed\); "
+                        + re.escape(f"the newest complete checkpoint, {env.run / 'checkpoints' / 'iter-000001'}, is intact; "
+                                    "free disk space (or pass another output_dir=) and continue with --resume latest"), line), line
     assert sorted(p.name for p in (env.run / "checkpoints").iterdir()) == ["iter-000000", "iter-000001"]
     after = snapshot(env.run)
-    assert all(after[name] == data for name, data in before.items() if name not in ("metrics.jsonl", "config.yaml"))  # iterations=3
+    unchanged = [name for name in before if name not in ("metrics.jsonl", "config.yaml", ".lock")]  # iterations=3; the lock names this run
+    assert all(after[name] == before[name] for name in unchanged)
     monkeypatch.setattr(accelerate.checkpointing, "save", save)
     assert main(env.train("iterations=3", resume=True)) == 0
     assert (env.run / "checkpoints" / "iter-000002").is_dir()
@@ -366,3 +394,38 @@ def test_debug_shows_the_traceback(env):
 
     with pytest.raises(ConfigError, match="unknown key 'tree.rots'"):
         main([*env.fresh("tree.rots=2"), "--debug"])
+
+
+def test_out_of_memory_is_one_line_naming_what_to_lower(env, capsys, monkeypatch):
+    """The device's allocator fails in iteration 2's rollout (mocked at the hardware boundary, the
+    model's forward): one line naming what to lower and the checkpoint to continue from, exit 2."""
+    from branchdiff.models.tiny import TinyAdapter
+
+    forward = TinyAdapter.forward
+    calls = []
+
+    def out_of_memory(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) > 3:  # iteration 2 rolls out its 3 steps; the first forward of iteration 2's update fails
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB. GPU 0 has a total capacity of 79.10 GiB")
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(TinyAdapter, "forward", out_of_memory)
+    before = snapshot(env.run)
+    assert main(env.train("iterations=4", resume=True)) == 2
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert line.startswith(f"{PREFIX}out of memory during training (CUDA out of memory. Tried to allocate 20.00 GiB.")
+    assert re.search(r"lower sampling.max_batch or turn on train.gradient_checkpointing or model.offload, and continue from "
+                     r".*/iter-00000[123] with --resume latest \(or start a new run with a smaller train.minibatch or prompts.per_iteration\)$", line)
+    after = snapshot(env.run)
+    assert all(after[name] == data for name, data in before.items() if name.startswith("checkpoints/iter-000001"))
+
+
+def test_a_failed_cpu_allocation_is_recognised():
+    """A real allocation failure: a petabyte tensor, refused at once by the CPU allocator."""
+    from branchdiff.errors import is_out_of_memory
+
+    with pytest.raises(RuntimeError) as failure:
+        torch.empty(2**50, dtype=torch.uint8)
+    assert is_out_of_memory(failure.value)
+    assert not is_out_of_memory(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))

@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -158,7 +160,7 @@ def test_resume_continues_and_the_run_ends_with_the_evaluation_table(two_process
     assert len(saved) == len(trained) and all(torch.equal(saved["transformer." + k.replace(".default", "")], v) for k, v in trained.items())
     out = two_process_run["resumed"].stdout
     assert "held-out evaluation" in out and "base" in out and "trained" in out
-    assert set(json.loads((run / "eval.json").read_text())) == {"prompts", "images_per_prompt", "scales", "base", "trained"}
+    assert set(json.loads((run / "eval.json").read_text())) == {"prompts", "images_per_prompt", "scales", "after_iteration", "base", "trained"}
     assert (run / "lora" / "pytorch_lora_weights.safetensors").is_file()
 
 
@@ -187,6 +189,32 @@ def test_ctrl_c_on_one_process_stops_both_after_the_same_iteration(tiny_model_di
     assert result.returncode != 0 and result.stderr.count("branchdiff: interrupted: checkpoint of iteration 0 saved") == 2, result.stderr[-3000:]
     assert [json.loads(line)["iteration"] for line in (run / "metrics.jsonl").read_text().splitlines()] == [0]
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["iter-000000"]
+
+
+def test_a_frozen_rank_ends_the_job_with_one_line_naming_it_and_the_run_resumes_exactly(two_process_run, tmp_path):
+    """Rank 1 stops itself (SIGSTOP) at the start of iteration 2: rank 0's heartbeat watch names it
+    after collective_timeout, ends it and exits 2; the launch ends well before accelerate's own
+    30-minute default. The last checkpoint (iteration 1) is intact, and `--resume latest` on two
+    processes ends with the LoRA of the module's uninterrupted run (iterations 0-2)."""
+    run = tmp_path / "run"
+    args = ["train", "tiny-chain", *_overrides(two_process_run["model_dir"], run, PER_PROCESS), "final_eval=false", "collective_timeout=8"]
+    start = time.monotonic()
+    frozen = launch_two(None, ["sigstop", "2", *args, "iterations=3"], program=[str(TESTS / "killed_run.py")], timeout=240)
+    elapsed = time.monotonic() - start
+    assert frozen.returncode != 0, frozen.stderr[-3000:]
+    lines = [line for line in frozen.stderr.replace("\r", "\n").splitlines() if line.startswith("branchdiff: error: ")]
+    assert len(lines) == 1, frozen.stderr[-3000:]
+    assert re.match(r"branchdiff: error: process rank 1 \(pid \d+ on .+, silent for \d+ s, last in iteration 2\) stopped responding "
+                    r"for more than collective_timeout = 8 s, so the job ends; the newest complete checkpoint, .+/iter-000001, is intact; ", lines[0])
+    assert elapsed < 120, elapsed
+    from branchdiff import checkpoint
+
+    assert [p.name for p in checkpoint.checkpoints(run / "checkpoints")] == ["iter-000000", "iter-000001"]
+    assert checkpoint.verify(run / "checkpoints" / "iter-000001")[1] is None
+    resumed = launch_two(None, [*args, "iterations=3", "--resume", "latest"])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    mine, reference = (load_file(folder / "lora" / "pytorch_lora_weights.safetensors") for folder in (run, two_process_run["run"]))
+    assert mine.keys() == reference.keys() and all(torch.equal(mine[k], reference[k]) for k in mine)
 
 
 def test_eval_gives_the_same_numbers_on_two_processes(tiny_model_dir, tmp_path):

@@ -3,12 +3,16 @@ family's `pipeline.load_lora_weights()` loads (the adapter names the pipeline cl
 
 from __future__ import annotations
 
+import json
+import struct
 from pathlib import Path
 
 import torch
 from peft import LoraConfig
 from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
 from safetensors.torch import load_file
+
+from branchdiff import storage
 
 LORA_FILE = "pytorch_lora_weights.safetensors"
 
@@ -44,7 +48,23 @@ def save_lora(denoiser: torch.nn.Module, directory: Path, pipeline_class_name: s
     pipeline_class(pipeline_class_name).save_lora_weights(
         directory, **{f"{prefix}_lora_layers": get_peft_model_state_dict(denoiser), f"{prefix}_lora_adapter_metadata": metadata}
     )
+    canonical_header(directory / LORA_FILE)
     return directory / LORA_FILE
+
+
+def canonical_header(file: Path) -> None:
+    """Rewrite a safetensors file's JSON header with its `__metadata__` keys in sorted order:
+    safetensors writes them in the order of a hash map whose seed changes from process to process,
+    so the same tensors and metadata would give different bytes. The tensor data is kept as it is
+    (its offsets count from the end of the header, whatever the header's length)."""
+    data = file.read_bytes()
+    (length,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8 : 8 + length])
+    if "__metadata__" in header:
+        header["__metadata__"] = dict(sorted(header["__metadata__"].items()))
+    text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    text += b" " * (-len(text) % 8)  # the format pads the header to a multiple of 8 bytes
+    storage.write_bytes(file, struct.pack("<Q", len(text)) + text + data[8 + length :])
 
 
 def load_lora(denoiser: torch.nn.Module, path: str | Path, pipeline_class_name: str, prefix: str) -> None:

@@ -1,0 +1,147 @@
+"""Real faults, not simulated ones: a full filesystem (a small tmpfs), a damaged checkpoint that
+`--resume latest` falls back from, two runs started at once on one output_dir, and exported files
+whose bytes must not depend on PYTHONHASHSEED. (A rank stopped by SIGSTOP is in test_multiprocess.py;
+kills at any moment are in test_crash_resume.py.)"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from branchdiff import checkpoint
+from branchdiff.cli import main
+
+PREFIX = "branchdiff: error: "
+LORA = "pytorch_lora_weights.safetensors"
+SETTINGS = ["tiny-chain", "seed=3", "prompts.per_iteration=2", "tree.roots=3", "sampling.num_steps=3", "sampling.max_batch=8",
+            "prompts.eval_seeds=1", "final_eval=false", "logging.checkpoint_every=1", "logging.checkpoints_total_limit=5",
+            "logging.sample_every=0", "logging.tensorboard=false"]
+
+
+def train_args(model: Path, run: Path, iterations: int, *extra: str) -> list[str]:
+    return ["train", *SETTINGS, f"model.path={model}", f"output_dir={run}", f"iterations={iterations}", *extra]
+
+
+def lora_of(path: Path) -> dict[str, torch.Tensor]:
+    return load_file(path / LORA)
+
+
+def assert_same_lora(a: Path, b: Path) -> None:
+    first, second = lora_of(a), lora_of(b)
+    assert first.keys() == second.keys() and all(torch.equal(first[k], second[k]) for k in first)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tiny_model_dir, tmp_path_factory) -> Path:
+    """The reference: the same 3 iterations, never stopped."""
+    run = tmp_path_factory.mktemp("uninterrupted") / "run"
+    assert main(train_args(tiny_model_dir, run, 3)) == 0
+    return run
+
+
+# ---------------------------------------------------------------- a full filesystem
+@pytest.fixture
+def small_filesystem(tmp_path):
+    """A tmpfs mounted for the test (root, or the capability to mount, needed); unmounted after."""
+    mount = tmp_path / "small"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1400k", "tmpfs", str(mount)], capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({done.stderr.strip() or done.returncode}): needs root or CAP_SYS_ADMIN")
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def test_a_real_full_disk_stops_with_one_line_keeps_the_last_checkpoint_and_resumes_exactly(small_filesystem, tiny_model_dir, uninterrupted,
+                                                                                           capsys):
+    """1.4 MB hold the config, the first checkpoint (~840 kB), metrics and the report, not the second
+    checkpoint: the run stops at it with the documented line, leaves nothing half-written, and after
+    the filesystem grows `--resume latest` ends with the uninterrupted run's LoRA."""
+    run = small_filesystem / "run"
+    assert main(train_args(tiny_model_dir, run, 3)) == 2
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    newest = run / "checkpoints" / "iter-000000"
+    assert line.startswith(f"{PREFIX}could not write {run}/")
+    assert "(No space left on device: " in line and " free, about " in line and " needed); " in line
+    assert line.endswith(f"the newest complete checkpoint, {newest}, is intact; free disk space (or pass another output_dir=) "
+                         "and continue with --resume latest")
+    leftovers = [p.name for p in run.rglob("*") if p.name.startswith(".") and p.name not in (".lock",)]
+    assert leftovers == []  # no staging folder, no temporary file
+    assert [p.name for p in checkpoint.checkpoints(run / "checkpoints")] == ["iter-000000"]
+    assert checkpoint.verify(newest)[1] is None  # its manifest checks out
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(l)["iteration"] for l in lines] in ([0], [0, 1])  # whole lines only
+    subprocess.run(["mount", "-o", "remount,size=16m", str(small_filesystem)], check=True)
+    assert main(train_args(tiny_model_dir, run, 3, "--resume", "latest")) == 0
+    assert_same_lora(run / "lora", uninterrupted / "lora")
+    assert [json.loads(l)["iteration"] for l in (run / "metrics.jsonl").read_text().splitlines()] == [0, 1, 2]
+
+
+# ---------------------------------------------------------------- a damaged checkpoint
+def test_resume_latest_falls_back_past_a_damaged_checkpoint_and_ends_as_if_never_stopped(tiny_model_dir, uninterrupted, tmp_path, capsys):
+    run = tmp_path / "run"
+    assert main(train_args(tiny_model_dir, run, 2)) == 0
+    damaged = run / "checkpoints" / "iter-000001"
+    (damaged / LORA).write_bytes((damaged / LORA).read_bytes()[:1000])  # cut short
+    capsys.readouterr()
+    assert main(train_args(tiny_model_dir, run, 3, "--resume", "latest")) == 0
+    err = capsys.readouterr().err
+    assert f"branchdiff: skipping checkpoint {damaged}: damaged ({LORA} has 1000 bytes, the manifest says" in err
+    assert_same_lora(run / "lora", uninterrupted / "lora")
+
+
+# ---------------------------------------------------------------- two runs, one output_dir
+def _cli(*args: str, env: dict | None = None) -> subprocess.Popen:
+    environment = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", **(env or {})}
+    return subprocess.Popen([sys.executable, "-m", "branchdiff.cli", *args], env=environment, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def test_two_runs_started_at_once_on_one_output_dir_one_trains_the_other_stops(tiny_model_dir, tmp_path):
+    run = tmp_path / "run"
+    runs = [_cli(*train_args(tiny_model_dir, run, 3, f"seed={seed}")) for seed in (11, 12)]
+    finished = [(process, *process.communicate(timeout=300)) for process in runs]
+    codes = sorted(process.returncode for process, _, _ in finished)
+    assert codes == [0, 2], [err[-2000:] for _, _, err in finished]
+    (winner, _, _), (loser, _, loser_err) = sorted(finished, key=lambda item: item[0].returncode)
+    line = loser_err.strip().splitlines()[-1]
+    assert line.startswith(f"{PREFIX}output_dir {run} is in use by another run (pid {winner.pid} on ")
+    seed = 11 if winner is runs[0] else 12
+    assert f"seed: {seed}\n" in (run / "config.yaml").read_text()  # the winner's files only
+    assert [json.loads(l)["iteration"] for l in (run / "metrics.jsonl").read_text().splitlines()] == [0, 1, 2]
+    for folder in checkpoint.checkpoints(run / "checkpoints"):
+        state, problem = checkpoint.verify(folder)
+        assert problem is None and state["config"]["seed"] == seed
+
+
+def test_a_lock_left_by_a_dead_run_is_taken_over(tiny_model_dir, tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / ".lock").write_text('{"pid": 999999, "host": "gone", "started": "2026-01-01 00:00:00"}')  # nobody holds it
+    assert main(train_args(tiny_model_dir, run, 1)) == 0
+    assert json.loads((run / ".lock").read_text())["pid"] == os.getpid()
+
+
+# ---------------------------------------------------------------- deterministic files
+def test_exported_files_are_byte_identical_whatever_pythonhashseed(tiny_model_dir, tmp_path):
+    """The LoRA export listed target_modules in set order, which depends on PYTHONHASHSEED."""
+    outputs = []
+    for hash_seed in ("1", "2"):
+        run = tmp_path / f"run-{hash_seed}"
+        process = _cli(*train_args(tiny_model_dir, run, 1, "final_eval=true"), env={"PYTHONHASHSEED": hash_seed})
+        _, err = process.communicate(timeout=300)
+        assert process.returncode == 0, err[-2000:]
+        outputs.append({name: (run / name).read_bytes() for name in (f"lora/{LORA}", "config.yaml", "eval.json",
+                                                                     f"checkpoints/iter-000000/{LORA}")})
+    first, second = outputs
+    for name in first:
+        assert first[name] == second[name].replace(b"run-2", b"run-1"), name
