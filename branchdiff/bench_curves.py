@@ -13,7 +13,7 @@ seed, and is evaluated once.
 
 Variants are the packaged presets (hyperparameters such as the learning rate follow them), with
 the same shape for every variant: 8 prompts per iteration and a trained group of 8 samples per
-prompt (the shape of tiny-mix and both explore presets, and of the calibration in method.md §6;
+prompt (the shape of tiny-mix and both explore presets;
 64 trained images per iteration in all). So the same seed draws the same prompts at every
 iteration in every variant. Where a preset differs:
 - chain: tiny-chain's 4 prompts × 16 chains → 8 × 8 (`tree.roots=8`);

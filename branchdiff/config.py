@@ -51,7 +51,7 @@ class PromptConfig:
 class SamplingConfig:
     num_steps: int = positive(10)  # T denoising steps
     shift: float | None = positive(None)  # σ = s·t / (1 + (s-1)·t) (the anchors'); None = the family's own schedule (tiny: s = 1)
-    sde: str = choice("flow", "dance", "flow", "cps", "ddim")  # SDE (method.md §1): dance | flow | cps for flow families, ddim for sd15
+    sde: str = choice("flow", "dance", "flow", "cps", "ddim")  # SDE (schedulers/flow.py, schedulers/ddim.py): dance | flow | cps for flow families, ddim for sd15
     noise_level: float = positive(0.7)  # η for dance and ddim, a for flow and cps (> 0: an SDE needs noise; cps: a in [0.01, 1])
     guidance: float | None = positive(None)  # CFG scale (sd3, sana, sd15) or guidance embedding (flux) of rollouts and training; None = family default
     max_batch: int = positive(64)  # network rows per model forward in rollouts (a CFG prediction takes 2)

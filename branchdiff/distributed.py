@@ -1,6 +1,6 @@
 """Cross-process reductions: the only communication the training loop does besides DDP's gradients.
 
-A prompt's tree lives on one process, so fusion and per-tree statistics need none (architecture.md).
+A prompt's tree lives on one process, so fusion and per-tree statistics need none.
 What spans the batch goes through a `Collective`: batch-wide advantage normalisation, global width
 pruning, the loss normaliser (the global count of trained edges) and the logged metrics. The pure
 functions that take a collective default to `LOCAL`, the one-process identity, so one process and

@@ -1,4 +1,4 @@
-"""FP4 explore, BF16 train (Sol-RL, method.md §4), for chains and for trees.
+"""FP4 explore, BF16 train (Sol-RL, arXiv 2604.06916; docs/explore.md), for chains and for trees.
 
 Explore with a cheap copy of the policy (`branchdiff.quant`), keep a contrastive subset, and
 regenerate exactly that subset with the training-precision policy from the same addressable

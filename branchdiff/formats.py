@@ -1,4 +1,4 @@
-"""Low-precision number formats as pure functions on tensors (method.md §4): quantise a tensor to
+"""Low-precision number formats as pure functions on tensors (NVFP4, MXFP4, FP8; docs/explore.md): quantise a tensor to
 its parts, dequantise the parts, and the round trip ("fake quantisation") that emulation uses.
 
 - NVFP4: E2M1 elements q (magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6), w ≈ q · s_block · s_tensor with an

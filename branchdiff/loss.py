@@ -1,4 +1,4 @@
-"""The clipped GRPO surrogate and the KL penalty to the adapter-free base (method.md §2)."""
+"""The clipped GRPO surrogate and the KL penalty to the adapter-free base (DanceGRPO, arXiv 2505.07818; Flow-GRPO, arXiv 2505.05470)."""
 
 from __future__ import annotations
 

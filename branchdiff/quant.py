@@ -1,4 +1,4 @@
-"""Low-precision exploration copies of a policy (Sol-RL: explore in FP4, train in BF16; method.md §4).
+"""Low-precision exploration copies of a policy (Sol-RL: explore in FP4, train in BF16, arXiv 2604.06916; docs/explore.md).
 
 A quantised copy is a deep copy of the policy with its LoRA merged into the base weights and its
 eligible `nn.Linear` layers replaced by a 4-bit or 8-bit version; it is only used to roll out and

@@ -1,4 +1,4 @@
-"""Contrastive subset selection: which k of a prompt's N scored candidates to keep (Sol-RL, method.md §4).
+"""Contrastive subset selection: which k of a prompt's N scored candidates to keep (Sol-RL, arXiv 2604.06916).
 
 Every mode returns the chosen indices sorted ascending (a set in canonical order), as a LongTensor
 on the rewards' device. Ties are broken toward the lower index; randomness comes only from the

@@ -1,4 +1,4 @@
-"""The policy update of an iteration: clipped GRPO (method.md §2) over the trained edges of a rollout.
+"""The policy update of an iteration: clipped GRPO (DanceGRPO, Flow-GRPO) over the trained edges of a rollout.
 
 Siblings share their parent's forward: minibatches are made of parent nodes, and each parent's
 velocity serves all its trained children. With several processes, every process takes the same

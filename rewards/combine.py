@@ -1,4 +1,4 @@
-"""Several rewards as one training signal, with weights (method.md §5).
+"""Several rewards as one training signal, with weights (docs/rewards.md).
 
 For components r_1..r_n with weights w_i, scored on images that fall into groups g (a prompt's
 images: the samples GRPO compares):

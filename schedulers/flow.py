@@ -1,4 +1,4 @@
-"""Rectified-flow sampling steps with Gaussian transition densities (method.md §1).
+"""Rectified-flow sampling steps with Gaussian transition densities (DanceGRPO, arXiv 2505.07818; Flow-GRPO, arXiv 2505.05470).
 
 Convention: `x_σ = (1 - σ)·x0 + σ·ε`, the model predicts the velocity `v ≈ ε - x0`, and sampling
 walks σ from 1 down to 0. Every step maps `(x, v, σ, σ', noise)` to a `StepOutput(sample, mean, std)`

@@ -1,4 +1,4 @@
-"""Exact one-step marginal variance of the sampling steps on Gaussian data (method.md §1, §3).
+"""Exact one-step marginal variance of the sampling steps on Gaussian data (the SDEs of schedulers/flow.py; split noise levels as in docs/trees.md).
 
 With data x0 ~ N(0, 1) per dimension, `x_σ = (1-σ)·x0 + σ·ε` is N(0, V(σ)) with
 V(σ) = (1-σ)² + σ², and the exact velocity E[ε - x0 | x_σ] is linear: v = c(σ)·x with

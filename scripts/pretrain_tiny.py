@@ -3,7 +3,7 @@
 Flow matching with an x0-prediction loss: x_σ = (1-σ)·x0 + σ·ε, σ ~ U(0, 1), loss ‖x̂0 - x0‖².
 The text encoder trains jointly. Every `--eval-every` steps the EMA weights sample the held-out
 prompts (ODE, fixed seeds) and are scored with tiny-geneval; training stops once held-out strict
-accuracy reaches `--target` (default 0.35: low enough to leave room for RL, method.md §6), and the
+accuracy reaches `--target` (default 0.35: low enough to leave room for RL), and the
 EMA weights of that evaluation are saved.
 
     python scripts/pretrain_tiny.py --out assets/tiny --max-minutes 12

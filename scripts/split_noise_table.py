@@ -17,7 +17,7 @@ import argparse
 from branchdiff.schedulers.flow import sigma_schedule
 from branchdiff.schedulers.marginals import one_step_variance
 
-DEFAULT_LEVELS = {"dance": 0.3, "flow": 0.7, "cps": 0.8}  # the anchors' defaults (method.md §1)
+DEFAULT_LEVELS = {"dance": 0.3, "flow": 0.7, "cps": 0.8}  # the anchors' defaults (DanceGRPO η, Flow-GRPO a, its coefficient-preserving variant a)
 OUT_OF_RANGE = "†"  # marks a cps level outside (0, 1], where σ'·sin(aπ/2) no longer grows with a
 
 

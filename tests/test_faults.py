@@ -10,7 +10,6 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -145,3 +144,50 @@ def test_exported_files_are_byte_identical_whatever_pythonhashseed(tiny_model_di
     first, second = outputs
     for name in first:
         assert first[name] == second[name].replace(b"run-2", b"run-1"), name
+
+
+def _fill(mount: Path, leave: int) -> None:
+    """Fill the filesystem at `mount` until about `leave` bytes are left."""
+    free = shutil.disk_usage(mount).free
+    (mount / "ballast").write_bytes(b"\0" * max(0, free - leave))
+
+
+def _writers(folder: Path) -> dict:
+    """Every kind of write a run makes, each through branchdiff's writers, about 600 kB each."""
+    from safetensors.torch import save_file
+
+    from branchdiff import metrics_log, storage
+    from branchdiff.report import save_grid
+
+    tensor = torch.randn(150_000)
+    return {
+        "torch.save": lambda: storage.replace_file(folder / "optimizer.bin", lambda tmp: torch.save({"state": tensor}, tmp)),
+        "safetensors": lambda: storage.replace_folder(folder / "lora", lambda staging: save_file({"w": tensor}, staging / LORA)),
+        "png grid": lambda: save_grid(torch.rand(16, 3, 64, 64), folder / "grid.png", nrow=4),
+        "text": lambda: storage.write_text(folder / "report.html", "x" * 600_000),
+        "metrics line": lambda: metrics_log.append(folder / "metrics.jsonl", {"iteration": 1, "pad": "y" * 600_000}),
+    }
+
+
+@pytest.mark.parametrize("writer", ["torch.save", "safetensors", "png grid", "text", "metrics line"])
+def test_every_writer_on_a_full_filesystem_raises_disk_full_and_keeps_the_old_file(small_filesystem, writer):
+    """A write that does not fit (torch's zip writer, safetensors, PIL and plain files each fail in
+    their own way) raises `DiskFull` naming the file, leaves no temporary file, and the previous
+    version of the file is still there, whole."""
+    from branchdiff import metrics_log
+    from branchdiff.storage import DiskFull
+
+    folder = small_filesystem / "run"
+    folder.mkdir()
+    old = {"optimizer.bin": b"old", "lora": None, "grid.png": b"old png", "report.html": b"old page", "metrics.jsonl": b'{"iteration": 0}\n'}
+    for name, data in old.items():
+        (folder / name).mkdir() if data is None else (folder / name).write_bytes(data)
+    (folder / "lora" / LORA).write_bytes(b"old lora")
+    _fill(small_filesystem, 200_000)
+    before = {p.relative_to(folder): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+    with pytest.raises(DiskFull) as failure:
+        _writers(folder)[writer]()
+    assert "(No space left on device: " in str(failure.value) and str(folder) in str(failure.value)
+    after = {p.relative_to(folder): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+    assert after == before  # no leftover, nothing changed
+    assert [iteration for iteration, _ in metrics_log.read(folder / "metrics.jsonl")] == [0]

@@ -1,6 +1,6 @@
 """Tests for schedulers/marginals.py: closed-form one-step variance on N(0, 1) data.
 
-Independent checks: the numbers measured in method.md §3, a Monte-Carlo estimate through
+Independent checks: the published numbers (docs/trees.md), a Monte-Carlo estimate through
 `flow.step` itself, the gain α read off `flow.step` at x = 1, and the fine-step behaviour:
 Euler-type steps (ode, dance, flow) miss the target by O(Δ²), cps by an amount that does not
 vanish with the step (its std σ'·sin(aπ/2) does not shrink with Δ).
@@ -26,7 +26,7 @@ def velocity_gain(sigma: float) -> float:
 
 @pytest.mark.parametrize("multiplier, variance", [(1.0, 0.92), (2.0, 2.39), (4.0, 8.27)])
 def test_flow_first_step_matches_the_measured_numbers(multiplier, variance):
-    """method.md §3: flow a = 0.7, σ 1 → 0.9 (T = 10, shift 1), noise ×1/×2/×4 → 0.92/2.39/8.27, target 0.82."""
+    """docs/trees.md: flow a = 0.7, σ 1 → 0.9 (T = 10, shift 1), noise ×1/×2/×4 → 0.92/2.39/8.27, target 0.82."""
     got, target = one_step_variance("flow", 1.0, 0.9, 0.7, noise_multiplier=multiplier, sigma_for_noise_level=0.9)
     assert round(target, 2) == 0.82
     assert round(got, 2) == variance

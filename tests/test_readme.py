@@ -1,6 +1,7 @@
-"""README's first hour, run as a new user would: every command of its "Use" block, in order, in a
+"""The first hour, as a new user meets it: every command of README's "Use" block, in order, in a
 fresh folder, on the built-in model, verbatim but for sizes (fewer iterations, prompts, images,
-minutes); each must succeed, and the files the next command needs must be where the README says."""
+minutes), each succeeding, with the files the next command needs where the README says; `eval` of
+a run reproducing the run's own final evaluation; `sample` file names that any prompt cannot break."""
 
 from __future__ import annotations
 
@@ -90,3 +91,51 @@ def test_only_sizes_change(line):
     before, after = shlex.split(line)[1:], smaller(shlex.split(line)[1:])
     sizes = [w for w in before if re.match(r"(iterations=|\d)", w)]
     assert [w for w in after if w not in sizes and w in before] == [w for w in before if w not in sizes]  # other words stay as written
+
+
+def test_eval_of_a_run_reproduces_its_final_evaluation(tiny_model_dir, tmp_path, capsys):
+    """`branchdiff eval --lora RUN/lora` takes the run's settings and prints the trained column of
+    the run's final evaluation exactly; an option given that differs is named (before, eval's own
+    defaults, 4 images per prompt, gave another number for the same LoRA without saying why)."""
+    import json
+
+    run = tmp_path / "run"
+    assert main(["train", "tiny-chain", f"model.path={tiny_model_dir}", f"output_dir={run}", "iterations=2", "prompts.per_iteration=2",
+                 "tree.roots=3", "sampling.num_steps=3", "prompts.eval_seeds=2", "train.learning_rate=0.05", "logging.tensorboard=false"]) == 0
+    trained = json.loads((run / "eval.json").read_text())["trained"]["all"]
+    capsys.readouterr()
+    assert main(["eval", "--lora", str(run / "lora"), "--json", str(tmp_path / "again.json"), "--out", str(tmp_path / "again")]) == 0
+    err = capsys.readouterr().err
+    assert f"settings of the run {run} (its config.yaml) unless given, as the run's final evaluation" in err
+    again = json.loads((tmp_path / "again.json").read_text())
+    assert again["images_per_prompt"] == 2 and again["steps"] == 3
+    assert {k: v["mean"] for k, v in again["summary"]["all"].items()} == {k: v["mean"] for k, v in trained.items()}
+    assert main(["eval", "--lora", str(run / "lora"), "--images-per-prompt", "1", "--out", str(tmp_path / "other")]) == 0
+    assert "differs from the run's final evaluation in images per prompt 1 (run: 2)" in capsys.readouterr().err
+
+
+def test_sample_file_names_are_safe_whatever_the_prompt(tiny_model_dir, tmp_path, capsys):
+    """A prompt's text named the file: '/' made folders (or escaped --out), a NUL or a 300-character
+    prompt broke the name."""
+    from branchdiff.commands import file_name
+
+    prompts = ["two red circles on the left", "../../etc/passwd", "a/b: c?*|<x>", "x" * 300, "\n", "café ☕"]
+    assert main(["sample", "--model", str(tiny_model_dir), *(f"--prompt={p}" for p in prompts), "--out", str(tmp_path / "out"),
+                 "--steps", "1", "--images-per-prompt", "1"]) == 0
+    written = sorted(p.name for p in (tmp_path / "out").iterdir())
+    assert written == sorted(file_name(i, p) for i, p in enumerate(prompts)) and len(written) == len(prompts)
+    assert [p for p in tmp_path.rglob("*") if p.is_file() and p.parent != tmp_path / "out"] == []
+    assert all(re.fullmatch(r"\d{3}-[A-Za-z0-9_-]{1,60}\.png", name) for name in written)
+    assert file_name(0, "two red circles on the left") == "000-two_red_circles_on_the_left.png"
+    assert file_name(1, "../../etc/passwd") == "001-etc_passwd.png" and file_name(4, "\n") == "004-prompt.png"
+
+
+def test_train_help_lists_every_preset_and_the_debug_switch(capsys):
+    from branchdiff.config import presets
+
+    with pytest.raises(SystemExit) as done:
+        main(["train", "--help"])
+    assert done.value.code == 0
+    out = capsys.readouterr().out
+    assert all(re.search(rf"^  {re.escape(name)} +\S", out, flags=re.M) for name in presets()) and len(presets()) >= 17
+    assert "--debug" in out and "docs/errors.md" in out

@@ -58,7 +58,7 @@ def test_root_noise_is_the_addressed_draw(tiny_adapter):
 
 
 def _dance_float64(x, v, sigma, sigma_next, eta):
-    """DanceGRPO's step in float64, written out from method.md §1 (independent of schedulers.flow)."""
+    """DanceGRPO's step in float64, written out from the paper's formula (independent of schedulers.flow)."""
     x, v, sigma, sigma_next = x.double(), v.double(), float(sigma), float(sigma_next)
     delta = sigma_next - sigma
     x0_hat = x - sigma * v

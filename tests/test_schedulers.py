@@ -1,6 +1,6 @@
-"""Tests for schedulers/flow.py against independent float64 references built from method.md §1.
+"""Tests for schedulers/flow.py against independent float64 references built from the papers' formulas (DanceGRPO, Flow-GRPO).
 
-The references below are written from the formulas in method.md, not from the module's helpers:
+The references below are written from the papers' formulas, not from the module's helpers:
 
   Δ = σ' - σ,  x̂0 = x - σ·v
   ode   : μ = x + Δ·v,                                   std = 0
@@ -40,7 +40,7 @@ def make_inputs(seed: int = 0, shape=SHAPE):
 
 
 # ---------------------------------------------------------------------------------------------
-# float64 reference from method.md §1 (scalars are Python floats, tensors float64)
+# float64 reference from the papers' formulas (scalars are Python floats, tensors float64)
 # ---------------------------------------------------------------------------------------------
 def ref_step(kind, x, v, sigma, sigma_next, a, sigma_1=None):
     x, v = x.double(), v.double()

@@ -84,7 +84,7 @@ def test_optimizer_groups_are_the_same_on_every_process():
 
 
 def _dance_kl_float64(v_policy, v_reference, sigma, sigma_next, eta):
-    """KL between the dance transitions of two velocities at the same x, written out from method.md §1:
+    """KL between the dance transitions of two velocities at the same x, written out from DanceGRPO's step:
     μ = x + Δ·v - ½η²·ŝ·Δ with ŝ = -(x + (1-σ)·v)/σ, so μ_θ - μ_ref = (v_θ - v_ref)·Δ·(1 + η²(1-σ)/(2σ));
     std = η·√(σ - σ'); KL = mean((μ_θ - μ_ref)²) / (2·std²) per edge."""
     delta = sigma_next - sigma

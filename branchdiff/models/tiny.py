@@ -4,7 +4,7 @@ the tiny task runs the same code paths (peft LoRA on SD3 attention, CLIP encodin
 
 The transformer predicts x0 (pixels scaled to [-1, 1]); the velocity is derived from it,
 `v = (x - x̂0) / σ`, which makes the pretraining of such a small model far easier than predicting
-v directly (method.md §6).
+v directly (with 8×8 patches, predicting v gave noise).
 """
 
 from __future__ import annotations
