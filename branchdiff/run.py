@@ -26,9 +26,11 @@ from __future__ import annotations
 
 import signal
 import sys
+import uuid
 from pathlib import Path
 
 import torch
+from accelerate.utils import broadcast_object_list
 from tqdm.auto import tqdm
 
 from branchdiff import metrics_log, storage
@@ -104,8 +106,9 @@ def train(trainer: Trainer) -> None:
     accelerator = trainer.accelerator
     heartbeat = None
     if accelerator.num_processes > 1:
+        job = broadcast_object_list([uuid.uuid4().hex])[0]  # names this launch in every process's heartbeat
         heartbeat = Heartbeat(trainer.run_dir, accelerator.process_index, accelerator.num_processes,
-                              trainer.config.collective_timeout, trainer.newest_checkpoint).start()
+                              trainer.config.collective_timeout, trainer.newest_checkpoint, job).start()
     try:
         _train(trainer, heartbeat)
     except storage.DiskFull as error:

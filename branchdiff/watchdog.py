@@ -56,8 +56,9 @@ def _read(path: Path) -> dict | None:
 class Heartbeat:
     """This process's heartbeat and its watch over the others' (module doc)."""
 
-    def __init__(self, run_dir: Path, rank: int, world: int, timeout: float, newest_checkpoint) -> None:
+    def __init__(self, run_dir: Path, rank: int, world: int, timeout: float, newest_checkpoint, job: str) -> None:
         self.folder = run_dir / FOLDER
+        self.job = job  # the same on every process of this launch: heartbeats left by an earlier launch are ignored
         self.rank, self.world, self.timeout = rank, world, timeout
         self.period = min(max(timeout / 10, 0.2), 10.0)
         self.newest_checkpoint = newest_checkpoint  # () -> Path | None
@@ -85,7 +86,7 @@ class Heartbeat:
         self._beat("ended")
 
     def _beat(self, state: str) -> None:
-        beat = {"pid": os.getpid(), "ppid": os.getppid(), "host": socket.gethostname(), "state": state,
+        beat = {"job": self.job, "pid": os.getpid(), "ppid": os.getppid(), "host": socket.gethostname(), "state": state,
                 "activity": self.activity, "time": time.time()}
         tmp = self.folder / f".rank-{self.rank}.tmp"
         try:
@@ -95,9 +96,9 @@ class Heartbeat:
             pass
 
     def peers(self) -> dict[int, dict]:
-        """The other ranks' last heartbeats that can be read from here."""
+        """The other ranks' last heartbeats of this launch that can be read from here."""
         beats = {r: _read(self.folder / f"rank-{r}.json") for r in range(self.world) if r != self.rank}
-        return {r: beat for r, beat in beats.items() if beat is not None}
+        return {r: beat for r, beat in beats.items() if beat is not None and beat.get("job") == self.job}
 
     def silent(self) -> dict[int, dict]:
         """Peers still running whose heartbeat has not changed for longer than the timeout, on this

@@ -1,0 +1,76 @@
+"""The heartbeat watch's rules on hand-written heartbeat files (the whole path, a rank stopped by
+SIGSTOP under `accelerate launch`, is in test_multiprocess.py)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from branchdiff import watchdog
+from branchdiff.watchdog import Heartbeat, backend_timeout
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock(monkeypatch) -> Clock:
+    clock = Clock()
+    monkeypatch.setattr(watchdog.time, "monotonic", clock)
+    return clock
+
+
+def beat(heartbeat: Heartbeat, rank: int, at: float, state: str = "running", job: str = "job-1", activity: str = "iteration 3") -> None:
+    (heartbeat.folder / f"rank-{rank}.json").write_text(json.dumps({"job": job, "pid": 100 + rank, "ppid": 1, "host": "node", "state": state,
+                                                                   "activity": activity, "time": at}))
+
+
+def test_a_peer_is_silent_once_its_heartbeat_has_not_changed_for_the_timeout(tmp_path, clock):
+    watch = Heartbeat(tmp_path, rank=0, world=4, timeout=30, newest_checkpoint=lambda: tmp_path / "iter-000003", job="job-1")
+    watch.folder.mkdir()
+    beat(watch, 1, at=5.0)  # will go quiet
+    beat(watch, 2, at=5.0)  # keeps beating
+    beat(watch, 3, at=5.0, state="ended")  # finished its run: nobody waits for it
+    assert watch.silent() == {}  # first look: the clock starts now for every peer
+    clock.now += 29
+    beat(watch, 2, at=6.0)
+    assert watch.silent() == {}
+    clock.now += 2  # rank 1 unchanged for 31 s > 30; rank 2 changed 2 s ago
+    silent = watch.silent()
+    assert list(silent) == [1] and silent[1]["quiet"] == pytest.approx(31)
+    line = watch.line(silent)
+    assert line.startswith("process rank 1 (pid 101 on node, silent for 31 s, last in iteration 3) stopped responding for more than "
+                           "collective_timeout = 30 s, so the job ends; ")
+    assert f"the newest complete checkpoint, {tmp_path / 'iter-000003'}, is intact" in line
+
+
+def test_heartbeats_of_another_launch_are_not_this_jobs(tmp_path, clock):
+    """A file left by an earlier launch (killed while running) must not make a slow starter look silent."""
+    watch = Heartbeat(tmp_path, rank=0, world=2, timeout=10, newest_checkpoint=lambda: None, job="job-2")
+    watch.folder.mkdir()
+    beat(watch, 1, at=1.0, job="job-1")
+    watch.silent()
+    clock.now += 100
+    assert watch.peers() == {} and watch.silent() == {}
+
+
+def test_a_collective_timeout_is_explained_with_the_silent_rank_or_the_diverging_one(tmp_path, clock):
+    watch = Heartbeat(tmp_path, rank=0, world=2, timeout=10, newest_checkpoint=lambda: None, job="job-1")
+    watch.folder.mkdir()
+    watch.activity = "iteration 4"
+    beat(watch, 1, at=1.0, activity="the checkpoint of iteration 3")
+    assert watch.explain(RuntimeError("mat1 and mat2 shapes cannot be multiplied")) is None  # not a collective's failure
+    explained = watch.explain(RuntimeError("[gloo] Timed out waiting 20000ms for recv operation to complete"))
+    assert str(explained).startswith("process rank 1 (pid 101 on node, silent for 0 s, last in the checkpoint of iteration 3)")
+    assert "no checkpoint was written yet" in str(explained)
+
+
+def test_the_backend_waits_longer_than_the_heartbeat_watch():
+    assert backend_timeout(600) == 900 and backend_timeout(8) == 18
+    assert all(backend_timeout(t) > t for t in (0.5, 8, 60, 3600))
