@@ -32,6 +32,7 @@ PREFIX = "iter-"
 STAGING = ".staging-"
 REPLACED = ".replaced-"
 PRUNED = ".pruned-"
+DAMAGED = ".damaged-"  # a checkpoint `--resume latest` skipped, set aside for inspection
 STATE_FILE = "trainer_state.json"
 MANIFEST = "manifest.json"
 FORMAT = 2  # trainer_state.json's format: 2 = with a manifest
@@ -59,6 +60,12 @@ def staging(final: Path) -> Path:
 def checkpoints(directory: Path) -> list[Path]:
     """Published checkpoints, oldest first."""
     return sorted(directory.glob(f"{PREFIX}*"))
+
+
+def newest(directory: Path) -> Path | None:
+    """The newest published checkpoint under `directory`, or None."""
+    found = checkpoints(directory) if directory.is_dir() else []
+    return found[-1] if found else None
 
 
 def restore_replaced(directory: Path) -> None:
@@ -189,6 +196,7 @@ class Selected:
     path: Path  # the checkpoint folder to resume from
     state: dict  # its trainer_state.json, checked
     notices: list[str]  # what a user should know (newer checkpoints skipped, no manifest)
+    skipped: list[Path]  # newer checkpoints that failed their check (`set_aside` them once every process has chosen)
 
 
 def select(directory: Path, which: str) -> Selected:
@@ -204,22 +212,32 @@ def select(directory: Path, which: str) -> Selected:
         if not candidates:
             raise FileNotFoundError(f"--resume latest: no checkpoint under {directory}")
     notices: list[str] = []
+    skipped: list[Path] = []
     first_problem = None
     for path in candidates:
         state, problem = verify(path)
         if problem is None:
             if state.get("format", 1) < 2:
                 notices.append(f"checkpoint {path} predates checkpoint manifests: its files are not verified")
-            return Selected(path, state, notices)
+            return Selected(path, state, notices, skipped)
         first_problem = first_problem or f"checkpoint {path} is damaged ({problem})"
         if which == "latest":
-            notices.append(f"skipping checkpoint {path}: damaged ({problem})")
+            notices.append(f"skipping checkpoint {path}: damaged ({problem}); set aside as {_renamed(path, PREFIX, DAMAGED).name}")
+            skipped.append(path)
     if which != "latest":
         older = [p for p in checkpoints(directory) if p.name < candidates[0].name]
         hint = f"resume from an older one (--resume {older[-1]})" if older else "start a new run in another output_dir="
         raise CheckpointError(f"--resume: {first_problem}; {hint}")
     raise CheckpointError(f"--resume latest: every checkpoint under {directory} is damaged; the newest: {first_problem.removeprefix('checkpoint ')}; "
                           "start a new run in another output_dir=")
+
+
+def set_aside(path: Path) -> None:
+    """Rename a damaged checkpoint `.damaged-<iteration>`: kept for inspection, never again taken
+    for the newest one (by a resume, a report of what is intact, or pruning)."""
+    aside = _renamed(path, PREFIX, DAMAGED)
+    shutil.rmtree(aside, ignore_errors=True)
+    path.rename(aside)
 
 
 def _flatten(tree: dict, prefix: str = "") -> dict[str, object]:

@@ -14,6 +14,7 @@ import argparse
 import math
 import sys
 from pathlib import Path
+from collections.abc import Callable
 from typing import NoReturn
 
 DEFAULT_PRESET = "tiny-mix"  # the preset `branchdiff train` runs without one
@@ -152,7 +153,7 @@ def _model_arguments(sub: argparse.ArgumentParser) -> None:
     sub.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"], help="weights' dtype (default: float32)")
 
 
-def _at_least(low: int):
+def _at_least(low: int) -> Callable[[str], int]:
     """argparse type: an integer ≥ `low`."""
     def whole(text: str) -> int:
         try:

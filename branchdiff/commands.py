@@ -10,8 +10,13 @@ import os
 import re
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from branchdiff.cli import DEFAULT_PRESET
+
+if TYPE_CHECKING:
+    from branchdiff.eval_settings import EvalSettings
+    from branchdiff.models.base import ModelAdapter
 
 
 def _split_train_args(args: argparse.Namespace) -> tuple[str | None, list[str]]:
@@ -34,16 +39,21 @@ def cmd_train(args: argparse.Namespace) -> None:
     run_dir = Path(config.output_dir)
     first_process = int(os.environ.get("RANK", "0")) == 0
     claimed = claim(run_dir, resume=bool(args.resume)) if first_process else None
+    from branchdiff import checkpoint
     from branchdiff.evaluate import format_comparison
     from branchdiff.run import train
     from branchdiff.trainer import Trainer
+    from branchdiff.watchdog import explain_failure
 
     try:
         trainer = Trainer(config, resume=args.resume)
-    except BaseException:
+    except BaseException as error:
         if claimed:
             claimed.abandon()
-        raise
+        explained = explain_failure(error, checkpoint.newest(run_dir / "checkpoints"))  # a rank lost before the watch began
+        if explained is None:
+            raise
+        raise explained from None
     train(trainer)
     if not trainer.accelerator.is_main_process:
         return
@@ -56,7 +66,7 @@ def cmd_train(args: argparse.Namespace) -> None:
           f"  report: {write_report(run_dir)}\n  checkpoints: {trainer.checkpoint_dir}/ (continue with --resume latest)")
 
 
-def _settings(args: argparse.Namespace):
+def _settings(args: argparse.Namespace) -> tuple[EvalSettings, Path | None]:
     """The sampling settings of `sample` / `eval` (branchdiff/eval_settings.py): the options given,
     else the LoRA's run's, else the defaults; a line says where they came from and what differs."""
     from branchdiff.eval_settings import EvalSettings, differences, resolve
@@ -72,6 +82,7 @@ def _settings(args: argparse.Namespace):
 
 
 def cmd_config(args: argparse.Namespace) -> None:
+    """Print the effective config of a preset or YAML file with overrides, as YAML."""
     import yaml
 
     from branchdiff.config import load_config, to_dict
@@ -80,7 +91,8 @@ def cmd_config(args: argparse.Namespace) -> None:
     print(yaml.safe_dump(to_dict(load_config(source or DEFAULT_PRESET, overrides)), sort_keys=False), end="")
 
 
-def _load(settings, lora: str | None, device: str | object = "cpu"):
+def _load(settings: EvalSettings, lora: str | None, device: str | object = "cpu") -> ModelAdapter:
+    """The model the settings name, with the LoRA loaded when given."""
     import torch
 
     from branchdiff.models import load_adapter
@@ -106,6 +118,7 @@ def file_name(index: int, prompt: str) -> str:
 
 
 def cmd_sample(args: argparse.Namespace) -> None:
+    """ODE samples of each prompt, one PNG each, named by `file_name`."""
     from torchvision.utils import save_image
 
     from branchdiff.evaluate import sample_ode

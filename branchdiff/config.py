@@ -136,7 +136,7 @@ class TrainConfig:
     eval_every: int = non_negative(0)  # held-out evaluation (prompts.eval, eval_rewards) every n iterations into the metrics (0: never)
     reward: str | dict | list[str | dict] = "tiny-geneval"  # a name, dotted path, {name|remote, weight, required, kwargs}, or a list (docs/rewards.md)
     eval_rewards: list[str | dict] = field(default_factory=lambda: ["tiny-geneval"])  # rewards of the final base-vs-trained evaluation
-    collective_timeout: float = positive(600.0)  # seconds a process waits for the others at a collective before the job ends, naming the silent rank
+    collective_timeout: float = in_range(600.0, 5.0, 7 * 86400.0)  # seconds a process waits for the others at a collective before the job ends, naming the silent rank
     reward_combine: str = choice("sum_then_normalize", "sum_then_normalize", "normalize_then_sum")  # how several rewards combine (rewards/combine.py)
     model: ModelConfig = field(default_factory=ModelConfig)
     prompts: PromptConfig = field(default_factory=PromptConfig)
@@ -206,8 +206,8 @@ def validate(config: TrainConfig) -> None:
         raise ConfigError(f"'model.resolution' = {config.model.resolution}: model.family={config.model.family} makes only "
                           f"{family.resolution}×{family.resolution} images; leave model.resolution unset")
     try:
-        parse_reward_specs(config.reward)
-        parse_reward_specs(config.eval_rewards)
+        parse_reward_specs(config.reward, "reward")
+        parse_reward_specs(config.eval_rewards, "eval_rewards")
     except ValueError as error:
         raise ConfigError(str(error)) from None
     steps = config.sampling.num_steps

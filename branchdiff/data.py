@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from branchdiff.errors import quote
+from branchdiff.errors import quote, read_utf8
 from branchdiff.tiny_task import all_prompts, split_prompts
 
 TINY_SOURCES = {"tiny:train": lambda: split_prompts()[0], "tiny:held_out": lambda: split_prompts()[1], "tiny:all": all_prompts}
@@ -78,7 +78,7 @@ def load_prompt_set(source: str) -> PromptSet:
     path = Path(source)
     if not path.is_file():
         raise FileNotFoundError(f"prompt source {quote(source, 80)} is neither {', '.join(TINY_SOURCES)}, hpdv2[:style] nor an existing file")
-    text = _text(path)
+    text = read_utf8(path)
     lines = text.splitlines()
     if path.suffix == ".jsonl":
         rows = []
@@ -102,16 +102,6 @@ def load_prompt_set(source: str) -> PromptSet:
     if not rows:
         raise ValueError(f"prompt source {quote(source, 80)} holds no prompts")
     return PromptSet(source, [p for p, _ in rows], [m for _, m in rows])
-
-
-def _text(path: Path) -> str:
-    """A UTF-8 text file's text; a byte that is not UTF-8 is named with its line."""
-    data = path.read_bytes()
-    try:
-        return data.decode("utf-8-sig")
-    except UnicodeDecodeError as error:
-        line = data[: error.start].count(b"\n") + 1
-        raise ValueError(f"{path}:{line}: not UTF-8 text (byte {data[error.start]:#04x}); save the file as UTF-8") from None
 
 
 def _prompt_text(value: object, path: Path, line: int) -> str:

@@ -7,6 +7,8 @@ whole line is capped by `bounded` in the middle, so the fix at its end always sh
 
 from __future__ import annotations
 
+from pathlib import Path
+
 MAX_QUOTE = 40  # characters of user text (a prompt, a file line) a message quotes
 MAX_LINE = 600  # characters of an error line; longer lines lose their middle
 
@@ -21,6 +23,22 @@ class CheckpointError(UserError):
 
 class RunStopped(UserError):
     """Training stopped on purpose after a checkpoint: no signal left (non-finite rewards or gradients)."""
+
+
+def checkpoint_kept(newest: Path | None) -> str:
+    """What a line about a stopped run says of its checkpoints."""
+    return f"the newest complete checkpoint, {newest}, is intact" if newest else "no checkpoint was written yet"
+
+
+def read_utf8(path: Path, fix: str = "save the file as UTF-8") -> str:
+    """The text of a UTF-8 file (a leading byte-order mark dropped); a byte that is not UTF-8 raises
+    one line naming the file, the line and the byte, and `fix`."""
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as error:
+        line = data[: error.start].count(b"\n") + 1
+        raise UserError(f"{path}:{line}: not UTF-8 text (byte {data[error.start]:#04x}); {fix}") from None
 
 
 def one_line(text: object, limit: int = 500) -> str:

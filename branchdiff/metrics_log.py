@@ -16,22 +16,17 @@ import json
 from pathlib import Path
 
 from branchdiff import storage
-from branchdiff.errors import UserError
+from branchdiff.errors import UserError, read_utf8
 
 
 def append(path: Path, metrics: dict) -> None:
+    """One iteration's metrics as one line."""
     storage.append_line(path, json.dumps(metrics))
 
 
 def read(path: Path) -> list[tuple[int, str]]:
     """(iteration, line) of every complete line of a metrics.jsonl."""
-    data = path.read_bytes()
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as error:
-        line = data[: error.start].count(b"\n") + 1
-        raise UserError(f"{path}:{line}: not UTF-8 text (byte {data[error.start]:#04x}); delete that line (the run rewrites "
-                        "the lines after its checkpoint) and resume again") from None
+    text = read_utf8(path, "delete that line (the run rewrites the lines after its checkpoint) and resume again")
     lines = text.splitlines()
     rows = []
     for number, line in enumerate(lines, start=1):

@@ -15,11 +15,13 @@ from branchdiff.rewards.registry import check_reward_kwargs, resolve_reward
 
 
 def check_inputs(config: TrainConfig) -> None:
-    """Raise a one-line error for a reward that does not resolve or a prompt source that does not read."""
-    for value in (config.reward, config.eval_rewards):
+    """Raise a one-line error for a reward that does not resolve or a prompt source that does not read
+    (evaluation rewards and prompts only when the run evaluates)."""
+    evaluates = config.final_eval or config.eval_every
+    for value in (config.reward, *([config.eval_rewards] if evaluates else [])):
         for spec in parse_reward_specs(value):
             if spec.remote is None:
                 check_reward_kwargs(spec.name, resolve_reward(spec.name), spec.kwargs)
     load_prompt_set(config.prompts.train)
-    if config.final_eval or config.eval_every:
+    if evaluates:
         load_prompt_set(config.prompts.eval)

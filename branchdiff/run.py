@@ -26,11 +26,10 @@ from __future__ import annotations
 
 import signal
 import sys
-import uuid
 from pathlib import Path
 
 import torch
-from accelerate.utils import broadcast_object_list
+from accelerate import Accelerator
 from tqdm.auto import tqdm
 
 from branchdiff import metrics_log, storage
@@ -103,12 +102,7 @@ def stop_reason(config: TrainConfig, metrics: dict[str, float], skipped_in_a_row
 def train(trainer: Trainer) -> None:
     """Iterations start_iteration .. iterations-1, then the final LoRA in run_dir/lora. A full disk
     or a silent process ends it with one line (`CheckpointError`, `watchdog.CollectiveTimeout`)."""
-    accelerator = trainer.accelerator
-    heartbeat = None
-    if accelerator.num_processes > 1:
-        job = broadcast_object_list([uuid.uuid4().hex])[0]  # names this launch in every process's heartbeat
-        heartbeat = Heartbeat(trainer.run_dir, accelerator.process_index, accelerator.num_processes,
-                              trainer.config.collective_timeout, trainer.newest_checkpoint, job).start()
+    heartbeat = trainer.heartbeat
     try:
         _train(trainer, heartbeat)
     except storage.DiskFull as error:
@@ -165,7 +159,7 @@ def _train(trainer: Trainer, heartbeat: Heartbeat | None) -> None:
         storage.replace_folder(run_dir / "lora", lambda folder: trainer.adapter.save_lora(folder))
 
 
-def _end_trackers(accelerator) -> None:
+def _end_trackers(accelerator: Accelerator) -> None:
     """Flush and close TensorBoard, on a stop too; a full disk here is not a second error (the run
     reports the first, and TensorBoard readers skip a last record cut short)."""
     try:

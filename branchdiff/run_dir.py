@@ -7,7 +7,8 @@ once with one line naming the holder's pid and host. The operating system drops 
 process that died, so a stale lock file is simply taken over. A new run refuses a folder that
 already holds a run (metrics or checkpoints) unless it resumes, and the claim is checked before the
 model loads: when anything fails before the run writes its first file, `RunDirectory.abandon`
-removes the folder again if the claim created it.
+removes the folder again if the claim created it. Once claimed, what the writes of a killed run
+left behind (`storage.clean_leftovers`) is removed.
 """
 
 from __future__ import annotations
@@ -18,16 +19,19 @@ import shutil
 import socket
 import time
 from pathlib import Path
+from typing import TextIO
 
+from branchdiff import storage
 from branchdiff.errors import UserError
 
 LOCK_FILE = ".lock"
+HEARTBEATS = ".heartbeat"  # branchdiff/watchdog.py's folder
 
 
 class RunDirectory:
     """A claimed run directory: holds the lock while the process lives."""
 
-    def __init__(self, path: Path, created: bool, created_lock: bool, handle) -> None:
+    def __init__(self, path: Path, created: bool, created_lock: bool, handle: TextIO) -> None:
         self.path, self.created, self.created_lock, self._handle = path, created, created_lock, handle
         handle.seek(0)
         self._previous_holder = handle.read()  # the lock file's text before this claim, restored by `abandon`
@@ -50,15 +54,16 @@ class RunDirectory:
             self._handle.truncate()
             self._handle.write(self._previous_holder)
         self.release()
-        if self.created and not any(self.path.iterdir()):
+        if self.created and {p.name for p in self.path.iterdir()} <= {HEARTBEATS}:  # what other processes of the launch may have begun
             shutil.rmtree(self.path, ignore_errors=True)
 
 
 def holds_a_run(path: Path) -> bool:
+    """Whether `path` holds a run's metrics or checkpoints."""
     return (path / "metrics.jsonl").exists() or (path / "checkpoints").exists()
 
 
-def _lock(handle) -> bool:
+def _lock(handle: TextIO) -> bool:
     """Take the exclusive lock without waiting; False when another process holds it."""
     try:
         import fcntl
@@ -71,16 +76,22 @@ def _lock(handle) -> bool:
     return True
 
 
-def _holder(handle) -> str:
-    handle.seek(0)
-    try:
-        owner = json.loads(handle.read() or "{}")
-        return f"pid {owner['pid']} on {owner['host']}, since {owner['started']}"
-    except (ValueError, KeyError, TypeError):
-        return "a process that has not written its pid yet"
+def _holder(handle: TextIO, wait: float = 2.0) -> str:
+    """Who holds the lock, from the lock file's text; a holder that has just taken it writes it
+    within moments, so the text is read again for up to `wait` seconds."""
+    deadline = time.monotonic() + wait
+    while True:
+        handle.seek(0)
+        try:
+            owner = json.loads(handle.read() or "{}")
+            return f"pid {owner['pid']} on {owner['host']}, since {owner['started']}"
+        except (ValueError, KeyError, TypeError):
+            if time.monotonic() > deadline:
+                return "a process that has not written its pid yet"
+            time.sleep(0.05)
 
 
-def _open_locked(path: Path) -> tuple[object, bool, bool]:
+def _open_locked(path: Path) -> tuple[TextIO, bool, bool]:
     """(handle of RUN_DIR/.lock, whether this call created the file, whether it holds the lock);
     retried when the file it locked was removed or replaced meanwhile."""
     lock = path / LOCK_FILE
@@ -124,4 +135,6 @@ def claim(path: Path, resume: bool) -> RunDirectory:
     except OSError as error:
         run.abandon()
         raise UserError(f"output_dir {path} is not writable ({error.strerror or error}); pass output_dir= a folder you can write to") from None
+    for folder in (path, path / "samples"):  # what a killed run's writes left (the lock says no other run is writing)
+        storage.clean_leftovers(folder)
     return run

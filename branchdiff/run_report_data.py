@@ -139,8 +139,8 @@ def read_run(run_dir: Path) -> Run:
     except yaml.YAMLError:
         config = None
     try:
-        evaluation = json.loads(eval_path.read_text()) if eval_path.is_file() else None
-    except json.JSONDecodeError:
+        evaluation = json.loads(eval_path.read_bytes()) if eval_path.is_file() else None
+    except ValueError:  # not JSON, or not UTF-8 text
         evaluation = None
     return Run(run_dir, np.array([r["iteration"] for r in rows], dtype=float), columns(rows),
                config if isinstance(config, dict) else None, config_text, evaluation if isinstance(evaluation, dict) else None)

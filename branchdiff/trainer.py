@@ -18,13 +18,15 @@ import json
 import shutil
 import sys
 import time
+import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import DistributedDataParallelKwargs, InitProcessGroupKwargs, ProjectConfiguration, set_seed
+from accelerate.utils import DistributedDataParallelKwargs, InitProcessGroupKwargs, ProjectConfiguration, broadcast_object_list, set_seed
 
 from branchdiff import checkpoint, metrics_log, prune, storage
 from branchdiff.advantage import depthwise_advantages, fuse_rewards
@@ -44,7 +46,7 @@ from branchdiff.rewards.multi import MultiReward, RewardBatch, build_component
 from branchdiff.rollout import NoiseAddress, Rollout, SamplerSettings, grow
 from branchdiff.tree import build_tree
 from branchdiff.update import PolicyUpdate
-from branchdiff.watchdog import backend_timeout
+from branchdiff.watchdog import Heartbeat, backend_timeout
 
 
 @dataclass
@@ -96,6 +98,7 @@ class Trainer:
                              InitProcessGroupKwargs(timeout=timedelta(seconds=backend_timeout(config.collective_timeout)))],
         )
         self.collective = AcceleratorCollective(self.accelerator)
+        self.heartbeat = self._start_heartbeat() if self.accelerator.num_processes > 1 else None
         resumed = self.select_checkpoint(resume) if resume else None
         self.settings = sampler_settings(config)
         set_seed(config.seed)
@@ -172,23 +175,29 @@ class Trainer:
         main = self.accelerator.is_main_process
         if main and self.checkpoint_dir.exists():
             checkpoint.clean_interrupted(self.checkpoint_dir)
-        kept = checkpoint.checkpoints(self.checkpoint_dir)
+        previous = checkpoint.newest(self.checkpoint_dir)
+        needed = storage.tree_size(previous) if previous else 0  # the last checkpoint's size, else what was written
         self.accelerator.wait_for_everyone()
-        failure: Exception | None = None
-        try:
-            with storage.disk_full_as_error(final, storage.tree_size(kept[-1]) if kept else 0):
-                self.accelerator.save_state(str(staging))
-                self.accelerator.wait_for_everyone()  # every process's RNG state is in staging before the manifest
+
+        def attempt(write: Callable[[], None], only_main: bool = False) -> None:
+            """`write` on every process (or the main one), then one reduction that is also the barrier:
+            a failure anywhere removes the staging folder and stops every process together."""
+            failure: Exception | None = None
+            if main or not only_main:
+                try:
+                    with storage.disk_full_as_error(final, needed, partial=staging):
+                        write()
+                except Exception as error:  # torch, safetensors and the OS each raise their own type
+                    failure = error
+            if self.collective.max(torch.tensor([float(failure is not None)])).item() > 0:
                 if main:
-                    checkpoint.write_state(staging, iteration, to_dict(self.config), self.accelerator.num_processes, self.run_state)
-                    checkpoint.write_manifest(staging)
-        except Exception as error:  # torch, safetensors and the OS each raise their own type
-            failure = error
-        if self.collective.max(torch.tensor([float(failure is not None)])).item() > 0:  # every process stops together
-            if main:
-                shutil.rmtree(staging, ignore_errors=True)
-            raise failure or CheckpointError(f"another process could not write its part of checkpoint {final}; its error is in its "
-                                             "output; the published checkpoints are intact; continue with --resume latest")
+                    shutil.rmtree(staging, ignore_errors=True)
+                raise failure or CheckpointError(f"another process could not write its part of checkpoint {final} (its error is in "
+                                                 "its output); the published checkpoints are intact; continue with --resume latest")
+
+        attempt(lambda: self.accelerator.save_state(str(staging)))  # every process's RNG state is in staging after it
+        attempt(lambda: (checkpoint.write_state(staging, iteration, to_dict(self.config), self.accelerator.num_processes, self.run_state),
+                         checkpoint.write_manifest(staging)), only_main=True)
         if main:
             checkpoint.publish(staging, final)
             checkpoint.prune(self.checkpoint_dir, self.config.logging.checkpoints_total_limit)
@@ -196,8 +205,14 @@ class Trainer:
 
     def newest_checkpoint(self) -> Path | None:
         """The newest published checkpoint folder, or None."""
-        found = checkpoint.checkpoints(self.checkpoint_dir) if self.checkpoint_dir.exists() else []
-        return found[-1] if found else None
+        return checkpoint.newest(self.checkpoint_dir)
+
+    def _start_heartbeat(self) -> Heartbeat:
+        """With several processes, this process's heartbeat and its watch over the others
+        (branchdiff/watchdog.py), started before the first collective that could wait on a frozen rank."""
+        job = broadcast_object_list([uuid.uuid4().hex])[0]  # names this launch in every process's heartbeat
+        return Heartbeat(self.run_dir, self.accelerator.process_index, self.accelerator.num_processes,
+                         self.config.collective_timeout, self.newest_checkpoint, job).start()
 
     def select_checkpoint(self, which: str) -> checkpoint.Selected:
         """The checkpoint to resume from (`checkpoint.select`: checked, `latest` falling back past
@@ -214,9 +229,12 @@ class Trainer:
         checkpoint.check_processes(selected.state.get("num_processes"), self.accelerator.num_processes, selected.path)
         if (self.run_dir / "metrics.jsonl").is_file():
             metrics_log.read(self.run_dir / "metrics.jsonl")
+        self.accelerator.wait_for_everyone()  # every process has chosen before damaged checkpoints are set aside
         if self.accelerator.is_main_process:
             for notice in selected.notices:
                 print(f"branchdiff: {notice}", file=sys.stderr)
+            for damaged in selected.skipped:
+                checkpoint.set_aside(damaged)
         return selected
 
     def _load_checkpoint(self, selected: checkpoint.Selected) -> None:

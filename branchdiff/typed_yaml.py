@@ -23,6 +23,8 @@ from typing import Any
 
 import yaml
 
+from branchdiff.errors import UserError, read_utf8
+
 
 class ConfigError(ValueError):
     """A configuration problem, described in one line."""
@@ -46,7 +48,6 @@ _Loader.yaml_implicit_resolvers = {  # the line above gave _Loader its own copy 
 # exactly YAML 1.2's core forms: safe_dump quotes every string YAML 1.1 reads as a bool, but not
 # e.g. 'tRuE', which must read back as the string it was
 _Loader.add_implicit_resolver("tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF"))
-
 
 
 def _construct_unique_mapping(loader: yaml.SafeLoader, node: yaml.MappingNode) -> dict:
@@ -121,10 +122,9 @@ def key_lines(text: str) -> dict[str, int]:
 
 def read_yaml(path: Path) -> tuple[dict, dict[str, int]]:
     try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as error:
-        line = path.read_bytes()[: error.start].count(b"\n") + 1
-        raise ConfigError(f"{path}:{line}: not UTF-8 text (byte {path.read_bytes()[error.start]:#04x}); save the file as UTF-8") from None
+        text = read_utf8(path)
+    except UserError as error:
+        raise ConfigError(str(error)) from None
     try:
         data = yaml.load(text, Loader=_Loader) or {}
     except DuplicateKey as error:

@@ -26,11 +26,12 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from branchdiff.errors import UserError
+from branchdiff.errors import UserError, checkpoint_kept, one_line
 
 FOLDER = ".heartbeat"
 
@@ -56,13 +57,15 @@ def _read(path: Path) -> dict | None:
 class Heartbeat:
     """This process's heartbeat and its watch over the others' (module doc)."""
 
-    def __init__(self, run_dir: Path, rank: int, world: int, timeout: float, newest_checkpoint, job: str) -> None:
+    def __init__(self, run_dir: Path, rank: int, world: int, timeout: float, newest_checkpoint: Callable[[], Path | None],
+                 job: str) -> None:
         self.folder = run_dir / FOLDER
         self.job = job  # the same on every process of this launch: heartbeats left by an earlier launch are ignored
         self.rank, self.world, self.timeout = rank, world, timeout
         self.period = min(max(timeout / 10, 0.2), 10.0)
-        self.newest_checkpoint = newest_checkpoint  # () -> Path | None
+        self.newest_checkpoint = newest_checkpoint
         self.activity = "starting"
+        self._writing = threading.Lock()  # the main thread (`doing`) and the watch both beat
         self._seen: dict[int, tuple[float, float]] = {}  # rank → (its last heartbeat's time, when it changed on this clock)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="branchdiff-heartbeat", daemon=True)
@@ -89,11 +92,12 @@ class Heartbeat:
         beat = {"job": self.job, "pid": os.getpid(), "ppid": os.getppid(), "host": socket.gethostname(), "state": state,
                 "activity": self.activity, "time": time.time()}
         tmp = self.folder / f".rank-{self.rank}.tmp"
-        try:
-            tmp.write_text(json.dumps(beat))
-            os.replace(tmp, self.folder / f"rank-{self.rank}.json")
-        except OSError:  # a full disk must not stop the watch; the writers report it
-            pass
+        with self._writing:
+            try:
+                tmp.write_text(json.dumps(beat))
+                os.replace(tmp, self.folder / f"rank-{self.rank}.json")
+            except OSError:  # a full disk must not stop the watch; the writers report it
+                pass
 
     def peers(self) -> dict[int, dict]:
         """The other ranks' last heartbeats of this launch that can be read from here."""
@@ -136,21 +140,31 @@ class Heartbeat:
         """The one line: who is silent, for how long, doing what; the intact checkpoint; the fix."""
         who = "; ".join(f"rank {r} (pid {b.get('pid')} on {b.get('host')}, silent for {b.get('quiet', 0):.0f} s, last in {b.get('activity')})"
                         for r, b in sorted(silent.items()))
-        newest = self.newest_checkpoint()
-        kept = f"the newest complete checkpoint, {newest}, is intact" if newest else "no checkpoint was written yet"
-        return (f"process {who} stopped responding for more than collective_timeout = {self.timeout:g} s, so the job ends; {kept}; "
+        return (f"process {who} stopped responding for more than collective_timeout = {self.timeout:g} s, so the job ends; "
+                f"{checkpoint_kept(self.newest_checkpoint())}; "
                 "find why it stalled (a stopped or frozen process, a hung device), then continue with --resume latest "
                 "(raise collective_timeout= if it was only slow)")
 
     def explain(self, error: BaseException) -> CollectiveTimeout | None:
-        """A collective's failure as the one line, when it looks like a timeout or a lost peer."""
-        text = str(error).lower()
-        if not any(word in text for word in ("timed out", "timeout", "connection closed", "connection reset", "broken pipe")):
-            return None
+        """A collective's failure as the one line (`explain_failure`), naming the silent ranks, else
+        the ranks last seen doing something else than this one."""
         silent = self.silent() or {r: b for r, b in self.peers().items() if b.get("activity") != self.activity}
-        if silent:
+        if silent and is_collective_failure(error):
             return CollectiveTimeout(self.line(silent))
-        newest = self.newest_checkpoint()
-        kept = f"the newest complete checkpoint, {newest}, is intact" if newest else "no checkpoint was written yet"
-        return CollectiveTimeout(f"a collective failed after waiting for another process ({' '.join(str(error).split())[:200]}); "
-                                 f"{kept}; check the other processes' output, then continue with --resume latest")
+        return explain_failure(error, self.newest_checkpoint())
+
+
+def is_collective_failure(error: BaseException) -> bool:
+    """Whether an exception is a collective that timed out or lost its peer (gloo, NCCL)."""
+    text = str(error).lower()
+    return any(word in text for word in ("timed out", "timeout", "connection closed", "connection reset", "broken pipe"))
+
+
+def explain_failure(error: BaseException, newest_checkpoint: Path | None) -> CollectiveTimeout | None:
+    """A collective's failure as one line when no heartbeat names the rank (before the watch starts,
+    or a rank that beats but never arrives); None for any other error."""
+    if not is_collective_failure(error):
+        return None
+    return CollectiveTimeout(f"a collective failed after waiting for another process ({one_line(error, 200)}); "
+                             f"{checkpoint_kept(newest_checkpoint)}; check the other processes' output (the first error there is "
+                             "the cause), then continue with --resume latest")

@@ -46,32 +46,32 @@ SPEC_KEYS = ("name", "remote", "weight", "required", "kwargs")
 SPEC_FORM = "a reward name or dotted path, a mapping {name: ..., weight: 1.0, required: true, kwargs: {...}} or {remote: URL, ...}, or a list of these"
 
 
-def parse_reward_specs(value: object) -> list[RewardSpec]:
-    """The components named by a config's `reward` value (see SPEC_FORM); ValueError in one line."""
+def parse_reward_specs(value: object, key: str = "reward") -> list[RewardSpec]:
+    """The components named by a config's `key` (`reward`, `eval_rewards`; see SPEC_FORM); ValueError in one line naming the key."""
     entries = value if isinstance(value, list) else [value]
     if not entries:
-        raise ValueError(f"'reward' is an empty list; it must be {SPEC_FORM}")
+        raise ValueError(f"'{key}' is an empty list; it must be {SPEC_FORM}")
     specs = []
     for entry in entries:
         if isinstance(entry, str) and entry:
             specs.append(RewardSpec(name=entry))
             continue
         if not isinstance(entry, dict):
-            raise ValueError(f"'reward' entry {entry!r} must be {SPEC_FORM}")
+            raise ValueError(f"'{key}' entry {entry!r} must be {SPEC_FORM}")
         unknown = sorted(set(entry) - set(SPEC_KEYS))
         if unknown:
-            raise ValueError(f"'reward' entry {entry!r}: unknown keys {unknown}; allowed: {', '.join(SPEC_KEYS)}")
+            raise ValueError(f"'{key}' entry {entry!r}: unknown keys {unknown}; allowed: {', '.join(SPEC_KEYS)}")
         if ("name" in entry) == ("remote" in entry):
-            raise ValueError(f"'reward' entry {entry!r} needs exactly one of 'name' and 'remote'")
+            raise ValueError(f"'{key}' entry {entry!r} needs exactly one of 'name' and 'remote'")
         weight = entry.get("weight", 1.0)
         if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight):
-            raise ValueError(f"'reward' entry {entry!r}: weight must be a finite number")
+            raise ValueError(f"'{key}' entry {entry!r}: weight must be a finite number")
         if not isinstance(entry.get("required", True), bool) or not isinstance(entry.get("kwargs", {}), dict):
-            raise ValueError(f"'reward' entry {entry!r}: required must be true or false and kwargs a mapping")
+            raise ValueError(f"'{key}' entry {entry!r}: required must be true or false and kwargs a mapping")
         specs.append(RewardSpec(entry.get("name"), entry.get("remote"), float(weight), entry.get("required", True), dict(entry.get("kwargs", {}))))
     labels = [spec.label for spec in specs]
     if len(set(labels)) != len(labels):
-        raise ValueError(f"'reward' names a component twice: {labels}; give each reward once, with its weight")
+        raise ValueError(f"'{key}' names a component twice: {labels}; give each reward once, with its weight")
     return specs
 
 

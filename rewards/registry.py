@@ -16,6 +16,7 @@ from __future__ import annotations
 import difflib
 import importlib
 import inspect
+from collections.abc import Callable
 from dataclasses import dataclass
 from importlib.metadata import entry_points
 from importlib.util import find_spec
@@ -76,7 +77,7 @@ def _construct(factory, name: str, device: str, kwargs: dict) -> object:
         raise ValueError(f"reward {name!r}: {error}; check its kwargs") from None
 
 
-def resolve_reward(name: str):
+def resolve_reward(name: str) -> Callable[..., object]:
     """The class or factory `name` names (registered name, entry point or dotted path), imported but
     not built: what a run checks before it loads anything."""
     if name in REGISTRY:
@@ -99,7 +100,7 @@ def resolve_reward(name: str):
     raise ValueError(f"unknown reward {quote(name)}{hint}; available: {', '.join(known)}, or a dotted path 'package.module:Name'")
 
 
-def check_reward_kwargs(name: str, factory, kwargs: dict) -> None:
+def check_reward_kwargs(name: str, factory: Callable[..., object], kwargs: dict) -> None:
     """Refuse keyword arguments the reward's class or factory does not take (before it is built)."""
     try:
         parameters = inspect.signature(factory).parameters

@@ -13,9 +13,14 @@ Scores per image against its prompt (n detected objects, c the prompt's count):
     count      = 1[n = c]                 colour/shape/position = 1[n ≥ 1 and every object matches]
     strict     = count · colour · shape · position
     partial    = mean(max(0, 1 - |n - c| / 3), f_colour, f_shape, f_position)
-where f_a is the fraction of detected objects whose attribute a matches (0 when n = 0). The
-reward returned by `TinyGenEval.__call__` is `partial` (dense enough for GRPO); `strict` and the
-binary attributes are reported by `TinyGenEval.score`.
+    f_a        = min(m_a, c) / max(n, c)
+where m_a counts the detected objects whose attribute a matches. A missing or an extra object
+lowers every f_a as well as the count term, so drawing fewer objects than asked (dropping the one
+whose shape came out wrong) never wins credit: with two asked, one correct object scores
+mean(2/3, 1/2, 1/2, 1/2) ≈ 0.54, two objects with one wrong shape mean(1, 1, 1/2, 1) = 0.875.
+(Dividing by n instead, the fraction of the objects drawn, gave the single object 0.92 and taught
+the policy to drop objects.) The reward returned by `TinyGenEval.__call__` is `partial` (dense
+enough for GRPO); `strict` and the binary attributes are reported by `TinyGenEval.score`.
 """
 
 from __future__ import annotations
@@ -108,7 +113,7 @@ def score_image(image: np.ndarray, prompt: TinyPrompt) -> dict[str, float]:
     fractions = []
     for name, hits in matches.items():
         scores[name] = float(n > 0 and all(hits))
-        fractions.append(float(np.mean(hits)) if n else 0.0)
+        fractions.append(min(sum(hits), prompt.count) / max(n, prompt.count))
     scores["strict"] = float(all(scores[a] for a in ATTRIBUTES))
     scores["partial"] = float(np.mean([max(0.0, 1 - abs(n - prompt.count) / 3), *fractions]))
     return scores
@@ -120,7 +125,7 @@ class TinyGenEval:
     name = "tiny-geneval"
     reward_key = "partial"  # the key of `score` that is the reward
     score_keys = ("strict", "partial", *ATTRIBUTES)  # every key `score` returns
-    scale = "partial credit in [0, 1]: mean of count, colour, shape and position scores"
+    scale = "partial credit in [0, 1]: mean of count, colour, shape and position scores, missing and extra objects counted against each"
 
     def __init__(self, device: str | torch.device = "cpu") -> None:
         self.device = torch.device(device)

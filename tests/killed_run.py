@@ -4,7 +4,9 @@
 - `write_state`: SIGKILL on the N-th checkpoint's trainer_state.json write (accelerate's files are
   already in the staging folder, the checkpoint is not published);
 - `sigint`: SIGINT (Ctrl-C) to itself at the start of the update of iteration N, on process 0 only;
-- `sigstop`: SIGSTOP to itself at the start of iteration N, on process 1 only (a frozen rank).
+- `sigstop`: SIGSTOP to itself at the start of iteration N, on process 1 only (a frozen rank);
+- `enospc`: on process 0 only, accelerate's file writes into the N-th iteration's checkpoint fail
+  with ENOSPC, as on a full disk (process 1 writes its part).
 Under `accelerate launch` every process runs this script.
 """
 
@@ -61,6 +63,19 @@ elif point == "sigstop":
         return run_iteration(self, iteration, *args, **kwargs)
 
     Trainer.run_iteration = frozen_run_iteration
+elif point == "enospc":
+    import errno
+
+    import accelerate.checkpointing
+
+    save = accelerate.checkpointing.save
+
+    def full_disk(obj, path, *args, **kwargs):
+        if os.environ.get("RANK") == "0" and f"staging-{target:06d}" in str(path):
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        return save(obj, path, *args, **kwargs)
+
+    accelerate.checkpointing.save = full_disk
 else:
     raise SystemExit(f"unknown point {point!r}")
 sys.exit(main(sys.argv[3:]))

@@ -123,9 +123,17 @@ def test_two_runs_started_at_once_on_one_output_dir_one_trains_the_other_stops(t
 
 
 def test_a_lock_left_by_a_dead_run_is_taken_over(tiny_model_dir, tmp_path):
+    """A run that locked the folder and was killed (SIGKILL: no clean-up) leaves its lock file; the
+    operating system released the lock with the process, so the next run takes it over."""
     run = tmp_path / "run"
     run.mkdir()
-    (run / ".lock").write_text('{"pid": 999999, "host": "gone", "started": "2026-01-01 00:00:00"}')  # nobody holds it
+    holder = ("import fcntl, json, os, signal, sys\n"
+              "handle = open(sys.argv[1], 'a+')\n"
+              "fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)\n"
+              "handle.write(json.dumps({'pid': os.getpid(), 'host': 'here', 'started': 'then'})); handle.flush()\n"
+              "os.kill(os.getpid(), signal.SIGKILL)\n")
+    killed = subprocess.run([sys.executable, "-c", holder, str(run / ".lock")], capture_output=True)
+    assert killed.returncode == -9 and json.loads((run / ".lock").read_text())["pid"] > 0
     assert main(train_args(tiny_model_dir, run, 1)) == 0
     assert json.loads((run / ".lock").read_text())["pid"] == os.getpid()
 
@@ -191,3 +199,36 @@ def test_every_writer_on_a_full_filesystem_raises_disk_full_and_keeps_the_old_fi
     after = {p.relative_to(folder): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
     assert after == before  # no leftover, nothing changed
     assert [iteration for iteration, _ in metrics_log.read(folder / "metrics.jsonl")] == [0]
+
+
+def test_what_a_killed_write_left_is_cleaned_when_the_folder_is_claimed_again(tiny_model_dir, tmp_path):
+    """A process killed inside a write leaves `.NAME.tmp` or `.NAME.staging` (and, between the two
+    renames of a folder, `.lora.replaced` without `lora`): the next run on the folder removes them
+    and puts the replaced folder back."""
+    run = tmp_path / "run"
+    assert main(train_args(tiny_model_dir, run, 1)) == 0
+    exported = (run / "lora" / LORA).read_bytes()
+    (run / "lora").rename(run / ".lora.replaced")  # killed between replace_folder's renames
+    (run / ".lora.staging").mkdir()
+    (run / ".lora.staging" / LORA).write_bytes(b"half")
+    (run / ".report.html.tmp").write_text("<html")
+    (run / "samples").mkdir(exist_ok=True)
+    (run / "samples" / ".eval-iter-000000.png.tmp").write_bytes(b"\x89PNG")
+    assert main(train_args(tiny_model_dir, run, 1, "--resume", "latest")) == 0  # nothing left to train: it claims, then ends
+    leftovers = sorted(p.name for p in [*run.iterdir(), *(run / "samples").iterdir()] if p.name.endswith((".tmp", ".staging", ".replaced")))
+    assert leftovers == [] and (run / "lora" / LORA).read_bytes() == exported
+
+
+def test_clean_leftovers_puts_a_replaced_folder_back_and_removes_the_rest(tmp_path):
+    from branchdiff.storage import clean_leftovers
+
+    (tmp_path / ".lora.replaced").mkdir()
+    (tmp_path / ".lora.replaced" / LORA).write_bytes(b"old")  # its successor never got the name
+    (tmp_path / "report.html").write_text("new")
+    (tmp_path / ".report.html.replaced").write_text("older")  # its successor did: the old one goes
+    (tmp_path / ".config.yaml.tmp").write_text("half")
+    (tmp_path / ".lock").write_text("{}")  # not a leftover
+    removed = clean_leftovers(tmp_path)
+    assert sorted(p.name for p in removed) == [".config.yaml.tmp", ".report.html.replaced"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".lock", "lora", "report.html"]
+    assert (tmp_path / "lora" / LORA).read_bytes() == b"old"

@@ -211,10 +211,38 @@ def test_a_frozen_rank_ends_the_job_with_one_line_naming_it_and_the_run_resumes_
 
     assert [p.name for p in checkpoint.checkpoints(run / "checkpoints")] == ["iter-000000", "iter-000001"]
     assert checkpoint.verify(run / "checkpoints" / "iter-000001")[1] is None
+    lora = run / "checkpoints" / "iter-000001" / "pytorch_lora_weights.safetensors"
+    lora.write_bytes(lora.read_bytes()[:1000])  # and then its newest checkpoint is damaged: both processes fall back alike
     resumed = launch_two(None, [*args, "iterations=3", "--resume", "latest"])
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    mine, reference = (load_file(folder / "lora" / "pytorch_lora_weights.safetensors") for folder in (run, two_process_run["run"]))
-    assert mine.keys() == reference.keys() and all(torch.equal(mine[k], reference[k]) for k in mine)
+    assert resumed.stderr.count(f"branchdiff: skipping checkpoint {run / 'checkpoints' / 'iter-000001'}: damaged") == 1  # said once
+    assert (run / "checkpoints" / ".damaged-000001").is_dir()
+    _assert_same_lora(run, two_process_run["run"])
+
+
+def _assert_same_lora(run: Path, reference: Path) -> None:
+    mine, theirs = (load_file(folder / "lora" / "pytorch_lora_weights.safetensors") for folder in (run, reference))
+    assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
+
+
+def test_a_full_disk_on_one_process_stops_both_at_the_checkpoint_and_the_run_resumes_exactly(two_process_run, tmp_path):
+    """Process 0's writes into iteration 1's checkpoint fail (ENOSPC): both processes stop together
+    at once (no collective left waiting), process 0 with the full-disk line, the staging folder is
+    removed and checkpoint 0 kept; `--resume latest` then ends with the uninterrupted run's LoRA."""
+    run = tmp_path / "run"
+    args = ["train", "tiny-chain", *_overrides(two_process_run["model_dir"], run, PER_PROCESS), "final_eval=false", "collective_timeout=60"]
+    start = time.monotonic()
+    stopped = launch_two(None, ["enospc", "1", *args, "iterations=3"], program=[str(TESTS / "killed_run.py")], timeout=240)
+    assert stopped.returncode != 0 and time.monotonic() - start < 60, stopped.stderr[-3000:]  # far below the 60 + 30 s timeouts
+    lines = [line for line in stopped.stderr.replace("\r", "\n").splitlines() if line.startswith("branchdiff: error: ")]
+    assert sorted(line.split(" ")[2] for line in lines) == ["another", "could"], lines  # one line per process
+    full = next(line for line in lines if line.startswith("branchdiff: error: could not write"))
+    assert f"could not write {run / 'checkpoints' / 'iter-000001'} (No space left on device: " in full
+    assert f"the newest complete checkpoint, {run / 'checkpoints' / 'iter-000000'}, is intact" in full
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["iter-000000"]
+    resumed = launch_two(None, [*args, "iterations=3", "--resume", "latest"])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    _assert_same_lora(run, two_process_run["run"])
 
 
 def test_eval_gives_the_same_numbers_on_two_processes(tiny_model_dir, tmp_path):

@@ -394,6 +394,8 @@ def test_an_empty_or_broken_run_still_renders(tmp_path):
     text = write_report(run).read_text()
     assert Page(text).sections == list(SECTIONS) and "No iteration logged yet" in text
     assert "could not be drawn" not in text and "unreadable" in text  # the half-written grid
+    (run / "eval.json").write_bytes(b'{"base": "caf\xe9"}')  # not UTF-8: a report must not stop the run that rebuilds it
+    assert "No iteration logged yet" in write_report(run).read_text()
 
 
 def test_a_directory_without_metrics_is_refused(tmp_path, capsys):

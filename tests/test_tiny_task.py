@@ -37,9 +37,28 @@ def test_partial_credit_formula():
     prompt = parse_prompt("two red circles on the left")
     image = render_batch([parse_prompt("one red circle on the left")], seed=3)
     scores = TinyGenEval().score(torch.from_numpy(image), [prompt.text])
-    # one object, everything right but the count: mean(1 - 1/3, 1, 1, 1)
-    assert scores["partial"].item() == pytest.approx((2 / 3 + 3) / 4)
+    # one object of two, everything right but the count: mean(1 - 1/3, 1/2, 1/2, 1/2), the missing object counted against each
+    assert scores["partial"].item() == pytest.approx((2 / 3 + 3 / 2) / 4)
     assert scores["strict"].item() == 0 and scores["count"].item() == 0 and scores["shape"].item() == 1
+    extra = TinyGenEval().score(torch.from_numpy(render_batch([prompt], seed=3)), ["one red circle on the left"])
+    # two correct objects for one asked: mean(1 - 1/3, min(2, 1)/2, 1/2, 1/2)
+    assert extra["partial"].item() == pytest.approx((2 / 3 + 3 / 2) / 4)
+
+
+def test_dropping_an_object_whose_shape_came_out_wrong_no_longer_pays():
+    """Two red circles asked: two objects with one drawn as a square beat one correct circle alone
+    (with credit as a fraction of the objects drawn, the single circle won, 0.92 against 0.875)."""
+    circle, square = shape_mask("circle", 8), shape_mask("square", 8)
+    both = np.zeros((3, IMAGE_SIZE, IMAGE_SIZE), dtype=np.float32)
+    red = np.asarray((0.9, 0.1, 0.1), dtype=np.float32)[:, None]
+    both[:, 3:11, 3:11][:, circle] = red
+    both[:, 20:28, 3:11][:, square] = red  # the left half, apart from the circle
+    one = both.copy()
+    one[:, 20:28, 3:11] = 0
+    scores = TinyGenEval().score(torch.from_numpy(np.stack([both, one])), ["two red circles on the left"] * 2)
+    assert scores["count"].tolist() == [1.0, 0.0] and scores["shape"].tolist() == [0.0, 1.0]
+    assert scores["partial"].tolist() == pytest.approx([(1 + 1 + 1 / 2 + 1) / 4, (2 / 3 + 3 / 2) / 4])
+    assert scores["partial"][0] > scores["partial"][1]
 
 
 def _place(mask: np.ndarray, color=(0.9, 0.1, 0.1)) -> np.ndarray:
