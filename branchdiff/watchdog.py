@@ -155,7 +155,10 @@ class Heartbeat:
 
 
 def is_collective_failure(error: BaseException) -> bool:
-    """Whether an exception is a collective that timed out or lost its peer (gloo, NCCL)."""
+    """Whether an exception is a collective that timed out or lost its peer: a RuntimeError of
+    torch.distributed's (gloo, NCCL) saying so; never one of branchdiff's own one-line errors."""
+    if not isinstance(error, RuntimeError) or isinstance(error, UserError):
+        return False
     text = str(error).lower()
     return any(word in text for word in ("timed out", "timeout", "connection closed", "connection reset", "broken pipe"))
 

@@ -66,6 +66,9 @@ def test_a_collective_timeout_is_explained_with_the_silent_rank_or_the_diverging
     watch.activity = "iteration 4"
     beat(watch, 1, at=1.0, activity="the checkpoint of iteration 3")
     assert watch.explain(RuntimeError("mat1 and mat2 shapes cannot be multiplied")) is None  # not a collective's failure
+    from branchdiff.config import ConfigError
+
+    assert watch.explain(ConfigError("the config differs ... (keys that may change: collective_timeout)")) is None  # regression
     explained = watch.explain(RuntimeError("[gloo] Timed out waiting 20000ms for recv operation to complete"))
     assert str(explained).startswith("process rank 1 (pid 101 on node, silent for 0 s, last in the checkpoint of iteration 3)")
     assert "no checkpoint was written yet" in str(explained)
