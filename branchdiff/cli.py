@@ -32,9 +32,9 @@ EXAMPLES = """examples:
   branchdiff serve-reward hpsv2.1 --port 8765 --device cuda:1   # then reward={remote: http://127.0.0.1:8765}
   accelerate launch --config_file $(branchdiff accelerate-config multi-gpu) -m branchdiff.cli train flux-hps-branch
 """
-RUN_DEFAULTS = """defaults: with --lora of a run (RUN/lora, or a checkpoint RUN/checkpoints/iter-N), every option left unset takes
-the run's own value from RUN/config.yaml (model, resolution, dtype, steps, shift, eval prompts, images per prompt,
-guidance, eval rewards), so `branchdiff eval --lora RUN/lora` reproduces the trained column of the run's final
+RUN_DEFAULTS = """defaults: with --weights of a run (RUN, RUN/lora, RUN/transformer, or a checkpoint RUN/checkpoints/iter-N), every
+option left unset takes the run's own value from RUN/config.yaml (model, resolution, dtype, steps, shift, eval prompts, images per prompt,
+guidance, eval rewards), so `branchdiff eval --weights RUN` reproduces the trained column of the run's final
 evaluation (a line names any setting that differs); otherwise the built-in tiny model, 10 steps, tiny:held_out,
 8 images per prompt, tiny-geneval."""
 
@@ -70,7 +70,9 @@ def _parser() -> argparse.ArgumentParser:
     for name, help_text in (("sample", "write PNGs for a prompt"), ("eval", "generate on a prompt set and score with rewards")):
         sub = commands.add_parser(name, help=help_text, epilog=RUN_DEFAULTS if name == "eval" else None,
                                   formatter_class=argparse.RawDescriptionHelpFormatter)
-        sub.add_argument("--lora", default=None, help="LoRA directory or .safetensors of a run (default: the base model)")
+        sub.add_argument("--weights", "--lora", dest="weights", default=None,
+                         help="what a run trained: the run folder, its lora/ (or .safetensors) or fine-tuned transformer/ (unet/) "
+                              "folder, or a checkpoint iter-N (default: the base model)")
         _model_arguments(sub)
         sub.add_argument("--steps", type=_at_least(1), default=None, help="ODE sampling steps (default: the run's, else 10)")
         sub.add_argument("--shift", type=_finite, default=None, help="σ schedule shift s (default: the family's own schedule)")

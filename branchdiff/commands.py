@@ -62,7 +62,10 @@ def cmd_train(args: argparse.Namespace) -> None:
         print(format_comparison(trainer.final_evaluation()))
     from branchdiff.run_report import write_report
 
-    print(f"run folder: {run_dir}/\n  LoRA:   {run_dir / 'lora'}/  (pipe.load_lora_weights loads it; branchdiff sample/eval --lora)\n"
+    how = ("pipe.load_lora_weights loads it" if trainer.finetune.export_name == "lora" else
+           f"{type(trainer.adapter.denoiser).__name__}.from_pretrained loads it")
+    print(f"run folder: {run_dir}/\n  weights: {run_dir / trainer.finetune.export_name}/  ({how}; "
+          f"branchdiff sample/eval --weights {run_dir})\n"
           f"  report: {write_report(run_dir)}\n  checkpoints: {trainer.checkpoint_dir}/ (continue with --resume latest)")
 
 
@@ -72,7 +75,7 @@ def _settings(args: argparse.Namespace) -> tuple[EvalSettings, Path | None]:
     from branchdiff.eval_settings import EvalSettings, differences, resolve
 
     given = {name: getattr(args, name, None) for name in EvalSettings.__dataclass_fields__}
-    settings, run, config = resolve(given, getattr(args, "lora", None))
+    settings, run, config = resolve(given, getattr(args, "weights", None))
     if run is not None:
         differ = differences(settings, config) if args.command == "eval" else []
         note = ("; differs from the run's final evaluation in " + ", ".join(differ)) if differ else (
@@ -91,15 +94,17 @@ def cmd_config(args: argparse.Namespace) -> None:
     print(yaml.safe_dump(to_dict(load_config(source or DEFAULT_PRESET, overrides)), sort_keys=False), end="")
 
 
-def _load(settings: EvalSettings, lora: str | None, device: str | object = "cpu") -> ModelAdapter:
-    """The model the settings name, with the LoRA loaded when given."""
+def _load(settings: EvalSettings, weights: str | None, device: str | object = "cpu") -> ModelAdapter:
+    """The model the settings name, with a run's trained weights loaded when given (`finetune.load_weights`)."""
     import torch
 
     from branchdiff.models import load_adapter
 
     adapter = load_adapter(settings.family, settings.model, device, settings.resolution, getattr(torch, settings.dtype))
-    if lora:
-        adapter.load_lora(lora)
+    if weights:
+        from branchdiff.finetune import load_weights
+
+        load_weights(adapter, weights)
     return adapter
 
 
@@ -124,7 +129,7 @@ def cmd_sample(args: argparse.Namespace) -> None:
     from branchdiff.evaluate import sample_ode
 
     settings, _ = _settings(args)
-    images, prompts = sample_ode(_load(settings, args.lora), args.prompt, settings.images_per_prompt, settings.steps, settings.shift,
+    images, prompts = sample_ode(_load(settings, args.weights), args.prompt, settings.images_per_prompt, settings.steps, settings.shift,
                                  guidance=settings.guidance)
     args.out.mkdir(parents=True, exist_ok=True)
     for index, (image, prompt) in enumerate(zip(images, prompts)):
@@ -149,8 +154,8 @@ def cmd_eval(args: argparse.Namespace) -> None:
     prompt_set = load_prompt_set(settings.prompts)
     specs = _reward_specs(settings.rewards) if isinstance(settings.rewards, str) else parse_reward_specs(settings.rewards)
     rewards = {spec.label: build_component(spec, args.device) for spec in specs}
-    out = args.out or Path("eval-" + (run.name if run else Path(args.lora or "base").stem))
-    result = evaluate(_load(settings, args.lora, state.device), prompt_set, rewards, settings.images_per_prompt, settings.steps,
+    out = args.out or Path("eval-" + (run.name if run else Path(args.weights or "base").stem))
+    result = evaluate(_load(settings, args.weights, state.device), prompt_set, rewards, settings.images_per_prompt, settings.steps,
                       settings.shift, settings.seed, state.process_index, state.num_processes, progress=state.is_local_main_process,
                       out_dir=out, guidance=settings.guidance)
     result = gather_results(result, state)
@@ -159,11 +164,11 @@ def cmd_eval(args: argparse.Namespace) -> None:
         return
     out.mkdir(parents=True, exist_ok=True)
     scales = {label: getattr(reward, "scale", "unspecified") for label, reward in rewards.items()}
-    extra = {"family": settings.family, "model": settings.model or "built-in tiny", "lora": args.lora, "steps": settings.steps,
+    extra = {"family": settings.family, "model": settings.model or "built-in tiny", "weights": args.weights, "steps": settings.steps,
              "seed": settings.seed, "shift": settings.shift, "guidance": settings.guidance}
     summary = write_outputs(result, out, scales, extra)
     print(f"{prompt_set.name}: {len(prompt_set.prompts)} prompts × {settings.images_per_prompt} images, "
-          f"{'LoRA ' + args.lora if args.lora else 'base model'}; images, scores.csv, grid.png in {out}/")
+          f"{'weights ' + args.weights if args.weights else 'base model'}; images, scores.csv, grid.png in {out}/")
     print(format_summary(summary["summary"]))
     if args.json:
         from branchdiff import storage

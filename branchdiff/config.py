@@ -20,7 +20,7 @@ from typing import Any
 
 import yaml
 
-from branchdiff.models.families import FAMILIES, STEP_KINDS
+from branchdiff.models.families import FAMILIES, LORA_TARGET_SETS, STEP_KINDS
 from branchdiff.typed_yaml import ConfigError, build, choice, in_range, merge, non_negative, parse_override, positive, read_yaml
 from branchdiff.prune import mix_sde_steps
 from branchdiff.rewards.combine import parse_reward_specs
@@ -36,6 +36,8 @@ class ModelConfig:
     resolution: int | None = in_range(None, 8, 8192)  # image side in pixels; None = the family's default (tiny 32, sd15 512, others 1024)
     dtype: str = choice("float32", "float32", "bfloat16", "float16")  # base weights' dtype (LoRA parameters stay float32)
     offload: bool = False  # keep text encoders and VAE on the CPU except while they run
+    finetune: str = choice("lora", "lora", "full")  # lora: a LoRA adapter (train.lora_rank, lora_alpha); full: every weight of the denoiser
+    lora_targets: str | list[str] = "attention"  # LoRA's modules: attention | attention+ff | all-linear, or module-name patterns
 
 
 @dataclass
@@ -201,6 +203,7 @@ def validate(config: TrainConfig) -> None:
     """Cross-field checks that single fields cannot express."""
     if not config.output_dir.strip():
         raise ConfigError("'output_dir' is empty; pass output_dir= a folder for the run, e.g. output_dir=runs/my-run")
+    _validate_finetune(config)
     family = FAMILIES[config.model.family]
     if family.fixed_resolution and config.model.resolution not in (None, family.resolution):
         raise ConfigError(f"'model.resolution' = {config.model.resolution}: model.family={config.model.family} makes only "
@@ -241,6 +244,20 @@ def validate(config: TrainConfig) -> None:
     _validate_trainable_steps(config)
     _validate_group_size(config)
     _validate_compared_depths(config)
+
+
+def _validate_finetune(config: TrainConfig) -> None:
+    """A named LoRA target set or a list of module-name patterns; full fine-tuning trains float32 weights."""
+    targets = config.model.lora_targets
+    if isinstance(targets, str) and targets not in LORA_TARGET_SETS:
+        close = difflib.get_close_matches(targets, LORA_TARGET_SETS, n=1)
+        raise ConfigError(f"'model.lora_targets' = {targets!r} is not a named set; allowed: {', '.join(LORA_TARGET_SETS)}, or a list of "
+                          f"module-name patterns such as [to_q, to_v]{f' (did you mean {close[0]!r}?)' if close else ''}")
+    if isinstance(targets, list) and (not targets or not all(t.strip() for t in targets)):
+        raise ConfigError(f"'model.lora_targets' = {targets!r}: give at least one module-name pattern, each non-empty")
+    if config.model.finetune == "full" and config.model.dtype != "float32":
+        raise ConfigError(f"'model.finetune' = 'full' trains the denoiser's own weights, which need model.dtype=float32 (got "
+                          f"{config.model.dtype!r}); compute in bf16 with train.mixed_precision=bf16, or fine-tune a LoRA")
 
 
 SPLIT_FORM = "[step, k] or [step, k, {noise_level: x}] with whole step and k"

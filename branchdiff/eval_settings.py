@@ -1,10 +1,11 @@
 """The settings of `branchdiff sample` and `branchdiff eval`: what the command line gives, else the
 settings of the run the LoRA comes from, else the built-in defaults.
 
-A LoRA of a run (`RUN/lora`, `RUN/lora/pytorch_lora_weights.safetensors` or a checkpoint
-`RUN/checkpoints/iter-N`) brings the run's `config.yaml`: its model (family, path, resolution,
+Weights of a run (the run folder `RUN`, `RUN/lora`, `RUN/lora/pytorch_lora_weights.safetensors`,
+a fully fine-tuned `RUN/transformer`, or a checkpoint `RUN/checkpoints/iter-N`) bring the run's
+`config.yaml`: its model (family, path, resolution,
 dtype) and its final evaluation's settings (prompts.eval, prompts.eval_seeds, sampling steps and
-shift, prompts.eval_guidance, eval_rewards). With those `branchdiff eval --lora RUN/lora`
+shift, prompts.eval_guidance, eval_rewards). With those `branchdiff eval --weights RUN`
 reproduces the `trained` column of the run's final evaluation (RUN/eval.json) exactly; a setting
 given on the command line that differs is named (`differences`).
 """
@@ -39,11 +40,11 @@ FROM_RUN = {"family": "model.family", "model": "model.path", "resolution": "mode
             "images_per_prompt": "prompts.eval_seeds", "prompts": "prompts.eval", "rewards": "eval_rewards"}
 
 
-def run_of(lora: str | None) -> Path | None:
-    """The run directory a LoRA path belongs to (the folder holding config.yaml), or None."""
-    if not lora:
+def run_of(weights: str | None) -> Path | None:
+    """The run directory a weights path belongs to (the folder holding config.yaml), or None."""
+    if not weights:
         return None
-    path = Path(lora)
+    path = Path(weights)
     for folder in (path, *path.parents[:3]):
         if (folder / "config.yaml").is_file() and ((folder / "metrics.jsonl").is_file() or (folder / "checkpoints").is_dir()):
             return folder
@@ -56,9 +57,9 @@ def _get(config: dict, dotted: str) -> object:
     return config
 
 
-def resolve(given: dict[str, object], lora: str | None) -> tuple[EvalSettings, Path | None, dict]:
-    """(settings, the run, its config) from the options `given` (None where unset) and the LoRA's run."""
-    run = run_of(lora)
+def resolve(given: dict[str, object], weights: str | None) -> tuple[EvalSettings, Path | None, dict]:
+    """(settings, the run, its config) from the options `given` (None where unset) and the weights' run."""
+    run = run_of(weights)
     config = yaml.safe_load((run / "config.yaml").read_text()) if run else {}
     config = config if isinstance(config, dict) else {}
     values = {}

@@ -35,6 +35,7 @@ from tqdm.auto import tqdm
 from branchdiff import metrics_log, storage
 from branchdiff.config import TrainConfig
 from branchdiff.errors import CheckpointError, RunStopped, is_out_of_memory, out_of_memory
+from branchdiff.finetune import export
 from branchdiff.report import save_grid
 from branchdiff.trainer import Trainer
 from branchdiff.watchdog import Heartbeat
@@ -100,7 +101,8 @@ def stop_reason(config: TrainConfig, metrics: dict[str, float], skipped_in_a_row
 
 
 def train(trainer: Trainer) -> None:
-    """Iterations start_iteration .. iterations-1, then the final LoRA in run_dir/lora. A full disk
+    """Iterations start_iteration .. iterations-1, then the export (RUN/lora, or the denoiser folder
+    of full fine-tuning: `finetune.export`). A full disk
     or a silent process ends it with one line (`CheckpointError`, `watchdog.CollectiveTimeout`)."""
     heartbeat = trainer.heartbeat
     try:
@@ -156,7 +158,7 @@ def _train(trainer: Trainer, heartbeat: Heartbeat | None) -> None:
         progress.close()
         _end_trackers(accelerator)
     if accelerator.is_main_process:
-        storage.replace_folder(run_dir / "lora", lambda folder: trainer.adapter.save_lora(folder))
+        export(trainer.finetune, run_dir)
 
 
 def _end_trackers(accelerator: Accelerator) -> None:

@@ -39,7 +39,7 @@ from branchdiff.explore import ExploreResult, explore_seeds, explore_tree, laten
 from branchdiff.metrics import iteration_metrics
 from branchdiff.models import load_adapter
 from branchdiff.models.base import ModelAdapter
-from branchdiff.models.lora import add_lora
+from branchdiff.finetune import make_finetune
 from branchdiff.quant import QuantConfig, make_quantized_copy, refresh_quantized_copy
 from branchdiff.rewards.combine import parse_reward_specs
 from branchdiff.rewards.multi import MultiReward, RewardBatch, build_component
@@ -107,18 +107,17 @@ class Trainer:
         model = config.model
         self.adapter = load_adapter(model.family, model.path, self.accelerator.device, model.resolution, DTYPES[model.dtype], model.offload)
         self.schedule = self.adapter.schedule(config.sampling.num_steps, config.sampling.shift).to(self.accelerator.device)
-        self.lora_params = add_lora(
-            self.adapter.denoiser, self.adapter.lora_target_modules, config.train.lora_rank, config.train.lora_alpha, config.seed
-        )
+        self.finetune = make_finetune(self.adapter, model.finetune, model.lora_targets, config.train.lora_rank, config.train.lora_alpha,
+                                      config.seed, keep_base=config.train.kl_beta > 0 or config.final_eval)
         if config.train.gradient_checkpointing:
             self.adapter.denoiser.enable_gradient_checkpointing()
-        optimizer = make_optimizer(config, self.lora_params)
+        optimizer = make_optimizer(config, self.finetune.params)
         wrapped, self.optimizer = self.accelerator.prepare(self.adapter.denoiser, optimizer)
         # the training forward goes through the (DDP-)wrapped module; everything else uses the plain one
         self.train_adapter = copy.copy(self.adapter)
         self.train_adapter.denoiser = wrapped
-        self.policy_update = PolicyUpdate(config, self.accelerator, self.collective, self.adapter, self.train_adapter,
-                                          self.optimizer, self.lora_params, self.schedule, self.settings)
+        self.policy_update = PolicyUpdate(config, self.accelerator, self.collective, self.finetune, self.train_adapter,
+                                          self.optimizer, self.schedule, self.settings)
         self.accelerator.register_save_state_pre_hook(self._save_hook)
         self.accelerator.register_load_state_pre_hook(self._load_hook)
         self.prompt_set = load_prompt_set(config.prompts.train)
@@ -142,21 +141,21 @@ class Trainer:
         return explorer
 
     def refresh_explorer(self) -> None:
-        """Merge the current LoRA into the quantised copy, so exploration follows the policy."""
+        """Re-derive the quantised copy from the policy (its weights, LoRA merged), so exploration follows it."""
         if self.explorer is not None and self.explorer is not self.adapter:
             refresh_quantized_copy(self.explorer.denoiser, self.adapter.denoiser, self.quant_config)
 
     # ---------------------------------------------------------------- checkpoints
     def _save_hook(self, models: list, weights: list, output_dir: str) -> None:
-        """Only the LoRA weights of the denoiser are saved (not the frozen base), by one process."""
+        """What is trained is saved (the LoRA, or every weight of the denoiser; never a frozen base), by one process."""
         if self.accelerator.is_main_process:
             for model in models:
-                self.adapter.save_lora(Path(output_dir), self.accelerator.unwrap_model(model))
+                self.finetune.save_state(self.accelerator.unwrap_model(model), Path(output_dir))
         weights.clear()
 
     def _load_hook(self, models: list, input_dir: str) -> None:
         while models:
-            self.adapter.load_lora_state(Path(input_dir), self.accelerator.unwrap_model(models.pop()))
+            self.finetune.load_state(self.accelerator.unwrap_model(models.pop()), Path(input_dir))
 
     @property
     def checkpoint_dir(self) -> Path:
@@ -383,9 +382,10 @@ class Trainer:
             return {}  # the run never evaluates
         return {spec.label: component(spec) for spec in parse_reward_specs(self.config.eval_rewards)}
 
-    def _evaluate(self, process_index: int = 0, num_processes: int = 1) -> EvalResult:
+    def _evaluate(self, model: ModelAdapter, process_index: int = 0, num_processes: int = 1) -> EvalResult:
+        """`model` on the eval prompts with the eval rewards (this process's share)."""
         config = self.config
-        return evaluate(self.adapter, load_prompt_set(config.prompts.eval), self.eval_rewards, config.prompts.eval_seeds,
+        return evaluate(model, load_prompt_set(config.prompts.eval), self.eval_rewards, config.prompts.eval_seeds,
                         config.sampling.num_steps, config.sampling.shift, process_index=process_index, num_processes=num_processes,
                         guidance=config.prompts.eval_guidance)
 
@@ -393,7 +393,7 @@ class Trainer:
         """The policy's mean score on the eval prompts, `eval_<score>` for each eval reward and its
         extras (fixed noise, ODE), each process sampling its share of the prompts; `eval_seconds`."""
         start = time.perf_counter()
-        result = gather_results(self._evaluate(self.accelerator.process_index, self.accelerator.num_processes), self.accelerator)
+        result = gather_results(self._evaluate(self.adapter, self.accelerator.process_index, self.accelerator.num_processes), self.accelerator)
         summary = summarize(result)["all"]
         return {**{f"eval_{name}": row["mean"] for name, row in summary.items()}, "eval_seconds": time.perf_counter() - start}
 
@@ -411,10 +411,9 @@ class Trainer:
         fixed noise: mean scores by model; the full summaries go to eval.json in the run directory.
         Runs the plain denoiser, so one process may call it alone."""
         config = self.config
-        self.adapter.denoiser.disable_adapters()
-        summaries = {"base": summarize(self._evaluate())}
-        self.adapter.denoiser.enable_adapters()
-        summaries["trained"] = summarize(self._evaluate())
+        with self.finetune.base() as base:
+            summaries = {"base": summarize(self._evaluate(base))}
+        summaries["trained"] = summarize(self._evaluate(self.adapter))
         scales = {label: getattr(reward, "scale", "unspecified") for label, reward in self.eval_rewards.items()}
         report = {"prompts": config.prompts.eval, "images_per_prompt": config.prompts.eval_seeds, "scales": scales,
                   "after_iteration": config.iterations - 1, **summaries}

@@ -22,6 +22,7 @@ from accelerate import Accelerator
 
 from branchdiff.config import TrainConfig
 from branchdiff.distributed import Collective
+from branchdiff.finetune import FullFinetune, LoraFinetune
 from branchdiff.loss import clipped_surrogate, kl_to_reference
 from branchdiff.models.base import ModelAdapter, select_embeds
 from branchdiff.rollout import Rollout, SamplerSettings
@@ -34,10 +35,9 @@ class PolicyUpdate:
     config: TrainConfig
     accelerator: Accelerator
     collective: Collective
-    policy: ModelAdapter  # the plain denoiser: the KL reference runs it with the adapter disabled
-    train_policy: ModelAdapter  # the same denoiser behind the (DDP-)wrapper: the training forward
+    finetune: LoraFinetune | FullFinetune  # what is trained: its parameters (gradient clipping) and the base model (the KL reference)
+    train_policy: ModelAdapter  # the denoiser behind the (DDP-)wrapper: the training forward
     optimizer: torch.optim.Optimizer
-    params: list[torch.nn.Parameter]  # the LoRA parameters (gradient clipping)
     schedule: Schedule  # the rollouts' schedule
     settings: SamplerSettings  # the rollouts' sampler: SDE kind and guidance
 
@@ -86,7 +86,7 @@ class PolicyUpdate:
                         stats["kl_sum"] += kl.sum().item()
                         stats["nfe_trained"] += len(parent_rows)
                     accelerator.backward(loss)
-            grad_norm = float(accelerator.clip_grad_norm_(self.params, config.train.max_grad_norm))
+            grad_norm = float(accelerator.clip_grad_norm_(self.finetune.params, config.train.max_grad_norm))
             stats["grad_norm"] = grad_norm
             if math.isfinite(grad_norm):
                 self.optimizer.step()
@@ -118,10 +118,8 @@ class PolicyUpdate:
         per_edge, was_clipped = clipped_surrogate(log_prob, old, advantages, config.train.clip_range)
         kl = torch.zeros_like(per_edge)
         if config.train.kl_beta > 0:
-            with torch.no_grad():
-                self.policy.denoiser.disable_adapters()
-                ref_output = self.policy.predict(x, times, node_embeds, guidance)[local]
-                self.policy.denoiser.enable_adapters()
+            with torch.no_grad(), self.finetune.base() as base:
+                ref_output = base.predict(x, times, node_embeds, guidance)[local]
             ref = self.schedule.step(self.settings.sde, x_parent, ref_output, depth[local], torch.zeros_like(x_parent), level)
             kl = kl_to_reference(out.mean, ref.mean, out.std)
             per_edge = per_edge + config.train.kl_beta * kl

@@ -547,7 +547,7 @@ def measure(family: Family, dtype: torch.dtype, rank: int, alpha: float, resolut
     import diffusers
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    targets = list(family.adapter.lora_target_modules)
+    targets = list(family.adapter.lora_target_sets["attention"])
     dbytes = torch.finfo(dtype).bits // 8
     full = build_meta(family.denoiser, family.config, dtype)
     params, buffers = numel(full), sum(b.numel() for b in full.buffers())
@@ -822,7 +822,7 @@ def components_table(rows: list[Row]) -> str:
             continue
         seen.add(f.name)
         enc = ", ".join(f"{k} {n:,}" for k, n in m.encoders.items())
-        out.append(f"| {f.label} | {m.denoiser_params:,} | {', '.join(f.adapter.lora_target_modules)} | {m.lora_params:,} (r {v['config'].train.lora_rank}) "
+        out.append(f"| {f.label} | {m.denoiser_params:,} | {', '.join(f.adapter.lora_target_sets['attention'])} | {m.lora_params:,} (r {v['config'].train.lora_rank}) "
                    f"| {m.copy_quantised:,} / {g(m.copy_bytes)} GiB | {enc} | {f.vae[0]} {m.vae_params:,} |")
     out.append(f"| reward (HPS v2.1 / PickScore, ViT-H-14) | {reward_params():,} | | | | | |")
     return "\n".join(out)

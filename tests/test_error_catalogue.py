@@ -245,7 +245,7 @@ CASES = [
     Case("count-below-one", lambda e: ["eval", "--images-per-prompt", "0"], r"eval: argument --images-per-prompt/--seeds: must be ≥ 1, got 0"),
     Case("minutes-not-finite", lambda e: ["bench", "curves", "--minutes", "nan"], r"bench: argument --minutes: must be a finite number, got nan"),
     Case("lora-missing", lambda e: ["sample", "--model", str(e.model), "--lora", str(e.tmp / "no-lora"), "--prompt", "one red circle on the left",
-                                    "--out", str(e.tmp / "out"), "--steps", "1", "--images-per-prompt", "1"], r"no LoRA weights at .*no-lora; pass a run's lora/ directory or its pytorch_lora_weights.safetensors"),
+                                    "--out", str(e.tmp / "out"), "--steps", "1", "--images-per-prompt", "1"], r"no LoRA or fine-tuned denoiser at .*no-lora; pass a run folder, its lora/ or transformer/ folder, a pytorch_lora_weights.safetensors, or a checkpoint folder \(iter-N\)"),
     Case("device-unavailable", lambda e: ["eval", "--device", "cuda", "--model", str(e.model)],
          r"--device cuda: no CUDA device is visible here \(torch.cuda.is_available\(\) is False\); use --device cpu"),
     Case("accelerate-config-unknown", lambda e: ["accelerate-config", "multi-gpus"], r"no packaged accelerate config 'multi-gpus'; available: multi-gpu, multi-node, single-gpu"),

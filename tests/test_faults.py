@@ -142,9 +142,11 @@ def test_a_lock_left_by_a_dead_run_is_taken_over(tiny_model_dir, tmp_path):
 def test_exported_files_are_byte_identical_whatever_pythonhashseed(tiny_model_dir, tmp_path):
     """The LoRA export listed target_modules in set order, which depends on PYTHONHASHSEED."""
     outputs = []
+    held_out = tmp_path / "held-out.txt"
+    held_out.write_text("one red circle on the left\ntwo blue squares at the top\n")
     for hash_seed in ("1", "2"):
         run = tmp_path / f"run-{hash_seed}"
-        process = _cli(*train_args(tiny_model_dir, run, 1, "final_eval=true"), env={"PYTHONHASHSEED": hash_seed})
+        process = _cli(*train_args(tiny_model_dir, run, 1, "final_eval=true", f"prompts.eval={held_out}"), env={"PYTHONHASHSEED": hash_seed})
         _, err = process.communicate(timeout=300)
         assert process.returncode == 0, err[-2000:]
         outputs.append({name: (run / name).read_bytes() for name in (f"lora/{LORA}", "config.yaml", "eval.json",

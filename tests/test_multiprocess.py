@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -243,6 +244,48 @@ def test_a_full_disk_on_one_process_stops_both_at_the_checkpoint_and_the_run_res
     resumed = launch_two(None, [*args, "iterations=3", "--resume", "latest"])
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     _assert_same_lora(run, two_process_run["run"])
+
+
+@pytest.mark.parametrize("mode", ["model.finetune=full", "model.lora_targets=all-linear"])
+def test_full_finetuning_and_lora_on_every_layer_train_on_two_processes_like_one_and_resume_exactly(tiny_model_dir, tmp_path, mode):
+    """Two processes (DDP over every weight of the denoiser, or over LoRA on every linear layer):
+    the update equals one process's on both processes' prompts (to 1% of its size: Adam's first step
+    is about lr·sign(g)), and (full fine-tuning) a resume from the first checkpoint ends with the same export."""
+    from safetensors.torch import load_file
+
+    run = tmp_path / "run"
+    lr = "train.learning_rate=1e-3" if "full" in mode else "train.learning_rate=1e-2"
+    args = ["train", "tiny-chain", *_overrides(tiny_model_dir, run, PER_PROCESS), mode, lr, "final_eval=false", "iterations=2",
+            "logging.sample_every=0"]
+    two = launch_two(None, args)
+    assert two.returncode == 0, two.stderr[-3000:]
+    export = run / ("transformer" if "full" in mode else "lora")
+    trained_two = {k: v for f in sorted(export.glob("*.safetensors")) for k, v in load_file(f).items()}
+    if "full" in mode:  # a resume from the first checkpoint ends with the same weights (LoRA resumes: two_process_run)
+        shutil.rmtree(run / "checkpoints" / "iter-000001")
+        again = launch_two(None, [*args, "--resume", "latest"])
+        assert again.returncode == 0, again.stderr[-3000:]
+        resumed = {k: v for f in sorted(export.glob("*.safetensors")) for k, v in load_file(f).items()}
+        assert resumed.keys() == trained_two.keys() and all(torch.equal(resumed[k], trained_two[k]) for k in resumed)
+    single = Trainer(load_config("tiny-chain", [*_overrides(tiny_model_dir, tmp_path / "single", 2 * PER_PROCESS), mode, lr]))
+    def trained() -> dict[str, torch.Tensor]:  # the parameters the run trains, by their name in the denoiser
+        return {k: v.detach().clone() for k, v in single.adapter.denoiser.named_parameters() if "full" in mode or "lora_" in k}
+
+    base = trained()
+    for iteration in range(2):
+        single.run_iteration(iteration)
+    trained_one = trained()
+    names = sorted(trained_one)
+    one = torch.cat([trained_one[k].flatten() - base[k].flatten() for k in names])
+    twos = torch.cat([_exported_as(trained_two, k).flatten() - base[k].flatten() for k in names])
+    assert (one - twos).norm() < 1e-2 * one.norm() and one.norm() > 0
+
+
+def _exported_as(exported: dict[str, torch.Tensor], name: str) -> torch.Tensor:
+    """A trained parameter's tensor in an export: the denoiser's own name, or the LoRA export's."""
+    if name in exported:
+        return exported[name]
+    return exported["transformer." + name.replace(".default", "")]
 
 
 def test_eval_gives_the_same_numbers_on_two_processes(tiny_model_dir, tmp_path):

@@ -212,7 +212,7 @@ def test_exported_lora_keeps_its_scale_when_alpha_differs_from_rank(tiny_model_d
     from branchdiff.models.tiny import TinyAdapter
 
     trained = TinyAdapter.from_pretrained(tiny_model_dir)
-    params = add_lora(trained.denoiser, trained.lora_target_modules, rank=4, alpha=16.0, seed=0)
+    params = add_lora(trained.denoiser, trained.lora_targets("attention"), rank=4, alpha=16.0, seed=0)
     with torch.no_grad():
         for p in params:
             p.add_(0.05 * torch.randn_like(p))  # B moves away from 0, as training does

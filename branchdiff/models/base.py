@@ -14,8 +14,13 @@ the rollout, the trainer, explore and evaluation need to know about its family:
   u + g·(c − u), so it costs `rows_per_sample(g)` = 2 rows per latent, counted in NFE and
   `max_batch`), or an embedded guidance value the family's `forward` consumes (FLUX);
 - `decode`: latents → images (B, 3, H, W) in [0, 1], in chunks;
-- LoRA: `lora_target_modules`, `lora_prefix` (the state-dict prefix of the export, "transformer"
-  or "unet") and `pipeline_class` (the diffusers pipeline whose `load_lora_weights` reads it);
+- LoRA: `lora_target_sets` (the family's named sets of modules LoRA wraps: `attention`,
+  `attention+ff`, `all-linear`; `lora_targets` resolves a config's choice), `lora_prefix` (the
+  state-dict prefix of the export, "transformer" or "unet") and `pipeline_class` (the diffusers
+  pipeline whose `load_lora_weights` reads it);
+- full fine-tuning: `denoiser_name` (the pipeline component, and the folder of the export that
+  `<DenoiserClass>.from_pretrained` loads) and `replace_denoiser` (a fine-tuned denoiser in place of
+  the loaded one);
 - `quant_skip_modules`: modules a quantised explorer keeps in high precision.
 Nothing outside `branchdiff.models` knows which family it runs.
 """
@@ -51,7 +56,8 @@ class ModelAdapter(ABC):
     denoiser: torch.nn.Module  # the network that LoRA adapts
     device: torch.device
     resolution: int  # image side in pixels
-    lora_target_modules: list[str]  # module-name suffixes LoRA wraps (attention projections)
+    lora_target_sets: dict[str, list[str] | str]  # families.LORA_TARGET_SETS names → module-name suffixes (or peft's "all-linear")
+    denoiser_name: str = "transformer"  # the pipeline component that is the denoiser ("unet" for UNet families)
     lora_prefix: str = "transformer"  # state-dict prefix of the exported LoRA ("unet" for UNet families)
     pipeline_class_name: str  # the diffusers pipeline class whose `load_lora_weights` reads the export
     quant_skip_modules: tuple[str, ...] = ()  # module-name patterns a quantised explorer keeps in high precision
@@ -101,6 +107,22 @@ class ModelAdapter(ABC):
         output = self.forward(torch.cat([latents, latents]), torch.cat([times, times]), both, guidance)
         uncond, cond = output.chunk(2)
         return uncond + guidance * (cond - uncond)
+
+    def lora_targets(self, targets: str | list[str]) -> list[str] | str:
+        """The modules LoRA wraps: a named set of this family (`families.LORA_TARGET_SETS`) or, given a list,
+        those module-name patterns themselves (peft matches a pattern against the end of a name)."""
+        if isinstance(targets, list):
+            return list(targets)
+        return self.lora_target_sets[targets]
+
+    def replace_denoiser(self, denoiser: torch.nn.Module) -> None:
+        """Use `denoiser` (a fine-tuned copy of the family's denoiser class) from now on."""
+        self.denoiser = denoiser.to(self.device)
+
+    def load_denoiser(self, folder: str | Path) -> None:
+        """Load a fully fine-tuned denoiser exported by a run (`<DenoiserClass>.from_pretrained`), in
+        this adapter's dtype, in place of the loaded one."""
+        self.replace_denoiser(type(self.denoiser).from_pretrained(str(folder), torch_dtype=self.denoiser.dtype))
 
     def save_lora(self, directory: Path, denoiser: torch.nn.Module | None = None) -> Path:
         """Export the LoRA of `denoiser` (default: this adapter's) for `<pipeline>.load_lora_weights`."""

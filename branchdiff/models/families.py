@@ -26,4 +26,5 @@ FAMILIES: dict[str, Family] = {
     "sana": Family("branchdiff.models.sana:SanaAdapter", "flow", 1024),
     "sd15": Family("branchdiff.models.sd15:SD15Adapter", "ddim", 512),
 }
+LORA_TARGET_SETS = ("attention", "attention+ff", "all-linear")  # the named LoRA target sets every family's adapter defines
 STEP_KINDS = {"flow": ("dance", "flow", "cps"), "ddim": ("ddim",)}  # the SDEs each step family trains with

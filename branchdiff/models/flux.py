@@ -15,13 +15,14 @@ import torch
 from branchdiff.models.pipeline_adapter import PipelineAdapter
 
 FLUX_ATTENTION = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"]
+FLUX_FEED_FORWARD = ["ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2", "proj_mlp"]  # double and single blocks
 
 
 class FluxAdapter(PipelineAdapter):
     family = "flux"
     pipeline_class_name = "FluxPipeline"
     helper_names = ("text_encoder", "text_encoder_2", "vae")
-    lora_target_modules = FLUX_ATTENTION
+    lora_target_sets = {"attention": FLUX_ATTENTION, "attention+ff": FLUX_ATTENTION + FLUX_FEED_FORWARD, "all-linear": "all-linear"}
     quant_skip_modules = ("x_embedder", "time_text_embed", "context_embedder", "norm_out", "proj_out")
     default_guidance = 3.5  # FLUX.1-dev's guidance embedding (DanceGRPO, BranchGRPO)
     example_hub_id = "black-forest-labs/FLUX.1-dev"

@@ -26,7 +26,6 @@ from branchdiff.schedulers.schedule import FlowSchedule
 
 
 class PipelineAdapter(ModelAdapter):
-    denoiser_name = "transformer"  # the pipeline component LoRA adapts
     helper_names: tuple[str, ...] = ("text_encoder", "text_encoder_2", "text_encoder_3", "vae")  # offloadable components
     example_hub_id = ""  # shown in the error when model.path is missing
 
@@ -64,6 +63,12 @@ class PipelineAdapter(ModelAdapter):
                                 "text_encoder*/, tokenizer*/ and scheduler/), or a hub id on a machine that reaches the hub "
                                 "(gated models: huggingface-cli login first)") from None
         return cls(pipe, device, resolution, offload)
+
+    def replace_denoiser(self, denoiser: torch.nn.Module) -> None:
+        """The fine-tuned denoiser becomes the pipeline's component too."""
+        super().replace_denoiser(denoiser)
+        setattr(self.pipe, self.denoiser_name, self.denoiser)
+        self.config = self.denoiser.config
 
     def helpers(self) -> list[torch.nn.Module]:
         """The pipeline's text encoders and VAE (frozen; offloaded with `offload`)."""

@@ -17,13 +17,14 @@ import torch
 from branchdiff.models.pipeline_adapter import PipelineAdapter
 
 SANA_ATTENTION = ["to_q", "to_k", "to_v", "to_out.0"]
+SANA_FEED_FORWARD = ["ff.conv_inverted", "ff.conv_point"]  # the GLU-MBConv's pointwise convolutions (not the depthwise one)
 
 
 class SanaAdapter(PipelineAdapter):
     family = "sana"
     pipeline_class_name = "SanaPipeline"
     helper_names = ("text_encoder", "vae")
-    lora_target_modules = SANA_ATTENTION
+    lora_target_sets = {"attention": SANA_ATTENTION, "attention+ff": SANA_ATTENTION + SANA_FEED_FORWARD, "all-linear": "all-linear"}
     quant_skip_modules = ("patch_embed", "time_embed", "caption_projection", "norm_out", "proj_out")
     uses_cfg = True
     default_guidance = 4.5  # SanaPipeline's default

@@ -14,6 +14,7 @@ from branchdiff.models.pipeline_adapter import PipelineAdapter
 from branchdiff.schedulers.schedule import DDIMSchedule
 
 UNET_ATTENTION = ["to_q", "to_k", "to_v", "to_out.0"]
+UNET_FEED_FORWARD = ["ff.net.0.proj", "ff.net.2"]  # the transformer blocks' MLPs
 
 
 class SD15Adapter(PipelineAdapter):
@@ -22,7 +23,8 @@ class SD15Adapter(PipelineAdapter):
     denoiser_name = "unet"
     lora_prefix = "unet"
     helper_names = ("text_encoder", "vae")
-    lora_target_modules = UNET_ATTENTION  # DDPO's targets
+    lora_target_sets = {"attention": UNET_ATTENTION,  # DDPO's targets
+                        "attention+ff": UNET_ATTENTION + UNET_FEED_FORWARD, "all-linear": "all-linear"}
     quant_skip_modules = ("conv_in", "time_embedding", "conv_norm_out", "conv_out")
     uses_cfg = True
     default_guidance = 7.5  # StableDiffusionPipeline's default

@@ -11,13 +11,15 @@ import torch
 
 from branchdiff.models.pipeline_adapter import PipelineAdapter
 
-SD3_ATTENTION = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"]
+SD3_ATTENTION = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"]  # both streams
+SD3_FEED_FORWARD = ["ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2"]  # both streams' MLPs
 
 
 class SD3Adapter(PipelineAdapter):
     family = "sd3"
     pipeline_class_name = "StableDiffusion3Pipeline"
-    lora_target_modules = SD3_ATTENTION  # Flow-GRPO's SD3.5 targets
+    lora_target_sets = {"attention": SD3_ATTENTION,  # Flow-GRPO's SD3.5 targets
+                        "attention+ff": SD3_ATTENTION + SD3_FEED_FORWARD, "all-linear": "all-linear"}
     quant_skip_modules = ("pos_embed", "time_text_embed", "context_embedder", "norm_out", "proj_out")
     uses_cfg = True
     default_guidance = 4.5  # Flow-GRPO's SD3.5 scale in rollouts and training

@@ -19,6 +19,7 @@ from diffusers import SD3Transformer2DModel
 from transformers import CLIPTextConfig, CLIPTextModelWithProjection, CLIPTokenizer
 
 from branchdiff.models.base import ModelAdapter, PromptEmbeds
+from branchdiff.models.sd3 import SD3_ATTENTION, SD3_FEED_FORWARD
 from branchdiff.schedulers.schedule import FlowSchedule
 
 MAX_PROMPT_TOKENS = 16
@@ -28,7 +29,6 @@ TRANSFORMER_CONFIG = dict(
     num_attention_heads=4, joint_attention_dim=64, caption_projection_dim=128, pooled_projection_dim=64,
     pos_embed_max_size=4,
 )
-SD3_ATTENTION_PROJECTIONS = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"]
 
 
 def default_assets_dir() -> Path:
@@ -64,7 +64,7 @@ def build_text_encoder(tokenizer: CLIPTokenizer) -> CLIPTextModelWithProjection:
 class TinyAdapter(ModelAdapter):
     family = "tiny"
     resolution = 32
-    lora_target_modules = SD3_ATTENTION_PROJECTIONS
+    lora_target_sets = {"attention": SD3_ATTENTION, "attention+ff": SD3_ATTENTION + SD3_FEED_FORWARD, "all-linear": "all-linear"}
     quant_skip_modules = ("pos_embed", "time_text_embed", "context_embedder", "norm_out", "proj_out")
     pipeline_class_name = "StableDiffusion3Pipeline"  # its LoRA loads into an SD3 transformer
 
