@@ -39,7 +39,7 @@ FORMAT = 2  # trainer_state.json's format: 2 = with a manifest
 RESUMABLE_KEYS = (
     "iterations", "output_dir", "final_eval", "eval_every", "logging.*", "prompts.eval", "prompts.eval_seeds",
     "sampling.max_batch", "sampling.exact", "train.max_skipped_steps", "collective_timeout",
-    "train.gradient_checkpointing", "model.offload", "eval_rewards", "prompts.eval_guidance",
+    "train.gradient_checkpointing", "model.offload", "eval_rewards", "prompts.eval_guidance", "watch.*",
 )
 
 
@@ -147,6 +147,11 @@ def state_problem(state: object) -> str | None:
     skipped = state.get("run_state", {}).get("skipped_in_a_row", 0)
     if not _whole(skipped, 0):
         return f"field 'run_state.skipped_in_a_row' = {json.dumps(skipped)[:40]} is not an integer ≥ 0"
+    watch = state.get("run_state", {}).get("watch", {})
+    numbers = lambda values: isinstance(values, list) and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values)  # noqa: E731
+    if not (isinstance(watch, dict) and set(watch) <= {"train", "gold"} and numbers(watch.get("train", []))
+            and numbers(watch.get("gold", [])) and len(watch.get("train", [])) == len(watch.get("gold", []))):
+        return f"field 'run_state.watch' = {json.dumps(watch)[:40]} is not the reward-hacking watch's state"
     return None
 
 

@@ -122,6 +122,14 @@ class ExploreConfig:
 
 
 @dataclass
+class WatchConfig:
+    gold: str = ""  # held-out score watched against the training reward (e.g. tiny-geneval.strict); "" = the first eval reward's score
+    window: int = positive(2)  # evaluations between the two compared (branchdiff/hacking.py)
+    tolerance: float = non_negative(0.02)  # the gold score must fall by more than this to flag divergence
+    stop: bool = False  # stop the run, after a checkpoint, when divergence is flagged
+
+
+@dataclass
 class LogConfig:
     sample_every: int = non_negative(10)  # save a grid of leaf samples every n iterations (0: never)
     checkpoint_every: int = non_negative(10)  # accelerator.save_state every n iterations (and at the end)
@@ -148,6 +156,7 @@ class TrainConfig:
     prune: PruneConfig = field(default_factory=PruneConfig)
     train: OptimConfig = field(default_factory=OptimConfig)
     explore: ExploreConfig = field(default_factory=ExploreConfig)
+    watch: WatchConfig = field(default_factory=WatchConfig)  # the reward-hacking watch (needs eval_every)
     logging: LogConfig = field(default_factory=LogConfig)
 
 
@@ -204,6 +213,9 @@ def validate(config: TrainConfig) -> None:
     if not config.output_dir.strip():
         raise ConfigError("'output_dir' is empty; pass output_dir= a folder for the run, e.g. output_dir=runs/my-run")
     _validate_finetune(config)
+    if config.watch.stop and not config.eval_every:
+        raise ConfigError("'watch.stop' = true needs held-out evaluations to watch: set eval_every (e.g. eval_every=20) and the gold "
+                          "score in watch.gold (an eval_rewards score)")
     family = FAMILIES[config.model.family]
     if family.fixed_resolution and config.model.resolution not in (None, family.resolution):
         raise ConfigError(f"'model.resolution' = {config.model.resolution}: model.family={config.model.family} makes only "

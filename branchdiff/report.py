@@ -168,10 +168,11 @@ def widest_legend(make: Callable[[int], Legend], count: int, width: float) -> Le
     return make(1)
 
 
-def title_and_legend(ax: Axes, title: str) -> None:
-    """The axes' title, and their legend between them and the title (which moves up to make room),
-    in as many columns as fit their width; the title alone when nothing drawn has a label."""
-    handles, labels = ax.get_legend_handles_labels()
+def title_and_legend(ax: Axes, title: str, others: tuple[Axes, ...] = ()) -> None:
+    """The axes' title, and their legend (with the labelled artists of `others`, e.g. a twin axes)
+    between them and the title (which moves up to make room), in as many columns as fit their
+    width; the title alone when nothing drawn has a label."""
+    handles, labels = (sum(parts, []) for parts in zip(*(a.get_legend_handles_labels() for a in (ax, *others))))
     if not labels:
         ax.set_title(title, fontsize=9)
         return

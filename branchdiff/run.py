@@ -33,9 +33,9 @@ from accelerate import Accelerator
 from tqdm.auto import tqdm
 
 from branchdiff import metrics_log, storage
-from branchdiff.config import TrainConfig
 from branchdiff.errors import CheckpointError, RunStopped, is_out_of_memory, out_of_memory
 from branchdiff.finetune import export
+from branchdiff.hacking import stop_line
 from branchdiff.report import save_grid
 from branchdiff.trainer import Trainer
 from branchdiff.watchdog import Heartbeat
@@ -85,10 +85,11 @@ def progress_fields(metrics: dict[str, float]) -> dict[str, str]:
     return fields
 
 
-def stop_reason(config: TrainConfig, metrics: dict[str, float], skipped_in_a_row: int, num_processes: int) -> str | None:
+def stop_reason(trainer: Trainer, metrics: dict[str, float]) -> str | None:
     """Why the run cannot go on after this iteration's `metrics`, or None."""
-    iteration = metrics["iteration"]
-    if metrics["groups_dropped"] == config.prompts.per_iteration * num_processes:
+    config, iteration = trainer.config, metrics["iteration"]
+    skipped_in_a_row = trainer.run_state["skipped_in_a_row"]
+    if metrics["groups_dropped"] == config.prompts.per_iteration * trainer.accelerator.num_processes:
         nonfinite = [k.removesuffix("_nonfinite") for k, v in metrics.items() if k.endswith("_nonfinite") and v]
         failed = [k.removesuffix("_failed") for k, v in metrics.items() if k.endswith("_failed") and v]
         culprits = ", ".join([*(f"{n} (non-finite scores)" for n in nonfinite), *(f"{n} (failed)" for n in failed)]) or "the reward"
@@ -97,6 +98,8 @@ def stop_reason(config: TrainConfig, metrics: dict[str, float], skipped_in_a_row
     if skipped_in_a_row >= config.train.max_skipped_steps:
         return (f"{skipped_in_a_row} optimizer steps in a row had a non-finite loss or gradient (up to iteration {iteration}); "
                 "the weights before them are saved; lower train.learning_rate or check the reward's scale, then start a new run")
+    if config.watch.stop and metrics.get("watch_diverging"):
+        return stop_line(trainer.watch_state, config.watch.window, trainer.gold_score, iteration)
     return None
 
 
@@ -141,7 +144,7 @@ def _train(trainer: Trainer, heartbeat: Heartbeat | None) -> None:
                     heartbeat.doing(f"iteration {iteration}")
                 metrics = _iteration(trainer, iteration)
                 progress.set_postfix(progress_fields(metrics))
-                reason = stop_reason(config, metrics, trainer.run_state["skipped_in_a_row"], accelerator.num_processes)
+                reason = stop_reason(trainer, metrics)
                 stop = trainer.collective.max(torch.tensor([float(interrupt.requested or reason is not None)])).item() > 0
                 every = config.logging.checkpoint_every
                 if stop or (every and (iteration + 1) % every == 0) or iteration == config.iterations - 1:
@@ -181,6 +184,9 @@ def _iteration(trainer: Trainer, iteration: int) -> dict[str, float]:
             images, prompts = trainer.fixed_samples()
             save_grid(images, run_dir / "samples" / f"eval-iter-{iteration:06d}.png", nrow=len(images) // len(prompts), row_captions=prompts)
     result = trainer.run_iteration(iteration)
+    if heldout:  # the evaluation measured the policy of this iteration's rollouts: the watch pairs the two
+        heldout.update(trainer.watch_state.add_evaluation(result.metrics["reward_mean"], heldout[f"eval_{trainer.gold_score}"],
+                                                          config.watch.window, config.watch.tolerance))
     metrics = {**result.metrics, **heldout}
     with storage.disk_full_as_error(run_dir / "logs"):
         accelerator.log({k: v for k, v in metrics.items() if k != "iteration"}, step=iteration)

@@ -187,6 +187,30 @@ def _heldout_table(run: Run, keys: list[str]) -> str:
     return f"<p>{escape(text)}.</p>" + _table(["held-out score", "base (iteration 0)", "last in training", FINAL_LABEL], body)
 
 
+def _watch(run: Run) -> str:
+    """The reward-hacking watch: the training reward since each evaluation against the gold score,
+    on two axes, the evaluations that flagged divergence marked."""
+    if "watch_reward" not in run.columns:
+        return ""
+    figure, (ax,) = new_figure(7, 3)
+    iterations, reward = run.columns["watch_reward"]
+    ax.plot(iterations, reward, marker="o", ms=3, color="C0", label="training reward since the evaluation before")
+    gold_axis = ax.twinx()
+    gold_axis.tick_params(labelsize=7)
+    gold_iterations, gold = run.columns["watch_gold"]
+    gold_axis.plot(gold_iterations, gold, marker="s", ms=3, color="C1", label="held-out gold score")
+    flagged_iterations, flags = run.columns.get("watch_diverging", (np.zeros(0), np.zeros(0)))
+    hit = np.isin(gold_iterations, flagged_iterations[flags > 0])
+    gold_axis.plot(gold_iterations[hit], gold[hit], ls="none", marker="x", ms=10, mew=2, color="C3", label="divergence flagged")
+    ax.set_xlabel("iteration")
+    ax.grid(alpha=0.3)
+    title_and_legend(ax, "reward-hacking watch: training reward (left) against held-out gold (right)", (gold_axis,))
+    count = int(np.nansum(flags))
+    verdict = (f"Divergence flagged at {count} evaluation(s): the training reward rose while the gold score fell."
+               if count else "No divergence flagged: the gold score did not fall while the training reward rose.")
+    return f"<p>{escape(verdict)}</p>" + _img(png_data_uri(figure), "reward-hacking watch")
+
+
 def _heldout(run: Run) -> str:
     keys = [k for k in run.columns if k.startswith("eval_") and not k.endswith("_seconds")]
     draw = partial(_heldout_curve, run.final_x(), run.means("trained"))
@@ -195,6 +219,7 @@ def _heldout(run: Run) -> str:
         html += _panels(run, keys, "held-out evaluation", draw)
     else:
         html = _missing("Held-out evaluation during training")
+    html += _watch(run)
     if keys or run.means("trained"):
         html += _heldout_table(run, keys)
     evaluation = run.evaluation

@@ -30,7 +30,7 @@ NOT_COMPONENTS = frozenset({
     "edges_trained", "rollout_seconds", "reward_seconds", "train_seconds", "eval_seconds",
     "loss", "clip_fraction", "kl", "logprob_check", "grad_norm", "optimizer_steps", "steps_skipped",
 })
-NOT_COMPONENT_PREFIXES = ("accuracy_", "eval_", "explore_", "advantage_")
+NOT_COMPONENT_PREFIXES = ("accuracy_", "eval_", "explore_", "advantage_", "watch_")
 NOT_COMPONENT_SUFFIXES = ("_failed", "_nonfinite")  # per-component failure counts
 DEPTH_KEY = re.compile(r"^(advantage_std|advantage_abs_mean|edges_trained)/depth_(\d+)$")
 GRID_FILE = re.compile(r"^(eval-)?iter-(\d+)\.png$")

@@ -30,16 +30,17 @@ from accelerate.utils import DistributedDataParallelKwargs, InitProcessGroupKwar
 
 from branchdiff import checkpoint, metrics_log, prune, storage
 from branchdiff.advantage import depthwise_advantages, fuse_rewards
-from branchdiff.config import TrainConfig, save_config, to_dict, trainable_steps, tree_spec
+from branchdiff.config import ConfigError, TrainConfig, save_config, to_dict, trainable_steps, tree_spec
 from branchdiff.data import draw_prompts, load_prompt_set
 from branchdiff.distributed import AcceleratorCollective
 from branchdiff.errors import CheckpointError
-from branchdiff.evaluate import EvalResult, evaluate, gather_results, sample_ode, summarize
+from branchdiff.evaluate import EvalResult, evaluate, gather_results, sample_ode, score_names, summarize
 from branchdiff.explore import ExploreResult, explore_seeds, explore_tree, latent_difference, pool_under_policy, selection_generators
 from branchdiff.metrics import iteration_metrics
 from branchdiff.models import load_adapter
 from branchdiff.models.base import ModelAdapter
 from branchdiff.finetune import make_finetune
+from branchdiff.hacking import WatchState
 from branchdiff.quant import QuantConfig, make_quantized_copy, refresh_quantized_copy
 from branchdiff.rewards.combine import parse_reward_specs
 from branchdiff.rewards.multi import MultiReward, RewardBatch, build_component
@@ -104,6 +105,7 @@ class Trainer:
         set_seed(config.seed)
         self.reward = MultiReward(parse_reward_specs(config.reward), config.reward_combine, self.accelerator.device)
         self.eval_rewards = self._build_eval_rewards()  # by label: resolved and loaded before the first iteration
+        self.gold_score = self._gold_score()  # before the model loads: a wrong name costs nothing
         model = config.model
         self.adapter = load_adapter(model.family, model.path, self.accelerator.device, model.resolution, DTYPES[model.dtype], model.offload)
         self.schedule = self.adapter.schedule(config.sampling.num_steps, config.sampling.shift).to(self.accelerator.device)
@@ -125,6 +127,7 @@ class Trainer:
         self.explorer = self._make_explorer()
         self.start_iteration = 0
         self.run_state = {"skipped_in_a_row": 0}  # optimizer steps skipped in a row (non-finite gradients), across iterations
+        self.watch_state = WatchState()  # the reward-hacking watch's memory (branchdiff/hacking.py)
         if resumed is not None:
             self._load_checkpoint(resumed)
 
@@ -195,6 +198,7 @@ class Trainer:
                                                  "its output); the published checkpoints are intact; continue with --resume latest")
 
         attempt(lambda: self.accelerator.save_state(str(staging)))  # every process's RNG state is in staging after it
+        self.run_state["watch"] = self.watch_state.to_dict()
         attempt(lambda: (checkpoint.write_state(staging, iteration, to_dict(self.config), self.accelerator.num_processes, self.run_state),
                          checkpoint.write_manifest(staging)), only_main=True)
         if main:
@@ -253,6 +257,7 @@ class Trainer:
         self.refresh_explorer()  # the 4-bit copy must follow the restored LoRA
         self.start_iteration = state["iteration"] + 1
         self.run_state.update(state.get("run_state", {}))
+        self.watch_state = WatchState(**self.run_state.get("watch", {}))
         if self.accelerator.is_main_process:
             metrics_log.truncate(self.run_dir / "metrics.jsonl", state["iteration"])  # a resumed run rewrites the later lines
 
@@ -368,6 +373,17 @@ class Trainer:
         return self.policy_update(rollout, embeds, node_advantages, mask, iteration)
 
     # ---------------------------------------------------------------- evaluation
+    def _gold_score(self) -> str | None:
+        """The held-out score the reward-hacking watch follows: `watch.gold`, else the first eval
+        reward's own score; None when the run never evaluates during training."""
+        if not self.config.eval_every:
+            return None
+        names = score_names(self.eval_rewards)
+        gold = self.config.watch.gold or names[0]
+        if gold not in names:
+            raise ConfigError(f"'watch.gold' = {gold!r} is not a score of eval_rewards; allowed: {', '.join(names)}")
+        return gold
+
     def _build_eval_rewards(self) -> dict[str, object]:
         """The evaluation rewards (`eval_rewards`) by label, built before the first iteration when the
         run evaluates; a component the training reward already built (the same spec) is shared, not

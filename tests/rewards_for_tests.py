@@ -65,3 +65,18 @@ class FirstNaN(Redness):
         scores = super().__call__(images, prompts, metadata)
         scores[0] = float("nan")
         return scores
+
+
+class PromptColour:
+    """A hackable proxy of the tiny task: the fraction of the image painted in the prompt's colour.
+    Painting the whole image wins it, and the objects the prompt asks for disappear."""
+
+    name = "prompt-colour"
+    scale = "fraction of pixels within 0.3 of the prompt's colour, in [0, 1]"
+
+    def __call__(self, images: torch.Tensor, prompts: list[str], metadata=None) -> torch.Tensor:
+        from branchdiff.tiny_task import COLORS, parse_prompt
+
+        colours = torch.tensor([COLORS[parse_prompt(p).color] for p in prompts])  # (B, 3)
+        distance = (images - colours[:, :, None, None]).norm(dim=1)  # (B, H, W)
+        return (distance < 0.3).float().flatten(1).mean(dim=1)

@@ -313,6 +313,7 @@ TESTED_ELSEWHERE = {
     "resume-falls-back": ["test_faults::test_resume_latest_falls_back_past_a_damaged_checkpoint_and_ends_as_if_never_stopped"],
     "ctrl-c": ["test_crash_resume::test_ctrl_c_stops_after_the_iteration_with_a_checkpoint_and_exit_130",
                "test_multiprocess::test_ctrl_c_on_one_process_stops_both_after_the_same_iteration"],
+    "reward-hacking": ["test_hacking::test_a_hackable_proxy_is_flagged_and_stopped_and_the_verifier_is_not"],
     "frozen-rank": ["test_multiprocess::test_a_frozen_rank_ends_the_job_with_one_line_naming_it_and_the_run_resumes_exactly"],
 }
 ALSO_TESTED = {"output-dir-in-use": "test_faults::test_two_runs_started_at_once_on_one_output_dir_one_trains_the_other_stops"}
