@@ -106,9 +106,14 @@ def _row(runs: list[dict]) -> dict:
     }
 
 
-def bench_tree(json_path: Path | None = None, repeats: int = 3, extra_overrides: list[str] = ()) -> dict:
+def bench_tree(json_path: Path | None = None, repeats: int = 3, extra_overrides: list[str] = (), variants: list[str] | None = None) -> dict:
     """Rows per variant (default configuration) with an `exact` sub-row (sampling.exact=true), and
-    the ratios of both configurations."""
+    the ratios of both configurations. `variants`: a subset of VARIANTS (None: all); the ratios
+    need the chain and the tree."""
+    names = list(VARIANTS) if variants is None else variants
+    unknown = [n for n in names if n not in VARIANTS]
+    if unknown or not {"chain", "tree"} <= set(names):
+        raise ValueError(f"bench tree --variants {','.join(names)}: choose among {', '.join(VARIANTS)}, with chain and tree (the ratios need them)")
     torch.manual_seed(0)
 
     def make(overrides: list[str]) -> Trainer:
@@ -116,7 +121,7 @@ def bench_tree(json_path: Path | None = None, repeats: int = 3, extra_overrides:
 
     configurations = {"default": [], "exact": ["sampling.exact=true"]}
     trainers = {(name, conf): make([*overrides, *conf_overrides])
-                for conf, conf_overrides in configurations.items() for name, overrides in VARIANTS.items()}
+                for conf, conf_overrides in configurations.items() for name, overrides in VARIANTS.items() if name in names}
     per_node = make([*TREE, "train.minibatch=1"])
     c = measure_trained_row_cost(trainers["chain", "default"])
     samples: dict[tuple[str, str], list[dict]] = {key: [] for key in [*trainers, ("tree_per_node", "default")]}

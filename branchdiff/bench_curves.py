@@ -26,9 +26,18 @@ policy diagnostic is measurement, not training) and no logging, checkpoints or f
 The explore presets run the emulated NVFP4 explorer, slower than the policy on CPU (docs/explore.md):
 their wall time here is their CPU cost, not a GPU's.
 
+Clocks (`--clock`): `wall` counts the measured training time; `modelled` (branchdiff/clock.py)
+charges the explorer's network rows at their number format's cost on the GPU it targets (NVFP4 a
+quarter of a BF16 row), so that the explore variants, whose 4-bit explorer is emulated and slow on
+a CPU, are compared by what their mechanism costs where it runs. The budget and the grid are on the
+chosen clock; both clocks' times of every evaluation are kept in the JSON.
+
 Ratios: `time_to_chain_final[v]` is the first time v's mean curve reaches the chain's final mean
-(linear between grid points; `first_time_reaching`) over the budget. The chain gets the same rule,
-so its own value is ≤ 1 (below 1 when its mean curve peaked before the end); null when never reached.
+(linear between grid points; `curve_stats.first_time_reaching`) over the budget. The chain gets the
+same rule, so its own value is ≤ 1 (below 1 when its mean curve peaked before the end); null when
+never reached. Confidence (branchdiff/curve_stats.py): a 95% Student-t interval over seeds at every
+grid point, a bootstrap interval for every `time_to_chain_final`, and Welch's test of each variant's
+final accuracy against the chain's; the markdown says which differences are significant.
 Before the timed runs, each variant runs one untimed iteration (a discarded trainer), so that the
 process's one-time costs (allocations, kernel choices) are charged to no variant.
 """
@@ -37,6 +46,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import math
 import os
 import statistics
 import tempfile
@@ -45,7 +55,9 @@ from pathlib import Path
 
 import torch
 
+from branchdiff.clock import modelled_seconds
 from branchdiff.config import TrainConfig, load_config, tree_spec
+from branchdiff.curve_stats import first_time_reaching, t_interval, time_ratio_interval, welch_p
 from branchdiff.data import load_prompt_set
 from branchdiff.evaluate import evaluate, summarize
 from branchdiff.rewards.combine import parse_reward_specs
@@ -64,6 +76,7 @@ VARIANTS: dict[str, tuple[str, list[str]]] = {  # name: (preset, overrides equal
     "explore_tree": ("tiny-explore-tree", []),
 }
 REFERENCE = "chain"
+CLOCKS = ("wall", "modelled")
 SCORE = "tiny-geneval.strict"
 
 
@@ -75,19 +88,6 @@ def group_size(config: TrainConfig) -> int:
     if config.explore.mode == "tree":
         return config.explore.keep
     return spec.leaves
-
-
-def first_time_reaching(times: list[float], values: list[float], target: float) -> float | None:
-    """First time the piecewise-linear curve through (times[k], values[k]) reaches `target`:
-    times[0] if values[0] ≥ target; else, for the first k with values[k] ≥ target,
-    t = t_{k-1} + (target − v_{k-1}) / (v_k − v_{k-1}) · (t_k − t_{k-1}); None if no value reaches it."""
-    if values[0] >= target:
-        return times[0]
-    for k in range(1, len(values)):
-        if values[k] >= target:
-            fraction = (target - values[k - 1]) / (values[k] - values[k - 1])
-            return times[k - 1] + fraction * (times[k] - times[k - 1])
-    return None
 
 
 def time_to_reference_final(grid: list[float], means: dict[str, list[float]], reference: str = REFERENCE
@@ -104,34 +104,40 @@ def time_to_reference_final(grid: list[float], means: dict[str, list[float]], re
     return ratios, notes
 
 
-def _train_and_evaluate(config: TrainConfig, grid_seconds: list[float], held_out_strict, base: float | None) -> dict:
-    """Train until the last grid time; strict accuracy at each grid time (t_0: `base`, evaluated here when None)."""
+def _train_and_evaluate(config: TrainConfig, grid_seconds: list[float], held_out_strict, base: float | None, clock: str) -> dict:
+    """Train until the last grid time of `clock`; strict accuracy at each grid time (t_0: `base`,
+    evaluated here when None), with both clocks' training time at each evaluation."""
     trainer = Trainer(config)
-    strict, eval_minutes = [held_out_strict(trainer) if base is None else base], [0.0]
-    trained, iteration = 0.0, 0
+    backend = config.explore.backend if config.explore.mode != "off" else None
+    strict, at = [held_out_strict(trainer) if base is None else base], {"wall": [0.0], "modelled": [0.0]}
+    spent, iteration = {"wall": 0.0, "modelled": 0.0}, 0
     while len(strict) < len(grid_seconds):
         start = time.perf_counter()
-        trainer.run_iteration(iteration)
-        trained += time.perf_counter() - start
+        metrics = trainer.run_iteration(iteration).metrics
+        spent["wall"] += time.perf_counter() - start
+        spent["modelled"] += modelled_seconds(metrics, backend)
         iteration += 1
-        if trained >= grid_seconds[len(strict)]:
+        if spent[clock] >= grid_seconds[len(strict)]:
             value = held_out_strict(trainer)
-            while len(strict) < len(grid_seconds) and trained >= grid_seconds[len(strict)]:  # one iteration may pass several
+            while len(strict) < len(grid_seconds) and spent[clock] >= grid_seconds[len(strict)]:  # one iteration may pass several
                 strict.append(value)
-                eval_minutes.append(trained / 60)
-    return {"strict": strict, "eval_minutes": eval_minutes, "iterations": iteration, "seconds": trained}
+                for name in at:
+                    at[name].append(spent[name] / 60)
+    return {"strict": strict, "eval_minutes": at, "iterations": iteration, "seconds": spent}
 
 
 def bench_curves(minutes: float, seeds: int, json_path: Path | None, out_dir: Path, points: int = 7,
-                 variants: list[str] | None = None, images_per_prompt: int = 4, extra_overrides: list[str] = ()) -> dict:
+                 variants: list[str] | None = None, images_per_prompt: int = 4, extra_overrides: list[str] = (), clock: str = "wall") -> dict:
     """Held-out strict accuracy of each variant at `points` equally spaced training times up to
     `minutes` (module doc), over seeds 0..seeds-1; writes out_dir/curves.png and curves.md, prints
     the table and ratios, returns (and writes to `json_path`) the result.
 
     variants: names of VARIANTS (None: all); images_per_prompt: held-out images per prompt at each
-    evaluation; extra_overrides: appended to every variant's overrides (tests: `prompts.per_iteration=1`)."""
-    if minutes <= 0 or seeds < 1 or points < 2:
-        raise ValueError(f"bench curves needs minutes > 0, seeds ≥ 1 and points ≥ 2; got {minutes}, {seeds}, {points}")
+    evaluation; extra_overrides: appended to every variant's overrides (tests: `prompts.per_iteration=1`);
+    clock: `wall` or `modelled`, the clock of the budget and the grid (module doc)."""
+    if minutes <= 0 or seeds < 1 or points < 2 or clock not in CLOCKS:
+        raise ValueError(f"bench curves needs minutes > 0, seeds ≥ 1, points ≥ 2 and a clock of {', '.join(CLOCKS)}; got {minutes}, "
+                         f"{seeds}, {points}, {clock!r}")
     names = list(VARIANTS) if variants is None else variants
     unknown = [n for n in names if n not in VARIANTS]
     if unknown:
@@ -164,24 +170,25 @@ def bench_curves(minutes: float, seeds: int, json_path: Path | None, out_dir: Pa
             Trainer(config(name, 0)).run_iteration(0)
         for seed in range(seeds):
             for name in names:
-                run = _train_and_evaluate(config(name, seed), [t * 60 for t in grid], held_out_strict, base)
+                run = _train_and_evaluate(config(name, seed), [t * 60 for t in grid], held_out_strict, base, clock)
                 base = run["strict"][0]  # the base model: the same for every variant and seed (module doc)
                 runs[name].append(run)
-                print(f"seed {seed} {name}: {run['iterations']} iterations in {run['seconds']:.0f} s, strict "
+                print(f"seed {seed} {name}: {run['iterations']} iterations in {run['seconds'][clock]:.0f} s ({clock}), strict "
                       + " ".join(f"{v:.3f}" for v in run["strict"]), flush=True)
-    result = _result(minutes, seeds, grid, runs, images_per_prompt, shapes[names[0]])
+    result = _result(minutes, seeds, grid, runs, images_per_prompt, shapes[names[0]], clock)
     result["notes"]["machine"] = (f"{len(os.sched_getaffinity(0))} CPU cores, torch threads {torch.get_num_threads()}, load average "
                                   f"{load_start:.1f} at the start and {os.getloadavg()[0]:.1f} at the end (other processes slow the clock)")
     print(format_table(result))
     print(format_ratios(result))
     out_dir.mkdir(parents=True, exist_ok=True)
     plot_curves(result, out_dir / "curves.png")
-    command = f"branchdiff bench curves --minutes {minutes:g} --seeds {seeds}" + (f" --json {json_path}" if json_path else "") + f" --out {out_dir}"
+    command = (f"branchdiff bench curves --minutes {minutes:g} --seeds {seeds} --clock {clock}" + (f" --json {json_path}" if json_path else "")
+               + f" --out {out_dir}")
     parameters = f"points={points}, images_per_prompt={images_per_prompt}, variants={names}, extra_overrides={list(extra_overrides)}"
     (out_dir / "curves.md").write_text(
-        f"# Held-out strict accuracy against training wall time\n\n`{command}` ({parameters})\n\n"
+        f"# Held-out strict accuracy against training time ({clock} clock)\n\n`{command}` ({parameters})\n\n"
         f"{datetime.datetime.now().isoformat(timespec='minutes')}, {result['notes']['machine']}\n\n"
-        f"![curves](curves.png)\n\n{format_table(result, markdown=True)}\n\n{format_ratios(result)}\n\n"
+        f"![curves](curves.png)\n\n{format_table(result, markdown=True)}\n\n{format_ratios(result)}\n\n{format_significance(result)}\n\n"
         + "".join(f"- {key}: {note}\n" for key, note in result["notes"].items() if isinstance(note, str) and key != "machine"))
     if json_path:
         json_path.parent.mkdir(parents=True, exist_ok=True)
@@ -189,74 +196,106 @@ def bench_curves(minutes: float, seeds: int, json_path: Path | None, out_dir: Pa
     return result
 
 
-def _result(minutes: float, seeds: int, grid: list[float], runs: dict[str, list[dict]], images_per_prompt: int, shape: tuple[int, int]) -> dict:
+def _result(minutes: float, seeds: int, grid: list[float], runs: dict[str, list[dict]], images_per_prompt: int, shape: tuple[int, int],
+            clock: str) -> dict:
     variants = {}
     for name, seed_runs in runs.items():
-        per_time = list(zip(*(r["strict"] for r in seed_runs)))  # (points,) tuples of per-seed values
+        per_time = [list(v) for v in zip(*(r["strict"] for r in seed_runs))]  # (points,) lists of per-seed values
         variants[name] = {
             "strict": [r["strict"] for r in seed_runs],  # (seeds, points)
             "mean": [statistics.mean(v) for v in per_time],
             "std": [statistics.stdev(v) if len(v) > 1 else 0.0 for v in per_time],
+            "ci": [list(t_interval(v)) for v in per_time],  # 95% Student-t interval of the mean, per point
             "iterations": [r["iterations"] for r in seed_runs],
-            "eval_minutes": [r["eval_minutes"] for r in seed_runs],  # training time at each evaluation (the boundary at or after the grid time)
-            "seconds_per_iteration": sum(r["seconds"] for r in seed_runs) / sum(r["iterations"] for r in seed_runs),
+            # training time on both clocks at each evaluation (the iteration boundary at or after the grid time)
+            "eval_minutes": {c: [r["eval_minutes"][c] for r in seed_runs] for c in CLOCKS},
+            "seconds_per_iteration": {c: sum(r["seconds"][c] for r in seed_runs) / sum(r["iterations"] for r in seed_runs) for c in CLOCKS},
         }
     notes = {
         "evaluation": f"{SCORE} mean on tiny:held_out, {images_per_prompt} ODE images per prompt, fixed evaluation noise",
         "shape": f"{shape[0]} prompts per iteration × {shape[1]} trained samples per prompt in every variant",
+        "clock": f"{clock}: the budget and the grid; eval_minutes holds both clocks (branchdiff/clock.py)",
         "time_0": "the base model (LoRA B = 0), evaluated once and shared by every variant and seed",
-        "std": "sample standard deviation over seeds (0 with one seed); the plot's band is min–max over seeds",
+        "confidence": "[low, high]: the 95% Student-t interval of the mean over seeds; the plot's band is that interval",
     }
     step = grid[1] * 60
-    slow = [name for name, v in variants.items() if v["seconds_per_iteration"] > step]
+    slow = [name for name, v in variants.items() if v["seconds_per_iteration"][clock] > step]
     if slow:
         notes["coarse_grid"] = f"{', '.join(slow)}: an iteration takes longer than the grid step ({step:.1f} s), so grid values repeat"
     ratios: dict = {}
     if REFERENCE in variants:
         ratios["time_to_chain_final"], notes["time_to_chain_final"] = time_to_reference_final(
             grid, {name: v["mean"] for name, v in variants.items()})
-    return {"minutes": minutes, "seeds": seeds, "grid_minutes": grid, "variants": variants, "ratios": ratios, "notes": notes}
+        reference = variants[REFERENCE]["strict"]
+        ratios["time_to_chain_final_ci"] = {name: list(time_ratio_interval(reference, v["strict"], grid)) for name, v in variants.items()}
+        ratios["final_vs_chain_p"] = {name: welch_p([r[-1] for r in v["strict"]], [r[-1] for r in reference])
+                                      for name, v in variants.items() if name != REFERENCE}
+    return {"minutes": minutes, "seeds": seeds, "clock": clock, "grid_minutes": grid, "variants": variants, "ratios": ratios, "notes": notes}
 
 
 def format_table(result: dict, markdown: bool = False) -> str:
-    """Per variant: mean ± std over seeds at each grid time (the last is the final), iterations, s/iteration."""
-    header = ["variant", *(f"{t:.2f} min" for t in result["grid_minutes"]), "iterations", "s/iter"]
+    """Per variant: the mean over seeds [95% interval] at each grid time (the last is the final),
+    iterations, seconds per iteration on the run's clock."""
+    clock = result["clock"]
+    header = ["variant", *(f"{t:.2f} min" for t in result["grid_minutes"]), "iterations", f"s/iter ({clock})"]
     header[-3] += " (final)"
-    rows = [[name, *(f"{m:.3f} ± {s:.3f}" for m, s in zip(v["mean"], v["std"])),
-             f"{statistics.mean(v['iterations']):.0f}", f"{v['seconds_per_iteration']:.2f}"] for name, v in result["variants"].items()]
+    rows = [[name, *(f"{m:.3f} [{low:.3f}, {high:.3f}]" for m, (low, high) in zip(v["mean"], v["ci"])),
+             f"{statistics.mean(v['iterations']):.0f}", f"{v['seconds_per_iteration'][clock]:.2f}"] for name, v in result["variants"].items()]
     if markdown:
         return "\n".join("| " + " | ".join(row) + " |" for row in [header, ["---"] * len(header), *rows])
     widths = [max(len(row[i]) for row in [header, *rows]) + 2 for i in range(len(header))]
     return "\n".join(row[0].ljust(widths[0]) + "".join(c.rjust(w) for c, w in zip(row[1:], widths[1:])) for row in [header, *rows])
 
 
+def _interval(low: float, high: float) -> str:
+    return f"[{low:.2f}, {'never' if math.isinf(high) else f'{high:.2f}'}]"
+
+
 def format_ratios(result: dict) -> str:
-    """One line: each variant's time to reach the chain's final mean, over the budget."""
+    """One line: each variant's time to reach the chain's final mean, over the budget, with its interval."""
     ratios = result["ratios"].get("time_to_chain_final")
     if ratios is None:
         return f"time_to_chain_final: no {REFERENCE} variant in this run"
-    notes = result["notes"]["time_to_chain_final"]
+    notes, intervals = result["notes"]["time_to_chain_final"], result["ratios"]["time_to_chain_final_ci"]
     target = result["variants"][REFERENCE]["mean"][-1]
-    cells = [f"{name} {notes[name] if value is None else f'{value:.2f}'}" for name, value in ratios.items()]
-    return f"time to reach {REFERENCE}'s final mean ({target:.3f}) / budget: " + ", ".join(cells)
+    cells = [f"{name} {notes[name] if value is None else f'{value:.2f}'} {_interval(*intervals[name])}" for name, value in ratios.items()]
+    return f"time to reach {REFERENCE}'s final mean ({target:.3f}) / budget [95% bootstrap interval]: " + ", ".join(cells)
+
+
+def format_significance(result: dict) -> str:
+    """Which differences from the chain are significant: final accuracy (Welch, p < 0.05) and time
+    to the chain's final (bootstrap interval below 1)."""
+    if REFERENCE not in result["variants"]:
+        return ""
+    chain_final = result["variants"][REFERENCE]["mean"][-1]
+    lines = []
+    for name, p in result["ratios"]["final_vs_chain_p"].items():
+        final = result["variants"][name]["mean"][-1]
+        low, high = result["ratios"]["time_to_chain_final_ci"][name]
+        accuracy = (f"final {final:.3f} vs the chain's {chain_final:.3f}: " + (f"significantly {'higher' if final > chain_final else 'lower'}"
+                    if p < 0.05 else "not significantly different") + f" (Welch p = {p:.3f})")
+        speed = ("reaches the chain's final significantly sooner (interval below 1)" if high < 1 else
+                 "significantly later or never (interval above 1)" if low > 1 else "time to the chain's final not significantly different")
+        lines.append(f"- {name}: {accuracy}; {speed}.")
+    return f"Significance ({result['seeds']} seeds):\n" + "\n".join(lines)
 
 
 def plot_curves(result: dict, path: Path) -> None:
-    """Mean held-out strict over seeds against training minutes, one line per variant, min–max band."""
+    """Mean held-out strict over seeds against training minutes, one line per variant, its 95% interval as a band."""
     from matplotlib.figure import Figure
 
     figure = Figure(figsize=(7, 4.5))
     axes = figure.add_subplot()
     grid = result["grid_minutes"]
     for name, v in result["variants"].items():
-        per_time = list(zip(*v["strict"]))
         style = {"color": "black", "linestyle": "--"} if name == REFERENCE else {}
         line, = axes.plot(grid, v["mean"], marker="o", markersize=3, label=name, **style)
-        axes.fill_between(grid, [min(x) for x in per_time], [max(x) for x in per_time], color=line.get_color(), alpha=0.15)
-    axes.set_xlabel("training wall time (minutes; evaluation not counted)")
+        axes.fill_between(grid, [low for low, _ in v["ci"]], [high for _, high in v["ci"]], color=line.get_color(), alpha=0.12)
+    clock = {"wall": "training wall time", "modelled": "modelled GPU time (branchdiff/clock.py)"}[result["clock"]]
+    axes.set_xlabel(f"{clock}, minutes; evaluation not counted")
     axes.set_ylabel("held-out strict accuracy")
-    axes.set_title(f"tiny task, {result['seeds']} seed(s): mean, band min–max")
+    axes.set_title(f"tiny task, {result['seeds']} seed(s): mean and 95% interval")
     axes.grid(alpha=0.3)
-    axes.legend(fontsize=8)
+    axes.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))
     figure.tight_layout()
     figure.savefig(path, dpi=120)

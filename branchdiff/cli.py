@@ -122,10 +122,14 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--minutes", type=_positive, default=2.0, help="curves: training wall time of each variant and seed")
     bench.add_argument("--seeds", type=_at_least(1), default=3, help="curves: seeds of each variant")
     bench.add_argument("--out", type=Path, default=Path("docs"), help="curves: folder of the plot and the table")
-    bench.add_argument("--variants", default=None, help="curves: comma-separated variants (default: all: chain, branch, branch_pruned, mix, "
-                                                         "explore_seeds, explore_tree)")
+    bench.add_argument("--variants", default=None, help="tree, curves: comma-separated variants (default: all; tree: chain, tree, "
+                                                         "tree_depth_pruned, tree_width_pruned, mix, best; curves: chain, branch, "
+                                                         "branch_pruned, mix, explore_seeds, explore_tree)")
     bench.add_argument("--points", type=_at_least(2), default=7, help="curves: evaluations over the budget")
     bench.add_argument("--eval-images", type=_at_least(1), default=4, help="curves: held-out images per prompt at each evaluation")
+    bench.add_argument("--clock", choices=["wall", "modelled"], default="wall",
+                       help="curves: the clock of the budget: measured wall time, or modelled GPU time (low-precision explorer rows "
+                            "charged at their format's cost; branchdiff/clock.py)")
     bench.add_argument("overrides", nargs="*", help="dotted key=value overrides of every variant, e.g. prompts.per_iteration=2")
 
     report = commands.add_parser("report", help="(re)build RUN_DIR/report.html from a run's metrics, evaluations and samples")

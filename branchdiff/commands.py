@@ -195,15 +195,15 @@ def cmd_accelerate_config(args: argparse.Namespace) -> None:
 def cmd_bench(args: argparse.Namespace) -> None:
     from branchdiff.bench import bench_explore, bench_tree
 
+    variants = [name for name in args.variants.split(",") if name] if args.variants else None
     if args.which == "tree":
-        bench_tree(args.json, args.repeats, args.overrides)
+        bench_tree(args.json, args.repeats, args.overrides, variants)
     elif args.which == "explore":
         bench_explore(args.json, extra_overrides=args.overrides)
     else:
         from branchdiff.bench_curves import bench_curves
 
-        variants = [name for name in args.variants.split(",") if name] if args.variants else None
-        bench_curves(args.minutes, args.seeds, args.json, args.out, args.points, variants, args.eval_images, args.overrides)
+        bench_curves(args.minutes, args.seeds, args.json, args.out, args.points, variants, args.eval_images, args.overrides, args.clock)
 
 
 def cmd_report(args: argparse.Namespace) -> None:

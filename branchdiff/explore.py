@@ -106,8 +106,9 @@ def explore_seeds(
     preview_tree = build_tree(preview_spec, num_prompts)
     explored = grow(explorer, preview_tree, embeds, preview_schedule, settings, address)
     leaves = _leaves_by_prompt(preview_tree)  # (P, pool) in root order
+    scoring = time.perf_counter()
     pool_rewards = score(explored.latents[leaves.flatten()], preview_tree.prompt[leaves.flatten()]).reshape(num_prompts, pool)
-    pool_seconds = time.perf_counter() - start
+    pool_seconds, score_seconds = time.perf_counter() - start, time.perf_counter() - scoring
     kept = select_per_group(pool_rewards, keep, selection, generators)  # (P, K) root ids, ascending
     start = time.perf_counter()
     train_spec = replace(spec, roots=keep)
@@ -124,7 +125,8 @@ def explore_seeds(
         kept=kept,
         kept_pool_latents=kept_pool,
         kept_regenerated_latents=rollout.latents[first_leaf],
-        stats={"pool_nfe": explored.nfe, "pool_seconds": pool_seconds, "regen_nfe": rollout.nfe, "regen_seconds": regen_seconds},
+        stats={"pool_nfe": explored.nfe, "pool_seconds": pool_seconds, "pool_score_seconds": score_seconds, "regen_nfe": rollout.nfe,
+               "regen_seconds": regen_seconds},
         same_sampler=preview_sde and preview_steps == spec.num_steps and spec.sde_steps is None and not spec.splits,
     )
 
@@ -149,8 +151,9 @@ def explore_tree(
     tree = build_tree(spec, num_prompts)
     explored = grow(explorer, tree, embeds, schedule, settings, address)
     leaves = _leaves_by_prompt(tree)  # (P, L)
+    scoring = time.perf_counter()
     pool_rewards = score(explored.latents[leaves.flatten()], tree.prompt[leaves.flatten()]).reshape(num_prompts, -1)
-    pool_seconds = time.perf_counter() - start
+    pool_seconds, score_seconds = time.perf_counter() - start, time.perf_counter() - scoring
     kept = select_per_group(pool_rewards, keep, selection, generators)  # (P, K) leaf ranks
     kept_nodes = leaves.gather(1, kept).flatten()  # (P·K,)
     start = time.perf_counter()
@@ -163,7 +166,8 @@ def explore_tree(
         kept=kept,
         kept_pool_latents=explored.latents[kept_nodes],
         kept_regenerated_latents=rollout.latents[rollout.tree.leaf_index],
-        stats={"pool_nfe": explored.nfe, "pool_seconds": pool_seconds, "regen_nfe": rollout.nfe, "regen_seconds": regen_seconds},
+        stats={"pool_nfe": explored.nfe, "pool_seconds": pool_seconds, "pool_score_seconds": score_seconds, "regen_nfe": rollout.nfe,
+               "regen_seconds": regen_seconds},
         same_sampler=True,
     )
 

@@ -5,7 +5,8 @@ import json
 
 import pytest
 
-from branchdiff.bench_curves import COMMON, VARIANTS, bench_curves, first_time_reaching, group_size, time_to_reference_final
+from branchdiff.bench_curves import COMMON, VARIANTS, bench_curves, format_significance, group_size, time_to_reference_final
+from branchdiff.curve_stats import first_time_reaching, t_interval, time_ratio_interval, welch_p
 from branchdiff.config import load_config
 
 GRID = [0.0, 1.0, 2.0, 3.0]  # minutes
@@ -49,19 +50,55 @@ def test_variants_share_prompts_and_group_size():
     assert shapes == {(8, 8)}
 
 
+def test_t_interval_is_mean_plus_minus_t_times_standard_error():
+    # three seeds 0.4, 0.5, 0.6: mean 0.5, s = 0.1, t_{0.975, 2} = 4.302653: half width 4.302653 · 0.1 / √3 = 0.248414
+    low, high = t_interval([0.4, 0.5, 0.6])
+    assert low == pytest.approx(0.5 - 0.248414, abs=1e-6) and high == pytest.approx(0.5 + 0.248414, abs=1e-6)
+    assert t_interval([0.3]) == (0.3, 0.3)
+
+
+def test_welch_p_against_its_formula():
+    # a = (1, 2, 3), b = (4, 6, 8): t = (2 - 6) / √(1/3 + 4/3) = -3.0984, Welch's ν = (5/3)² / ((1/3)²/2 + (4/3)²/2) = 2.9412
+    from scipy import stats
+
+    t, nu = (2 - 6) / (5 / 3) ** 0.5, (5 / 3) ** 2 / ((1 / 3) ** 2 / 2 + (4 / 3) ** 2 / 2)
+    assert welch_p([1, 2, 3], [4, 6, 8]) == pytest.approx(2 * stats.t.sf(abs(t), nu), rel=1e-9)
+    assert welch_p([0.5, 0.5], [0.5, 0.5]) == 1.0 and welch_p([0.5], [0.1, 0.2]) == 1.0
+
+
+def test_time_ratio_interval_brackets_the_ratio_and_says_never():
+    chain = [[0.1, 0.3, 0.5], [0.1, 0.4, 0.6], [0.1, 0.35, 0.55]]  # final mean 0.55
+    fast = [[0.1, 0.7, 0.8], [0.1, 0.65, 0.8], [0.1, 0.75, 0.85]]  # reaches 0.55 well before t = 1
+    flat = [[0.1, 0.1, 0.1]] * 3
+    low, high = time_ratio_interval(chain, fast, [0.0, 1.0, 2.0])
+    assert 0 < low <= high < 0.5  # every resample reaches it within the first minute
+    assert time_ratio_interval(chain, flat, [0.0, 1.0, 2.0]) == (float("inf"), float("inf"))
+
+
+def test_significance_says_which_variant_differs():
+    result = {"seeds": 3, "variants": {"chain": {"mean": [0.1, 0.5]}, "mix": {"mean": [0.1, 0.8]}, "tree": {"mean": [0.1, 0.52]}},
+              "ratios": {"final_vs_chain_p": {"mix": 0.001, "tree": 0.6},
+                         "time_to_chain_final_ci": {"mix": [0.2, 0.4], "tree": [0.5, 1.3]}}}
+    text = format_significance(result)
+    assert "- mix: final 0.800 vs the chain's 0.500: significantly higher (Welch p = 0.001); reaches the chain's final significantly sooner" in text
+    assert "- tree: final 0.520 vs the chain's 0.500: not significantly different (Welch p = 0.600); time to the chain's final not significantly different" in text
+
+
 @pytest.mark.slow
 def test_bench_curves_smoke(tmp_path):
     json_path = tmp_path / "c.json"
-    result = bench_curves(0.02, 1, json_path, tmp_path, points=2, variants=["chain", "branch"], images_per_prompt=1,
-                          extra_overrides=["prompts.per_iteration=1"])
+    result = bench_curves(0.02, 2, json_path, tmp_path, points=2, variants=["chain", "branch"], images_per_prompt=1,
+                          extra_overrides=["prompts.per_iteration=1"], clock="modelled")
     assert json.loads(json_path.read_text()) == json.loads(json.dumps(result))
-    assert set(result) == {"minutes", "seeds", "grid_minutes", "variants", "ratios", "notes"}
+    assert set(result) == {"minutes", "seeds", "clock", "grid_minutes", "variants", "ratios", "notes"}
     assert result["grid_minutes"] == [0.0, 0.02]
     for v in result["variants"].values():
-        assert len(v["strict"]) == 1 and len(v["strict"][0]) == 2 and len(v["mean"]) == len(v["std"]) == 2
-        assert v["iterations"][0] >= 1 and v["seconds_per_iteration"] > 0
+        assert len(v["strict"]) == 2 and len(v["strict"][0]) == 2 and len(v["mean"]) == len(v["ci"]) == 2
+        assert v["iterations"][0] >= 1 and set(v["eval_minutes"]) == {"wall", "modelled"}
+        assert all(m[-1] >= 0.02 for m in v["eval_minutes"]["modelled"])  # the budget is on the modelled clock
     chain, branch = result["variants"]["chain"], result["variants"]["branch"]
     assert chain["strict"][0][0] == branch["strict"][0][0]  # time 0 is the shared base model
-    assert set(result["ratios"]["time_to_chain_final"]) == {"chain", "branch"}
+    assert set(result["ratios"]["time_to_chain_final"]) == {"chain", "branch"} and set(result["ratios"]["final_vs_chain_p"]) == {"branch"}
     assert (tmp_path / "curves.png").stat().st_size > 0
-    assert "| chain |" in (tmp_path / "curves.md").read_text()
+    text = (tmp_path / "curves.md").read_text()
+    assert "| chain |" in text and "Significance (2 seeds)" in text

@@ -309,7 +309,7 @@ TESTED_ELSEWHERE = {
     "full-disk": ["test_full_disk_during_a_checkpoint_keeps_the_previous_one",
                   "test_faults::test_a_real_full_disk_stops_with_one_line_keeps_the_last_checkpoint_and_resumes_exactly",
                   "test_faults::test_every_writer_on_a_full_filesystem_raises_disk_full_and_keeps_the_old_file",
-                  "test_multiprocess::test_a_full_disk_on_one_process_stops_both_at_the_checkpoint_and_the_run_resumes_exactly"],
+                  "test_multiprocess::test_a_full_disk_on_one_process_stops_both_at_the_checkpoint_and_keeps_the_last_one"],
     "resume-falls-back": ["test_faults::test_resume_latest_falls_back_past_a_damaged_checkpoint_and_ends_as_if_never_stopped"],
     "ctrl-c": ["test_crash_resume::test_ctrl_c_stops_after_the_iteration_with_a_checkpoint_and_exit_130",
                "test_multiprocess::test_ctrl_c_on_one_process_stops_both_after_the_same_iteration"],
@@ -390,7 +390,7 @@ def test_non_finite_gradients_skip_steps_then_stop_after_a_checkpoint(env, capsy
     lora = "pytorch_lora_weights.safetensors"
     kept, stopped = (load_file(env.run / "checkpoints" / name / lora) for name in ("iter-000001", "iter-000003"))
     assert all(torch.equal(kept[k], stopped[k]) for k in kept)  # skipped steps left the weights as they were
-    assert json.loads((env.run / "checkpoints" / "iter-000003" / "trainer_state.json").read_text())["run_state"] == {"skipped_in_a_row": 2}
+    assert json.loads((env.run / "checkpoints" / "iter-000003" / "trainer_state.json").read_text())["run_state"]["skipped_in_a_row"] == 2
     assert snapshot(env.run / "checkpoints" / "iter-000001") == before
 
 

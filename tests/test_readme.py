@@ -31,13 +31,13 @@ def use_commands() -> list[str]:
 def smaller(words: list[str]) -> list[str]:
     """The same command with smaller sizes: iterations N → max(2, N // 10), two prompts per
     iteration, one evaluation image per prompt; benchmarks: one repeat, seed, prompt and image, two
-    evaluations, 0.6 s of training per variant."""
+    evaluations, 0.6 s of training per variant, the tree benchmark's chain and tree only."""
     if words[:2] == ["bench", "curves"]:
         swapped = {"--minutes": "0.01", "--seeds": "1"}
         out = [swapped.get(words[i - 1], w) if i else w for i, w in enumerate(words)]
         return [*out, "--points", "2", "--eval-images", "1", "prompts.per_iteration=1"]
     if words[:2] == ["bench", "tree"]:
-        return [*words, "--repeats", "1", "prompts.per_iteration=1"]
+        return [*words, "--repeats", "1", "--variants", "chain,tree", "prompts.per_iteration=1"]
     if "train" not in words:
         return words
     out = [f"iterations={max(2, int(w.split('=')[1]) // 10)}" if w.startswith("iterations=") else w for w in words]
