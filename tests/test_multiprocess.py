@@ -260,6 +260,12 @@ def test_full_finetuning_and_lora_on_every_layer_train_on_two_processes_like_one
     assert two.returncode == 0, two.stderr[-3000:]
     export = run / ("transformer" if "full" in mode else "lora")
     trained_two = {k: v for f in sorted(export.glob("*.safetensors")) for k, v in load_file(f).items()}
+    if "full" in mode:  # every weight saved by one process and loaded by both: a resume ends with the same export
+        (run / "checkpoints" / "iter-000001" / "manifest.json").unlink()  # damaged: the resume falls back to iteration 0
+        again = launch_two(None, [*args, "--resume", "latest"])
+        assert again.returncode == 0, again.stderr[-3000:]
+        resumed = {k: v for f in sorted(export.glob("*.safetensors")) for k, v in load_file(f).items()}
+        assert resumed.keys() == trained_two.keys() and all(torch.equal(resumed[k], trained_two[k]) for k in resumed)
     single = Trainer(load_config("tiny-chain", [*_overrides(tiny_model_dir, tmp_path / "single", 2 * PER_PROCESS), mode, lr]))
     def trained() -> dict[str, torch.Tensor]:  # the parameters the run trains, by their name in the denoiser
         return {k: v.detach().clone() for k, v in single.adapter.denoiser.named_parameters() if "full" in mode or "lora_" in k}
