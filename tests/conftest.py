@@ -1,3 +1,7 @@
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # read once, when huggingface_hub is first imported: no test reaches the network
+
 import pytest
 import torch
 

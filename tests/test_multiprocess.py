@@ -237,7 +237,8 @@ def test_a_full_disk_on_one_process_stops_both_at_the_checkpoint_and_keeps_the_l
     stopped = launch_two(None, ["enospc", "1", *args, "iterations=3"], program=[str(TESTS / "killed_run.py")], timeout=240)
     assert stopped.returncode != 0 and time.monotonic() - start < 60, stopped.stderr[-3000:]  # far below the 60 + 30 s timeouts
     lines = [line for line in stopped.stderr.replace("\r", "\n").splitlines() if line.startswith("branchdiff: error: ")]
-    assert sorted(line.split(" ")[2] for line in lines) == ["another", "could"], lines  # one line per process
+    first_words = sorted(line.split(" ")[2] for line in lines)  # process 0's line; process 1's, unless the launcher ended it first
+    assert first_words in (["could"], ["another", "could"]), lines
     full = next(line for line in lines if line.startswith("branchdiff: error: could not write"))
     assert f"could not write {run / 'checkpoints' / 'iter-000001'} (No space left on device: " in full
     assert f"the newest complete checkpoint, {run / 'checkpoints' / 'iter-000000'}, is intact" in full
@@ -245,11 +246,11 @@ def test_a_full_disk_on_one_process_stops_both_at_the_checkpoint_and_keeps_the_l
     assert checkpoint.verify(run / "checkpoints" / "iter-000000")[1] is None  # resuming from it: test_faults.py, and the frozen-rank test above
 
 
-@pytest.mark.parametrize("mode", ["model.finetune=full", "model.lora_targets=all-linear"])
-def test_full_finetuning_and_lora_on_every_layer_train_on_two_processes_like_one(tiny_model_dir, tmp_path, mode):
-    """Two processes (DDP over every weight of the denoiser, or over LoRA on every linear layer):
-    the update equals one process's on both processes' prompts (to 1% of its size: Adam's first step
-    is about lr·sign(g)). (Resumes: bit for bit on one process in test_finetune.py; on two, and the frozen-rank test above.)"""
+@pytest.mark.parametrize("mode", ["model.finetune=full"])  # LoRA on two processes: two_process_run; on every layer: test_finetune.py
+def test_full_finetuning_trains_on_two_processes_like_one(tiny_model_dir, tmp_path, mode):
+    """Two processes (DDP over every weight of the denoiser): the update equals one process's on
+    both processes' prompts (to 1% of its size: Adam's first step is about lr·sign(g)), and a resume
+    on two processes ends with the same export. (LoRA resumes: the frozen-rank test above.)"""
     from safetensors.torch import load_file
 
     run = tmp_path / "run"

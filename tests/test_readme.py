@@ -29,7 +29,7 @@ def use_commands() -> list[str]:
 
 
 def smaller(words: list[str]) -> list[str]:
-    """The same command with smaller sizes: iterations N → max(2, N // 10), two prompts per
+    """The same command with smaller sizes: iterations N → N // 10 within [2, 4] (2 when not given), two prompts per
     iteration, one evaluation image per prompt; benchmarks: one repeat, seed, prompt and image, two
     evaluations, 0.6 s of training per variant, the tree benchmark's chain and tree only."""
     if words[:2] == ["bench", "curves"]:
@@ -40,7 +40,7 @@ def smaller(words: list[str]) -> list[str]:
         return [*words, "--repeats", "1", "--variants", "chain,tree", "prompts.per_iteration=1"]
     if "train" not in words:
         return words
-    out = [f"iterations={max(2, int(w.split('=')[1]) // 10)}" if w.startswith("iterations=") else w for w in words]
+    out = [f"iterations={min(4, max(2, int(w.split('=')[1]) // 10))}" if w.startswith("iterations=") else w for w in words]
     if not any(w.startswith("iterations=") for w in out):
         out.append("iterations=2")
     return [*out, *SMALL_RUN]
