@@ -20,7 +20,13 @@ whose shape came out wrong) never wins credit: with two asked, one correct objec
 mean(2/3, 1/2, 1/2, 1/2) ≈ 0.54, two objects with one wrong shape mean(1, 1, 1/2, 1) = 0.875.
 (Dividing by n instead, the fraction of the objects drawn, gave the single object 0.92 and taught
 the policy to drop objects.) The reward returned by `TinyGenEval.__call__` is `partial` (dense
-enough for GRPO); `strict` and the binary attributes are reported by `TinyGenEval.score`.
+enough for GRPO); `strict` and the binary attributes are reported by `TinyGenEval.score`. With
+`strict_weight` w > 0 the reward is the blend
+
+    blended    = (1 - w) · partial + w · strict
+
+which keeps partial credit's dense signal and pays for what the verifier finally asks: every
+attribute right at once (the built-in presets train with w = 0.5: docs/sweep.md).
 """
 
 from __future__ import annotations
@@ -120,23 +126,32 @@ def score_image(image: np.ndarray, prompt: TinyPrompt) -> dict[str, float]:
 
 
 class TinyGenEval:
-    """Reward `(images, prompts, metadata) -> tensor[B]` of partial credit in [0, 1]."""
+    """Reward `(images, prompts, metadata) -> tensor[B]` in [0, 1]: partial credit, or with
+    `strict_weight` w > 0 the blend (1 - w)·partial + w·strict (module doc)."""
 
     name = "tiny-geneval"
-    reward_key = "partial"  # the key of `score` that is the reward
-    score_keys = ("strict", "partial", *ATTRIBUTES)  # every key `score` returns
     scale = "partial credit in [0, 1]: mean of count, colour, shape and position scores, missing and extra objects counted against each"
 
-    def __init__(self, device: str | torch.device = "cpu") -> None:
+    def __init__(self, device: str | torch.device = "cpu", strict_weight: float = 0.0) -> None:
+        if not 0.0 <= strict_weight <= 1.0:  # also refuses NaN
+            raise ValueError(f"tiny-geneval's strict_weight must be in [0, 1] (the blend (1 - w)·partial + w·strict); got {strict_weight}")
         self.device = torch.device(device)
+        self.strict_weight = float(strict_weight)
+        self.reward_key = "blended" if self.strict_weight else "partial"  # the key of `score` that is the reward
+        self.score_keys = ("strict", "partial", *ATTRIBUTES, *(("blended",) if self.strict_weight else ()))  # every key `score` returns
+        if self.strict_weight:
+            self.scale = f"{1 - self.strict_weight:g}·partial + {self.strict_weight:g}·strict, in [0, 1]"
 
     def score(self, images: torch.Tensor, prompts: list[str]) -> dict[str, torch.Tensor]:
-        """Every score of `score_image` for a batch: images (B, 3, H, W) in [0, 1]."""
+        """Every score of `score_image` for a batch: images (B, 3, H, W) in [0, 1]; and the blend."""
         if images.shape[0] != len(prompts):
             raise ValueError(f"got {images.shape[0]} images for {len(prompts)} prompts")
         pixels = images.detach().float().clamp(0, 1).cpu().numpy()
         rows = [score_image(image, parse_prompt(text)) for image, text in zip(pixels, prompts)]
-        return {key: torch.tensor([row[key] for row in rows]) for key in rows[0]} if rows else {}
+        scores = {key: torch.tensor([row[key] for row in rows]) for key in rows[0]} if rows else {}
+        if self.strict_weight and scores:
+            scores["blended"] = (1 - self.strict_weight) * scores["partial"] + self.strict_weight * scores["strict"]  # (B,)
+        return scores
 
     def __call__(self, images: torch.Tensor, prompts: list[str], metadata: dict | None = None) -> torch.Tensor:
-        return self.score(images, prompts)["partial"]
+        return self.score(images, prompts)[self.reward_key]
