@@ -61,6 +61,22 @@ def test_dropping_an_object_whose_shape_came_out_wrong_no_longer_pays():
     assert scores["partial"][0] > scores["partial"][1]
 
 
+def test_strict_weight_blends_partial_and_strict_credit():
+    """reward = (1 - w)·partial + w·strict, against the two scores computed apart; w outside [0, 1] refused."""
+    asked = parse_prompt("two red circles on the left")
+    images = torch.from_numpy(render_batch([asked, parse_prompt("one red circle on the left")], seed=3))  # right, then one missing
+    texts = [asked.text] * 2
+    plain = TinyGenEval().score(images, texts)
+    assert plain["strict"].tolist() == [1.0, 0.0] and 0 < plain["partial"][1] < 1
+    blend = TinyGenEval(strict_weight=0.25)
+    assert blend(images, texts).tolist() == pytest.approx((0.75 * plain["partial"] + 0.25 * plain["strict"]).tolist())
+    assert blend.reward_key == "blended" and "blended" in blend.score_keys and TinyGenEval().reward_key == "partial"
+    assert TinyGenEval()(images, texts).tolist() == plain["partial"].tolist()
+    for bad in (-0.1, 1.5, float("nan")):
+        with pytest.raises(ValueError, match=r"strict_weight must be in \[0, 1\]"):
+            TinyGenEval(strict_weight=bad)
+
+
 def _place(mask: np.ndarray, color=(0.9, 0.1, 0.1)) -> np.ndarray:
     image = np.zeros((3, IMAGE_SIZE, IMAGE_SIZE), dtype=np.float32)
     h, w = mask.shape
