@@ -17,16 +17,16 @@ from pathlib import Path
 from collections.abc import Callable
 from typing import NoReturn
 
-DEFAULT_PRESET = "tiny-mix"  # the preset `branchdiff train` runs without one
+DEFAULT_PRESET = "tiny-mix-full"  # the preset `branchdiff train` runs without one
 EXAMPLES = """examples:
-  branchdiff train                                  # the built-in tiny task, best preset: runs/tiny-mix/
+  branchdiff train                                  # the built-in tiny task, best preset: runs/tiny-mix-full/
   branchdiff train tiny-chain iterations=20 output_dir=runs/chain
   branchdiff train my.yaml train.learning_rate=1e-4
   branchdiff train my.yaml iterations=500 --resume latest   # continue, longer
   branchdiff config tiny-chain > my.yaml            # every key of a preset, to edit
-  branchdiff sample --prompt "two red circles on the left" --lora runs/tiny-mix/lora --out samples/
-  branchdiff eval --lora runs/tiny-mix/lora --json eval.json   # the run's own evaluation settings
-  branchdiff report runs/tiny-mix                   # rebuild the run's report.html
+  branchdiff sample --prompt "two red circles on the left" --weights runs/tiny-mix-full --out samples/
+  branchdiff eval --weights runs/tiny-mix-full --json eval.json     # the run's own evaluation settings
+  branchdiff report runs/tiny-mix-full                   # rebuild the run's report.html
   branchdiff rewards list                           # what rewards exist, what each needs
   branchdiff rewards check my_pkg.rewards:Sharpness --prompts tiny:held_out
   branchdiff serve-reward hpsv2.1 --port 8765 --device cuda:1   # then reward={remote: http://127.0.0.1:8765}

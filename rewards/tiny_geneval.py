@@ -26,7 +26,7 @@ enough for GRPO); `strict` and the binary attributes are reported by `TinyGenEva
     blended    = (1 - w) · partial + w · strict
 
 which keeps partial credit's dense signal and pays for what the verifier finally asks: every
-attribute right at once (the built-in presets train with w = 0.5: docs/sweep.md).
+attribute right at once (on the built-in task w = 0.5 was no better than w = 0: docs/sweep.md).
 """
 
 from __future__ import annotations

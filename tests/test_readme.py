@@ -73,7 +73,7 @@ def test_the_readme_commands_run_in_order(tmp_path, monkeypatch, capsys):
             Path(redirect).write_text(out)
         if words[1] == "train":  # training says where its results are
             assert re.search(r"^run folder: runs/[\w-]+/$", out, flags=re.M) and "  weights: runs/" in out and "  report: runs/" in out, out
-    for made in ("runs/tiny-mix/lora/pytorch_lora_weights.safetensors", "runs/tiny-mix/report.html", "samples", "eval.json",
+    for made in ("runs/tiny-mix-full/transformer/diffusion_pytorch_model.safetensors", "runs/tiny-mix-full/report.html", "samples", "eval.json",
                  "runs/tiny-chain/checkpoints", "runs/mine/lora", "bench.json", "curves/curves.md", "runs/two/lora"):
         assert (tmp_path / made).exists(), made
 
