@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -36,7 +37,7 @@ def run_one(name: str, preset: str, overrides: list[str], seed: int, iterations:
     run = out / f"{name}-seed{seed}"
     if not (run / "eval.json").is_file():
         if run.exists():
-            subprocess.run(["rm", "-rf", str(run)], check=True)
+            shutil.rmtree(run)  # an unfinished run: trained again from the start
         command = [sys.executable, "-m", "branchdiff.cli", "train", preset, *overrides, f"seed={seed}", f"iterations={iterations}",
                    f"eval_every={eval_every}", f"output_dir={run}", "logging.sample_every=0", "logging.checkpoint_every=0",
                    "logging.tensorboard=false", "prompts.eval_seeds=8"]

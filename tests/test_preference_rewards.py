@@ -217,7 +217,7 @@ def test_hps_missing_weights_is_one_line_naming_path_and_source(tmp_path, hps_ch
 
 def tiny_clip_tokenizer(merges: int = 300):
     """A transformers CLIPTokenizer from the first BPE merges of open_clip's shipped vocabulary
-    (offline; environment.md), as branchdiff.models.tiny does without importing diffusers."""
+    (offline: no hub download), as branchdiff.models.tiny does without importing diffusers."""
     import gzip
     from pathlib import Path
 
