@@ -41,6 +41,7 @@ from branchdiff.models import load_adapter
 from branchdiff.models.base import ModelAdapter
 from branchdiff.finetune import make_finetune
 from branchdiff.hacking import WatchState
+from branchdiff.lr_schedule import LearningRateSchedule
 from branchdiff.quant import QuantConfig, make_quantized_copy, refresh_quantized_copy
 from branchdiff.rewards.combine import parse_reward_specs
 from branchdiff.rewards.multi import MultiReward, RewardBatch, build_component
@@ -114,6 +115,7 @@ class Trainer:
         if config.train.gradient_checkpointing:
             self.adapter.denoiser.enable_gradient_checkpointing()
         optimizer = make_optimizer(config, self.finetune.params)
+        self.learning_rate = LearningRateSchedule(optimizer, config.train.lr_schedule, config.train.warmup_iterations, config.iterations)
         wrapped, self.optimizer = self.accelerator.prepare(self.adapter.denoiser, optimizer)
         # the training forward goes through the (DDP-)wrapped module; everything else uses the plain one
         self.train_adapter = copy.copy(self.adapter)
@@ -359,12 +361,14 @@ class Trainer:
         node_advantages = depthwise_advantages(tree, node_rewards, config.advantage.scope, self.collective)
         node_advantages = node_advantages.clamp(-config.advantage.clip, config.advantage.clip)
         mask = self.trainable_mask(rollout, node_advantages, iteration) & ~dropped[tree.prompt]
+        info["learning_rate"] = self.learning_rate.set(iteration)
         start = time.perf_counter()
         train_stats = self.update(rollout, info["embeds"], node_advantages, mask, iteration)
         info["train_seconds"] = time.perf_counter() - start
         streak = self.run_state["skipped_in_a_row"] + train_stats["steps_skipped"]
         self.run_state["skipped_in_a_row"] = train_stats["trailing_skips"] if train_stats["optimizer_steps"] else streak
-        metrics = {"iteration": iteration, **iteration_metrics(self.collective, rollout, rewards, node_advantages, mask, train_stats, info)}
+        metrics = {"iteration": iteration, **iteration_metrics(self.collective, rollout, rewards, node_advantages, mask, train_stats, info),
+                   "learning_rate": info["learning_rate"]}
         self.refresh_explorer()
         return IterationResult(metrics, rollout, images, node_rewards, node_advantages, mask, info["prompts"])
 

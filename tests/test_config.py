@@ -58,7 +58,8 @@ def test_every_packaged_preset_loads(name):
 def test_tiny_chain_preset_values():
     config = load_config("tiny-chain")
     assert config.output_dir == "runs/tiny-chain"
-    assert config.train.learning_rate == 1e-3 and isinstance(config.train.learning_rate, float)
+    assert config.train.learning_rate == 3e-5 and isinstance(config.train.learning_rate, float)
+    assert config.model.finetune == "full" and config.train.optimizer_every == 160
     assert config.tree.roots == 16 and config.prompts.per_iteration == 4 and config.sampling.sde == "flow"
 
 

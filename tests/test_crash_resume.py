@@ -3,12 +3,14 @@ with `--resume latest` ends with the weights of a run never stopped, bit for bit
 metrics and TensorBoard logs after the checkpoint are rewritten, never duplicated.
 
 The killed runs are subprocesses of tests/killed_run.py; resumes run in this process through the CLI.
-Iterations 0..5, checkpoints after iterations 2 and 5, two optimizer steps per iteration.
+Iterations 0..5, checkpoints after iterations 2 and 5, two optimizer steps per iteration, a cosine
+learning rate after one iteration of warm-up (a resumed run continues on the same curve).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -27,7 +29,8 @@ ITERATIONS = 6
 def _args(model_dir: Path, run: Path, eval_prompts: Path) -> list[str]:
     # tiny-mix: 22 trained edges per prompt, 44 per iteration in minibatches of 8 parents; optimizer_every 16 → 2 optimizer steps
     return ["train", "tiny-mix", f"model.path={model_dir}", f"output_dir={run}", f"iterations={ITERATIONS}", "seed=3",
-            "prompts.per_iteration=2", "train.minibatch=8", "train.optimizer_every=16", "train.learning_rate=3e-3", "logging.checkpoint_every=3",
+            "prompts.per_iteration=2", "model.finetune=lora", "train.minibatch=8", "train.optimizer_every=16", "train.learning_rate=3e-3",
+            "train.lr_schedule=cosine", "train.warmup_iterations=1", "logging.checkpoint_every=3",
             "logging.sample_every=0", "eval_every=2", f"prompts.eval={eval_prompts}", "prompts.eval_seeds=1", "final_eval=false"]
 
 
@@ -73,6 +76,13 @@ def _assert_same_run(run: Path, reference: Path) -> None:
     events = EventAccumulator(str(run / "logs" / "branchdiff")).Reload()  # drops steps a later session purged
     assert [e.step for e in events.Scalars("reward_mean")] == list(range(ITERATIONS))
     assert [e.step for e in events.Scalars("eval_tiny-geneval.strict")] == [0, 2, 4]
+
+
+def test_the_metrics_carry_the_scheduled_learning_rate(setting):
+    """Warm-up over iteration 0, then cosine decay over iterations 1..5 of 6: 3e-3·½(1 + cos(π(i − 1)/5))."""
+    rates = [json.loads(l)["learning_rate"] for l in (setting["reference"] / "metrics.jsonl").read_text().splitlines()]
+    expected = [0.0, *(3e-3 * 0.5 * (1 + math.cos(math.pi * (i - 1) / 5)) for i in range(1, ITERATIONS))]
+    assert rates == pytest.approx(expected, rel=1e-12, abs=1e-18)
 
 
 def test_sigkill_in_the_middle_of_an_iteration_then_resume_gives_the_same_weights(setting):

@@ -45,7 +45,7 @@ class Env:
         return ["train", "tiny-chain", *RUN_SETTINGS, f"model.path={self.model}", f"output_dir={self.tmp / 'new'}", *overrides]
 
 
-RUN_SETTINGS = ["iterations=2", "seed=0", "prompts.per_iteration=2", "tree.roots=3", "sampling.num_steps=3", "sampling.max_batch=8",
+RUN_SETTINGS = ["iterations=2", "seed=0", "model.finetune=lora", "train.learning_rate=1e-3", "prompts.per_iteration=2", "tree.roots=3", "sampling.num_steps=3", "sampling.max_batch=8",
                 "final_eval=false", "logging.checkpoint_every=1", "logging.sample_every=0", "logging.tensorboard=false"]
 
 

@@ -38,7 +38,7 @@ def _overrides(model_dir: Path, run: Path, per_iteration: int) -> list[str]:
         f"model.path={model_dir}", f"output_dir={run}", "seed=5", "reward=rewards_for_tests:Redness",
         f"prompts.per_iteration={per_iteration}", "sampling.num_steps=3", "sampling.max_batch=8", "tree.roots=1",
         "tree.splits=[[0,2],[1,2]]", "advantage.scope=batch", "prune.width=global", "prune.width_ratio=0.5",
-        "train.minibatch=2", "train.learning_rate=1e-2", "logging.checkpoint_every=1", "logging.sample_every=1",
+        "train.minibatch=2", "model.finetune=lora", "train.learning_rate=1e-2", "logging.checkpoint_every=1", "logging.sample_every=1",
         "logging.tensorboard=false", "prompts.eval_seeds=1",
     ]
 
@@ -250,13 +250,13 @@ def test_a_full_disk_on_one_process_stops_both_at_the_checkpoint_and_keeps_the_l
 def test_full_finetuning_trains_on_two_processes_like_one(tiny_model_dir, tmp_path, mode):
     """Two processes (DDP over every weight of the denoiser): the update equals one process's on
     both processes' prompts (to 1% of its size: Adam's first step is about lr·sign(g)), and a resume
-    on two processes ends with the same export. (LoRA resumes: the frozen-rank test above.)"""
+    on two processes ends with the same export. (LoRA resumes: the frozen-rank test above.) The
+    learning rate decays linearly (iteration 1 at half the rate) in all three runs."""
     from safetensors.torch import load_file
 
     run = tmp_path / "run"
-    lr = "train.learning_rate=1e-3" if "full" in mode else "train.learning_rate=1e-2"
-    args = ["train", "tiny-chain", *_overrides(tiny_model_dir, run, PER_PROCESS), mode, lr, "final_eval=false", "iterations=2",
-            "logging.sample_every=0"]
+    lr = ["train.learning_rate=1e-3" if "full" in mode else "train.learning_rate=1e-2", "train.lr_schedule=linear", "iterations=2"]
+    args = ["train", "tiny-chain", *_overrides(tiny_model_dir, run, PER_PROCESS), mode, *lr, "final_eval=false", "logging.sample_every=0"]
     two = launch_two(None, args)
     assert two.returncode == 0, two.stderr[-3000:]
     export = run / ("transformer" if "full" in mode else "lora")
@@ -267,7 +267,7 @@ def test_full_finetuning_trains_on_two_processes_like_one(tiny_model_dir, tmp_pa
         assert again.returncode == 0, again.stderr[-3000:]
         resumed = {k: v for f in sorted(export.glob("*.safetensors")) for k, v in load_file(f).items()}
         assert resumed.keys() == trained_two.keys() and all(torch.equal(resumed[k], trained_two[k]) for k in resumed)
-    single = Trainer(load_config("tiny-chain", [*_overrides(tiny_model_dir, tmp_path / "single", 2 * PER_PROCESS), mode, lr]))
+    single = Trainer(load_config("tiny-chain", [*_overrides(tiny_model_dir, tmp_path / "single", 2 * PER_PROCESS), mode, *lr]))
     def trained() -> dict[str, torch.Tensor]:  # the parameters the run trains, by their name in the denoiser
         return {k: v.detach().clone() for k, v in single.adapter.denoiser.named_parameters() if "full" in mode or "lora_" in k}
 

@@ -74,7 +74,7 @@ def test_the_readme_commands_run_in_order(tmp_path, monkeypatch, capsys):
         if words[1] == "train":  # training says where its results are
             assert re.search(r"^run folder: runs/[\w-]+/$", out, flags=re.M) and "  weights: runs/" in out and "  report: runs/" in out, out
     for made in ("runs/tiny-mix-full/transformer/diffusion_pytorch_model.safetensors", "runs/tiny-mix-full/report.html", "samples", "eval.json",
-                 "runs/tiny-chain/checkpoints", "runs/mine/lora", "bench.json", "curves/curves.md", "runs/two/lora"):
+                 "runs/tiny-chain/checkpoints", "runs/mine/transformer", "bench.json", "curves/curves.md", "runs/two/transformer"):
         assert (tmp_path / made).exists(), made
 
 
@@ -101,7 +101,7 @@ def test_eval_of_a_run_reproduces_its_final_evaluation(tiny_model_dir, tmp_path,
 
     run = tmp_path / "run"
     assert main(["train", "tiny-chain", f"model.path={tiny_model_dir}", f"output_dir={run}", "iterations=2", "prompts.per_iteration=2",
-                 "tree.roots=3", "sampling.num_steps=3", "prompts.eval_seeds=2", "train.learning_rate=0.05", "logging.tensorboard=false"]) == 0
+                 "tree.roots=3", "sampling.num_steps=3", "prompts.eval_seeds=2", "model.finetune=lora", "train.learning_rate=0.05", "logging.tensorboard=false"]) == 0
     trained = json.loads((run / "eval.json").read_text())["trained"]["all"]
     capsys.readouterr()
     assert main(["eval", "--lora", str(run / "lora"), "--json", str(tmp_path / "again.json"), "--out", str(tmp_path / "again")]) == 0

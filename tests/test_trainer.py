@@ -16,7 +16,7 @@ def _overrides(model_dir, out, iterations, *extra):
     return [
         f"model.path={model_dir}", f"output_dir={out}", f"iterations={iterations}", "seed=0",
         "reward=rewards_for_tests:Redness", "prompts.per_iteration=2", "tree.roots=3", "sampling.num_steps=3",
-        "sampling.max_batch=8", "train.minibatch=4", "train.learning_rate=1e-2", "final_eval=false",
+        "sampling.max_batch=8", "train.minibatch=4", "model.finetune=lora", "train.learning_rate=1e-2", "final_eval=false",
         "logging.checkpoint_every=1", "logging.sample_every=1", *extra,
     ]
 

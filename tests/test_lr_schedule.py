@@ -1,0 +1,50 @@
+"""The learning rate over a run: each schedule's rate at every iteration against its closed form."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from branchdiff.config import ConfigError, load_config
+from branchdiff.lr_schedule import LearningRateSchedule
+
+
+def _optimizer(rates: list[float]) -> torch.optim.Optimizer:
+    groups = [{"params": [torch.nn.Parameter(torch.zeros(2))], "lr": rate} for rate in rates]
+    return torch.optim.AdamW(groups)
+
+
+def _expected(schedule: str, i: int, warmup: int, n: int) -> float:
+    if i < warmup:
+        return i / warmup
+    progress = (i - warmup) / (n - warmup)
+    return {"constant": 1.0, "linear": 1.0 - progress, "cosine": 0.5 * (1.0 + math.cos(math.pi * progress))}[schedule]
+
+
+@pytest.mark.parametrize("schedule", ["constant", "linear", "cosine"])
+@pytest.mark.parametrize("warmup", [0, 3])
+def test_every_group_follows_the_closed_form_at_every_iteration(schedule, warmup):
+    iterations = 12
+    optimizer = _optimizer([2e-4, 5e-5])
+    learning_rate = LearningRateSchedule(optimizer, schedule, warmup, iterations)
+    for i in [*range(iterations), 5, 0]:  # out of order, as after a resume: a function of the iteration alone
+        first = learning_rate.set(i)
+        factor = _expected(schedule, i, warmup, iterations)
+        assert first == pytest.approx(2e-4 * factor, rel=1e-12, abs=1e-18)
+        assert [g["lr"] for g in optimizer.param_groups] == pytest.approx([2e-4 * factor, 5e-5 * factor], rel=1e-12, abs=1e-18)
+
+
+def test_constant_leaves_the_optimizer_as_built():
+    optimizer = _optimizer([1e-3])
+    before = optimizer.state_dict()["param_groups"]
+    assert LearningRateSchedule(optimizer, "constant", 0, 10).set(7) == 1e-3
+    assert optimizer.state_dict()["param_groups"] == before  # the configured rate exactly, no scheduler keys
+
+
+def test_a_warmup_as_long_as_the_run_is_refused():
+    with pytest.raises(ConfigError, match=r"'train.warmup_iterations' = 10 is not below iterations = 10; .*train.warmup_iterations=1\)"):
+        load_config("tiny-mix", ["iterations=10", "train.warmup_iterations=10"])
+    with pytest.raises(ConfigError, match="'train.lr_schedule' = 'step'"):
+        load_config("tiny-mix", ["train.lr_schedule=step"])
