@@ -35,7 +35,9 @@ chosen clock; both clocks' times of every evaluation are kept in the JSON.
 Ratios: `time_to_chain_final[v]` is the first time v's mean curve reaches the chain's final mean
 (linear between grid points; `curve_stats.first_time_reaching`) over the budget. The chain gets the
 same rule, so its own value is ≤ 1 (below 1 when its mean curve peaked before the end); null when
-never reached. Confidence (branchdiff/curve_stats.py): a 95% Student-t interval over seeds at every
+never reached. `time_to_chain_final_other_clock` is the same ratio on the other clock, from the same
+runs (`time_to_reference_final_on`): the explore variants' mechanism on the modelled clock beside
+their CPU cost on the wall clock, in one run. Confidence (branchdiff/curve_stats.py): a 95% Student-t interval over seeds at every
 grid point, a bootstrap interval for every `time_to_chain_final`, and Welch's test of each variant's
 final accuracy against the chain's; the markdown says which differences are significant.
 Before the timed runs, each variant runs one untimed iteration (a discarded trainer), so that the
@@ -102,6 +104,17 @@ def time_to_reference_final(grid: list[float], means: dict[str, list[float]], re
         if reached is None:
             notes[name] = f"never reached (final {curve[-1]:.3f} < {reference} final {target:.3f})"
     return ratios, notes
+
+
+def time_to_reference_final_on(times: dict[str, list[float]], means: dict[str, list[float]], reference: str = REFERENCE
+                               ) -> dict[str, float | None]:
+    """`time_to_reference_final` on the clock the budget was not set on: each variant's mean curve
+    against its own evaluation times on that clock (`times`: the mean over seeds at each
+    evaluation), first reaching the reference's final mean, over the reference's time at its final
+    evaluation on that clock (None when never reached)."""
+    target, budget = means[reference][-1], times[reference][-1]
+    reached = {name: first_time_reaching(times[name], curve, target) for name, curve in means.items()}
+    return {name: None if t is None else t / budget for name, t in reached.items()}
 
 
 def _train_and_evaluate(config: TrainConfig, grid_seconds: list[float], held_out_strict, base: float | None, clock: str) -> dict:
@@ -228,6 +241,10 @@ def _result(minutes: float, seeds: int, grid: list[float], runs: dict[str, list[
             grid, {name: v["mean"] for name, v in variants.items()})
         reference = variants[REFERENCE]["strict"]
         ratios["time_to_chain_final_ci"] = {name: list(time_ratio_interval(reference, v["strict"], grid)) for name, v in variants.items()}
+        other = next(c for c in CLOCKS if c != clock)
+        ratios["time_to_chain_final_other_clock"] = time_to_reference_final_on(
+            {name: [statistics.mean(t) for t in zip(*v["eval_minutes"][other])] for name, v in variants.items()},
+            {name: v["mean"] for name, v in variants.items()})
         ratios["final_vs_chain_p"] = {name: welch_p([r[-1] for r in v["strict"]], [r[-1] for r in reference])
                                       for name, v in variants.items() if name != REFERENCE}
     return {"minutes": minutes, "seeds": seeds, "clock": clock, "grid_minutes": grid, "variants": variants, "ratios": ratios, "notes": notes}
@@ -259,7 +276,11 @@ def format_ratios(result: dict) -> str:
     notes, intervals = result["notes"]["time_to_chain_final"], result["ratios"]["time_to_chain_final_ci"]
     target = result["variants"][REFERENCE]["mean"][-1]
     cells = [f"{name} {notes[name] if value is None else f'{value:.2f}'} {_interval(*intervals[name])}" for name, value in ratios.items()]
-    return f"time to reach {REFERENCE}'s final mean ({target:.3f}) / budget [95% bootstrap interval]: " + ", ".join(cells)
+    other = next(c for c in CLOCKS if c != result["clock"])
+    on_other = ", ".join(f"{name} {'never' if value is None else f'{value:.2f}'}"
+                         for name, value in result["ratios"]["time_to_chain_final_other_clock"].items())
+    return (f"time to reach {REFERENCE}'s final mean ({target:.3f}) / budget [95% bootstrap interval]: " + ", ".join(cells)
+            + f"\n\nthe same on the {other} clock (each variant's mean {other} time at each evaluation; over the {REFERENCE}'s at its end): {on_other}")
 
 
 def format_significance(result: dict) -> str:

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from branchdiff.bench_curves import COMMON, VARIANTS, bench_curves, format_significance, group_size, time_to_reference_final
+from branchdiff.bench_curves import COMMON, VARIANTS, bench_curves, format_significance, group_size, time_to_reference_final, time_to_reference_final_on
 from branchdiff.curve_stats import first_time_reaching, t_interval, time_ratio_interval, welch_p
 from branchdiff.config import load_config
 
@@ -40,6 +40,16 @@ def test_time_to_reference_final():
     assert ratios["base_high"] == 0.0
     # a monotone chain reaches its final at the end: 1.0
     assert time_to_reference_final(GRID, {"chain": [0.1, 0.2, 0.3, 0.4]})[0] == {"chain": 1.0}
+
+
+def test_time_to_reference_final_on_another_clock():
+    """Each variant against its own times on that clock, over the reference's final time there."""
+    times = {"chain": [0.0, 1.0, 2.0, 4.0], "explore": [0.0, 0.5, 1.0, 1.5], "slow": [0.0, 2.0, 4.0, 8.0]}
+    means = {"chain": [0.1, 0.3, 0.4, 0.5], "explore": [0.1, 0.2, 0.6, 0.7], "slow": [0.1, 0.2, 0.3, 0.4]}
+    ratios = time_to_reference_final_on(times, means)
+    assert ratios["chain"] == pytest.approx(1.0)  # its own final, at its own end
+    assert ratios["explore"] == pytest.approx((0.5 + (0.5 - 0.2) / (0.6 - 0.2) * 0.5) / 4.0)  # 0.875 min of the chain's 4
+    assert ratios["slow"] is None
 
 
 def test_variants_share_prompts_and_group_size():
@@ -101,4 +111,5 @@ def test_bench_curves_smoke(tmp_path):
     assert set(result["ratios"]["time_to_chain_final"]) == {"chain", "branch"} and set(result["ratios"]["final_vs_chain_p"]) == {"branch"}
     assert (tmp_path / "curves.png").stat().st_size > 0
     text = (tmp_path / "curves.md").read_text()
-    assert "| chain |" in text and "Significance (2 seeds)" in text
+    assert "| chain |" in text and "Significance (2 seeds)" in text and "the same on the wall clock" in text
+    assert set(result["ratios"]["time_to_chain_final_other_clock"]) == {"chain", "branch"}

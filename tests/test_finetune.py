@@ -68,7 +68,7 @@ def test_finetune_settings_are_checked(overrides, message):
 
 def _args(family: str, folder, run, mode: str, iterations: int, *extra: str) -> list[str]:
     model = [f"model.family={family}", f"model.resolution={RESOLUTION[family]}"] if family != "tiny" else []
-    what = ["model.finetune=full", "train.learning_rate=1e-3"] if mode == "full" else [f"model.lora_targets={mode}", "train.learning_rate=0.05"]
+    what = ["model.finetune=full", "train.learning_rate=1e-3"] if mode == "full" else ["model.finetune=lora", f"model.lora_targets={mode}", "train.learning_rate=0.05"]
     return ["train", "tiny-chain", *model, f"model.path={folder}", f"output_dir={run}", "reward=rewards_for_tests:Redness",
             "prompts.per_iteration=2", f"sampling.num_steps={STEPS}", "tree.roots=3", f"iterations={iterations}", "final_eval=false",
             "logging.tensorboard=false", "logging.sample_every=0", "logging.checkpoint_every=1", "logging.checkpoints_total_limit=5",

@@ -48,3 +48,24 @@ def test_a_warmup_as_long_as_the_run_is_refused():
         load_config("tiny-mix", ["iterations=10", "train.warmup_iterations=10"])
     with pytest.raises(ConfigError, match="'train.lr_schedule' = 'step'"):
         load_config("tiny-mix", ["train.lr_schedule=step"])
+
+
+def test_the_trainer_steps_with_the_scheduled_rate(tiny_model_dir, tmp_path):
+    """The rate the prepared optimizer holds during an iteration's update is the schedule's."""
+    from branchdiff.trainer import Trainer
+
+    config = load_config("tiny-chain", [f"model.path={tiny_model_dir}", f"output_dir={tmp_path}", "iterations=4", "train.lr_schedule=linear",
+                                        "prompts.per_iteration=1", "tree.roots=2", "sampling.num_steps=2", "final_eval=false",
+                                        "logging.tensorboard=false", "reward=rewards_for_tests:Redness"])
+    trainer = Trainer(config)
+    seen = []
+    step = trainer.optimizer.step
+
+    def recording_step(*args, **kwargs):
+        seen.append(trainer.optimizer.param_groups[0]["lr"])
+        return step(*args, **kwargs)
+
+    trainer.optimizer.step = recording_step
+    for iteration in range(2, 4):
+        assert trainer.run_iteration(iteration).metrics["learning_rate"] == pytest.approx(3e-5 * (4 - iteration) / 4, rel=1e-12)
+    assert seen == pytest.approx([3e-5 * 2 / 4, 3e-5 * 1 / 4], rel=1e-12)
