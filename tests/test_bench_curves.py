@@ -86,12 +86,17 @@ def test_time_ratio_interval_brackets_the_ratio_and_says_never():
 
 
 def test_significance_says_which_variant_differs():
-    result = {"seeds": 3, "variants": {"chain": {"mean": [0.1, 0.5]}, "mix": {"mean": [0.1, 0.8]}, "tree": {"mean": [0.1, 0.52]}},
+    result = {"seeds": 3, "variants": {"chain": {"mean": [0.1, 0.5], "ci": [[0.1, 0.1], [0.4, 0.6]]}, "mix": {"mean": [0.1, 0.8]},
+                                       "tree": {"mean": [0.1, 0.52]}},
               "ratios": {"final_vs_chain_p": {"mix": 0.001, "tree": 0.6},
                          "time_to_chain_final_ci": {"mix": [0.2, 0.4], "tree": [0.5, 1.3]}}}
     text = format_significance(result)
     assert "- mix: final 0.800 vs the chain's 0.500: significantly higher (Welch p = 0.001); reaches the chain's final significantly sooner" in text
     assert "- tree: final 0.520 vs the chain's 0.500: not significantly different (Welch p = 0.600); time to the chain's final not significantly different" in text
+    assert "noise levels" not in text  # the chain moved: its interval [0.4, 0.6] lies above the base 0.1
+    result["variants"]["chain"]["ci"][-1] = [0.05, 0.95]
+    assert ("- the chain's own final is not significantly above the base (0.100 within its interval [0.050, 0.950]): times to reach it "
+            "compare noise levels, not learning.") in format_significance(result)
 
 
 @pytest.mark.slow
