@@ -299,10 +299,10 @@ def format_significance(result: dict) -> str:
                  "significantly later or never (interval above 1)" if low > 1 else "time to the chain's final not significantly different")
         lines.append(f"- {name}: {accuracy}; {speed}.")
     chain = result["variants"][REFERENCE]
-    base, (low, _) = chain["mean"][0], chain["ci"][-1]
+    base, (low, high) = chain["mean"][0], chain["ci"][-1]
     if low <= base:
         lines.append(f"- the chain's own final is not significantly above the base ({base:.3f} within its interval "
-                     f"[{low:.3f}, {chain['ci'][-1][1]:.3f}]): times to reach it compare noise levels, not learning.")
+                     f"[{low:.3f}, {high:.3f}]): times to reach it compare noise levels, not learning.")
     return f"Significance ({result['seeds']} seeds):\n" + "\n".join(lines)
 
 

@@ -22,7 +22,7 @@ import yaml
 
 from branchdiff.models.families import FAMILIES, LORA_TARGET_SETS, STEP_KINDS
 from branchdiff.typed_yaml import ConfigError, build, choice, in_range, merge, non_negative, parse_override, positive, read_yaml
-from branchdiff.lr_schedule import SCHEDULES, validate_schedule
+from branchdiff.lr_schedule import SCHEDULES, validate_warmup
 from branchdiff.prune import mix_sde_steps
 from branchdiff.rewards.combine import parse_reward_specs
 from branchdiff.tree import Split, TreeSpec
@@ -216,7 +216,7 @@ def validate(config: TrainConfig) -> None:
     if not config.output_dir.strip():
         raise ConfigError("'output_dir' is empty; pass output_dir= a folder for the run, e.g. output_dir=runs/my-run")
     _validate_finetune(config)
-    validate_schedule(config.train.lr_schedule, config.train.warmup_iterations, config.iterations)
+    validate_warmup(config.train.warmup_iterations, config.iterations)
     if config.watch.stop and not config.eval_every:
         raise ConfigError("'watch.stop' = true needs held-out evaluations to watch: set eval_every (e.g. eval_every=20) and the gold "
                           "score in watch.gold (an eval_rewards score)")

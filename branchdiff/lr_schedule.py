@@ -17,7 +17,7 @@ from branchdiff.typed_yaml import ConfigError
 SCHEDULES = ("constant", "linear", "cosine")
 
 
-def validate_schedule(schedule: str, warmup_iterations: int, iterations: int) -> None:
+def validate_warmup(warmup_iterations: int, iterations: int) -> None:
     """Warm-up must end before the run does."""
     if warmup_iterations and warmup_iterations >= iterations:
         raise ConfigError(f"'train.warmup_iterations' = {warmup_iterations} is not below iterations = {iterations}; "

@@ -361,14 +361,14 @@ class Trainer:
         node_advantages = depthwise_advantages(tree, node_rewards, config.advantage.scope, self.collective)
         node_advantages = node_advantages.clamp(-config.advantage.clip, config.advantage.clip)
         mask = self.trainable_mask(rollout, node_advantages, iteration) & ~dropped[tree.prompt]
-        info["learning_rate"] = self.learning_rate.set(iteration)
+        learning_rate = self.learning_rate.set(iteration)
         start = time.perf_counter()
         train_stats = self.update(rollout, info["embeds"], node_advantages, mask, iteration)
         info["train_seconds"] = time.perf_counter() - start
         streak = self.run_state["skipped_in_a_row"] + train_stats["steps_skipped"]
         self.run_state["skipped_in_a_row"] = train_stats["trailing_skips"] if train_stats["optimizer_steps"] else streak
         metrics = {"iteration": iteration, **iteration_metrics(self.collective, rollout, rewards, node_advantages, mask, train_stats, info),
-                   "learning_rate": info["learning_rate"]}
+                   "learning_rate": learning_rate}
         self.refresh_explorer()
         return IterationResult(metrics, rollout, images, node_rewards, node_advantages, mask, info["prompts"])
 
