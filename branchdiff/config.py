@@ -20,6 +20,7 @@ from typing import Any
 
 import yaml
 
+from branchdiff.ema import validate_decay
 from branchdiff.models.families import FAMILIES, LORA_TARGET_SETS, STEP_KINDS
 from branchdiff.typed_yaml import ConfigError, build, choice, in_range, merge, non_negative, parse_override, positive, read_yaml
 from branchdiff.lr_schedule import SCHEDULES, validate_warmup
@@ -108,6 +109,7 @@ class OptimConfig:
     gradient_checkpointing: bool = False  # recompute the denoiser's activations in backward (less memory, ~30% slower)
     optimizer: str = choice("adamw", "adamw", "adamw8bit")  # adamw8bit: bitsandbytes' 8-bit moments (needs the quant extra)
     weight_decay: float = non_negative(1e-4)  # AdamW weight decay
+    ema_decay: float = in_range(0.0, 0.0, 1.0)  # moving average of the trained weights per optimizer step, for evaluation and export (branchdiff/ema.py; 0: off, < 1)
     mixed_precision: str = choice("no", "no", "bf16")  # autocast dtype of rollout and training forwards
 
 
@@ -217,6 +219,7 @@ def validate(config: TrainConfig) -> None:
         raise ConfigError("'output_dir' is empty; pass output_dir= a folder for the run, e.g. output_dir=runs/my-run")
     _validate_finetune(config)
     validate_warmup(config.train.warmup_iterations, config.iterations)
+    validate_decay(config.train.ema_decay)
     if config.watch.stop and not config.eval_every:
         raise ConfigError("'watch.stop' = true needs held-out evaluations to watch: set eval_every (e.g. eval_every=20) and the gold "
                           "score in watch.gold (an eval_rewards score)")

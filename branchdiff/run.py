@@ -105,7 +105,7 @@ def stop_reason(trainer: Trainer, metrics: dict[str, float]) -> str | None:
 
 def train(trainer: Trainer) -> None:
     """Iterations start_iteration .. iterations-1, then the export (RUN/lora, or the denoiser folder
-    of full fine-tuning: `finetune.export`). A full disk
+    of full fine-tuning: `finetune.export`; the weights' moving average when `train.ema_decay` is on). A full disk
     or a silent process ends it with one line (`CheckpointError`, `watchdog.CollectiveTimeout`)."""
     heartbeat = trainer.heartbeat
     try:
@@ -161,7 +161,8 @@ def _train(trainer: Trainer, heartbeat: Heartbeat | None) -> None:
         progress.close()
         _end_trackers(accelerator)
     if accelerator.is_main_process:
-        export(trainer.finetune, run_dir)
+        with trainer.evaluated_weights():  # the moving average when on
+            export(trainer.finetune, run_dir)
 
 
 def _end_trackers(accelerator: Accelerator) -> None:

@@ -20,6 +20,7 @@ import sys
 import time
 import uuid
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -33,6 +34,7 @@ from branchdiff.advantage import depthwise_advantages, fuse_rewards
 from branchdiff.config import ConfigError, TrainConfig, save_config, to_dict, trainable_steps, tree_spec
 from branchdiff.data import draw_prompts, load_prompt_set
 from branchdiff.distributed import AcceleratorCollective
+from branchdiff.ema import WeightAverage
 from branchdiff.errors import CheckpointError
 from branchdiff.evaluate import EvalResult, evaluate, gather_results, sample_ode, score_names, summarize
 from branchdiff.explore import ExploreResult, explore_seeds, explore_tree, latent_difference, pool_under_policy, selection_generators
@@ -115,13 +117,14 @@ class Trainer:
         if config.train.gradient_checkpointing:
             self.adapter.denoiser.enable_gradient_checkpointing()
         optimizer = make_optimizer(config, self.finetune.params)
+        self.weight_average = WeightAverage(self.finetune.params, config.train.ema_decay) if config.train.ema_decay else None
         self.learning_rate = LearningRateSchedule(optimizer, config.train.lr_schedule, config.train.warmup_iterations, config.iterations)
         wrapped, self.optimizer = self.accelerator.prepare(self.adapter.denoiser, optimizer)
         # the training forward goes through the (DDP-)wrapped module; everything else uses the plain one
         self.train_adapter = copy.copy(self.adapter)
         self.train_adapter.denoiser = wrapped
         self.policy_update = PolicyUpdate(config, self.accelerator, self.collective, self.finetune, self.train_adapter,
-                                          self.optimizer, self.schedule, self.settings)
+                                          self.optimizer, self.schedule, self.settings, self.weight_average)
         self.accelerator.register_save_state_pre_hook(self._save_hook)
         self.accelerator.register_load_state_pre_hook(self._load_hook)
         self.prompt_set = load_prompt_set(config.prompts.train)
@@ -152,15 +155,20 @@ class Trainer:
 
     # ---------------------------------------------------------------- checkpoints
     def _save_hook(self, models: list, weights: list, output_dir: str) -> None:
-        """What is trained is saved (the LoRA, or every weight of the denoiser; never a frozen base), by one process."""
+        """What is trained is saved (the LoRA, or every weight of the denoiser; never a frozen base) and
+        its moving average when on, by one process."""
         if self.accelerator.is_main_process:
             for model in models:
                 self.finetune.save_state(self.accelerator.unwrap_model(model), Path(output_dir))
+            if self.weight_average is not None:
+                self.weight_average.save(Path(output_dir))
         weights.clear()
 
     def _load_hook(self, models: list, input_dir: str) -> None:
         while models:
             self.finetune.load_state(self.accelerator.unwrap_model(models.pop()), Path(input_dir))
+        if self.weight_average is not None:
+            self.weight_average.load(Path(input_dir))
 
     @property
     def checkpoint_dir(self) -> Path:
@@ -377,6 +385,11 @@ class Trainer:
         return self.policy_update(rollout, embeds, node_advantages, mask, iteration)
 
     # ---------------------------------------------------------------- evaluation
+    def evaluated_weights(self) -> AbstractContextManager:
+        """The weights that are evaluated and exported in the model for the block: the moving
+        average when `train.ema_decay` is on (branchdiff/ema.py), else the live ones."""
+        return self.weight_average.swapped_in() if self.weight_average is not None else nullcontext()
+
     def _gold_score(self) -> str | None:
         """The held-out score the reward-hacking watch follows: `watch.gold`, else the first eval
         reward's own score; None when the run never evaluates during training."""
@@ -413,7 +426,9 @@ class Trainer:
         """The policy's mean score on the eval prompts, `eval_<score>` for each eval reward and its
         extras (fixed noise, ODE), each process sampling its share of the prompts; `eval_seconds`."""
         start = time.perf_counter()
-        result = gather_results(self._evaluate(self.adapter, self.accelerator.process_index, self.accelerator.num_processes), self.accelerator)
+        with self.evaluated_weights():
+            result = self._evaluate(self.adapter, self.accelerator.process_index, self.accelerator.num_processes)
+        result = gather_results(result, self.accelerator)
         summary = summarize(result)["all"]
         return {**{f"eval_{name}": row["mean"] for name, row in summary.items()}, "eval_seconds": time.perf_counter() - start}
 
@@ -422,8 +437,9 @@ class Trainer:
         with fixed seeds, and those prompts: the same noise at every call, so grids compare across iterations."""
         config = self.config
         chosen = load_prompt_set(config.prompts.eval).prompts[:prompts]
-        images = sample_ode(self.adapter, chosen, images_per_prompt, config.sampling.num_steps, config.sampling.shift,
-                            guidance=config.prompts.eval_guidance)[0]
+        with self.evaluated_weights():
+            images = sample_ode(self.adapter, chosen, images_per_prompt, config.sampling.num_steps, config.sampling.shift,
+                                guidance=config.prompts.eval_guidance)[0]
         return images, chosen
 
     def final_evaluation(self) -> dict[str, dict[str, float]]:
@@ -433,7 +449,8 @@ class Trainer:
         config = self.config
         with self.finetune.base() as base:
             summaries = {"base": summarize(self._evaluate(base))}
-        summaries["trained"] = summarize(self._evaluate(self.adapter))
+        with self.evaluated_weights():
+            summaries["trained"] = summarize(self._evaluate(self.adapter))
         scales = {label: getattr(reward, "scale", "unspecified") for label, reward in self.eval_rewards.items()}
         report = {"prompts": config.prompts.eval, "images_per_prompt": config.prompts.eval_seeds, "scales": scales,
                   "after_iteration": config.iterations - 1, **summaries}

@@ -22,6 +22,7 @@ from accelerate import Accelerator
 
 from branchdiff.config import TrainConfig
 from branchdiff.distributed import Collective
+from branchdiff.ema import WeightAverage
 from branchdiff.finetune import FullFinetune, LoraFinetune
 from branchdiff.loss import clipped_surrogate, kl_to_reference
 from branchdiff.models.base import ModelAdapter, select_embeds
@@ -40,6 +41,7 @@ class PolicyUpdate:
     optimizer: torch.optim.Optimizer
     schedule: Schedule  # the rollouts' schedule
     settings: SamplerSettings  # the rollouts' sampler: SDE kind and guidance
+    weight_average: WeightAverage | None = None  # the moving average of the trained weights, updated after every optimizer step
 
     def __call__(self, rollout: Rollout, embeds: dict, node_advantages: torch.Tensor, mask: torch.Tensor, iteration: int) -> dict[str, float]:
         """Train the edges into the nodes `mask` (N,) with their `node_advantages` (N,); returns this
@@ -90,6 +92,8 @@ class PolicyUpdate:
             stats["grad_norm"] = grad_norm
             if math.isfinite(grad_norm):
                 self.optimizer.step()
+                if self.weight_average is not None:
+                    self.weight_average.update()
                 stats["optimizer_steps"] += 1
                 stats["trailing_skips"] = 0
             else:

@@ -4,7 +4,9 @@ metrics and TensorBoard logs after the checkpoint are rewritten, never duplicate
 
 The killed runs are subprocesses of tests/killed_run.py; resumes run in this process through the CLI.
 Iterations 0..5, checkpoints after iterations 2 and 5, two optimizer steps per iteration, a cosine
-learning rate after one iteration of warm-up (a resumed run continues on the same curve).
+learning rate after one iteration of warm-up (a resumed run continues on the same curve), and a
+moving average of the weights (the export, the held-out evaluations: a resumed run continues the
+same average).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ def _args(model_dir: Path, run: Path, eval_prompts: Path) -> list[str]:
     # tiny-mix: 22 trained edges per prompt, 44 per iteration in minibatches of 8 parents; optimizer_every 16 → 2 optimizer steps
     return ["train", "tiny-mix", f"model.path={model_dir}", f"output_dir={run}", f"iterations={ITERATIONS}", "seed=3",
             "prompts.per_iteration=2", "model.finetune=lora", "train.minibatch=8", "train.optimizer_every=16", "train.learning_rate=3e-3",
-            "train.lr_schedule=cosine", "train.warmup_iterations=1", "logging.checkpoint_every=3",
+            "train.lr_schedule=cosine", "train.warmup_iterations=1", "train.ema_decay=0.9", "logging.checkpoint_every=3",
             "logging.sample_every=0", "eval_every=2", f"prompts.eval={eval_prompts}", "prompts.eval_seeds=1", "final_eval=false"]
 
 

@@ -251,11 +251,13 @@ def test_full_finetuning_trains_on_two_processes_like_one(tiny_model_dir, tmp_pa
     """Two processes (DDP over every weight of the denoiser): the update equals one process's on
     both processes' prompts (to 1% of its size: Adam's first step is about lr·sign(g)), and a resume
     on two processes ends with the same export. (LoRA resumes: the frozen-rank test above.) The
-    learning rate decays linearly (iteration 1 at half the rate) in all three runs."""
+    learning rate decays linearly (iteration 1 at half the rate) in all three runs, and the export is
+    the weights' moving average (saved by one process, loaded by both on the resume)."""
     from safetensors.torch import load_file
 
     run = tmp_path / "run"
-    lr = ["train.learning_rate=1e-3" if "full" in mode else "train.learning_rate=1e-2", "train.lr_schedule=linear", "iterations=2"]
+    lr = ["train.learning_rate=1e-3" if "full" in mode else "train.learning_rate=1e-2", "train.lr_schedule=linear", "train.ema_decay=0.5",
+          "iterations=2"]
     args = ["train", "tiny-chain", *_overrides(tiny_model_dir, run, PER_PROCESS), mode, *lr, "final_eval=false", "logging.sample_every=0"]
     two = launch_two(None, args)
     assert two.returncode == 0, two.stderr[-3000:]
@@ -274,7 +276,8 @@ def test_full_finetuning_trains_on_two_processes_like_one(tiny_model_dir, tmp_pa
     base = trained()
     for iteration in range(2):
         single.run_iteration(iteration)
-    trained_one = trained()
+    with single.evaluated_weights():
+        trained_one = trained()
     names = sorted(trained_one)
     one = torch.cat([trained_one[k].flatten() - base[k].flatten() for k in names])
     twos = torch.cat([_exported_as(trained_two, k).flatten() - base[k].flatten() for k in names])

@@ -1,0 +1,82 @@
+"""An exponential moving average (EMA) of the trained weights: `train.ema_decay` (0: off).
+
+After every optimizer step n (n = 1, 2, …) each trained parameter's average moves toward it,
+    θ̄ ← d_n·θ̄ + (1 − d_n)·θ,   d_n = min(decay, n / (n + 9))   (d_1 = 0: the average starts at θ),
+the ramp of diffusers' `EMAModel` (which does the arithmetic), so the first steps do not tie the
+average to the untrained weights. The rollouts and the update use the live weights; the held-out
+evaluations, the evaluation grids, the final evaluation and the export use the average (a policy
+that swings from one update to the next is judged, and shipped, smoothed). Over the LoRA or every
+weight of the denoiser alike: one more float32 copy of what is trained in memory, saved in every
+checkpoint (`ema.safetensors`) so that a resumed run continues the same average.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from branchdiff.typed_yaml import ConfigError
+
+EMA_FILE = "ema.safetensors"  # a checkpoint's averaged weights, with the step count in its metadata
+
+
+def validate_decay(decay: float) -> None:
+    """An average must move: the decay is in [0, 1)."""
+    if not 0.0 <= decay < 1.0:
+        raise ConfigError(f"'train.ema_decay' = {decay} is not in [0, 1); use e.g. train.ema_decay=0.99 "
+                          "(an average over about 100 optimizer steps), or 0 for no average")
+
+
+class WeightAverage:
+    """The moving average of `params` (the trained parameters, in a fixed order)."""
+
+    def __init__(self, params: list[torch.nn.Parameter], decay: float) -> None:
+        from diffusers.training_utils import EMAModel  # diffusers loads with the model, not with the config
+
+        validate_decay(decay)
+        self.params = params
+        self.average = EMAModel(params, decay=decay, foreach=True)
+
+    @property
+    def steps(self) -> int:
+        """Optimizer steps averaged so far."""
+        return self.average.optimization_step
+
+    def update(self) -> None:
+        """Fold the weights after an optimizer step into the average."""
+        self.average.step(self.params)
+
+    @contextmanager
+    def swapped_in(self) -> Iterator[None]:
+        """The averaged weights in the model for the block; the live ones back after it."""
+        self.average.store(self.params)
+        self.average.copy_to(self.params)
+        try:
+            yield
+        finally:
+            self.average.restore(self.params)
+
+    def save(self, folder: Path) -> None:
+        """The average as `folder/ema.safetensors` (tensor i = parameter i), its step count as metadata."""
+        tensors = {str(i): shadow.detach().contiguous() for i, shadow in enumerate(self.average.shadow_params)}
+        save_file(tensors, folder / EMA_FILE, metadata={"optimization_step": str(self.steps)})
+
+    def load(self, folder: Path) -> None:
+        """The average saved by `save`; refused unless it holds one tensor of the right shape per parameter."""
+        path = folder / EMA_FILE
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} is missing: the checkpoint was written without train.ema_decay")
+        tensors = load_file(path)
+        shapes = [tuple(p.shape) for p in self.params]
+        saved = [tuple(tensors[str(i)].shape) if str(i) in tensors else None for i in range(len(shapes))]
+        if len(tensors) != len(shapes) or saved != shapes:
+            raise ValueError(f"{path} holds {len(tensors)} averaged tensors that do not match the {len(shapes)} trained parameters")
+        with safe_open(str(path), "pt") as handle:
+            steps = int(handle.metadata()["optimization_step"])
+        self.average.load_state_dict({"optimization_step": steps,
+                                      "shadow_params": [tensors[str(i)].to(p.device, p.dtype) for i, p in enumerate(self.params)]})
