@@ -98,6 +98,7 @@ class OptimConfig:
     warmup_iterations: int = non_negative(0)  # linear warm-up from 0 over the first n iterations (0: none)
     lora_rank: int = positive(8)  # LoRA rank on the attention projections
     lora_alpha: float = positive(8.0)  # LoRA scaling numerator
+    loss: str = choice("grpo", "grpo")  # the training objective (branchdiff/objectives/, docs/objectives.md): grpo = clipped GRPO
     clip_range: float = positive(1e-3)  # ε of the clipped ratio
     kl_beta: float = non_negative(0.0)  # weight of the KL to the adapter-free base (0: off)
     step_fraction: float = positive(1.0)  # random fraction of SDE steps trained per iteration (DanceGRPO 0.6)
@@ -342,7 +343,7 @@ def _steps_text(steps: list[int]) -> str:
 
 def trainable_steps(config: TrainConfig, iteration: int) -> list[int]:
     """Steps whose edges can get gradients at `iteration` before subsampling and pruning: SDE steps
-    s < ⌊f·T⌋ (f = train.train_steps_fraction; `Trainer.trainable_mask` starts from these), without cps's last step
+    s < ⌊f·T⌋ (f = train.train_steps_fraction; `ClippedGRPO.trainable_mask` starts from these), without cps's last step
     (std 0, no density)."""
     steps = config.sampling.num_steps
     limit = math.floor(config.train.train_steps_fraction * steps + 1e-9)

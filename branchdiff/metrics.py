@@ -22,6 +22,7 @@ import torch
 from branchdiff.advantage import group_moments, unbiased_std
 from branchdiff.distributed import Collective
 from branchdiff.explore import ranking_agreement
+from branchdiff.objectives.base import MetricKind
 from branchdiff.rewards.multi import RewardBatch
 from branchdiff.rollout import Rollout
 
@@ -78,11 +79,13 @@ def iteration_metrics(
     node_advantages: torch.Tensor,
     trained: torch.Tensor,
     update: dict[str, float],
+    kinds: dict[str, MetricKind],
     info: dict,
 ) -> dict[str, float]:
     """`rewards`: this process's leaf rewards; `node_advantages` (N,) clipped; `trained` (N,) bool;
-    `update`: this process's sums from `PolicyUpdate`; `info`: timings, dropped groups and explore
-    results of the iteration."""
+    `update`: this process's statistics from the update loop (the objective's, reduced by their
+    `kinds`: per-term sums become means over the terms trained, counts sums, the rest maxima);
+    `info`: timings, dropped groups and explore results of the iteration."""
     tree = rollout.tree
     scores = {**rewards.components, **rewards.extras}  # every per-leaf score, gathered at once with the total
     gathered = collective.cat(torch.stack([rewards.total, *scores.values()], dim=1).float())[0]  # (L_all, 1 + K)
@@ -92,15 +95,16 @@ def iteration_metrics(
     groups, flat_groups, std_sum = group_spread(rewards.total, tree.prompt[tree.leaf_index])
     explore_stats = info.get("explore_stats", {})
     counts = {
-        "nfe_rollout": rollout.nfe, "nfe_rollout_computed": rollout.nfe_computed, "nfe_trained": update["nfe_trained"],
+        "nfe_rollout": rollout.nfe, "nfe_rollout_computed": rollout.nfe_computed,
+        **{name: update[name] for name, kind in kinds.items() if kind == "count"},
         "edges_trained": int(trained.sum()), "groups_dropped": info["groups_dropped"], "groups": groups,
         "zero_spread_groups": flat_groups, **rewards.counts,
         **{f"explore_{k}": v for k, v in explore_stats.items() if k.endswith("_nfe")},
     }
     sums = {"group_std_sum": std_sum}
-    edge_sums = {"loss": update["loss_sum"], "clip_fraction": update["clipped"], "kl": update["kl_sum"]}
+    edge_sums = {name: update[name] for name, kind in kinds.items() if kind == "per_term"}
     maxima = {
-        "logprob_check": update["logprob_check"], "rollout_seconds": info["rollout_seconds"],
+        **{name: update[name] for name, kind in kinds.items() if kind == "max"}, "rollout_seconds": info["rollout_seconds"],
         "reward_seconds": info["reward_seconds"], "train_seconds": info["train_seconds"],
         **{f"explore_{k}": v for k, v in explore_stats.items() if not k.endswith(("_nfe", "_mean_abs_diff"))},
     }

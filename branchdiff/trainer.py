@@ -1,4 +1,5 @@
-"""The training loop: one iteration is rollout → rewards → fusion/advantages → pruning → update.
+"""The training loop: one iteration is rollout → rewards → the objective's signal (for GRPO: fusion,
+advantages, pruning) → update.
 
 Everything random in an iteration (the prompts drawn, every node's noise, step subsampling, the
 minibatch order) is a pure function of (run seed, iteration), so a checkpoint needs only the LoRA
@@ -29,9 +30,8 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedDataParallelKwargs, InitProcessGroupKwargs, ProjectConfiguration, broadcast_object_list, set_seed
 
-from branchdiff import checkpoint, metrics_log, prune, storage
-from branchdiff.advantage import depthwise_advantages, fuse_rewards
-from branchdiff.config import ConfigError, TrainConfig, save_config, to_dict, trainable_steps, tree_spec
+from branchdiff import checkpoint, metrics_log, storage
+from branchdiff.config import ConfigError, TrainConfig, save_config, to_dict, tree_spec
 from branchdiff.data import draw_prompts, load_prompt_set
 from branchdiff.distributed import AcceleratorCollective
 from branchdiff.ema import WeightAverage
@@ -41,6 +41,7 @@ from branchdiff.explore import ExploreResult, explore_seeds, explore_tree, laten
 from branchdiff.metrics import iteration_metrics
 from branchdiff.models import load_adapter
 from branchdiff.models.base import ModelAdapter
+from branchdiff.objectives import make_objective
 from branchdiff.finetune import make_finetune
 from branchdiff.hacking import WatchState
 from branchdiff.lr_schedule import LearningRateSchedule
@@ -49,7 +50,7 @@ from branchdiff.rewards.combine import parse_reward_specs
 from branchdiff.rewards.multi import MultiReward, RewardBatch, build_component
 from branchdiff.rollout import NoiseAddress, Rollout, SamplerSettings, grow
 from branchdiff.tree import build_tree
-from branchdiff.update import PolicyUpdate
+from branchdiff.update import UpdateLoop
 from branchdiff.watchdog import Heartbeat, backend_timeout
 
 
@@ -123,8 +124,10 @@ class Trainer:
         # the training forward goes through the (DDP-)wrapped module; everything else uses the plain one
         self.train_adapter = copy.copy(self.adapter)
         self.train_adapter.denoiser = wrapped
-        self.policy_update = PolicyUpdate(config, self.accelerator, self.collective, self.finetune, self.train_adapter,
-                                          self.optimizer, self.schedule, self.settings, self.weight_average)
+        self.objective = make_objective(config.train.loss, config=config, collective=self.collective, finetune=self.finetune,
+                                        train_policy=self.train_adapter, schedule=self.schedule, settings=self.settings)
+        self.update = UpdateLoop(config.train, self.accelerator, self.collective, self.finetune.params, wrapped, self.optimizer,
+                                 self.weight_average)
         self.accelerator.register_save_state_pre_hook(self._save_hook)
         self.accelerator.register_load_state_pre_hook(self._load_hook)
         self.prompt_set = load_prompt_set(config.prompts.train)
@@ -280,20 +283,6 @@ class Trainer:
         keys = tuple(range(first, first + per_process))
         return [indices[k] for k in keys], keys
 
-    def trainable_mask(self, rollout: Rollout, node_advantages: torch.Tensor, iteration: int) -> torch.Tensor:
-        """(N,) edges that get gradients: SDE edges with a density, in the trainable steps, after
-        step subsampling and (while active) depth and width pruning."""
-        config, tree = self.config, rollout.tree
-        steps = trainable_steps(config, iteration)
-        generator = torch.Generator().manual_seed(config.seed * 7_919 + iteration)
-        mask = tree.is_sde_edge & (rollout.std > 0)
-        mask &= prune.step_mask(tree, prune.subsample_steps(steps, config.train.step_fraction, generator))
-        p = config.prune
-        if iteration < p.active_fraction * config.iterations:
-            mask &= prune.depth_mask(tree, prune.sliding_depths(frozenset(p.depths), iteration, p.slide_every, p.stop_depth))
-            mask &= prune.width_mask(tree, node_advantages, p.width, p.width_ratio, self.collective)
-        return mask
-
     def rollout_and_score(self, iteration: int, per_node: bool = False) -> tuple[Rollout, torch.Tensor, RewardBatch, dict]:
         """Grow this iteration's trees and score the leaves: (rollout, leaf images, rewards, info)."""
         indices, keys = self.iteration_draw(iteration)
@@ -354,35 +343,23 @@ class Trainer:
         return self._score_latents(prompts, metadata)(latents, prompt_index).reshape(len(prompts), -1, per_candidate).mean(-1)
 
     def run_iteration(self, iteration: int, per_node: bool = False) -> IterationResult:
-        """One iteration; `per_node` grows the tree with batch-1 forwards (benchmarks). A group with
-        a non-finite reward on any leaf is dropped: its leaves score 0 alike, so its advantages are 0,
-        and none of its edges train."""
-        config = self.config
+        """One iteration; `per_node` grows the tree with batch-1 forwards (benchmarks). The objective
+        (`train.loss`, branchdiff/objectives/) turns the rewards into a signal and the signal into
+        an update plan, which the update loop runs (branchdiff/update.py)."""
         rollout, images, rewards, info = self.rollout_and_score(iteration, per_node)
-        tree = rollout.tree
-        leaf_groups = tree.prompt[tree.leaf_index]  # (L,)
-        dropped = torch.zeros(tree.num_prompts, dtype=torch.bool)  # (P,)
-        dropped[leaf_groups[~torch.isfinite(rewards.total)]] = True
-        info["groups_dropped"] = int(dropped.sum())
-        leaf_rewards = torch.where(dropped[leaf_groups], torch.zeros_like(rewards.total), rewards.total)
-        node_rewards = fuse_rewards(tree, leaf_rewards, rollout.log_prob, config.advantage.fusion, config.advantage.alpha)
-        node_advantages = depthwise_advantages(tree, node_rewards, config.advantage.scope, self.collective)
-        node_advantages = node_advantages.clamp(-config.advantage.clip, config.advantage.clip)
-        mask = self.trainable_mask(rollout, node_advantages, iteration) & ~dropped[tree.prompt]
+        signal = self.objective.signal(rollout, rewards.total, iteration)
+        info["groups_dropped"] = signal.groups_dropped
         learning_rate = self.learning_rate.set(iteration)
         start = time.perf_counter()
-        train_stats = self.update(rollout, info["embeds"], node_advantages, mask, iteration)
+        train_stats = self.update(self.objective.plan(rollout, info["embeds"], signal, iteration))
         info["train_seconds"] = time.perf_counter() - start
         streak = self.run_state["skipped_in_a_row"] + train_stats["steps_skipped"]
         self.run_state["skipped_in_a_row"] = train_stats["trailing_skips"] if train_stats["optimizer_steps"] else streak
-        metrics = {"iteration": iteration, **iteration_metrics(self.collective, rollout, rewards, node_advantages, mask, train_stats, info),
+        metrics = {"iteration": iteration, **iteration_metrics(self.collective, rollout, rewards, signal.node_advantages, signal.trained,
+                                                               train_stats, self.objective.metric_kinds, info),
                    "learning_rate": learning_rate}
         self.refresh_explorer()
-        return IterationResult(metrics, rollout, images, node_rewards, node_advantages, mask, info["prompts"])
-
-    def update(self, rollout: Rollout, embeds: dict, node_advantages: torch.Tensor, mask: torch.Tensor, iteration: int) -> dict[str, float]:
-        """Clipped GRPO on the masked edges (`branchdiff.update.PolicyUpdate`)."""
-        return self.policy_update(rollout, embeds, node_advantages, mask, iteration)
+        return IterationResult(metrics, rollout, images, signal.node_rewards, signal.node_advantages, signal.trained, info["prompts"])
 
     # ---------------------------------------------------------------- evaluation
     def evaluated_weights(self) -> AbstractContextManager:

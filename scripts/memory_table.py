@@ -654,7 +654,7 @@ def estimate(preset: str, fams: dict[str, Family], cache: dict, overrides: tuple
 
     train_act = m.train(train_rows, ckpt)
     # sd35 (train.kl_beta > 0): the adapter-free reference forward runs without grad while the
-    # training forward's graph is still held (update.py, _edge_losses)
+    # training forward's graph is still held (objectives/grpo.py, GRPOPlan.edge_losses)
     kl_ref = m.held(train_rows, ckpt) + m.rollout(train_rows) if config.train.kl_beta > 0 else 0
     rollout = m.rollout(chunk_rows)
     decode_batch = family.adapter.decode_batch  # images per VAE call

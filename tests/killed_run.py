@@ -46,14 +46,16 @@ if point == "optimizer_step":
 elif point == "write_state":
     checkpoint.write_state = counted(checkpoint.write_state, sigkill)
 elif point == "sigint":
-    update = Trainer.update
+    from branchdiff.objectives.grpo import ClippedGRPO
 
-    def interrupted_update(self, rollout, embeds, advantages, mask, iteration):
+    plan = ClippedGRPO.plan
+
+    def interrupted_plan(self, rollout, embeds, signal_, iteration):  # as the iteration's update begins
         if iteration == target and os.environ.get("RANK", "0") == "0":
             os.kill(os.getpid(), signal.SIGINT)
-        return update(self, rollout, embeds, advantages, mask, iteration)
+        return plan(self, rollout, embeds, signal_, iteration)
 
-    Trainer.update = interrupted_update
+    ClippedGRPO.plan = interrupted_plan
 elif point == "sigstop":
     run_iteration = Trainer.run_iteration
 

@@ -367,15 +367,15 @@ def test_full_disk_during_a_checkpoint_keeps_the_previous_one(env, capsys, monke
 def test_non_finite_gradients_skip_steps_then_stop_after_a_checkpoint(env, capsys, monkeypatch):
     """A NaN loss skips the optimizer step (weights and moments untouched, counted); after
     train.max_skipped_steps skips in a row the run stops with one line, after a checkpoint."""
-    from branchdiff.update import PolicyUpdate
+    from branchdiff.objectives.grpo import GRPOPlan
 
-    edge_losses = PolicyUpdate._edge_losses
+    edge_losses = GRPOPlan.edge_losses
 
     def nan_losses(self, *args):
         per_edge, *rest = edge_losses(self, *args)
         return (per_edge * float("nan"), *rest)
 
-    monkeypatch.setattr(PolicyUpdate, "_edge_losses", nan_losses)
+    monkeypatch.setattr(GRPOPlan, "edge_losses", nan_losses)
     before = snapshot(env.run / "checkpoints" / "iter-000001")
     assert main(env.train("iterations=5", "train.max_skipped_steps=2", "logging.checkpoints_total_limit=5", resume=True)) == 2
     line = capsys.readouterr().err.strip().splitlines()[-1]

@@ -8,6 +8,7 @@ from safetensors.torch import load_file
 
 from branchdiff.cli import main
 from branchdiff.config import load_config
+from branchdiff.objectives.base import Signal
 from branchdiff.trainer import Trainer
 from branchdiff.update import optimizer_groups
 
@@ -180,10 +181,11 @@ def test_a_process_without_trained_edges_joins_every_step_idle(tiny_model_dir, t
     that process built one empty minibatch and crashed in the forward, and its partner hung in DDP's
     gradient sync; it must take the same optimizer steps with a zero loss."""
     trainer = Trainer(load_config(None, _overrides(tiny_model_dir, tmp_path / "idle", 1)))
-    trainer.policy_update.collective = OtherProcessHoldsEdges()
+    trainer.update.collective = OtherProcessHoldsEdges()
     rollout, _, _, info = trainer.rollout_and_score(0)
     nothing = torch.zeros(rollout.tree.num_nodes, dtype=torch.bool)
-    stats = trainer.update(rollout, info["embeds"], torch.zeros(rollout.tree.num_nodes), nothing, 0)
+    signal = Signal(torch.zeros(rollout.tree.num_nodes), torch.zeros(rollout.tree.num_nodes), nothing, 0)
+    stats = trainer.update(trainer.objective.plan(rollout, info["embeds"], signal, 0))
     assert stats["optimizer_steps"] == 1 and stats["nfe_trained"] == 0 and stats["logprob_check"] == 0.0
 
 

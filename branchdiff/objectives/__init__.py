@@ -1,0 +1,15 @@
+"""Training objectives, one module each (docs/objectives.md): `train.loss` names one of `OBJECTIVES`."""
+
+from __future__ import annotations
+
+from branchdiff.objectives.base import Objective
+from branchdiff.objectives.grpo import ClippedGRPO
+
+OBJECTIVES: dict[str, type] = {
+    "grpo": ClippedGRPO,
+}
+
+
+def make_objective(name: str, **context: object) -> Objective:
+    """The objective `name` built from what the trainer holds (config, collective, finetune, train_policy, schedule, settings)."""
+    return OBJECTIVES[name](**context)

@@ -1,0 +1,64 @@
+"""The contract of a training objective (docs/objectives.md), and what every objective shares.
+
+An objective turns an iteration's rollout and rewards into a `Signal` (what each node's sample
+earned and which transitions train) and the signal into an `UpdatePlan`: this process's minibatches,
+each with its number of loss terms and a function computing their per-term losses. The update loop
+(branchdiff/update.py) runs the plan: it groups minibatches into optimizer steps, syncs gradients,
+clips, skips non-finite steps and keeps the weight average; it knows no objective. The plan's
+named statistics become metrics by the kind each objective declares (`MetricKind`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+import torch
+
+from branchdiff.rollout import Rollout
+from branchdiff.tree import Tree
+
+MetricKind = Literal["per_term", "count", "max"]  # summed over processes then divided by the terms trained; summed; maximum
+
+
+@dataclass
+class Signal:
+    """What an objective made of an iteration's rewards, per node of the rollout's trees."""
+    node_rewards: torch.Tensor  # (N,) the reward credited to each node's sample
+    node_advantages: torch.Tensor  # (N,) the advantage of the edge into each node
+    trained: torch.Tensor  # (N,) bool: the edge into the node gets a loss term
+    groups_dropped: int  # groups (prompts) left out for a non-finite reward
+
+
+class UpdatePlan(Protocol):
+    """One iteration's update on this process, as the update loop runs it."""
+    terms: list[int]  # loss terms of each of this process's minibatches, in the order they are run
+    stats: dict[str, float]  # named statistics, added to by `loss` (this process's sums; kinds in the objective's `metric_kinds`)
+
+    def loss(self, index: int) -> torch.Tensor:
+        """(terms[index],) per-term losses of minibatch `index`, through the trained (wrapped) denoiser."""
+
+    def idle_loss(self) -> torch.Tensor:
+        """A zero loss through the wrapped denoiser, for an optimizer step in which this process has
+        no minibatch: DDP's gradient sync needs every process's backward."""
+
+
+class Objective(Protocol):
+    needs_log_probs: bool  # rollouts must keep each SDE edge's log-density (else final samples and rewards suffice)
+    metric_kinds: dict[str, MetricKind]  # every statistic its plans report
+
+    def signal(self, rollout: Rollout, rewards: torch.Tensor, iteration: int) -> Signal:
+        """From the leaf rewards (L,) of this process's trees."""
+
+    def plan(self, rollout: Rollout, embeds: dict, signal: Signal, iteration: int) -> UpdatePlan:
+        """This process's minibatches of the iteration."""
+
+
+def drop_nonfinite_groups(tree: Tree, rewards: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A group (prompt) with a non-finite reward on any leaf is dropped: its leaves score 0 alike, so
+    it carries no signal. Returns the leaf rewards (L,) with dropped groups zeroed, and the dropped
+    groups (P,) bool."""
+    leaf_groups = tree.prompt[tree.leaf_index]  # (L,)
+    dropped = torch.zeros(tree.num_prompts, dtype=torch.bool)  # (P,)
+    dropped[leaf_groups[~torch.isfinite(rewards)]] = True
+    return torch.where(dropped[leaf_groups], torch.zeros_like(rewards), rewards), dropped
