@@ -58,7 +58,8 @@ from pathlib import Path
 import torch
 
 from branchdiff.clock import modelled_seconds
-from branchdiff.config import TrainConfig, load_config, tree_spec
+from branchdiff.config import TrainConfig, load_config
+from branchdiff.tree_settings import tree_spec
 from branchdiff.curve_stats import first_time_reaching, t_interval, time_ratio_interval, welch_p
 from branchdiff.data import load_prompt_set
 from branchdiff.evaluate import evaluate, summarize

@@ -31,7 +31,7 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedDataParallelKwargs, InitProcessGroupKwargs, ProjectConfiguration, broadcast_object_list, set_seed
 
 from branchdiff import checkpoint, metrics_log, storage
-from branchdiff.config import ConfigError, TrainConfig, save_config, to_dict, tree_spec
+from branchdiff.config import ConfigError, TrainConfig, to_dict
 from branchdiff.data import draw_prompts, load_prompt_set
 from branchdiff.distributed import AcceleratorCollective
 from branchdiff.ema import WeightAverage
@@ -50,6 +50,7 @@ from branchdiff.rewards.combine import parse_reward_specs
 from branchdiff.rewards.multi import MultiReward, RewardBatch, build_component
 from branchdiff.rollout import NoiseAddress, Rollout, SamplerSettings, grow
 from branchdiff.tree import build_tree
+from branchdiff.tree_settings import tree_spec
 from branchdiff.update import UpdateLoop
 from branchdiff.watchdog import Heartbeat, backend_timeout
 

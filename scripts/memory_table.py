@@ -619,7 +619,8 @@ class Row:
 
 def estimate(preset: str, fams: dict[str, Family], cache: dict, overrides: tuple[str, ...] = ()) -> Row:
     """The estimate for `preset` (and its -explore variant) with dotted config `overrides`."""
-    from branchdiff.config import load_config, tree_spec
+    from branchdiff.config import load_config
+    from branchdiff.tree_settings import tree_spec
     from branchdiff.tree import build_tree
 
     config = load_config(preset, list(overrides))

@@ -17,11 +17,10 @@ from branchdiff.config import (
     parse_override,
     presets,
     save_config,
-    trainable_steps,
-    tree_spec,
     validate,
 )
 from branchdiff.prune import mix_sde_steps
+from branchdiff.tree_settings import trainable_steps, tree_spec
 
 
 def config_error(source=None, overrides=()) -> str:

@@ -24,7 +24,8 @@ from safetensors.torch import load_file
 
 from branchdiff.advantage import depthwise_advantages
 from branchdiff.cli import main
-from branchdiff.config import load_config, tree_spec
+from branchdiff.config import load_config
+from branchdiff.tree_settings import tree_spec
 from branchdiff.prune import width_mask
 from branchdiff.trainer import Trainer
 from branchdiff.tree import build_tree

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from branchdiff.cli import main
-from branchdiff.config import load_config, tree_spec
+from branchdiff.config import load_config
+from branchdiff.tree_settings import tree_spec
 
 FAMILY_PRESETS = {"sd35-pickscore": "sd3", "flux-hps-branch": "flux", "flux-hps-mix": "flux", "sana-pickscore": "sana", "sd15-hps": "sd15"}
 

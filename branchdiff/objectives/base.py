@@ -11,12 +11,13 @@ named statistics become metrics by the kind each objective declares (`MetricKind
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import TYPE_CHECKING, Literal, Protocol
 
 import torch
 
-from branchdiff.rollout import Rollout
-from branchdiff.tree import Tree
+if TYPE_CHECKING:
+    from branchdiff.rollout import Rollout
+    from branchdiff.tree import Tree
 
 MetricKind = Literal["per_term", "count", "max"]  # summed over processes then divided by the terms trained; summed; maximum
 

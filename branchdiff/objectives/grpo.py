@@ -20,7 +20,7 @@ import torch
 
 from branchdiff import prune
 from branchdiff.advantage import depthwise_advantages, fuse_rewards
-from branchdiff.config import TrainConfig, trainable_steps
+from branchdiff.config import TrainConfig
 from branchdiff.distributed import Collective
 from branchdiff.finetune import FullFinetune, LoraFinetune
 from branchdiff.loss import clipped_surrogate, kl_to_reference
@@ -29,6 +29,7 @@ from branchdiff.objectives.base import MetricKind, Signal, drop_nonfinite_groups
 from branchdiff.rollout import Rollout, SamplerSettings
 from branchdiff.schedulers.flow import gaussian_log_prob
 from branchdiff.schedulers.schedule import Schedule
+from branchdiff.tree_settings import trainable_steps
 
 
 @dataclass
