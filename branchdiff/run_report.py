@@ -25,13 +25,13 @@ from matplotlib.axes import Axes
 from matplotlib.ticker import LogLocator, NullLocator
 
 from branchdiff import storage
+from branchdiff.objectives import OBJECTIVES
 from branchdiff.report import (Column, base_level, draw_curve, grid_captions, grid_data_uri, new_figure, png_data_uri, small_multiples,
                                smoothing_window, title_and_legend)
 from branchdiff.run_report_data import DEPTH_KEY, Grid, Run, read_run, reward_components, sample_grids
 
 PHASES = ("rollout_seconds", "reward_seconds", "train_seconds", "eval_seconds")
 NFE_KEYS = ("nfe_rollout", "nfe_rollout_computed", "nfe_trained")
-UPDATE_KEYS = ("logprob_check", "loss", "clip_fraction", "kl", "grad_norm", "steps_skipped")
 EVAL_GRIDS = 8  # held-out grids shown, evenly spaced, first and last included
 TRAIN_GRIDS = 3  # newest training grids shown
 LOGPROB_FLOOR = 1e-12  # exact zeros of logprob_check drawn here on the log axis
@@ -298,14 +298,23 @@ def _cost(run: Run) -> str:
     return html + "<p>Seconds are the slowest process's; checkpoints, sample grids and this report are not timed.</p>"
 
 
+def _update_keys(run: Run) -> list[str]:
+    """The statistics of the run's objective (`train.loss`; its counts are drawn with the NFE), the
+    gradient norm and the skipped steps."""
+    objective = OBJECTIVES.get(_get(run.config, "train.loss") or "grpo")
+    kinds = objective.metric_kinds if objective else {}
+    return [key for key, kind in kinds.items() if kind != "count"] + ["grad_norm", "steps_skipped"]
+
+
 def _update(run: Run) -> str:
-    keys = run.has(*UPDATE_KEYS)
+    wanted = _update_keys(run)
+    keys = run.has(*wanted)
     if not keys:
         return _missing("Update statistics")
     html = ("<p>logprob_check is max |log p<sub>train</sub> − log p<sub>rollout</sub>| at the first inner step, where the "
             f"ratio is exactly 1 before the first update: it should be ~1e-6 or below (exact zeros drawn at {LOGPROB_FLOOR:g}).</p>")
     html += _panels(run, keys, "update statistics: " + ", ".join(keys), _update_curve)
-    absent = [k for k in UPDATE_KEYS if k not in keys]
+    absent = [k for k in wanted if k not in keys]
     return html + (_missing(", ".join(absent)) if absent else "")
 
 

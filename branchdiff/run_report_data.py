@@ -21,15 +21,15 @@ from pathlib import Path
 import numpy as np
 import yaml
 
+from branchdiff.objectives import all_update_metrics
 from branchdiff.report import Column
 
 # keys of metrics.jsonl that are not reward components (branchdiff/metrics.py, trainer.py)
 NOT_COMPONENTS = frozenset({
     "iteration", "reward_mean", "reward_std", "reward_zero_spread_fraction", "reward_group_std",
     "groups_dropped", "nfe_rollout", "nfe_rollout_computed", "nfe_trained",
-    "edges_trained", "rollout_seconds", "reward_seconds", "train_seconds", "eval_seconds",
-    "loss", "clip_fraction", "kl", "logprob_check", "grad_norm", "optimizer_steps", "steps_skipped",
-})
+    "edges_trained", "rollout_seconds", "reward_seconds", "train_seconds", "eval_seconds", "learning_rate",
+}) | all_update_metrics()
 NOT_COMPONENT_PREFIXES = ("accuracy_", "eval_", "explore_", "advantage_", "watch_")
 NOT_COMPONENT_SUFFIXES = ("_failed", "_nonfinite")  # per-component failure counts
 DEPTH_KEY = re.compile(r"^(advantage_std|advantage_abs_mean|edges_trained)/depth_(\d+)$")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import base64
 import io
 import json
+from pathlib import Path
 import math
 import os
 import re
@@ -432,6 +433,13 @@ def test_reward_components_are_the_unclaimed_keys(full_run):
     prefixed = ["reward_mean", "reward_tiny-geneval", "reward_tiny-geneval_failed", "reward_tiny-geneval_nonfinite",
                 "accuracy_strict", "explore_spearman_kept", "edges_trained/depth_2"]  # the trainer's earlier key names
     assert reward_components(prefixed) == ["reward_tiny-geneval"]
+
+
+def test_every_key_a_training_iteration_logs_is_claimed_but_its_reward():
+    """Regression: `learning_rate` (logged since the schedule landed) was drawn as a reward component.
+    The keys are a real iteration's, pinned in tests/data/pinned/ (test_pinned_runs.py)."""
+    rows = json.loads((Path(__file__).parent / "data" / "pinned" / "mix-lora-kl.json").read_text())["metrics"]
+    assert "learning_rate" in rows[0] and reward_components(list(rows[0])) == ["reward_tiny-geneval"]
 
 
 @pytest.mark.parametrize("window", [1, 2, 3, 7])

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from branchdiff.objectives.base import Objective
+from branchdiff.objectives.base import UPDATE_LOOP_METRICS, Objective
 from branchdiff.objectives.grpo import ClippedGRPO
 
 OBJECTIVES: dict[str, type] = {
@@ -13,3 +13,8 @@ OBJECTIVES: dict[str, type] = {
 def make_objective(name: str, **context: object) -> Objective:
     """The objective `name` built from what the trainer holds (config, collective, finetune, train_policy, schedule, settings)."""
     return OBJECTIVES[name](**context)
+
+
+def all_update_metrics() -> frozenset[str]:
+    """Every update statistic a run may log: any objective's own and the update loop's."""
+    return frozenset(UPDATE_LOOP_METRICS).union(*(objective.metric_kinds for objective in OBJECTIVES.values()))

@@ -11,7 +11,7 @@ named statistics become metrics by the kind each objective declares (`MetricKind
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal, Protocol
+from typing import TYPE_CHECKING, ClassVar, Literal, Protocol
 
 import torch
 
@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from branchdiff.tree import Tree
 
 MetricKind = Literal["per_term", "count", "max"]  # summed over processes then divided by the terms trained; summed; maximum
+UPDATE_LOOP_METRICS = ("grad_norm", "optimizer_steps", "steps_skipped")  # what the update loop logs for every objective
 
 
 @dataclass
@@ -45,8 +46,8 @@ class UpdatePlan(Protocol):
 
 
 class Objective(Protocol):
-    needs_log_probs: bool  # rollouts must keep each SDE edge's log-density (else final samples and rewards suffice)
-    metric_kinds: dict[str, MetricKind]  # every statistic its plans report
+    needs_log_probs: ClassVar[bool]  # rollouts must keep each SDE edge's log-density (else final samples and rewards suffice)
+    metric_kinds: ClassVar[dict[str, MetricKind]]  # every statistic its plans report, in the order the report draws them
 
     def signal(self, rollout: Rollout, rewards: torch.Tensor, iteration: int) -> Signal:
         """From the leaf rewards (L,) of this process's trees."""

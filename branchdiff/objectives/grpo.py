@@ -14,7 +14,8 @@ with the rollout's guided prediction and each edge's own noise level recomputed.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -40,12 +41,12 @@ class ClippedGRPO:
     train_policy: ModelAdapter  # the denoiser behind the (DDP-)wrapper: the training forward
     schedule: Schedule  # the rollouts' schedule
     settings: SamplerSettings  # the rollouts' sampler: SDE kind and guidance
-    needs_log_probs: bool = True
-    metric_kinds: dict[str, MetricKind] = field(default_factory=lambda: {
+    needs_log_probs: ClassVar[bool] = True
+    metric_kinds: ClassVar[dict[str, MetricKind]] = {
+        "logprob_check": "max",  # max |logp_train − logp_rollout| at the first minibatch, before any update: 0 up to rounding
         "loss": "per_term", "clip_fraction": "per_term", "kl": "per_term",  # means over the edges trained
         "nfe_trained": "count",  # parent forwards of the update
-        "logprob_check": "max",  # max |logp_train − logp_rollout| at the first minibatch, before any update: 0 up to rounding
-    })
+    }
 
     def signal(self, rollout: Rollout, rewards: torch.Tensor, iteration: int) -> Signal:
         config, tree = self.config, rollout.tree
