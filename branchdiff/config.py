@@ -96,7 +96,7 @@ class OptimConfig:
     warmup_iterations: int = non_negative(0)  # linear warm-up from 0 over the first n iterations (0: none)
     lora_rank: int = positive(8)  # LoRA rank on the attention projections
     lora_alpha: float = positive(8.0)  # LoRA scaling numerator
-    loss: str = choice("grpo", "grpo")  # the training objective (branchdiff/objectives/, docs/objectives.md): grpo = clipped GRPO
+    loss: str = choice("grpo", "grpo", "nft")  # the training objective (branchdiff/objectives/, docs/objectives.md): clipped GRPO, or DiffusionNFT (nft.*)
     clip_range: float = positive(1e-3)  # ε of the clipped ratio
     kl_beta: float = non_negative(0.0)  # weight of the KL to the adapter-free base (0: off)
     step_fraction: float = positive(1.0)  # random fraction of SDE steps trained per iteration (DanceGRPO 0.6)
@@ -110,6 +110,16 @@ class OptimConfig:
     weight_decay: float = non_negative(1e-4)  # AdamW weight decay
     ema_decay: float = in_range(0.0, 0.0, 1.0)  # moving average of the trained weights per optimizer step, for evaluation and export (branchdiff/ema.py; 0: off, < 1)
     mixed_precision: str = choice("no", "no", "bf16")  # autocast dtype of rollout and training forwards
+
+
+@dataclass
+class NFTConfig:
+    """DiffusionNFT's keys (train.loss=nft; branchdiff/objectives/nft.py, docs/objectives.md)."""
+    beta: float = positive(1.0)  # β of the implicit policies v± (the paper's 1; 0.1 for several rewards)
+    advantage_clip: float = positive(5.0)  # A_max: advantages clipped to ±A_max, optimality r = clip(A/A_max, −1, 1)/2 + 1/2
+    timesteps: int = positive(2)  # sampler steps each sample is trained at (drawn without replacement per sample and iteration)
+    old_decay_rate: float = non_negative(0.001)  # the sampling policy after iteration i: θ_old ← d·θ_old + (1 − d)·θ, d = min(rate·i, max)
+    old_decay_max: float = in_range(0.5, 0.0, 0.999)
 
 
 @dataclass
@@ -159,6 +169,7 @@ class TrainConfig:
     advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
     prune: PruneConfig = field(default_factory=PruneConfig)
     train: OptimConfig = field(default_factory=OptimConfig)
+    nft: NFTConfig = field(default_factory=NFTConfig)
     explore: ExploreConfig = field(default_factory=ExploreConfig)
     watch: WatchConfig = field(default_factory=WatchConfig)  # the reward-hacking watch (needs eval_every)
     logging: LogConfig = field(default_factory=LogConfig)
@@ -232,7 +243,8 @@ def validate(config: TrainConfig) -> None:
     if config.sampling.sde == "cps":
         validate_cps(config)
     _validate_explore(config)
-    validate_trainable(config)
+    if config.train.loss == "grpo":  # trains SDE edges; DiffusionNFT trains final samples and checks its own keys when built
+        validate_trainable(config)
 
 
 def _validate_finetune(config: TrainConfig) -> None:

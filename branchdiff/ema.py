@@ -47,8 +47,11 @@ class WeightAverage:
         """Optimizer steps averaged so far."""
         return self.average.optimization_step
 
-    def update(self) -> None:
-        """Fold the weights after an optimizer step into the average."""
+    def update(self, decay: float | None = None) -> None:
+        """Fold the current weights into the average: at the ramped decay, or at exactly `decay` when
+        given (EMAModel's decay and its floor both set to it; the first update still copies)."""
+        if decay is not None:
+            self.average.decay = self.average.min_decay = decay
         self.average.step(self.params)
 
     @contextmanager
@@ -61,16 +64,16 @@ class WeightAverage:
         finally:
             self.average.restore(self.params)
 
-    def save(self, folder: Path) -> None:
-        """The average as `folder/ema.safetensors` (tensor i = parameter i), its step count as metadata."""
+    def save(self, folder: Path, name: str = EMA_FILE) -> None:
+        """The average as `folder/name` (tensor i = parameter i), its step count as metadata."""
         tensors = {str(i): shadow.detach().contiguous() for i, shadow in enumerate(self.average.shadow_params)}
-        save_file(tensors, folder / EMA_FILE, metadata={"optimization_step": str(self.steps)})
+        save_file(tensors, folder / name, metadata={"optimization_step": str(self.steps)})
 
-    def load(self, folder: Path) -> None:
+    def load(self, folder: Path, name: str = EMA_FILE) -> None:
         """The average saved by `save`; refused unless it holds one tensor of the right shape per parameter."""
-        path = folder / EMA_FILE
+        path = folder / name
         if not path.is_file():
-            raise FileNotFoundError(f"{path} is missing: the checkpoint was written without train.ema_decay")
+            raise FileNotFoundError(f"{path} is missing: the checkpoint was written without this average")
         tensors = load_file(path)
         shapes = [tuple(p.shape) for p in self.params]
         saved = [tuple(tensors[str(i)].shape) if str(i) in tensors else None for i in range(len(shapes))]

@@ -20,3 +20,30 @@ def kl_to_reference(mean: torch.Tensor, reference_mean: torch.Tensor, std: torch
     """KL between the policy's and the reference's Gaussian transitions with a shared std, averaged
     over dimensions like the log-probs: mean((μ_θ - μ_ref)²) / (2·std²). Shapes (E, ...), (E, ...), (E,) → (E,)."""
     return (mean.float() - reference_mean.float()).pow(2).flatten(1).mean(dim=1) / (2 * std.float() ** 2)
+
+
+def nft_optimality(advantages: torch.Tensor, advantage_clip: float) -> torch.Tensor:
+    """DiffusionNFT's optimality probability r = clip(A / A_max, −1, 1) / 2 + 1/2 ∈ [0, 1] of each sample (E,)."""
+    return (advantages / advantage_clip).clamp(-1.0, 1.0) / 2 + 0.5
+
+
+def nft_loss(v_theta: torch.Tensor, v_old: torch.Tensor, x0: torch.Tensor, x_t: torch.Tensor, sigma: torch.Tensor,
+             optimality: torch.Tensor, beta: float) -> torch.Tensor:
+    """DiffusionNFT's per-term loss (Zheng et al., arXiv 2509.16117) on the forward process
+    x_t = (1 − σ)·x0 + σ·ε. The implicit positive and negative policies
+        v⁺ = (1 − β)·v_old + β·v_θ,   v⁻ = (1 + β)·v_old − β·v_θ
+    predict x̂± = x_t − σ·v±; each squared error is divided by its own mean absolute error (no
+    gradient through it, floored at 1e-5: the adaptive weight), and
+        L = r·‖x̂⁺ − x0‖²/w⁺ + (1 − r)·‖x̂⁻ − x0‖²/w⁻        (means over the latent's elements).
+    Minimising L pulls v⁺ toward the flow-matching target on well-rewarded samples (r → 1) and v⁻
+    toward it on poorly rewarded ones, which pushes v_θ away. Shapes: v_theta, v_old, x0, x_t
+    (E, ...); sigma, optimality (E,) → (E,)."""
+    shape = (-1,) + (1,) * (x0.dim() - 1)
+    sigma = sigma.reshape(shape).to(x0.dtype)
+    terms = []
+    for v in ((1 - beta) * v_old + beta * v_theta, (1 + beta) * v_old - beta * v_theta):
+        error = (x_t - sigma * v - x0).float().flatten(1)  # (E, D)
+        weight = error.abs().mean(dim=1).detach().clamp(min=1e-5)  # (E,)
+        terms.append(error.pow(2).mean(dim=1) / weight)
+    positive, negative = terms
+    return optimality * positive + (1 - optimality) * negative

@@ -97,7 +97,7 @@ def iteration_metrics(
     counts = {
         "nfe_rollout": rollout.nfe, "nfe_rollout_computed": rollout.nfe_computed,
         **{name: update[name] for name, kind in kinds.items() if kind == "count"},
-        "edges_trained": int(trained.sum()), "groups_dropped": info["groups_dropped"], "groups": groups,
+        "edges_trained": int(trained.sum()), "terms": update["terms"], "groups_dropped": info["groups_dropped"], "groups": groups,
         "zero_spread_groups": flat_groups, **rewards.counts,
         **{f"explore_{k}": v for k, v in explore_stats.items() if k.endswith("_nfe")},
     }
@@ -112,8 +112,8 @@ def iteration_metrics(
     means = {f"explore_{k}": v for k, v in explore_stats.items() if k.endswith("_mean_abs_diff")}
     summed = collective.sum(torch.tensor([*counts.values(), *edge_sums.values(), *sums.values()], dtype=torch.float64)).tolist()
     counts = {name: int(value) for name, value in zip(counts, summed)}
-    edges = max(counts["edges_trained"], 1)
-    edge_means = {name: value / edges for name, value in zip(edge_sums, summed[len(counts):])}
+    terms = max(counts.pop("terms"), 1)  # loss terms trained on every process (GRPO: the edges trained)
+    edge_means = {name: value / terms for name, value in zip(edge_sums, summed[len(counts) + 1:])}
     groups, std_sum = max(counts.pop("groups"), 1), summed[-1]
     maxima = dict(zip(maxima, collective.max(torch.tensor(list(maxima.values()), dtype=torch.float64)).tolist()))
     if means:

@@ -166,6 +166,7 @@ class Trainer:
                 self.finetune.save_state(self.accelerator.unwrap_model(model), Path(output_dir))
             if self.weight_average is not None:
                 self.weight_average.save(Path(output_dir))
+            self.objective.save_state(Path(output_dir))
         weights.clear()
 
     def _load_hook(self, models: list, input_dir: str) -> None:
@@ -173,6 +174,7 @@ class Trainer:
             self.finetune.load_state(self.accelerator.unwrap_model(models.pop()), Path(input_dir))
         if self.weight_average is not None:
             self.weight_average.load(Path(input_dir))
+        self.objective.load_state(Path(input_dir))
 
     @property
     def checkpoint_dir(self) -> Path:
@@ -291,9 +293,9 @@ class Trainer:
         spec = tree_spec(self.config, iteration)
         embeds = self.adapter.encode_prompts(prompts)
         address = NoiseAddress(self.config.seed, iteration, keys)
-        info: dict = {"embeds": embeds, "prompts": prompts}
+        info: dict = {"embeds": embeds, "prompts": prompts, "address": address}
         start = time.perf_counter()
-        with self.accelerator.autocast():
+        with self.accelerator.autocast(), self.objective.sampling_weights():
             if self.explorer is None:
                 rollout = grow(self.adapter, build_tree(spec, len(prompts)), embeds, self.schedule, self.settings, address, per_node)
             else:
@@ -352,7 +354,8 @@ class Trainer:
         info["groups_dropped"] = signal.groups_dropped
         learning_rate = self.learning_rate.set(iteration)
         start = time.perf_counter()
-        train_stats = self.update(self.objective.plan(rollout, info["embeds"], signal, iteration))
+        train_stats = self.update(self.objective.plan(rollout, info["embeds"], signal, info["address"]))
+        self.objective.after_update(iteration)
         info["train_seconds"] = time.perf_counter() - start
         streak = self.run_state["skipped_in_a_row"] + train_stats["steps_skipped"]
         self.run_state["skipped_in_a_row"] = train_stats["trailing_skips"] if train_stats["optimizer_steps"] else streak

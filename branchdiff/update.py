@@ -39,9 +39,10 @@ class UpdateLoop:
 
     def __call__(self, plan: UpdatePlan) -> dict[str, float]:
         """Run `plan`; returns its statistics with the gradient norm, the number of optimizer steps
-        taken and skipped (non-finite gradients), and the skips after the last step taken (`trailing_skips`)."""
+        taken and skipped (non-finite gradients), the skips after the last step taken (`trailing_skips`)
+        and this process's loss terms (`terms`: the denominator of the per-term means)."""
         accelerator = self.accelerator
-        stats = {"optimizer_steps": 0, "steps_skipped": 0, "trailing_skips": 0, "grad_norm": 0.0}
+        stats = {"optimizer_steps": 0, "steps_skipped": 0, "trailing_skips": 0, "grad_norm": 0.0, "terms": sum(plan.terms)}
         global_terms = int(self.collective.sum(torch.tensor([float(sum(plan.terms))], dtype=torch.float64)).item())
         if global_terms == 0:
             return {**plan.stats, **stats}

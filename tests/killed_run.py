@@ -50,10 +50,10 @@ elif point == "sigint":
 
     plan = ClippedGRPO.plan
 
-    def interrupted_plan(self, rollout, embeds, signal_, iteration):  # as the iteration's update begins
-        if iteration == target and os.environ.get("RANK", "0") == "0":
+    def interrupted_plan(self, rollout, embeds, signal_, address):  # as the iteration's update begins
+        if address.iteration == target and os.environ.get("RANK", "0") == "0":
             os.kill(os.getpid(), signal.SIGINT)
-        return plan(self, rollout, embeds, signal_, iteration)
+        return plan(self, rollout, embeds, signal_, address)
 
     ClippedGRPO.plan = interrupted_plan
 elif point == "sigstop":

@@ -247,32 +247,35 @@ def test_a_full_disk_on_one_process_stops_both_at_the_checkpoint_and_keeps_the_l
     assert checkpoint.verify(run / "checkpoints" / "iter-000000")[1] is None  # resuming from it: test_faults.py, and the frozen-rank test above
 
 
-@pytest.mark.parametrize("mode", ["model.finetune=full"])  # LoRA on two processes: two_process_run; on every layer: test_finetune.py
+# LoRA with GRPO on two processes: two_process_run; on every layer: test_finetune.py
+@pytest.mark.parametrize("mode", [("model.finetune=full",), ("train.loss=nft",)], ids=["full", "nft-lora"])
 def test_full_finetuning_trains_on_two_processes_like_one(tiny_model_dir, tmp_path, mode):
     """Two processes (DDP over every weight of the denoiser): the update equals one process's on
     both processes' prompts (to 1% of its size: Adam's first step is about lr·sign(g)), and a resume
     on two processes ends with the same export. (LoRA resumes: the frozen-rank test above.) The
     learning rate decays linearly (iteration 1 at half the rate) in all three runs, and the export is
-    the weights' moving average (saved by one process, loaded by both on the resume)."""
+    the weights' moving average (saved by one process, loaded by both on the resume). DiffusionNFT
+    (LoRA) draws its training terms by global prompt key, so two processes train what one does."""
     from safetensors.torch import load_file
 
     run = tmp_path / "run"
-    lr = ["train.learning_rate=1e-3" if "full" in mode else "train.learning_rate=1e-2", "train.lr_schedule=linear", "train.ema_decay=0.5",
+    full = "model.finetune=full" in mode
+    lr = ["train.learning_rate=1e-3" if full else "train.learning_rate=1e-2", "train.lr_schedule=linear", "train.ema_decay=0.5",
           "iterations=2"]
-    args = ["train", "tiny-chain", *_overrides(tiny_model_dir, run, PER_PROCESS), mode, *lr, "final_eval=false", "logging.sample_every=0"]
+    args = ["train", "tiny-chain", *_overrides(tiny_model_dir, run, PER_PROCESS), *mode, *lr, "final_eval=false", "logging.sample_every=0"]
     two = launch_two(None, args)
     assert two.returncode == 0, two.stderr[-3000:]
-    export = run / ("transformer" if "full" in mode else "lora")
+    export = run / ("transformer" if full else "lora")
     trained_two = {k: v for f in sorted(export.glob("*.safetensors")) for k, v in load_file(f).items()}
-    if "full" in mode:  # every weight saved by one process and loaded by both: a resume ends with the same export
+    if full:  # every weight saved by one process and loaded by both: a resume ends with the same export
         (run / "checkpoints" / "iter-000001" / "manifest.json").unlink()  # damaged: the resume falls back to iteration 0
         again = launch_two(None, [*args, "--resume", "latest"])
         assert again.returncode == 0, again.stderr[-3000:]
         resumed = {k: v for f in sorted(export.glob("*.safetensors")) for k, v in load_file(f).items()}
         assert resumed.keys() == trained_two.keys() and all(torch.equal(resumed[k], trained_two[k]) for k in resumed)
-    single = Trainer(load_config("tiny-chain", [*_overrides(tiny_model_dir, tmp_path / "single", 2 * PER_PROCESS), mode, *lr]))
+    single = Trainer(load_config("tiny-chain", [*_overrides(tiny_model_dir, tmp_path / "single", 2 * PER_PROCESS), *mode, *lr]))
     def trained() -> dict[str, torch.Tensor]:  # the parameters the run trains, by their name in the denoiser
-        return {k: v.detach().clone() for k, v in single.adapter.denoiser.named_parameters() if "full" in mode or "lora_" in k}
+        return {k: v.detach().clone() for k, v in single.adapter.denoiser.named_parameters() if full or "lora_" in k}
 
     base = trained()
     for iteration in range(2):

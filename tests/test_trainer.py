@@ -185,7 +185,7 @@ def test_a_process_without_trained_edges_joins_every_step_idle(tiny_model_dir, t
     rollout, _, _, info = trainer.rollout_and_score(0)
     nothing = torch.zeros(rollout.tree.num_nodes, dtype=torch.bool)
     signal = Signal(torch.zeros(rollout.tree.num_nodes), torch.zeros(rollout.tree.num_nodes), nothing, 0)
-    stats = trainer.update(trainer.objective.plan(rollout, info["embeds"], signal, 0))
+    stats = trainer.update(trainer.objective.plan(rollout, info["embeds"], signal, info["address"]))
     assert stats["optimizer_steps"] == 1 and stats["nfe_trained"] == 0 and stats["logprob_check"] == 0.0
 
 

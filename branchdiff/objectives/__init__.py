@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from branchdiff.objectives.base import UPDATE_LOOP_METRICS, Objective
 from branchdiff.objectives.grpo import ClippedGRPO
+from branchdiff.objectives.nft import DiffusionNFT
 
 OBJECTIVES: dict[str, type] = {
     "grpo": ClippedGRPO,
+    "nft": DiffusionNFT,
 }
 
 

@@ -10,13 +10,15 @@ named statistics become metrics by the kind each objective declares (`MetricKind
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar, Literal, Protocol
 
 import torch
 
 if TYPE_CHECKING:
-    from branchdiff.rollout import Rollout
+    from branchdiff.rollout import NoiseAddress, Rollout
     from branchdiff.tree import Tree
 
 MetricKind = Literal["per_term", "count", "max"]  # summed over processes then divided by the terms trained; summed; maximum
@@ -45,15 +47,33 @@ class UpdatePlan(Protocol):
         no minibatch: DDP's gradient sync needs every process's backward."""
 
 
-class Objective(Protocol):
+class Objective:
+    """What every objective provides; the hooks below default to doing nothing (an objective whose
+    rollouts come from the trained weights themselves and that keeps no state of its own)."""
     needs_log_probs: ClassVar[bool]  # rollouts must keep each SDE edge's log-density (else final samples and rewards suffice)
     metric_kinds: ClassVar[dict[str, MetricKind]]  # every statistic its plans report, in the order the report draws them
 
     def signal(self, rollout: Rollout, rewards: torch.Tensor, iteration: int) -> Signal:
         """From the leaf rewards (L,) of this process's trees."""
+        raise NotImplementedError
 
-    def plan(self, rollout: Rollout, embeds: dict, signal: Signal, iteration: int) -> UpdatePlan:
-        """This process's minibatches of the iteration."""
+    def plan(self, rollout: Rollout, embeds: dict, signal: Signal, address: NoiseAddress) -> UpdatePlan:
+        """This process's minibatches of the iteration (`address`: the run seed, the iteration and the
+        global keys of this process's prompts, for randomness that is the same on any process count)."""
+        raise NotImplementedError
+
+    def sampling_weights(self) -> AbstractContextManager:
+        """The weights the rollouts sample with, in the model for the block (default: the trained ones)."""
+        return nullcontext()
+
+    def after_update(self, iteration: int) -> None:
+        """Called once the iteration's optimizer steps are taken."""
+
+    def save_state(self, folder: Path) -> None:
+        """The objective's own state into a checkpoint folder (main process)."""
+
+    def load_state(self, folder: Path) -> None:
+        """The state `save_state` wrote (every process)."""
 
 
 def drop_nonfinite_groups(tree: Tree, rewards: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -26,15 +26,15 @@ from branchdiff.distributed import Collective
 from branchdiff.finetune import FullFinetune, LoraFinetune
 from branchdiff.loss import clipped_surrogate, kl_to_reference
 from branchdiff.models.base import ModelAdapter, select_embeds
-from branchdiff.objectives.base import MetricKind, Signal, drop_nonfinite_groups
-from branchdiff.rollout import Rollout, SamplerSettings
+from branchdiff.objectives.base import MetricKind, Objective, Signal, drop_nonfinite_groups
+from branchdiff.rollout import NoiseAddress, Rollout, SamplerSettings
 from branchdiff.schedulers.flow import gaussian_log_prob
 from branchdiff.schedulers.schedule import Schedule
 from branchdiff.tree_settings import trainable_steps
 
 
 @dataclass
-class ClippedGRPO:
+class ClippedGRPO(Objective):
     config: TrainConfig
     collective: Collective
     finetune: LoraFinetune | FullFinetune  # the base model (the KL reference)
@@ -71,8 +71,8 @@ class ClippedGRPO:
             mask &= prune.width_mask(tree, node_advantages, p.width, p.width_ratio, self.collective)
         return mask
 
-    def plan(self, rollout: Rollout, embeds: dict, signal: Signal, iteration: int) -> GRPOPlan:
-        return GRPOPlan(self, rollout, embeds, signal.node_advantages, signal.trained, iteration)
+    def plan(self, rollout: Rollout, embeds: dict, signal: Signal, address: NoiseAddress) -> GRPOPlan:
+        return GRPOPlan(self, rollout, embeds, signal.node_advantages, signal.trained, address.iteration)
 
 
 class GRPOPlan:

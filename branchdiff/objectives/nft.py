@@ -1,0 +1,158 @@
+"""DiffusionNFT (Zheng et al., arXiv 2509.16117): online RL on the forward (noising) process,
+`train.loss: nft` with the keys `nft.*`.
+
+Rollouts need no log-probs, so any sampler and any tree serve (the leaves are the samples; the
+paper's setting is a deterministic ODE sampler). Signal: each leaf's advantage is its reward minus
+its group's (prompt's) mean over the group's std (unbiased, + 1e-4), clipped to ±A_max, and its
+optimality r = clip(A/A_max, −1, 1)/2 + 1/2. Plan: every kept leaf x0 is trained at `nft.timesteps`
+of the sampler's steps (σ of the rollout's schedule), with fresh noise ε, on x_t = (1 − σ)·x0 + σ·ε;
+a term is (leaf, step) with the loss of `loss.nft_loss` between the trained prediction v_θ and the
+sampling policy's v_old, plus train.kl_beta · mean((v_θ − v_ref)²) to the base model.
+
+The sampling policy θ_old is a soft copy of the trained weights (kept as an `ema.WeightAverage`):
+rollouts and v_old use it; after iteration i, θ_old ← d·θ_old + (1 − d)·θ with
+d = min(nft.old_decay_rate·i, nft.old_decay_max) (d = 0 at iteration 0: θ_old starts at θ). It is
+saved in checkpoints (`sampling_policy.safetensors`). Leaves, steps and noise are drawn from the run
+seed, the iteration and each prompt's global key, so one process and several draw the same terms.
+Interpretations: the loss is left unscaled (no A_max/β factor); the KL is on the velocity, reusing
+train.kl_beta.
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import ClassVar
+
+import torch
+
+from branchdiff.advantage import fuse_rewards, group_moments, unbiased_std
+from branchdiff.config import TrainConfig
+from branchdiff.distributed import Collective
+from branchdiff.ema import WeightAverage
+from branchdiff.finetune import FullFinetune, LoraFinetune
+from branchdiff.loss import nft_loss, nft_optimality
+from branchdiff.models.base import ModelAdapter, select_embeds
+from branchdiff.objectives.base import MetricKind, Objective, Signal, drop_nonfinite_groups
+from branchdiff.rollout import NoiseAddress, Rollout, SamplerSettings
+from branchdiff.schedulers.schedule import FlowSchedule, Schedule
+from branchdiff.typed_yaml import ConfigError
+
+SAMPLING_POLICY_FILE = "sampling_policy.safetensors"
+
+
+@dataclass
+class DiffusionNFT(Objective):
+    config: TrainConfig
+    collective: Collective
+    finetune: LoraFinetune | FullFinetune  # the trained parameters (the sampling policy copies them) and the base model (KL)
+    train_policy: ModelAdapter  # the denoiser behind the (DDP-)wrapper: the training forward
+    schedule: Schedule  # the rollouts' schedule: the σ the samples are noised to
+    settings: SamplerSettings  # guidance of the training forward
+    needs_log_probs: ClassVar[bool] = False
+    metric_kinds: ClassVar[dict[str, MetricKind]] = {
+        "loss": "per_term", "kl": "per_term", "optimality": "per_term",  # means over the (leaf, step) terms trained
+        "nfe_trained": "count",  # training forwards
+    }
+
+    def __post_init__(self) -> None:
+        nft, steps = self.config.nft, self.config.sampling.num_steps
+        if not isinstance(self.schedule, FlowSchedule):
+            raise ConfigError(f"'train.loss' = 'nft' trains on the flow-matching forward process; model.family={self.config.model.family} "
+                              "is an ε-prediction (DDIM) family: use train.loss=grpo")
+        if nft.timesteps > steps:
+            raise ConfigError(f"'nft.timesteps' = {nft.timesteps} exceeds sampling.num_steps = {steps}; use nft.timesteps ≤ {steps}")
+        self.sampling_policy = WeightAverage(self.finetune.params, decay=0.0)
+        self.sampling_policy.update(0.0)  # θ_old = θ before the first rollout
+
+    def signal(self, rollout: Rollout, rewards: torch.Tensor, iteration: int) -> Signal:
+        tree, clip = rollout.tree, self.config.nft.advantage_clip
+        leaf_rewards, dropped = drop_nonfinite_groups(tree, rewards)
+        groups = tree.prompt[tree.leaf_index]  # (L,)
+        count, residual, squares = group_moments(leaf_rewards, groups, tree.num_prompts)
+        advantages = (residual / (unbiased_std(count, squares)[groups] + 1e-4)).clamp(-clip, clip).float()  # (L,)
+        node_advantages = torch.zeros(tree.num_nodes)
+        node_advantages[tree.leaf_index] = advantages
+        trained = torch.zeros(tree.num_nodes, dtype=torch.bool)
+        trained[tree.leaf_index] = ~dropped[groups]
+        node_rewards = fuse_rewards(tree, leaf_rewards, rollout.log_prob, "mean", 1.0)
+        return Signal(node_rewards, node_advantages, trained, int(dropped.sum()))
+
+    def plan(self, rollout: Rollout, embeds: dict, signal: Signal, address: NoiseAddress) -> NFTPlan:
+        return NFTPlan(self, rollout, embeds, signal, address)
+
+    def sampling_weights(self) -> AbstractContextManager:
+        return self.sampling_policy.swapped_in()
+
+    def after_update(self, iteration: int) -> None:
+        nft = self.config.nft
+        self.sampling_policy.update(min(nft.old_decay_rate * iteration, nft.old_decay_max))
+
+    def save_state(self, folder: Path) -> None:
+        self.sampling_policy.save(folder, SAMPLING_POLICY_FILE)
+
+    def load_state(self, folder: Path) -> None:
+        self.sampling_policy.load(folder, SAMPLING_POLICY_FILE)
+
+
+class NFTPlan:
+    """The (leaf, step) terms of this process's kept leaves, in minibatches of `train.minibatch` terms."""
+
+    def __init__(self, objective: DiffusionNFT, rollout: Rollout, embeds: dict, signal: Signal, address: NoiseAddress) -> None:
+        self.objective, self.embeds, self.rollout = objective, embeds, rollout
+        config, tree, schedule = objective.config, rollout.tree, objective.schedule
+        leaves = torch.nonzero(signal.trained).squeeze(1)  # (K,) leaf nodes trained
+        per_prompt = len(tree.leaf_index) // tree.num_prompts
+        rows, steps, noises = [], [], []
+        for leaf in leaves.tolist():  # each term's step and noise from (seed, iteration, prompt key, leaf's place in its prompt)
+            prompt = int(tree.prompt[leaf])
+            place = int(torch.nonzero(tree.leaf_index == leaf)) - prompt * per_prompt
+            key = (address.run_seed * 1_000_003 + address.iteration) * 65_537 + address.prompt_keys[prompt] * 4_099 + place
+            generator = torch.Generator().manual_seed(key % 2**63)
+            chosen = torch.randperm(schedule.num_steps, generator=generator)[: config.nft.timesteps]
+            rows += [leaf] * len(chosen)
+            steps.append(chosen)
+            noises.append(torch.randn((len(chosen), *rollout.latents.shape[1:]), generator=generator))
+        self.nodes = torch.tensor(rows, dtype=torch.long)  # (E,) the leaf of each term
+        self.steps = torch.cat(steps) if steps else torch.zeros(0, dtype=torch.long)  # (E,)
+        device = rollout.latents.device
+        self.x0 = rollout.latents[self.nodes]  # (E, ...)
+        self.sigma = schedule.sigmas[self.steps.to(schedule.sigmas.device)].to(device)  # (E,)
+        shape = (-1,) + (1,) * (self.x0.dim() - 1)
+        noise = torch.cat(noises).to(device, self.x0.dtype) if noises else torch.zeros_like(self.x0)
+        self.x_t = (1 - self.sigma.reshape(shape)) * self.x0 + self.sigma.reshape(shape) * noise  # (E, ...)
+        self.times = schedule.model_times[self.steps.to(schedule.model_times.device)]  # (E,)
+        self.prompt = tree.prompt[self.nodes]  # (E,)
+        self.optimality = nft_optimality(signal.node_advantages[self.nodes].to(device), config.nft.advantage_clip)  # (E,)
+        batches = torch.arange(len(self.nodes)).split(config.train.minibatch)
+        self.minibatches = list(batches) if len(self.nodes) else []
+        self.terms = [len(b) for b in self.minibatches]
+        with torch.no_grad(), objective.sampling_weights():  # the sampling policy's prediction (the plain denoiser), fixed for the iteration
+            self.v_old = torch.cat([self._predict(objective.finetune.adapter, b) for b in self.minibatches]) if self.minibatches else None
+        self.stats = {"loss": 0.0, "kl": 0.0, "optimality": self.optimality.sum().item(), "nfe_trained": 0}
+
+    def _predict(self, model: ModelAdapter, terms: torch.Tensor) -> torch.Tensor:
+        return model.predict(self.x_t[terms], self.times[terms], select_embeds(self.embeds, self.prompt[terms]), self.objective.settings.guidance)
+
+    def loss(self, index: int) -> torch.Tensor:
+        objective, terms = self.objective, self.minibatches[index]
+        v_theta = self._predict(objective.train_policy, terms)  # (e, ...)
+        per_term = nft_loss(v_theta, self.v_old[terms], self.x0[terms], self.x_t[terms], self.sigma[terms], self.optimality[terms],
+                            objective.config.nft.beta)
+        kl = torch.zeros_like(per_term)
+        if objective.config.train.kl_beta > 0:
+            with torch.no_grad(), objective.finetune.base() as base:
+                v_ref = self._predict(base, terms)
+            kl = (v_theta.float() - v_ref.float()).pow(2).flatten(1).mean(dim=1)
+            per_term = per_term + objective.config.train.kl_beta * kl
+        self.stats["loss"] += per_term.sum().item()
+        self.stats["kl"] += kl.detach().sum().item()
+        self.stats["nfe_trained"] += len(terms)
+        return per_term
+
+    def idle_loss(self) -> torch.Tensor:
+        root, schedule = torch.tensor([0]), self.objective.schedule
+        output = self.objective.train_policy.predict(self.rollout.latents[root], schedule.model_times[:1],
+                                                     select_embeds(self.embeds, self.rollout.tree.prompt[root]), self.objective.settings.guidance)
+        return output.sum() * 0.0
