@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from branchdiff.typed_yaml import ConfigError
 
@@ -74,12 +74,12 @@ class WeightAverage:
         path = folder / name
         if not path.is_file():
             raise FileNotFoundError(f"{path} is missing: the checkpoint was written without this average")
-        tensors = load_file(path)
+        with safe_open(str(path), "pt") as handle:
+            tensors = {key: handle.get_tensor(key) for key in handle.keys()}
+            steps = int(handle.metadata()["optimization_step"])
         shapes = [tuple(p.shape) for p in self.params]
         saved = [tuple(tensors[str(i)].shape) if str(i) in tensors else None for i in range(len(shapes))]
         if len(tensors) != len(shapes) or saved != shapes:
             raise ValueError(f"{path} holds {len(tensors)} averaged tensors that do not match the {len(shapes)} trained parameters")
-        with safe_open(str(path), "pt") as handle:
-            steps = int(handle.metadata()["optimization_step"])
         self.average.load_state_dict({"optimization_step": steps,
                                       "shadow_params": [tensors[str(i)].to(p.device, p.dtype) for i, p in enumerate(self.params)]})

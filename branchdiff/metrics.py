@@ -111,9 +111,10 @@ def iteration_metrics(
     # every process holds the same number of kept candidates, so the mean of the processes' means is the global mean
     means = {f"explore_{k}": v for k, v in explore_stats.items() if k.endswith("_mean_abs_diff")}
     summed = collective.sum(torch.tensor([*counts.values(), *edge_sums.values(), *sums.values()], dtype=torch.float64)).tolist()
+    per_term_sums = summed[len(counts):len(counts) + len(edge_sums)]
     counts = {name: int(value) for name, value in zip(counts, summed)}
     terms = max(counts.pop("terms"), 1)  # loss terms trained on every process (GRPO: the edges trained)
-    edge_means = {name: value / terms for name, value in zip(edge_sums, summed[len(counts) + 1:])}
+    edge_means = {name: value / terms for name, value in zip(edge_sums, per_term_sums)}
     groups, std_sum = max(counts.pop("groups"), 1), summed[-1]
     maxima = dict(zip(maxima, collective.max(torch.tensor(list(maxima.values()), dtype=torch.float64)).tolist()))
     if means:

@@ -312,7 +312,8 @@ def _update(run: Run) -> str:
     if not keys:
         return _missing("Update statistics")
     html = ("<p>logprob_check is max |log p<sub>train</sub> − log p<sub>rollout</sub>| at the first inner step, where the "
-            f"ratio is exactly 1 before the first update: it should be ~1e-6 or below (exact zeros drawn at {LOGPROB_FLOOR:g}).</p>")
+            f"ratio is exactly 1 before the first update: it should be ~1e-6 or below (exact zeros drawn at {LOGPROB_FLOOR:g}).</p>"
+            if "logprob_check" in keys else "")
     html += _panels(run, keys, "update statistics: " + ", ".join(keys), _update_curve)
     absent = [k for k in wanted if k not in keys]
     return html + (_missing(", ".join(absent)) if absent else "")

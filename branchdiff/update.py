@@ -42,8 +42,9 @@ class UpdateLoop:
         taken and skipped (non-finite gradients), the skips after the last step taken (`trailing_skips`)
         and this process's loss terms (`terms`: the denominator of the per-term means)."""
         accelerator = self.accelerator
-        stats = {"optimizer_steps": 0, "steps_skipped": 0, "trailing_skips": 0, "grad_norm": 0.0, "terms": sum(plan.terms)}
-        global_terms = int(self.collective.sum(torch.tensor([float(sum(plan.terms))], dtype=torch.float64)).item())
+        local_terms = sum(plan.terms)
+        stats = {"optimizer_steps": 0, "steps_skipped": 0, "trailing_skips": 0, "grad_norm": 0.0, "terms": local_terms}
+        global_terms = int(self.collective.sum(torch.tensor([float(local_terms)], dtype=torch.float64)).item())
         if global_terms == 0:
             return {**plan.stats, **stats}
         groups = optimizer_groups(plan.terms, global_terms, self.train.optimizer_every)

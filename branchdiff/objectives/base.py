@@ -17,8 +17,11 @@ from typing import TYPE_CHECKING, ClassVar, Literal, Protocol
 
 import torch
 
+from branchdiff.models.base import ModelAdapter, select_embeds
+
 if TYPE_CHECKING:
     from branchdiff.rollout import NoiseAddress, Rollout
+    from branchdiff.schedulers.schedule import Schedule
     from branchdiff.tree import Tree
 
 MetricKind = Literal["per_term", "count", "max"]  # summed over processes then divided by the terms trained; summed; maximum
@@ -50,7 +53,6 @@ class UpdatePlan(Protocol):
 class Objective:
     """What every objective provides; the hooks below default to doing nothing (an objective whose
     rollouts come from the trained weights themselves and that keeps no state of its own)."""
-    needs_log_probs: ClassVar[bool]  # rollouts must keep each SDE edge's log-density (else final samples and rewards suffice)
     metric_kinds: ClassVar[dict[str, MetricKind]]  # every statistic its plans report, in the order the report draws them
 
     def signal(self, rollout: Rollout, rewards: torch.Tensor, iteration: int) -> Signal:
@@ -84,3 +86,11 @@ def drop_nonfinite_groups(tree: Tree, rewards: torch.Tensor) -> tuple[torch.Tens
     dropped = torch.zeros(tree.num_prompts, dtype=torch.bool)  # (P,)
     dropped[leaf_groups[~torch.isfinite(rewards)]] = True
     return torch.where(dropped[leaf_groups], torch.zeros_like(rewards), rewards), dropped
+
+
+def zero_loss(train_policy: ModelAdapter, rollout: Rollout, embeds: dict, schedule: Schedule, guidance: float | None) -> torch.Tensor:
+    """A zero loss through the trained (wrapped) denoiser on the rollout's first node, for an optimizer
+    step in which a process holds no minibatch (`UpdatePlan.idle_loss`)."""
+    root = torch.tensor([0])
+    output = train_policy.predict(rollout.latents[root], schedule.model_times[:1], select_embeds(embeds, rollout.tree.prompt[root]), guidance)
+    return output.sum() * 0.0

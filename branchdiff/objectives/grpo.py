@@ -26,7 +26,7 @@ from branchdiff.distributed import Collective
 from branchdiff.finetune import FullFinetune, LoraFinetune
 from branchdiff.loss import clipped_surrogate, kl_to_reference
 from branchdiff.models.base import ModelAdapter, select_embeds
-from branchdiff.objectives.base import MetricKind, Objective, Signal, drop_nonfinite_groups
+from branchdiff.objectives.base import MetricKind, Objective, Signal, drop_nonfinite_groups, zero_loss
 from branchdiff.rollout import NoiseAddress, Rollout, SamplerSettings
 from branchdiff.schedulers.flow import gaussian_log_prob
 from branchdiff.schedulers.schedule import Schedule
@@ -41,7 +41,6 @@ class ClippedGRPO(Objective):
     train_policy: ModelAdapter  # the denoiser behind the (DDP-)wrapper: the training forward
     schedule: Schedule  # the rollouts' schedule
     settings: SamplerSettings  # the rollouts' sampler: SDE kind and guidance
-    needs_log_probs: ClassVar[bool] = True
     metric_kinds: ClassVar[dict[str, MetricKind]] = {
         "logprob_check": "max",  # max |logp_train − logp_rollout| at the first minibatch, before any update: 0 up to rounding
         "loss": "per_term", "clip_fraction": "per_term", "kl": "per_term",  # means over the edges trained
@@ -133,8 +132,5 @@ class GRPOPlan:
         return per_edge, (log_prob - old).detach(), was_clipped, kl.detach()
 
     def idle_loss(self) -> torch.Tensor:
-        root = torch.tensor([0])
-        schedule = self.objective.schedule
-        output = self.objective.train_policy.predict(self.rollout.latents[root], schedule.model_times[:1],
-                                                     select_embeds(self.embeds, self.rollout.tree.prompt[root]), self.objective.settings.guidance)
-        return output.sum() * 0.0
+        objective = self.objective
+        return zero_loss(objective.train_policy, self.rollout, self.embeds, objective.schedule, objective.settings.guidance)

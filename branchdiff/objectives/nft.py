@@ -12,8 +12,9 @@ sampling policy's v_old, plus train.kl_beta · mean((v_θ − v_ref)²) to the b
 The sampling policy θ_old is a soft copy of the trained weights (kept as an `ema.WeightAverage`):
 rollouts and v_old use it; after iteration i, θ_old ← d·θ_old + (1 − d)·θ with
 d = min(nft.old_decay_rate·i, nft.old_decay_max) (d = 0 at iteration 0: θ_old starts at θ). It is
-saved in checkpoints (`sampling_policy.safetensors`). Leaves, steps and noise are drawn from the run
-seed, the iteration and each prompt's global key, so one process and several draw the same terms.
+saved in checkpoints (`sampling_policy.safetensors`). A leaf's steps and noise are drawn at its address
+(branchdiff/noise.py: run seed, iteration, prompt key, node path), so one process and several draw
+the same terms.
 Interpretations: the loss is left unscaled (no A_max/β factor); the KL is on the velocity, reusing
 train.kl_beta.
 """
@@ -34,7 +35,8 @@ from branchdiff.ema import WeightAverage
 from branchdiff.finetune import FullFinetune, LoraFinetune
 from branchdiff.loss import nft_loss, nft_optimality
 from branchdiff.models.base import ModelAdapter, select_embeds
-from branchdiff.objectives.base import MetricKind, Objective, Signal, drop_nonfinite_groups
+from branchdiff.noise import address_seed
+from branchdiff.objectives.base import MetricKind, Objective, Signal, drop_nonfinite_groups, zero_loss
 from branchdiff.rollout import NoiseAddress, Rollout, SamplerSettings
 from branchdiff.schedulers.schedule import FlowSchedule, Schedule
 from branchdiff.typed_yaml import ConfigError
@@ -50,7 +52,6 @@ class DiffusionNFT(Objective):
     train_policy: ModelAdapter  # the denoiser behind the (DDP-)wrapper: the training forward
     schedule: Schedule  # the rollouts' schedule: the σ the samples are noised to
     settings: SamplerSettings  # guidance of the training forward
-    needs_log_probs: ClassVar[bool] = False
     metric_kinds: ClassVar[dict[str, MetricKind]] = {
         "loss": "per_term", "kl": "per_term", "optimality": "per_term",  # means over the (leaf, step) terms trained
         "nfe_trained": "count",  # training forwards
@@ -103,13 +104,11 @@ class NFTPlan:
         self.objective, self.embeds, self.rollout = objective, embeds, rollout
         config, tree, schedule = objective.config, rollout.tree, objective.schedule
         leaves = torch.nonzero(signal.trained).squeeze(1)  # (K,) leaf nodes trained
-        per_prompt = len(tree.leaf_index) // tree.num_prompts
         rows, steps, noises = [], [], []
-        for leaf in leaves.tolist():  # each term's step and noise from (seed, iteration, prompt key, leaf's place in its prompt)
-            prompt = int(tree.prompt[leaf])
-            place = int(torch.nonzero(tree.leaf_index == leaf)) - prompt * per_prompt
-            key = (address.run_seed * 1_000_003 + address.iteration) * 65_537 + address.prompt_keys[prompt] * 4_099 + place
-            generator = torch.Generator().manual_seed(key % 2**63)
+        generator = torch.Generator()
+        for leaf in leaves.tolist():  # each term's step and noise addressed by (seed, iteration, prompt key, the leaf's node path)
+            prompt_key = address.prompt_keys[int(tree.prompt[leaf])]
+            generator.manual_seed(address_seed("nft", address.run_seed, address.iteration, prompt_key, tree.paths[leaf]))
             chosen = torch.randperm(schedule.num_steps, generator=generator)[: config.nft.timesteps]
             rows += [leaf] * len(chosen)
             steps.append(chosen)
@@ -152,7 +151,5 @@ class NFTPlan:
         return per_term
 
     def idle_loss(self) -> torch.Tensor:
-        root, schedule = torch.tensor([0]), self.objective.schedule
-        output = self.objective.train_policy.predict(self.rollout.latents[root], schedule.model_times[:1],
-                                                     select_embeds(self.embeds, self.rollout.tree.prompt[root]), self.objective.settings.guidance)
-        return output.sum() * 0.0
+        objective = self.objective
+        return zero_loss(objective.train_policy, self.rollout, self.embeds, objective.schedule, objective.settings.guidance)
