@@ -96,7 +96,7 @@ class OptimConfig:
     warmup_iterations: int = non_negative(0)  # linear warm-up from 0 over the first n iterations (0: none)
     lora_rank: int = positive(8)  # LoRA rank on the attention projections
     lora_alpha: float = positive(8.0)  # LoRA scaling numerator
-    loss: str = choice("grpo", "grpo", "nft")  # the training objective (branchdiff/objectives/, docs/objectives.md): clipped GRPO, or DiffusionNFT (nft.*)
+    loss: str = choice("grpo", "grpo", "grpo-guard", "nft")  # the training objective (branchdiff/objectives/, docs/objectives.md): clipped GRPO, GRPO-Guard (guard.*) or DiffusionNFT (nft.*)
     clip_range: float = positive(1e-3)  # ε of the clipped ratio
     kl_beta: float = non_negative(0.0)  # weight of the KL to the adapter-free base (0: off)
     step_fraction: float = positive(1.0)  # random fraction of SDE steps trained per iteration (DanceGRPO 0.6)
@@ -120,6 +120,13 @@ class NFTConfig:
     timesteps: int = positive(2)  # sampler steps each sample is trained at (drawn without replacement per sample and iteration)
     old_decay_rate: float = non_negative(0.001)  # the sampling policy after iteration i: θ_old ← d·θ_old + (1 − d)·θ, d = min(rate·i, max)
     old_decay_max: float = in_range(0.5, 0.0, 0.999)
+
+
+@dataclass
+class GuardConfig:
+    """GRPO-Guard's keys (train.loss=grpo-guard; branchdiff/objectives/grpo_guard.py, docs/objectives.md)."""
+    clip_range: float = positive(2e-6)  # ε of the re-centred ratio ρ̃ (its log is about the per-step change of the mean: far smaller than plain GRPO's)
+    reweight: bool = True  # divide each step's loss by its σ step size (the paper's gradient reweighting)
 
 
 @dataclass
@@ -170,6 +177,7 @@ class TrainConfig:
     prune: PruneConfig = field(default_factory=PruneConfig)
     train: OptimConfig = field(default_factory=OptimConfig)
     nft: NFTConfig = field(default_factory=NFTConfig)
+    guard: GuardConfig = field(default_factory=GuardConfig)
     explore: ExploreConfig = field(default_factory=ExploreConfig)
     watch: WatchConfig = field(default_factory=WatchConfig)  # the reward-hacking watch (needs eval_every)
     logging: LogConfig = field(default_factory=LogConfig)
@@ -243,7 +251,7 @@ def validate(config: TrainConfig) -> None:
     if config.sampling.sde == "cps":
         validate_cps(config)
     _validate_explore(config)
-    if config.train.loss == "grpo":  # trains SDE edges; DiffusionNFT trains final samples and checks its own keys when built
+    if config.train.loss in ("grpo", "grpo-guard"):  # train SDE edges; DiffusionNFT trains final samples and checks its own keys when built
         validate_trainable(config)
 
 

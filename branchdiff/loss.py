@@ -1,4 +1,5 @@
-"""The clipped GRPO surrogate and the KL penalty to the adapter-free base (DanceGRPO, arXiv 2505.07818; Flow-GRPO, arXiv 2505.05470)."""
+"""The objectives' losses as pure tensor functions: the clipped GRPO surrogate and the KL penalty to the adapter-free base
+(DanceGRPO, arXiv 2505.07818; Flow-GRPO, arXiv 2505.05470), GRPO-Guard's regulated clipping, and DiffusionNFT's loss."""
 
 from __future__ import annotations
 
@@ -14,6 +15,28 @@ def clipped_surrogate(
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1 - clip_range, 1 + clip_range)
     return torch.maximum(unclipped, clipped), (ratio - 1).abs() > clip_range
+
+
+def guard_surrogate(
+    log_prob: torch.Tensor, old_log_prob: torch.Tensor, mean: torch.Tensor, old_mean: torch.Tensor, std: torch.Tensor,
+    step_size: torch.Tensor, advantages: torch.Tensor, clip_range: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """GRPO-Guard's regulated clipping (Wang et al., arXiv 2510.22319) of a Gaussian step x' ~ N(μ, s²).
+
+    On the rollout's own samples the log-ratio logp_θ − logp_old (means over the latent's D
+    elements) has expectation −b ≤ 0, b = mean((μ_θ − μ_old)²) / (2·s²): ratios sit below 1 and
+    the clip stops bounding positive-advantage updates. GRPO-Guard adds b back and rescales by s,
+        log ρ̃ = s·(logp_θ − logp_old + b) = mean(ε·(μ_θ − μ_old)),   x' = μ_old + s·ε,
+    which is centred at 0 and on the same scale at every step, and divides each step's loss by its
+    step size −dt = σ_t − σ_{t+1}, so no range of noise levels dominates the gradient:
+        L = max(−A·ρ̃, −A·clip(ρ̃, 1 − ε, 1 + ε)) / (−dt).
+    Shapes: log-probs, std, step_size, advantages (E,); means (E, ...). Returns the per-edge loss,
+    whether the clip was active, and log ρ̃ (E,)."""
+    std = std.float()
+    bias = (mean.float() - old_mean.float()).pow(2).flatten(1).mean(dim=1) / (2 * std**2)  # (E,)
+    log_ratio = std * (log_prob - old_log_prob + bias)  # (E,)
+    per_edge, was_clipped = clipped_surrogate(log_ratio, torch.zeros_like(log_ratio), advantages, clip_range)
+    return per_edge / step_size.float(), was_clipped, log_ratio
 
 
 def kl_to_reference(mean: torch.Tensor, reference_mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:

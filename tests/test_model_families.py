@@ -97,6 +97,29 @@ def test_tree_training_step_and_lora_export_load_into_the_pipeline(saved, family
 
 
 @pytest.mark.parametrize("family", FAMILIES)
+def test_the_other_objectives_train_a_step_of_every_flow_family_and_refuse_ddim(saved, family, tmp_path):
+    """GRPO-Guard (its ratio 1 before the update: the rollout's means recovered from the noise) and
+    DiffusionNFT take one optimizer step on each flow family's tiny pipeline; an ε-prediction (DDIM)
+    family is refused with the fix."""
+    from branchdiff.config import ConfigError, load_config
+    from branchdiff.trainer import Trainer
+
+    for loss in ("grpo-guard", "nft"):
+        config = load_config(None, _train_overrides(family, saved[family], tmp_path / loss, f"train.loss={loss}"))
+        if family == "sd15":
+            with pytest.raises(ConfigError, match="use train.loss=grpo"):
+                Trainer(config)
+            continue
+        trainer = Trainer(config)
+        before = [p.detach().clone() for p in trainer.finetune.params]
+        metrics = trainer.run_iteration(0).metrics
+        assert metrics["optimizer_steps"] == 1 and torch.isfinite(torch.tensor(metrics["loss"]))
+        assert any(not torch.equal(b, p) for b, p in zip(before, trainer.finetune.params))
+        if loss == "grpo-guard":
+            assert metrics["logprob_check"] <= 1e-5 and abs(metrics["log_ratio_guard"]) <= 1e-6
+
+
+@pytest.mark.parametrize("family", FAMILIES)
 def test_sample_and_eval_take_the_same_flags_for_every_family(saved, family, tmp_path, capsys):
     from branchdiff.cli import main
 

@@ -28,7 +28,7 @@ from branchdiff.loss import clipped_surrogate, kl_to_reference
 from branchdiff.models.base import ModelAdapter, select_embeds
 from branchdiff.objectives.base import MetricKind, Objective, Signal, drop_nonfinite_groups, zero_loss
 from branchdiff.rollout import NoiseAddress, Rollout, SamplerSettings
-from branchdiff.schedulers.flow import gaussian_log_prob
+from branchdiff.schedulers.flow import StepOutput, gaussian_log_prob
 from branchdiff.schedulers.schedule import Schedule
 from branchdiff.tree_settings import trainable_steps
 
@@ -121,7 +121,7 @@ class GRPOPlan:
         log_prob = gaussian_log_prob(rollout.latents[child_nodes], out.mean, out.std)
         old = rollout.log_prob[child_nodes].to(log_prob.device)
         advantages = self.node_advantages[child_nodes].to(log_prob.device).float()
-        per_edge, was_clipped = clipped_surrogate(log_prob, old, advantages, config.train.clip_range)
+        per_edge, was_clipped = self.surrogate(child_nodes, depth[local], out, log_prob, old, advantages)
         kl = torch.zeros_like(per_edge)
         if config.train.kl_beta > 0:
             with torch.no_grad(), objective.finetune.base() as base:
@@ -130,6 +130,12 @@ class GRPOPlan:
             kl = kl_to_reference(out.mean, ref.mean, out.std)
             per_edge = per_edge + config.train.kl_beta * kl
         return per_edge, (log_prob - old).detach(), was_clipped, kl.detach()
+
+    def surrogate(self, child_nodes: torch.Tensor, depth: torch.Tensor, step: StepOutput, log_prob: torch.Tensor, old: torch.Tensor,
+                  advantages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-edge policy loss (e,) and clip flags (e,) of the edges into `child_nodes`, stepped from depth `depth`
+        (e,) with the trained prediction's `step`; `log_prob` and `old` are the edges' trained and rollout log-probs."""
+        return clipped_surrogate(log_prob, old, advantages, self.objective.config.train.clip_range)
 
     def idle_loss(self) -> torch.Tensor:
         objective = self.objective
