@@ -23,7 +23,7 @@ from branchdiff.ema import validate_decay
 from branchdiff.lr_schedule import SCHEDULES, validate_warmup
 from branchdiff.models.families import FAMILIES, LORA_TARGET_SETS, STEP_KINDS
 from branchdiff.rewards.combine import parse_reward_specs
-from branchdiff.tree_settings import tree_spec, validate_cps, validate_trainable, validate_tree
+from branchdiff.tree_settings import tree_spec, validate_cps, validate_ode, validate_trainable, validate_tree
 from branchdiff.typed_yaml import ConfigError, build, choice, in_range, merge, non_negative, parse_override, positive, read_yaml
 
 PRESET_DIR = Path(__file__).parent / "configs"
@@ -53,7 +53,7 @@ class PromptConfig:
 class SamplingConfig:
     num_steps: int = positive(10)  # T denoising steps
     shift: float | None = positive(None)  # σ = s·t / (1 + (s-1)·t) (the anchors'); None = the family's own schedule (tiny: s = 1)
-    sde: str = choice("flow", "dance", "flow", "cps", "ddim")  # SDE (schedulers/flow.py, schedulers/ddim.py): dance | flow | cps for flow families, ddim for sd15
+    sde: str = choice("flow", "dance", "flow", "cps", "ddim", "ode")  # SDE (schedulers/flow.py, schedulers/ddim.py): dance | flow | cps for flow families, ddim for sd15; ode: deterministic chains (train.loss=nft only)
     noise_level: float = positive(0.7)  # η for dance and ddim, a for flow and cps (> 0: an SDE needs noise; cps: a in [0.01, 1])
     guidance: float | None = positive(None)  # CFG scale (sd3, sana, sd15) or guidance embedding (flux) of rollouts and training; None = family default
     max_batch: int = positive(64)  # network rows per model forward in rollouts (a CFG prediction takes 2)
@@ -242,7 +242,9 @@ def validate(config: TrainConfig) -> None:
         raise ConfigError(str(error)) from None
     validate_tree(config)
     steps_family = FAMILIES[config.model.family].steps
-    if config.sampling.sde not in STEP_KINDS[steps_family]:
+    if config.sampling.sde == "ode":
+        validate_ode(config, steps_family)
+    elif config.sampling.sde not in STEP_KINDS[steps_family]:
         raise ConfigError(f"'sampling.sde' = {config.sampling.sde!r} is not an SDE of model.family={config.model.family} "
                           f"({steps_family} steps); allowed: {', '.join(STEP_KINDS[steps_family])}")
     if steps_family == "ddim" and config.sampling.shift is not None:

@@ -135,7 +135,8 @@ def _header(run: Run) -> str:
         body = [["family", str(_get(c, "model.family"))], ["model.path", str(_get(c, "model.path"))],
                 ["iterations", str(_get(c, "iterations"))], ["reward", str(_get(c, "reward"))],
                 ["tree", f"{_get(c, 'tree.roots')} roots, splits {_get(c, 'tree.splits')}"],
-                ["sampling steps", f"{_get(c, 'sampling.num_steps')} ({_get(c, 'sampling.sde')} SDE)"],
+                ["sampling steps", f"{_get(c, 'sampling.num_steps')} ({'ODE' if _get(c, 'sampling.sde') == 'ode' else str(_get(c, 'sampling.sde')) + ' SDE'})"],
+                ["objective", str(_get(c, "train.loss") or "grpo")],
                 ["learning rate", str(_get(c, "train.learning_rate"))], ["explore", str(_get(c, "explore.mode"))]]
         facts = _table(["config", "value"], body) + f"<details><summary>config.yaml</summary><pre>{escape(run.config_text)}</pre></details>"
     nav = "".join(f'<a href="#{i}">{t}</a>' for i, t, _ in SECTIONS)

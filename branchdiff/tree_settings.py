@@ -202,3 +202,17 @@ def _validate_group_size(config: TrainConfig) -> None:
     if explore.mode == "seeds" and explore.keep == 1 and not tree.splits:
         raise ConfigError(f"'explore.keep' = 1 with explore.mode=seeds and no 'tree.splits' keeps one chain per prompt: {zero}; "
                           "use explore.keep ≥ 2 or add a split (e.g. tree.splits=[[0, 2]])")
+
+
+def validate_ode(config: TrainConfig, steps_family: str) -> None:
+    """Deterministic rollouts (`sampling.sde: ode`, DiffusionNFT's setting): chains only, of a flow
+    family, for an objective that trains on final samples."""
+    if steps_family != "flow":
+        raise ConfigError(f"'sampling.sde' = 'ode' samples flow-matching chains; model.family={config.model.family} steps with DDIM: "
+                          "use sampling.sde=ddim")
+    if config.train.loss != "nft":
+        raise ConfigError(f"'sampling.sde' = 'ode' samples without noise, so no step has a density for train.loss={config.train.loss} "
+                          "to train: use train.loss=nft (it trains on final samples), or an SDE (sampling.sde=flow)")
+    if config.tree.splits or config.explore.mode == "tree":
+        raise ConfigError("'sampling.sde' = 'ode' grows deterministic chains: the children of a split would be identical; drop "
+                          "tree.splits (and explore.mode=tree) or use an SDE (sampling.sde=flow)")

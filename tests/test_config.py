@@ -204,7 +204,7 @@ def test_section_given_a_scalar():
 
 def test_choice_outside_the_allowed_set_lists_choices_and_suggests():
     message = config_error(None, ["sampling.sde=flw"])
-    assert message == "override 'sampling.sde=flw': 'sampling.sde' = 'flw' is not allowed; allowed: dance, flow, cps, ddim (did you mean 'flow'?)"
+    assert message == "override 'sampling.sde=flw': 'sampling.sde' = 'flw' is not allowed; allowed: dance, flow, cps, ddim, ode (did you mean 'flow'?)"
 
 
 def test_choice_without_close_match_has_no_suggestion():
@@ -314,6 +314,14 @@ CPS_ZERO = "where cps's std σ'·sin(aπ/2) is 0 (σ' = 0), so nothing would be 
          f"'tree.splits' entry [0, 2, {{'noise_level': 3.2}}]: noise_level 3.2 is outside cps's range: {CPS_RANGE}"),
         (["sampling.sde=cps", "tree.splits=[[0, 2], [3, 2, {noise_level: 0.005}]]"],
          f"'tree.splits' entry [3, 2, {{'noise_level': 0.005}}]: noise_level 0.005 is outside cps's range: {CPS_RANGE}"),
+        # ode: no densities for GRPO, identical children of a split, DDIM families
+        (["sampling.sde=ode"], "'sampling.sde' = 'ode' samples without noise, so no step has a density for train.loss=grpo to train: use "
+                               "train.loss=nft (it trains on final samples), or an SDE (sampling.sde=flow)"),
+        (["sampling.sde=ode", "train.loss=nft", "tree.roots=1", "tree.splits=[[0, 2]]"],
+         "'sampling.sde' = 'ode' grows deterministic chains: the children of a split would be identical; drop tree.splits (and "
+         "explore.mode=tree) or use an SDE (sampling.sde=flow)"),
+        (["sampling.sde=ode", "train.loss=nft", "model.family=sd15", "model.path=x"],
+         "'sampling.sde' = 'ode' samples flow-matching chains; model.family=sd15 steps with DDIM: use sampling.sde=ddim"),
         # cps: only the last step is SDE (its std is 0 there)
         (["sampling.sde=cps", "sampling.num_steps=1"], f"'sampling.sde' = 'cps' with sampling.num_steps = 1: the only step is the last, {CPS_ZERO}; "
                                                        "use sampling.num_steps ≥ 2 or sampling.sde=flow or dance"),
@@ -475,7 +483,7 @@ def test_empty_yaml_file_gives_defaults(tmp_path):
         ("iterations: 3\ntree:\n  roots: 2\n  splits: []\n  rots: 4\nsampling:\n  sde: flow\n",
          ":5: unknown key 'tree.rots'; did you mean tree.roots?"),
         ("seed: 1\nsampling:\n  num_steps: 10\n  sde: flw\n",
-         ":4: 'sampling.sde' = 'flw' is not allowed; allowed: dance, flow, cps, ddim (did you mean 'flow'?)"),
+         ":4: 'sampling.sde' = 'flw' is not allowed; allowed: dance, flow, cps, ddim, ode (did you mean 'flow'?)"),
         ("seed: 1\n\ntrain: {learning_rate: -1}\n", ":3: 'train.learning_rate' = -1 is out of range; it must be > 0"),
         ("iterations: 3\nseed: 1: 2\n", ":2: not valid YAML (mapping values are not allowed here)"),
         ("- iterations: 3\n- seed: 1\n", ": expected a mapping of keys to values, got list"),

@@ -22,6 +22,37 @@ def test_family_preset_and_its_explore_variant(name):
     assert config.model.dtype in ("bfloat16", "float16") and config.model.path  # real weights, bf16/fp16 base
 
 
+SOL_PRESETS = {"sd35-pickscore-sol": ("sd3", "seeds"), "sana-pickscore-sol": ("sana", "seeds"), "flux-hps-branch-sol": ("flux", "tree"),
+               "flux-hps-mix-sol": ("flux", "tree")}  # sd15-hps has none: DiffusionNFT trains flow-matching families
+
+
+@pytest.mark.parametrize("name", sorted(SOL_PRESETS))
+def test_sol_presets_are_their_base_trained_with_nft_on_an_explored_pool(name):
+    """Sol-RL's setting: 96 seeds previewed with 6 ODE steps, the 12 best and 12 worst regenerated
+    CFG-free as ODE chains (on trees: the 4 best and 4 worst leaves), trained with DiffusionNFT."""
+    config, base = load_config(name), load_config(name.removesuffix("-sol"))
+    family, mode = SOL_PRESETS[name]
+    assert config.model == base.model and config.model.family == family and config.reward == base.reward
+    assert config.train.loss == "nft" and config.train.kl_beta == 1e-4 and (config.explore.mode, config.explore.selection) == (mode, "best_worst")
+    if mode == "seeds":
+        assert (config.explore.pool, config.explore.keep, config.explore.preview_steps, config.explore.preview_sampler) == (96, 24, 6, "ode")
+        assert (config.sampling.sde, config.sampling.guidance, config.prompts.eval_guidance, config.sampling.num_steps) == ("ode", 1.0, 1.0, 10)
+    else:
+        assert config.explore.keep == 8 and config.tree == base.tree and config.sampling == base.sampling
+
+
+@pytest.mark.parametrize("name", ["tiny-sol", "tiny-sol-tree"])
+def test_the_tiny_sol_presets_run_an_iteration(name, tiny_model_dir, tmp_path):
+    from branchdiff.trainer import Trainer
+
+    trainer = Trainer(load_config(name, [f"output_dir={tmp_path}", f"model.path={tiny_model_dir}", "prompts.per_iteration=2",
+                                         "explore.pool=8", "explore.keep=4", "explore.fidelity_every=0", "final_eval=false",
+                                         "logging.tensorboard=false", "logging.sample_every=0"]))
+    metrics = trainer.run_iteration(0).metrics
+    assert metrics["optimizer_steps"] >= 1 and metrics["nfe_trained"] == 2 * 4 * 2  # 2 prompts × 4 kept samples × 2 steps
+    assert metrics["edges_trained"] == 2 * 4  # the kept samples
+
+
 def test_flux_branch_preset_is_branchgrpo():
     """BranchGRPO: 20 steps, shift 3, k = 2 at steps 0, 3, 6, 9 (16 leaves, 203 forwards a tree), η 0.3."""
     config = load_config("flux-hps-branch")
