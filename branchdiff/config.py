@@ -96,7 +96,7 @@ class OptimConfig:
     warmup_iterations: int = non_negative(0)  # linear warm-up from 0 over the first n iterations (0: none)
     lora_rank: int = positive(8)  # LoRA rank on the attention projections
     lora_alpha: float = positive(8.0)  # LoRA scaling numerator
-    loss: str = choice("grpo", "grpo", "grpo-guard", "nft")  # the training objective (branchdiff/objectives/, docs/objectives.md): clipped GRPO, GRPO-Guard (guard.*) or DiffusionNFT (nft.*)
+    loss: str = choice("grpo", "grpo", "grpo-guard", "grpo-layertuning", "nft")  # the training objective (branchdiff/objectives/, docs/objectives.md): clipped GRPO, GRPO-Guard (guard.*), LayerTuning-RL (layertuning.*) or DiffusionNFT (nft.*)
     clip_range: float = positive(1e-3)  # ε of the clipped ratio
     kl_beta: float = non_negative(0.0)  # weight of the KL to the adapter-free base (0: off)
     step_fraction: float = positive(1.0)  # random fraction of SDE steps trained per iteration (DanceGRPO 0.6)
@@ -127,6 +127,13 @@ class GuardConfig:
     """GRPO-Guard's keys (train.loss=grpo-guard; branchdiff/objectives/grpo_guard.py, docs/objectives.md)."""
     clip_range: float = positive(2e-6)  # ε of the re-centred ratio ρ̃ (its log is about the per-step change of the mean: far smaller than plain GRPO's)
     reweight: bool = True  # divide each step's loss by its σ step size (the paper's gradient reweighting)
+
+
+@dataclass
+class LayerTuningConfig:
+    """LayerTuning-RL's keys (train.loss=grpo-layertuning; branchdiff/objectives/layertuning.py, docs/objectives.md)."""
+    sft_weight: float = non_negative(0.1)  # λ: the SFT term toward each group's best sample, times the edge's positive advantage (0: off)
+    clip_sensitivity: float = non_negative(1.0)  # η: the clip bound on an edge's side opens to ε·(1 + η·|A|) (0: plain clipping)
 
 
 @dataclass
@@ -178,6 +185,7 @@ class TrainConfig:
     train: OptimConfig = field(default_factory=OptimConfig)
     nft: NFTConfig = field(default_factory=NFTConfig)
     guard: GuardConfig = field(default_factory=GuardConfig)
+    layertuning: LayerTuningConfig = field(default_factory=LayerTuningConfig)
     explore: ExploreConfig = field(default_factory=ExploreConfig)
     watch: WatchConfig = field(default_factory=WatchConfig)  # the reward-hacking watch (needs eval_every)
     logging: LogConfig = field(default_factory=LogConfig)
@@ -253,7 +261,7 @@ def validate(config: TrainConfig) -> None:
     if config.sampling.sde == "cps":
         validate_cps(config)
     _validate_explore(config)
-    if config.train.loss in ("grpo", "grpo-guard"):  # train SDE edges; DiffusionNFT trains final samples and checks its own keys when built
+    if config.train.loss != "nft":  # the GRPO objectives train SDE edges; DiffusionNFT trains final samples and checks its own keys when built
         validate_trainable(config)
 
 

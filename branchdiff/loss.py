@@ -1,5 +1,6 @@
 """The objectives' losses as pure tensor functions: the clipped GRPO surrogate and the KL penalty to the adapter-free base
-(DanceGRPO, arXiv 2505.07818; Flow-GRPO, arXiv 2505.05470), GRPO-Guard's regulated clipping, and DiffusionNFT's loss."""
+(DanceGRPO, arXiv 2505.07818; Flow-GRPO, arXiv 2505.05470), GRPO-Guard's regulated clipping, LayerTuning-RL's
+reward-conditioned clipping and SFT term, and DiffusionNFT's loss."""
 
 from __future__ import annotations
 
@@ -15,6 +16,31 @@ def clipped_surrogate(
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1 - clip_range, 1 + clip_range)
     return torch.maximum(unclipped, clipped), (ratio - 1).abs() > clip_range
+
+
+def reward_clipped_surrogate(
+    log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantages: torch.Tensor, clip_range: float, sensitivity: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The clipped surrogate with bounds that open with the advantage (LayerTuning-RL's reward-conditioned
+    clipping, Dynamic-TreeRPO, arXiv 2509.23352; this form is an interpretation, docs/objectives.md):
+        ρ ∈ [1 − ε·(1 + η·max(−A, 0)),  1 + ε·(1 + η·max(A, 0))],
+    L = max(−A·ρ, −A·clip(ρ, low, high)): a clearly better edge may raise its probability further
+    than ε, a clearly worse one lower it further; η = 0 is `clipped_surrogate`. All (E,); returns the
+    per-edge loss and whether the clip was active."""
+    ratio = torch.exp(log_prob - old_log_prob)
+    low = 1 - clip_range * (1 + sensitivity * (-advantages).clamp(min=0))
+    high = 1 + clip_range * (1 + sensitivity * advantages.clamp(min=0))
+    clipped = -advantages * torch.minimum(torch.maximum(ratio, low), high)
+    return torch.maximum(-advantages * ratio, clipped), (ratio < low) | (ratio > high)
+
+
+def sft_velocity_loss(velocity: torch.Tensor, x: torch.Tensor, x0_target: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
+    """Supervised flow matching toward a chosen clean sample: the velocity that carries x_σ straight to
+    x0* is v* = (x − x0*)/σ (x_σ = (1 − σ)·x0 + σ·ε, v = ε − x0), and the loss is mean((v − v*)²) over
+    the latent's elements. Shapes (E, ...), (E, ...), (E, ...), (E,) → (E,)."""
+    shape = (-1,) + (1,) * (x.dim() - 1)
+    target = (x.float() - x0_target.float()) / sigma.float().reshape(shape)
+    return (velocity.float() - target).pow(2).flatten(1).mean(dim=1)
 
 
 def guard_surrogate(

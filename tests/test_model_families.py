@@ -98,13 +98,13 @@ def test_tree_training_step_and_lora_export_load_into_the_pipeline(saved, family
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_the_other_objectives_train_a_step_of_every_flow_family_and_refuse_ddim(saved, family, tmp_path):
-    """GRPO-Guard (its ratio 1 before the update: the rollout's means recovered from the noise) and
-    DiffusionNFT take one optimizer step on each flow family's tiny pipeline; an ε-prediction (DDIM)
-    family is refused with the fix."""
+    """GRPO-Guard (its ratio 1 before the update: the rollout's means recovered from the noise),
+    LayerTuning-RL and DiffusionNFT take one optimizer step on each flow family's tiny pipeline; an
+    ε-prediction (DDIM) family is refused with the fix."""
     from branchdiff.config import ConfigError, load_config
     from branchdiff.trainer import Trainer
 
-    for loss in ("grpo-guard", "nft"):
+    for loss in ("grpo-guard", "grpo-layertuning", "nft"):
         config = load_config(None, _train_overrides(family, saved[family], tmp_path / loss, f"train.loss={loss}"))
         if family == "sd15":
             with pytest.raises(ConfigError, match="use train.loss=grpo"):

@@ -248,7 +248,8 @@ def test_a_full_disk_on_one_process_stops_both_at_the_checkpoint_and_keeps_the_l
 
 
 # LoRA with GRPO on two processes: two_process_run; on every layer: test_finetune.py
-@pytest.mark.parametrize("mode", [("model.finetune=full",), ("train.loss=nft",), ("train.loss=grpo-guard",)], ids=["full", "nft-lora", "guard-lora"])
+@pytest.mark.parametrize("mode", [("model.finetune=full",), ("train.loss=nft",), ("train.loss=grpo-guard",), ("train.loss=grpo-layertuning",)],
+                         ids=["full", "nft-lora", "guard-lora", "layertuning-lora"])
 def test_full_finetuning_trains_on_two_processes_like_one(tiny_model_dir, tmp_path, mode):
     """Two processes (DDP over every weight of the denoiser): the update equals one process's on
     both processes' prompts (to 1% of its size: Adam's first step is about lr·sign(g)), and a resume
@@ -256,7 +257,8 @@ def test_full_finetuning_trains_on_two_processes_like_one(tiny_model_dir, tmp_pa
     learning rate decays linearly (iteration 1 at half the rate) in all three runs, and the export is
     the weights' moving average (saved by one process, loaded by both on the resume). DiffusionNFT
     (LoRA) draws its training terms by global prompt key, so two processes train what one does; GRPO-Guard
-    recovers each edge's rollout mean from the noise at its global address."""
+    recovers each edge's rollout mean from the noise at its global address; LayerTuning-RL's best paths
+    are per prompt, so they are the same however the prompts are split."""
     from safetensors.torch import load_file
 
     run = tmp_path / "run"

@@ -5,11 +5,13 @@ from __future__ import annotations
 from branchdiff.objectives.base import UPDATE_LOOP_METRICS, Objective
 from branchdiff.objectives.grpo import ClippedGRPO
 from branchdiff.objectives.grpo_guard import GRPOGuard
+from branchdiff.objectives.layertuning import LayerTuningGRPO
 from branchdiff.objectives.nft import DiffusionNFT
 
 OBJECTIVES: dict[str, type] = {
     "grpo": ClippedGRPO,
     "grpo-guard": GRPOGuard,
+    "grpo-layertuning": LayerTuningGRPO,
     "nft": DiffusionNFT,
 }
 

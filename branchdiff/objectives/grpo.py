@@ -121,7 +121,7 @@ class GRPOPlan:
         log_prob = gaussian_log_prob(rollout.latents[child_nodes], out.mean, out.std)
         old = rollout.log_prob[child_nodes].to(log_prob.device)
         advantages = self.node_advantages[child_nodes].to(log_prob.device).float()
-        per_edge, was_clipped = self.surrogate(child_nodes, depth[local], out, log_prob, old, advantages)
+        per_edge, was_clipped = self.surrogate(child_nodes, depth[local], x_parent, output, out, log_prob, old, advantages)
         kl = torch.zeros_like(per_edge)
         if config.train.kl_beta > 0:
             with torch.no_grad(), objective.finetune.base() as base:
@@ -131,10 +131,11 @@ class GRPOPlan:
             per_edge = per_edge + config.train.kl_beta * kl
         return per_edge, (log_prob - old).detach(), was_clipped, kl.detach()
 
-    def surrogate(self, child_nodes: torch.Tensor, depth: torch.Tensor, step: StepOutput, log_prob: torch.Tensor, old: torch.Tensor,
-                  advantages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def surrogate(self, child_nodes: torch.Tensor, depth: torch.Tensor, x_parent: torch.Tensor, output: torch.Tensor, step: StepOutput,
+                  log_prob: torch.Tensor, old: torch.Tensor, advantages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-edge policy loss (e,) and clip flags (e,) of the edges into `child_nodes`, stepped from depth `depth`
-        (e,) with the trained prediction's `step`; `log_prob` and `old` are the edges' trained and rollout log-probs."""
+        (e,) and latents `x_parent` (e, ...) with the trained prediction `output` (e, ...) and its `step`; `log_prob`
+        and `old` are the edges' trained and rollout log-probs."""
         return clipped_surrogate(log_prob, old, advantages, self.objective.config.train.clip_range)
 
     def idle_loss(self) -> torch.Tensor:

@@ -71,8 +71,8 @@ class GuardPlan(GRPOPlan):
         scale = (multiplier * rollout.std[child_nodes]).to(sample.device, sample.dtype)  # (e,)
         return sample - scale.reshape((-1,) + (1,) * (sample.dim() - 1)) * eps
 
-    def surrogate(self, child_nodes: torch.Tensor, depth: torch.Tensor, step: StepOutput, log_prob: torch.Tensor, old: torch.Tensor,
-                  advantages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def surrogate(self, child_nodes: torch.Tensor, depth: torch.Tensor, x_parent: torch.Tensor, output: torch.Tensor, step: StepOutput,
+                  log_prob: torch.Tensor, old: torch.Tensor, advantages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         guard = self.objective.config.guard
         sigmas = self.objective.schedule.sigmas
         index = depth.to(sigmas.device)
