@@ -77,7 +77,14 @@ VARIANTS: dict[str, tuple[str, list[str]]] = {  # name: (preset, overrides equal
     "mix": ("tiny-mix", []),
     "explore_seeds": ("tiny-explore-seeds", []),
     "explore_tree": ("tiny-explore-tree", []),
+    # the objectives (docs/objectives.md) on the same shape: clipped GRPO is `mix`
+    "guard": ("tiny-mix", ["train.loss=grpo-guard"]),
+    "layertuning": ("tiny-mix", ["train.loss=grpo-layertuning"]),
+    "nft_tree": ("tiny-mix", ["train.loss=nft", "train.optimizer_every=32"]),  # 64 leaves × 2 steps: four optimizer steps
+    "nft_chain": ("tiny-chain", ["tree.roots=8", "train.loss=nft", "sampling.sde=ode", "train.optimizer_every=32"]),  # DiffusionNFT's ODE chains
+    "sol": ("tiny-sol", []),  # Sol-RL: explore seeds + NFT
 }
+SAMPLING_VARIANTS = ("chain", "branch", "branch_pruned", "mix", "explore_seeds", "explore_tree")  # the default run: clipped GRPO on each sampler
 REFERENCE = "chain"
 CLOCKS = ("wall", "modelled")
 SCORE = "tiny-geneval.strict"
@@ -141,21 +148,25 @@ def _train_and_evaluate(config: TrainConfig, grid_seconds: list[float], held_out
 
 
 def bench_curves(minutes: float, seeds: int, json_path: Path | None, out_dir: Path, points: int = 7,
-                 variants: list[str] | None = None, images_per_prompt: int = 4, extra_overrides: list[str] = (), clock: str = "wall") -> dict:
+                 variants: list[str] | None = None, images_per_prompt: int = 4, extra_overrides: list[str] = (), clock: str = "wall",
+                 reference: str = REFERENCE) -> dict:
     """Held-out strict accuracy of each variant at `points` equally spaced training times up to
     `minutes` (module doc), over seeds 0..seeds-1; writes out_dir/curves.png and curves.md, prints
     the table and ratios, returns (and writes to `json_path`) the result.
 
-    variants: names of VARIANTS (None: all); images_per_prompt: held-out images per prompt at each
+    variants: names of VARIANTS (None: the sampling variants; the objectives' are named); images_per_prompt: held-out images per prompt at each
     evaluation; extra_overrides: appended to every variant's overrides (tests: `prompts.per_iteration=1`);
-    clock: `wall` or `modelled`, the clock of the budget and the grid (module doc)."""
+    clock: `wall` or `modelled`, the clock of the budget and the grid (module doc); reference: the variant
+    whose final mean the others' times are measured against (`time_to_<reference>_final`)."""
     if minutes <= 0 or seeds < 1 or points < 2 or clock not in CLOCKS:
         raise ValueError(f"bench curves needs minutes > 0, seeds ≥ 1, points ≥ 2 and a clock of {', '.join(CLOCKS)}; got {minutes}, "
                          f"{seeds}, {points}, {clock!r}")
-    names = list(VARIANTS) if variants is None else variants
+    names = list(SAMPLING_VARIANTS) if variants is None else variants
     unknown = [n for n in names if n not in VARIANTS]
     if unknown:
         raise ValueError(f"unknown variant {unknown[0]!r}; allowed: {', '.join(VARIANTS)}")
+    if reference not in VARIANTS:
+        raise ValueError(f"unknown reference {reference!r}; allowed: {', '.join(VARIANTS)}")
     grid = [minutes * k / (points - 1) for k in range(points)]
     prompt_set = load_prompt_set("tiny:held_out")
     reward = {"tiny-geneval": build_component(parse_reward_specs(["tiny-geneval"])[0], "cpu")}
@@ -189,7 +200,7 @@ def bench_curves(minutes: float, seeds: int, json_path: Path | None, out_dir: Pa
                 runs[name].append(run)
                 print(f"seed {seed} {name}: {run['iterations']} iterations in {run['seconds'][clock]:.0f} s ({clock}), strict "
                       + " ".join(f"{v:.3f}" for v in run["strict"]), flush=True)
-    result = _result(minutes, seeds, grid, runs, images_per_prompt, shapes[names[0]], clock)
+    result = _result(minutes, seeds, grid, runs, images_per_prompt, shapes[names[0]], clock, reference)
     result["notes"]["machine"] = (f"{len(os.sched_getaffinity(0))} CPU cores, torch threads {torch.get_num_threads()}, load average "
                                   f"{load_start:.1f} at the start and {os.getloadavg()[0]:.1f} at the end (other processes slow the clock)")
     print(format_table(result))
@@ -197,6 +208,7 @@ def bench_curves(minutes: float, seeds: int, json_path: Path | None, out_dir: Pa
     out_dir.mkdir(parents=True, exist_ok=True)
     plot_curves(result, out_dir / "curves.png")
     command = (f"branchdiff bench curves --minutes {minutes:g} --seeds {seeds} --clock {clock}" + (f" --json {json_path}" if json_path else "")
+               + (f" --reference {reference}" if reference != REFERENCE else "")
                + f" --out {out_dir}")
     parameters = f"points={points}, images_per_prompt={images_per_prompt}, variants={names}, extra_overrides={list(extra_overrides)}"
     (out_dir / "curves.md").write_text(
@@ -211,7 +223,7 @@ def bench_curves(minutes: float, seeds: int, json_path: Path | None, out_dir: Pa
 
 
 def _result(minutes: float, seeds: int, grid: list[float], runs: dict[str, list[dict]], images_per_prompt: int, shape: tuple[int, int],
-            clock: str) -> dict:
+            clock: str, reference: str = REFERENCE) -> dict:
     variants = {}
     for name, seed_runs in runs.items():
         per_time = [list(v) for v in zip(*(r["strict"] for r in seed_runs))]  # (points,) lists of per-seed values
@@ -237,18 +249,19 @@ def _result(minutes: float, seeds: int, grid: list[float], runs: dict[str, list[
     if slow:
         notes["coarse_grid"] = f"{', '.join(slow)}: an iteration takes longer than the grid step ({step:.1f} s), so grid values repeat"
     ratios: dict = {}
-    if REFERENCE in variants:
-        ratios["time_to_chain_final"], notes["time_to_chain_final"] = time_to_reference_final(
-            grid, {name: v["mean"] for name, v in variants.items()})
-        reference = variants[REFERENCE]["strict"]
-        ratios["time_to_chain_final_ci"] = {name: list(time_ratio_interval(reference, v["strict"], grid)) for name, v in variants.items()}
+    if reference in variants:
+        key = f"time_to_{reference}_final"
+        ratios[key], notes[key] = time_to_reference_final(grid, {name: v["mean"] for name, v in variants.items()}, reference)
+        reference_runs = variants[reference]["strict"]
+        ratios[f"{key}_ci"] = {name: list(time_ratio_interval(reference_runs, v["strict"], grid)) for name, v in variants.items()}
         other = next(c for c in CLOCKS if c != clock)
-        ratios["time_to_chain_final_other_clock"] = time_to_reference_final_on(
+        ratios[f"{key}_other_clock"] = time_to_reference_final_on(
             {name: [statistics.mean(t) for t in zip(*v["eval_minutes"][other])] for name, v in variants.items()},
-            {name: v["mean"] for name, v in variants.items()})
-        ratios["final_vs_chain_p"] = {name: welch_p([r[-1] for r in v["strict"]], [r[-1] for r in reference])
-                                      for name, v in variants.items() if name != REFERENCE}
-    return {"minutes": minutes, "seeds": seeds, "clock": clock, "grid_minutes": grid, "variants": variants, "ratios": ratios, "notes": notes}
+            {name: v["mean"] for name, v in variants.items()}, reference)
+        ratios[f"final_vs_{reference}_p"] = {name: welch_p([r[-1] for r in v["strict"]], [r[-1] for r in reference_runs])
+                                             for name, v in variants.items() if name != reference}
+    return {"minutes": minutes, "seeds": seeds, "clock": clock, "grid_minutes": grid, "reference": reference, "variants": variants,
+            "ratios": ratios, "notes": notes}
 
 
 def format_table(result: dict, markdown: bool = False) -> str:
@@ -270,39 +283,43 @@ def _interval(low: float, high: float) -> str:
 
 
 def format_ratios(result: dict) -> str:
-    """One line: each variant's time to reach the chain's final mean, over the budget, with its interval."""
-    ratios = result["ratios"].get("time_to_chain_final")
+    """One line: each variant's time to reach the reference's final mean, over the budget, with its interval."""
+    reference = result.get("reference", REFERENCE)
+    key = f"time_to_{reference}_final"
+    ratios = result["ratios"].get(key)
     if ratios is None:
-        return f"time_to_chain_final: no {REFERENCE} variant in this run"
-    notes, intervals = result["notes"]["time_to_chain_final"], result["ratios"]["time_to_chain_final_ci"]
-    target = result["variants"][REFERENCE]["mean"][-1]
+        return f"{key}: no {reference} variant in this run"
+    notes, intervals = result["notes"][key], result["ratios"][f"{key}_ci"]
+    target = result["variants"][reference]["mean"][-1]
     cells = [f"{name} {notes[name] if value is None else f'{value:.2f}'} {_interval(*intervals[name])}" for name, value in ratios.items()]
     other = next(c for c in CLOCKS if c != result["clock"])
     on_other = ", ".join(f"{name} {'never' if value is None else f'{value:.2f}'}"
-                         for name, value in result["ratios"]["time_to_chain_final_other_clock"].items())
-    return (f"time to reach {REFERENCE}'s final mean ({target:.3f}) / budget [95% bootstrap interval]: " + ", ".join(cells)
-            + f"\n\nthe same on the {other} clock (each variant's mean {other} time at each evaluation; over the {REFERENCE}'s at its end): {on_other}")
+                         for name, value in result["ratios"][f"{key}_other_clock"].items())
+    return (f"time to reach {reference}'s final mean ({target:.3f}) / budget [95% bootstrap interval]: " + ", ".join(cells)
+            + f"\n\nthe same on the {other} clock (each variant's mean {other} time at each evaluation; over the {reference}'s at its end): {on_other}")
 
 
 def format_significance(result: dict) -> str:
-    """Which differences from the chain are significant: final accuracy (Welch, p < 0.05) and time
-    to the chain's final (bootstrap interval below 1)."""
-    if REFERENCE not in result["variants"]:
+    """Which differences from the reference (the chain unless named) are significant: final accuracy
+    (Welch, p < 0.05) and time to the reference's final (bootstrap interval below 1)."""
+    reference = result.get("reference", REFERENCE)
+    if reference not in result["variants"]:
         return ""
-    chain_final = result["variants"][REFERENCE]["mean"][-1]
+    own = "the chain's" if reference == "chain" else f"{reference}'s"
+    reference_final = result["variants"][reference]["mean"][-1]
     lines = []
-    for name, p in result["ratios"]["final_vs_chain_p"].items():
+    for name, p in result["ratios"][f"final_vs_{reference}_p"].items():
         final = result["variants"][name]["mean"][-1]
-        low, high = result["ratios"]["time_to_chain_final_ci"][name]
-        accuracy = (f"final {final:.3f} vs the chain's {chain_final:.3f}: " + (f"significantly {'higher' if final > chain_final else 'lower'}"
+        low, high = result["ratios"][f"time_to_{reference}_final_ci"][name]
+        accuracy = (f"final {final:.3f} vs {own} {reference_final:.3f}: " + (f"significantly {'higher' if final > reference_final else 'lower'}"
                     if p < 0.05 else "not significantly different") + f" (Welch p = {p:.3f})")
-        speed = ("reaches the chain's final significantly sooner (interval below 1)" if high < 1 else
-                 "significantly later or never (interval above 1)" if low > 1 else "time to the chain's final not significantly different")
+        speed = (f"reaches {own} final significantly sooner (interval below 1)" if high < 1 else
+                 "significantly later or never (interval above 1)" if low > 1 else f"time to {own} final not significantly different")
         lines.append(f"- {name}: {accuracy}; {speed}.")
-    chain = result["variants"][REFERENCE]
-    base, (low, high) = chain["mean"][0], chain["ci"][-1]
+    chosen = result["variants"][reference]
+    base, (low, high) = chosen["mean"][0], chosen["ci"][-1]
     if low <= base:
-        lines.append(f"- the chain's own final is not significantly above the base ({base:.3f} within its interval "
+        lines.append(f"- {own} own final is not significantly above the base ({base:.3f} within its interval "
                      f"[{low:.3f}, {high:.3f}]): times to reach it compare noise levels, not learning.")
     return f"Significance ({result['seeds']} seeds):\n" + "\n".join(lines)
 
@@ -315,7 +332,7 @@ def plot_curves(result: dict, path: Path) -> None:
     axes = figure.add_subplot()
     grid = result["grid_minutes"]
     for name, v in result["variants"].items():
-        style = {"color": "black", "linestyle": "--"} if name == REFERENCE else {}
+        style = {"color": "black", "linestyle": "--"} if name == result.get("reference", REFERENCE) else {}
         line, = axes.plot(grid, v["mean"], marker="o", markersize=3, label=name, **style)
         axes.fill_between(grid, [low for low, _ in v["ci"]], [high for _, high in v["ci"]], color=line.get_color(), alpha=0.12)
     clock = {"wall": "training wall time", "modelled": "modelled GPU time (branchdiff/clock.py)"}[result["clock"]]

@@ -124,7 +124,10 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--out", type=Path, default=Path("docs"), help="curves: folder of the plot and the table")
     bench.add_argument("--variants", default=None, help="tree, curves: comma-separated variants (default: all; tree: chain, tree, "
                                                          "tree_depth_pruned, tree_width_pruned, mix, best; curves: chain, branch, "
-                                                         "branch_pruned, mix, explore_seeds, explore_tree)")
+                                                         "branch_pruned, mix, explore_seeds, explore_tree, and the objectives guard, "
+                                                         "layertuning, nft_tree, nft_chain, sol when named)")
+    bench.add_argument("--reference", default="chain", help="curves: the variant whose final accuracy the others' times are measured "
+                                                            "against (time_to_<reference>_final; e.g. mix to compare objectives with GRPO)")
     bench.add_argument("--points", type=_at_least(2), default=7, help="curves: evaluations over the budget")
     bench.add_argument("--eval-images", type=_at_least(1), default=4, help="curves: held-out images per prompt at each evaluation")
     bench.add_argument("--clock", choices=["wall", "modelled"], default="wall",

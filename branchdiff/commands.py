@@ -203,7 +203,8 @@ def cmd_bench(args: argparse.Namespace) -> None:
     else:
         from branchdiff.bench_curves import bench_curves
 
-        bench_curves(args.minutes, args.seeds, args.json, args.out, args.points, variants, args.eval_images, args.overrides, args.clock)
+        bench_curves(args.minutes, args.seeds, args.json, args.out, args.points, variants, args.eval_images, args.overrides, args.clock,
+                     args.reference)
 
 
 def cmd_report(args: argparse.Namespace) -> None:

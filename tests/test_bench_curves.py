@@ -5,7 +5,8 @@ import json
 
 import pytest
 
-from branchdiff.bench_curves import COMMON, VARIANTS, bench_curves, format_significance, group_size, time_to_reference_final, time_to_reference_final_on
+from branchdiff.bench_curves import (COMMON, VARIANTS, bench_curves, format_ratios, format_significance, group_size, time_to_reference_final,
+                                      time_to_reference_final_on)
 from branchdiff.curve_stats import first_time_reaching, t_interval, time_ratio_interval, welch_p
 from branchdiff.config import load_config
 
@@ -99,13 +100,32 @@ def test_significance_says_which_variant_differs():
             "compare noise levels, not learning.") in format_significance(result)
 
 
+def test_another_reference_names_its_ratios_and_its_sentences():
+    """The objectives are compared with clipped GRPO (`--reference mix`): the ratios and the sentences name it."""
+    from branchdiff.bench_curves import _result
+
+    grid = [0.0, 1.0, 2.0]
+    def run(curves):
+        return [{"strict": c, "iterations": 10, "eval_minutes": {"wall": grid, "modelled": grid},
+                 "seconds": {"wall": 120.0, "modelled": 120.0}} for c in curves]
+    runs = {"mix": run([[0.2, 0.4, 0.5], [0.2, 0.45, 0.55], [0.2, 0.4, 0.6]]),
+            "nft_tree": run([[0.2, 0.6, 0.7], [0.2, 0.65, 0.75], [0.2, 0.6, 0.8]])}
+    result = _result(2.0, 3, grid, runs, 4, (8, 8), "wall", reference="mix")
+    assert result["reference"] == "mix" and set(result["ratios"]) == {"time_to_mix_final", "time_to_mix_final_ci", "time_to_mix_final_other_clock",
+                                                                     "final_vs_mix_p"}
+    assert result["ratios"]["time_to_mix_final"]["nft_tree"] == pytest.approx((0.55 - 0.2) / ((0.6 + 0.65 + 0.6) / 3 - 0.2) / 2.0)  # linear between t = 0 and 1, over the 2-minute budget
+    text = format_significance(result)
+    assert "- nft_tree: final 0.750 vs mix's 0.550: significantly higher" in text and "chain" not in text
+    assert format_ratios(result).startswith("time to reach mix's final mean (0.550) / budget")
+
+
 @pytest.mark.slow
 def test_bench_curves_smoke(tmp_path):
     json_path = tmp_path / "c.json"
     result = bench_curves(0.02, 2, json_path, tmp_path, points=2, variants=["chain", "branch"], images_per_prompt=1,
                           extra_overrides=["prompts.per_iteration=1"], clock="modelled")
     assert json.loads(json_path.read_text()) == json.loads(json.dumps(result))
-    assert set(result) == {"minutes", "seeds", "clock", "grid_minutes", "variants", "ratios", "notes"}
+    assert set(result) == {"minutes", "seeds", "clock", "grid_minutes", "reference", "variants", "ratios", "notes"}
     assert result["grid_minutes"] == [0.0, 0.02]
     for v in result["variants"].values():
         assert len(v["strict"]) == 2 and len(v["strict"][0]) == 2 and len(v["mean"]) == len(v["ci"]) == 2
