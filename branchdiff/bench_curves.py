@@ -81,6 +81,7 @@ VARIANTS: dict[str, tuple[str, list[str]]] = {  # name: (preset, overrides equal
     "guard": ("tiny-mix", ["train.loss=grpo-guard"]),
     "layertuning": ("tiny-mix", ["train.loss=grpo-layertuning"]),
     "nft_tree": ("tiny-mix", ["train.loss=nft", "train.optimizer_every=32"]),  # 64 leaves × 2 steps: four optimizer steps
+    "nft_tree_depthwise": ("tiny-mix", ["train.loss=nft", "train.optimizer_every=32", "nft.advantage=depthwise"]),
     "nft_chain": ("tiny-chain", ["tree.roots=8", "train.loss=nft", "sampling.sde=ode", "train.optimizer_every=32"]),  # DiffusionNFT's ODE chains
     "sol": ("tiny-sol", []),  # Sol-RL: explore seeds + NFT
 }

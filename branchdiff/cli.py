@@ -125,7 +125,7 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--variants", default=None, help="tree, curves: comma-separated variants (default: all; tree: chain, tree, "
                                                          "tree_depth_pruned, tree_width_pruned, mix, best; curves: chain, branch, "
                                                          "branch_pruned, mix, explore_seeds, explore_tree, and the objectives guard, "
-                                                         "layertuning, nft_tree, nft_chain, sol when named)")
+                                                         "layertuning, nft_tree, nft_tree_depthwise, nft_chain, sol when named)")
     bench.add_argument("--reference", default="chain", help="curves: the variant whose final accuracy the others' times are measured "
                                                             "against (time_to_<reference>_final; e.g. mix to compare objectives with GRPO)")
     bench.add_argument("--points", type=_at_least(2), default=7, help="curves: evaluations over the budget")

@@ -120,6 +120,7 @@ class NFTConfig:
     timesteps: int = positive(2)  # sampler steps each sample is trained at (drawn without replacement per sample and iteration)
     old_decay_rate: float = non_negative(0.001)  # the sampling policy after iteration i: θ_old ← d·θ_old + (1 − d)·θ, d = min(rate·i, max)
     old_decay_max: float = in_range(0.5, 0.0, 0.999)
+    advantage: str = choice("leaf", "leaf", "depthwise")  # leaf: each sample's group-normalised reward; depthwise: a term at step k takes the depth-wise tree advantage (advantage.*) of the leaf's ancestor at depth k + 1
 
 
 @dataclass

@@ -110,3 +110,27 @@ def _flow_schedule():
     from branchdiff.schedulers.schedule import FlowSchedule
 
     return FlowSchedule.shifted(4, 1.0, 1.0)
+
+
+def test_depthwise_advantages_credit_each_term_with_its_ancestor_at_the_next_depth(tmp_path):
+    """`nft.advantage=depthwise`: a term at step k takes the depth-wise advantage of the edge into its
+    leaf's ancestor at depth k + 1 (walked up independently here); on a tree they differ from the leaf's."""
+    from branchdiff.trainer import Trainer
+
+    trainer = Trainer(load_config("tiny-mix", [f"output_dir={tmp_path}", "prompts.per_iteration=2", "sampling.num_steps=4",
+                                               "tree.splits=[[0,2],[1,2]]", "tree.mix_window=2", "train.loss=nft", "nft.advantage=depthwise",
+                                               "nft.timesteps=4", "final_eval=false", "logging.tensorboard=false", "logging.sample_every=0"]))
+    objective = trainer.objective
+    rollout, _, rewards, info = trainer.rollout_and_score(0)
+    signal = objective.signal(rollout, rewards.total, 0)
+    plan = objective.plan(rollout, info["embeds"], signal, info["address"])
+    tree, expected, leaf_only = rollout.tree, [], []
+    for leaf, step in zip(plan.nodes.tolist(), plan.steps.tolist()):
+        node = leaf
+        while int(tree.depth[node]) > step + 1:
+            node = int(tree.parent[node])
+        assert int(tree.depth[node]) == step + 1
+        expected.append(float(signal.node_advantages[node]))
+        leaf_only.append(float(signal.node_advantages[leaf]))
+    assert torch.allclose(plan.optimality, nft_optimality(torch.tensor(expected), 5.0), atol=1e-6)
+    assert sorted(set(plan.steps.tolist())) == [0, 1, 2, 3] and expected != leaf_only

@@ -4,7 +4,11 @@
 Rollouts need no log-probs, so any sampler and any tree serve (the leaves are the samples; the
 paper's setting is a deterministic ODE sampler). Signal: each leaf's advantage is its reward minus
 its group's (prompt's) mean over the group's std (unbiased, + 1e-4), clipped to ±A_max, and its
-optimality r = clip(A/A_max, −1, 1)/2 + 1/2. Plan: every kept leaf x0 is trained at `nft.timesteps`
+optimality r = clip(A/A_max, −1, 1)/2 + 1/2. With `nft.advantage: depthwise` (trees; this
+project's option, no published system has it) the leaf rewards are fused up the tree and normalised
+depth by depth as clipped GRPO does (`advantage.*`), and a term at step k takes the advantage of the
+edge into the leaf's ancestor at depth k + 1: the choice made at the noise level it is trained at.
+Plan: every kept leaf x0 is trained at `nft.timesteps`
 of the sampler's steps (σ of the rollout's schedule), with fresh noise ε, on x_t = (1 − σ)·x0 + σ·ε;
 a term is (leaf, step) with the loss of `loss.nft_loss` between the trained prediction v_θ and the
 sampling policy's v_old, plus train.kl_beta · mean((v_θ − v_ref)²) to the base model.
@@ -28,7 +32,7 @@ from typing import ClassVar
 
 import torch
 
-from branchdiff.advantage import fuse_rewards, group_moments, unbiased_std
+from branchdiff.advantage import depthwise_advantages, fuse_rewards, group_moments, unbiased_std
 from branchdiff.config import TrainConfig
 from branchdiff.distributed import Collective
 from branchdiff.ema import WeightAverage
@@ -39,6 +43,7 @@ from branchdiff.noise import address_seed
 from branchdiff.objectives.base import MetricKind, Objective, Signal, drop_nonfinite_groups, zero_loss
 from branchdiff.rollout import NoiseAddress, Rollout, SamplerSettings
 from branchdiff.schedulers.schedule import FlowSchedule, Schedule
+from branchdiff.tree import Tree
 from branchdiff.typed_yaml import ConfigError
 
 SAMPLING_POLICY_FILE = "sampling_policy.safetensors"
@@ -68,15 +73,20 @@ class DiffusionNFT(Objective):
         self.sampling_policy.update(0.0)  # θ_old = θ before the first rollout
 
     def signal(self, rollout: Rollout, rewards: torch.Tensor, iteration: int) -> Signal:
-        tree, clip = rollout.tree, self.config.nft.advantage_clip
+        tree, config = rollout.tree, self.config
         leaf_rewards, dropped = drop_nonfinite_groups(tree, rewards)
         groups = tree.prompt[tree.leaf_index]  # (L,)
+        trained = torch.zeros(tree.num_nodes, dtype=torch.bool)
+        trained[tree.leaf_index] = ~dropped[groups]
+        if config.nft.advantage == "depthwise":  # every node's advantage, as clipped GRPO's signal has it
+            node_rewards = fuse_rewards(tree, leaf_rewards, rollout.log_prob, config.advantage.fusion, config.advantage.alpha)
+            node_advantages = depthwise_advantages(tree, node_rewards, config.advantage.scope, self.collective)
+            return Signal(node_rewards, node_advantages.clamp(-config.advantage.clip, config.advantage.clip).float(), trained, int(dropped.sum()))
+        clip = config.nft.advantage_clip
         count, residual, squares = group_moments(leaf_rewards, groups, tree.num_prompts)
         advantages = (residual / (unbiased_std(count, squares)[groups] + 1e-4)).clamp(-clip, clip).float()  # (L,)
         node_advantages = torch.zeros(tree.num_nodes)
         node_advantages[tree.leaf_index] = advantages
-        trained = torch.zeros(tree.num_nodes, dtype=torch.bool)
-        trained[tree.leaf_index] = ~dropped[groups]
         node_rewards = fuse_rewards(tree, leaf_rewards, rollout.log_prob, "mean", 1.0)
         return Signal(node_rewards, node_advantages, trained, int(dropped.sum()))
 
@@ -95,6 +105,16 @@ class DiffusionNFT(Objective):
 
     def load_state(self, folder: Path) -> None:
         self.sampling_policy.load(folder, SAMPLING_POLICY_FILE)
+
+
+def ancestors_at(tree: Tree, nodes: torch.Tensor, depths: torch.Tensor) -> torch.Tensor:
+    """(E,) the ancestor of each node (E,) at the depth given for it (E,; a node is its own ancestor at its depth)."""
+    out = nodes.clone()
+    while True:
+        deeper = tree.depth[out] > depths
+        if not deeper.any():
+            return out
+        out[deeper] = tree.parent[out[deeper]]
 
 
 class NFTPlan:
@@ -123,7 +143,8 @@ class NFTPlan:
         self.x_t = (1 - self.sigma.reshape(shape)) * self.x0 + self.sigma.reshape(shape) * noise  # (E, ...)
         self.times = schedule.model_times[self.steps.to(schedule.model_times.device)]  # (E,)
         self.prompt = tree.prompt[self.nodes]  # (E,)
-        self.optimality = nft_optimality(signal.node_advantages[self.nodes].to(device), config.nft.advantage_clip)  # (E,)
+        credited = self.nodes if config.nft.advantage == "leaf" else ancestors_at(tree, self.nodes, self.steps + 1)  # (E,) whose advantage each term takes
+        self.optimality = nft_optimality(signal.node_advantages[credited].to(device), config.nft.advantage_clip)  # (E,)
         batches = torch.arange(len(self.nodes)).split(config.train.minibatch)
         self.minibatches = list(batches) if len(self.nodes) else []
         self.terms = [len(b) for b in self.minibatches]
