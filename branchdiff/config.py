@@ -133,7 +133,7 @@ class GuardConfig:
 @dataclass
 class LayerTuningConfig:
     """LayerTuning-RL's keys (train.loss=grpo-layertuning; branchdiff/objectives/layertuning.py, docs/objectives.md)."""
-    sft_weight: float = non_negative(0.1)  # λ: the SFT term toward each group's best sample, times the edge's positive advantage (0: off)
+    sft_weight: float = non_negative(0.01)  # λ: the SFT term toward each group's best sample, times the edge's positive advantage (0: off; 0.1 collapsed on the tiny task, docs/sweep.md)
     clip_sensitivity: float = non_negative(1.0)  # η: the clip bound on an edge's side opens to ε·(1 + η·|A|) (0: plain clipping)
 
 
