@@ -56,7 +56,7 @@ def run_dir(tmp_path) -> Path:
     [
         (["iteratons=3"], "override 'iteratons=3': unknown key 'iteratons'; did you mean iterations?"),
         (["tree.rots=2"], "override 'tree.rots=2': unknown key 'tree.rots'; did you mean tree.roots?"),
-        (["sampling.sde=flw"], "override 'sampling.sde=flw': 'sampling.sde' = 'flw' is not allowed; allowed: dance, flow, cps, ddim (did you mean 'flow'?)"),
+        (["sampling.sde=flw"], "override 'sampling.sde=flw': 'sampling.sde' = 'flw' is not allowed; allowed: dance, flow, cps, ddim, ode (did you mean 'flow'?)"),
         (["iterations=0"], "override 'iterations=0': 'iterations' = 0 is out of range; it must be > 0"),
         (["tree.splits=[[50,2]]"], "'tree.splits' = [[50, 2]]: split step 50 is outside 0..9 (num_steps = 10)"),
     ],
