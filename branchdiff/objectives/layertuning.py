@@ -81,12 +81,13 @@ class LayerTuningPlan(GRPOPlan):
         settings = config.layertuning
         per_edge, was_clipped = reward_clipped_surrogate(log_prob, old, advantages, config.train.clip_range, settings.clip_sensitivity)
         weight = settings.sft_weight * advantages.clamp(min=0) * (self.best_leaf[child_nodes] >= 0).to(advantages)  # (e,)
-        rows = torch.nonzero(weight > 0).squeeze(1)  # edges on a best path with a positive advantage
+        rows = torch.nonzero(weight > 0).squeeze(1)  # edges on a best path with a positive advantage (on the loss's device)
         if len(rows):
-            sigmas = self.objective.schedule.sigmas
-            sigma = sigmas[depth[rows].to(sigmas.device)].to(x_parent.device)  # (r,) the parents' σ
-            target = self.rollout.latents[self.best_leaf[child_nodes[rows]]].to(x_parent.device)  # (r, ...) the best leaves
-            sft = weight[rows] * sft_velocity_loss(output[rows], x_parent[rows], target, sigma)  # (r,)
+            sigmas, rows_cpu = self.objective.schedule.sigmas, rows.cpu()  # depth and the node indices live on the CPU
+            sigma = sigmas[depth[rows_cpu].to(sigmas.device)].to(x_parent.device)  # (r,) the parents' σ
+            target = self.rollout.latents[self.best_leaf[child_nodes[rows_cpu]].to(self.rollout.latents.device)].to(x_parent.device)  # (r, ...)
+            rows_out = rows.to(output.device)
+            sft = weight[rows] * sft_velocity_loss(output[rows_out], x_parent[rows_out], target, sigma).to(weight.device)  # (r,)
             per_edge = per_edge.index_add(0, rows.to(per_edge.device), sft.to(per_edge.dtype))
             self.stats["sft"] += sft.detach().sum().item()
             self.stats["sft_edges"] += len(rows)
