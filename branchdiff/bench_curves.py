@@ -11,15 +11,16 @@ error of about ±0.04 on a mean near 0.5) from the fixed evaluation noise. t_0 i
 LoRA starts at B = 0 and the evaluation noise is fixed, so it is the same for every variant and
 seed, and is evaluated once.
 
-Variants are the packaged presets (hyperparameters such as the learning rate follow them), with
-the same shape for every variant: 8 prompts per iteration and a trained group of 8 samples per
-prompt (the shape of tiny-mix and both explore presets;
-64 trained images per iteration in all). So the same seed draws the same prompts at every
-iteration in every variant. Where a preset differs:
-- chain: tiny-chain's 4 prompts × 16 chains → 8 × 8 (`tree.roots=8`);
+Variants are the packaged presets at their own best setting (hyperparameters such as the learning
+rate follow them; docs/sweep.md), with the same shape for every variant: 8 prompts per iteration and
+a trained group of 8 samples per prompt (64 trained images per iteration in all). So the same seed
+draws the same prompts at every iteration in every variant. Where a variant differs from its preset:
 - branch, branch_pruned: their 4 prompts × 16-leaf trees (splits at steps 0..3) → 8 prompts ×
-  8-leaf trees (splits at steps 0..2, the last split dropped: tiny-mix's tree);
-- mix, explore_seeds (8 kept of 32 seeds), explore_tree (8 kept of 16 leaves): unchanged.
+  8-leaf trees (splits at steps 0..2, the last split dropped: tiny-mix's tree), with
+  `optimizer_every` rescaled to keep four optimizer steps per iteration;
+- chain (tiny-chain-window: chains with the SDE on the first 5 steps, the chains' best setting),
+  mix, explore_seeds (8 kept of 32 seeds, regenerated as tiny-chain-window's chains), explore_tree
+  (8 kept of 16 leaves, on a Mix tree): unchanged.
 `bench_curves` refuses to run when the loaded variants differ in prompts or group size (a preset
 changed its shape). Every variant also gets `explore.fidelity_every=0` (the explorers' pool-under-
 policy diagnostic is measurement, not training) and no logging, checkpoints or final evaluation.
@@ -71,9 +72,9 @@ COMMON = ["iterations=100000", "final_eval=false", "logging.tensorboard=false", 
           "logging.checkpoint_every=0", "explore.fidelity_every=0", "prompts.per_iteration=8"]
 EIGHT_LEAVES = "tree.splits=[[0,2],[1,2],[2,2]]"
 VARIANTS: dict[str, tuple[str, list[str]]] = {  # name: (preset, overrides equalising the shape: module doc)
-    "chain": ("tiny-chain", ["tree.roots=8"]),
-    "branch": ("tiny-branch", [EIGHT_LEAVES]),
-    "branch_pruned": ("tiny-branch-pruned", [EIGHT_LEAVES]),
+    "chain": ("tiny-chain-window", []),
+    "branch": ("tiny-branch", [EIGHT_LEAVES, "train.optimizer_every=140"]),  # 560 trained edges: four optimizer steps
+    "branch_pruned": ("tiny-branch-pruned", [EIGHT_LEAVES, "train.optimizer_every=60"]),  # 240 trained edges (depths 1..5)
     "mix": ("tiny-mix", []),
     "explore_seeds": ("tiny-explore-seeds", []),
     "explore_tree": ("tiny-explore-tree", []),
