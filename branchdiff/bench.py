@@ -27,7 +27,7 @@ import torch
 from branchdiff.config import load_config
 from branchdiff.explore import ranking_agreement
 from branchdiff.models.base import select_embeds
-from branchdiff.rollout import forward_chunked
+from branchdiff.engine import forward_chunked
 from branchdiff.trainer import Trainer
 
 ANCHOR_SPLITS = "[[0,2],[3,2],[6,2],[9,2]]"  # BranchGRPO: T = 20, k = 2 at steps 0, 3, 6, 9 → 16 leaves

@@ -80,8 +80,22 @@ def _parser() -> argparse.ArgumentParser:
         sub.add_argument("--images-per-prompt", "--seeds", dest="images_per_prompt", type=_at_least(1), default=None,
                          help="images per prompt (fixed seeds; default: the run's prompts.eval_seeds, else 8)")
         if name == "sample":
-            sub.add_argument("--prompt", required=True, action="append", help="prompt (repeatable)")
+            sub.add_argument("--prompt", action="append", help="prompt (repeatable; required unless --from-trace)")
             sub.add_argument("--out", type=Path, required=True, help="output directory")
+            sub.add_argument("--seed", type=_at_least(0), default=None, help="noise seed (default: 1234)")
+            search = sub.add_argument_group("search (docs/search.md): the best images of a search over each prompt's denoising tree")
+            search.add_argument("--search", choices=["best-of-n", "tree", "dts", "dts-star"], default=None,
+                                help="search within --budget instead of ODE samples; writes the best images and OUT/search.json")
+            search.add_argument("--budget", type=_at_least(1), default=None, help="network rows per prompt (a CFG prediction costs 2)")
+            search.add_argument("--reward", default="tiny-geneval", help="what the search maximises: a name, dotted path or server URL")
+            search.add_argument("--keep", type=_at_least(1), default=1, help="best images written per prompt")
+            search.add_argument("--sde", choices=["dance", "flow", "cps", "ddim"], default=None,
+                                help="the stochastic step (default: flow for flow-matching families, ddim for SD 1.5)")
+            search.add_argument("--noise-level", type=_positive, default=None, help="its noise level (default: 0.7 flow, 1.0 ddim)")
+            search.add_argument("--max-batch", type=_at_least(1), default=16, help="network rows per forward (every forward is padded to it)")
+            search.add_argument("--temperature", type=_positive, default=10.0, help="dts, dts-star: λ of selection and soft backup")
+            search.add_argument("--max-children", type=_at_least(1), default=4, help="dts, dts-star: children per node")
+            search.add_argument("--from-trace", type=Path, default=None, help="regrow the best images of a search.json from their noise paths")
         else:
             sub.add_argument("--prompts", default=None, help="tiny:held_out, hpdv2[:style], or a .txt / .jsonl / .csv file (default: the run's prompts.eval)")
             sub.add_argument("--rewards", default=None,

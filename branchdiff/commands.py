@@ -123,15 +123,32 @@ def file_name(index: int, prompt: str) -> str:
 
 
 def cmd_sample(args: argparse.Namespace) -> None:
-    """ODE samples of each prompt, one PNG each, named by `file_name`."""
+    """ODE samples of each prompt, one PNG each, named by `file_name`; with `--search`, each prompt's
+    best images of a search and OUT/search.json; with `--from-trace`, a trace's best images regrown."""
     from torchvision.utils import save_image
 
+    from branchdiff.eval_settings import EVAL_RUN_SEED
+
+    if args.from_trace is None and not args.prompt:
+        raise ValueError("sample needs --prompt (or --from-trace OUT/search.json to regrow a search's best images)")
+    if args.search and args.budget is None:
+        raise ValueError(f"--search {args.search} needs --budget: the network rows to spend per prompt (a {args.steps or 10}-step image costs "
+                         f"{args.steps or 10}, twice that under CFG)")
+    settings, _ = _settings(args)
+    seed = EVAL_RUN_SEED if args.seed is None else args.seed
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.from_trace is not None or args.search:
+        from branchdiff.search.command import regrow_trace, search_and_write
+
+        adapter = _load(settings, args.weights)
+        run = regrow_trace if args.from_trace is not None else search_and_write
+        for path in run(adapter, args, settings, seed):
+            print(path)
+        return
     from branchdiff.evaluate import sample_ode
 
-    settings, _ = _settings(args)
     images, prompts = sample_ode(_load(settings, args.weights), args.prompt, settings.images_per_prompt, settings.steps, settings.shift,
-                                 guidance=settings.guidance)
-    args.out.mkdir(parents=True, exist_ok=True)
+                                 seed=seed, guidance=settings.guidance)
     for index, (image, prompt) in enumerate(zip(images, prompts)):
         path = args.out / file_name(index, prompt)
         save_image(image, path)

@@ -1,4 +1,5 @@
-"""Grow trees of SDE/ODE transitions with a model adapter, level by level.
+"""Grow trees of SDE/ODE transitions with a model adapter, level by level (a loop around the
+engine's `predict` and `transition`, branchdiff/engine.py).
 
 At every step all nodes of the current depth, across all prompts, go through the model in
 batched forwards of at most `max_batch` rows; each node's k children share that forward and differ
@@ -21,26 +22,10 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from branchdiff import noise
+from branchdiff.engine import NoiseAddress, SamplerSettings, initial_noise, predict, transition
 from branchdiff.models.base import ModelAdapter, PromptEmbeds, select_embeds
-from branchdiff.schedulers.flow import gaussian_log_prob
 from branchdiff.schedulers.schedule import Schedule
 from branchdiff.tree import Tree
-
-@dataclass(frozen=True)
-class SamplerSettings:
-    sde: str = "flow"  # SDE kind: dance | flow | cps (flow families), ddim (ε families)
-    noise_level: float = 0.7  # η for dance and ddim, a for flow and cps
-    max_batch: int = 64  # network rows per model forward (a CFG prediction costs 2)
-    exact: bool = False  # pad forwards to max_batch so any node regenerates bit for bit
-    guidance: float | None = None  # CFG scale or embedded guidance; None = the adapter's default
-
-
-@dataclass(frozen=True)
-class NoiseAddress:
-    run_seed: int
-    iteration: int
-    prompt_keys: tuple[int, ...]  # global key of each prompt of the batch
 
 
 @dataclass
@@ -57,65 +42,6 @@ class Rollout:
     @property
     def leaf_latents(self) -> torch.Tensor:
         return self.latents[self.tree.leaf_index]
-
-
-def rows_per_latent(adapter: ModelAdapter, settings: SamplerSettings) -> int:
-    """Network rows one latent's prediction costs at these settings (2 under CFG)."""
-    return adapter.rows_per_sample(adapter.default_guidance if settings.guidance is None else settings.guidance)
-
-
-def forward_chunked(
-    adapter: ModelAdapter,
-    latents: torch.Tensor,
-    times: torch.Tensor,
-    embeds: PromptEmbeds,
-    settings: SamplerSettings,
-) -> tuple[torch.Tensor, int]:
-    """The guided model output for latents (B, ...) at times (B,) in forwards of at most
-    `max_batch` network rows (max_batch // 2 latents under CFG), and the network rows computed;
-    with `exact`, a short chunk is padded (its last latent repeated) to a full chunk and the
-    padding dropped after."""
-    rows_each = rows_per_latent(adapter, settings)
-    chunk = max(1, settings.max_batch // rows_each)
-    outputs, computed = [], 0
-    for start in range(0, latents.shape[0], chunk):
-        rows = torch.arange(start, min(start + chunk, latents.shape[0]))
-        if settings.exact and len(rows) < chunk:
-            rows = torch.cat([rows, rows[-1:].expand(chunk - len(rows))])
-        output = adapter.predict(latents[rows], times[rows], select_embeds(embeds, rows), settings.guidance)
-        outputs.append(output[: min(chunk, latents.shape[0] - start)])
-        computed += len(rows) * rows_each
-    return torch.cat(outputs), computed
-
-
-def _transition(
-    tree: Tree,
-    depth: int,
-    parent_latents: torch.Tensor,
-    parent_output: torch.Tensor,
-    schedule: Schedule,
-    settings: SamplerSettings,
-    address: NoiseAddress,
-    children: torch.Tensor,
-    parent_row: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]:
-    """Latents, log-probs and log-prob stds (C,) of `children` (node indices, at depth+1), whose
-    parents' latents and model outputs are rows `parent_row` of the given tensors; and the step's
-    noise level (0 for an ODE step)."""
-    spec = tree.spec
-    kind = schedule.kind_at(settings.sde if spec.is_sde(depth) else "ode", depth)
-    x, output = parent_latents[parent_row], parent_output[parent_row]
-    at_depth = torch.full((len(children),), depth, dtype=torch.long)
-    if kind == "ode":
-        out = schedule.step("ode", x, output, at_depth, None, 0.0)
-        zeros = torch.zeros(len(children))
-        return out.sample, zeros, zeros, 0.0
-    level = spec.noise_level(depth, settings.noise_level)
-    keys = [address.prompt_keys[p] for p in tree.prompt[children].tolist()]
-    paths = [tree.paths[c] for c in children.tolist()]
-    eps = noise.draw("step", address.run_seed, address.iteration, keys, paths, x.shape[1:], x.device)
-    out = schedule.step(kind, x, output, at_depth, eps * spec.noise_multiplier(depth), level)
-    return out.sample, gaussian_log_prob(out.sample, out.mean, out.std).cpu(), out.std.cpu(), level
 
 
 @torch.no_grad()
@@ -140,24 +66,22 @@ def grow(
     std = torch.zeros(tree.num_nodes)
     noise_level = torch.zeros(tree.num_nodes)
     roots = torch.arange(tree.level_start[0], tree.level_start[1])
-    keys = [address.prompt_keys[p] for p in tree.prompt[roots].tolist()]
-    latents[roots] = noise.draw("init", address.run_seed, address.iteration, keys, [tree.paths[r] for r in roots.tolist()], shape, adapter.device)
+    keys = [address.prompt_keys[p] for p in tree.prompt.tolist()]  # (N,) each node's prompt key
+    latents[roots] = initial_noise(address, [keys[r] for r in roots.tolist()], [tree.paths[r] for r in roots.tolist()], shape, adapter.device)
     nfe = nfe_computed = 0
     for depth in range(tree.spec.num_steps):
         level = torch.arange(tree.level_start[depth], tree.level_start[depth + 1])
         if len(level) == 0:  # a sub-tree that ends above the leaves
             break
         x = latents[level]  # (n_level, *shape)
-        level_embeds = select_embeds(embeds, tree.prompt[level])
-        level_times = schedule.model_times[depth].expand(len(level))
-        output, computed = forward_chunked(adapter, x, level_times, level_embeds, settings)
-        nfe += len(level) * rows_per_latent(adapter, settings)
+        output, rows, computed = predict(adapter, x, tree.depth[level], select_embeds(embeds, tree.prompt[level]), schedule, settings)
+        nfe += rows
         nfe_computed += computed
         children = torch.arange(tree.level_start[depth + 1], tree.level_start[depth + 2])
         parent_row = tree.parent[children] - tree.level_start[depth]
-        latents[children], log_prob[children], std[children], noise_level[children] = _transition(
-            tree, depth, x, output, schedule, settings, address, children, parent_row
-        )
+        made = transition(tree.spec, schedule, settings, address, depth, x[parent_row], output[parent_row],
+                          [keys[c] for c in children.tolist()], [tree.paths[c] for c in children.tolist()])
+        latents[children], log_prob[children], std[children], noise_level[children] = made.latents, made.log_prob, made.std, made.noise_level
     return Rollout(tree, schedule, latents, log_prob, std, noise_level, nfe, nfe_computed)
 
 

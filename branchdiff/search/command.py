@@ -1,0 +1,66 @@
+"""What `branchdiff sample --search` and `--from-trace` write: each prompt's best images (PNG,
+named as `sample` names them) and OUT/search.json (branchdiff/search/sample.py)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from torchvision.utils import save_image
+
+from branchdiff.eval_settings import EvalSettings
+from branchdiff.models.base import ModelAdapter
+from branchdiff.search.sample import SearchSettings, read_trace, regenerate, search_prompts, trace
+
+
+def search_and_write(adapter: ModelAdapter, args: argparse.Namespace, settings: EvalSettings, seed: int) -> Iterator[Path]:
+    """Search every `--prompt` with `--reward`; write the best images, then the trace; yield the paths."""
+    from branchdiff import storage
+    from branchdiff.commands import _reward_specs, file_name
+    from branchdiff.rewards.multi import build_component, score_component
+
+    spec = _reward_specs(args.reward)
+    if len(spec) != 1:
+        raise ValueError(f"--reward {args.reward}: a search maximises one reward; name one (a name, dotted path or server URL)")
+    label, reward = spec[0].label, build_component(spec[0], "cpu")
+    prompts = list(args.prompt)
+
+    def score(images: torch.Tensor, prompt_index: list[int]) -> torch.Tensor:
+        return score_component(reward, label, images, [prompts[i] for i in prompt_index], [{} for _ in prompt_index])[0]
+
+    search = SearchSettings(args.search, args.budget, settings.steps, settings.shift, settings.guidance, args.sde, args.noise_level,
+                            args.max_batch, seed, args.temperature, args.max_children, args.keep)
+    forest, result = search_prompts(adapter, prompts, search, score)
+    recorded = trace(forest, result, prompts, search, {"family": settings.family, "model": settings.model or "built-in tiny",
+                                                       "weights": args.weights, "reward": args.reward})
+    index = 0
+    for entry in recorded["prompts"]:
+        for best, leaf in zip(entry["best"], result.best(entry["prompt_key"], search.keep)):
+            image = adapter.decode(forest.latent[leaf][None])  # (1, 3, H, W): decoded alone, as `--from-trace` decodes it
+            _, more, _ = score_component(reward, label, image, [entry["prompt"]], [{}])
+            best["scores"] = {f"{label}.{key}": float(value[0]) for key, value in more.items()}
+            best["image"] = file_name(index, entry["prompt"])
+            save_image(image[0], args.out / best["image"])
+            index += 1
+            yield args.out / best["image"]
+        rounds = entry["rounds"]
+        print(f"{entry['prompt']!r}: best {label} {entry['best'][0]['reward']:.4f} (mean {rounds[-1]['mean']:.4f} over "
+              f"{rounds[-1]['images']} images) with {entry['nfe']} of {search.budget} network rows ({args.search})", file=sys.stderr)
+    storage.write_text(args.out / "search.json", json.dumps(recorded, indent=1))
+    yield args.out / "search.json"
+
+
+def regrow_trace(adapter: ModelAdapter, args: argparse.Namespace, settings: EvalSettings, seed: int) -> Iterator[Path]:
+    """Regrow a trace's best images from their noise paths (with the model and weights given) and write them."""
+    recorded = read_trace(args.from_trace)
+    if recorded.get("weights") != args.weights:
+        print(f"note: the trace was searched with weights {recorded.get('weights')}; regrowing with {args.weights}: the images "
+              "are the same only with the same model and weights", file=sys.stderr)
+    for _, latent, best in regenerate(adapter, recorded):
+        path = args.out / best["image"]
+        save_image(adapter.decode(latent[None])[0], path)
+        yield path

@@ -1,0 +1,176 @@
+"""A search forest: one tree of denoising states per prompt, grown a node at a time.
+
+Node p (p < P) is prompt p's virtual root, above the initial noise (depth −1, path ()): its
+children are initial noises (depth 0, path (r,)), drawn at their address, which costs no network
+row. Every other node at depth d < T has children made by one step of the sampler from its latent
+and its model output; the output is computed once per node, when its first child is made, and
+kept, so a node's further children cost no forward (only fresh noise). A node's path is its
+parent's path and its child index, the same addressing as a training tree (branchdiff/noise.py):
+the search's winner regenerates from its path alone (`regenerate_path`).
+
+Every forward is padded to `max_batch` rows (`SamplerSettings.exact`), so a node's latent does not
+depend on which other nodes shared its forward: the path reproduces it bit for bit.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from branchdiff.engine import Children, NoiseAddress, SamplerSettings, expand, initial_noise, predict, rows_per_latent, step_kind
+from branchdiff.models.base import ModelAdapter, PromptEmbeds, select_embeds
+from branchdiff.noise import NodePath
+from branchdiff.schedulers.schedule import Schedule
+from branchdiff.tree import TreeSpec
+
+
+@dataclass
+class SearchForest:
+    adapter: ModelAdapter
+    spec: TreeSpec  # T steps; which are SDE (all, unless a window is given)
+    schedule: Schedule
+    settings: SamplerSettings  # exact is forced on (module doc)
+    address: NoiseAddress
+    embeds: PromptEmbeds  # one row per prompt
+    parent: list[int] = field(default_factory=list)
+    depth: list[int] = field(default_factory=list)
+    prompt: list[int] = field(default_factory=list)
+    path: list[NodePath] = field(default_factory=list)
+    children: list[list[int]] = field(default_factory=list)
+    latent: list[torch.Tensor | None] = field(default_factory=list)  # (*latent_shape) per node; None for virtual roots
+    output: list[torch.Tensor | None] = field(default_factory=list)  # the node's model output, once computed
+    value: list[float] = field(default_factory=list)  # backed-up value (NaN: none yet)
+    visits: list[int] = field(default_factory=list)
+    nfe: list[int] = field(default_factory=list)  # network rows spent per prompt
+
+    def __post_init__(self) -> None:
+        self.settings = replace(self.settings, exact=True)
+        self.schedule = self.schedule.to(self.adapter.device)
+        for p in range(len(self.address.prompt_keys)):
+            self._append(-1, -1, p, (), None)
+        self.nfe = [0] * self.num_prompts
+
+    @property
+    def num_prompts(self) -> int:
+        return len(self.address.prompt_keys)
+
+    @property
+    def num_steps(self) -> int:
+        return self.spec.num_steps
+
+    def _append(self, parent: int, depth: int, prompt: int, path: NodePath, latent: torch.Tensor | None) -> int:
+        node = len(self.parent)
+        self.parent.append(parent)
+        self.depth.append(depth)
+        self.prompt.append(prompt)
+        self.path.append(path)
+        self.children.append([])
+        self.latent.append(latent)
+        self.output.append(None)
+        self.value.append(math.nan)
+        self.visits.append(0)
+        if parent >= 0:
+            self.children[parent].append(node)
+        return node
+
+    def rows_per_node(self) -> int:
+        """Network rows of one node's prediction (2 under CFG)."""
+        return rows_per_latent(self.adapter, self.settings)
+
+    def child_cap(self, node: int, cap: int) -> int:
+        """Children a node may have: none at the last depth, one where the step is deterministic, else `cap`."""
+        depth = self.depth[node]
+        if depth == self.num_steps:
+            return 0
+        if depth >= 0 and step_kind(self.spec, self.schedule, self.settings, depth) == "ode":
+            return 1
+        return cap
+
+    def cost_of_child(self, node: int, branching: list[int] | None = None) -> int:
+        """Network rows to add one child to `node` and complete it to the last depth with `branching`
+        children per node at each depth (None: one, a roll-out)."""
+        sizes, rows = [1], 0 if self.depth[node] < 0 or self.output[node] is not None else 1
+        for depth in range(self.depth[node] + 1, self.num_steps):
+            rows += sizes[-1]
+            sizes.append(sizes[-1] * (1 if branching is None else branching[depth]))
+        return rows * self.rows_per_node()
+
+    def _predict(self, nodes: list[int]) -> None:
+        """Compute and keep the model output of the nodes that have none, charging their prompts."""
+        todo = [n for n in nodes if self.output[n] is None]
+        if not todo:
+            return
+        rows = torch.tensor([self.prompt[n] for n in todo])
+        output, _, _ = predict(self.adapter, torch.stack([self.latent[n] for n in todo]), torch.tensor([self.depth[n] for n in todo]),
+                               select_embeds(self.embeds, rows), self.schedule, self.settings)
+        for row, node in enumerate(todo):
+            self.output[node] = output[row]
+            self.nfe[self.prompt[node]] += self.rows_per_node()
+
+    def add_children(self, parents: list[int]) -> list[int]:
+        """One new child of each of `parents` (a parent may repeat: one child per mention), in order."""
+        roots = [p for p in parents if self.depth[p] < 0]
+        inner = [p for p in parents if self.depth[p] >= 0]
+        self._predict(list(dict.fromkeys(inner)))
+        planned: dict[int, int] = {}
+        made: dict[int, list[int]] = {}
+        paths: list[NodePath] = []
+        for p in parents:
+            index = len(self.children[p]) + planned.get(p, 0)
+            planned[p] = planned.get(p, 0) + 1
+            paths.append(self.path[p] + (index,))
+        keys = [self.address.prompt_keys[self.prompt[p]] for p in parents]
+        latents: list[torch.Tensor] = [None] * len(parents)  # type: ignore[list-item]
+        root_rows = [i for i, p in enumerate(parents) if self.depth[p] < 0]
+        if roots:
+            noise = initial_noise(self.address, [keys[i] for i in root_rows], [paths[i] for i in root_rows], self.adapter.latent_shape,
+                                  self.adapter.device)
+            for row, i in enumerate(root_rows):
+                latents[i] = noise[row]
+        inner_rows = [i for i, p in enumerate(parents) if self.depth[p] >= 0]
+        if inner:
+            step: Children = expand(self.spec, self.schedule, self.settings, self.address,
+                                    torch.tensor([self.depth[parents[i]] for i in inner_rows]),
+                                    torch.stack([self.latent[parents[i]] for i in inner_rows]),
+                                    torch.stack([self.output[parents[i]] for i in inner_rows]),
+                                    [keys[i] for i in inner_rows], [paths[i] for i in inner_rows])
+            for row, i in enumerate(inner_rows):
+                latents[i] = step.latents[row]
+        for i, p in enumerate(parents):
+            made.setdefault(p, []).append(self._append(p, self.depth[p] + 1, self.prompt[p], paths[i], latents[i]))
+        return [made[p].pop(0) for p in parents]
+
+    def complete(self, nodes: list[int], branching: list[int] | None = None) -> list[int]:
+        """Grow every node of `nodes` down to the last depth, `branching[d]` children per node at depth
+        d (None: one, a roll-out), all prompts' frontiers batched per step; returns the new leaves
+        (the nodes themselves where they are leaves already), in order."""
+        frontier, leaves = list(nodes), []
+        while frontier:
+            leaves += [n for n in frontier if self.depth[n] == self.num_steps]
+            frontier = [n for n in frontier if self.depth[n] < self.num_steps]
+            if not frontier:
+                break
+            parents = [n for n in frontier for _ in range(1 if branching is None else branching[self.depth[n]])]
+            frontier = self.add_children(parents)
+        return leaves
+
+    def leaf_latents(self, leaves: list[int]) -> torch.Tensor:
+        return torch.stack([self.latent[n] for n in leaves])  # (L, *latent_shape)
+
+
+@torch.no_grad()
+def regenerate_path(adapter: ModelAdapter, spec: TreeSpec, schedule: Schedule, settings: SamplerSettings, run_seed: int,
+                    iteration: int, prompt_key: int, embeds: PromptEmbeds, path: NodePath) -> torch.Tensor:
+    """The latent at the end of `path` (its root's initial noise, then one step per child index),
+    regrown alone with padded forwards (`exact`) and the addressable noise: the search's node, bit
+    for bit. `embeds`: the prompt's own encoding (one row)."""
+    settings = replace(settings, exact=True)
+    schedule = schedule.to(adapter.device)
+    address = NoiseAddress(run_seed, iteration, (prompt_key,))
+    latent = initial_noise(address, [prompt_key], [path[:1]], adapter.latent_shape, adapter.device)  # (1, ...)
+    for depth in range(len(path) - 1):
+        output, _, _ = predict(adapter, latent, torch.tensor([depth]), embeds, schedule, settings)
+        latent = expand(spec, schedule, settings, address, torch.tensor([depth]), latent, output, [prompt_key], [path[: depth + 2]]).latents
+    return latent[0]

@@ -1,0 +1,116 @@
+"""`branchdiff sample --search`: search each prompt's denoising tree for high-reward images within a
+budget of network rows, and write the best images and a JSON trace; `--from-trace` regrows them.
+
+The trace (`search.json`) holds the settings that decide every latent (steps, shift, guidance, SDE
+and noise level, rows per forward, noise seed), and per prompt: the rows spent, the best and mean
+reward after every round, and its best images with their reward and noise path. `regenerate` regrows
+each of them from its path alone (branchdiff/search/forest.py): the same latent, bit for bit, with
+the same model and weights.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from branchdiff.engine import NoiseAddress, SamplerSettings
+from branchdiff.models.base import ModelAdapter, PromptEmbeds
+from branchdiff.schedulers.schedule import FlowSchedule
+from branchdiff.search import SEARCHES
+from branchdiff.search.forest import SearchForest, regenerate_path
+from branchdiff.search.run import SearchResult, run_search
+from branchdiff.tree import TreeSpec
+
+SEARCH_ITERATION = -2  # the noise addresses' iteration field for search (training uses 0.., evaluation -1)
+
+
+@dataclass(frozen=True)
+class SearchSettings:
+    search: str  # a name of SEARCHES
+    budget: int  # network rows per prompt (a CFG prediction costs 2)
+    steps: int = 10
+    shift: float | None = None  # None: the family's own schedule
+    guidance: float | None = None  # None: the family's default
+    sde: str | None = None  # None: flow for flow-matching families, ddim for ε-prediction ones
+    noise_level: float | None = None  # None: 0.7 (flow) or 1.0 (ddim)
+    max_batch: int = 16  # network rows per forward; every forward is padded to it, so paths regrow exactly
+    seed: int = 0  # the noise seed
+    temperature: float = 10.0  # DTS / DTS*: λ of selection and soft backup
+    max_children: int = 4  # DTS / DTS*: children per node
+    keep: int = 1  # best images written per prompt
+
+    def validate(self) -> None:
+        if self.search not in SEARCHES:
+            raise ValueError(f"unknown search {self.search!r}; allowed: {', '.join(SEARCHES)}")
+        if self.budget < 1 or self.steps < 1 or self.max_batch < 1 or self.keep < 1:
+            raise ValueError(f"--budget, --steps, --max-batch and --keep must be ≥ 1; got {self.budget}, {self.steps}, {self.max_batch}, {self.keep}")
+
+
+def sampler(adapter: ModelAdapter, settings: SearchSettings) -> SamplerSettings:
+    """The SDE the search steps with: the given one, else the family's kind (flow a = 0.7, DDIM η = 1)."""
+    flow = isinstance(adapter.schedule(settings.steps, settings.shift), FlowSchedule)
+    sde = settings.sde or ("flow" if flow else "ddim")
+    level = settings.noise_level if settings.noise_level is not None else (0.7 if flow else 1.0)
+    return SamplerSettings(sde=sde, noise_level=level, max_batch=settings.max_batch, exact=True, guidance=settings.guidance)
+
+
+def encode_each(adapter: ModelAdapter, prompts: list[str]) -> PromptEmbeds:
+    """One encoder call per prompt (an encoder's output depends on its batch size), rows stacked."""
+    encoded = [adapter.encode_prompts([prompt]) for prompt in prompts]
+    return {key: torch.cat([e[key] for e in encoded]) for key in encoded[0]}
+
+
+def make_search(settings: SearchSettings) -> object:
+    build = SEARCHES[settings.search]
+    if settings.search in ("dts", "dts-star"):
+        return build(temperature=settings.temperature, max_children=settings.max_children)
+    return build()
+
+
+@torch.no_grad()
+def search_prompts(adapter: ModelAdapter, prompts: list[str], settings: SearchSettings, score) -> tuple[SearchForest, SearchResult]:
+    """Search every prompt (its key: its position) within the budget; `score(images, prompt indices) → (L,)`."""
+    settings.validate()
+    forest = SearchForest(adapter, TreeSpec(settings.steps), adapter.schedule(settings.steps, settings.shift), sampler(adapter, settings),
+                          NoiseAddress(settings.seed, SEARCH_ITERATION, tuple(range(len(prompts)))), encode_each(adapter, prompts))
+    return forest, run_search(forest, make_search(settings), settings.budget, score, settings.seed)
+
+
+def trace(forest: SearchForest, result: SearchResult, prompts: list[str], settings: SearchSettings, extras: dict) -> dict:
+    """The JSON trace (module doc); `extras` (model, weights, reward) is recorded as given."""
+    best = [[{"path": list(forest.path[n]), "reward": result.rewards[p][result.leaves[p].index(n)]} for n in result.best(p, settings.keep)]
+            for p in range(len(prompts))]
+    return {**extras, "settings": asdict(settings), "iteration": SEARCH_ITERATION,
+            "prompts": [{"prompt": prompt, "prompt_key": p, "nfe": forest.nfe[p], "rounds": result.trace[p], "best": best[p]}
+                        for p, prompt in enumerate(prompts)]}
+
+
+@torch.no_grad()
+def regenerate(adapter: ModelAdapter, recorded: dict) -> list[tuple[str, torch.Tensor, dict]]:
+    """Every best image of a trace regrown from its path: (prompt, latent, its entry), in order."""
+    settings = SearchSettings(**recorded["settings"])
+    spec, schedule = TreeSpec(settings.steps), adapter.schedule(settings.steps, settings.shift)
+    out = []
+    for entry in recorded["prompts"]:
+        embeds = encode_each(adapter, [entry["prompt"]])
+        for best in entry["best"]:
+            latent = regenerate_path(adapter, spec, schedule, sampler(adapter, settings), settings.seed, recorded["iteration"],
+                                     entry["prompt_key"], embeds, tuple(best["path"]))
+            out.append((entry["prompt"], latent, best))
+    return out
+
+
+def read_trace(path: Path) -> dict:
+    """A trace written by `sample --search`, with a one-line error when it is not one."""
+    try:
+        recorded = json.loads(Path(path).read_text())
+        SearchSettings(**recorded["settings"]).validate()
+        if not all({"prompt", "prompt_key", "best"} <= set(entry) and all({"path", "image"} <= set(b) for b in entry["best"])
+                   for entry in recorded["prompts"]):
+            raise KeyError("prompts")
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise ValueError(f"--from-trace {path}: not a search trace written by 'branchdiff sample --search' ({type(error).__name__}: {error})") from None
+    return recorded

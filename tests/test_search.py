@@ -1,0 +1,182 @@
+"""Inference-time search (branchdiff/search/): the backup rules on a hand-made tree, the forest's
+fixed trees equal to a training rollout of the same tree, the network rows it counts, winners that
+regrow bit for bit from their noise paths, searches that beat random sampling at the same budget on
+a reward whose optimum is known, and `branchdiff sample --search` / `--from-trace` end to end.
+(Every family's tiny pipeline: tests/test_model_families.py; a preference reward:
+tests/test_preference_rewards.py.)"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+
+import pytest
+import torch
+
+from branchdiff.engine import NoiseAddress, SamplerSettings
+from branchdiff.rollout import grow
+from branchdiff.search import SEARCHES
+from branchdiff.search.backup import aggregate, backup_path
+from branchdiff.search.fixed_tree import FixedTree
+from branchdiff.search.forest import SearchForest, regenerate_path
+from branchdiff.search.run import run_search
+from branchdiff.search.sample import SEARCH_ITERATION, SearchSettings, encode_each, search_prompts
+from branchdiff.tree import Split, TreeSpec, build_tree
+
+PROMPTS = ["two red circles on the left", "one blue square at the top", "three green triangles at the bottom"]
+STEPS = 4
+
+# node 0: root; 1, 2: its children A and B; 3, 4: A's leaves (rewards 1 and 3); 5: B's leaf (reward 2)
+PARENT = [-1, 0, 0, 1, 1, 2]
+CHILDREN = [[1, 2], [3, 4], [5], [], [], []]
+LEAF_REWARDS = {3: 1.0, 4: 3.0, 5: 2.0}
+
+
+def _backed_up(rule: str, temperature: float = 1.0, leaves=(3, 4, 5)) -> list[float]:
+    value = [math.nan] * 6
+    for leaf in leaves:
+        value[leaf] = LEAF_REWARDS[leaf]
+        assert backup_path(PARENT, CHILDREN, value, leaf, rule, temperature) == [leaf, PARENT[leaf], 0]
+    return value
+
+
+def test_backups_on_a_hand_made_tree():
+    """mean: A = 2, B = 2, root = 2; max: A = 3, root = 3; soft (λ = 1): A = ln((e + e³)/2) =
+    2.43378083048, root = ln((e^A + e²)/2) = 2.24022901392; soft (λ = 2): A = ln((e² + e⁶)/2)/2 =
+    2.66250137368. Before B's leaf arrives, the root's value is A's alone."""
+    assert _backed_up("mean")[:3] == pytest.approx([2.0, 2.0, 2.0], abs=1e-12)
+    assert _backed_up("max")[:3] == [3.0, 3.0, 2.0]
+    assert _backed_up("soft", 1.0)[:3] == pytest.approx([2.24022901392, 2.43378083048, 2.0], abs=1e-10)
+    assert _backed_up("soft", 2.0)[1] == pytest.approx(2.66250137368, abs=1e-10)
+    partial = _backed_up("soft", 1.0, leaves=(3, 4))
+    assert math.isnan(partial[2]) and partial[0] == partial[1] == pytest.approx(2.43378083048, abs=1e-10)
+
+
+def test_the_soft_backup_runs_from_the_mean_to_the_max_and_refuses_a_bad_rule():
+    values = torch.tensor([0.1, 0.5, 0.3])
+    assert aggregate(values, "soft", 1e-6) == pytest.approx(0.3, abs=1e-6)
+    assert aggregate(values, "soft", 1e4) == pytest.approx(0.5, abs=1e-3)
+    assert aggregate(torch.tensor([1e3, 1e3]), "soft", 10.0) == pytest.approx(1e3)  # no overflow at λ·v = 1e4
+    with pytest.raises(ValueError, match="unknown backup 'median'"):
+        aggregate(values, "median")
+    with pytest.raises(ValueError, match="temperature λ > 0"):
+        aggregate(values, "soft", 0.0)
+
+
+def _forest(adapter, settings=SamplerSettings(sde="flow", noise_level=0.7, max_batch=8), seed=5) -> SearchForest:
+    return SearchForest(adapter, TreeSpec(STEPS), adapter.schedule(STEPS), settings, NoiseAddress(seed, SEARCH_ITERATION, (0, 1, 2)),
+                        encode_each(adapter, PROMPTS))
+
+
+def _brightness(images: torch.Tensor, prompt_index: list[int]) -> torch.Tensor:
+    """A reward whose optimum is known (a white image scores 1): the mean of the pixels."""
+    return images.mean(dim=(1, 2, 3))
+
+
+def test_a_fixed_tree_in_the_forest_is_the_training_rollout_of_that_tree(tiny_adapter):
+    """One round of the fixed-tree search grows, for each prompt, the tree a training rollout grows
+    from the same addresses: the same leaves bit for bit, and one network row per inner node."""
+    search = FixedTree(splits=(Split(0, 2), Split(2, 2)))
+    forest = _forest(tiny_adapter)
+    per_tree = forest.cost_of_child(0, search.branching(forest))
+    result = run_search(forest, search, per_tree, _brightness)
+    spec = TreeSpec(STEPS, splits=search.splits)
+    assert per_tree == spec.rollout_nfe and forest.nfe == [per_tree] * 3
+    rollout = grow(tiny_adapter, build_tree(spec, 3), encode_each(tiny_adapter, PROMPTS), tiny_adapter.schedule(STEPS),
+                   SamplerSettings(sde="flow", noise_level=0.7, max_batch=8, exact=True), forest.address)
+    tree = rollout.tree
+    where = {(int(tree.prompt[n]), tree.paths[n]): n for n in tree.leaf_index.tolist()}
+    for p in range(3):
+        assert len(result.leaves[p]) == spec.leaves
+        for leaf in result.leaves[p]:
+            assert torch.equal(forest.latent[leaf], rollout.latents[where[(p, forest.path[leaf])]])
+
+
+@pytest.mark.parametrize("name", sorted(SEARCHES))
+def test_every_search_stays_in_budget_counts_its_rows_and_its_winner_regrows_exactly(tiny_adapter, name):
+    """Rows charged = one per node whose output was computed (counted apart from the charge), within
+    the budget; the best leaf regrown alone from its path is the same latent, bit for bit."""
+    forest = _forest(tiny_adapter)
+    budget = 7 * STEPS
+    result = run_search(forest, SEARCHES[name](), budget, _brightness, seed=1)
+    for p in range(3):
+        computed = sum(1 for n in range(len(forest.parent)) if forest.prompt[n] == p and forest.output[n] is not None)
+        assert forest.nfe[p] == computed <= budget and result.trace[p][-1]["nfe"] == forest.nfe[p]
+        assert [r["images"] for r in result.trace[p]] == list(range(1, len(result.trace[p]) + 1)) or name == "tree"
+        best = result.best(p)[0]
+        assert result.trace[p][-1]["best"] == max(result.rewards[p]) == forest.value[best]
+        again = regenerate_path(tiny_adapter, forest.spec, forest.schedule, forest.settings, 5, SEARCH_ITERATION, p,
+                                encode_each(tiny_adapter, [PROMPTS[p]]), forest.path[best])
+        assert torch.equal(again, forest.latent[best]) and len(forest.path[best]) == STEPS + 1
+
+
+def test_dts_star_branches_below_its_best_root_once_the_virtual_root_is_full(tiny_adapter):
+    forest = _forest(tiny_adapter)
+    search = SEARCHES["dts-star"](max_children=2)
+    budget = 2 * STEPS + (STEPS - 1)  # two roll-outs from new noise, then a new child of a root's kept output: its roll-out only
+    result = run_search(forest, search, budget, _brightness)
+    for p in range(3):
+        roots = forest.children[p]
+        assert len(roots) == 2  # the virtual root's cap
+        assert sorted(len(forest.children[r]) for r in roots) == [1, 2] and forest.nfe[p] == budget
+        first_two = result.rewards[p][:2]
+        branched = next(r for r in roots if len(forest.children[r]) == 2)
+        assert forest.path[branched] == ((0,), (1,))[first_two.index(max(first_two))]  # greedy: below the better root
+
+
+def test_searches_beat_random_samples_at_the_same_budget(tiny_adapter):
+    """Brightness on the tiny model, 12 prompts' searches (seeds): every search's best image is
+    brighter than the mean random SDE sample of the same prompts, by more than 3 standard errors."""
+    prompts = [f"{count} {colour} circles on the left" for count in ("one", "two", "three") for colour in ("red", "green", "blue", "yellow")]
+    embeds = encode_each(tiny_adapter, prompts)
+    settings = SamplerSettings(sde="flow", noise_level=0.7, max_batch=16)
+
+    def forest() -> SearchForest:
+        return SearchForest(tiny_adapter, TreeSpec(STEPS), tiny_adapter.schedule(STEPS), settings,
+                            NoiseAddress(9, SEARCH_ITERATION, tuple(range(len(prompts)))), embeds)
+
+    random_samples = run_search(forest(), SEARCHES["best-of-n"](), STEPS, _brightness).rewards  # one image each
+    random_mean = statistics.mean(r[0] for r in random_samples)
+    for name in SEARCHES:
+        found = run_search(forest(), SEARCHES[name](), 6 * STEPS, _brightness).rewards
+        gains = [max(r) - random_mean for r in found]
+        assert statistics.mean(gains) > 3 * statistics.stdev(gains) / math.sqrt(len(gains)), (name, gains)
+
+
+def test_search_prompts_validates_its_settings(tiny_adapter):
+    with pytest.raises(ValueError, match="unknown search 'beam'; allowed: best-of-n, tree, dts, dts-star"):
+        search_prompts(tiny_adapter, PROMPTS, SearchSettings("beam", 10), None)
+    with pytest.raises(ValueError, match="must be ≥ 1"):
+        search_prompts(tiny_adapter, PROMPTS, SearchSettings("dts", 0), None)
+
+
+def test_sample_search_writes_the_best_images_and_a_trace_that_regrows_them(tiny_model_dir, tmp_path, capsys):
+    from branchdiff.cli import main
+
+    model = ["--model", str(tiny_model_dir), "--steps", str(STEPS)]
+    out = tmp_path / "search"
+    assert main(["sample", *model, "--prompt", PROMPTS[0], "--prompt", PROMPTS[1], "--search", "dts-star", "--budget", str(5 * STEPS),
+                 "--keep", "2", "--max-children", "2", "--out", str(out)]) == 0
+    recorded = json.loads((out / "search.json").read_text())
+    assert recorded["settings"]["search"] == "dts-star" and [e["prompt"] for e in recorded["prompts"]] == PROMPTS[:2]
+    for entry in recorded["prompts"]:
+        assert entry["nfe"] <= 5 * STEPS and entry["rounds"][-1]["nfe"] == entry["nfe"]
+        assert [b["reward"] for b in entry["best"]] == sorted((b["reward"] for b in entry["best"]), reverse=True) and len(entry["best"]) == 2
+        assert entry["best"][0]["reward"] == entry["rounds"][-1]["best"] and "tiny-geneval.strict" in entry["best"][0]["scores"]
+    written = {b["image"]: (out / b["image"]).read_bytes() for e in recorded["prompts"] for b in e["best"]}
+    assert len(written) == 4
+    regrown = tmp_path / "regrown"
+    assert main(["sample", *model, "--from-trace", str(out / "search.json"), "--out", str(regrown)]) == 0
+    assert {name: (regrown / name).read_bytes() for name in written} == written
+    assert "best tiny-geneval" in capsys.readouterr().err
+
+
+def test_sample_search_without_a_budget_or_with_a_bad_trace_is_one_line(tiny_model_dir, tmp_path, capsys):
+    from branchdiff.cli import main
+
+    assert main(["sample", "--model", str(tiny_model_dir), "--prompt", "a red circle", "--search", "dts", "--out", str(tmp_path / "a")]) == 2
+    assert "--search dts needs --budget" in capsys.readouterr().err
+    (tmp_path / "bad.json").write_text("{}")
+    assert main(["sample", "--model", str(tiny_model_dir), "--from-trace", str(tmp_path / "bad.json"), "--out", str(tmp_path / "b")]) == 2
+    assert "not a search trace written by 'branchdiff sample --search'" in capsys.readouterr().err
