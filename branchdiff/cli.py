@@ -130,16 +130,18 @@ def _parser() -> argparse.ArgumentParser:
     accel.add_argument("name", nargs="?", default=None, help="single-gpu | multi-gpu | multi-node (none: list them)")
 
     bench = commands.add_parser("bench", help="side-by-side benchmarks")
-    bench.add_argument("which", choices=["tree", "explore", "curves"], help="what to benchmark")
+    bench.add_argument("which", choices=["tree", "explore", "curves", "search"], help="what to benchmark")
     bench.add_argument("--json", type=Path, default=None, help="write the table and ratios to this JSON file")
     bench.add_argument("--repeats", type=_at_least(1), default=3, help="timed repeats of each variant (median reported)")
     bench.add_argument("--minutes", type=_positive, default=2.0, help="curves: training wall time of each variant and seed")
-    bench.add_argument("--seeds", type=_at_least(1), default=3, help="curves: seeds of each variant")
-    bench.add_argument("--out", type=Path, default=Path("docs"), help="curves: folder of the plot and the table")
-    bench.add_argument("--variants", default=None, help="tree, curves: comma-separated variants (default: all; tree: chain, tree, "
+    bench.add_argument("--seeds", type=_at_least(1), default=3, help="curves, search: seeds of each variant")
+    bench.add_argument("--out", type=Path, default=Path("docs"), help="curves, search: folder of the plot and the table")
+    bench.add_argument("--images", type=_at_least(1), default=32, help="search: the largest budget, in images' worth of network rows per prompt")
+    bench.add_argument("--variants", default=None, help="tree, curves, search: comma-separated variants (default: all; tree: chain, tree, "
                                                          "tree_depth_pruned, tree_width_pruned, mix, best; curves: chain, branch, "
                                                          "branch_pruned, mix, explore_seeds, explore_tree, and the objectives guard, "
-                                                         "layertuning, nft_tree, nft_tree_depthwise, nft_chain, sol when named)")
+                                                         "layertuning, nft_tree, nft_tree_depthwise, nft_chain, sol when named; "
+                                                         "search: best-of-n, tree, dts, dts-star)")
     bench.add_argument("--reference", default="chain", help="curves: the variant whose final accuracy the others' times are measured "
                                                             "against (time_to_<reference>_final; e.g. mix to compare objectives with GRPO)")
     bench.add_argument("--points", type=_at_least(2), default=7, help="curves: evaluations over the budget")

@@ -217,6 +217,10 @@ def cmd_bench(args: argparse.Namespace) -> None:
         bench_tree(args.json, args.repeats, args.overrides, variants)
     elif args.which == "explore":
         bench_explore(args.json, extra_overrides=args.overrides)
+    elif args.which == "search":
+        from branchdiff.bench_search import bench_search
+
+        bench_search(args.images, args.seeds, args.json, args.out, variants)
     else:
         from branchdiff.bench_curves import bench_curves
 

@@ -192,3 +192,23 @@ def test_a_quantised_explorer_keeps_the_adapters_skip_modules_in_full_precision(
     quantized = quantized_layer_names(adapter.denoiser, QuantConfig("nvfp4-emulated", adapter.quant_skip_modules))
     assert quantized and not any(is_skipped(name, adapter.quant_skip_modules) for name in quantized)
     assert any(name.endswith("to_q") for name in quantized)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_sample_search_runs_for_every_family_and_its_winner_regrows(saved, family, tmp_path):
+    """`sample --search dts-star` with a reward on each family's tiny pipeline (CFG counted: two rows
+    a prediction where the family guides), then `--from-trace`: the same best image, byte for byte."""
+    import json
+
+    from branchdiff.cli import main
+
+    common = ["--family", family, "--model", str(saved[family]), "--resolution", str(RESOLUTION[family]), "--steps", "3"]
+    budget = 4 * 3 * 2  # four images' rows under CFG
+    assert main(["sample", *common, "--prompt", "a red circle", "--search", "dts-star", "--budget", str(budget), "--max-children", "2",
+                 "--reward", "rewards_for_tests:Redness", "--out", str(tmp_path / "search")]) == 0
+    recorded = json.loads((tmp_path / "search" / "search.json").read_text())
+    entry = recorded["prompts"][0]
+    assert 0 < entry["nfe"] <= budget and len(entry["rounds"]) >= 2
+    image = entry["best"][0]["image"]
+    assert main(["sample", *common, "--from-trace", str(tmp_path / "search" / "search.json"), "--out", str(tmp_path / "again")]) == 0
+    assert (tmp_path / "again" / image).read_bytes() == (tmp_path / "search" / image).read_bytes()

@@ -405,3 +405,22 @@ def test_imagereward_without_its_package_names_the_extra(monkeypatch):
         ImageRewardReward()
     message = str(error.value)
     assert "serve-reward imagereward" in message and "image-reward" in message and "\n" not in message
+
+
+def test_sample_search_maximises_a_preference_reward_on_the_built_in_model(hf_clip, tiny_model_dir, tmp_path):
+    """`sample --search best-of-n` with PickScore (the tiny CLIP, named in the config's form): the
+    winner's recorded reward is the largest of its rounds and PickScore of the written image."""
+    from branchdiff.cli import main
+
+    folder, _, _ = hf_clip
+    spec = f"[{{name: pickscore, kwargs: {{model: {folder / 'model'}, processor: {folder / 'processor'}}}}}]"
+    out = tmp_path / "search"
+    assert main(["sample", "--model", str(tiny_model_dir), "--steps", "4", "--prompt", "a red circle", "--search", "best-of-n",
+                 "--budget", "16", "--reward", spec, "--out", str(out)]) == 0
+    entry = json.loads((out / "search.json").read_text())["prompts"][0]
+    assert entry["nfe"] == 16 and [r["images"] for r in entry["rounds"]] == [1, 2, 3, 4]
+    best = entry["best"][0]["reward"]
+    assert best == entry["rounds"][-1]["best"] and entry["rounds"][0]["best"] <= best
+    image = torch.from_numpy(np.array(Image.open(out / entry["best"][0]["image"]))).permute(2, 0, 1).float()[None] / 255
+    reward = PickScoreReward(model=folder / "model", processor=folder / "processor", batch_size=3)
+    assert reward(image, ["a red circle"]).item() == pytest.approx(best, abs=0.5)  # the PNG is 8-bit; the search scored the float image

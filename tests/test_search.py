@@ -69,9 +69,9 @@ def _forest(adapter, settings=SamplerSettings(sde="flow", noise_level=0.7, max_b
                         encode_each(adapter, PROMPTS))
 
 
-def _brightness(images: torch.Tensor, prompt_index: list[int]) -> torch.Tensor:
-    """A reward whose optimum is known (a white image scores 1): the mean of the pixels."""
-    return images.mean(dim=(1, 2, 3))
+def _brightness(images: torch.Tensor, prompt_index: list[int]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """A reward whose optimum is known (a white image scores 1): the mean of the pixels; and the red channel's."""
+    return images.mean(dim=(1, 2, 3)), {"red": images[:, 0].mean(dim=(1, 2))}
 
 
 def test_a_fixed_tree_in_the_forest_is_the_training_rollout_of_that_tree(tiny_adapter):

@@ -29,8 +29,9 @@ def search_and_write(adapter: ModelAdapter, args: argparse.Namespace, settings: 
     label, reward = spec[0].label, build_component(spec[0], "cpu")
     prompts = list(args.prompt)
 
-    def score(images: torch.Tensor, prompt_index: list[int]) -> torch.Tensor:
-        return score_component(reward, label, images, [prompts[i] for i in prompt_index], [{} for _ in prompt_index])[0]
+    def score(images: torch.Tensor, prompt_index: list[int]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        value, more, _ = score_component(reward, label, images, [prompts[i] for i in prompt_index], [{} for _ in prompt_index])
+        return value, {f"{label}.{key}": scores for key, scores in more.items()}
 
     search = SearchSettings(args.search, args.budget, settings.steps, settings.shift, settings.guidance, args.sde, args.noise_level,
                             args.max_batch, seed, args.temperature, args.max_children, args.keep)
@@ -41,8 +42,6 @@ def search_and_write(adapter: ModelAdapter, args: argparse.Namespace, settings: 
     for entry in recorded["prompts"]:
         for best, leaf in zip(entry["best"], result.best(entry["prompt_key"], search.keep)):
             image = adapter.decode(forest.latent[leaf][None])  # (1, 3, H, W): decoded alone, as `--from-trace` decodes it
-            _, more, _ = score_component(reward, label, image, [entry["prompt"]], [{}])
-            best["scores"] = {f"{label}.{key}": float(value[0]) for key, value in more.items()}
             best["image"] = file_name(index, entry["prompt"])
             save_image(image[0], args.out / best["image"])
             index += 1

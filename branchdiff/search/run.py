@@ -21,7 +21,8 @@ import torch
 from branchdiff.search.backup import backup_path
 from branchdiff.search.forest import SearchForest
 
-Score = Callable[[torch.Tensor, list[int]], torch.Tensor]  # (images (L, 3, H, W), their prompts) → rewards (L,)
+# (images (L, 3, H, W), their prompts) → rewards (L,) and other scores by name, (L,) each (tiny-geneval's strict, ...)
+Score = Callable[[torch.Tensor, list[int]], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 
 
 class Search(Protocol):
@@ -37,6 +38,7 @@ class Search(Protocol):
 class SearchResult:
     leaves: list[list[int]]  # per prompt: its leaves (node indices), in the order made
     rewards: list[list[float]]  # per prompt: each leaf's reward
+    extras: list[list[dict[str, float]]]  # per prompt: each leaf's other scores
     trace: list[list[dict]] = field(default_factory=list)  # per prompt: {"nfe", "best", "mean", "images"} after each round
 
     def best(self, prompt: int, count: int = 1) -> list[int]:
@@ -51,8 +53,7 @@ def run_search(forest: SearchForest, search: Search, budget: int, score: Score, 
     rewards decoded images; `seed` seeds the selection's draws."""
     generator = torch.Generator().manual_seed(seed)
     branching = search.branching(forest)
-    result = SearchResult([[] for _ in range(forest.num_prompts)], [[] for _ in range(forest.num_prompts)],
-                          [[] for _ in range(forest.num_prompts)])
+    result = SearchResult(*([[] for _ in range(forest.num_prompts)] for _ in range(4)))
     active = list(range(forest.num_prompts))
     while active:
         picks = {}
@@ -65,14 +66,15 @@ def run_search(forest: SearchForest, search: Search, budget: int, score: Score, 
             break
         new = forest.add_children([picks[p] for p in active])
         leaves = forest.complete(new, branching)
-        rewards = score(forest.adapter.decode(forest.leaf_latents(leaves)), [forest.prompt[n] for n in leaves])  # (L,)
-        for leaf, reward in zip(leaves, rewards.tolist()):
+        rewards, extras = score(forest.adapter.decode(forest.leaf_latents(leaves)), [forest.prompt[n] for n in leaves])  # (L,), {name: (L,)}
+        for row, (leaf, reward) in enumerate(zip(leaves, rewards.tolist())):
             prompt = forest.prompt[leaf]
             forest.value[leaf] = reward if math.isfinite(reward) else -math.inf
             for node in backup_path(forest.parent, forest.children, forest.value, leaf, search.backup, search.temperature):
                 forest.visits[node] += 1
             result.leaves[prompt].append(leaf)
             result.rewards[prompt].append(reward)
+            result.extras[prompt].append({name: float(values[row]) for name, values in extras.items()})
         for prompt in active:
             seen = result.rewards[prompt]
             result.trace[prompt].append({"nfe": forest.nfe[prompt], "best": max(seen), "mean": sum(seen) / len(seen), "images": len(seen)})

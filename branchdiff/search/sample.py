@@ -81,8 +81,11 @@ def search_prompts(adapter: ModelAdapter, prompts: list[str], settings: SearchSe
 
 def trace(forest: SearchForest, result: SearchResult, prompts: list[str], settings: SearchSettings, extras: dict) -> dict:
     """The JSON trace (module doc); `extras` (model, weights, reward) is recorded as given."""
-    best = [[{"path": list(forest.path[n]), "reward": result.rewards[p][result.leaves[p].index(n)]} for n in result.best(p, settings.keep)]
-            for p in range(len(prompts))]
+    def entry(p: int, leaf: int) -> dict:
+        index = result.leaves[p].index(leaf)
+        return {"path": list(forest.path[leaf]), "reward": result.rewards[p][index], "scores": result.extras[p][index]}
+
+    best = [[entry(p, n) for n in result.best(p, settings.keep)] for p in range(len(prompts))]
     return {**extras, "settings": asdict(settings), "iteration": SEARCH_ITERATION,
             "prompts": [{"prompt": prompt, "prompt_key": p, "nfe": forest.nfe[p], "rounds": result.trace[p], "best": best[p]}
                         for p, prompt in enumerate(prompts)]}

@@ -1,0 +1,48 @@
+"""`branchdiff bench search`: the winners read off one anytime run at each budget of the grid
+(hand-made rounds), and a small run's files, keys and ratio."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from branchdiff.bench_search import _curves, bench_search, nfe_ratio
+from branchdiff.search.run import SearchResult
+
+
+def test_each_budget_takes_the_best_leaf_of_the_rounds_it_pays_for():
+    """Prompt 0: rounds costing 10, 20, 29 rows with rewards 0.2, 0.9, 0.5; prompt 1: 10, 30 rows
+    with 0.4, 0.8 (a tie on strict breaks nothing). At 10 rows: winners 0.2 and 0.4 (strict 0, 1);
+    at 20: 0.9 and 0.4; at 40: 0.9 and 0.8."""
+    result = SearchResult(
+        leaves=[[5, 6, 7], [8, 9]], rewards=[[0.2, 0.9, 0.5], [0.4, 0.8]],
+        extras=[[{"strict": 0.0}, {"strict": 1.0}, {"strict": 0.0}], [{"strict": 1.0}, {"strict": 0.0}]],
+        trace=[[{"nfe": 10, "images": 1}, {"nfe": 20, "images": 2}, {"nfe": 29, "images": 3}], [{"nfe": 10, "images": 1}, {"nfe": 30, "images": 2}]])
+    rewards, strict = _curves(result, [10, 20, 40])
+    assert rewards == pytest.approx([0.3, 0.65, 0.85]) and strict == [0.5, 1.0, 0.5]
+
+
+def test_the_nfe_ratio_compares_first_times_at_the_references_final():
+    """Reference 0.5 → 0.7 → 0.9 at 10, 20, 40 rows: it first reaches 0.9 at 40; a variant 0.6 → 0.9
+    at 10, 20 reaches it at 20: ratio 2. A variant at 0.5, 0.8 reaches 0.9 never (None); level curves: 1."""
+    grid = [10, 20, 40]
+    assert nfe_ratio([0.5, 0.7, 0.9], [0.6, 0.9, 0.95], grid) == 2.0
+    assert nfe_ratio([0.5, 0.7, 0.9], [0.5, 0.8, 0.85], grid) is None
+    assert nfe_ratio([0.5, 0.7, 0.7], [0.5, 0.7, 0.7], grid) == 1.0
+    assert nfe_ratio([0.5, 0.7, 0.9], [0.5, 0.6, 1.1], grid) == pytest.approx(40 / (20 + 20 * 0.3 / 0.5))
+
+
+def test_a_small_bench_writes_its_table_plot_and_ratio(tmp_path):
+    result = bench_search(2, 2, tmp_path / "search.json", tmp_path, ["best-of-n", "dts-star"], prompts=2)
+    assert json.loads((tmp_path / "search.json").read_text()) == result
+    assert (tmp_path / "search.png").stat().st_size > 0 and "nfe_best_of_n_over_dts_star" in (tmp_path / "search.md").read_text()
+    assert result["grid_nfe"] == [10, 20] and set(result["searches"]) == {"best-of-n", "dts-star"}
+    for entry in result["searches"].values():
+        assert len(entry["best_reward"]["seeds"]) == 2 and all(0 <= v <= 1 for v in entry["strict"]["mean"])
+        assert entry["best_reward"]["mean"][0] <= entry["best_reward"]["mean"][1]  # anytime: more rows never lose the best
+    # with two images' rows and a cap of four children DTS* draws two new noises, as best-of-N does
+    assert result["searches"]["dts-star"]["best_reward"] == result["searches"]["best-of-n"]["best_reward"]
+    assert result["ratios"]["nfe_best_of_n_over_dts_star"] == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="known searches"):
+        bench_search(2, 1, None, tmp_path, ["beam"])
