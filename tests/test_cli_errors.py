@@ -167,7 +167,7 @@ def test_eval_missing_model(capsys, tmp_path):
         (["eval", "--steps", "many"], "eval: argument --steps: invalid int value: 'many'; see branchdiff eval --help"),
         (["trian"], "argument command: invalid choice: 'trian' (choose from 'train', 'config', 'sample', 'eval', 'rewards', 'serve-reward', 'accelerate-config', 'bench', 'report'); see branchdiff --help"),
         ([], "the following arguments are required: command; see branchdiff --help"),
-        (["sample", "--seeds", "2"], "sample: the following arguments are required: --prompt, --out; see branchdiff sample --help"),
+        (["sample", "--seeds", "2"], "sample: the following arguments are required: --out; see branchdiff sample --help"),
         (["sample", "--prompt"], "sample: argument --prompt: expected one argument; see branchdiff sample --help"),
         (["bench", "trees"], "bench: argument which: invalid choice: 'trees' (choose from 'tree', 'explore', 'curves'); see branchdiff bench --help"),
         (["eval", "--bogus", "1"], "eval: unrecognized arguments: --bogus 1; see branchdiff eval --help"),

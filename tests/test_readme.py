@@ -31,13 +31,17 @@ def use_commands() -> list[str]:
 def smaller(words: list[str]) -> list[str]:
     """The same command with smaller sizes: iterations N → N // 10 within [2, 4] (2 when not given), two prompts per
     iteration, one evaluation image per prompt; benchmarks: one repeat, seed, prompt and image, two
-    evaluations, 0.6 s of training per variant, the tree benchmark's chain and tree only."""
+    evaluations, 0.6 s of training per variant, the tree benchmark's chain and tree only; searches: 30 rows,
+    benchmarked with two images' worth and one seed."""
     if words[:2] == ["bench", "curves"]:
         swapped = {"--minutes": "0.01", "--seeds": "1"}
         out = [swapped.get(words[i - 1], w) if i else w for i, w in enumerate(words)]
         return [*out, "--points", "2", "--eval-images", "1", "prompts.per_iteration=1"]
     if words[:2] == ["bench", "tree"]:
         return [*words, "--repeats", "1", "--variants", "chain,tree", "prompts.per_iteration=1"]
+    if words[:2] == ["bench", "search"] or "--search" in words:
+        swapped = {"--images": "2", "--seeds": "1", "--budget": "30"}
+        return [swapped.get(words[i - 1], w) if i else w for i, w in enumerate(words)]
     if "train" not in words:
         return words
     out = [f"iterations={min(4, max(2, int(w.split('=')[1]) // 10))}" if w.startswith("iterations=") else w for w in words]
@@ -74,7 +78,8 @@ def test_the_readme_commands_run_in_order(tmp_path, monkeypatch, capsys):
         if words[1] == "train":  # training says where its results are
             assert re.search(r"^run folder: runs/[\w-]+/$", out, flags=re.M) and "  weights: runs/" in out and "  report: runs/" in out, out
     for made in ("runs/tiny-mix-full/transformer/diffusion_pytorch_model.safetensors", "runs/tiny-mix-full/report.html", "samples", "eval.json",
-                 "runs/tiny-chain/checkpoints", "runs/mine/transformer", "bench.json", "curves/curves.md", "runs/two/transformer"):
+                 "runs/tiny-chain/checkpoints", "runs/mine/transformer", "bench.json", "curves/curves.md", "runs/two/transformer",
+                 "found/search.json", "search/search.md"):
         assert (tmp_path / made).exists(), made
 
 
