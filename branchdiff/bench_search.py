@@ -100,7 +100,7 @@ def bench_search(images: int, seeds: int, json_path: Path | None, out_dir: Path,
         f"{format_table(result, markdown=True)}\n\n{format_ratio(result)}\n")
     if json_path:
         json_path.parent.mkdir(parents=True, exist_ok=True)
-        json_path.write_text(json.dumps(result, indent=1))
+        json_path.write_text(json.dumps(result, indent=1).replace("NaN", "null"))  # strict JSON: no image yet within a budget
     return result
 
 
@@ -109,9 +109,10 @@ def _result(runs: dict[str, list[dict]], grid: list[int], seeds: int, prompts: i
     for name, seed_runs in runs.items():
         entry = {}
         for key in ("best_reward", "strict"):
-            per_point = [list(v) for v in zip(*(r[key] for r in seed_runs))]  # (points, seeds)
-            entry[key] = {"seeds": [r[key] for r in seed_runs], "mean": [statistics.mean(v) for v in per_point],
-                          "ci": [list(t_interval(v)) for v in per_point]}
+            per_point = [list(v) for v in zip(*(r[key] for r in seed_runs))]  # (points, seeds); NaN: no image within that budget yet
+            entry[key] = {"seeds": [r[key] for r in seed_runs],
+                          "mean": [statistics.mean(v) if all(map(math.isfinite, v)) else math.nan for v in per_point],
+                          "ci": [list(t_interval(v)) if all(map(math.isfinite, v)) else [math.nan, math.nan] for v in per_point]}
         entry["nfe_mean"] = statistics.mean(n for r in seed_runs for n in r["nfe"])
         searches[name] = entry
     ratios = {}
@@ -152,7 +153,7 @@ def format_table(result: dict, markdown: bool = False) -> str:
     rows = []
     for name, entry in result["searches"].items():
         for key, label in (("best_reward", f"best {REWARD}"), ("strict", "winner strict")):
-            rows.append([name, label, *(f"{m:.3f} [{lo:.3f}, {hi:.3f}]" for m, (lo, hi) in zip(entry[key]["mean"], entry[key]["ci"]))])
+            rows.append([name, label, *("—" if math.isnan(m) else f"{m:.3f} [{lo:.3f}, {hi:.3f}]" for m, (lo, hi) in zip(entry[key]["mean"], entry[key]["ci"]))])
     if markdown:
         return "\n".join("| " + " | ".join(row) + " |" for row in [header, ["---"] * len(header), *rows])
     widths = [max(len(row[i]) for row in [header, *rows]) + 2 for i in range(len(header))]
