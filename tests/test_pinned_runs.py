@@ -63,8 +63,14 @@ def _fingerprint(start: dict[str, torch.Tensor], end: dict[str, torch.Tensor]) -
             "projections": (directions @ change).tolist(), "sha256": digest}
 
 
-def _close(value: float, pinned: float) -> bool:
-    return (math.isnan(value) and math.isnan(pinned)) or math.isclose(value, pinned, rel_tol=1e-4, abs_tol=1e-7)
+def _close(value: float, pinned: float, abs_tol: float = 1e-7) -> bool:
+    return (math.isnan(value) and math.isnan(pinned)) or math.isclose(value, pinned, rel_tol=1e-4, abs_tol=abs_tol)
+
+
+# logprob_check is itself a rounding residue (max |logp_train − logp_rollout|, a few float32 ulps or 0):
+# another machine's kernels move it by ulps (2.4e-7 pinned, 0 on another x86 machine), so it compares within 1e-6
+# (tests/test_model_families.py calls ≤ 1e-5 a ratio of 1)
+ABS_TOL = {"logprob_check": 1e-6}
 
 
 @pytest.mark.parametrize("name", sorted(RUNS))
@@ -81,7 +87,8 @@ def test_a_pinned_run_trains_and_logs_as_pinned(tmp_path, name):
         return
     assert [m.keys() for m in metrics] == [m.keys() for m in pinned["metrics"]]
     for line, pinned_line in zip(metrics, pinned["metrics"]):
-        assert all(_close(line[k], pinned_line[k]) for k in line), [k for k in line if not _close(line[k], pinned_line[k])]
+        far = [k for k in line if not _close(line[k], pinned_line[k], ABS_TOL.get(k, 1e-7))]
+        assert not far, far
     size = pinned["weights"]["change_norm"]
     assert size > 0 and weights["norms"].keys() == pinned["weights"]["norms"].keys()
     assert all(abs(weights["norms"][k] - v) <= 1e-3 * size for k, v in pinned["weights"]["norms"].items())
