@@ -141,8 +141,9 @@ def cmd_sample(args: argparse.Namespace) -> None:
         from branchdiff.search.command import regrow_trace, search_and_write
 
         adapter = _load(settings, args.weights)
-        run = regrow_trace if args.from_trace is not None else search_and_write
-        for path in run(adapter, args, settings, seed):
+        written = (regrow_trace(adapter, args.from_trace, args.weights, args.out) if args.from_trace is not None else
+                   search_and_write(adapter, args, settings, seed))
+        for path in written:
             print(path)
         return
     from branchdiff.evaluate import sample_ode
@@ -169,7 +170,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
     settings, run = _settings(args)
     state = PartialState(cpu=args.device == "cpu")
     prompt_set = load_prompt_set(settings.prompts)
-    specs = _reward_specs(settings.rewards) if isinstance(settings.rewards, str) else parse_reward_specs(settings.rewards)
+    specs = reward_specs_from_text(settings.rewards) if isinstance(settings.rewards, str) else parse_reward_specs(settings.rewards)
     rewards = {spec.label: build_component(spec, args.device) for spec in specs}
     out = args.out or Path("eval-" + (run.name if run else Path(args.weights or "base").stem))
     result = evaluate(_load(settings, args.weights, state.device), prompt_set, rewards, settings.images_per_prompt, settings.steps,
@@ -248,7 +249,7 @@ def _kwargs(text: str | None) -> dict:
     return value
 
 
-def _reward_specs(text: str) -> list:
+def reward_specs_from_text(text: str) -> list:
     """`--rewards a,b,http://host:port` or the config's form, `'[{name: hpsv2.1, kwargs: {checkpoint: ...}}]'`."""
     from branchdiff.rewards.combine import RewardSpec, parse_reward_specs
 

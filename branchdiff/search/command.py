@@ -20,10 +20,10 @@ from branchdiff.search.sample import SearchSettings, read_trace, regenerate, sea
 def search_and_write(adapter: ModelAdapter, args: argparse.Namespace, settings: EvalSettings, seed: int) -> Iterator[Path]:
     """Search every `--prompt` with `--reward`; write the best images, then the trace; yield the paths."""
     from branchdiff import storage
-    from branchdiff.commands import _reward_specs, file_name
+    from branchdiff.commands import file_name, reward_specs_from_text
     from branchdiff.rewards.multi import build_component, score_component
 
-    spec = _reward_specs(args.reward)
+    spec = reward_specs_from_text(args.reward)
     if len(spec) != 1:
         raise ValueError(f"--reward {args.reward}: a search maximises one reward; name one (a name, dotted path or server URL)")
     label, reward = spec[0].label, build_component(spec[0], "cpu")
@@ -53,13 +53,13 @@ def search_and_write(adapter: ModelAdapter, args: argparse.Namespace, settings: 
     yield args.out / "search.json"
 
 
-def regrow_trace(adapter: ModelAdapter, args: argparse.Namespace, settings: EvalSettings, seed: int) -> Iterator[Path]:
-    """Regrow a trace's best images from their noise paths (with the model and weights given) and write them."""
-    recorded = read_trace(args.from_trace)
-    if recorded.get("weights") != args.weights:
-        print(f"note: the trace was searched with weights {recorded.get('weights')}; regrowing with {args.weights}: the images "
+def regrow_trace(adapter: ModelAdapter, trace_path: Path, weights: str | None, out: Path) -> Iterator[Path]:
+    """Regrow a trace's best images from their noise paths (with the model and weights given) and write them to `out`."""
+    recorded = read_trace(trace_path)
+    if recorded.get("weights") != weights:
+        print(f"note: the trace was searched with weights {recorded.get('weights')}; regrowing with {weights}: the images "
               "are the same only with the same model and weights", file=sys.stderr)
     for _, latent, best in regenerate(adapter, recorded):
-        path = args.out / best["image"]
+        path = out / best["image"]
         save_image(adapter.decode(latent[None])[0], path)
         yield path
