@@ -114,24 +114,12 @@ def test_a_ddim_family_is_refused_with_the_fix(tmp_path):
 
 def test_a_run_resumed_from_its_checkpoint_ends_like_an_unstopped_one(tmp_path):
     """Two optimizer steps per iteration, so the second sees moved weights and the guard's clip acts."""
-    import json
-
-    from safetensors.torch import load_file
-
-    from branchdiff.cli import main
+    from resumed_runs import assert_resumed_run_equals_straight  # tests/ is on sys.path
 
     def args(run, iterations):
         return ["train", "tiny-chain", f"output_dir={run}", f"iterations={iterations}", "prompts.per_iteration=2", "tree.roots=2",
                 "train.loss=grpo-guard", "sampling.num_steps=4", "final_eval=false", "logging.tensorboard=false", "logging.sample_every=0",
                 "logging.checkpoint_every=1", "train.learning_rate=1e-3", "train.minibatch=2", "train.optimizer_every=8"]
 
-    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    assert main(args(straight, 2)) == 0
-    assert main(args(resumed, 1)) == 0
-    assert main([*args(resumed, 2), "--resume", "latest"]) == 0
-    a, b = (load_file(run / "transformer" / "diffusion_pytorch_model.safetensors") for run in (straight, resumed))
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    lines = [[json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()] for run in (straight, resumed)]
-    assert [{k: v for k, v in m.items() if "seconds" not in k} for m in lines[0]] == [{k: v for k, v in m.items() if "seconds" not in k}
-                                                                                      for m in lines[1]]
-    assert lines[0][1]["optimizer_steps"] == 2 and lines[0][1]["clip_fraction"] > 0
+    lines = assert_resumed_run_equals_straight(args, tmp_path, 1, 2)
+    assert lines[1]["optimizer_steps"] == 2 and lines[1]["clip_fraction"] > 0

@@ -115,24 +115,12 @@ def test_a_ddim_family_is_refused_with_the_fix(tmp_path):
 def test_a_run_resumed_from_its_checkpoint_ends_like_an_unstopped_one(tmp_path):
     """A tree (so groups have a best path and the SFT term acts) with two optimizer steps per
     iteration: the run stopped after iteration 0 and resumed ends with the same weights and metrics."""
-    import json
-
-    from safetensors.torch import load_file
-
-    from branchdiff.cli import main
+    from resumed_runs import assert_resumed_run_equals_straight  # tests/ is on sys.path
 
     def args(run, iterations):
         return ["train", "tiny-mix", f"output_dir={run}", f"iterations={iterations}", "prompts.per_iteration=2", "train.loss=grpo-layertuning",
                 "layertuning.sft_weight=0.1", "final_eval=false", "eval_every=0", "logging.tensorboard=false", "logging.sample_every=0",
                 "logging.checkpoint_every=1", "train.learning_rate=1e-3", "train.minibatch=8", "train.optimizer_every=22", "train.ema_decay=0.5"]
 
-    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    assert main(args(straight, 2)) == 0
-    assert main(args(resumed, 1)) == 0
-    assert main([*args(resumed, 2), "--resume", "latest"]) == 0
-    a, b = (load_file(run / "transformer" / "diffusion_pytorch_model.safetensors") for run in (straight, resumed))
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    lines = [[json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()] for run in (straight, resumed)]
-    assert [{k: v for k, v in m.items() if "seconds" not in k} for m in lines[0]] == [{k: v for k, v in m.items() if "seconds" not in k}
-                                                                                      for m in lines[1]]
-    assert lines[0][1]["optimizer_steps"] == 2 and lines[0][1]["sft_edges"] > 0 and lines[0][1]["sft"] > 0
+    lines = assert_resumed_run_equals_straight(args, tmp_path, 1, 2)
+    assert lines[1]["optimizer_steps"] == 2 and lines[1]["sft_edges"] > 0 and lines[1]["sft"] > 0

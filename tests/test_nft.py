@@ -5,13 +5,9 @@ tests/test_multiprocess.py.)"""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
-from safetensors.torch import load_file
 
-from branchdiff.cli import main
 from branchdiff.config import ConfigError, load_config
 from branchdiff.loss import nft_loss, nft_optimality
 
@@ -84,16 +80,12 @@ def test_a_run_resumed_from_its_checkpoint_ends_like_an_unstopped_one(tmp_path):
                 "logging.checkpoint_every=1", "train.learning_rate=1e-3", "train.minibatch=4", "train.optimizer_every=4",
                 "nft.old_decay_rate=0.3"]
 
-    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    assert main(args(straight, 3)) == 0
-    assert main(args(resumed, 2)) == 0
-    assert (resumed / "checkpoints" / "iter-000001" / "sampling_policy.safetensors").is_file()
-    assert main([*args(resumed, 3), "--resume", "latest"]) == 0
-    a, b = (load_file(run / "transformer" / "diffusion_pytorch_model.safetensors") for run in (straight, resumed))
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    lines = [[json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()] for run in (straight, resumed)]
-    assert [{k: v for k, v in m.items() if "seconds" not in k} for m in lines[0]] == [{k: v for k, v in m.items() if "seconds" not in k}
-                                                                                      for m in lines[1]]
+    from resumed_runs import assert_resumed_run_equals_straight  # tests/ is on sys.path
+
+    def sampling_policy_saved(run):
+        assert (run / "checkpoints" / "iter-000001" / "sampling_policy.safetensors").is_file()
+
+    assert_resumed_run_equals_straight(args, tmp_path, 2, 3, sampling_policy_saved)
 
 
 def test_too_many_timesteps_and_a_ddim_family_are_refused_with_the_fix(tmp_path):

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from branchdiff.engine import Children, NoiseAddress, SamplerSettings, expand, initial_noise, predict, rows_per_latent, step_kind
+from branchdiff.engine import NoiseAddress, SamplerSettings, expand, initial_noise, predict, rows_per_latent, step_kind
 from branchdiff.models.base import ModelAdapter, PromptEmbeds, select_embeds
 from branchdiff.noise import NodePath
 from branchdiff.schedulers.schedule import Schedule
@@ -42,7 +42,6 @@ class SearchForest:
     latent: list[torch.Tensor | None] = field(default_factory=list)  # (*latent_shape) per node; None for virtual roots
     output: list[torch.Tensor | None] = field(default_factory=list)  # the node's model output, once computed
     value: list[float] = field(default_factory=list)  # backed-up value (NaN: none yet)
-    visits: list[int] = field(default_factory=list)
     nfe: list[int] = field(default_factory=list)  # network rows spent per prompt
 
     def __post_init__(self) -> None:
@@ -70,7 +69,6 @@ class SearchForest:
         self.latent.append(latent)
         self.output.append(None)
         self.value.append(math.nan)
-        self.visits.append(0)
         if parent >= 0:
             self.children[parent].append(node)
         return node
@@ -90,11 +88,13 @@ class SearchForest:
 
     def cost_of_child(self, node: int, branching: list[int] | None = None) -> int:
         """Network rows to add one child to `node` and complete it to the last depth with `branching`
-        children per node at each depth (None: one, a roll-out)."""
-        sizes, rows = [1], 0 if self.depth[node] < 0 or self.output[node] is not None else 1
+        children per node at each depth (None: one, a roll-out): the node's own prediction unless
+        kept (none for a virtual root), then one per node of each depth below it but the last."""
+        rows = 0 if self.depth[node] < 0 or self.output[node] is not None else 1
+        width = 1  # nodes of the new subtree at the depth being counted
         for depth in range(self.depth[node] + 1, self.num_steps):
-            rows += sizes[-1]
-            sizes.append(sizes[-1] * (1 if branching is None else branching[depth]))
+            rows += width
+            width *= 1 if branching is None else branching[depth]
         return rows * self.rows_per_node()
 
     def _predict(self, nodes: list[int]) -> None:
@@ -110,37 +110,29 @@ class SearchForest:
             self.nfe[self.prompt[node]] += self.rows_per_node()
 
     def add_children(self, parents: list[int]) -> list[int]:
-        """One new child of each of `parents` (a parent may repeat: one child per mention), in order."""
-        roots = [p for p in parents if self.depth[p] < 0]
-        inner = [p for p in parents if self.depth[p] >= 0]
-        self._predict(list(dict.fromkeys(inner)))
-        planned: dict[int, int] = {}
-        made: dict[int, list[int]] = {}
-        paths: list[NodePath] = []
-        for p in parents:
-            index = len(self.children[p]) + planned.get(p, 0)
-            planned[p] = planned.get(p, 0) + 1
-            paths.append(self.path[p] + (index,))
+        """One new child of each of `parents` (a parent may repeat: one child per mention), in order:
+        initial noise under a virtual root, else one step from the parent's (kept) model output."""
+        self._predict(list(dict.fromkeys(p for p in parents if self.depth[p] >= 0)))
+        paths, taken = [], {}
+        for p in parents:  # the child index: the parent's children so far, and this call's earlier ones
+            taken[p] = taken.get(p, len(self.children[p])) + 1
+            paths.append(self.path[p] + (taken[p] - 1,))
         keys = [self.address.prompt_keys[self.prompt[p]] for p in parents]
-        latents: list[torch.Tensor] = [None] * len(parents)  # type: ignore[list-item]
-        root_rows = [i for i, p in enumerate(parents) if self.depth[p] < 0]
-        if roots:
-            noise = initial_noise(self.address, [keys[i] for i in root_rows], [paths[i] for i in root_rows], self.adapter.latent_shape,
-                                  self.adapter.device)
-            for row, i in enumerate(root_rows):
-                latents[i] = noise[row]
-        inner_rows = [i for i, p in enumerate(parents) if self.depth[p] >= 0]
-        if inner:
-            step: Children = expand(self.spec, self.schedule, self.settings, self.address,
-                                    torch.tensor([self.depth[parents[i]] for i in inner_rows]),
-                                    torch.stack([self.latent[parents[i]] for i in inner_rows]),
-                                    torch.stack([self.output[parents[i]] for i in inner_rows]),
-                                    [keys[i] for i in inner_rows], [paths[i] for i in inner_rows])
-            for row, i in enumerate(inner_rows):
-                latents[i] = step.latents[row]
-        for i, p in enumerate(parents):
-            made.setdefault(p, []).append(self._append(p, self.depth[p] + 1, self.prompt[p], paths[i], latents[i]))
-        return [made[p].pop(0) for p in parents]
+        latents: list[torch.Tensor | None] = [None] * len(parents)
+        for at_root in (True, False):
+            rows = [i for i, p in enumerate(parents) if (self.depth[p] < 0) == at_root]
+            if not rows:
+                continue
+            if at_root:
+                made = initial_noise(self.address, [keys[i] for i in rows], [paths[i] for i in rows], self.adapter.latent_shape,
+                                     self.adapter.device)  # (R, ...)
+            else:
+                made = expand(self.spec, self.schedule, self.settings, self.address, torch.tensor([self.depth[parents[i]] for i in rows]),
+                              torch.stack([self.latent[parents[i]] for i in rows]), torch.stack([self.output[parents[i]] for i in rows]),
+                              [keys[i] for i in rows], [paths[i] for i in rows]).latents  # (C, ...)
+            for row, i in enumerate(rows):
+                latents[i] = made[row]
+        return [self._append(p, self.depth[p] + 1, self.prompt[p], paths[i], latents[i]) for i, p in enumerate(parents)]
 
     def complete(self, nodes: list[int], branching: list[int] | None = None) -> list[int]:
         """Grow every node of `nodes` down to the last depth, `branching[d]` children per node at depth

@@ -70,8 +70,7 @@ def run_search(forest: SearchForest, search: Search, budget: int, score: Score, 
         for row, (leaf, reward) in enumerate(zip(leaves, rewards.tolist())):
             prompt = forest.prompt[leaf]
             forest.value[leaf] = reward if math.isfinite(reward) else -math.inf
-            for node in backup_path(forest.parent, forest.children, forest.value, leaf, search.backup, search.temperature):
-                forest.visits[node] += 1
+            backup_path(forest.parent, forest.children, forest.value, leaf, search.backup, search.temperature)
             result.leaves[prompt].append(leaf)
             result.rewards[prompt].append(reward)
             result.extras[prompt].append({name: float(values[row]) for name, values in extras.items()})
