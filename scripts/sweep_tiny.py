@@ -82,14 +82,21 @@ def main() -> None:
     parser.add_argument("--eval-every", type=int, default=60)
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--out", type=Path, default=Path("sweep"))
+    parser.add_argument("--only", nargs="+", help="run (or read) only these configurations of the file")
     args = parser.parse_args()
     configs = yaml.safe_load(args.configs.read_text())
+    if args.only:
+        unknown = sorted(set(args.only) - set(configs))
+        if unknown:
+            parser.error(f"--only: {', '.join(unknown)} not in {args.configs} (it has {', '.join(configs)})")
+        configs = {name: configs[name] for name in args.only}
     args.out.mkdir(parents=True, exist_ok=True)
     jobs = [(name, spec["preset"], list(spec.get("overrides", [])), seed) for seed in args.seeds for name, spec in configs.items()]
     start = time.time()
     with ThreadPoolExecutor(args.jobs) as pool:
         results = list(pool.map(lambda job: run_one(*job, args.iterations, args.eval_every, args.out), jobs))
-    text = (f"`python scripts/sweep_tiny.py {args.configs} --seeds {' '.join(map(str, args.seeds))} --iterations {args.iterations} "
+    only = f" --only {' '.join(args.only)}" if args.only else ""
+    text = (f"`python scripts/sweep_tiny.py {args.configs}{only} --seeds {' '.join(map(str, args.seeds))} --iterations {args.iterations} "
             f"--eval-every {args.eval_every} --jobs {args.jobs}` ({time.time() - start:.0f} s)\n\n" + table(results, list(configs)))
     (args.out / "sweep.md").write_text(text + "\n")
     (args.out / "sweep.json").write_text(json.dumps({"configs": configs, "results": results}, indent=1))
