@@ -174,7 +174,8 @@ def _model_arguments(sub: argparse.ArgumentParser) -> None:
 
     sub.add_argument("--family", default=None, choices=list(FAMILIES), help="model family (default: tiny)")
     sub.add_argument("--model", default=None, help="diffusers pipeline directory or hub id (default: the built-in tiny model)")
-    sub.add_argument("--resolution", type=_at_least(8), default=None, help="image side in pixels (default: the family's)")
+    sub.add_argument("--resolution", type=_image_size, default=None, help="image size in pixels: H (a square) or HxW, e.g. 768x1344 "
+                                                                      "(default: the run's, else the family's)")
     sub.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"], help="weights' dtype (default: float32)")
 
 
@@ -190,6 +191,18 @@ def _at_least(low: int) -> Callable[[str], int]:
         return value
 
     return whole
+
+
+def _image_size(text: str) -> int | list[int]:
+    """argparse type: H or HxW (H,W), each side a whole number of pixels in [8, 8192]."""
+    sides = text.lower().replace(",", "x").split("x")
+    try:
+        values = [int(side) for side in sides]
+    except ValueError:
+        values = []
+    if len(values) not in (1, 2) or not all(8 <= v <= 8192 for v in values):
+        raise argparse.ArgumentTypeError(f"{text!r} is not an image size; give H (a square) or HxW, each in [8, 8192], e.g. 1024 or 768x1344")
+    return values[0] if len(values) == 1 else values
 
 
 def _finite(text: str) -> float:

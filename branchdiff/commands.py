@@ -55,15 +55,18 @@ def cmd_train(args: argparse.Namespace) -> None:
             raise
         raise explained from None
     train(trainer)
+    comparison = trainer.final_evaluation() if config.final_eval else None  # every process samples its share
+    trainer.accelerator.end_training()  # the processes disconnect
     if not trainer.accelerator.is_main_process:
         return
-    if config.final_eval:
+    if comparison is not None:
         print(f"held-out evaluation ({config.prompts.eval}, {config.prompts.eval_seeds} seeds each, ODE {config.sampling.num_steps} steps):")
-        print(format_comparison(trainer.final_evaluation()))
+        print(format_comparison(comparison))
     from branchdiff.run_report import write_report
+    from branchdiff.sharding import plain_class
 
     how = ("pipe.load_lora_weights loads it" if trainer.finetune.export_name == "lora" else
-           f"{type(trainer.adapter.denoiser).__name__}.from_pretrained loads it")
+           f"{plain_class(trainer.adapter.denoiser).__name__}.from_pretrained loads it")
     print(f"run folder: {run_dir}/\n  weights: {run_dir / trainer.finetune.export_name}/  ({how}; "
           f"branchdiff sample/eval --weights {run_dir})\n"
           f"  report: {write_report(run_dir)}\n  checkpoints: {trainer.checkpoint_dir}/ (continue with --resume latest)")
@@ -203,7 +206,7 @@ def cmd_accelerate_config(args: argparse.Namespace) -> None:
     if args.name is None:
         for name in configs:
             first = (ACCELERATE_DIR / f"{name}.yaml").read_text().splitlines()[0].lstrip("# ")
-            print(f"{name:<12}{first}")
+            print(f"{name:<14}{first}")
         return
     if args.name not in configs:
         raise ValueError(f"no packaged accelerate config {args.name!r}; available: {', '.join(configs)}")

@@ -21,7 +21,7 @@ import yaml
 
 from branchdiff.ema import validate_decay
 from branchdiff.lr_schedule import SCHEDULES, validate_warmup
-from branchdiff.models.families import FAMILIES, LORA_TARGET_SETS, STEP_KINDS
+from branchdiff.models.families import FAMILIES, LORA_TARGET_SETS, STEP_KINDS, image_size
 from branchdiff.rewards.combine import parse_reward_specs
 from branchdiff.tree_settings import tree_spec, validate_cps, validate_ode, validate_trainable, validate_tree
 from branchdiff.typed_yaml import ConfigError, build, choice, in_range, merge, non_negative, parse_override, positive, read_yaml
@@ -33,7 +33,7 @@ PRESET_DIR = Path(__file__).parent / "configs"
 class ModelConfig:
     family: str = choice("tiny", *FAMILIES)  # model family (branchdiff/models/, docs/models.md)
     path: str | None = None  # local directory or hub id of the diffusers pipeline; None = the built-in tiny model
-    resolution: int | None = in_range(None, 8, 8192)  # image side in pixels; None = the family's default (tiny 32, sd15 512, others 1024)
+    resolution: int | list[int] | None = None  # image size in pixels: H (a square) or [H, W]; None = the family's default square (tiny 32, sd15 512, others 1024)
     dtype: str = choice("float32", "float32", "bfloat16", "float16")  # base weights' dtype (LoRA parameters stay float32)
     offload: bool = False  # keep text encoders and VAE on the CPU except while they run
     finetune: str = choice("lora", "lora", "full")  # lora: a LoRA adapter (train.lora_rank, lora_alpha); full: every weight of the denoiser
@@ -241,7 +241,11 @@ def validate(config: TrainConfig) -> None:
         raise ConfigError("'watch.stop' = true needs held-out evaluations to watch: set eval_every (e.g. eval_every=20) and the gold "
                           "score in watch.gold (an eval_rewards score)")
     family = FAMILIES[config.model.family]
-    if family.fixed_resolution and config.model.resolution not in (None, family.resolution):
+    try:
+        size = image_size(config.model.resolution, family.resolution)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+    if family.fixed_resolution and size != (family.resolution, family.resolution):
         raise ConfigError(f"'model.resolution' = {config.model.resolution}: model.family={config.model.family} makes only "
                           f"{family.resolution}×{family.resolution} images; leave model.resolution unset")
     try:

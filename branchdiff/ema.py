@@ -20,6 +20,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from branchdiff.sharding import full_tensor, shard_like
 from branchdiff.typed_yaml import ConfigError
 
 EMA_FILE = "ema.safetensors"  # a checkpoint's averaged weights, with the step count in its metadata
@@ -40,7 +41,10 @@ class WeightAverage:
 
         validate_decay(decay)
         self.params = params
-        self.average = EMAModel(params, decay=decay, foreach=True)
+        from torch.distributed.tensor import DTensor
+
+        sharded = any(isinstance(p, DTensor) for p in params)  # DTensors have no fused (foreach) copy
+        self.average = EMAModel(params, decay=decay, foreach=not sharded)
 
     @property
     def steps(self) -> int:
@@ -64,10 +68,12 @@ class WeightAverage:
         finally:
             self.average.restore(self.params)
 
-    def save(self, folder: Path, name: str = EMA_FILE) -> None:
-        """The average as `folder/name` (tensor i = parameter i), its step count as metadata."""
-        tensors = {str(i): shadow.detach().contiguous() for i, shadow in enumerate(self.average.shadow_params)}
-        save_file(tensors, folder / name, metadata={"optimization_step": str(self.steps)})
+    def save(self, folder: Path, name: str = EMA_FILE, write: bool = True) -> None:
+        """The average as `folder/name` (tensor i = parameter i, whole), its step count as metadata.
+        Every process calls it (sharded parameters' averages are gathered); only with `write` is it written."""
+        tensors = {str(i): full_tensor(shadow.detach()).contiguous() for i, shadow in enumerate(self.average.shadow_params)}
+        if write:
+            save_file(tensors, folder / name, metadata={"optimization_step": str(self.steps)})
 
     def load(self, folder: Path, name: str = EMA_FILE) -> None:
         """The average saved by `save`; refused unless it holds one tensor of the right shape per parameter."""
@@ -82,4 +88,4 @@ class WeightAverage:
         if len(tensors) != len(shapes) or saved != shapes:
             raise ValueError(f"{path} holds {len(tensors)} averaged tensors that do not match the {len(shapes)} trained parameters")
         self.average.load_state_dict({"optimization_step": steps,
-                                      "shadow_params": [tensors[str(i)].to(p.device, p.dtype) for i, p in enumerate(self.params)]})
+                                      "shadow_params": [shard_like(tensors[str(i)], p) for i, p in enumerate(self.params)]})

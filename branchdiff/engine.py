@@ -70,10 +70,17 @@ def forward_chunked(
     """The guided model output for latents (B, ...) at times (B,) in forwards of at most
     `max_batch` network rows (max_batch // 2 latents under CFG), and the network rows computed;
     with `exact`, a short chunk is padded (its last latent repeated) to a full chunk and the
-    padding dropped after."""
+    padding dropped after. A sharded denoiser (`adapter.lockstep`) makes as many forwards as the
+    other processes do for their batch: the missing ones are padding forwards of one latent, dropped."""
     rows_each = rows_per_latent(adapter, settings)
     chunk = max(1, settings.max_batch // rows_each)
     outputs, computed = [], 0
+    if adapter.lockstep is not None:
+        forwards = -(-latents.shape[0] // chunk)
+        for _ in range(adapter.lockstep(forwards) - forwards):
+            if not len(latents):
+                raise RuntimeError("a sharded denoiser must join the other processes' forwards, but this process has no latent to forward")
+            adapter.predict(latents[:1], times[:1], select_embeds(embeds, torch.tensor([0])), settings.guidance)
     for start in range(0, latents.shape[0], chunk):
         rows = torch.arange(start, min(start + chunk, latents.shape[0]))
         if settings.exact and len(rows) < chunk:

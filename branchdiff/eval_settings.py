@@ -23,7 +23,7 @@ EVAL_RUN_SEED = 1234  # the noise seed of every evaluation, in training too (eva
 class EvalSettings:
     family: str = "tiny"
     model: str | None = None  # None: the built-in tiny model
-    resolution: int | None = None
+    resolution: int | list[int] | None = None  # H or [H, W]
     dtype: str = "float32"
     steps: int = 10
     shift: float | None = None

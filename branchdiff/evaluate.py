@@ -107,19 +107,27 @@ def save_jpeg(image: torch.Tensor, path: Path) -> None:
 def evaluate(
     adapter: ModelAdapter, prompt_set: PromptSet, rewards: dict[str, object], images_per_prompt: int, num_steps: int,
     shift: float | None = None, seed: int = EVAL_RUN_SEED, process_index: int = 0, num_processes: int = 1, chunk: int = 16,
-    progress: bool = False, out_dir: Path | None = None, guidance: float | None = None,
+    progress: bool = False, out_dir: Path | None = None, guidance: float | None = None, lockstep: bool = False,
 ) -> EvalResult:
     """This process's share of the evaluation: prompts process_index, process_index + num_processes, ...
     (`gather_results` joins the shares); with `out_dir`, each image is written there as it is made
-    (`image_path`), so no process holds more than a chunk of images; `progress` shows a bar."""
+    (`image_path`), so no process holds more than a chunk of images; `progress` shows a bar. With
+    `lockstep` (a sharded denoiser) every process samples as many prompts, in chunks of the same
+    sizes: a shorter share is padded with its last prompt (or the first), whose images are dropped."""
     mine = list(range(process_index, len(prompt_set.prompts), num_processes))
+    share = -(-len(prompt_set.prompts) // num_processes) if lockstep else len(mine)
+    sampled = mine + [mine[-1] if mine else 0] * (share - len(mine))
     paths = benchmark_paths(prompt_set)
     scores: dict[str, list[torch.Tensor]] = {name: [] for name in score_names(rewards)}
     with tqdm(total=len(mine), desc="eval", unit="prompt", disable=not progress) as bar:  # closed (its line ended) on errors too
-        for start in range(0, len(mine), chunk):
-            keys = mine[start : start + chunk]
+        for start in range(0, len(sampled), chunk):
+            keys = sampled[start : start + chunk]
             prompts = [prompt_set.prompts[k] for k in keys]
             images, image_prompts = sample_ode(adapter, prompts, images_per_prompt, num_steps, shift, seed, keys, guidance)
+            keys = keys[: max(0, len(mine) - start)]  # the padding's images are dropped
+            images, image_prompts = images[: len(keys) * images_per_prompt], image_prompts[: len(keys) * images_per_prompt]
+            if not keys:
+                continue
             metadata = [prompt_set.metadata[k] for k in keys for _ in range(images_per_prompt)]
             for name, values in score_images(rewards, images, image_prompts, metadata).items():
                 scores[name].append(values)

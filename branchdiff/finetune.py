@@ -8,6 +8,7 @@ parameter of the denoiser (`model.finetune: full`). A `Finetune` answers everyth
 | (KL reference, base    | (no memory)                                     | denoiser in memory, only when train.kl_beta > 0 or  |
 | evaluation)            |                                                 | final_eval)                                         |
 | checkpoint             | `pytorch_lora_weights.safetensors`              | `denoiser.safetensors` (every weight)               |
+| under FSDP             | the adapter's layers sharded with their blocks  | the denoiser and the frozen copy sharded            |
 | export                 | RUN/lora, for `pipe.load_lora_weights()`        | RUN/<transformer or unet>, a diffusers folder for   |
 |                        |                                                 | `<DenoiserClass>.from_pretrained` (then the family's|
 |                        |                                                 | pipeline: `from_pretrained(base, transformer=...)`) |
@@ -26,9 +27,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from branchdiff import storage
+from branchdiff import sharding, storage
 from branchdiff.models.base import ModelAdapter
 from branchdiff.models.lora import LORA_FILE, add_lora, canonical_header
+from branchdiff.sharding import Lockstep, ShardingSettings
 
 FULL_WEIGHTS = "denoiser.safetensors"  # a full fine-tuning checkpoint's weights
 
@@ -41,6 +43,13 @@ class LoraFinetune:
         self.params = add_lora(adapter.denoiser, adapter.lora_targets(targets), rank, alpha, seed)
         self.export_name = "lora"
 
+    def shard(self, settings: ShardingSettings, lockstep: Lockstep) -> None:
+        """FSDP2 over the denoiser, LoRA inside its blocks (branchdiff/sharding.py); `params` become the
+        shards and the adapter's forwards agree in number with the other processes' (`lockstep`)."""
+        sharding.shard(self.adapter.denoiser, settings)
+        self.adapter.lockstep = lockstep
+        self.params = [p for p in self.adapter.denoiser.parameters() if p.requires_grad]
+
     @contextmanager
     def base(self) -> Iterator[ModelAdapter]:
         """The base model: the same adapter with its LoRA disabled for the block."""
@@ -50,15 +59,20 @@ class LoraFinetune:
         finally:
             self.adapter.denoiser.enable_adapters()
 
-    def save_state(self, denoiser: torch.nn.Module, folder: Path) -> None:
-        self.adapter.save_lora(folder, denoiser)
+    def trained_state(self) -> dict[str, torch.Tensor]:
+        """The LoRA tensors by their name in the denoiser, whole (every process calls it: sharded ones are gathered)."""
+        return sharding.full_state(self.adapter.denoiser, lambda name: "lora_" in name)
 
-    def load_state(self, denoiser: torch.nn.Module, folder: Path) -> None:
-        self.adapter.load_lora_state(folder, denoiser)
+    def write_state(self, state: dict[str, torch.Tensor], folder: Path) -> None:
+        """A checkpoint's LoRA: the export's file, which `pipe.load_lora_weights()` also reads."""
+        self.write_export(state, folder)
 
-    def export(self, folder: Path) -> None:
+    def load_state(self, folder: Path) -> None:
+        self.adapter.load_lora_state(folder)
+
+    def write_export(self, state: dict[str, torch.Tensor], folder: Path) -> None:
         """The LoRA as `pipe.load_lora_weights()` reads it."""
-        self.adapter.save_lora(folder)
+        self.adapter.save_lora(folder, state)
 
 
 class FullFinetune:
@@ -74,6 +88,16 @@ class FullFinetune:
             self._base = copy.copy(adapter)
             self._base.denoiser = copy.deepcopy(adapter.denoiser).requires_grad_(False).eval()
 
+    def shard(self, settings: ShardingSettings, lockstep: Lockstep) -> None:
+        """FSDP2 over the denoiser and over the frozen copy (branchdiff/sharding.py); `params` become the
+        shards and both adapters' forwards agree in number with the other processes' (`lockstep`)."""
+        sharding.shard(self.adapter.denoiser, settings)
+        self.adapter.lockstep = lockstep
+        if self._base is not None:
+            sharding.shard(self._base.denoiser, settings)
+            self._base.lockstep = lockstep
+        self.params = list(self.adapter.denoiser.parameters())
+
     @contextmanager
     def base(self) -> Iterator[ModelAdapter]:
         """The base model: the frozen copy."""
@@ -81,15 +105,26 @@ class FullFinetune:
             raise RuntimeError("model.finetune=full keeps the base model only when train.kl_beta > 0 or final_eval is true")
         yield self._base
 
-    def save_state(self, denoiser: torch.nn.Module, folder: Path) -> None:
-        save_file({k: v.detach().contiguous() for k, v in denoiser.state_dict().items()}, folder / FULL_WEIGHTS)
+    def trained_state(self) -> dict[str, torch.Tensor]:
+        """Every weight of the denoiser (its state dict), whole (every process calls it: sharded ones are gathered)."""
+        return sharding.full_state(self.adapter.denoiser)
 
-    def load_state(self, denoiser: torch.nn.Module, folder: Path) -> None:
-        load_full_state(denoiser, folder)
+    def write_state(self, state: dict[str, torch.Tensor], folder: Path) -> None:
+        save_file({k: v.contiguous() for k, v in state.items()}, folder / FULL_WEIGHTS)
 
-    def export(self, folder: Path) -> None:
-        """A diffusers folder of the denoiser (config.json and safetensors weights)."""
-        self.adapter.denoiser.save_pretrained(folder, safe_serialization=True)
+    def load_state(self, folder: Path) -> None:
+        load_full_state(self.adapter.denoiser, folder)
+
+    def write_export(self, state: dict[str, torch.Tensor], folder: Path) -> None:
+        """A diffusers folder of the denoiser (config.json and safetensors weights). A sharded denoiser is
+        written through an unsharded instance of its class holding `state` (made on the meta device: no
+        second copy of the weights), so the folder is the one an unsharded run writes."""
+        denoiser = self.adapter.denoiser
+        if sharding.is_sharded(denoiser):
+            with torch.device("meta"):
+                denoiser = sharding.plain_class(denoiser).from_config(denoiser.config)
+            denoiser.load_state_dict(state, assign=True)
+        denoiser.save_pretrained(folder, safe_serialization=True)
         for weights in folder.glob("*.safetensors"):
             canonical_header(weights)
 
@@ -102,7 +137,7 @@ def load_full_state(denoiser: torch.nn.Module, folder: Path) -> None:
         missing = sorted(expected - state.keys())
         raise ValueError(f"{folder / FULL_WEIGHTS} does not match the denoiser: {len(missing)} of its {len(expected)} tensors missing"
                          f"{f' (e.g. {missing[0]})' if missing else ''}, {len(state.keys() - expected)} unexpected")
-    denoiser.load_state_dict(state)
+    sharding.load_full_state(denoiser, state)
 
 
 def make_finetune(adapter: ModelAdapter, finetune: str, targets: str | list[str], rank: int, alpha: float, seed: int,
@@ -113,9 +148,13 @@ def make_finetune(adapter: ModelAdapter, finetune: str, targets: str | list[str]
     return LoraFinetune(adapter, targets, rank, alpha, seed)
 
 
-def export(finetune: LoraFinetune | FullFinetune, run_dir: Path) -> Path:
-    """Write the run's result into RUN/<export_name>, whole or not at all."""
-    return storage.replace_folder(run_dir / finetune.export_name, finetune.export)
+def export(finetune: LoraFinetune | FullFinetune, run_dir: Path, write: bool = True) -> Path:
+    """Write the run's result into RUN/<export_name>, whole or not at all. Every process calls it
+    (a sharded denoiser's weights are gathered); only those with `write` (the main one) write."""
+    state = finetune.trained_state()
+    if write:
+        storage.replace_folder(run_dir / finetune.export_name, lambda folder: finetune.write_export(state, folder))
+    return run_dir / finetune.export_name
 
 
 def load_weights(adapter: ModelAdapter, path: str | Path) -> None:

@@ -39,6 +39,7 @@ import torch
 from torch import Tensor, nn
 
 from branchdiff.formats import fake_quantize_fp8, fake_quantize_mxfp4, fake_quantize_nvfp4
+from branchdiff.sharding import full_tensor
 
 
 FP8_EMULATED = {"fp8-emulated": "row", "fp8-emulated-tensor": "tensor"}  # backend -> scale granularity
@@ -341,14 +342,16 @@ def make_quantized_copy(model: nn.Module, config: QuantConfig) -> nn.Module:
 def refresh_quantized_copy(quantized: nn.Module, model: nn.Module, config: QuantConfig) -> None:
     """Re-derive `quantized` in place from the current (LoRA-merged) `model`, e.g. after an optimizer
     step: quantised layers are re-quantised from the merged weights, every other parameter and
-    buffer is copied. `model` is not modified (the merge is computed, not applied)."""
+    buffer is copied. `model` is not modified (the merge is computed, not applied). A sharded `model`
+    (FSDP) is gathered one tensor at a time, on every process (each holds a whole quantised copy)."""
     with torch.no_grad():
         merged = _merged_tensors(model)
         names = quantized_layer_names(model, config)
         for name in names:
-            _set_layer(quantized, name, merged[f"{name}.weight"], merged.get(f"{name}.bias"), config.backend)
+            bias = merged.get(f"{name}.bias")
+            _set_layer(quantized, name, full_tensor(merged[f"{name}.weight"]), None if bias is None else full_tensor(bias), config.backend)
         eligible = set(names)
         for key, tensor in [*quantized.named_parameters(), *quantized.named_buffers()]:
             parts = key.split(".")
             if not any(".".join(parts[:i]) in eligible for i in range(1, len(parts))):
-                tensor.copy_(merged[key])
+                tensor.copy_(full_tensor(merged[key]))

@@ -160,16 +160,17 @@ def _train(trainer: Trainer, heartbeat: Heartbeat | None) -> None:
     finally:
         progress.close()
         _end_trackers(accelerator)
-    if accelerator.is_main_process:
-        with trainer.evaluated_weights():  # the moving average when on
-            export(trainer.finetune, run_dir)
+    with trainer.evaluated_weights():  # the moving average when on; every process (a sharded denoiser is gathered), the main one writes
+        export(trainer.finetune, run_dir, write=accelerator.is_main_process)
 
 
 def _end_trackers(accelerator: Accelerator) -> None:
     """Flush and close TensorBoard, on a stop too; a full disk here is not a second error (the run
-    reports the first, and TensorBoard readers skip a last record cut short)."""
+    reports the first, and TensorBoard readers skip a last record cut short). The processes stay
+    connected for the export and the final evaluation (`cmd_train` ends with `end_training`)."""
     try:
-        accelerator.end_training()
+        for tracker in accelerator.trackers:
+            tracker.finish()
     except Exception as error:  # noqa: BLE001: TensorBoard's writer raises its own types
         if not storage.is_disk_full(error, Path(accelerator.project_dir or ".")):
             raise
@@ -181,8 +182,9 @@ def _iteration(trainer: Trainer, iteration: int) -> dict[str, float]:
     heldout = {}
     if config.eval_every and iteration % config.eval_every == 0:
         heldout = trainer.heldout_metrics()
-        if accelerator.is_main_process:
+        if accelerator.is_main_process or trainer.sharding.enabled:
             images, prompts = trainer.fixed_samples()
+        if accelerator.is_main_process:
             save_grid(images, run_dir / "samples" / f"eval-iter-{iteration:06d}.png", nrow=len(images) // len(prompts), row_captions=prompts)
     result = trainer.run_iteration(iteration)
     if heldout:  # the evaluation measured the policy of this iteration's rollouts: the watch pairs the two

@@ -30,12 +30,12 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedDataParallelKwargs, InitProcessGroupKwargs, ProjectConfiguration, broadcast_object_list, set_seed
 
-from branchdiff import checkpoint, metrics_log, storage
+from branchdiff import checkpoint, metrics_log, sharding, storage
 from branchdiff.config import ConfigError, TrainConfig, to_dict
 from branchdiff.data import draw_prompts, load_prompt_set
 from branchdiff.distributed import AcceleratorCollective
 from branchdiff.ema import WeightAverage
-from branchdiff.errors import CheckpointError
+from branchdiff.errors import CheckpointError, UserError
 from branchdiff.evaluate import EvalResult, evaluate, gather_results, sample_ode, score_names, summarize
 from branchdiff.explore import ExploreResult, explore_seeds, explore_tree, latent_difference, pool_under_policy, selection_generators
 from branchdiff.metrics import iteration_metrics
@@ -49,6 +49,7 @@ from branchdiff.quant import QuantConfig, make_quantized_copy, refresh_quantized
 from branchdiff.rewards.combine import parse_reward_specs
 from branchdiff.rewards.multi import MultiReward, RewardBatch, build_component
 from branchdiff.rollout import NoiseAddress, Rollout, SamplerSettings, grow
+from branchdiff.sharding import Lockstep, ShardingSettings, accelerate_without_fsdp
 from branchdiff.tree import build_tree
 from branchdiff.tree_settings import tree_spec
 from branchdiff.update import UpdateLoop
@@ -93,16 +94,15 @@ class Trainer:
         that checkpoint, which is chosen and checked before any model or reward loads (`select_checkpoint`)."""
         self.config = config
         self.run_dir = Path(config.output_dir)
-        self.accelerator = Accelerator(
-            cpu=not torch.cuda.is_available(),
-            mixed_precision=config.train.mixed_precision,
-            log_with="tensorboard" if config.logging.tensorboard else None,
-            project_config=ProjectConfiguration(project_dir=str(self.run_dir), logging_dir=str(self.run_dir / "logs")),
-            # the denoiser's buffers are constants (SD3's positional table): nothing to broadcast; a collective
-            # still waiting a while after the heartbeat watch (branchdiff/watchdog.py) would have named a frozen rank raises
-            kwargs_handlers=[DistributedDataParallelKwargs(broadcast_buffers=False),
-                             InitProcessGroupKwargs(timeout=timedelta(seconds=backend_timeout(config.collective_timeout)))],
-        )
+        self.sharding = ShardingSettings.from_environment()
+        if self.sharding.enabled and config.train.optimizer == "adamw8bit":
+            raise ConfigError("'train.optimizer' = 'adamw8bit' is not supported on a sharded (FSDP) denoiser; use train.optimizer=adamw "
+                              "(its moments are sharded with the weights)")
+        with accelerate_without_fsdp():
+            self.accelerator = self._accelerator()
+        if self.sharding.enabled and self.accelerator.num_processes < 2:
+            raise UserError("FSDP is on (ACCELERATE_USE_FSDP) in a single process: sharding needs several; launch with accelerate launch "
+                            "--config_file $(branchdiff accelerate-config fsdp) --num_processes N (N ≥ 2), or unset ACCELERATE_USE_FSDP")
         self.collective = AcceleratorCollective(self.accelerator)
         self.heartbeat = self._start_heartbeat() if self.accelerator.num_processes > 1 else None
         resumed = self.select_checkpoint(resume) if resume else None
@@ -118,27 +118,45 @@ class Trainer:
                                       config.seed, keep_base=config.train.kl_beta > 0 or config.final_eval)
         if config.train.gradient_checkpointing:
             self.adapter.denoiser.enable_gradient_checkpointing()
+        self.explorer = self._make_explorer()  # a whole copy on every process, made before the denoiser is sharded
+        if self.sharding.enabled:
+            self.finetune.shard(self.sharding, Lockstep(self.collective))
         optimizer = make_optimizer(config, self.finetune.params)
         self.weight_average = WeightAverage(self.finetune.params, config.train.ema_decay) if config.train.ema_decay else None
         self.learning_rate = LearningRateSchedule(optimizer, config.train.lr_schedule, config.train.warmup_iterations, config.iterations)
-        wrapped, self.optimizer = self.accelerator.prepare(self.adapter.denoiser, optimizer)
+        if self.sharding.enabled:  # the sharded module is its own wrapper; its optimizer state is saved gathered (_save_trained)
+            wrapped, self.optimizer = self.adapter.denoiser, optimizer
+        else:
+            wrapped, self.optimizer = self.accelerator.prepare(self.adapter.denoiser, optimizer)
         # the training forward goes through the (DDP-)wrapped module; everything else uses the plain one
         self.train_adapter = copy.copy(self.adapter)
         self.train_adapter.denoiser = wrapped
         self.objective = make_objective(config.train.loss, config=config, collective=self.collective, finetune=self.finetune,
                                         train_policy=self.train_adapter, schedule=self.schedule, settings=self.settings)
         self.update = UpdateLoop(config.train, self.accelerator, self.collective, self.finetune.params, wrapped, self.optimizer,
-                                 self.weight_average)
+                                 self.weight_average, self.sharding.enabled)
         self.accelerator.register_save_state_pre_hook(self._save_hook)
         self.accelerator.register_load_state_pre_hook(self._load_hook)
         self.prompt_set = load_prompt_set(config.prompts.train)
         self.prompts = self.prompt_set.prompts
-        self.explorer = self._make_explorer()
         self.start_iteration = 0
         self.run_state = {"skipped_in_a_row": 0}  # optimizer steps skipped in a row (non-finite gradients), across iterations
         self.watch_state = WatchState()  # the reward-hacking watch's memory (branchdiff/hacking.py)
         if resumed is not None:
             self._load_checkpoint(resumed)
+
+    def _accelerator(self) -> Accelerator:
+        config = self.config
+        return Accelerator(
+            cpu=not torch.cuda.is_available(),
+            mixed_precision=config.train.mixed_precision,
+            log_with="tensorboard" if config.logging.tensorboard else None,
+            project_config=ProjectConfiguration(project_dir=str(self.run_dir), logging_dir=str(self.run_dir / "logs")),
+            # the denoiser's buffers are constants (SD3's positional table): nothing to broadcast; a collective
+            # still waiting a while after the heartbeat watch (branchdiff/watchdog.py) would have named a frozen rank raises
+            kwargs_handlers=[DistributedDataParallelKwargs(broadcast_buffers=False),
+                             InitProcessGroupKwargs(timeout=timedelta(seconds=backend_timeout(config.collective_timeout)))],
+        )
 
     def _make_explorer(self) -> ModelAdapter | None:
         """The policy itself (backend none) or a 4-bit copy of it, for explore modes."""
@@ -159,22 +177,46 @@ class Trainer:
 
     # ---------------------------------------------------------------- checkpoints
     def _save_hook(self, models: list, weights: list, output_dir: str) -> None:
-        """What is trained is saved (the LoRA, or every weight of the denoiser; never a frozen base) and
-        its moving average when on, by one process."""
-        if self.accelerator.is_main_process:
-            for model in models:
-                self.finetune.save_state(self.accelerator.unwrap_model(model), Path(output_dir))
-            if self.weight_average is not None:
-                self.weight_average.save(Path(output_dir))
-            self.objective.save_state(Path(output_dir))
+        """accelerate writes no model weights: what is trained is saved by `_save_trained`."""
         weights.clear()
 
     def _load_hook(self, models: list, input_dir: str) -> None:
-        while models:
-            self.finetune.load_state(self.accelerator.unwrap_model(models.pop()), Path(input_dir))
+        """accelerate loads no model weights: `_load_trained` does."""
+        models.clear()
+
+    def _save_trained(self, folder: Path) -> None:
+        """What is trained (the LoRA, or every weight of the denoiser; never a frozen base), its moving
+        average when on, the objective's own state and, on a sharded denoiser, the optimizer's state:
+        gathered on every process (a sharded denoiser's shards), written by the main one."""
+        main = self.accelerator.is_main_process
+        failures: list[Exception] = []
+
+        def guarded(part: Callable[[], None]) -> None:  # every process makes every gather; a failed write is raised after the last
+            try:
+                part()
+            except Exception as error:  # safetensors, torch and the OS each raise their own types
+                failures.append(error)
+
+        trained = self.finetune.trained_state()
+        optimizer = sharding.optimizer_state(self.adapter.denoiser, self.optimizer) if self.sharding.enabled else None
+        if main:
+            guarded(lambda: self.finetune.write_state(trained, folder))
+            if optimizer is not None:
+                guarded(lambda: sharding.save_optimizer(optimizer, folder))
         if self.weight_average is not None:
-            self.weight_average.load(Path(input_dir))
-        self.objective.load_state(Path(input_dir))
+            guarded(lambda: self.weight_average.save(folder, write=main))
+        guarded(lambda: self.objective.save_state(folder, write=main))
+        if failures:
+            raise failures[0]
+
+    def _load_trained(self, folder: Path) -> None:
+        """What `_save_trained` wrote, on every process."""
+        self.finetune.load_state(folder)
+        if self.weight_average is not None:
+            self.weight_average.load(folder)
+        self.objective.load_state(folder)
+        if self.sharding.enabled:
+            sharding.load_optimizer(self.adapter.denoiser, self.optimizer, folder)
 
     @property
     def checkpoint_dir(self) -> Path:
@@ -214,6 +256,7 @@ class Trainer:
                                                  "its output); the published checkpoints are intact; continue with --resume latest")
 
         attempt(lambda: self.accelerator.save_state(str(staging)))  # every process's RNG state is in staging after it
+        attempt(lambda: self._save_trained(staging))
         self.run_state["watch"] = self.watch_state.to_dict()
         attempt(lambda: (checkpoint.write_state(staging, iteration, to_dict(self.config), self.accelerator.num_processes, self.run_state),
                          checkpoint.write_manifest(staging)), only_main=True)
@@ -265,6 +308,7 @@ class Trainer:
         self.accelerator.wait_for_everyone()
         try:
             self.accelerator.load_state(str(path))
+            self._load_trained(path)
         except Exception as error:  # safetensors, torch.load and peft each raise their own types for a bad file
             older = [p for p in checkpoint.checkpoints(self.checkpoint_dir) if p.name < path.name]
             hint = f"resume from an older one (--resume {older[-1]})" if older else "start a new run in another output_dir="
@@ -401,21 +445,25 @@ class Trainer:
         config = self.config
         return evaluate(model, load_prompt_set(config.prompts.eval), self.eval_rewards, config.prompts.eval_seeds,
                         config.sampling.num_steps, config.sampling.shift, process_index=process_index, num_processes=num_processes,
-                        guidance=config.prompts.eval_guidance)
+                        guidance=config.prompts.eval_guidance, lockstep=self.sharding.enabled)
+
+    def _evaluate_shared(self, model: ModelAdapter) -> EvalResult:
+        """`model` on the eval prompts, each process sampling its share, gathered on every process."""
+        accelerator = self.accelerator
+        return gather_results(self._evaluate(model, accelerator.process_index, accelerator.num_processes), accelerator)
 
     def heldout_metrics(self) -> dict[str, float]:
         """The policy's mean score on the eval prompts, `eval_<score>` for each eval reward and its
         extras (fixed noise, ODE), each process sampling its share of the prompts; `eval_seconds`."""
         start = time.perf_counter()
         with self.evaluated_weights():
-            result = self._evaluate(self.adapter, self.accelerator.process_index, self.accelerator.num_processes)
-        result = gather_results(result, self.accelerator)
-        summary = summarize(result)["all"]
+            summary = summarize(self._evaluate_shared(self.adapter))["all"]
         return {**{f"eval_{name}": row["mean"] for name, row in summary.items()}, "eval_seconds": time.perf_counter() - start}
 
     def fixed_samples(self, prompts: int = 4, images_per_prompt: int = 4) -> tuple[torch.Tensor, list[str]]:
         """The policy's ODE samples (prompts · images_per_prompt, 3, H, W) of the first eval prompts
-        with fixed seeds, and those prompts: the same noise at every call, so grids compare across iterations."""
+        with fixed seeds, and those prompts: the same noise at every call, so grids compare across
+        iterations. On a sharded denoiser every process calls it."""
         config = self.config
         chosen = load_prompt_set(config.prompts.eval).prompts[:prompts]
         with self.evaluated_weights():
@@ -425,17 +473,18 @@ class Trainer:
 
     def final_evaluation(self) -> dict[str, dict[str, float]]:
         """Base (adapter disabled) vs trained on the eval prompts with the eval rewards and the same
-        fixed noise: mean scores by model; the full summaries go to eval.json in the run directory.
-        Runs the plain denoiser, so one process may call it alone."""
+        fixed noise: mean scores by model; the full summaries go to eval.json in the run directory
+        (written by the main process). Every process calls it and samples its share of the prompts."""
         config = self.config
         with self.finetune.base() as base:
-            summaries = {"base": summarize(self._evaluate(base))}
+            summaries = {"base": summarize(self._evaluate_shared(base))}
         with self.evaluated_weights():
-            summaries["trained"] = summarize(self._evaluate(self.adapter))
+            summaries["trained"] = summarize(self._evaluate_shared(self.adapter))
         scales = {label: getattr(reward, "scale", "unspecified") for label, reward in self.eval_rewards.items()}
         report = {"prompts": config.prompts.eval, "images_per_prompt": config.prompts.eval_seeds, "scales": scales,
                   "after_iteration": config.iterations - 1, **summaries}
-        storage.write_text(self.run_dir / "eval.json", json.dumps(report, indent=1))
+        if self.accelerator.is_main_process:
+            storage.write_text(self.run_dir / "eval.json", json.dumps(report, indent=1))
         return {model: {name: row["mean"] for name, row in summary["all"].items()} for model, summary in summaries.items()}
 
 

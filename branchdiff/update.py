@@ -4,7 +4,9 @@ as optimizer steps.
 With several processes, every process takes the same optimizer steps (`optimizer_groups` from the
 global term count), and a step's loss is the sum of its terms on all processes divided by their
 global count, so a term weighs the same whichever process holds it; a process with no minibatch in
-a step joins DDP's gradient sync with the plan's zero loss.
+a step joins DDP's gradient sync with the plan's zero loss. A sharded denoiser (FSDP2) reduces its
+gradients at every backward, and every process makes as many forwards and backwards in a step as the
+busiest one (zero losses pad the others).
 
 A step whose gradient norm is not finite (a NaN or inf loss or gradient on any process: DDP's
 all-reduce spreads it to every process, so all of them decide alike) is skipped: its gradients are
@@ -25,6 +27,7 @@ from branchdiff.config import OptimConfig
 from branchdiff.distributed import Collective
 from branchdiff.ema import WeightAverage
 from branchdiff.objectives.base import UpdatePlan
+from branchdiff.sharding import full_tensor
 
 
 @dataclass
@@ -36,6 +39,7 @@ class UpdateLoop:
     denoiser: torch.nn.Module  # the (DDP-)wrapped denoiser: its gradient sync waits for a step's last backward
     optimizer: torch.optim.Optimizer
     weight_average: WeightAverage | None = None  # the moving average of the trained weights, updated after every optimizer step
+    sharded: bool = False  # the denoiser is sharded (FSDP2): every forward and backward is a collective
 
     def __call__(self, plan: UpdatePlan) -> dict[str, float]:
         """Run `plan`; returns its statistics with the gradient norm, the number of optimizer steps
@@ -54,15 +58,18 @@ class UpdateLoop:
             if step_terms == 0:
                 continue
             members = group or [None]  # a process without terms in this step still joins DDP's gradient sync
+            if self.sharded:  # every process makes as many forwards and backwards as the busiest one, each reducing its gradients
+                busiest = int(self.collective.max(torch.tensor([len(group)])).item())
+                members = group + [None] * (busiest - len(group))
             for index, m in enumerate(members):
-                sync = index == len(members) - 1
+                sync = index == len(members) - 1 or self.sharded
                 with (nullcontext() if sync else accelerator.no_sync(self.denoiser)), accelerator.autocast():
                     if m is None:
                         loss = plan.idle_loss()
                     else:
                         loss = plan.loss(m).sum() * accelerator.num_processes / step_terms  # DDP averages over processes
                     accelerator.backward(loss)
-            grad_norm = float(accelerator.clip_grad_norm_(self.params, self.train.max_grad_norm))
+            grad_norm = float(full_tensor(accelerator.clip_grad_norm_(self.params, self.train.max_grad_norm)))
             stats["grad_norm"] = grad_norm
             if math.isfinite(grad_norm):
                 self.optimizer.step()

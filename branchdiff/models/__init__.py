@@ -6,7 +6,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
-from branchdiff.models.families import FAMILIES
+from branchdiff.models.families import FAMILIES, image_size
 
 if TYPE_CHECKING:
     import torch
@@ -25,13 +25,14 @@ def load_adapter(
     family: str,
     path: str | None,
     device: torch.device | str = "cpu",
-    resolution: int | None = None,
+    resolution: int | list[int] | tuple[int, int] | None = None,
     dtype: torch.dtype | None = None,
     offload: bool = False,
 ) -> ModelAdapter:
     """The family's adapter loaded from `path` (a local directory or a hub id; None: the family's
-    default, which only the built-in tiny model has) at `resolution` (None: the family's default),
+    default, which only the built-in tiny model has) at `resolution` (H, [H, W] or None: the family's default square),
     base weights in `dtype` (None: float32)."""
     import torch
 
-    return adapter_class(family).from_pretrained(path, device, resolution or FAMILIES[family].resolution, dtype or torch.float32, offload)
+    size = image_size(resolution, FAMILIES[family].resolution)
+    return adapter_class(family).from_pretrained(path, device, size, dtype or torch.float32, offload)

@@ -6,7 +6,7 @@ the rollout, the trainer, explore and evaluation need to know about its family:
 - `schedule(T, shift)`: the family's discretisation (`FlowSchedule` for velocity models, with the
   family's own σ schedule; `DDIMSchedule` for ε-models): what the denoiser is conditioned on at
   each step and the SDE/ODE transition with its log-prob;
-- `latent_shape`: per-sample latent shape at the adapter's `resolution` (packed for FLUX);
+- `latent_shape`: per-sample latent shape at the adapter's image size `height` × `width` (packed for FLUX);
 - `encode_prompts`: conditioning rows, one per prompt, every tensor batched on dim 0; families
   with classifier-free guidance add the unconditional rows under `negative_<key>`;
 - `forward`: the raw network output for a batch of latents (one row each); `predict` applies
@@ -30,7 +30,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 
@@ -55,7 +55,8 @@ class ModelAdapter(ABC):
     family: str  # registry name (`branchdiff.models.FAMILIES`)
     denoiser: torch.nn.Module  # the network that LoRA adapts
     device: torch.device
-    resolution: int  # image side in pixels
+    height: int  # image height in pixels
+    width: int  # image width in pixels
     lora_target_sets: dict[str, list[str] | str]  # families.LORA_TARGET_SETS names → module-name suffixes (or peft's "all-linear")
     denoiser_name: str = "transformer"  # the pipeline component that is the denoiser ("unet" for UNet families)
     lora_prefix: str = "transformer"  # state-dict prefix of the exported LoRA ("unet" for UNet families)
@@ -64,11 +65,12 @@ class ModelAdapter(ABC):
     uses_cfg: bool = False  # guidance as classifier-free guidance rows (else embedded, or none)
     default_guidance: float = 1.0  # the family's guidance when the config leaves it unset (1: none)
     decode_batch: int = 8  # images per VAE decode call
+    lockstep: Callable[[int], int] | None = None  # a sharded denoiser (FSDP): agrees a number of forwards with the other processes (sharding.Lockstep)
 
     @property
     @abstractmethod
     def latent_shape(self) -> tuple[int, ...]:
-        """Per-sample latent shape at `resolution`, e.g. (16, 64, 64), or (1024, 64) packed."""
+        """Per-sample latent shape at `height` × `width`, e.g. (16, 64, 64), or (1024, 64) packed."""
 
     @abstractmethod
     def schedule(self, num_steps: int, shift: float | None = None) -> Schedule:
@@ -124,17 +126,18 @@ class ModelAdapter(ABC):
         this adapter's dtype, in place of the loaded one."""
         self.replace_denoiser(type(self.denoiser).from_pretrained(str(folder), torch_dtype=self.denoiser.dtype))
 
-    def save_lora(self, directory: Path, denoiser: torch.nn.Module | None = None) -> Path:
-        """Export the LoRA of `denoiser` (default: this adapter's) for `<pipeline>.load_lora_weights`."""
-        return lora.save_lora(denoiser or self.denoiser, directory, self.pipeline_class_name, self.lora_prefix)
+    def save_lora(self, directory: Path, state: dict[str, torch.Tensor] | None = None) -> Path:
+        """Export the denoiser's LoRA (`state`: its tensors gathered from a sharded denoiser) for
+        `<pipeline>.load_lora_weights`."""
+        return lora.save_lora(self.denoiser, directory, self.pipeline_class_name, self.lora_prefix, state)
 
     def load_lora(self, path: str | Path) -> None:
         """Load an exported LoRA into the denoiser, the way the family's pipeline loads it."""
         lora.load_lora(self.denoiser, path, self.pipeline_class_name, self.lora_prefix)
 
-    def load_lora_state(self, directory: Path, denoiser: torch.nn.Module | None = None) -> None:
+    def load_lora_state(self, directory: Path) -> None:
         """Restore the values of an attached LoRA from an export (checkpoint resume)."""
-        lora.load_lora_state(denoiser or self.denoiser, directory, self.lora_prefix)
+        lora.load_lora_state(self.denoiser, directory, self.lora_prefix)
 
     @contextmanager
     def modules_on_device(self, *modules: torch.nn.Module | None) -> Iterator[None]:

@@ -28,3 +28,16 @@ FAMILIES: dict[str, Family] = {
 }
 LORA_TARGET_SETS = ("attention", "attention+ff", "all-linear")  # the named LoRA target sets every family's adapter defines
 STEP_KINDS = {"flow": ("dance", "flow", "cps"), "ddim": ("ddim",)}  # the SDEs each step family trains with
+
+
+def image_size(resolution: int | list[int] | tuple[int, ...] | None, default: int) -> tuple[int, int]:
+    """(height, width) in pixels from `model.resolution`: H (a square), [H, W], or None (the family's
+    `default` square). Raises ValueError naming the value and what is allowed."""
+    if resolution is None:
+        return default, default
+    sides = [resolution] if isinstance(resolution, int) and not isinstance(resolution, bool) else resolution
+    if (not isinstance(sides, (list, tuple)) or len(sides) not in (1, 2)
+            or not all(isinstance(side, int) and not isinstance(side, bool) and 8 <= side <= 8192 for side in sides)):
+        raise ValueError(f"'model.resolution' = {resolution!r} is not an image size; give the side H (a square) or [H, W], "
+                         "each a whole number of pixels in [8, 8192], e.g. 1024 or [768, 1344]")
+    return (sides[0], sides[-1])

@@ -2,7 +2,8 @@
 embedding instead of CFG (dev; schnell has none), and a resolution-dependent σ shift (the
 scheduler's dynamic shifting with μ from the packed sequence length, as the pipeline computes it).
 
-Latents are packed, (H/16 · W/16, 64): each token holds a 2×2 patch of the 16-channel VAE latent;
+Latents are packed, (H/16 · W/16, 64): each token holds a 2×2 patch of the 16-channel VAE latent
+(any H and W that are multiples of 16);
 the positional ids (`img_ids` from the latent grid, `txt_ids` zeros) are not batched and are made
 here from shapes. The transformer is conditioned on σ (the pipeline's `timestep / 1000`).
 """
@@ -35,8 +36,13 @@ class FluxAdapter(PipelineAdapter):
 
     @property
     def latent_shape(self) -> tuple[int, ...]:
-        side = self.latent_grid() // 2
-        return (side * side, self.config.in_channels)  # in_channels = 4 × the VAE's latent channels
+        rows, columns = self.token_grid()
+        return (rows * columns, self.config.in_channels)  # in_channels = 4 × the VAE's latent channels
+
+    def token_grid(self) -> tuple[int, int]:
+        """The packed latent's (rows, columns) of 2×2 patches: the image ids' grid."""
+        height, width = self.latent_grid()
+        return height // 2, width // 2
 
     def scheduler_arguments(self, num_steps: int) -> dict:
         """The pipeline's σ grid linspace(1, 1/T, T) and μ from the packed sequence length."""
@@ -59,8 +65,7 @@ class FluxAdapter(PipelineAdapter):
     def forward(self, latents: torch.Tensor, times: torch.Tensor, embeds: dict[str, torch.Tensor], guidance: float) -> torch.Tensor:
         dtype, batch = self.dtype, latents.shape[0]
         text = embeds["encoder_hidden_states"]  # (B, S, D)
-        side = self.latent_grid() // 2
-        img_ids = self.pipe._prepare_latent_image_ids(batch, side, side, latents.device, dtype)  # (side², 3)
+        img_ids = self.pipe._prepare_latent_image_ids(batch, *self.token_grid(), latents.device, dtype)  # (rows · columns, 3)
         txt_ids = torch.zeros(text.shape[1], 3, device=latents.device, dtype=dtype)
         embedded = torch.full((batch,), guidance, device=latents.device, dtype=torch.float32) if self.config.guidance_embeds else None
         return self.denoiser(hidden_states=latents.to(dtype), timestep=times.to(dtype), guidance=embedded,
@@ -69,5 +74,5 @@ class FluxAdapter(PipelineAdapter):
 
     def vae_input(self, latents: torch.Tensor) -> torch.Tensor:
         config = self.pipe.vae.config
-        unpacked = self.pipe._unpack_latents(latents, self.resolution, self.resolution, self.vae_scale_factor)
+        unpacked = self.pipe._unpack_latents(latents, self.height, self.width, self.vae_scale_factor)
         return unpacked / config.scaling_factor + config.shift_factor

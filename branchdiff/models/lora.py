@@ -9,10 +9,10 @@ from pathlib import Path
 
 import torch
 from peft import LoraConfig
-from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
+from peft.utils import get_peft_model_state_dict
 from safetensors.torch import load_file
 
-from branchdiff import storage
+from branchdiff import sharding, storage
 
 LORA_FILE = "pytorch_lora_weights.safetensors"
 
@@ -37,16 +37,18 @@ def add_lora(denoiser: torch.nn.Module, target_modules: list[str], rank: int, al
     return params
 
 
-def save_lora(denoiser: torch.nn.Module, directory: Path, pipeline_class_name: str, prefix: str) -> Path:
+def save_lora(denoiser: torch.nn.Module, directory: Path, pipeline_class_name: str, prefix: str,
+              state: dict[str, torch.Tensor] | None = None) -> Path:
     """Write the adapter as `pytorch_lora_weights.safetensors` with diffusers' `<prefix>.` keys and
     the adapter's config as its metadata: without it diffusers assumes lora_alpha = rank, and a LoRA
-    with another alpha would load at the wrong scale. The same weights give the same bytes."""
+    with another alpha would load at the wrong scale. The same weights give the same bytes. `state`:
+    the LoRA tensors by their name in the denoiser (gathered from a sharded one), else the denoiser's own."""
     directory.mkdir(parents=True, exist_ok=True)
     # sets (target_modules) in sorted order: the file's bytes must not depend on PYTHONHASHSEED
     metadata = {key: sorted(value) if isinstance(value, (set, frozenset)) else value
                 for key, value in denoiser.peft_config["default"].to_dict().items()}
     pipeline_class(pipeline_class_name).save_lora_weights(
-        directory, **{f"{prefix}_lora_layers": get_peft_model_state_dict(denoiser), f"{prefix}_lora_adapter_metadata": metadata}
+        directory, **{f"{prefix}_lora_layers": get_peft_model_state_dict(denoiser, state_dict=state), f"{prefix}_lora_adapter_metadata": metadata}
     )
     canonical_header(directory / LORA_FILE)
     return directory / LORA_FILE
@@ -82,13 +84,14 @@ def load_lora(denoiser: torch.nn.Module, path: str | Path, pipeline_class_name: 
 
 def load_lora_state(denoiser: torch.nn.Module, directory: Path, prefix: str) -> None:
     """Restore the weights of the adapter `add_lora` attached, from a `save_lora` directory
-    (checkpoint resume: the adapter exists, only its values change)."""
+    (checkpoint resume: the adapter exists, only its values change; a sharded denoiser keeps its shards)."""
     start = prefix + "."
     state = {k[len(start) :]: v for k, v in load_file(directory / LORA_FILE).items() if k.startswith(start)}
-    expected = {name for name in get_peft_model_state_dict(denoiser)}
+    names = {name.replace(".default.", "."): name for name in denoiser.state_dict() if "lora_" in name}  # export name → module name
+    expected = set(names)
     if set(state) != expected:
         missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
         raise ValueError(f"{directory / LORA_FILE} does not match the model's LoRA: {len(missing)} of its {len(expected)} tensors missing"
                          f"{f' (e.g. {missing[0]})' if missing else ''}, {len(unexpected)} unexpected"
                          f"{f' (e.g. {unexpected[0]})' if unexpected else ''}")
-    set_peft_model_state_dict(denoiser, state, adapter_name="default")
+    sharding.load_full_state(denoiser, {names[key]: value for key, value in state.items()})

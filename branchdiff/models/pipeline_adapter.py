@@ -1,5 +1,5 @@
 """What the diffusers-backed adapters share: loading a pipeline, placing (and offloading) its
-modules, chunked decoding, the latent grid from the resolution, and the flow schedule taken from
+modules, chunked decoding, the latent grid from the image size, and the flow schedule taken from
 the pipeline's own scheduler. A family file adds only what differs: prompt encoding, the network
 call, and how latents become VAE input.
 
@@ -29,13 +29,15 @@ class PipelineAdapter(ModelAdapter):
     helper_names: tuple[str, ...] = ("text_encoder", "text_encoder_2", "text_encoder_3", "vae")  # offloadable components
     example_hub_id = ""  # shown in the error when model.path is missing
 
-    def __init__(self, pipe, device: torch.device | str = "cpu", resolution: int = 1024, offload: bool = False) -> None:
+    def __init__(self, pipe, device: torch.device | str = "cpu", size: tuple[int, int] = (1024, 1024), offload: bool = False) -> None:
         self.pipe = pipe
-        if resolution % self.resolution_multiple:
-            raise ValueError(f"model.resolution={resolution} is not possible for {self.family}: the image side must be a multiple "
-                             f"of {self.resolution_multiple} (e.g. {max(1, round(resolution / self.resolution_multiple)) * self.resolution_multiple})")
+        multiple = self.resolution_multiple
+        if size[0] % multiple or size[1] % multiple:
+            nearest = [max(1, round(side / multiple)) * multiple for side in size]
+            raise ValueError(f"model.resolution={list(size)} (height, width) is not possible for {self.family}: each side must be a "
+                             f"multiple of {multiple} (e.g. {nearest})")
         self.device = torch.device(device)
-        self.resolution = resolution
+        self.height, self.width = size
         self.offload = offload
         pipe.set_progress_bar_config(disable=True)
         self.denoiser = getattr(pipe, self.denoiser_name).to(self.device)
@@ -45,9 +47,10 @@ class PipelineAdapter(ModelAdapter):
             module.requires_grad_(False).eval().to("cpu" if offload else self.device)
 
     @classmethod
-    def from_pretrained(cls, path: str | Path | None, device: torch.device | str = "cpu", resolution: int = 1024,
+    def from_pretrained(cls, path: str | Path | None, device: torch.device | str = "cpu", size: tuple[int, int] = (1024, 1024),
                         dtype: torch.dtype = torch.float32, offload: bool = False) -> "PipelineAdapter":
-        """Load the family's diffusers pipeline from a local folder or a hub id, weights in `dtype`."""
+        """Load the family's diffusers pipeline from a local folder or a hub id, weights in `dtype`, for
+        images of `size` (height, width)."""
         if not path:
             raise ValueError(f"model.path is required for model.family={cls.family}: a local diffusers pipeline folder or a hub id "
                              f"such as {cls.example_hub_id}")
@@ -62,7 +65,7 @@ class PipelineAdapter(ModelAdapter):
                                 f"pass model.path= a local diffusers folder (model_index.json beside {cls.denoiser_name}/, vae/, "
                                 "text_encoder*/, tokenizer*/ and scheduler/), or a hub id on a machine that reaches the hub "
                                 "(gated models: huggingface-cli login first)") from None
-        return cls(pipe, device, resolution, offload)
+        return cls(pipe, device, size, offload)
 
     def replace_denoiser(self, denoiser: torch.nn.Module) -> None:
         """The fine-tuned denoiser becomes the pipeline's component too."""
@@ -80,16 +83,16 @@ class PipelineAdapter(ModelAdapter):
 
     @property
     def resolution_multiple(self) -> int:
-        """Image sides must be multiples of this (VAE factor × patch size)."""
+        """Image height and width must be multiples of this (VAE factor × patch size)."""
         return self.pipe.vae_scale_factor * getattr(getattr(self.pipe, self.denoiser_name).config, "patch_size", 1)
 
     @property
     def vae_scale_factor(self) -> int:
         return self.pipe.vae_scale_factor
 
-    def latent_grid(self) -> int:
-        """Latent side (height = width) at `resolution`."""
-        return self.resolution // self.vae_scale_factor
+    def latent_grid(self) -> tuple[int, int]:
+        """Latent (height, width) at the image size."""
+        return self.height // self.vae_scale_factor, self.width // self.vae_scale_factor
 
     def encode_prompts(self, prompts: list[str]) -> dict[str, torch.Tensor]:
         with torch.no_grad(), self.modules_on_device(*self.text_encoders):

@@ -41,8 +41,7 @@ class SanaAdapter(PipelineAdapter):
 
     @property
     def latent_shape(self) -> tuple[int, ...]:
-        side = self.latent_grid()
-        return (self.config.in_channels, side, side)
+        return (self.config.in_channels, *self.latent_grid())
 
     def model_times(self, timesteps: torch.Tensor) -> torch.Tensor:
         return timesteps * self.config.timestep_scale

@@ -36,8 +36,7 @@ class SD15Adapter(PipelineAdapter):
 
     @property
     def latent_shape(self) -> tuple[int, ...]:
-        side = self.latent_grid()
-        return (self.config.in_channels, side, side)
+        return (self.config.in_channels, *self.latent_grid())
 
     def ddim_scheduler(self):
         from diffusers import DDIMScheduler

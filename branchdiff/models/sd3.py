@@ -28,8 +28,7 @@ class SD3Adapter(PipelineAdapter):
 
     @property
     def latent_shape(self) -> tuple[int, ...]:
-        side = self.latent_grid()
-        return (self.config.in_channels, side, side)
+        return (self.config.in_channels, *self.latent_grid())
 
     def encode(self, prompts: list[str]) -> dict[str, torch.Tensor]:
         embeds, negative, pooled, negative_pooled = self.pipe.encode_prompt(

@@ -63,7 +63,8 @@ def build_text_encoder(tokenizer: CLIPTokenizer) -> CLIPTextModelWithProjection:
 
 class TinyAdapter(ModelAdapter):
     family = "tiny"
-    resolution = 32
+    resolution = 32  # the only image side: height = width = 32
+    height = width = resolution
     lora_target_sets = {"attention": SD3_ATTENTION, "attention+ff": SD3_ATTENTION + SD3_FEED_FORWARD, "all-linear": "all-linear"}
     quant_skip_modules = ("pos_embed", "time_text_embed", "context_embedder", "norm_out", "proj_out")
     pipeline_class_name = "StableDiffusion3Pipeline"  # its LoRA loads into an SD3 transformer
@@ -88,13 +89,13 @@ class TinyAdapter(ModelAdapter):
         return cls(SD3Transformer2DModel(**TRANSFORMER_CONFIG), build_text_encoder(tokenizer), tokenizer, device)
 
     @classmethod
-    def from_pretrained(cls, path: str | Path | None = None, device: str | torch.device = "cpu", resolution: int = 32,
+    def from_pretrained(cls, path: str | Path | None = None, device: str | torch.device = "cpu", size: tuple[int, int] = (32, 32),
                         dtype: torch.dtype = torch.float32, offload: bool = False) -> "TinyAdapter":
         """Load `transformer/`, `text_encoder/` and `tokenizer/` saved by `save_pretrained` (the
         built-in model when `path` is None). The model is 32×32 pixels, small enough to stay on the
         device: `offload` is ignored."""
-        if resolution != cls.resolution:
-            raise ValueError(f"the tiny model makes {cls.resolution}×{cls.resolution} images; model.resolution={resolution} is not possible")
+        if tuple(size) != (cls.height, cls.width):
+            raise ValueError(f"the tiny model makes {cls.height}×{cls.width} images; model.resolution={list(size)} is not possible")
         path = Path(path) if path else default_assets_dir()
         if not (path / "transformer" / "config.json").is_file():
             raise FileNotFoundError(

@@ -46,8 +46,9 @@ class UpdatePlan(Protocol):
         """(terms[index],) per-term losses of minibatch `index`, through the trained (wrapped) denoiser."""
 
     def idle_loss(self) -> torch.Tensor:
-        """A zero loss through the wrapped denoiser, for an optimizer step in which this process has
-        no minibatch: DDP's gradient sync needs every process's backward."""
+        """A zero loss through the same network calls as a minibatch's loss, for an optimizer step in
+        which this process has no minibatch (DDP's gradient sync needs every process's backward) or
+        fewer than another process (a sharded denoiser's forwards are collectives, matched one for one)."""
 
 
 class Objective:
@@ -71,8 +72,9 @@ class Objective:
     def after_update(self, iteration: int) -> None:
         """Called once the iteration's optimizer steps are taken."""
 
-    def save_state(self, folder: Path) -> None:
-        """The objective's own state into a checkpoint folder (main process)."""
+    def save_state(self, folder: Path, write: bool) -> None:
+        """The objective's own state into a checkpoint folder; every process calls it (sharded tensors
+        are gathered), the one with `write` (the main process) writes."""
 
     def load_state(self, folder: Path) -> None:
         """The state `save_state` wrote (every process)."""
@@ -88,9 +90,14 @@ def drop_nonfinite_groups(tree: Tree, rewards: torch.Tensor) -> tuple[torch.Tens
     return torch.where(dropped[leaf_groups], torch.zeros_like(rewards), rewards), dropped
 
 
-def zero_loss(train_policy: ModelAdapter, rollout: Rollout, embeds: dict, schedule: Schedule, guidance: float | None) -> torch.Tensor:
-    """A zero loss through the trained (wrapped) denoiser on the rollout's first node, for an optimizer
-    step in which a process holds no minibatch (`UpdatePlan.idle_loss`)."""
+def zero_loss(train_policy: ModelAdapter, rollout: Rollout, embeds: dict, schedule: Schedule, guidance: float | None,
+              reference: ModelAdapter | None = None) -> torch.Tensor:
+    """A zero loss through the trained (wrapped) denoiser on the rollout's first node, and a forward of
+    `reference` on it when given (`UpdatePlan.idle_loss` of a process that holds no minibatch)."""
     root = torch.tensor([0])
-    output = train_policy.predict(rollout.latents[root], schedule.model_times[:1], select_embeds(embeds, rollout.tree.prompt[root]), guidance)
+    inputs = (rollout.latents[root], schedule.model_times[:1], select_embeds(embeds, rollout.tree.prompt[root]), guidance)
+    output = train_policy.predict(*inputs)
+    if reference is not None:
+        with torch.no_grad():
+            reference.predict(*inputs)
     return output.sum() * 0.0

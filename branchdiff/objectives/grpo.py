@@ -26,7 +26,7 @@ from branchdiff.distributed import Collective
 from branchdiff.finetune import FullFinetune, LoraFinetune
 from branchdiff.loss import clipped_surrogate, kl_to_reference
 from branchdiff.models.base import ModelAdapter, select_embeds
-from branchdiff.objectives.base import MetricKind, Objective, Signal, drop_nonfinite_groups, zero_loss
+from branchdiff.objectives.base import MetricKind, Objective, Signal, drop_nonfinite_groups
 from branchdiff.rollout import NoiseAddress, Rollout, SamplerSettings
 from branchdiff.schedulers.flow import StepOutput, gaussian_log_prob
 from branchdiff.schedulers.schedule import Schedule
@@ -139,5 +139,17 @@ class GRPOPlan:
         return clipped_surrogate(log_prob, old, advantages, self.objective.config.train.clip_range)
 
     def idle_loss(self) -> torch.Tensor:
-        objective = self.objective
-        return zero_loss(objective.train_policy, self.rollout, self.embeds, objective.schedule, objective.settings.guidance)
+        """Zero, through the network calls of a minibatch's loss: the first minibatch's edges, or (every
+        edge of this process pruned) its trees' first SDE edge; the statistics are left as they were."""
+        if self.minibatches:
+            parent_rows, edge_rows = self.minibatches[0], self.minibatch_edges[0]  # (u,), (e,)
+            parents, children = self.parents[parent_rows], self.edges[edge_rows]
+            local = torch.searchsorted(parent_rows, self.edge_parent[edge_rows])
+        else:
+            tree = self.rollout.tree
+            children = torch.nonzero(tree.is_sde_edge & (self.rollout.std > 0)).squeeze(1)[:1]  # (1,)
+            parents, local = tree.parent[children], torch.zeros(1, dtype=torch.long)
+        stats = dict(self.stats)
+        per_edge = self.edge_losses(parents, children, local)[0]
+        self.stats.update(stats)
+        return per_edge.sum() * 0.0

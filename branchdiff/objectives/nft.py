@@ -25,7 +25,7 @@ train.kl_beta.
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
@@ -100,8 +100,8 @@ class DiffusionNFT(Objective):
         nft = self.config.nft
         self.sampling_policy.update(min(nft.old_decay_rate * iteration, nft.old_decay_max))
 
-    def save_state(self, folder: Path) -> None:
-        self.sampling_policy.save(folder, SAMPLING_POLICY_FILE)
+    def save_state(self, folder: Path, write: bool) -> None:
+        self.sampling_policy.save(folder, SAMPLING_POLICY_FILE, write)
 
     def load_state(self, folder: Path) -> None:
         self.sampling_policy.load(folder, SAMPLING_POLICY_FILE)
@@ -150,6 +150,9 @@ class NFTPlan:
         self.terms = [len(b) for b in self.minibatches]
         with torch.no_grad(), objective.sampling_weights():  # the sampling policy's prediction (the plain denoiser), fixed for the iteration
             self.v_old = torch.cat([self._predict(objective.finetune.adapter, b) for b in self.minibatches]) if self.minibatches else None
+            lockstep = objective.finetune.adapter.lockstep
+            for _ in range(lockstep(len(self.minibatches)) - len(self.minibatches) if lockstep else 0):  # a sharded denoiser's padding forwards
+                zero_loss(objective.finetune.adapter, rollout, embeds, schedule, objective.settings.guidance)
         self.stats = {"loss": 0.0, "kl": 0.0, "optimality": self.optimality.sum().item(), "nfe_trained": 0}
 
     def _predict(self, model: ModelAdapter, terms: torch.Tensor) -> torch.Tensor:
@@ -172,5 +175,16 @@ class NFTPlan:
         return per_term
 
     def idle_loss(self) -> torch.Tensor:
+        """Zero, through the network calls of a minibatch's loss (the trained forward, and the base
+        model's under a KL) on the first minibatch, or on a root when this process trains nothing."""
         objective = self.objective
-        return zero_loss(objective.train_policy, self.rollout, self.embeds, objective.schedule, objective.settings.guidance)
+        reference = objective.finetune.base() if objective.config.train.kl_beta > 0 else nullcontext()
+        if not self.minibatches:
+            with reference as base:
+                return zero_loss(objective.train_policy, self.rollout, self.embeds, objective.schedule, objective.settings.guidance, base)
+        terms = self.minibatches[0]
+        v_theta = self._predict(objective.train_policy, terms)
+        if objective.config.train.kl_beta > 0:
+            with torch.no_grad(), reference as base:
+                self._predict(base, terms)
+        return v_theta.sum() * 0.0

@@ -1,0 +1,30 @@
+"""Several `branchdiff train` runs in one `accelerate launch` (the two-process start-up paid once):
+`python sharded_runs.py RUNS.json`, RUNS.json a list of [mode, [CLI arguments]] with mode "fsdp"
+(the launcher's FSDP settings, e.g. from the packaged fsdp config) or "ddp" (ACCELERATE_USE_FSDP
+off for that run). Between runs accelerate's state is reset and the process group kept: each run's
+`end_training` only closes its trackers. Exits with the first failing run's status."""
+
+import json
+import os
+import sys
+from pathlib import Path
+
+from accelerate import Accelerator
+from accelerate.state import AcceleratorState
+
+from branchdiff.cli import main
+
+
+def finish_trackers(self: Accelerator) -> None:
+    for tracker in self.trackers:
+        tracker.finish()
+
+
+Accelerator.end_training = finish_trackers  # the next run reuses the process group
+launched_fsdp = os.environ.get("ACCELERATE_USE_FSDP", "false")
+for mode, arguments in json.loads(Path(sys.argv[1]).read_text()):
+    os.environ["ACCELERATE_USE_FSDP"] = launched_fsdp if mode == "fsdp" else "false"
+    AcceleratorState._reset_state()
+    status = main(arguments)
+    if status:
+        sys.exit(status)

@@ -1,0 +1,155 @@
+"""FSDP2 (branchdiff/sharding.py) against DDP, on two CPU processes (gloo) launched once with the
+packaged `fsdp` accelerate config (tests/sharded_runs.py runs several trainings in that launch): a
+tiny SD3 pipeline trained for two iterations with LoRA and with full fine-tuning, under DDP and under
+FSDP2; the same runs stopped after the first iteration and resumed; the FSDP LoRA run evaluates every
+iteration (each process's share padded to the same forwards) and the full one ends with the final
+evaluation of the sharded frozen copy. The pure parts (settings from the environment, lockstep
+padding) are tested in-process."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from branchdiff.commands import ACCELERATE_DIR
+from branchdiff.errors import UserError
+from branchdiff.sharding import ShardingSettings
+from test_multiprocess import TESTS, _free_port
+from tiny_pipelines import load_pipeline, save_pipeline
+
+STEPS = 3
+TOLERANCE = 1e-5  # FSDP against DDP: the same arithmetic but for the order of the gradient reductions and the norm's sum
+
+
+def _arguments(model: Path, run: Path, finetune: str, *extra: str) -> list[str]:
+    rate = "train.learning_rate=1e-2" if finetune == "lora" else "train.learning_rate=1e-3"
+    return ["train", "tiny-chain", "model.family=sd3", f"model.path={model}", "model.resolution=32", f"model.finetune={finetune}",
+            f"output_dir={run}", "seed=5", "reward=rewards_for_tests:Redness", "prompts.per_iteration=2", f"sampling.num_steps={STEPS}",
+            "sampling.max_batch=8", "tree.roots=1", "tree.splits=[[0,2],[1,2]]", "train.minibatch=2", rate, "train.ema_decay=0.5",
+            "logging.checkpoint_every=1", "logging.sample_every=0", "logging.tensorboard=false", "prompts.eval_seeds=1",
+            "final_eval=false", "iterations=2", *extra]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    base = tmp_path_factory.mktemp("sharding")
+    model = save_pipeline("sd3", base / "sd3")
+    plan = []
+    for finetune in ("lora", "full"):
+        common = ["train.kl_beta=0.1"] if finetune == "full" else []  # the KL's reference: the sharded frozen copy
+        evaluations = ["eval_every=1"] if finetune == "lora" else ["final_eval=true"]
+        plan += [["ddp", _arguments(model, base / f"ddp-{finetune}", finetune, *common, *evaluations)],
+                 ["fsdp", _arguments(model, base / f"fsdp-{finetune}", finetune, *common, *evaluations)],
+                 ["fsdp", _arguments(model, base / f"resumed-{finetune}", finetune, *common, "iterations=1")],
+                 ["fsdp", _arguments(model, base / f"resumed-{finetune}", finetune, *common, "--resume", "latest")]]
+    (base / "runs.json").write_text(json.dumps(plan))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]), "OMP_NUM_THREADS": "1",
+           "HF_HUB_OFFLINE": "1", "ACCELERATE_USE_CPU": "true"}
+    command = [str(Path(sys.executable).parent / "accelerate"), "launch", "--config_file", str(ACCELERATE_DIR / "fsdp.yaml"),
+               "--num_processes", "2", "--main_process_ip", "127.0.0.1", "--main_process_port", str(_free_port()),
+               "--mixed_precision", "no", str(TESTS / "sharded_runs.py"), str(base / "runs.json")]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return {"base": base, "model": model}
+
+
+def _export(run: Path, finetune: str) -> dict[str, torch.Tensor]:
+    folder = run / ("lora" if finetune == "lora" else "transformer")
+    return {k: v for f in sorted(folder.glob("*.safetensors")) for k, v in load_file(f).items()}
+
+
+@pytest.mark.parametrize("finetune", ["lora", "full"])
+def test_fsdp_trains_like_ddp_and_resumes_exactly(runs, finetune):
+    base = runs["base"]
+    ddp, fsdp, resumed = (_export(base / f"{name}-{finetune}", finetune) for name in ("ddp", "fsdp", "resumed"))
+    assert ddp.keys() == fsdp.keys() == resumed.keys() and len(ddp) > 0
+    if finetune == "lora":
+        moved = max(v.abs().max().item() for k, v in ddp.items() if "lora_B" in k)  # B starts at 0
+    else:
+        initial = load_file(runs["model"] / "transformer" / "diffusion_pytorch_model.safetensors")
+        moved = max((ddp[k] - initial[k]).abs().max().item() for k in ddp)
+    assert moved > 100 * TOLERANCE
+    assert max((ddp[k] - fsdp[k]).abs().max().item() for k in ddp) <= TOLERANCE
+    assert all(torch.equal(fsdp[k], resumed[k]) for k in fsdp)  # stopped after iteration 0 and resumed: bit for bit
+    if finetune == "full":  # the folder of a sharded run is the one an unsharded run writes
+        assert (base / "fsdp-full" / "transformer" / "config.json").read_text() == (base / "ddp-full" / "transformer" / "config.json").read_text()
+    checkpoint = base / f"fsdp-{finetune}" / "checkpoints" / "iter-000001"
+    assert (checkpoint / "optimizer-full.pt").is_file() and (checkpoint / "ema.safetensors").is_file()
+
+
+def test_sharded_runs_evaluate_like_unsharded_ones(runs):
+    """Held-out evaluations (each process's share of 36 prompts, padded to the same forwards) and the
+    final evaluation (the base model is the sharded frozen copy) give DDP's numbers."""
+    def evaluations(run: str) -> list[float]:
+        rows = [json.loads(line) for line in (runs["base"] / run / "metrics.jsonl").read_text().splitlines()]
+        return [row["eval_tiny-geneval"] for row in rows]
+
+    fsdp, ddp = evaluations("fsdp-lora"), evaluations("ddp-lora")
+    assert fsdp[0] == ddp[0] and abs(fsdp[1] - ddp[1]) < 1e-4  # the base model, then after one update
+    final = {run: json.loads((runs["base"] / run / "eval.json").read_text()) for run in ("fsdp-full", "ddp-full")}
+    assert final["fsdp-full"]["base"] == final["ddp-full"]["base"] and final["fsdp-full"]["base"]["all"]["tiny-geneval"]["images"] == 36
+    assert abs(final["fsdp-full"]["trained"]["all"]["tiny-geneval"]["mean"] - final["ddp-full"]["trained"]["all"]["tiny-geneval"]["mean"]) < 1e-4
+
+
+def test_the_exported_lora_of_a_sharded_run_loads_in_the_pipeline_to_the_trained_output(runs):
+    """pipe.load_lora_weights(RUN/lora) gives the images branchdiff samples with the run's weights."""
+    from branchdiff.finetune import load_weights
+    from branchdiff.models import load_adapter
+    from test_model_families import PROMPTS, _ode_images, _pipeline_images
+
+    torch.set_num_threads(1)
+    adapter = load_adapter("sd3", str(runs["model"]), resolution=32)
+    load_weights(adapter, runs["base"] / "fsdp-lora")
+    initial, ours = _ode_images(adapter, STEPS)
+    pipe = load_pipeline("sd3", runs["model"])
+    base = _pipeline_images(pipe, "sd3", initial, STEPS, adapter.default_guidance)
+    pipe.load_lora_weights(str(runs["base"] / "fsdp-lora" / "lora"))
+    loaded = _pipeline_images(pipe, "sd3", initial, STEPS, adapter.default_guidance)
+    assert (ours - base).abs().max().item() > 1e-3
+    assert (loaded - ours).abs().max().item() <= 1e-4
+
+
+def test_settings_come_from_accelerates_fsdp_variables():
+    assert ShardingSettings.from_environment({}) == ShardingSettings()
+    on = {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", "FSDP_OFFLOAD_PARAMS": "true", "FSDP_RESHARD_AFTER_FORWARD": "false"}
+    assert ShardingSettings.from_environment(on) == ShardingSettings(True, True, False)
+    with pytest.raises(UserError, match="fsdp_version: 2"):
+        ShardingSettings.from_environment({"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "1"})
+    for name in ("fsdp", "fsdp-offload"):  # the packaged configs launch FSDP2
+        text = (ACCELERATE_DIR / f"{name}.yaml").read_text()
+        assert "distributed_type: FSDP" in text and "fsdp_version: 2" in text
+        assert ("fsdp_offload_params: true" in text) == (name == "fsdp-offload")
+
+
+def test_a_sharded_adapter_pads_its_forwards_to_the_other_processes_count(tiny_adapter):
+    """forward_chunked with a lockstep that answers 5 makes 5 forwards for a batch that needs 2, and
+    returns the same outputs as without it."""
+    from branchdiff.engine import SamplerSettings, forward_chunked
+
+    calls = []
+    original = type(tiny_adapter).predict
+
+    class Counting(type(tiny_adapter)):
+        def predict(self, *args, **kwargs):
+            calls.append(len(args[0]))
+            return original(self, *args, **kwargs)
+
+    adapter = Counting.__new__(Counting)
+    adapter.__dict__.update(tiny_adapter.__dict__)
+    latents, times = torch.randn(6, 3, 32, 32), torch.full((6,), 0.5)
+    embeds = adapter.encode_prompts(["a red circle"] * 6)
+    settings = SamplerSettings(max_batch=4)
+    plain, _ = forward_chunked(adapter, latents, times, embeds, settings)
+    assert calls == [4, 2]
+    calls.clear()
+    adapter.lockstep = lambda count: 5
+    padded, _ = forward_chunked(adapter, latents, times, embeds, settings)
+    assert len(calls) == 5 and calls.count(1) == 3 and torch.equal(plain, padded)
