@@ -79,6 +79,9 @@ def _parser() -> argparse.ArgumentParser:
         sub.add_argument("--guidance", type=_finite, default=None, help="CFG scale, or FLUX's guidance embedding (default: the family's)")
         sub.add_argument("--images-per-prompt", "--seeds", dest="images_per_prompt", type=_at_least(1), default=None,
                          help="images per prompt (fixed seeds; default: the run's prompts.eval_seeds, else 8)")
+        sub.add_argument("--solver", choices=["training", "release"], default=None,
+                         help="training (default): the ODE of the steps branchdiff trains with; release: the sampler the model "
+                              "folder ships (e.g. SANA's DPM-Solver++, SD 1.5's PNDM)")
         if name == "sample":
             sub.add_argument("--prompt", action="append", help="prompt (repeatable; required unless --from-trace)")
             sub.add_argument("--out", type=Path, required=True, help="output directory")
@@ -177,6 +180,8 @@ def _model_arguments(sub: argparse.ArgumentParser) -> None:
     sub.add_argument("--resolution", type=_image_size, default=None, help="image size in pixels: H (a square) or HxW, e.g. 768x1344 "
                                                                       "(default: the run's, else the family's)")
     sub.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"], help="weights' dtype (default: float32)")
+    sub.add_argument("--no-prompt-instruction", dest="prompt_instruction", action="store_const", const=False, default=None,
+                     help="sana: the bare prompt, without the pipeline's instruction before it (default: the run's model.prompt_instruction)")
 
 
 def _at_least(low: int) -> Callable[[str], int]:

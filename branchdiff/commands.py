@@ -102,8 +102,12 @@ def _load(settings: EvalSettings, weights: str | None, device: str | object = "c
     import torch
 
     from branchdiff.models import load_adapter
+    from branchdiff.models.families import FAMILIES
 
-    adapter = load_adapter(settings.family, settings.model, device, settings.resolution, getattr(torch, settings.dtype))
+    if not settings.prompt_instruction and not FAMILIES[settings.family].instruction:
+        raise ValueError(f"--no-prompt-instruction applies to families whose prompts carry an instruction (sana), not {settings.family}")
+    adapter = load_adapter(settings.family, settings.model, device, settings.resolution, getattr(torch, settings.dtype),
+                           instruction=settings.prompt_instruction)
     if weights:
         from branchdiff.finetune import load_weights
 
@@ -134,6 +138,9 @@ def cmd_sample(args: argparse.Namespace) -> None:
 
     if args.from_trace is None and not args.prompt:
         raise ValueError("sample needs --prompt (or --from-trace OUT/search.json to regrow a search's best images)")
+    if (args.search or args.from_trace is not None) and args.solver == "release":
+        raise ValueError("--solver release samples the model's own ODE; a search grows SDE trees with branchdiff's steps: "
+                         "leave --solver unset with --search or --from-trace")
     if args.search and args.budget is None:
         raise ValueError(f"--search {args.search} needs --budget: the network rows to spend per prompt (a {args.steps or 10}-step image costs "
                          f"{args.steps or 10}, twice that under CFG)")
@@ -152,7 +159,7 @@ def cmd_sample(args: argparse.Namespace) -> None:
     from branchdiff.evaluate import sample_ode
 
     images, prompts = sample_ode(_load(settings, args.weights), args.prompt, settings.images_per_prompt, settings.steps, settings.shift,
-                                 seed=seed, guidance=settings.guidance)
+                                 seed=seed, guidance=settings.guidance, solver=settings.solver)
     for index, (image, prompt) in enumerate(zip(images, prompts)):
         path = args.out / file_name(index, prompt)
         save_image(image, path)
@@ -178,7 +185,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
     out = args.out or Path("eval-" + (run.name if run else Path(args.weights or "base").stem))
     result = evaluate(_load(settings, args.weights, state.device), prompt_set, rewards, settings.images_per_prompt, settings.steps,
                       settings.shift, settings.seed, state.process_index, state.num_processes, progress=state.is_local_main_process,
-                      out_dir=out, guidance=settings.guidance)
+                      out_dir=out, guidance=settings.guidance, solver=settings.solver)
     result = gather_results(result, state)
     state.wait_for_everyone()  # every process's images are on disk before the grid reads them
     if not state.is_main_process:
@@ -186,7 +193,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
     out.mkdir(parents=True, exist_ok=True)
     scales = {label: getattr(reward, "scale", "unspecified") for label, reward in rewards.items()}
     extra = {"family": settings.family, "model": settings.model or "built-in tiny", "weights": args.weights, "steps": settings.steps,
-             "seed": settings.seed, "shift": settings.shift, "guidance": settings.guidance}
+             "seed": settings.seed, "shift": settings.shift, "guidance": settings.guidance, "solver": settings.solver}
     summary = write_outputs(result, out, scales, extra)
     print(f"{prompt_set.name}: {len(prompt_set.prompts)} prompts × {settings.images_per_prompt} images, "
           f"{'weights ' + args.weights if args.weights else 'base model'}; images, scores.csv, grid.png in {out}/")

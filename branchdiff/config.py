@@ -37,6 +37,7 @@ class ModelConfig:
     dtype: str = choice("float32", "float32", "bfloat16", "float16")  # base weights' dtype (LoRA parameters stay float32)
     offload: bool = False  # keep text encoders and VAE on the CPU except while they run
     finetune: str = choice("lora", "lora", "full")  # lora: a LoRA adapter (train.lora_rank, lora_alpha); full: every weight of the denoiser
+    prompt_instruction: bool = True  # sana: prepend the pipeline's complex_human_instruction to every prompt (as SanaPipeline does); false: the bare prompt
     lora_targets: str | list[str] = "attention"  # LoRA's modules: attention | attention+ff | all-linear, or module-name patterns
 
 
@@ -245,6 +246,9 @@ def validate(config: TrainConfig) -> None:
         size = image_size(config.model.resolution, family.resolution)
     except ValueError as error:
         raise ConfigError(str(error)) from None
+    if not config.model.prompt_instruction and not family.instruction:
+        raise ConfigError(f"'model.prompt_instruction' = false applies to families whose prompts carry an instruction (sana); "
+                          f"model.family={config.model.family} has none: leave it unset")
     if family.fixed_resolution and size != (family.resolution, family.resolution):
         raise ConfigError(f"'model.resolution' = {config.model.resolution}: model.family={config.model.family} makes only "
                           f"{family.resolution}×{family.resolution} images; leave model.resolution unset")

@@ -32,12 +32,15 @@ class EvalSettings:
     prompts: str = "tiny:held_out"
     rewards: object = "tiny-geneval"  # command-line text, or the config's list form
     seed: int = EVAL_RUN_SEED
+    solver: str = "training"  # training: the ODE of the steps branchdiff trains with; release: the sampler the model folder ships
+    prompt_instruction: bool = True  # sana: its pipeline's instruction before every prompt
 
 
 # settings field → the key of a run's config that holds it
 FROM_RUN = {"family": "model.family", "model": "model.path", "resolution": "model.resolution", "dtype": "model.dtype",
             "steps": "sampling.num_steps", "shift": "sampling.shift", "guidance": "prompts.eval_guidance",
-            "images_per_prompt": "prompts.eval_seeds", "prompts": "prompts.eval", "rewards": "eval_rewards"}
+            "images_per_prompt": "prompts.eval_seeds", "prompts": "prompts.eval", "rewards": "eval_rewards",
+            "prompt_instruction": "model.prompt_instruction"}
 
 
 def run_of(weights: str | None) -> Path | None:
@@ -80,4 +83,6 @@ def differences(settings: EvalSettings, config: dict) -> list[str]:
             continue
         if theirs is not None and mine != theirs:
             out.append(f"{name.replace('_', ' ')} {mine} (run: {theirs})")
+    if settings.solver != "training":  # a run evaluates with the steps it trains with
+        out.append(f"solver {settings.solver} (run: training)")
     return out

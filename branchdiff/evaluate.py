@@ -25,8 +25,9 @@ from torchvision.io import write_jpeg
 from tqdm.auto import tqdm
 
 from branchdiff.data import PromptSet
+from branchdiff.engine import initial_noise, rows_per_latent
 from branchdiff.eval_settings import EVAL_RUN_SEED
-from branchdiff.models.base import ModelAdapter
+from branchdiff.models.base import ModelAdapter, select_embeds
 from branchdiff.report import save_grid
 from branchdiff.rewards.base import to_uint8
 from branchdiff.rewards.multi import extra_keys, score_component
@@ -36,23 +37,47 @@ from branchdiff.tree import TreeSpec, build_tree
 EVAL_BATCH = 32  # rows per forward: fixed, so an image is the same whatever else is in its batch
 
 
+SOLVERS = ("training", "release")  # the ODE of the steps branchdiff trains with, or the sampler the model folder ships
+
+
 @torch.no_grad()
 def sample_ode(
     adapter: ModelAdapter, prompts: list[str], num_seeds: int, num_steps: int, shift: float | None = None,
-    seed: int = EVAL_RUN_SEED, prompt_keys: list[int] | None = None, guidance: float | None = None,
+    seed: int = EVAL_RUN_SEED, prompt_keys: list[int] | None = None, guidance: float | None = None, solver: str = "training",
 ) -> tuple[torch.Tensor, list[str]]:
     """ODE samples of every prompt × seed on the adapter's schedule (`shift` None: the family's
     own) with `guidance` (None: the family's default): images (P·S, 3, H, W) in [0, 1],
     prompt-major, and the prompt of each image. `prompt_keys[p]` addresses prompt p's noise
-    (default: its position)."""
+    (default: its position). `solver` "release": from the same initial noise, the sampler the
+    model folder ships (`ModelAdapter.release_denoise`), in batches of a fixed size."""
     tree = build_tree(TreeSpec(num_steps, roots=num_seeds, sde_steps=frozenset()), len(prompts))
     address = NoiseAddress(seed, -1, tuple(prompt_keys if prompt_keys is not None else range(len(prompts))))
     settings = SamplerSettings(max_batch=EVAL_BATCH, exact=True, guidance=guidance)
     # one prompt per text-encoder call: an encoder's output, too, depends on its batch size
     encoded = [adapter.encode_prompts([prompt]) for prompt in prompts]
     embeds = {key: torch.cat([e[key] for e in encoded]) for key in encoded[0]}
-    rollout = grow(adapter, tree, embeds, adapter.schedule(num_steps, shift), settings, address)
-    return adapter.decode(rollout.leaf_latents), [prompts[p] for p in tree.prompt[tree.leaf_index].tolist()]
+    if solver == "release":
+        latents = _release_latents(adapter, tree, embeds, address, num_steps, settings)
+    else:
+        latents = grow(adapter, tree, embeds, adapter.schedule(num_steps, shift), settings, address).leaf_latents
+    return adapter.decode(latents), [prompts[p] for p in tree.prompt[tree.leaf_index].tolist()]
+
+
+def _release_latents(adapter: ModelAdapter, tree, embeds: dict, address: NoiseAddress, num_steps: int,
+                     settings: SamplerSettings) -> torch.Tensor:
+    """The chains of an ODE `tree` (one per root, roots in leaf order) run by the model's own sampler
+    from the roots' addressable noise, `max_batch` rows at a time (the last batch padded)."""
+    roots = torch.arange(tree.level_start[0], tree.level_start[1])  # (R,) prompt-major, as the leaves
+    keys = [address.prompt_keys[p] for p in tree.prompt[roots].tolist()]
+    initial = initial_noise(address, keys, [tree.paths[r] for r in roots.tolist()], adapter.latent_shape, adapter.device)  # (R, ...)
+    chunk = max(1, settings.max_batch // rows_per_latent(adapter, settings))
+    out = []
+    for start in range(0, len(roots), chunk):
+        rows = torch.arange(start, min(start + chunk, len(roots)))
+        padded = torch.cat([rows, rows[-1:].expand(chunk - len(rows))])
+        latents = adapter.release_denoise(initial[padded], select_embeds(embeds, tree.prompt[roots[padded]]), num_steps, settings.guidance)
+        out.append(latents[: len(rows)])
+    return torch.cat(out)
 
 
 def score_names(rewards: dict[str, object]) -> list[str]:
@@ -107,7 +132,7 @@ def save_jpeg(image: torch.Tensor, path: Path) -> None:
 def evaluate(
     adapter: ModelAdapter, prompt_set: PromptSet, rewards: dict[str, object], images_per_prompt: int, num_steps: int,
     shift: float | None = None, seed: int = EVAL_RUN_SEED, process_index: int = 0, num_processes: int = 1, chunk: int = 16,
-    progress: bool = False, out_dir: Path | None = None, guidance: float | None = None, lockstep: bool = False,
+    progress: bool = False, out_dir: Path | None = None, guidance: float | None = None, lockstep: bool = False, solver: str = "training",
 ) -> EvalResult:
     """This process's share of the evaluation: prompts process_index, process_index + num_processes, ...
     (`gather_results` joins the shares); with `out_dir`, each image is written there as it is made
@@ -123,7 +148,7 @@ def evaluate(
         for start in range(0, len(sampled), chunk):
             keys = sampled[start : start + chunk]
             prompts = [prompt_set.prompts[k] for k in keys]
-            images, image_prompts = sample_ode(adapter, prompts, images_per_prompt, num_steps, shift, seed, keys, guidance)
+            images, image_prompts = sample_ode(adapter, prompts, images_per_prompt, num_steps, shift, seed, keys, guidance, solver)
             keys = keys[: max(0, len(mine) - start)]  # the padding's images are dropped
             images, image_prompts = images[: len(keys) * images_per_prompt], image_prompts[: len(keys) * images_per_prompt]
             if not keys:

@@ -112,7 +112,11 @@ class Trainer:
         self.eval_rewards = self._build_eval_rewards()  # by label: resolved and loaded before the first iteration
         self.gold_score = self._gold_score()  # before the model loads: a wrong name costs nothing
         model = config.model
-        self.adapter = load_adapter(model.family, model.path, self.accelerator.device, model.resolution, DTYPES[model.dtype], model.offload)
+        self.adapter = load_adapter(model.family, model.path, self.accelerator.device, model.resolution, DTYPES[model.dtype], model.offload,
+                                    model.prompt_instruction)
+        notice = self.adapter.solver_notice()
+        if notice and self.accelerator.is_main_process:
+            print(f"branchdiff: {notice}", file=sys.stderr)
         self.schedule = self.adapter.schedule(config.sampling.num_steps, config.sampling.shift).to(self.accelerator.device)
         self.finetune = make_finetune(self.adapter, model.finetune, model.lora_targets, config.train.lora_rank, config.train.lora_alpha,
                                       config.seed, keep_base=config.train.kl_beta > 0 or config.final_eval)

@@ -254,7 +254,20 @@ CASES = [
          r"--from-trace .*none.json: not a search trace written by 'branchdiff sample --search' \(FileNotFoundError: "),
     Case("device-unavailable", lambda e: ["eval", "--device", "cuda", "--model", str(e.model)],
          r"--device cuda: no CUDA device is visible here \(torch.cuda.is_available\(\) is False\); use --device cpu"),
-    Case("accelerate-config-unknown", lambda e: ["accelerate-config", "multi-gpus"], r"no packaged accelerate config 'multi-gpus'; available: multi-gpu, multi-node, single-gpu"),
+    Case("accelerate-config-unknown", lambda e: ["accelerate-config", "multi-gpus"],
+         r"no packaged accelerate config 'multi-gpus'; available: fsdp, fsdp-offload, multi-gpu, multi-node, single-gpu"),
+    Case("resolution-not-a-size", lambda e: e.fresh("model.resolution=[64, 32, 16]"),
+         r"'model.resolution' = \[64, 32, 16\] is not an image size; give the side H \(a square\) or \[H, W\]"),
+    Case("resolution-flag-not-a-size", lambda e: ["sample", "--resolution", "64by32", "--prompt", "x", "--out", str(e.tmp / "out")],
+         r"sample: argument --resolution: '64by32' is not an image size; give H \(a square\) or HxW"),
+    Case("prompt-instruction-without-one", lambda e: e.fresh("model.prompt_instruction=false"),
+         r"'model.prompt_instruction' = false applies to families whose prompts carry an instruction \(sana\); model.family=tiny has none"),
+    Case("solver-release-with-search", lambda e: ["sample", "--model", str(e.model), "--prompt", "one red circle on the left", "--search", "dts",
+                                                  "--budget", "8", "--solver", "release", "--out", str(e.tmp / "out")],
+         r"--solver release samples the model's own ODE; .*leave --solver unset with --search or --from-trace"),
+    Case("solver-release-without-one", lambda e: ["sample", "--model", str(e.model), "--prompt", "one red circle on the left", "--solver",
+                                                  "release", "--steps", "1", "--images-per-prompt", "1", "--out", str(e.tmp / "out")],
+         r"the tiny model ships no sampler of its own \(--solver release needs a diffusers pipeline folder\)"),
 ]
 
 
@@ -322,7 +335,9 @@ TESTED_ELSEWHERE = {
     "reward-hacking": ["test_hacking::test_a_hackable_proxy_is_flagged_and_stopped_and_the_verifier_is_not"],
     "frozen-rank": ["test_multiprocess::test_a_frozen_rank_ends_the_job_with_one_line_naming_it_and_the_run_resumes_exactly"],
 }
-ALSO_TESTED = {"output-dir-in-use": "test_faults::test_two_runs_started_at_once_on_one_output_dir_one_trains_the_other_stops"}
+ALSO_TESTED = {"output-dir-in-use": "test_faults::test_two_runs_started_at_once_on_one_output_dir_one_trains_the_other_stops",
+               "fsdp-version-1": "test_sharding::test_settings_come_from_accelerates_fsdp_variables",
+               "fsdp-single-process": "test_sharding::test_fsdp_in_a_single_process_or_with_8bit_adam_is_refused_before_the_model_loads"}
 
 
 def _test_exists(name: str) -> bool:

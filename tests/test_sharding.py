@@ -153,3 +153,16 @@ def test_a_sharded_adapter_pads_its_forwards_to_the_other_processes_count(tiny_a
     adapter.lockstep = lambda count: 5
     padded, _ = forward_chunked(adapter, latents, times, embeds, settings)
     assert len(calls) == 5 and calls.count(1) == 3 and torch.equal(plain, padded)
+
+
+def test_fsdp_in_a_single_process_or_with_8bit_adam_is_refused_before_the_model_loads(tiny_model_dir, tmp_path, monkeypatch):
+    from branchdiff.config import ConfigError, load_config
+    from branchdiff.trainer import Trainer
+
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    monkeypatch.setenv("FSDP_VERSION", "2")
+    config = load_config("tiny-chain", [f"model.path={tiny_model_dir}", f"output_dir={tmp_path / 'run'}"])
+    with pytest.raises(UserError, match="in a single process: sharding needs several"):
+        Trainer(config)
+    with pytest.raises(ConfigError, match="adamw8bit' is not supported on a sharded"):
+        Trainer(load_config("tiny-chain", [f"model.path={tiny_model_dir}", f"output_dir={tmp_path / 'run'}", "train.optimizer=adamw8bit"]))

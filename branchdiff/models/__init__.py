@@ -28,11 +28,15 @@ def load_adapter(
     resolution: int | list[int] | tuple[int, int] | None = None,
     dtype: torch.dtype | None = None,
     offload: bool = False,
+    instruction: bool = True,
 ) -> ModelAdapter:
     """The family's adapter loaded from `path` (a local directory or a hub id; None: the family's
     default, which only the built-in tiny model has) at `resolution` (H, [H, W] or None: the family's default square),
-    base weights in `dtype` (None: float32)."""
+    base weights in `dtype` (None: float32); `instruction` False: prompts without the family's
+    instruction prefix (SANA's)."""
     import torch
 
     size = image_size(resolution, FAMILIES[family].resolution)
-    return adapter_class(family).from_pretrained(path, device, size, dtype or torch.float32, offload)
+    adapter = adapter_class(family).from_pretrained(path, device, size, dtype or torch.float32, offload)
+    adapter.instruction = instruction
+    return adapter

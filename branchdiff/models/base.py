@@ -65,6 +65,7 @@ class ModelAdapter(ABC):
     uses_cfg: bool = False  # guidance as classifier-free guidance rows (else embedded, or none)
     default_guidance: float = 1.0  # the family's guidance when the config leaves it unset (1: none)
     decode_batch: int = 8  # images per VAE decode call
+    instruction: bool = True  # prepend the family's prompt instruction where it has one (SANA's complex_human_instruction)
     lockstep: Callable[[int], int] | None = None  # a sharded denoiser (FSDP): agrees a number of forwards with the other processes (sharding.Lockstep)
 
     @property
@@ -109,6 +110,15 @@ class ModelAdapter(ABC):
         output = self.forward(torch.cat([latents, latents]), torch.cat([times, times]), both, guidance)
         uncond, cond = output.chunk(2)
         return uncond + guidance * (cond - uncond)
+
+    def solver_notice(self) -> str | None:
+        """A line for a run whose model ships a sampler other than the one branchdiff steps with (None: the same)."""
+        return None
+
+    def release_denoise(self, latents: torch.Tensor, embeds: PromptEmbeds, num_steps: int, guidance: float | None = None) -> torch.Tensor:
+        """Clean latents from initial noise (B, ...) with the sampler the model ships (embeds: one row per latent)."""
+        raise ValueError(f"the {self.family} model ships no sampler of its own (--solver release needs a diffusers pipeline folder); "
+                         "leave --solver at its default")
 
     def lora_targets(self, targets: str | list[str]) -> list[str] | str:
         """The modules LoRA wraps: a named set of this family (`families.LORA_TARGET_SETS`) or, given a list,

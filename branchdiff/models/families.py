@@ -2,8 +2,8 @@
 diffusers), so a config is validated without importing any model code.
 
 A family entry names its adapter class ("module:Class", imported only when used), its step family
-(`flow` for velocity models, whose SDEs are dance | flow | cps; `ddim` for ε-models) and its
-default image side.
+(`flow` for velocity models, whose SDEs are dance | flow | cps; `ddim` for ε-models), its
+default image side, and whether its prompts carry an instruction prefix.
 """
 
 from __future__ import annotations
@@ -17,13 +17,14 @@ class Family:
     steps: str  # "flow" | "ddim": which schedulers the family samples with
     resolution: int  # default image side in pixels
     fixed_resolution: bool = False  # True: the family makes images of `resolution` only
+    instruction: bool = False  # True: its pipeline prepends an instruction to every prompt (model.prompt_instruction turns it off)
 
 
 FAMILIES: dict[str, Family] = {
     "tiny": Family("branchdiff.models.tiny:TinyAdapter", "flow", 32, fixed_resolution=True),
     "sd3": Family("branchdiff.models.sd3:SD3Adapter", "flow", 1024),
     "flux": Family("branchdiff.models.flux:FluxAdapter", "flow", 1024),
-    "sana": Family("branchdiff.models.sana:SanaAdapter", "flow", 1024),
+    "sana": Family("branchdiff.models.sana:SanaAdapter", "flow", 1024, instruction=True),
     "sd15": Family("branchdiff.models.sd15:SD15Adapter", "ddim", 512),
 }
 LORA_TARGET_SETS = ("attention", "attention+ff", "all-linear")  # the named LoRA target sets every family's adapter defines

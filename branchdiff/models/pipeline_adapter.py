@@ -12,6 +12,7 @@ through the adapter reproduces `pipe(...)` itself.
 from __future__ import annotations
 
 import copy
+import inspect
 import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -131,6 +132,36 @@ class PipelineAdapter(ModelAdapter):
         scheduler.set_timesteps(device="cpu", **self.scheduler_arguments(num_steps))
         sigmas = scheduler.sigmas.float()  # (T+1,) ending at 0
         return FlowSchedule(sigmas, self.model_times(scheduler.timesteps.float()))
+
+    # ---------------------------------------------------------------- the release's own sampler
+    stepped_scheduler = "FlowMatchEulerDiscreteScheduler"  # the diffusers scheduler whose steps (and their SDEs) branchdiff samples and trains with
+
+    def solver_notice(self) -> str | None:
+        shipped = type(self.pipe.scheduler).__name__
+        if shipped == self.stepped_scheduler:
+            return None
+        return (f"model.path ships the sampler {shipped}; branchdiff samples and trains with {self.stepped_scheduler} steps "
+                f"and their SDEs on its schedule, so rollouts differ from the pipeline's own images; branchdiff sample/eval "
+                f"--solver release sample with {shipped}")
+
+    @torch.no_grad()
+    def release_denoise(self, latents: torch.Tensor, embeds: dict[str, torch.Tensor], num_steps: int,
+                        guidance: float | None = None) -> torch.Tensor:
+        """The pipeline's own denoising loop with the scheduler the folder ships (DPM-Solver++ for SANA's
+        releases, PNDM for SD 1.5's): its timesteps set as the pipeline sets them, initial noise times
+        its `init_noise_sigma`, `scale_model_input` where the scheduler has one, the guided prediction
+        (`predict`), and its `step` (η = 0 where it takes one). A multistep solver keeps state, so one
+        call is one batch of chains from start to end."""
+        scheduler = copy.deepcopy(self.pipe.scheduler)
+        accepted = inspect.signature(scheduler.set_timesteps).parameters
+        scheduler.set_timesteps(device=self.device, **{k: v for k, v in self.scheduler_arguments(num_steps).items() if k in accepted})
+        step_arguments = {"eta": 0.0} if "eta" in inspect.signature(scheduler.step).parameters else {}
+        latents = latents * scheduler.init_noise_sigma
+        for t in scheduler.timesteps:
+            model_input = scheduler.scale_model_input(latents, t) if hasattr(scheduler, "scale_model_input") else latents
+            output = self.predict(model_input, self.model_times(t.expand(len(latents))), embeds, guidance)
+            latents = scheduler.step(output, t, latents, **step_arguments, return_dict=False)[0]
+        return latents
 
     def scheduler_arguments(self, num_steps: int) -> dict:
         """What the pipeline passes to `scheduler.set_timesteps`."""

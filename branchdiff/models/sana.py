@@ -3,7 +3,8 @@ channels), a Gemma-2 text encoder, rectified flow with the scheduler config's sh
 
 Prompts are encoded as `SanaPipeline.__call__` encodes them: with its default
 `complex_human_instruction` prepended (its `encode_prompt` alone does not add it), so a LoRA
-trained here sees the conditioning the pipeline gives at inference. The transformer is
+trained here sees the conditioning the pipeline gives at inference; `model.prompt_instruction:
+false` encodes the bare prompt (the pipeline's `complex_human_instruction=None`). The transformer is
 conditioned on t·`timestep_scale` (t = σ·1000). The release samples with DPM-Solver++; branchdiff
 samples and trains with flow-matching Euler steps and their SDEs on the same σ schedule.
 """
@@ -47,7 +48,8 @@ class SanaAdapter(PipelineAdapter):
         return timesteps * self.config.timestep_scale
 
     def encode(self, prompts: list[str]) -> dict[str, torch.Tensor]:
-        instruction = inspect.signature(type(self.pipe).__call__).parameters["complex_human_instruction"].default
+        default = inspect.signature(type(self.pipe).__call__).parameters["complex_human_instruction"].default
+        instruction = default if self.instruction else None  # model.prompt_instruction=false: the bare prompt
         embeds, mask, negative, negative_mask = self.pipe.encode_prompt(
             prompts, do_classifier_free_guidance=True, negative_prompt="", device=self.device,
             max_sequence_length=self.max_sequence_length, complex_human_instruction=instruction,

@@ -28,6 +28,7 @@ class SD15Adapter(PipelineAdapter):
     quant_skip_modules = ("conv_in", "time_embedding", "conv_norm_out", "conv_out")
     uses_cfg = True
     default_guidance = 7.5  # StableDiffusionPipeline's default
+    stepped_scheduler = "DDIMScheduler"
     example_hub_id = "stable-diffusion-v1-5/stable-diffusion-v1-5"
 
     @property
