@@ -20,7 +20,7 @@ from typing import Any
 import yaml
 
 from branchdiff.ema import validate_decay
-from branchdiff.lr_schedule import SCHEDULES, validate_warmup
+from branchdiff.lr_schedule import SCHEDULES, validate_decay_start, validate_warmup
 from branchdiff.models.families import FAMILIES, LORA_TARGET_SETS, STEP_KINDS, image_size
 from branchdiff.rewards.combine import parse_reward_specs
 from branchdiff.tree_settings import tree_spec, validate_cps, validate_ode, validate_trainable, validate_tree
@@ -95,6 +95,7 @@ class OptimConfig:
     learning_rate: float = positive(1e-3)  # AdamW learning rate of the LoRA weights (calibrated on the tiny task)
     lr_schedule: str = choice("constant", *SCHEDULES)  # the rate over the run (branchdiff/lr_schedule.py): constant, or linear / cosine decay to 0 at `iterations`
     warmup_iterations: int = non_negative(0)  # linear warm-up from 0 over the first n iterations (0: none)
+    decay_start: int = non_negative(0)  # linear / cosine: hold the rate until this iteration, then decay to 0 at `iterations` (0: decay over the whole run)
     lora_rank: int = positive(8)  # LoRA rank on the attention projections
     lora_alpha: float = positive(8.0)  # LoRA scaling numerator
     loss: str = choice("grpo", "grpo", "grpo-guard", "grpo-layertuning", "nft")  # the training objective (branchdiff/objectives/, docs/objectives.md): clipped GRPO, GRPO-Guard (guard.*), LayerTuning-RL (layertuning.*) or DiffusionNFT (nft.*)
@@ -237,6 +238,7 @@ def validate(config: TrainConfig) -> None:
         raise ConfigError("'output_dir' is empty; pass output_dir= a folder for the run, e.g. output_dir=runs/my-run")
     _validate_finetune(config)
     validate_warmup(config.train.warmup_iterations, config.iterations)
+    validate_decay_start(config.train.decay_start, config.train.warmup_iterations, config.train.lr_schedule)
     validate_decay(config.train.ema_decay)
     if config.watch.stop and not config.eval_every:
         raise ConfigError("'watch.stop' = true needs held-out evaluations to watch: set eval_every (e.g. eval_every=20) and the gold "

@@ -105,7 +105,7 @@ def iteration_metrics(
     edge_sums = {name: update[name] for name, kind in kinds.items() if kind == "per_term"}
     maxima = {
         **{name: update[name] for name, kind in kinds.items() if kind == "max"}, "rollout_seconds": info["rollout_seconds"],
-        "reward_seconds": info["reward_seconds"], "train_seconds": info["train_seconds"],
+        "reward_seconds": info["reward_seconds"], "train_seconds": info["train_seconds"], **info.get("memory", {}),
         **{f"explore_{k}": v for k, v in explore_stats.items() if not k.endswith(("_nfe", "_mean_abs_diff"))},
     }
     # every process holds the same number of kept candidates, so the mean of the processes' means is the global mean

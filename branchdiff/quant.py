@@ -33,7 +33,7 @@ import fnmatch
 import sys
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Callable, NamedTuple
+from typing import Callable
 
 import torch
 from torch import Tensor, nn

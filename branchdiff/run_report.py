@@ -29,67 +29,16 @@ from branchdiff.objectives import OBJECTIVES
 from branchdiff.report import (Column, base_level, draw_curve, grid_captions, grid_data_uri, new_figure, png_data_uri, small_multiples,
                                smoothing_window, title_and_legend)
 from branchdiff.run_report_data import DEPTH_KEY, Grid, Run, read_run, reward_components, sample_grids
+from branchdiff.run_report_html import STYLE, dotted_get, evenly_spaced, finite_mean, fmt, img, missing, note, table
 
 PHASES = ("rollout_seconds", "reward_seconds", "train_seconds", "eval_seconds")
 NFE_KEYS = ("nfe_rollout", "nfe_rollout_computed", "nfe_trained")
+MEMORY_KEYS = ("memory_rollout_gb", "memory_reward_gb", "memory_train_gb", "memory_eval_gb")
 EVAL_GRIDS = 8  # held-out grids shown, evenly spaced, first and last included
 TRAIN_GRIDS = 3  # newest training grids shown
 LOGPROB_FLOOR = 1e-12  # exact zeros of logprob_check drawn here on the log axis
 CAPTION_CHARS = 80  # a grid row's caption (its prompt) is cut to this many characters
 FINAL_LABEL = "final evaluation (eval.json)"
-
-STYLE = """body{font-family:system-ui,sans-serif;max-width:1240px;margin:1em auto;padding:0 1em;color:#222}
-h2{border-bottom:1px solid #ccc;margin-top:1.6em}nav a{margin-right:1em}
-img.plot{max-width:100%;display:block}img.grid{width:100%;display:block;image-rendering:pixelated}
-figure{display:inline-block;width:calc(50% - 1.2em);margin:.4em;vertical-align:top}figcaption{font-size:.85em;color:#555}
-table{border-collapse:collapse;margin:.5em 0}td,th{border:1px solid #ccc;padding:2px 8px;text-align:right}
-td:first-child,th:first-child{text-align:left}.missing{color:#888;font-style:italic}
-figcaption ol{margin:.2em 0;padding-left:1.8em}pre{background:#f6f6f6;padding:.5em;overflow:auto;font-size:.85em}"""
-
-
-# ---------------------------------------------------------------- page pieces
-def evenly_spaced(items: list, count: int) -> list:
-    """At most `count` items evenly spaced over `items`, first and last included."""
-    if len(items) <= count:
-        return list(items)
-    return [items[i] for i in sorted({round(x) for x in np.linspace(0, len(items) - 1, count)})]
-
-
-def _img(uri: str, alt: str, kind: str = "plot") -> str:
-    return f'<img class="{kind}" alt="{escape(alt)}" src="{uri}">'
-
-
-def _note(text: str) -> str:
-    return f'<p class="missing">{escape(text)}</p>'
-
-
-def _missing(what: str) -> str:
-    return _note(f"{what} not recorded in this run.")
-
-
-def _table(header: list[str], body: list[list[str]]) -> str:
-    head = "".join(f"<th>{escape(h)}</th>" for h in header)
-    lines = "".join("<tr>" + "".join(f"<td>{escape(c)}</td>" for c in line) + "</tr>" for line in body)
-    return f"<table><tr>{head}</tr>{lines}</table>"
-
-
-def _get(config: object, dotted: str) -> object:
-    """config["a"]["b"] for "a.b"; None when a level is absent."""
-    for key in dotted.split("."):
-        config = config.get(key) if isinstance(config, dict) else None
-    return config
-
-
-def _mean(values: np.ndarray, axis: int | None = None) -> np.ndarray:
-    """Mean of the finite values (NaN where there is none), without numpy's empty-slice warning."""
-    finite = np.isfinite(values)
-    with np.errstate(invalid="ignore"):
-        return np.where(finite, values, 0.0).sum(axis) / finite.sum(axis)
-
-
-def _fmt(x: float | None) -> str:
-    return "–" if x is None else f"{x:.4g}"
-
 
 def _update_curve(ax: Axes, key: str, column: Column) -> None:
     """An update statistic; logprob_check on a log axis, exact zeros at LOGPROB_FLOOR, with the 1e-6 line."""
@@ -107,7 +56,7 @@ def _update_curve(ax: Axes, key: str, column: Column) -> None:
 
 def _panels(run: Run, keys: list[str], alt: str, draw: Callable[[Axes, str, Column], None] = draw_curve) -> str:
     """Small multiples of the run's `keys` as an <img>."""
-    return _img(png_data_uri(small_multiples(run.columns, keys, draw)), alt)
+    return img(png_data_uri(small_multiples(run.columns, keys, draw)), alt)
 
 
 # ---------------------------------------------------------------- sections
@@ -129,16 +78,16 @@ def _header(run: Run) -> str:
             parts.append(f"held-out {score} {base_means[score]:.3f} → {trained:.3f}")
     parts.append("generated " + time.strftime("%Y-%m-%d %H:%M:%S"))
     if run.config_text is None:
-        facts = _missing("config.yaml")
+        facts = missing("config.yaml")
     else:
         c = run.config or {}
-        body = [["family", str(_get(c, "model.family"))], ["model.path", str(_get(c, "model.path"))],
-                ["iterations", str(_get(c, "iterations"))], ["reward", str(_get(c, "reward"))],
-                ["tree", f"{_get(c, 'tree.roots')} roots, splits {_get(c, 'tree.splits')}"],
-                ["sampling steps", f"{_get(c, 'sampling.num_steps')} ({'ODE' if _get(c, 'sampling.sde') == 'ode' else str(_get(c, 'sampling.sde')) + ' SDE'})"],
-                ["objective", str(_get(c, "train.loss") or "grpo")],
-                ["learning rate", str(_get(c, "train.learning_rate"))], ["explore", str(_get(c, "explore.mode"))]]
-        facts = _table(["config", "value"], body) + f"<details><summary>config.yaml</summary><pre>{escape(run.config_text)}</pre></details>"
+        body = [["family", str(dotted_get(c, "model.family"))], ["model.path", str(dotted_get(c, "model.path"))],
+                ["iterations", str(dotted_get(c, "iterations"))], ["reward", str(dotted_get(c, "reward"))],
+                ["tree", f"{dotted_get(c, 'tree.roots')} roots, splits {dotted_get(c, 'tree.splits')}"],
+                ["sampling steps", f"{dotted_get(c, 'sampling.num_steps')} ({'ODE' if dotted_get(c, 'sampling.sde') == 'ode' else str(dotted_get(c, 'sampling.sde')) + ' SDE'})"],
+                ["objective", str(dotted_get(c, "train.loss") or "grpo")],
+                ["learning rate", str(dotted_get(c, "train.learning_rate"))], ["explore", str(dotted_get(c, "explore.mode"))]]
+        facts = table(["config", "value"], body) + f"<details><summary>config.yaml</summary><pre>{escape(run.config_text)}</pre></details>"
     nav = "".join(f'<a href="#{i}">{t}</a>' for i, t, _ in SECTIONS)
     return f"<h1>branchdiff run {escape(run.run_dir.resolve().name)}</h1><p>{escape(' · '.join(parts))}</p>{facts}<nav>{nav}</nav>"
 
@@ -150,7 +99,7 @@ def _rewards(run: Run) -> str:
     accuracies = sorted((k for k in run.columns if k.startswith("accuracy_")), key=lambda k: (k != "accuracy_strict", k))
     keys = run.has("reward_mean", *components, *accuracies)
     if not keys:
-        return _missing("Rewards")
+        return missing("Rewards")
     html = _panels(run, keys, "reward curves", partial(draw_curve, base=True))
     signal = run.has("reward_zero_spread_fraction", "reward_group_std")
     signal += [k for k in run.has("groups_dropped") if np.nansum(run.columns[k][1])]
@@ -178,14 +127,14 @@ def _heldout_table(run: Run, keys: list[str]) -> str:
         iterations, values = run.columns.get(f"eval_{score}", (np.zeros(0), np.zeros(0)))
         base = base_level(iterations, values)
         base = base_means.get(score) if base is None else base  # the same evaluation of the base model
-        last = f"{_fmt(values[-1])} at {iterations[-1]:.0f}" if len(values) else "–"
-        body.append([score, _fmt(base), last, f"{_fmt(finals[score])} at {x}" if score in finals and x is not None else "–"])
+        last = f"{fmt(values[-1])} at {iterations[-1]:.0f}" if len(values) else "–"
+        body.append([score, fmt(base), last, f"{fmt(finals[score])} at {x}" if score in finals and x is not None else "–"])
     text = "x counts the updates before an evaluation: the one logged at iteration i ran before that iteration's update"
     if finals and x is not None:
         after = run.after_iteration()
         text += (f", the final one (★, eval.json) after the update of iteration {after}, at {x}" if after is not None
                  else f", the final one (★, eval.json) after the last logged iteration (eval.json does not say which), at {x}")
-    return f"<p>{escape(text)}.</p>" + _table(["held-out score", "base (iteration 0)", "last in training", FINAL_LABEL], body)
+    return f"<p>{escape(text)}.</p>" + table(["held-out score", "base (iteration 0)", "last in training", FINAL_LABEL], body)
 
 
 def _watch(run: Run) -> str:
@@ -209,7 +158,7 @@ def _watch(run: Run) -> str:
     count = int(np.nansum(flags))
     verdict = (f"Divergence flagged at {count} evaluation(s): the training reward rose while the gold score fell."
                if count else "No divergence flagged: the gold score did not fall while the training reward rose.")
-    return f"<p>{escape(verdict)}</p>" + _img(png_data_uri(figure), "reward-hacking watch")
+    return f"<p>{escape(verdict)}</p>" + img(png_data_uri(figure), "reward-hacking watch")
 
 
 def _heldout(run: Run) -> str:
@@ -219,13 +168,13 @@ def _heldout(run: Run) -> str:
         html = "<p>Mean scores on the fixed held-out prompts and seeds, of the policy each iteration's rollouts came from.</p>"
         html += _panels(run, keys, "held-out evaluation", draw)
     else:
-        html = _missing("Held-out evaluation during training")
+        html = missing("Held-out evaluation during training")
     html += _watch(run)
     if keys or run.means("trained"):
         html += _heldout_table(run, keys)
     evaluation = run.evaluation
     if evaluation is None:
-        return html + _missing("The final evaluation (eval.json)")
+        return html + missing("The final evaluation (eval.json)")
     html += (f"<p>Final evaluation: prompts {escape(str(evaluation.get('prompts')))}, "
              f"{escape(str(evaluation.get('images_per_prompt')))} images per prompt, the same noise for both models.</p>")
     base, trained = evaluation.get("base") or {}, evaluation.get("trained") or {}
@@ -234,9 +183,9 @@ def _heldout(run: Run) -> str:
         for score in {**base[group], **trained.get(group, {})}:
             b, t = base[group].get(score, {}), trained.get(group, {}).get(score, {})
             diff = f"{t['mean'] - b['mean']:+.4g}" if "mean" in b and "mean" in t else "–"
-            body.append([score, f"{_fmt(b.get('mean'))} ± {_fmt(b.get('std'))}", f"{_fmt(t.get('mean'))} ± {_fmt(t.get('std'))}",
+            body.append([score, f"{fmt(b.get('mean'))} ± {fmt(b.get('std'))}", f"{fmt(t.get('mean'))} ± {fmt(t.get('std'))}",
                          diff, str(t.get("images", b.get("images", "–"))), f"{b.get('nonfinite', 0)} / {t.get('nonfinite', 0)}"])
-        html += f"<h3>{escape(group)}</h3>" + _table(["score", "base", "trained", "trained − base", "images", "non-finite (base / trained)"], body)
+        html += f"<h3>{escape(group)}</h3>" + table(["score", "base", "trained", "trained − base", "images", "non-finite (base / trained)"], body)
     return html + "".join(f"<p>{escape(k)}: {escape(str(v))}</p>" for k, v in (evaluation.get("scales") or {}).items())
 
 
@@ -246,7 +195,7 @@ def _advantages(run: Run) -> str:
         if match := DEPTH_KEY.match(key):
             by_kind.setdefault(match[1], {})[int(match[2])] = key
     if not by_kind:
-        return _missing("Per-depth advantage statistics")
+        return missing("Per-depth advantage statistics")
     depths = sorted({d for keys in by_kind.values() for d in keys})
 
     def matrix(kind: str) -> np.ndarray:  # (depths, R), NaN where not logged
@@ -261,24 +210,24 @@ def _advantages(run: Run) -> str:
             figure.colorbar(mesh, ax=ax, pad=0.01)
             ax.set_title(f"{kind} by child depth", fontsize=9)
             ax.set(xlabel="iteration", ylabel="depth", yticks=depths)
-        html += _img(png_data_uri(figure), "advantage heatmaps by depth")
+        html += img(png_data_uri(figure), "advantage heatmaps by depth")
     figure, (left, right) = new_figure(9.4, 2.6, 1, 2)
     for offset, kind in zip((-0.2, 0.2), kinds):
-        left.bar(np.array(depths) + offset, _mean(matrix(kind), 1), width=0.4, label=kind)
+        left.bar(np.array(depths) + offset, finite_mean(matrix(kind), 1), width=0.4, label=kind)
     title_and_legend(left, "mean over the run")
     if "edges_trained" in by_kind:
-        right.bar(depths, _mean(matrix("edges_trained"), 1), color="C2")
+        right.bar(depths, finite_mean(matrix("edges_trained"), 1), color="C2")
     right.set_title("edges trained per iteration (mean)", fontsize=9)
     for ax in (left, right):
         ax.set(xlabel="depth", xticks=depths)
-    return html + _img(png_data_uri(figure), "per-depth means over the run and edges trained per depth")
+    return html + img(png_data_uri(figure), "per-depth means over the run and edges trained per depth")
 
 
 def _cost(run: Run) -> str:
     nfe = run.has(*NFE_KEYS, *(k for k in run.columns if k.startswith("explore_") and k.endswith("_nfe")))
     phases = run.has(*PHASES)
     if not nfe and not phases:
-        return _missing("Cost (NFE and time)")
+        return missing("Cost (NFE and time)")
     figure, (left, right) = new_figure(9.4, 2.8, 1, 2)
     for key in nfe:
         left.plot(*run.columns[key], lw=1.2, label=key)
@@ -289,20 +238,37 @@ def _cost(run: Run) -> str:
     title_and_legend(right, "seconds per iteration (stacked)")
     for ax in (left, right):
         ax.set_xlabel("iteration")
-    html = _img(png_data_uri(figure), "network evaluations and time per iteration")
+    html = img(png_data_uri(figure), "network evaluations and time per iteration")
     totals, count = seconds.sum(axis=1), len(run.iterations)
     wall = float(totals.sum())
     body = [[k, f"{t:.1f}", f"{t / count:.3g}", f"{t / wall:.0%}" if wall else "–"] for k, t in zip(phases, totals)]
     body.append(["total of the timed phases", f"{wall:.1f}", f"{wall / count:.3g}", "100%" if wall else "–"])
-    body += [[k, f"{np.nansum(run.columns[k][1]):.0f}", _fmt(_mean(run.columns[k][1])), ""] for k in nfe]
-    html += _table(["over the logged iterations", "total", "per iteration", "share of time"], body)
-    return html + "<p>Seconds are the slowest process's; checkpoints, sample grids and this report are not timed.</p>"
+    body += [[k, f"{np.nansum(run.columns[k][1]):.0f}", fmt(finite_mean(run.columns[k][1])), ""] for k in nfe]
+    html += table(["over the logged iterations", "total", "per iteration", "share of time"], body)
+    return html + "<p>Seconds are the slowest process's; checkpoints, sample grids and this report are not timed.</p>" + _memory(run)
+
+
+def _memory(run: Run) -> str:
+    """Peak memory of each phase per iteration (branchdiff/memory.py) and its maximum over the run."""
+    keys = run.has(*MEMORY_KEYS)
+    if not keys:
+        return missing("Peak memory per phase")
+    figure, (ax,) = new_figure(7, 2.6)
+    for key in keys:
+        iterations, values = run.columns[key]
+        ax.plot(iterations, values, lw=1.2, marker="." if key == "memory_eval_gb" else None, label=key.removeprefix("memory_"))
+    ax.set(xlabel="iteration", ylabel="GiB")
+    title_and_legend(ax, "peak memory per phase (the largest process's)")
+    body = [[key.removeprefix("memory_").removesuffix("_gb"), f"{np.nanmax(run.columns[key][1]):.3f}"] for key in keys]
+    return (img(png_data_uri(figure), "peak memory per phase") + table(["phase", "peak over the run (GiB)"], body)
+            + "<p>On a GPU: CUDA's peak of allocated tensor memory in the phase; on the CPU: the process's peak resident set "
+              "size in the phase (branchdiff/memory.py).</p>")
 
 
 def _update_keys(run: Run) -> list[str]:
     """The statistics of the run's objective (`train.loss`; its counts are drawn with the NFE), the
     gradient norm and the skipped steps."""
-    objective = OBJECTIVES.get(_get(run.config, "train.loss") or "grpo")
+    objective = OBJECTIVES.get(dotted_get(run.config, "train.loss") or "grpo")
     kinds = objective.metric_kinds if objective else {}
     return [key for key, kind in kinds.items() if kind != "count"] + ["grad_norm", "steps_skipped"]
 
@@ -311,19 +277,19 @@ def _update(run: Run) -> str:
     wanted = _update_keys(run)
     keys = run.has(*wanted)
     if not keys:
-        return _missing("Update statistics")
+        return missing("Update statistics")
     html = ("<p>logprob_check is max |log p<sub>train</sub> − log p<sub>rollout</sub>| at the first inner step, where the "
             f"ratio is exactly 1 before the first update: it should be ~1e-6 or below (exact zeros drawn at {LOGPROB_FLOOR:g}).</p>"
             if "logprob_check" in keys else "")
     html += _panels(run, keys, "update statistics: " + ", ".join(keys), _update_curve)
     absent = [k for k in wanted if k not in keys]
-    return html + (_missing(", ".join(absent)) if absent else "")
+    return html + (missing(", ".join(absent)) if absent else "")
 
 
 def _explore(run: Run) -> str:
     keys = [k for k in run.columns if k.startswith("explore_")]
     if not keys:
-        return _note("Explore not recorded in this run: explore was off.")
+        return note("Explore not recorded in this run: explore was off.")
     agreement = [k for k in keys if any(w in k for w in ("spearman", "kendall", "top"))]
     html = ""
     if agreement:
@@ -333,9 +299,9 @@ def _explore(run: Run) -> str:
         title_and_legend(ax, "explorer vs policy: ranking agreement")
         ax.set_xlabel("iteration")
         ax.grid(alpha=0.3)
-        html += _img(png_data_uri(figure), "explore ranking agreement")
-    body = [[k, _fmt(_mean(run.columns[k][1]))] for k in keys if k not in agreement]
-    return html + (_table(["explore metric", "mean over the run"], body) if body else "")
+        html += img(png_data_uri(figure), "explore ranking agreement")
+    body = [[k, fmt(finite_mean(run.columns[k][1]))] for k in keys if k not in agreement]
+    return html + (table(["explore metric", "mean over the run"], body) if body else "")
 
 
 def _cut(text: str) -> str:
@@ -349,7 +315,7 @@ def _figures(grids: list[Grid], alt: str) -> str:
     html = ""
     for iteration, path in grids:
         uri = grid_data_uri(path)
-        image = _img(uri, f"{alt}, iteration {iteration}", "grid") if uri else _note(f"{path.name} unreadable")
+        image = img(uri, f"{alt}, iteration {iteration}", "grid") if uri else note(f"{path.name} unreadable")
         rows = "".join(f"<li>{escape(_cut(caption))}</li>" for caption in grid_captions(path) or [])
         html += f"<figure>{image}<figcaption>iteration {iteration}{f'<ol>{rows}</ol>' if rows else ''}</figcaption></figure>"
     return html
@@ -362,13 +328,13 @@ def _samples(run: Run) -> str:
         html += f"<p>The same prompts and seeds at each evaluation ({len(held_out)} grids, at most {EVAL_GRIDS} shown).</p>"
         html += _figures(evenly_spaced(held_out, EVAL_GRIDS), "held-out samples")
     else:
-        html += _missing("Held-out sample grids (samples/eval-iter-*.png)")
+        html += missing("Held-out sample grids (samples/eval-iter-*.png)")
     html += "<h3>Latest training leaves</h3>"
     if training:
         html += "<p>Leaves of the iteration's random training prompts, one row a prompt.</p>"
         html += _figures(training[-TRAIN_GRIDS:], "training samples")
     else:
-        html += _missing("Training sample grids (samples/iter-*.png)")
+        html += missing("Training sample grids (samples/iter-*.png)")
     return html
 
 
@@ -381,12 +347,12 @@ SECTIONS: list[tuple[str, str, Callable[[Run], str]]] = [
 
 def _section(run: Run, section_id: str, title: str, build: Callable[[Run], str]) -> str:
     if not len(run.iterations) and section_id != "samples":
-        body = _note("No iteration logged yet: metrics not recorded in this run.")
+        body = note("No iteration logged yet: metrics not recorded in this run.")
     else:
         try:
             body = build(run)
         except Exception as error:  # noqa: BLE001: a report must not stop the run that rebuilds it
-            body = _note(f"This section could not be drawn: {error!r}")
+            body = note(f"This section could not be drawn: {error!r}")
     return f'<section><h2 id="{section_id}">{title}</h2>{body}</section>'
 
 

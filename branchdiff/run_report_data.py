@@ -30,7 +30,7 @@ NOT_COMPONENTS = frozenset({
     "groups_dropped", "nfe_rollout", "nfe_rollout_computed", "nfe_trained",
     "edges_trained", "rollout_seconds", "reward_seconds", "train_seconds", "eval_seconds", "learning_rate",
 }) | all_update_metrics()
-NOT_COMPONENT_PREFIXES = ("accuracy_", "eval_", "explore_", "advantage_", "watch_")
+NOT_COMPONENT_PREFIXES = ("accuracy_", "eval_", "explore_", "advantage_", "watch_", "memory_")
 NOT_COMPONENT_SUFFIXES = ("_failed", "_nonfinite")  # per-component failure counts
 DEPTH_KEY = re.compile(r"^(advantage_std|advantage_abs_mean|edges_trained)/depth_(\d+)$")
 GRID_FILE = re.compile(r"^(eval-)?iter-(\d+)\.png$")

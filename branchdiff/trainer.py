@@ -45,6 +45,7 @@ from branchdiff.objectives import make_objective
 from branchdiff.finetune import make_finetune
 from branchdiff.hacking import WatchState
 from branchdiff.lr_schedule import LearningRateSchedule
+from branchdiff.memory import PhaseMemory
 from branchdiff.quant import QuantConfig, make_quantized_copy, refresh_quantized_copy
 from branchdiff.rewards.combine import parse_reward_specs
 from branchdiff.rewards.multi import MultiReward, RewardBatch, build_component
@@ -104,6 +105,7 @@ class Trainer:
             raise UserError("FSDP is on (ACCELERATE_USE_FSDP) in a single process: sharding needs several; launch with accelerate launch "
                             "--config_file $(branchdiff accelerate-config fsdp) --num_processes N (N ≥ 2), or unset ACCELERATE_USE_FSDP")
         self.collective = AcceleratorCollective(self.accelerator)
+        self.memory = PhaseMemory(self.accelerator.device)  # peak memory of each phase, in the metrics
         self.heartbeat = self._start_heartbeat() if self.accelerator.num_processes > 1 else None
         resumed = self.select_checkpoint(resume) if resume else None
         self.settings = sampler_settings(config)
@@ -127,7 +129,8 @@ class Trainer:
             self.finetune.shard(self.sharding, Lockstep(self.collective))
         optimizer = make_optimizer(config, self.finetune.params)
         self.weight_average = WeightAverage(self.finetune.params, config.train.ema_decay) if config.train.ema_decay else None
-        self.learning_rate = LearningRateSchedule(optimizer, config.train.lr_schedule, config.train.warmup_iterations, config.iterations)
+        self.learning_rate = LearningRateSchedule(optimizer, config.train.lr_schedule, config.train.warmup_iterations, config.iterations,
+                                                  config.train.decay_start)
         if self.sharding.enabled:  # the sharded module is its own wrapper; its optimizer state is saved gathered (_save_trained)
             wrapped, self.optimizer = self.adapter.denoiser, optimizer
         else:
@@ -341,9 +344,9 @@ class Trainer:
         spec = tree_spec(self.config, iteration)
         embeds = self.adapter.encode_prompts(prompts)
         address = NoiseAddress(self.config.seed, iteration, keys)
-        info: dict = {"embeds": embeds, "prompts": prompts, "address": address}
+        info: dict = {"embeds": embeds, "prompts": prompts, "address": address, "memory": {}}
         start = time.perf_counter()
-        with self.accelerator.autocast(), self.objective.sampling_weights():
+        with self.memory.phase("rollout", info["memory"]), self.accelerator.autocast(), self.objective.sampling_weights():
             if self.explorer is None:
                 rollout = grow(self.adapter, build_tree(spec, len(prompts)), embeds, self.schedule, self.settings, address, per_node)
             else:
@@ -351,10 +354,12 @@ class Trainer:
                 rollout = explored.rollout
         info["rollout_seconds"] = time.perf_counter() - start
         start = time.perf_counter()
-        images = self.adapter.decode(rollout.leaf_latents)
-        tree = rollout.tree
-        leaf_prompts = tree.prompt[tree.leaf_index]  # (L,) the group of each leaf
-        rewards = self.reward(images, [prompts[p] for p in leaf_prompts.tolist()], [metadata[p] for p in leaf_prompts.tolist()], leaf_prompts)
+        with self.memory.phase("reward", info["memory"]):
+            images = self.adapter.decode(rollout.leaf_latents)
+            tree = rollout.tree
+            leaf_prompts = tree.prompt[tree.leaf_index]  # (L,) the group of each leaf
+            rewards = self.reward(images, [prompts[p] for p in leaf_prompts.tolist()], [metadata[p] for p in leaf_prompts.tolist()],
+                                  leaf_prompts)
         info["reward_seconds"] = time.perf_counter() - start
         if self.explorer is not None:
             kept_regenerated = rewards.total.reshape(len(prompts), self.config.explore.keep, -1).mean(-1)
@@ -402,8 +407,9 @@ class Trainer:
         info["groups_dropped"] = signal.groups_dropped
         learning_rate = self.learning_rate.set(iteration)
         start = time.perf_counter()
-        train_stats = self.update(self.objective.plan(rollout, info["embeds"], signal, info["address"]))
-        self.objective.after_update(iteration)
+        with self.memory.phase("train", info["memory"]):
+            train_stats = self.update(self.objective.plan(rollout, info["embeds"], signal, info["address"]))
+            self.objective.after_update(iteration)
         info["train_seconds"] = time.perf_counter() - start
         streak = self.run_state["skipped_in_a_row"] + train_stats["steps_skipped"]
         self.run_state["skipped_in_a_row"] = train_stats["trailing_skips"] if train_stats["optimizer_steps"] else streak
@@ -459,10 +465,11 @@ class Trainer:
     def heldout_metrics(self) -> dict[str, float]:
         """The policy's mean score on the eval prompts, `eval_<score>` for each eval reward and its
         extras (fixed noise, ODE), each process sampling its share of the prompts; `eval_seconds`."""
-        start = time.perf_counter()
-        with self.evaluated_weights():
+        start, memory = time.perf_counter(), {}
+        with self.memory.phase("eval", memory), self.evaluated_weights():
             summary = summarize(self._evaluate_shared(self.adapter))["all"]
-        return {**{f"eval_{name}": row["mean"] for name, row in summary.items()}, "eval_seconds": time.perf_counter() - start}
+        memory = {key: self.collective.max(torch.tensor([value], dtype=torch.float64)).item() for key, value in memory.items()}
+        return {**{f"eval_{name}": row["mean"] for name, row in summary.items()}, "eval_seconds": time.perf_counter() - start, **memory}
 
     def fixed_samples(self, prompts: int = 4, images_per_prompt: int = 4) -> tuple[torch.Tensor, list[str]]:
         """The policy's ODE samples (prompts · images_per_prompt, 3, H, W) of the first eval prompts

@@ -36,6 +36,27 @@ def test_every_group_follows_the_closed_form_at_every_iteration(schedule, warmup
         assert [g["lr"] for g in optimizer.param_groups] == pytest.approx([2e-4 * factor, 5e-5 * factor], rel=1e-12, abs=1e-18)
 
 
+@pytest.mark.parametrize("schedule", ["linear", "cosine"])
+@pytest.mark.parametrize("warmup", [0, 2])
+def test_a_decay_start_holds_the_rate_then_decays_to_zero_at_the_end(schedule, warmup):
+    """decay_start D: the warm-up, the base rate exactly until D, then the curve over the N − D iterations left."""
+    iterations, start = 12, 5
+    optimizer = _optimizer([2e-4])
+    learning_rate = LearningRateSchedule(optimizer, schedule, warmup, iterations, decay_start=start)
+    for i in [*range(iterations), 7, 1]:
+        factor = (i / warmup if i < warmup else 1.0) if i < start else _expected(schedule, i - start, 0, iterations - start)
+        assert learning_rate.set(i) == pytest.approx(2e-4 * factor, rel=1e-12, abs=1e-18)
+    short = LearningRateSchedule(_optimizer([2e-4]), schedule, 0, start, decay_start=start)  # a run no longer than D never decays
+    assert [short.set(i) for i in range(start)] == [2e-4] * start
+
+
+def test_a_decay_start_needs_a_decay_and_follows_the_warmup():
+    with pytest.raises(ConfigError, match="'train.decay_start' = 600 needs a decaying train.lr_schedule"):
+        load_config("tiny-mix", ["train.decay_start=600"])
+    with pytest.raises(ConfigError, match=r"'train.decay_start' = 5 is inside the warm-up .*train.decay_start=10\)"):
+        load_config("tiny-mix", ["iterations=100", "train.lr_schedule=cosine", "train.warmup_iterations=10", "train.decay_start=5"])
+
+
 def test_constant_leaves_the_optimizer_as_built():
     optimizer = _optimizer([1e-3])
     before = optimizer.state_dict()["param_groups"]

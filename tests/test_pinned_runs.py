@@ -40,7 +40,7 @@ RUNS = {
 
 
 def _run(name: str, out: Path) -> tuple[list[dict], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """The run's metrics (times left out), its trained parameters at the start and at the end, by name."""
+    """The run's metrics (times and memory left out), its trained parameters at the start and at the end, by name."""
     preset, overrides = RUNS[name]
     trainer = Trainer(load_config(preset, [f"output_dir={out}", f"iterations={ITERATIONS}", *COMMON, *overrides]))
     trained = {id(p) for p in trainer.finetune.params}
@@ -49,7 +49,8 @@ def _run(name: str, out: Path) -> tuple[list[dict], dict[str, torch.Tensor], dic
         return {k: v.detach().clone() for k, v in trainer.adapter.denoiser.named_parameters() if id(v) in trained}
 
     start = weights()
-    metrics = [{k: v for k, v in trainer.run_iteration(i).metrics.items() if "seconds" not in k} for i in range(ITERATIONS)]
+    metrics = [{k: v for k, v in trainer.run_iteration(i).metrics.items() if "seconds" not in k and not k.startswith("memory_")}
+               for i in range(ITERATIONS)]  # times and memory are measurements of the machine
     return metrics, start, weights()
 
 

@@ -16,7 +16,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
 import torchvision.transforms as T
 import torchvision.transforms.v2.functional as TF
 from PIL import Image

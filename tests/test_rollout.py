@@ -10,7 +10,6 @@ import torch
 from branchdiff import noise
 from branchdiff.rollout import NoiseAddress, SamplerSettings, grow, regenerate
 from branchdiff.tree import Split, TreeSpec, build_tree
-from branchdiff.schedulers.flow import gaussian_log_prob, sigma_schedule, step
 
 PROMPTS = ["two red circles on the left", "one blue square at the top", "three green triangles at the bottom"]
 SPEC = TreeSpec(num_steps=5, splits=(Split(0, 2), Split(2, 3, noise_level=0.9)), split_noise_level=0.6)

@@ -63,13 +63,14 @@ def metrics_row(i: int, rng: np.random.Generator, iterations: int = ITERATIONS, 
     for d in range(1, DEPTHS + 1):
         row |= {f"advantage_std/depth_{d}": 1.0 / d + noise(0.05), f"advantage_abs_mean/depth_{d}": 0.8 / d + noise(0.05),
                 f"edges_trained/depth_{d}": 2 ** d * 8}
+    row |= {"memory_rollout_gb": 1.5 + noise(0.01), "memory_reward_gb": 1.2, "memory_train_gb": 2.5 + noise(0.02)}
     row |= {"explore_spearman_kept": 0.8 + noise(0.05), "explore_kendall_kept": 0.6 + noise(0.05), "explore_topk_overlap_kept": 0.7,
             "explore_pool_nfe": 1024, "explore_regen_nfe": 504, "explore_regen_seconds": 0.3}
     if i % 10 == 0:
         row["explore_spearman_pool"] = 0.7 + noise(0.05)
     if i % EVAL_EVERY == 0:
         row |= {"eval_tiny-geneval": 0.55 + 0.2 * progress, "eval_tiny-geneval.strict": 0.2 + 0.3 * progress,
-                "eval_tiny-geneval.count": 0.6 + 0.1 * progress, "eval_seconds": 1.5}
+                "eval_tiny-geneval.count": 0.6 + 0.1 * progress, "eval_seconds": 1.5, "memory_eval_gb": 1.8}
     if i == 5:
         row["kl"] = float("nan")  # written as NaN, as json.dumps does
     return row
@@ -247,7 +248,9 @@ def test_a_full_run_gives_one_self_contained_page_with_every_section(full_run, f
     plots = {section for section, kind, _, _ in page.images if kind == "plot"}
     assert plots == set(SECTIONS) - {"samples"}
     alts = [alt for _, _, alt, _ in page.images]
-    assert {"reward curves", "held-out evaluation", "advantage heatmaps by depth", "explore ranking agreement"} <= set(alts)
+    assert {"reward curves", "held-out evaluation", "advantage heatmaps by depth", "explore ranking agreement", "peak memory per phase"} <= set(alts)
+    assert page.table("peak over the run (GiB)") == [["rollout", f"{max(r['memory_rollout_gb'] for r in rows):.3f}"], ["reward", "1.200"],
+                                   ["train", f"{max(r['memory_train_gb'] for r in rows):.3f}"], ["eval", "1.800"]]
     # 10 held-out grids: 8 shown, first and last included; the 3 newest training grids
     held_out = [alt for _, kind, alt, _ in page.images if kind == "grid" and alt.startswith("held-out")]
     training = [alt for _, kind, alt, _ in page.images if kind == "grid" and alt.startswith("training")]
@@ -343,8 +346,8 @@ def test_no_legend_covers_an_axes_or_leaves_the_figure(report_figures):
                 assert not box.overlaps(ax.get_window_extent(renderer)), ax.get_title()
                 assert not ax.get_title() or not box.overlaps(ax.title.get_window_extent(renderer)), ax.get_title()
             legends += 1
-    # on top of small multiples: rewards, signal, held-out, update; above axes: per-depth means, the two cost plots, explore
-    assert legends == 4 + 4
+    # on top of small multiples: rewards, signal, held-out, update; above axes: per-depth means, the two cost plots, memory, explore
+    assert legends == 4 + 5
 
 
 def test_a_failed_write_keeps_the_old_page(tmp_path, monkeypatch):
@@ -378,7 +381,8 @@ def test_a_partial_run_says_what_was_not_recorded(tmp_path):
     page = Page(text)
     assert page.sections == list(SECTIONS) and "could not be drawn" not in text
     for what in ("Held-out evaluation during training", "The final evaluation (eval.json)", "Per-depth advantage statistics",
-                 "Held-out sample grids (samples/eval-iter-*.png)", "Training sample grids (samples/iter-*.png)", "config.yaml"):
+                 "Held-out sample grids (samples/eval-iter-*.png)", "Training sample grids (samples/iter-*.png)", "config.yaml",
+                 "Peak memory per phase"):
         assert f"{what} not recorded in this run." in text
     assert "Explore not recorded in this run: explore was off." in text
     assert {s for s, kind, _, _ in page.images} == {"rewards", "cost", "update"}

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -103,7 +102,7 @@ def test_the_exported_lora_of_a_sharded_run_loads_in_the_pipeline_to_the_trained
     """pipe.load_lora_weights(RUN/lora) gives the images branchdiff samples with the run's weights."""
     from branchdiff.finetune import load_weights
     from branchdiff.models import load_adapter
-    from test_model_families import PROMPTS, _ode_images, _pipeline_images
+    from test_model_families import _ode_images, _pipeline_images
 
     torch.set_num_threads(1)
     adapter = load_adapter("sd3", str(runs["model"]), resolution=32)
