@@ -489,6 +489,18 @@ def trace(model: torch.nn.Module, family: Family, resolution: int, grad: bool, a
     return result
 
 
+def forward_peak(model: torch.nn.Module, inputs: dict, grad: bool, autocast: torch.dtype | None) -> Peak:
+    """The peak above the start of one forward of `model` (on fake CUDA) on `inputs` (one network
+    row, fake CUDA tensors), as `trace` counts it; `.at(rows)` scales it to a batch. The GPU suite
+    (tests/test_gpu.py) sets this estimate against a real forward's peak."""
+    tracker = LiveBytes({id(p.untyped_storage()) for p in model.parameters()})
+    with efficient_attention(), torch.set_grad_enabled(grad), cuda_autocast(autocast), tracker:
+        out = model(**inputs)
+        peak = tracker.peak
+        del out
+    return peak
+
+
 def trace_vae_decode(vae: torch.nn.Module, latent: tuple[int, ...]) -> float:
     """Peak bytes of decoding one image (no grad, the VAE's dtype, outside autocast as adapter.decode)."""
     tracker = LiveBytes(set())

@@ -1,7 +1,7 @@
 """Several `branchdiff train` runs in one `accelerate launch` (the two-process start-up paid once):
 `python sharded_runs.py RUNS.json`, RUNS.json a list of [mode, [CLI arguments]] with mode "fsdp"
-(the launcher's FSDP settings, e.g. from the packaged fsdp config) or "ddp" (ACCELERATE_USE_FSDP
-off for that run). Between runs accelerate's state is reset and the process group kept: each run's
+(the launcher's FSDP settings, e.g. from the packaged fsdp config), "fsdp-offload" (those with the
+shards in CPU memory) or "ddp" (ACCELERATE_USE_FSDP off for that run). Between runs accelerate's state is reset and the process group kept: each run's
 `end_training` only closes its trackers. Exits with the first failing run's status."""
 
 import json
@@ -22,8 +22,10 @@ def finish_trackers(self: Accelerator) -> None:
 
 Accelerator.end_training = finish_trackers  # the next run reuses the process group
 launched_fsdp = os.environ.get("ACCELERATE_USE_FSDP", "false")
+launched_offload = os.environ.get("FSDP_OFFLOAD_PARAMS", "false")
 for mode, arguments in json.loads(Path(sys.argv[1]).read_text()):
-    os.environ["ACCELERATE_USE_FSDP"] = launched_fsdp if mode == "fsdp" else "false"
+    os.environ["ACCELERATE_USE_FSDP"] = launched_fsdp if mode.startswith("fsdp") else "false"
+    os.environ["FSDP_OFFLOAD_PARAMS"] = "true" if mode == "fsdp-offload" else launched_offload
     AcceleratorState._reset_state()
     status = main(arguments)
     if status:

@@ -31,3 +31,26 @@ def test_an_iteration_logs_the_peak_of_each_phase(tiny_model_dir, tmp_path):
     for phase in ("rollout", "reward", "train"):
         assert 0.05 < metrics[f"memory_{phase}_gb"] < 24  # a Python process with torch and the model resident, below the machine's memory
     assert 0.05 < trainer.heldout_metrics()["memory_eval_gb"] < 24
+
+
+def test_the_memory_tables_forward_trace_counts_a_layers_output_per_row():
+    """scripts/memory_table.py's `forward_peak` (what the GPU suite sets against a real forward): a
+    Linear 64 → 128 in bf16 under autocast keeps its bf16 output, 256 bytes a row, and its bf16 weight
+    cast (fixed, whatever the rows)."""
+    import sys
+    from pathlib import Path
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    sys.path.insert(0, str(Path(__file__).parent.parent / "scripts"))
+    from memory_table import forward_peak
+
+    with torch.device("meta"):
+        layer = torch.nn.Linear(64, 128, bias=False)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        layer.to_empty(device="cuda")
+        peak = forward_peak(layer, {"input": torch.empty(1, 64, device="cuda")}, grad=False, autocast=torch.bfloat16)
+    weight_cast = 64 * 128 * 2  # bf16
+    input_cast = 64 * 2  # the fp32 input cast to bf16, per row
+    assert peak.at(1) == weight_cast + input_cast + 128 * 2
+    assert peak.at(100) - peak.at(1) == 99 * (input_cast + 128 * 2)

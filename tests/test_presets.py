@@ -67,12 +67,15 @@ def test_accelerate_configs_are_found_and_parse(capsys):
 
     assert main(["accelerate-config"]) == 0
     listed = [line.split()[0] for line in capsys.readouterr().out.splitlines()]
-    assert listed == ["multi-gpu", "multi-node", "single-gpu"]
-    expected = {"single-gpu": (1, 1), "multi-gpu": (8, 1), "multi-node": (16, 2)}
+    assert listed == ["fsdp", "fsdp-offload", "multi-gpu", "multi-node", "single-gpu"]
+    expected = {"single-gpu": (1, 1), "multi-gpu": (8, 1), "multi-node": (16, 2), "fsdp": (8, 1), "fsdp-offload": (8, 1)}
     for name, (processes, machines) in expected.items():
         assert main(["accelerate-config", name]) == 0
         path = Path(capsys.readouterr().out.strip())
         parsed = load_config_from_file(str(path))
         assert (parsed.num_processes, parsed.num_machines, parsed.mixed_precision) == (processes, machines, "bf16")
+        if name.startswith("fsdp"):  # FSDP2, the shards offloaded only in fsdp-offload (branchdiff/sharding.py reads these)
+            assert parsed.distributed_type == "FSDP" and parsed.fsdp_config["fsdp_version"] == 2
+            assert parsed.fsdp_config["fsdp_offload_params"] == (name == "fsdp-offload")
     assert main(["accelerate-config", "fsdp-typo"]) == 2
-    assert "available: multi-gpu, multi-node, single-gpu" in capsys.readouterr().err
+    assert "available: fsdp, fsdp-offload, multi-gpu, multi-node, single-gpu" in capsys.readouterr().err

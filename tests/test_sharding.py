@@ -1,7 +1,8 @@
 """FSDP2 (branchdiff/sharding.py) against DDP, on two CPU processes (gloo) launched once with the
 packaged `fsdp` accelerate config (tests/sharded_runs.py runs several trainings in that launch): a
 tiny SD3 pipeline trained for two iterations with LoRA and with full fine-tuning, under DDP and under
-FSDP2; the same runs stopped after the first iteration and resumed; the FSDP LoRA run evaluates every
+FSDP2 (LoRA once more with the shards in CPU memory); the same runs stopped after the first iteration
+and resumed; the FSDP LoRA run evaluates every
 iteration (each process's share padded to the same forwards) and the full one ends with the final
 evaluation of the sharded frozen copy. The pure parts (settings from the environment, lockstep
 padding) are tested in-process."""
@@ -49,6 +50,9 @@ def runs(tmp_path_factory):
                  ["fsdp", _arguments(model, base / f"fsdp-{finetune}", finetune, *common, *evaluations)],
                  ["fsdp", _arguments(model, base / f"resumed-{finetune}", finetune, *common, "iterations=1")],
                  ["fsdp", _arguments(model, base / f"resumed-{finetune}", finetune, *common, "--resume", "latest")]]
+    plan.append(["fsdp-offload", _arguments(model, base / "offload-lora", "lora")])  # the shards in CPU memory
+    explore = ["explore.mode=tree", "explore.keep=2", "explore.backend=nvfp4-emulated"]  # a whole 4-bit copy per process
+    plan += [[mode, _arguments(model, base / f"{mode}-explore", "lora", *explore)] for mode in ("ddp", "fsdp")]
     (base / "runs.json").write_text(json.dumps(plan))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]), "OMP_NUM_THREADS": "1",
            "HF_HUB_OFFLINE": "1", "ACCELERATE_USE_CPU": "true"}
@@ -80,8 +84,24 @@ def test_fsdp_trains_like_ddp_and_resumes_exactly(runs, finetune):
     assert all(torch.equal(fsdp[k], resumed[k]) for k in fsdp)  # stopped after iteration 0 and resumed: bit for bit
     if finetune == "full":  # the folder of a sharded run is the one an unsharded run writes
         assert (base / "fsdp-full" / "transformer" / "config.json").read_text() == (base / "ddp-full" / "transformer" / "config.json").read_text()
+    if finetune == "lora":
+        offloaded = _export(base / "offload-lora", finetune)
+        assert max((ddp[k] - offloaded[k]).abs().max().item() for k in ddp) <= TOLERANCE
     checkpoint = base / f"fsdp-{finetune}" / "checkpoints" / "iter-000001"
     assert (checkpoint / "optimizer-full.pt").is_file() and (checkpoint / "ema.safetensors").is_file()
+
+
+def test_a_sharded_run_explores_with_a_whole_quantised_copy_like_ddp(runs):
+    """Explore on the tree with an emulated-NVFP4 explorer (refreshed from the gathered weights after each
+    update, one tensor at a time): the same pools and kept leaves as DDP (the second iteration's come from
+    the refreshed copy), the same update."""
+    base = runs["base"]
+    rows = {mode: [json.loads(line) for line in (base / f"{mode}-explore" / "metrics.jsonl").read_text().splitlines()] for mode in ("ddp", "fsdp")}
+    for ddp_row, fsdp_row in zip(rows["ddp"], rows["fsdp"]):
+        assert fsdp_row["explore_pool_nfe"] == ddp_row["explore_pool_nfe"] > 0
+        assert abs(fsdp_row["reward_mean"] - ddp_row["reward_mean"]) < 1e-5
+    ddp, fsdp = (_export(base / f"{mode}-explore", "lora") for mode in ("ddp", "fsdp"))
+    assert max((ddp[k] - fsdp[k]).abs().max().item() for k in ddp) <= TOLERANCE
 
 
 def test_sharded_runs_evaluate_like_unsharded_ones(runs):
