@@ -141,7 +141,7 @@ class LayerTuningConfig:
 
 @dataclass
 class ExploreConfig:
-    mode: str = choice("off", "off", "seeds", "tree")  # FP4-explore / BF16-train (explore.py); off: plain rollouts
+    mode: str = choice("off", "off", "seeds", "tree", "search")  # FP4-explore / BF16-train (explore.py); search: the pool is an inference-time search's images (train.loss=nft); off: plain rollouts
     backend: str = choice("nvfp4-emulated", "none", "nvfp4-emulated", "mxfp4-emulated", "fp8-emulated", "fp8-emulated-tensor", "bnb-fp4", "bnb-nf4", "te-nvfp4", "te-fp8", "torchao-fp8")  # explorer copy (quant.py); none: the policy itself
     pool: int = positive(32)  # seeds mode: candidate seeds per prompt
     keep: int = positive(8)  # kept per prompt: seeds (seeds mode) or leaves (tree mode)
@@ -149,7 +149,9 @@ class ExploreConfig:
     preview_steps: int = non_negative(0)  # seeds mode: steps of the preview (0: sampling.num_steps)
     preview_sampler: str = choice("ode", "ode", "sde")  # seeds mode: ODE preview (Sol-RL) or the training SDE
     min_features: int = non_negative(0)  # linear layers with fewer in·out weights stay unquantised
-    fidelity_every: int = non_negative(10)  # every n iterations grow the whole pool with the policy too: explore_spearman_pool (0: never)
+    fidelity_every: int = non_negative(10)  # every n iterations grow the whole pool with the policy too: explore_spearman_pool (0: never; not in search mode)
+    search: str = choice("dts-star", "best-of-n", "tree", "dts", "dts-star")  # search mode: the search (branchdiff/search/, docs/search.md)
+    search_budget: int = positive(160)  # search mode: network rows each prompt's search spends per iteration (a 10-step image costs 10)
 
 
 @dataclass
@@ -292,6 +294,11 @@ def _validate_finetune(config: TrainConfig) -> None:
 
 def _validate_explore(config: TrainConfig) -> None:
     explore = config.explore
+    if explore.mode == "search" and config.train.loss != "nft":
+        raise ConfigError(f"'explore.mode' = 'search' keeps only the searched images, not their trees' log-probs: it trains with "
+                          f"train.loss=nft (DiffusionNFT), not {config.train.loss!r}")
+    if explore.mode == "search" and config.sampling.sde == "ode":
+        raise ConfigError("'explore.mode' = 'search' searches SDE trees: set sampling.sde to an SDE (flow, dance or cps), not ode")
     if explore.mode == "seeds" and explore.keep > explore.pool:
         raise ConfigError(f"'explore.keep' = {explore.keep} exceeds 'explore.pool' = {explore.pool}")
     if explore.mode == "tree":

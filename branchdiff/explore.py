@@ -11,6 +11,9 @@ noise; training labels always come from the regenerated samples, re-scored, neve
 - `tree` mode: the training tree is grown whole with the explorer, its leaves scored, `keep`
   leaves per prompt selected, and exactly the union of their root paths regenerated with the
   policy (`rollout.regenerate`); depth-wise advantages are then computed on that sub-tree.
+- `search` mode (DiffusionNFT, which trains final samples): an inference-time search
+  (branchdiff/search/, e.g. DTS*) spends `search_budget` network rows per prompt; the images it
+  finishes are the pool, `keep` of them are selected and trained on (`explore_search`).
 
 With the policy itself as explorer (backend `none`), the training sampler and `exact` forwards,
 regeneration reproduces the explored latents bit for bit; with a 4-bit explorer they differ by the
@@ -31,10 +34,11 @@ import torch
 from scipy import stats
 
 from branchdiff import noise
-from branchdiff.models.base import ModelAdapter, PromptEmbeds
+from branchdiff.engine import rows_per_latent
+from branchdiff.models.base import ModelAdapter, PromptEmbeds, select_embeds
 from branchdiff.rollout import NoiseAddress, Rollout, SamplerSettings, grow, regenerate
 from branchdiff.schedulers.schedule import Schedule
-from branchdiff.selection import select_per_group
+from branchdiff.selection import select, select_per_group
 from branchdiff.tree import Tree, TreeSpec, build_tree
 
 
@@ -168,6 +172,70 @@ def explore_tree(
         kept_regenerated_latents=rollout.latents[rollout.tree.leaf_index],
         stats={"pool_nfe": explored.nfe, "pool_seconds": pool_seconds, "pool_score_seconds": score_seconds, "regen_nfe": rollout.nfe,
                "regen_seconds": regen_seconds},
+        same_sampler=True,
+    )
+
+
+def explore_search(
+    policy: ModelAdapter,
+    explorer: ModelAdapter,
+    embeds: PromptEmbeds,
+    spec: TreeSpec,
+    schedule: Schedule,
+    settings: SamplerSettings,
+    address: NoiseAddress,
+    search: object,
+    budget: int,
+    keep: int,
+    selection: str,
+    score_images,
+    generators: list[torch.Generator],
+) -> ExploreResult:
+    """Search mode (final samples only: DiffusionNFT): each prompt's denoising tree is searched by the
+    explorer with `search` (branchdiff/search/: best-of-N, fixed trees, DTS, DTS*) within `budget`
+    network rows, at the training sampler on `spec`'s steps; every leaf it finishes is a candidate.
+    `keep` of them are selected per prompt, and regrown with the policy from their noise paths when the
+    explorer is another model (the policy's own search leaves are its samples as they are). The rollout
+    holds them as the leaves of `keep` chains per prompt; its other nodes are not sampled (zeros), so
+    only an objective that trains final samples may use it. `score_images(images, prompt_index)`."""
+    from branchdiff.search.forest import SearchForest, regenerate_path
+    from branchdiff.search.run import run_search
+
+    num_prompts = len(address.prompt_keys)
+    # a round forwards at most one node per prompt: padding (every search forward is padded) to more would waste rows
+    forest_settings = replace(settings, max_batch=num_prompts * rows_per_latent(explorer, settings))
+    start = time.perf_counter()
+    forest = SearchForest(explorer, TreeSpec(spec.num_steps, sde_steps=spec.sde_steps), schedule, forest_settings, address, embeds)
+    found = run_search(forest, search, budget, lambda images, prompts: (score_images(images, torch.tensor(prompts)), {}),
+                       noise.address_seed("search", address.run_seed, address.iteration, address.prompt_keys[0], ()))
+    pool_seconds = time.perf_counter() - start
+    if min(len(leaves) for leaves in found.leaves) < keep:
+        raise ValueError(f"explore.search_budget={budget} finished fewer than explore.keep={keep} images for a prompt; "
+                         f"raise the budget (a {spec.num_steps}-step image costs {spec.num_steps} rows) or keep fewer")
+    width = max(len(leaves) for leaves in found.leaves)
+    pool_rewards = torch.full((num_prompts, width), float("nan"))  # (P, N): each prompt's leaves in the order made, NaN after its last
+    for prompt, rewards in enumerate(found.rewards):
+        pool_rewards[prompt, : len(rewards)] = torch.tensor(rewards)
+    kept = torch.stack([select(pool_rewards[p, : len(found.rewards[p])], keep, selection, generators[p]) for p in range(num_prompts)])
+    kept_leaves = [found.leaves[p][i] for p in range(num_prompts) for i in kept[p].tolist()]  # (P·K,) forest nodes
+    kept_pool = forest.leaf_latents(kept_leaves)
+    start = time.perf_counter()
+    regenerated, regen_nfe = kept_pool, 0
+    if explorer is not policy:
+        regenerated = torch.stack([regenerate_path(policy, forest.spec, schedule, forest_settings, address.run_seed, address.iteration,
+                                                   address.prompt_keys[forest.prompt[leaf]], select_embeds(embeds, torch.tensor([forest.prompt[leaf]])),
+                                                   forest.path[leaf]) for leaf in kept_leaves])
+        regen_nfe = len(kept_leaves) * spec.num_steps * rows_per_latent(policy, settings)
+    tree = build_tree(TreeSpec(spec.num_steps, roots=keep, sde_steps=frozenset()), num_prompts)
+    latents = torch.zeros((tree.num_nodes, *regenerated.shape[1:]), device=regenerated.device)
+    latents[tree.leaf_index] = regenerated  # leaves are prompt-major, as kept_leaves
+    zeros = torch.zeros(tree.num_nodes)
+    nfe = sum(forest.nfe) + regen_nfe
+    rollout = Rollout(tree, schedule, latents, zeros, zeros.clone(), zeros.clone(), nfe, nfe)
+    return ExploreResult(
+        rollout=rollout, pool_rewards=pool_rewards, kept=kept, kept_pool_latents=kept_pool, kept_regenerated_latents=regenerated,
+        stats={"pool_nfe": sum(forest.nfe), "pool_seconds": pool_seconds, "regen_nfe": regen_nfe, "regen_seconds": time.perf_counter() - start,
+               "search_images": float(sum(len(leaves) for leaves in found.leaves)) / num_prompts},
         same_sampler=True,
     )
 

@@ -121,3 +121,36 @@ def test_within_prompt_agreement_is_not_inflated_by_differences_between_prompts(
     agreement = ranking_agreement(pool, regenerated)
     assert agreement["spearman"] > 0.5 and agreement["spearman_within"] == pytest.approx(-1.0)
     assert agreement["kendall_within"] == pytest.approx(-1.0)
+
+
+def test_search_mode_keeps_the_best_and_worst_images_of_a_search_and_trains_nft_on_them(tiny_model_dir, tmp_path):
+    """explore.mode=search with the policy as explorer: each prompt's DTS* search spends at most its
+    budget; the kept images are the search's own (re-scored to the same rewards), its best and worst per
+    prompt, the leaves of the rollout NFT trains on; a 4-bit explorer's kept images are regrown with the
+    policy from their noise paths (`search.forest.regenerate_path`): they differ from the explorer's by
+    the quantisation only."""
+    common = ["train.loss=nft", "sampling.sde=flow", "explore.mode=search", "explore.search_budget=12", "explore.keep=2", "tree.roots=2",
+              "nft.timesteps=1"]
+    trainer = _trainer(tiny_model_dir, tmp_path / "policy", *common, "explore.backend=none")
+    rollout, _, rewards, info = trainer.rollout_and_score(0)
+    pool, regenerated_rewards = info["explore_kept"]  # (P, K): the search's rewards of the kept images, and their re-scored rewards
+    assert torch.equal(pool, regenerated_rewards)
+    explored = info["explore_stats"]
+    assert 0 < explored["pool_nfe"] <= 2 * 12 and rollout.nfe == explored["pool_nfe"] and explored["regen_nfe"] == 0
+    assert explored["search_images"] >= 2 and explored["quant_latent_max_abs_diff"] == 0.0
+    assert len(rollout.tree.leaf_index) == 2 * 2 and torch.equal(rewards.total.reshape(2, 2), regenerated_rewards)
+    metrics = trainer.run_iteration(1).metrics
+    assert metrics["optimizer_steps"] >= 1 and metrics["nfe_trained"] == 2 * 2 * 1
+
+    quantised = _trainer(tiny_model_dir, tmp_path / "nvfp4", *common, "explore.backend=nvfp4-emulated")
+    rollout, _, _, info = quantised.rollout_and_score(0)
+    stats = info["explore_stats"]
+    assert stats["regen_nfe"] == 2 * 2 * 3 and 0 < stats["quant_latent_mean_abs_diff"] < 0.1  # images in [-1, 1]: a 4-bit gap
+    assert rollout.leaf_latents.abs().amin(dim=(1, 2, 3)).min() >= 0 and rollout.leaf_latents.abs().sum(dim=(1, 2, 3)).min() > 0
+
+
+def test_search_mode_needs_nft_and_an_sde():
+    with pytest.raises(Exception, match="trains with train.loss=nft"):
+        load_config(None, ["explore.mode=search"])
+    with pytest.raises(Exception, match="set sampling.sde to an SDE"):
+        load_config(None, ["explore.mode=search", "train.loss=nft", "sampling.sde=ode"])
