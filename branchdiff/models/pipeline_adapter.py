@@ -149,14 +149,14 @@ class PipelineAdapter(ModelAdapter):
                         guidance: float | None = None) -> torch.Tensor:
         """The pipeline's own denoising loop with the scheduler the folder ships (DPM-Solver++ for SANA's
         releases, PNDM for SD 1.5's): its timesteps set as the pipeline sets them, initial noise times
-        its `init_noise_sigma`, `scale_model_input` where the scheduler has one, the guided prediction
+        its `init_noise_sigma` where it has one, `scale_model_input` where the scheduler has one, the guided prediction
         (`predict`), and its `step` (η = 0 where it takes one). A multistep solver keeps state, so one
         call is one batch of chains from start to end."""
         scheduler = copy.deepcopy(self.pipe.scheduler)
         accepted = inspect.signature(scheduler.set_timesteps).parameters
         scheduler.set_timesteps(device=self.device, **{k: v for k, v in self.scheduler_arguments(num_steps).items() if k in accepted})
         step_arguments = {"eta": 0.0} if "eta" in inspect.signature(scheduler.step).parameters else {}
-        latents = latents * scheduler.init_noise_sigma
+        latents = latents * getattr(scheduler, "init_noise_sigma", 1.0)  # flow-matching schedulers have none (their pipelines scale nothing)
         for t in scheduler.timesteps:
             model_input = scheduler.scale_model_input(latents, t) if hasattr(scheduler, "scale_model_input") else latents
             output = self.predict(model_input, self.model_times(t.expand(len(latents))), embeds, guidance)
