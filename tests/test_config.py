@@ -182,7 +182,7 @@ def test_unknown_key_without_close_match_lists_allowed_keys():
         ("logging.tensorboard=3", "override 'logging.tensorboard=3': 'logging.tensorboard' = 3 has the wrong type; "
                                   "expected bool (true, false, yes, no, on, off)"),
         ("final_eval=maybe", "override 'final_eval=maybe': 'final_eval' = 'maybe' has the wrong type; expected bool (true, false, yes, no, on, off)"),
-        ("explore.mode=false", "override 'explore.mode=false': 'explore.mode' = False has the wrong type; expected str; allowed: off, seeds, tree"),
+        ("explore.mode=false", "override 'explore.mode=false': 'explore.mode' = False has the wrong type; expected str; allowed: off, seeds, tree, search"),
         ("train.learning_rate=fast", "override 'train.learning_rate=fast': 'train.learning_rate' = 'fast' has the wrong type; expected float"),
         ("tree.roots=true", "override 'tree.roots=true': 'tree.roots' = True has the wrong type; expected int"),
     ],
