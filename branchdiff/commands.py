@@ -40,6 +40,7 @@ def cmd_train(args: argparse.Namespace) -> None:
     first_process = int(os.environ.get("RANK", "0")) == 0
     claimed = claim(run_dir, resume=bool(args.resume)) if first_process else None
     from branchdiff import checkpoint
+    from branchdiff.distributed import disconnect
     from branchdiff.evaluate import format_comparison
     from branchdiff.run import train
     from branchdiff.trainer import Trainer
@@ -56,7 +57,7 @@ def cmd_train(args: argparse.Namespace) -> None:
         raise explained from None
     train(trainer)
     comparison = trainer.final_evaluation() if config.final_eval else None  # every process samples its share
-    trainer.accelerator.end_training()  # the processes disconnect
+    disconnect(trainer.accelerator)
     if not trainer.accelerator.is_main_process:
         return
     if comparison is not None:
@@ -172,6 +173,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
     from accelerate import PartialState
 
     from branchdiff.data import load_prompt_set
+    from branchdiff.distributed import disconnect
     from branchdiff.evaluate import evaluate, format_summary, gather_results, write_outputs
     from branchdiff.rewards.combine import parse_reward_specs
     from branchdiff.rewards.multi import build_component
@@ -187,7 +189,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
                       settings.shift, settings.seed, state.process_index, state.num_processes, progress=state.is_local_main_process,
                       out_dir=out, guidance=settings.guidance, solver=settings.solver)
     result = gather_results(result, state)
-    state.wait_for_everyone()  # every process's images are on disk before the grid reads them
+    disconnect(state)  # every process's images are on disk before the grid reads them
     if not state.is_main_process:
         return
     out.mkdir(parents=True, exist_ok=True)

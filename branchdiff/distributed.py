@@ -10,9 +10,12 @@ the concatenation of every process's data in rank order.
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
+
+if TYPE_CHECKING:
+    from accelerate import Accelerator, PartialState
 
 
 class Collective(Protocol):
@@ -77,3 +80,15 @@ class AcceleratorCollective:
         rows = self.accelerator.gather(padded).reshape(len(lengths), max(lengths), *values.shape[1:])  # (W, longest, ...)
         joined = torch.cat([rows[rank, :length] for rank, length in enumerate(lengths)])
         return joined.to(values.device), sum(lengths[: self.accelerator.process_index])
+
+
+def disconnect(state: Accelerator | PartialState) -> None:
+    """The end of a launch's communication: every process waits for the others (none is still in a
+    collective), then the process groups are destroyed, so that no gloo or NCCL worker outlives
+    them into the interpreter's exit (gloo aborts the process there). `state`: an `Accelerator`
+    (its trackers are finished too) or accelerate's `PartialState`; with one process, only that."""
+    state.wait_for_everyone()
+    if hasattr(state, "end_training"):
+        state.end_training()
+    else:
+        state.destroy_process_group()

@@ -2,13 +2,14 @@
 `python sharded_runs.py RUNS.json`, RUNS.json a list of [mode, [CLI arguments]] with mode "fsdp"
 (the launcher's FSDP settings, e.g. from the packaged fsdp config), "fsdp-offload" (those with the
 shards in CPU memory) or "ddp" (ACCELERATE_USE_FSDP off for that run). Between runs accelerate's state is reset and the process group kept: each run's
-`end_training` only closes its trackers. Exits with the first failing run's status."""
+`end_training` only closes its trackers, and the group is destroyed after the last. Exits with the first failing run's status."""
 
 import json
 import os
 import sys
 from pathlib import Path
 
+import torch.distributed
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState
 
@@ -30,3 +31,4 @@ for mode, arguments in json.loads(Path(sys.argv[1]).read_text()):
     status = main(arguments)
     if status:
         sys.exit(status)
+torch.distributed.destroy_process_group()  # as `end_training` would have: no gloo worker outlives the group

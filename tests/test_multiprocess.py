@@ -173,7 +173,7 @@ def test_heldout_evaluation_and_depth_statistics_equal_one_process(two_process_r
     single = Trainer(load_config("tiny-chain", _overrides(two_process_run["model_dir"], two_process_run["base"] / "single-eval", 2 * PER_PROCESS)))
     heldout = single.heldout_metrics()
     one = single.run_iteration(0).metrics
-    assert {k for k in two[0] if k.startswith("eval_")} == set(heldout) and "eval_tiny-geneval.strict" in heldout
+    assert {k for k in two[0] if k.startswith("eval_") or k == "memory_eval_gb"} == set(heldout) and "eval_tiny-geneval.strict" in heldout
     assert all(two[0][k] == pytest.approx(v, abs=1e-6) for k, v in deterministic(heldout).items())
     assert "eval_tiny-geneval" in two[1] and "eval_tiny-geneval" not in two[2]  # the resumed launch has eval_every 0
     depth_keys = [k for k in one if "/depth_" in k]
