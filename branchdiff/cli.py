@@ -17,6 +17,8 @@ from pathlib import Path
 from collections.abc import Callable
 from typing import NoReturn
 
+from branchdiff.eval_settings import SOLVERS
+
 DEFAULT_PRESET = "tiny-mix-full"  # the preset `branchdiff train` runs without one
 EXAMPLES = """examples:
   branchdiff train                                  # the built-in tiny task, best preset: runs/tiny-mix-full/
@@ -79,7 +81,7 @@ def _parser() -> argparse.ArgumentParser:
         sub.add_argument("--guidance", type=_finite, default=None, help="CFG scale, or FLUX's guidance embedding (default: the family's)")
         sub.add_argument("--images-per-prompt", "--seeds", dest="images_per_prompt", type=_at_least(1), default=None,
                          help="images per prompt (fixed seeds; default: the run's prompts.eval_seeds, else 8)")
-        sub.add_argument("--solver", choices=["training", "release"], default=None,
+        sub.add_argument("--solver", choices=SOLVERS, default=None,
                          help="training (default): the ODE of the steps branchdiff trains with; release: the sampler the model "
                               "folder ships (e.g. SANA's DPM-Solver++, SD 1.5's PNDM)")
         if name == "sample":

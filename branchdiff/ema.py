@@ -71,7 +71,7 @@ class WeightAverage:
     def save(self, folder: Path, name: str = EMA_FILE, write: bool = True) -> None:
         """The average as `folder/name` (tensor i = parameter i, whole), its step count as metadata.
         Every process calls it (sharded parameters' averages are gathered); only with `write` is it written."""
-        tensors = {str(i): full_tensor(shadow.detach()).contiguous() for i, shadow in enumerate(self.average.shadow_params)}
+        tensors = {str(i): full_tensor(shadow.detach()).cpu().contiguous() for i, shadow in enumerate(self.average.shadow_params)}  # gathered into host memory
         if write:
             save_file(tensors, folder / name, metadata={"optimization_step": str(self.steps)})
 

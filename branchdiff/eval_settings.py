@@ -36,6 +36,8 @@ class EvalSettings:
     prompt_instruction: bool = True  # sana: its pipeline's instruction before every prompt
 
 
+SOLVERS = ("training", "release")  # the ODE of the steps branchdiff trains with, or the sampler the model folder ships
+
 # settings field → the key of a run's config that holds it
 FROM_RUN = {"family": "model.family", "model": "model.path", "resolution": "model.resolution", "dtype": "model.dtype",
             "steps": "sampling.num_steps", "shift": "sampling.shift", "guidance": "prompts.eval_guidance",

@@ -26,7 +26,7 @@ from tqdm.auto import tqdm
 
 from branchdiff.data import PromptSet
 from branchdiff.engine import initial_noise, rows_per_latent
-from branchdiff.eval_settings import EVAL_RUN_SEED
+from branchdiff.eval_settings import EVAL_RUN_SEED, SOLVERS
 from branchdiff.models.base import ModelAdapter, select_embeds
 from branchdiff.report import save_grid
 from branchdiff.rewards.base import to_uint8
@@ -35,9 +35,6 @@ from branchdiff.rollout import NoiseAddress, SamplerSettings, grow
 from branchdiff.tree import TreeSpec, build_tree
 
 EVAL_BATCH = 32  # rows per forward: fixed, so an image is the same whatever else is in its batch
-
-
-SOLVERS = ("training", "release")  # the ODE of the steps branchdiff trains with, or the sampler the model folder ships
 
 
 @torch.no_grad()
@@ -50,6 +47,8 @@ def sample_ode(
     prompt-major, and the prompt of each image. `prompt_keys[p]` addresses prompt p's noise
     (default: its position). `solver` "release": from the same initial noise, the sampler the
     model folder ships (`ModelAdapter.release_denoise`), in batches of a fixed size."""
+    if solver not in SOLVERS:
+        raise ValueError(f"solver={solver!r} is not one of {', '.join(SOLVERS)}")
     tree = build_tree(TreeSpec(num_steps, roots=num_seeds, sde_steps=frozenset()), len(prompts))
     address = NoiseAddress(seed, -1, tuple(prompt_keys if prompt_keys is not None else range(len(prompts))))
     settings = SamplerSettings(max_batch=EVAL_BATCH, exact=True, guidance=guidance)

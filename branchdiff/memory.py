@@ -6,7 +6,7 @@ On a GPU it is CUDA's peak of allocated tensor memory during the phase
 allocator handed to tensors, not what `nvidia-smi` shows, which adds the cache and the CUDA context).
 On the CPU it is the process's peak resident set size during the phase: Linux's VmHWM after
 resetting it through /proc/self/clear_refs; where that reset is not possible, the peak since the
-process started (`PhaseMemory.per_phase` is False, and the report says so).
+process started (`PhaseMemory.per_phase` is False: each phase's figure is then the run's peak so far).
 """
 
 from __future__ import annotations

@@ -250,18 +250,26 @@ def _require_torchao_fp8() -> tuple[object, object]:
     return _require_gpu_backend("torchao-fp8", "torchao (pip install torchao)", load)
 
 
-def _torchao_fp8_linear(weight: Tensor, bias: Tensor | None) -> nn.Linear:
+class TorchaoFP8Linear(nn.Module):
     """A Linear(weight (out, in), bias) quantised by torchao: E4M3 weight with per-channel scales,
-    activations quantised per row in every forward, FP8 matmul (torch._scaled_mm)."""
-    quantize, fp8_config = _require_torchao_fp8()
-    out_features, in_features = weight.shape
-    layer = nn.Linear(in_features, out_features, bias=bias is not None, device=weight.device, dtype=weight.dtype)
-    with torch.no_grad():
-        layer.weight.copy_(weight)
-        if bias is not None:
-            layer.bias.copy_(bias)
-    quantize(layer, fp8_config)  # replaces layer.weight by a torchao Float8Tensor in place
-    return layer.requires_grad_(False)
+    activations quantised per row in every forward, FP8 matmul (torch._scaled_mm). torchao's per-row
+    scaling takes bfloat16 weights, so the layer holds them in bfloat16 whatever the model's dtype, and
+    its input is cast to bfloat16 and its output back to the input's dtype."""
+
+    def __init__(self, weight: Tensor, bias: Tensor | None) -> None:
+        super().__init__()
+        quantize, fp8_config = _require_torchao_fp8()
+        out_features, in_features = weight.shape
+        self.linear = nn.Linear(in_features, out_features, bias=bias is not None, device=weight.device, dtype=torch.bfloat16)
+        with torch.no_grad():
+            self.linear.weight.copy_(weight)
+            if bias is not None:
+                self.linear.bias.copy_(bias)
+        quantize(self.linear, fp8_config)  # replaces linear.weight by a torchao Float8Tensor in place
+        self.requires_grad_(False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.linear(x.to(torch.bfloat16)).to(x.dtype)
 
 
 class TELinear(nn.Module):
@@ -319,18 +327,21 @@ def _set_layer(quantized: nn.Module, name: str, weight: Tensor, bias: Tensor | N
         elif backend in BNB_BACKENDS:
             _replace(quantized, name, _bnb_linear(weight, bias, backend.removeprefix("bnb-")))
         else:  # torchao-fp8: re-quantised from scratch
-            _replace(quantized, name, _torchao_fp8_linear(weight, bias))
+            _replace(quantized, name, TorchaoFP8Linear(weight, bias))
 
 
-def make_quantized_copy(model: nn.Module, config: QuantConfig) -> nn.Module:
+def make_quantized_copy(model: nn.Module, config: QuantConfig, device: torch.device | str | None = None) -> nn.Module:
     """A low-precision copy of `model` for exploration: deep copy, LoRA merged (peft merge API, on
-    the copy only), layers from `quantized_layer_names` quantised by `config.backend`; eval mode,
-    frozen. The original model is left untouched."""
+    the copy only), moved to `device` (None: where `model` is; a model held in host memory until it is
+    sharded gives a copy on the training device), layers from `quantized_layer_names` quantised by
+    `config.backend`; eval mode, frozen. The original model is left untouched."""
     if config.backend in TE_BACKENDS:  # fail before the deep copy
         _require_transformer_engine(config.backend)
     elif config.backend == "torchao-fp8":
         _require_torchao_fp8()
     quantized = _merge_lora_into(copy.deepcopy(model))
+    if device is not None:
+        quantized.to(device)
     for parameter in quantized.parameters():
         parameter.grad = None
     for name in quantized_layer_names(quantized, config):

@@ -8,7 +8,8 @@ itself, the same way on GPUs and on CPUs (gloo), so every part of a run knows th
 - the wrap: every block of the denoiser's top-level `ModuleList`s (transformer blocks, UNet down and
   up blocks) is one FSDP unit, the rest of the network the root unit; LoRA's layers live inside
   their blocks. `fsdp_offload_params` keeps the shards (and the optimizer's step) on the CPU;
-  `fsdp_reshard_after_forward` is honoured; accelerate's wrap policy and FSDP1 settings are not read.
+  `fsdp_reshard_after_forward` is honoured for the blocks; accelerate's wrap policy and FSDP1 settings
+  are not read. The module may wait in host memory: `fully_shard` moves each unit to the device.
 - every forward of a sharded module gathers its weights from the other processes, so the
   processes must make the same forwards in the same order (lockstep): the engine agrees on the
   number of forwards of every batch (`Lockstep`), the update loop pads optimizer steps with zero
@@ -52,6 +53,14 @@ class ShardingSettings:
                             "set fsdp_version: 2 in the accelerate config, or use $(branchdiff accelerate-config fsdp)")
         reshard = environ.get("FSDP_RESHARD_AFTER_FORWARD", "true").lower()
         return cls(True, environ.get("FSDP_OFFLOAD_PARAMS", "false").lower() in TRUE, reshard not in ("false", "0", "no_reshard"))
+
+
+def process_group_backend(settings: ShardingSettings, cuda: bool) -> str | None:
+    """The process group's backend for a run on GPUs: sharded, "cuda:nccl,cpu:gloo", since an offloaded
+    shard, its gradient and the gathered state of a checkpoint are CPU tensors whose collectives NCCL
+    cannot run (accelerate chooses the same for its own offloaded FSDP); else None (accelerate's choice:
+    NCCL on GPUs, gloo on CPUs)."""
+    return "cuda:nccl,cpu:gloo" if settings.enabled and cuda else None
 
 
 @contextmanager

@@ -8,8 +8,10 @@ minibatch order) is a pure function of (run seed, iteration), so a checkpoint ne
 weights, the optimizer and the iteration to continue exactly as if the run had never stopped.
 
 With several processes (`accelerate launch`), each process grows the trees of its own prompts.
-Rollouts, the KL reference and evaluation run the plain denoiser (no collective inside); only the
-training forward goes through the DDP wrapper, and every process takes the same optimizer steps.
+Under DDP, rollouts, the KL reference and evaluation run the plain denoiser (no collective inside);
+only the training forward goes through the DDP wrapper, and every process takes the same optimizer
+steps. Under FSDP every forward gathers weights, so the processes' forwards agree in number
+(branchdiff/sharding.py, docs/sharding.md).
 Batch-wide statistics, the loss normaliser and the metrics combine all processes
 (`branchdiff.distributed`), so a run on P processes computes what one process would on all prompts.
 """
@@ -51,7 +53,7 @@ from branchdiff.rewards.combine import parse_reward_specs
 from branchdiff.rewards.multi import MultiReward, RewardBatch, build_component
 from branchdiff.rollout import NoiseAddress, Rollout, SamplerSettings, grow
 from branchdiff.search import SEARCHES
-from branchdiff.sharding import Lockstep, ShardingSettings, accelerate_without_fsdp
+from branchdiff.sharding import Lockstep, ShardingSettings, accelerate_without_fsdp, process_group_backend
 from branchdiff.tree import build_tree
 from branchdiff.trainer_checkpoints import TrainerCheckpoints
 from branchdiff.tree_settings import tree_spec
@@ -125,6 +127,8 @@ class Trainer(TrainerCheckpoints):
         if notice and self.accelerator.is_main_process:
             print(f"branchdiff: {notice}", file=sys.stderr)
         self.schedule = self.adapter.schedule(config.sampling.num_steps, config.sampling.shift).to(self.accelerator.device)
+        if self.sharding.enabled:  # LoRA and the frozen copy are made in host memory; `shard` moves one block at a time to the device
+            self.adapter.denoiser.to("cpu")
         self.finetune = make_finetune(self.adapter, model.finetune, model.lora_targets, config.train.lora_rank, config.train.lora_alpha,
                                       config.seed, keep_base=config.train.kl_beta > 0 or config.final_eval)
         if config.train.gradient_checkpointing:
@@ -159,6 +163,9 @@ class Trainer(TrainerCheckpoints):
 
     def _accelerator(self) -> Accelerator:
         config = self.config
+        backend = process_group_backend(self.sharding, torch.cuda.is_available())
+        timeout = timedelta(seconds=backend_timeout(config.collective_timeout))
+        group = InitProcessGroupKwargs(timeout=timeout, **({"backend": backend} if backend else {}))
         return Accelerator(
             cpu=not torch.cuda.is_available(),
             mixed_precision=config.train.mixed_precision,
@@ -167,7 +174,7 @@ class Trainer(TrainerCheckpoints):
             # the denoiser's buffers are constants (SD3's positional table): nothing to broadcast; a collective
             # still waiting a while after the heartbeat watch (branchdiff/watchdog.py) would have named a frozen rank raises
             kwargs_handlers=[DistributedDataParallelKwargs(broadcast_buffers=False),
-                             InitProcessGroupKwargs(timeout=timedelta(seconds=backend_timeout(config.collective_timeout)))],
+                             group],
         )
 
     def _make_explorer(self) -> ModelAdapter | None:
@@ -179,7 +186,7 @@ class Trainer(TrainerCheckpoints):
             return self.adapter
         self.quant_config = QuantConfig(explore.backend, self.adapter.quant_skip_modules, explore.min_features)
         explorer = copy.copy(self.adapter)
-        explorer.denoiser = make_quantized_copy(self.adapter.denoiser, self.quant_config)
+        explorer.denoiser = make_quantized_copy(self.adapter.denoiser, self.quant_config, self.accelerator.device)
         return explorer
 
     def refresh_explorer(self) -> None:

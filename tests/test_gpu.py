@@ -112,7 +112,7 @@ def test_low_precision_exploration_on_the_hardware_that_has_it(backend, needs, t
     metrics = _iteration(config)
     explore = {k: v for k, v in metrics.items() if k.startswith("explore_")}
     summary[f"explore/{backend}"] = {**explore, "iteration_seconds": metrics["iteration_seconds"]}
-    assert metrics["optimizer_steps"] == 1 and "explore_spearman_pool" in explore
+    assert metrics["optimizer_steps"] >= 1 and torch.isfinite(torch.tensor(metrics["loss"])) and "explore_spearman_pool" in explore
 
 
 def test_fsdp_trains_like_ddp_on_the_gpus(tmp_path, summary):
@@ -129,7 +129,8 @@ def test_fsdp_trains_like_ddp_on_the_gpus(tmp_path, summary):
     if count < 2:
         pytest.skip(f"FSDP needs two or more GPUs; this machine has {count}")
     model = save_pipeline("sd3", tmp_path / "sd3")
-    plan = [[mode, _arguments(model, tmp_path / mode, "lora", "train.mixed_precision=no")] for mode in ("ddp", "fsdp")]
+    modes = ("ddp", "fsdp", "fsdp-offload")  # offloaded shards: their collectives run on the group's CPU backend (gloo)
+    plan = [[mode, _arguments(model, tmp_path / mode, "lora", "train.mixed_precision=no")] for mode in modes]
     (tmp_path / "runs.json").write_text(json.dumps(plan))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]), "HF_HUB_OFFLINE": "1"}
     command = [str(Path(sys.executable).parent / "accelerate"), "launch", "--config_file", str(ACCELERATE_DIR / "fsdp.yaml"),
@@ -138,10 +139,12 @@ def test_fsdp_trains_like_ddp_on_the_gpus(tmp_path, summary):
     start = time.perf_counter()
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
-    ddp, fsdp = (load_file(tmp_path / mode / "lora" / "pytorch_lora_weights.safetensors") for mode in ("ddp", "fsdp"))
+    ddp, fsdp, offload = (load_file(tmp_path / mode / "lora" / "pytorch_lora_weights.safetensors") for mode in modes)
     difference = max((ddp[k] - fsdp[k]).abs().max().item() for k in ddp)
-    summary["fsdp_vs_ddp"] = {"processes": min(count, 8), "max_abs_difference": difference, "seconds": time.perf_counter() - start}
-    assert ddp.keys() == fsdp.keys() and difference <= 1e-4
+    offload_difference = max((ddp[k] - offload[k]).abs().max().item() for k in ddp)
+    summary["fsdp_vs_ddp"] = {"processes": min(count, 8), "max_abs_difference": difference, "offload_max_abs_difference": offload_difference,
+                              "seconds": time.perf_counter() - start}
+    assert ddp.keys() == fsdp.keys() == offload.keys() and difference <= 1e-4 and offload_difference <= 1e-4
 
 
 def _recorded_inputs(adapter, rows: int) -> dict:

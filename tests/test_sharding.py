@@ -148,6 +148,17 @@ def test_settings_come_from_accelerates_fsdp_variables():
         assert ("fsdp_offload_params: true" in text) == (name == "fsdp-offload")
 
 
+def test_a_sharded_run_on_gpus_gets_a_process_group_with_a_cpu_backend_too():
+    """Offloaded shards and gathered checkpoints are CPU tensors: on GPUs a sharded run's group is NCCL
+    and gloo; an unsharded one, or one on CPUs, keeps accelerate's choice."""
+    from branchdiff.sharding import process_group_backend
+
+    assert process_group_backend(ShardingSettings(True, offload=True), cuda=True) == "cuda:nccl,cpu:gloo"
+    assert process_group_backend(ShardingSettings(True), cuda=True) == "cuda:nccl,cpu:gloo"
+    assert process_group_backend(ShardingSettings(), cuda=True) is None
+    assert process_group_backend(ShardingSettings(True, offload=True), cuda=False) is None
+
+
 def test_a_sharded_adapter_pads_its_forwards_to_the_other_processes_count(tiny_adapter):
     """forward_chunked with a lockstep that answers 5 makes 5 forwards for a batch that needs 2, and
     returns the same outputs as without it."""
