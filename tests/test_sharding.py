@@ -51,7 +51,8 @@ def runs(tmp_path_factory):
                  ["fsdp", _arguments(model, base / f"resumed-{finetune}", finetune, *common, "iterations=1")],
                  ["fsdp", _arguments(model, base / f"resumed-{finetune}", finetune, *common, "--resume", "latest")]]
     plan.append(["fsdp-offload", _arguments(model, base / "offload-lora", "lora")])  # the shards in CPU memory
-    explore = ["explore.mode=tree", "explore.keep=2", "explore.backend=nvfp4-emulated"]  # a whole 4-bit copy per process
+    # a whole 4-bit copy per process, and DiffusionNFT (its sampling policy sharded, its forwards padded): Sol-RL on a tree
+    explore = ["explore.mode=tree", "explore.keep=2", "explore.backend=nvfp4-emulated", "train.loss=nft"]
     plan += [[mode, _arguments(model, base / f"{mode}-explore", "lora", *explore)] for mode in ("ddp", "fsdp")]
     (base / "runs.json").write_text(json.dumps(plan))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]), "OMP_NUM_THREADS": "1",
@@ -94,7 +95,7 @@ def test_fsdp_trains_like_ddp_and_resumes_exactly(runs, finetune):
 def test_a_sharded_run_explores_with_a_whole_quantised_copy_like_ddp(runs):
     """Explore on the tree with an emulated-NVFP4 explorer (refreshed from the gathered weights after each
     update, one tensor at a time): the same pools and kept leaves as DDP (the second iteration's come from
-    the refreshed copy), the same update."""
+    the refreshed copy), the same DiffusionNFT update (its sampling policy a sharded soft copy)."""
     base = runs["base"]
     rows = {mode: [json.loads(line) for line in (base / f"{mode}-explore" / "metrics.jsonl").read_text().splitlines()] for mode in ("ddp", "fsdp")}
     for ddp_row, fsdp_row in zip(rows["ddp"], rows["fsdp"]):
