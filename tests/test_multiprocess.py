@@ -249,35 +249,57 @@ def test_a_full_disk_on_one_process_stops_both_at_the_checkpoint_and_keeps_the_l
 
 
 # LoRA with GRPO on two processes: two_process_run; on every layer: test_finetune.py
-@pytest.mark.parametrize("mode", [("model.finetune=full",), ("train.loss=nft",), ("train.loss=grpo-guard",), ("train.loss=grpo-layertuning",)],
-                         ids=["full", "nft-lora", "guard-lora", "layertuning-lora"])
-def test_full_finetuning_trains_on_two_processes_like_one(tiny_model_dir, tmp_path, mode):
-    """Two processes (DDP over every weight of the denoiser): the update equals one process's on
-    both processes' prompts (to 1% of its size: Adam's first step is about lr·sign(g)), and a resume
-    on two processes ends with the same export. (LoRA resumes: the frozen-rank test above.) The
-    learning rate decays linearly (iteration 1 at half the rate) in all three runs, and the export is
-    the weights' moving average (saved by one process, loaded by both on the resume). DiffusionNFT
-    (LoRA) draws its training terms by global prompt key, so two processes train what one does; GRPO-Guard
-    recovers each edge's rollout mean from the noise at its global address; LayerTuning-RL's best paths
-    are per prompt, so they are the same however the prompts are split."""
-    from safetensors.torch import load_file
+MODES = {"full": ["model.finetune=full"], "nft-lora": ["train.loss=nft"], "guard-lora": ["train.loss=grpo-guard"],
+         "layertuning-lora": ["train.loss=grpo-layertuning"]}
 
-    run = tmp_path / "run"
+
+def _rates(mode: list[str]) -> list[str]:
+    rate = "train.learning_rate=1e-3" if "model.finetune=full" in mode else "train.learning_rate=1e-2"
+    return [rate, "train.lr_schedule=linear", "train.ema_decay=0.5"]
+
+
+def _mode_arguments(model_dir: Path, run: Path, mode: list[str]) -> list[str]:
+    return ["train", "tiny-chain", *_overrides(model_dir, run, PER_PROCESS), *mode, *_rates(mode), "final_eval=false", "logging.sample_every=0"]
+
+
+@pytest.fixture(scope="module")
+def mode_runs(tiny_model_dir, tmp_path_factory):
+    """Every mode trained for two iterations on two processes, and full fine-tuning once more stopped after
+    its first iteration and resumed: all in one launch (tests/sharded_runs.py, DDP)."""
+    base = tmp_path_factory.mktemp("modes")
+    plan = [["ddp", [*_mode_arguments(tiny_model_dir, base / name, mode), "iterations=2"]] for name, mode in MODES.items()]
+    resumed = _mode_arguments(tiny_model_dir, base / "full-resumed", MODES["full"])
+    plan += [["ddp", [*resumed, "iterations=1"]], ["ddp", [*resumed, "iterations=2", "--resume", "latest"]]]
+    (base / "runs.json").write_text(json.dumps(plan))
+    done = launch_two(None, [str(base / "runs.json")], program=[str(TESTS / "sharded_runs.py")])
+    assert done.returncode == 0, done.stderr[-3000:]
+    return base
+
+
+def _export(run: Path, full: bool) -> dict[str, torch.Tensor]:
+    return {k: v for f in sorted((run / ("transformer" if full else "lora")).glob("*.safetensors")) for k, v in load_file(f).items()}
+
+
+@pytest.mark.parametrize("name", list(MODES))
+def test_full_finetuning_trains_on_two_processes_like_one(tiny_model_dir, mode_runs, tmp_path, name):
+    """Two processes (DDP over every weight of the denoiser, or over LoRA with each objective): the update
+    equals one process's on both processes' prompts (to 1% of its size: Adam's first step is about
+    lr·sign(g)), and full fine-tuning stopped after its first iteration and resumed on two processes
+    ends with the same export, bit for bit. (LoRA resumes: the frozen-rank test above.) The learning
+    rate decays linearly (iteration 1 at half the rate) in every run, and the export is the weights'
+    moving average (saved by one process, loaded by both on the resume). DiffusionNFT (LoRA) draws its
+    training terms by global prompt key, so two processes train what one does; GRPO-Guard recovers each
+    edge's rollout mean from the noise at its global address; LayerTuning-RL's best paths are per
+    prompt, so they are the same however the prompts are split."""
+    mode = MODES[name]
     full = "model.finetune=full" in mode
-    lr = ["train.learning_rate=1e-3" if full else "train.learning_rate=1e-2", "train.lr_schedule=linear", "train.ema_decay=0.5",
-          "iterations=2"]
-    args = ["train", "tiny-chain", *_overrides(tiny_model_dir, run, PER_PROCESS), *mode, *lr, "final_eval=false", "logging.sample_every=0"]
-    two = launch_two(None, args)
-    assert two.returncode == 0, two.stderr[-3000:]
-    export = run / ("transformer" if full else "lora")
-    trained_two = {k: v for f in sorted(export.glob("*.safetensors")) for k, v in load_file(f).items()}
+    trained_two = _export(mode_runs / name, full)
     if full:  # every weight saved by one process and loaded by both: a resume ends with the same export
-        (run / "checkpoints" / "iter-000001" / "manifest.json").unlink()  # damaged: the resume falls back to iteration 0
-        again = launch_two(None, [*args, "--resume", "latest"])
-        assert again.returncode == 0, again.stderr[-3000:]
-        resumed = {k: v for f in sorted(export.glob("*.safetensors")) for k, v in load_file(f).items()}
+        resumed = _export(mode_runs / "full-resumed", full)
         assert resumed.keys() == trained_two.keys() and all(torch.equal(resumed[k], trained_two[k]) for k in resumed)
-    single = Trainer(load_config("tiny-chain", [*_overrides(tiny_model_dir, tmp_path / "single", 2 * PER_PROCESS), *mode, *lr]))
+    single = Trainer(load_config("tiny-chain", [*_overrides(tiny_model_dir, tmp_path / "single", 2 * PER_PROCESS), *mode, *_rates(mode),
+                                                "iterations=2"]))
+
     def trained() -> dict[str, torch.Tensor]:  # the parameters the run trains, by their name in the denoiser
         return {k: v.detach().clone() for k, v in single.adapter.denoiser.named_parameters() if full or "lora_" in k}
 
