@@ -35,9 +35,9 @@ def _ode_images(adapter, num_steps: int, guidance: float | None = None) -> tuple
 
 
 def _pipeline_images(pipe, family: str, latents: torch.Tensor, num_steps: int, guidance: float,
-                     size: tuple[int, int] | None = None) -> torch.Tensor:
+                     size: tuple[int, int] | None = None, prompts: list[str] = PROMPTS) -> torch.Tensor:
     height, width = size or (RESOLUTION[family], RESOLUTION[family])
-    return pipe(prompt=PROMPTS, num_inference_steps=num_steps, height=height, width=width, guidance_scale=guidance,
+    return pipe(prompt=prompts, num_inference_steps=num_steps, height=height, width=width, guidance_scale=guidance,
                 latents=latents.clone(), output_type="pt", **CALL_KWARGS[family]).images
 
 

@@ -79,11 +79,22 @@ def test_training_on_a_folder_with_another_solver_prints_the_notice(released, tm
 
 
 def test_sample_takes_the_release_solver_and_refuses_it_with_a_search(released, tmp_path, capsys):
-    from branchdiff.cli import main
+    """`sample --solver release` writes the pipeline's own image (its 8-bit pixels) for the same noise."""
+    from torchvision.io import read_image
 
-    common = ["--family", "sana", "--model", str(released["sana"]), "--resolution", "32", "--steps", "2", "--prompt", "a red circle"]
+    from branchdiff.cli import main
+    from branchdiff.rewards.base import to_uint8
+
+    # 4 steps: at 2, DPM-Solver++ (second order, first order at the last step) is Euler's first-order step and the images agree
+    common = ["--family", "sana", "--model", str(released["sana"]), "--resolution", "32", "--steps", str(STEPS), "--prompt", "a red circle"]
     assert main(["sample", *common, "--solver", "release", "--images-per-prompt", "1", "--out", str(tmp_path / "release")]) == 0
-    assert len(list((tmp_path / "release").glob("*.png"))) == 1
+    written = list((tmp_path / "release").glob("*.png"))
+    assert len(written) == 1
+    adapter = load_adapter("sana", str(released["sana"]), resolution=32)
+    pipeline = _pipeline_images(load_pipeline("sana", released["sana"]), "sana", _initial_latents(adapter, 1), STEPS, adapter.default_guidance,
+                                prompts=["a red circle"])
+    difference = (read_image(str(written[0])).int() - to_uint8(pipeline)[0].int()).abs()
+    assert difference.max().item() <= 1 and pipeline.std() > 1e-3  # a pixel may round the other way: ≤ 1e-4 in [0, 1] is < 1/255
     assert main(["sample", *common, "--solver", "release", "--search", "dts", "--budget", "8", "--out", str(tmp_path / "x")]) == 2
     assert "leave --solver unset with --search" in capsys.readouterr().err
 
