@@ -53,14 +53,6 @@ def saved(tmp_path_factory):
     return {family: save_pipeline(family, root / family) for family in FAMILIES}
 
 
-def _family_overrides(family: str, folder: Path, run: Path) -> list[str]:
-    sde = ["sampling.sde=ddim", "sampling.noise_level=1.0"] if family == "sd15" else ["sampling.sde=flow", "sampling.noise_level=0.7"]
-    return [f"model.family={family}", f"model.path={folder}", "model.resolution=32", "model.dtype=bfloat16", f"output_dir={run}",
-            "reward=rewards_for_tests:Redness", "prompts.per_iteration=2", f"sampling.num_steps={STEPS}", "tree.roots=2",
-            "tree.splits=[[0,2]]", "iterations=1", "final_eval=false", "logging.tensorboard=false", "logging.sample_every=0",
-            "train.mixed_precision=bf16", "train.learning_rate=1e-2", *sde]
-
-
 def _iteration(config) -> dict[str, float]:
     from branchdiff.trainer import Trainer
 
@@ -78,13 +70,15 @@ def test_a_bf16_training_iteration_of_each_family(saved, family, tmp_path, summa
     """One iteration trains (an optimizer step, finite loss), and the log-prob check stays at bf16's
     rounding: the rollout and the update recompute the same bf16 forwards."""
     from branchdiff.config import load_config
+    from test_model_families import _train_overrides
 
     if family == "tiny":  # full fine-tuning of the fp32 weights under bf16 autocast
         config = load_config("tiny-mix-full", [f"output_dir={tmp_path}", "iterations=1", "final_eval=false", "eval_every=0",
                                                "logging.tensorboard=false", "logging.sample_every=0", "train.mixed_precision=bf16",
                                                "prompts.per_iteration=2"])
     else:
-        config = load_config(None, _family_overrides(family, saved[family], tmp_path))
+        config = load_config(None, _train_overrides(family, saved[family], tmp_path, "model.dtype=bfloat16", "train.mixed_precision=bf16",
+                                                    "train.learning_rate=1e-2"))
     metrics = _iteration(config)
     summary[f"bf16_iteration/{family}"] = {k: metrics[k] for k in ("logprob_check", "loss", "iteration_seconds", "nfe_rollout",
                                                                       "memory_rollout_gb", "memory_train_gb")}
