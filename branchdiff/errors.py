@@ -17,6 +17,10 @@ class UserError(Exception):
     """A problem with the run's input or environment, described in one line with its fix."""
 
 
+class ConfigError(ValueError):
+    """A configuration problem (a key, a value, a preset), described in one line."""
+
+
 class CheckpointError(UserError):
     """A checkpoint could not be written (full disk) or read (damaged, foreign)."""
 

@@ -106,8 +106,8 @@ T5_XXL = dict(d_model=4096, d_ff=10240, d_kv=64, num_heads=64, num_layers=24, vo
 GEMMA2_2B = dict(hidden_size=2304, intermediate_size=9216, num_hidden_layers=26, num_attention_heads=8, num_key_value_heads=4,
                  head_dim=256, vocab_size=256000)  # google/gemma-2-2b-it (SANA text_encoder, Gemma2Model)
 
-# Reward models, resident on the GPU in float32 (rewards/hps.py: open_clip ViT-H-14 built in fp32 and
-# loaded from HPS_v2.1_compressed.pt; rewards/pickscore.py: transformers CLIPModel of
+# Reward models, resident on the GPU in float32 (branchdiff/rewards/hps.py: open_clip ViT-H-14 built in fp32 and
+# loaded from HPS_v2.1_compressed.pt; branchdiff/rewards/pickscore.py: transformers CLIPModel of
 # yuvalkirstain/PickScore_v1, laion/CLIP-ViT-H-14 geometry, stored in fp32).
 VIT_H14_CLIP = dict(
     text_config=dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24, num_attention_heads=16, vocab_size=49408,
@@ -267,12 +267,12 @@ def lora_targets_by_formula(model: torch.nn.Module, targets: list[str], rank: in
 
 
 def explore_copy_bytes(model: torch.nn.Module, skips: tuple[str, ...], dtype_bytes: int) -> tuple[int, int]:
-    """Bytes of the torchao-fp8 exploration copy (branchdiff.quant.make_quantized_copy): LoRA merged,
+    """Bytes of the torchao-fp8 exploration copy (branchdiff.explore.quant.make_quantized_copy): LoRA merged,
     the Linear layers quantised: E4M3 weights (1 B/param) with one fp32 scale per output row, bias
     kept; everything else (convs, norms, embedders, skipped layers) in the model dtype. Also returns
     the number of quantised weights."""
     try:
-        from branchdiff.quant import QuantConfig, quantized_layer_names
+        from branchdiff.explore.quant import QuantConfig, quantized_layer_names
 
         names = set(quantized_layer_names(model, QuantConfig("torchao-fp8", tuple(skips))))
     except (ImportError, AttributeError, TypeError):  # the same rule (Linear, dims % 16, not skipped) if quant.py moves
@@ -605,7 +605,7 @@ def measure(family: Family, dtype: torch.dtype, rank: int, alpha: float, resolut
 
 PRESETS = ["sd35-pickscore", "flux-hps-branch", "flux-hps-mix", "sana-pickscore", "sd15-hps"]
 try:
-    from branchdiff.evaluate import EVAL_BATCH  # network rows per evaluation forward
+    from branchdiff.evaluation.evaluate import EVAL_BATCH  # network rows per evaluation forward
 except ImportError:
     EVAL_BATCH = 32
 EVAL_CHUNK = 16  # prompts per evaluate() chunk (its default)
@@ -631,9 +631,9 @@ class Row:
 
 def estimate(preset: str, fams: dict[str, Family], cache: dict, overrides: tuple[str, ...] = ()) -> Row:
     """The estimate for `preset` (and its -explore variant) with dotted config `overrides`."""
-    from branchdiff.config import load_config
-    from branchdiff.tree_settings import tree_spec
-    from branchdiff.tree import build_tree
+    from branchdiff.settings.load import load_config
+    from branchdiff.settings.trees import tree_spec
+    from branchdiff.core.tree import build_tree
 
     config = load_config(preset, list(overrides))
     explore = load_config(preset + "-explore", list(overrides))

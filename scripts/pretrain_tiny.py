@@ -21,11 +21,11 @@ import numpy as np
 import torch
 from diffusers.training_utils import EMAModel
 
-from branchdiff.data import PromptSet
-from branchdiff.evaluate import evaluate, summarize
+from branchdiff.data.prompts import PromptSet
+from branchdiff.evaluation.evaluate import evaluate, summarize
 from branchdiff.rewards.tiny_geneval import TinyGenEval
 from branchdiff.models.tiny import TinyAdapter
-from branchdiff.tiny_task import render_batch, split_prompts
+from branchdiff.data.tiny_task import render_batch, split_prompts
 
 
 def main() -> None:

@@ -16,9 +16,9 @@ import sys
 
 import torch
 
-from branchdiff import checkpoint
+from branchdiff.runs import checkpoint
 from branchdiff.cli import main
-from branchdiff.trainer import Trainer
+from branchdiff.training.trainer import Trainer
 
 point, target = sys.argv[1], int(sys.argv[2])
 calls = 0

@@ -75,7 +75,7 @@ class PromptColour:
     scale = "fraction of pixels within 0.3 of the prompt's colour, in [0, 1]"
 
     def __call__(self, images: torch.Tensor, prompts: list[str], metadata=None) -> torch.Tensor:
-        from branchdiff.tiny_task import COLORS, parse_prompt
+        from branchdiff.data.tiny_task import COLORS, parse_prompt
 
         colours = torch.tensor([COLORS[parse_prompt(p).color] for p in prompts])  # (B, 3)
         distance = (images - colours[:, :, None, None]).norm(dim=1)  # (B, H, W)

@@ -2,7 +2,7 @@
 
 import pytest
 
-from branchdiff.bench import bench_tree
+from branchdiff.bench.iteration import bench_tree
 
 
 @pytest.mark.slow

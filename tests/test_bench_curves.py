@@ -5,10 +5,10 @@ import json
 
 import pytest
 
-from branchdiff.bench_curves import (COMMON, VARIANTS, bench_curves, format_ratios, format_significance, group_size, time_to_reference_final,
+from branchdiff.bench.curves import (COMMON, VARIANTS, bench_curves, format_ratios, format_significance, group_size, time_to_reference_final,
                                       time_to_reference_final_on)
-from branchdiff.curve_stats import first_time_reaching, t_interval, time_ratio_interval, welch_p
-from branchdiff.config import load_config
+from branchdiff.bench.stats import first_time_reaching, t_interval, time_ratio_interval, welch_p
+from branchdiff.settings.load import load_config
 
 GRID = [0.0, 1.0, 2.0, 3.0]  # minutes
 
@@ -102,7 +102,7 @@ def test_significance_says_which_variant_differs():
 
 def test_another_reference_names_its_ratios_and_its_sentences():
     """The objectives are compared with clipped GRPO (`--reference mix`): the ratios and the sentences name it."""
-    from branchdiff.bench_curves import _result
+    from branchdiff.bench.curves import _result
 
     grid = [0.0, 1.0, 2.0]
     def run(curves):

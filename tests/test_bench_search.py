@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from branchdiff.bench_search import _curves, bench_search, nfe_ratio
+from branchdiff.bench.search import _curves, bench_search, nfe_ratio
 from branchdiff.search.run import SearchResult
 
 

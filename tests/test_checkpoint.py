@@ -4,8 +4,9 @@ from pathlib import Path
 
 import pytest
 
-from branchdiff import checkpoint
-from branchdiff.config import ConfigError, load_config, to_dict
+from branchdiff.runs import checkpoint
+from branchdiff.errors import ConfigError
+from branchdiff.settings.load import load_config, to_dict
 
 
 def _folder(path: Path, content: str) -> Path:

@@ -242,7 +242,7 @@ def _run_args(model_dir: Path, run: Path, iterations: int, *extra: str) -> list[
 
 def _iterations_run(monkeypatch) -> list[int]:
     """Record the iterations the trainer runs."""
-    from branchdiff.trainer import Trainer
+    from branchdiff.training.trainer import Trainer
 
     seen: list[int] = []
     run_iteration = Trainer.run_iteration
@@ -257,7 +257,7 @@ def _iterations_run(monkeypatch) -> list[int]:
 
 def test_resume_with_a_changed_lora_rank_is_refused_and_touches_nothing(capsys, tmp_path, tiny_model_dir):
     # before the resume check: a size-mismatch traceback from load_state, exit status 1
-    from branchdiff.checkpoint import RESUMABLE_KEYS
+    from branchdiff.runs.checkpoint import RESUMABLE_KEYS
 
     run = tmp_path / "run"
     assert main(_run_args(tiny_model_dir, run, 1)) == 0
@@ -274,7 +274,7 @@ def test_resume_after_a_crash_inside_publish(capsys, tmp_path, tiny_model_dir, m
     """A crash inside `publish` of checkpoint 1 left it as .replaced-000001 (iter-000001 missing) next to
     its successor's .staging-000001: --resume latest puts checkpoint 1 back and continues after it, with
     more iterations than the run was started with; leftover staging folders do not survive the next save."""
-    from branchdiff.trainer import Trainer
+    from branchdiff.training.trainer import Trainer
 
     run = tmp_path / "run"
     assert main(_run_args(tiny_model_dir, run, 2)) == 0

@@ -4,8 +4,8 @@ import dataclasses
 
 import pytest
 
-from branchdiff.clock import BACKEND_FORMAT, FORMAT_COST, modelled_seconds, row_cost
-from branchdiff.config import ExploreConfig
+from branchdiff.bench.clock import BACKEND_FORMAT, FORMAT_COST, modelled_seconds, row_cost
+from branchdiff.settings.config import ExploreConfig
 
 ITERATION = {"rollout_seconds": 3.0, "reward_seconds": 0.5, "train_seconds": 2.0, "nfe_rollout_computed": 300}
 

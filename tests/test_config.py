@@ -8,19 +8,13 @@ import math
 
 import pytest
 
-from branchdiff.config import (
-    ConfigError,
-    OptimConfig,
-    TrainConfig,
-    TreeConfig,
-    load_config,
-    parse_override,
-    presets,
-    save_config,
-    validate,
-)
-from branchdiff.prune import mix_sde_steps
-from branchdiff.tree_settings import trainable_steps, tree_spec
+from branchdiff.errors import ConfigError
+from branchdiff.settings.config import OptimConfig, TrainConfig, TreeConfig
+from branchdiff.settings.load import load_config, presets, save_config
+from branchdiff.settings.typed_yaml import parse_override
+from branchdiff.settings.validate import validate
+from branchdiff.core.prune import mix_sde_steps
+from branchdiff.settings.trees import trainable_steps, tree_spec
 
 
 def config_error(source=None, overrides=()) -> str:
@@ -409,7 +403,7 @@ def test_trainable_step_check_agrees_with_every_iteration():
     ],
 )
 def test_the_trainer_trains_the_steps_the_check_counts(tiny_model_dir, tmp_path, extra, steps, edges):
-    from branchdiff.trainer import Trainer
+    from branchdiff.training.trainer import Trainer
 
     config = load_config(None, [f"model.path={tiny_model_dir}", f"output_dir={tmp_path / 'run'}", "iterations=1", "sampling.num_steps=3",
                                 "tree.roots=2", "prompts.per_iteration=1", "reward=rewards_for_tests:Redness", "sampling.max_batch=8",

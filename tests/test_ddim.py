@@ -1,4 +1,4 @@
-"""The DDIM η-step as a Gaussian policy (schedulers/ddim.py): float64 formulas, diffusers' own DDIM
+"""The DDIM η-step as a Gaussian policy (branchdiff/schedulers/ddim.py): float64 formulas, diffusers' own DDIM
 step with the same noise, η → 0, and the log-prob of the density sampled."""
 
 import math

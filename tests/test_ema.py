@@ -9,8 +9,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from branchdiff.config import ConfigError, load_config
-from branchdiff.ema import WeightAverage
+from branchdiff.errors import ConfigError
+
+from branchdiff.settings.load import load_config
+from branchdiff.models.ema import WeightAverage
 
 
 def _reference_average(history: list[list[torch.Tensor]], decay: float) -> list[torch.Tensor]:
@@ -70,9 +72,9 @@ def test_a_decay_of_one_is_refused_with_the_fix():
 def test_a_run_trains_the_live_weights_and_evaluates_and_exports_the_average(tiny_model_dir, tmp_path, finetune):
     """The average of the weights after each optimizer step (recorded), against the closed form;
     the evaluation grid is sampled with it, the export holds it, and training goes on with the live weights."""
-    from branchdiff.evaluate import sample_ode
-    from branchdiff.finetune import export
-    from branchdiff.trainer import Trainer
+    from branchdiff.evaluation.evaluate import sample_ode
+    from branchdiff.models.finetune import export
+    from branchdiff.training.trainer import Trainer
 
     config = load_config("tiny-chain", [f"model.path={tiny_model_dir}", f"output_dir={tmp_path}", "iterations=3", "prompts.per_iteration=1",
                                         "tree.roots=2", "sampling.num_steps=2", "final_eval=false", "logging.tensorboard=false",

@@ -76,7 +76,7 @@ def _rewrite_state(**changes) -> Callable[[Env], None]:
     """Change fields of iter-000001's trainer_state.json (None: remove the field) and write a manifest
     that matches: a checkpoint whose files agree with its manifest but whose state is wrong."""
     def setup(env: Env) -> None:
-        from branchdiff import checkpoint
+        from branchdiff.runs import checkpoint
 
         path = env.checkpoint() / "trainer_state.json"
         state = json.loads(path.read_text())
@@ -92,7 +92,7 @@ def _empty_lora(env: Env) -> None:
     """A valid safetensors file with no tensor in it, and a manifest that agrees."""
     from safetensors.torch import save_file
 
-    from branchdiff import checkpoint
+    from branchdiff.runs import checkpoint
 
     save_file({}, env.checkpoint() / "pytorch_lora_weights.safetensors")
     checkpoint.write_manifest(env.checkpoint())
@@ -416,7 +416,7 @@ def test_non_finite_gradients_skip_steps_then_stop_after_a_checkpoint(env, capsy
 
 
 def test_debug_shows_the_traceback(env):
-    from branchdiff.config import ConfigError
+    from branchdiff.errors import ConfigError
 
     with pytest.raises(ConfigError, match="unknown key 'tree.rots'"):
         main([*env.fresh("tree.rots=2"), "--debug"])

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from branchdiff.cli import main
-from branchdiff.data import PromptSet, load_prompt_set
-from branchdiff.evaluate import evaluate, sample_ode, summarize
+from branchdiff.data.prompts import PromptSet, load_prompt_set
+from branchdiff.evaluation.evaluate import evaluate, sample_ode, summarize
 from branchdiff.models.tiny import TinyAdapter
 from rewards_for_tests import Redness
 

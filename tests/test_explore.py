@@ -3,10 +3,10 @@
 import pytest
 import torch
 
-from branchdiff.config import load_config
-from branchdiff.explore import selection_generators
-from branchdiff.selection import select_per_group
-from branchdiff.trainer import Trainer
+from branchdiff.settings.load import load_config
+from branchdiff.explore.pool import selection_generators
+from branchdiff.explore.selection import select_per_group
+from branchdiff.training.trainer import Trainer
 
 
 def _trainer(model_dir, tmp_path, *extra, resume: str | None = None):
@@ -56,7 +56,7 @@ def test_nvfp4_explorer_differs_only_by_quantisation_and_follows_the_policy(tiny
     with torch.no_grad():
         policy = trainer.adapter.predict(x, sigma, embeds)
         fresh = trainer.explorer.predict(x, sigma, embeds)
-        trainer.explorer.denoiser = __import__("branchdiff.quant", fromlist=["make_quantized_copy"]).make_quantized_copy(
+        trainer.explorer.denoiser = __import__("branchdiff.explore.quant", fromlist=["make_quantized_copy"]).make_quantized_copy(
             trainer.adapter.denoiser.__class__.from_pretrained(tiny_model_dir / "transformer"), trainer.quant_config)
         stale = trainer.explorer.predict(x, sigma, embeds)
     assert (fresh - policy).abs().mean() < (stale - policy).abs().mean()
@@ -114,7 +114,7 @@ def test_selection_generators_follow_the_prompt_not_the_process():
 def test_within_prompt_agreement_is_not_inflated_by_differences_between_prompts():
     """Two prompts whose candidates rank in opposite orders but sit at different reward levels: the
     pooled ρ is high (the level dominates), the within-prompt mean is -1."""
-    from branchdiff.explore import ranking_agreement
+    from branchdiff.explore.pool import ranking_agreement
 
     pool = torch.tensor([[1.0, 2.0, 3.0], [11.0, 12.0, 13.0]])
     regenerated = torch.tensor([[3.0, 2.0, 1.0], [13.0, 12.0, 11.0]])

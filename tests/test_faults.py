@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from branchdiff import checkpoint
+from branchdiff.runs import checkpoint
 from branchdiff.cli import main
 
 PREFIX = "branchdiff: error: "
@@ -166,8 +166,8 @@ def _writers(folder: Path) -> dict:
     """Every kind of write a run makes, each through branchdiff's writers, about 600 kB each."""
     from safetensors.torch import save_file
 
-    from branchdiff import metrics_log, storage
-    from branchdiff.report import save_grid
+    from branchdiff.runs import metrics_log, storage
+    from branchdiff.report.figures import save_grid
 
     tensor = torch.randn(150_000)
     return {
@@ -184,8 +184,8 @@ def test_every_writer_on_a_full_filesystem_raises_disk_full_and_keeps_the_old_fi
     """A write that does not fit (torch's zip writer, safetensors, PIL and plain files each fail in
     their own way) raises `DiskFull` naming the file, leaves no temporary file, and the previous
     version of the file is still there, whole."""
-    from branchdiff import metrics_log
-    from branchdiff.storage import DiskFull
+    from branchdiff.runs import metrics_log
+    from branchdiff.runs.storage import DiskFull
 
     folder = small_filesystem / "run"
     folder.mkdir()
@@ -222,7 +222,7 @@ def test_what_a_killed_write_left_is_cleaned_when_the_folder_is_claimed_again(ti
 
 
 def test_clean_leftovers_puts_a_replaced_folder_back_and_removes_the_rest(tmp_path):
-    from branchdiff.storage import clean_leftovers
+    from branchdiff.runs.storage import clean_leftovers
 
     (tmp_path / ".lora.replaced").mkdir()
     (tmp_path / ".lora.replaced" / LORA).write_bytes(b"old")  # its successor never got the name

@@ -13,8 +13,9 @@ import pytest
 import torch
 
 from branchdiff.cli import main
-from branchdiff.config import ConfigError, load_config
-from branchdiff.finetune import load_weights
+from branchdiff.errors import ConfigError
+from branchdiff.settings.load import load_config
+from branchdiff.models.finetune import load_weights
 from branchdiff.models import load_adapter
 from branchdiff.models.lora import add_lora
 from tiny_pipelines import FAMILIES, RESOLUTION, load_pipeline, save_pipeline
@@ -117,8 +118,8 @@ def test_full_finetuning_measures_kl_and_evaluates_the_base_against_the_frozen_c
     """The KL reference and the final evaluation's base are the weights before training, not the
     trained ones: KL is 0 before the first update and > 0 after it; the base scores equal a fresh
     model's."""
-    from branchdiff.evaluate import summarize
-    from branchdiff.trainer import Trainer
+    from branchdiff.evaluation.evaluate import summarize
+    from branchdiff.training.trainer import Trainer
 
     config = load_config(None, _args("tiny", tiny_model_dir, tmp_path / "run", "full", 2, "train.kl_beta=0.1", "final_eval=true")[2:])
     trainer = Trainer(config)

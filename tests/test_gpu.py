@@ -54,7 +54,7 @@ def saved(tmp_path_factory):
 
 
 def _iteration(config) -> dict[str, float]:
-    from branchdiff.trainer import Trainer
+    from branchdiff.training.trainer import Trainer
 
     trainer = Trainer(config)
     assert trainer.accelerator.device.type == "cuda"
@@ -69,7 +69,7 @@ def _iteration(config) -> dict[str, float]:
 def test_a_bf16_training_iteration_of_each_family(saved, family, tmp_path, summary):
     """One iteration trains (an optimizer step, finite loss), and the log-prob check stays at bf16's
     rounding: the rollout and the update recompute the same bf16 forwards."""
-    from branchdiff.config import load_config
+    from branchdiff.settings.load import load_config
     from test_model_families import _train_overrides
 
     if family == "tiny":  # full fine-tuning of the fp32 weights under bf16 autocast
@@ -94,7 +94,7 @@ def _capability() -> tuple[int, int]:
 def test_low_precision_exploration_on_the_hardware_that_has_it(backend, needs, tmp_path, summary):
     """An explore iteration with the explorer in FP8 (torchao) or NVFP4 (Transformer Engine): the pool is
     grown by the low-precision copy and its ranking of the kept subset is recorded against the policy's."""
-    from branchdiff.config import load_config
+    from branchdiff.settings.load import load_config
 
     if _capability() < needs:
         pytest.skip(f"{backend} needs compute capability ≥ {needs[0]}.{needs[1]}; this device has {_capability()}")
@@ -114,7 +114,7 @@ def test_fsdp_trains_like_ddp_on_the_gpus(tmp_path, summary):
     and under FSDP2 (the packaged fsdp config), the same LoRA within GPU reduction noise."""
     from safetensors.torch import load_file
 
-    from branchdiff.commands import ACCELERATE_DIR
+    from branchdiff.cli.tools import ACCELERATE_DIR
     from test_multiprocess import _free_port
     from test_sharding import _arguments
     from tiny_pipelines import save_pipeline
@@ -207,8 +207,8 @@ def test_a_rollout_forwards_peak_memory_against_the_memory_tables_estimate(saved
 def test_rollout_throughput(saved, family, summary):
     """Network rows per second of a 10-step tree rollout (4 prompts × 8 chains, k = 2 at step 0) in bf16."""
     from branchdiff.models import load_adapter
-    from branchdiff.rollout import NoiseAddress, SamplerSettings, grow
-    from branchdiff.tree import Split, TreeSpec, build_tree
+    from branchdiff.core.rollout import NoiseAddress, SamplerSettings, grow
+    from branchdiff.core.tree import Split, TreeSpec, build_tree
 
     adapter = load_adapter(family, str(saved[family]), "cuda", 32, torch.bfloat16)
     prompts = ["a red circle on the left", "two blue squares", "three green triangles", "a yellow star at the top"]

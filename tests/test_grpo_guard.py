@@ -10,8 +10,10 @@ import math
 import pytest
 import torch
 
-from branchdiff.config import ConfigError, load_config
-from branchdiff.loss import guard_surrogate
+from branchdiff.errors import ConfigError
+
+from branchdiff.settings.load import load_config
+from branchdiff.core.loss import guard_surrogate
 from branchdiff.schedulers.flow import gaussian_log_prob
 
 
@@ -56,7 +58,7 @@ def test_the_surrogate_equals_the_formula_and_its_log_ratio_is_the_noise_against
 
 
 def _trainer(tmp_path, *extra):
-    from branchdiff.trainer import Trainer
+    from branchdiff.training.trainer import Trainer
 
     return Trainer(load_config("tiny-chain", [f"output_dir={tmp_path}", "iterations=2", "prompts.per_iteration=4", "tree.roots=8",
                                               "train.loss=grpo-guard", "sampling.num_steps=4", "final_eval=false", "logging.tensorboard=false",

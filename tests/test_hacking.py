@@ -9,7 +9,7 @@ import json
 import pytest
 
 from branchdiff.cli import main
-from branchdiff.hacking import WatchState, diverging
+from branchdiff.training.hacking import WatchState, diverging
 
 PREFIX = "branchdiff: error: "
 

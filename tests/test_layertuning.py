@@ -9,9 +9,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from branchdiff.config import ConfigError, load_config
-from branchdiff.loss import clipped_surrogate, reward_clipped_surrogate, sft_velocity_loss
-from branchdiff.tree import Split, TreeSpec, build_tree
+from branchdiff.errors import ConfigError
+
+from branchdiff.settings.load import load_config
+from branchdiff.core.loss import clipped_surrogate, reward_clipped_surrogate, sft_velocity_loss
+from branchdiff.core.tree import Split, TreeSpec, build_tree
 
 
 def test_the_clip_opens_with_the_advantage_and_is_plain_clipping_at_zero_sensitivity():
@@ -59,7 +61,7 @@ def test_best_paths_follow_each_groups_highest_leaf_to_its_root():
 def test_an_updates_edge_losses_are_grpos_plus_the_weighted_sft_term_on_the_best_paths(tmp_path):
     from branchdiff.objectives.grpo import GRPOPlan
     from branchdiff.models.base import select_embeds
-    from branchdiff.trainer import Trainer
+    from branchdiff.training.trainer import Trainer
 
     trainer = Trainer(load_config("tiny-mix", [f"output_dir={tmp_path}", "prompts.per_iteration=2", "sampling.num_steps=4",
                                                "tree.splits=[[0,2],[1,2]]", "tree.mix_window=2", "train.loss=grpo-layertuning",

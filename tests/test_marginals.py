@@ -1,4 +1,4 @@
-"""Tests for schedulers/marginals.py: closed-form one-step variance on N(0, 1) data.
+"""Tests for branchdiff/schedulers/marginals.py: closed-form one-step variance on N(0, 1) data.
 
 Independent checks: the published numbers (docs/trees.md), a Monte-Carlo estimate through
 `flow.step` itself, the gain α read off `flow.step` at x = 1, and the fine-step behaviour:

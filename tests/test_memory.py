@@ -1,11 +1,11 @@
-"""Peak memory per phase (branchdiff/memory.py): on the CPU, the resident set's peak within each
+"""Peak memory per phase (branchdiff/runs/memory.py): on the CPU, the resident set's peak within each
 phase; a training iteration logs every phase's."""
 
 from __future__ import annotations
 
 import torch
 
-from branchdiff.memory import GIB, PhaseMemory
+from branchdiff.runs.memory import GIB, PhaseMemory
 
 
 def test_each_phase_reports_its_own_peak():
@@ -22,8 +22,8 @@ def test_each_phase_reports_its_own_peak():
 
 
 def test_an_iteration_logs_the_peak_of_each_phase(tiny_model_dir, tmp_path):
-    from branchdiff.config import load_config
-    from branchdiff.trainer import Trainer
+    from branchdiff.settings.load import load_config
+    from branchdiff.training.trainer import Trainer
 
     trainer = Trainer(load_config("tiny-chain", [f"model.path={tiny_model_dir}", f"output_dir={tmp_path}", "prompts.per_iteration=1",
                                                  "tree.roots=2", "sampling.num_steps=2", "final_eval=false", "logging.tensorboard=false"]))

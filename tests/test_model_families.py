@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from branchdiff.models import load_adapter
-from branchdiff.rollout import NoiseAddress, SamplerSettings, grow
-from branchdiff.tree import TreeSpec, build_tree
+from branchdiff.core.rollout import NoiseAddress, SamplerSettings, grow
+from branchdiff.core.tree import TreeSpec, build_tree
 from tiny_pipelines import CALL_KWARGS, FAMILIES, RESOLUTION, load_pipeline, save_pipeline
 
 PROMPTS = ["a red circle on the left", "two blue squares at the top"]
@@ -77,8 +77,8 @@ def test_tree_training_step_and_lora_export_load_into_the_pipeline(saved, family
     """A tree rollout (2 roots split in 2 at step 0: 14 forwards per prompt, twice that under CFG),
     one update whose recomputed log-probs match the rollout's (≤ 1e-5), and the exported LoRA
     (alpha 16, rank 4) loaded by diffusers: the pipeline's output equals the trained adapter's."""
-    from branchdiff.config import load_config
-    from branchdiff.trainer import Trainer
+    from branchdiff.settings.load import load_config
+    from branchdiff.training.trainer import Trainer
 
     trainer = Trainer(load_config(None, _train_overrides(family, saved[family], tmp_path / "run")))
     result = trainer.run_iteration(0)
@@ -102,8 +102,9 @@ def test_the_other_objectives_train_a_step_of_every_flow_family_and_refuse_ddim(
     """GRPO-Guard (its ratio 1 before the update: the rollout's means recovered from the noise),
     LayerTuning-RL and DiffusionNFT take one optimizer step on each flow family's tiny pipeline; an
     ε-prediction (DDIM) family is refused with the fix."""
-    from branchdiff.config import ConfigError, load_config
-    from branchdiff.trainer import Trainer
+    from branchdiff.errors import ConfigError
+    from branchdiff.settings.load import load_config
+    from branchdiff.training.trainer import Trainer
 
     for loss in ("grpo-guard", "grpo-layertuning", "nft"):
         config = load_config(None, _train_overrides(family, saved[family], tmp_path / loss, f"train.loss={loss}"))
@@ -159,8 +160,8 @@ def test_offload_keeps_encoders_and_vae_off_the_device_between_uses(saved):
 def test_memory_controls_gradient_checkpointing_and_8bit_adam(saved, tmp_path):
     """Gradient checkpointing gives the same update as without (same loss, same LoRA after the
     step); 8-bit AdamW (bitsandbytes) trains; LoRA parameters are fp32 over bf16 base weights."""
-    from branchdiff.config import load_config
-    from branchdiff.trainer import Trainer
+    from branchdiff.settings.load import load_config
+    from branchdiff.training.trainer import Trainer
 
     def lora_after_one_iteration(*extra: str) -> tuple[dict, dict]:
         trainer = Trainer(load_config(None, _train_overrides("flux", saved["flux"], tmp_path / "-".join(extra), *extra)))
@@ -184,7 +185,7 @@ def test_memory_controls_gradient_checkpointing_and_8bit_adam(saved, tmp_path):
 def test_a_quantised_explorer_keeps_the_adapters_skip_modules_in_full_precision(saved, family):
     """Every pattern of the adapter's quant_skip_modules names modules of its denoiser, and those
     stay out of the quantised copy while the attention projections are quantised."""
-    from branchdiff.quant import QuantConfig, is_skipped, quantized_layer_names
+    from branchdiff.explore.quant import QuantConfig, is_skipped, quantized_layer_names
 
     adapter = load_adapter(family, str(saved[family]), resolution=RESOLUTION[family])
     names = [name for name, _ in adapter.denoiser.named_modules()]
@@ -226,8 +227,8 @@ def test_every_family_samples_trains_and_evaluates_at_a_non_square_size(saved, f
     from torchvision.io import read_image
 
     from branchdiff.cli import main
-    from branchdiff.config import load_config
-    from branchdiff.trainer import Trainer
+    from branchdiff.settings.load import load_config
+    from branchdiff.training.trainer import Trainer
 
     height, width = NON_SQUARE[family]
     adapter = load_adapter(family, str(saved[family]), resolution=[height, width])

@@ -8,8 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from branchdiff.config import ConfigError, load_config
-from branchdiff.loss import nft_loss, nft_optimality
+from branchdiff.errors import ConfigError
+
+from branchdiff.settings.load import load_config
+from branchdiff.core.loss import nft_loss, nft_optimality
 
 
 def _reference_loss(v_theta, v_old, x0, x_t, sigma, r, beta):
@@ -51,7 +53,7 @@ def _config(tmp_path, *extra):
 
 
 def test_leaf_advantages_are_group_normalised_and_the_sampling_policy_follows_its_recursion(tmp_path):
-    from branchdiff.trainer import Trainer
+    from branchdiff.training.trainer import Trainer
 
     trainer = Trainer(_config(tmp_path, "nft.old_decay_rate=0.25", "nft.old_decay_max=0.4", "nft.advantage_clip=1.5"))
     objective, params = trainer.objective, trainer.finetune.params
@@ -107,7 +109,7 @@ def _flow_schedule():
 def test_depthwise_advantages_credit_each_term_with_its_ancestor_at_the_next_depth(tmp_path):
     """`nft.advantage=depthwise`: a term at step k takes the depth-wise advantage of the edge into its
     leaf's ancestor at depth k + 1 (walked up independently here); on a tree they differ from the leaf's."""
-    from branchdiff.trainer import Trainer
+    from branchdiff.training.trainer import Trainer
 
     trainer = Trainer(load_config("tiny-mix", [f"output_dir={tmp_path}", "prompts.per_iteration=2", "sampling.num_steps=4",
                                                "tree.splits=[[0,2],[1,2]]", "tree.mix_window=2", "train.loss=nft", "nft.advantage=depthwise",

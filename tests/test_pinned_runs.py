@@ -25,8 +25,8 @@ import torch
 
 from resumed_runs import deterministic  # tests/ is on sys.path
 
-from branchdiff.config import load_config
-from branchdiff.trainer import Trainer
+from branchdiff.settings.load import load_config
+from branchdiff.training.trainer import Trainer
 
 PINS = Path(__file__).parent / "data" / "pinned"
 ITERATIONS = 2

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from branchdiff.cli import main
-from branchdiff.config import load_config
-from branchdiff.tree_settings import tree_spec
+from branchdiff.settings.load import load_config
+from branchdiff.settings.trees import tree_spec
 
 FAMILY_PRESETS = {"sd35-pickscore": "sd3", "flux-hps-branch": "flux", "flux-hps-mix": "flux", "sana-pickscore": "sana", "sd15-hps": "sd15"}
 
@@ -43,7 +43,7 @@ def test_sol_presets_are_their_base_trained_with_nft_on_an_explored_pool(name):
 
 @pytest.mark.parametrize("name", ["tiny-sol", "tiny-sol-tree"])
 def test_the_tiny_sol_presets_run_an_iteration(name, tiny_model_dir, tmp_path):
-    from branchdiff.trainer import Trainer
+    from branchdiff.training.trainer import Trainer
 
     trainer = Trainer(load_config(name, [f"output_dir={tmp_path}", f"model.path={tiny_model_dir}", "prompts.per_iteration=2",
                                          "explore.pool=8", "explore.keep=4", "explore.fidelity_every=0", "final_eval=false",
@@ -74,7 +74,7 @@ def test_accelerate_configs_are_found_and_parse(capsys):
         path = Path(capsys.readouterr().out.strip())
         parsed = load_config_from_file(str(path))
         assert (parsed.num_processes, parsed.num_machines, parsed.mixed_precision) == (processes, machines, "bf16")
-        if name.startswith("fsdp"):  # FSDP2, the shards offloaded only in fsdp-offload (branchdiff/sharding.py reads these)
+        if name.startswith("fsdp"):  # FSDP2, the shards offloaded only in fsdp-offload (branchdiff/runs/sharding.py reads these)
             assert parsed.distributed_type == "FSDP" and parsed.fsdp_config["fsdp_version"] == 2
             assert parsed.fsdp_config["fsdp_offload_params"] == (name == "fsdp-offload")
     assert main(["accelerate-config", "fsdp-typo"]) == 2

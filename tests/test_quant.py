@@ -12,8 +12,8 @@ import pytest
 import torch
 from torch import nn
 
-from branchdiff.config import load_config
-from branchdiff.formats import (
+from branchdiff.settings.load import load_config
+from branchdiff.explore.formats import (
     fake_quantize_fp8,
     fake_quantize_mxfp4,
     fake_quantize_nvfp4,
@@ -24,7 +24,7 @@ from branchdiff.formats import (
     round_to_e4m3,
 )
 from branchdiff.models.tiny import TinyAdapter
-from branchdiff.quant import (
+from branchdiff.explore.quant import (
     BACKENDS,
     GPU_BACKENDS,
     FP8EmulatedLinear,

@@ -122,7 +122,7 @@ def test_eval_of_a_run_reproduces_its_final_evaluation(tiny_model_dir, tmp_path,
 def test_sample_file_names_are_safe_whatever_the_prompt(tiny_model_dir, tmp_path, capsys):
     """A prompt's text named the file: '/' made folders (or escaped --out), a NUL or a 300-character
     prompt broke the name."""
-    from branchdiff.commands import file_name
+    from branchdiff.cli.common import file_name
 
     prompts = ["two red circles on the left", "../../etc/passwd", "a/b: c?*|<x>", "x" * 300, "\n", "café ☕"]
     assert main(["sample", "--model", str(tiny_model_dir), *(f"--prompt={p}" for p in prompts), "--out", str(tmp_path / "out"),
@@ -136,7 +136,7 @@ def test_sample_file_names_are_safe_whatever_the_prompt(tiny_model_dir, tmp_path
 
 
 def test_train_help_lists_every_preset_and_the_debug_switch(capsys):
-    from branchdiff.config import presets
+    from branchdiff.settings.load import presets
 
     with pytest.raises(SystemExit) as done:
         main(["train", "--help"])

@@ -9,12 +9,12 @@ import pytest
 import torch
 from diffusers import DPMSolverMultistepScheduler, PNDMScheduler
 
-from branchdiff.engine import initial_noise
-from branchdiff.eval_settings import EVAL_RUN_SEED
-from branchdiff.evaluate import sample_ode
+from branchdiff.core.engine import initial_noise
+from branchdiff.settings.evaluation import EVAL_RUN_SEED
+from branchdiff.evaluation.evaluate import sample_ode
 from branchdiff.models import load_adapter
-from branchdiff.rollout import NoiseAddress
-from branchdiff.tree import TreeSpec, build_tree
+from branchdiff.core.rollout import NoiseAddress
+from branchdiff.core.tree import TreeSpec, build_tree
 from test_model_families import PROMPTS, TOLERANCE, _pipeline_images, _train_overrides
 from tiny_pipelines import RESOLUTION, build_pipeline, load_pipeline
 
@@ -70,8 +70,8 @@ def test_the_release_solver_reproduces_the_pipelines_own_images(released, family
 
 
 def test_training_on_a_folder_with_another_solver_prints_the_notice(released, tmp_path, capsys):
-    from branchdiff.config import load_config
-    from branchdiff.trainer import Trainer
+    from branchdiff.settings.load import load_config
+    from branchdiff.training.trainer import Trainer
 
     Trainer(load_config(None, _train_overrides("sana", released["sana"], tmp_path / "run")))
     notice = [line for line in capsys.readouterr().err.splitlines() if "DPMSolverMultistepScheduler" in line]
@@ -113,7 +113,8 @@ def test_sanas_instruction_prefix_can_be_turned_off(released):
 
 
 def test_prompt_instruction_is_refused_for_families_without_one():
-    from branchdiff.config import ConfigError, load_config
+    from branchdiff.errors import ConfigError
+    from branchdiff.settings.load import load_config
 
     with pytest.raises(ConfigError, match="model.family=sd3 has none"):
         load_config(None, ["model.family=sd3", "model.path=x", "model.prompt_instruction=false"])

@@ -213,7 +213,7 @@ def test_training_with_an_entry_point_reward(installed_entry_point, tiny_model_d
 
 
 def test_spread_statistics_against_hand_computation():
-    from branchdiff.signal_check import spread_statistics
+    from branchdiff.training.signal_check import spread_statistics
 
     scores = torch.tensor([[1.0, 3.0], [5.0, 5.0]])
     stats = spread_statistics(scores)
@@ -293,8 +293,8 @@ def test_non_finite_scores_are_counted_not_trained_on(tiny_model_dir, tmp_path, 
 
 def test_one_non_finite_leaf_drops_its_whole_group(tiny_model_dir, tmp_path):
     """Before: only the NaN leaf was set to 0 and its siblings trained against that 0."""
-    from branchdiff.config import load_config
-    from branchdiff.trainer import Trainer
+    from branchdiff.settings.load import load_config
+    from branchdiff.training.trainer import Trainer
 
     config = load_config("tiny-chain", _one_iteration(tiny_model_dir, tmp_path / "run", "rewards_for_tests:FirstNaN"))
     result = Trainer(config).run_iteration(0)
@@ -315,7 +315,7 @@ def test_a_lower_is_better_reward_enters_the_signal_negated(monkeypatch):
 
 
 def test_group_spread_against_hand_computation():
-    from branchdiff.metrics import group_spread
+    from branchdiff.training.metrics import group_spread
 
     total = torch.tensor([1.0, 3.0, 5.0, 5.0, float("nan"), 2.0])
     groups, flat, std_sum = group_spread(total, torch.tensor([0, 0, 1, 1, 2, 2]))

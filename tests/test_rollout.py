@@ -7,9 +7,9 @@ from dataclasses import replace
 import pytest
 import torch
 
-from branchdiff import noise
-from branchdiff.rollout import NoiseAddress, SamplerSettings, grow, regenerate
-from branchdiff.tree import Split, TreeSpec, build_tree
+from branchdiff.core import noise
+from branchdiff.core.rollout import NoiseAddress, SamplerSettings, grow, regenerate
+from branchdiff.core.tree import Split, TreeSpec, build_tree
 
 PROMPTS = ["two red circles on the left", "one blue square at the top", "three green triangles at the bottom"]
 SPEC = TreeSpec(num_steps=5, splits=(Split(0, 2), Split(2, 3, noise_level=0.9)), split_noise_level=0.6)
@@ -93,7 +93,7 @@ def test_nfe_counts_real_and_computed_rows(tiny_adapter):
     """exact=True pads every forward to max_batch rows; nfe_computed says what that cost. The default
     (regression: it was exact=True, so narrow tree levels cost as much as the chain's full ones)
     computes only the real rows."""
-    from branchdiff.config import load_config
+    from branchdiff.settings.load import load_config
 
     assert SamplerSettings().exact is False and load_config(None).sampling.exact is False
     fast, _ = _grow(tiny_adapter, settings=SamplerSettings(sde="dance", noise_level=0.3, max_batch=8))

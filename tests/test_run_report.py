@@ -25,11 +25,11 @@ import yaml
 from matplotlib.figure import Figure
 from PIL import Image
 
-from branchdiff import run_report
+from branchdiff.report import run_report
 from branchdiff.cli import main
-from branchdiff.report import base_level, grid_captions, moving_average, png_data_uri, save_grid
-from branchdiff.run_report import evenly_spaced, write_report
-from branchdiff.run_report_data import columns, read_metrics, reward_components
+from branchdiff.report.figures import base_level, grid_captions, moving_average, png_data_uri, save_grid
+from branchdiff.report.run_report import evenly_spaced, write_report
+from branchdiff.report.run_data import columns, read_metrics, reward_components
 
 ITERATIONS = 40
 EVAL_EVERY = 4  # held-out evaluation (and its grid) every 4 iterations: 10 grids, more than the 8 shown
@@ -45,7 +45,7 @@ CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic
 
 
 def metrics_row(i: int, rng: np.random.Generator, iterations: int = ITERATIONS, full: bool = True) -> dict:
-    """A realistic metrics line of iteration i (the keys of branchdiff/metrics.py; `full`: with
+    """A realistic metrics line of iteration i (the keys of branchdiff/training/metrics.py; `full`: with
     held-out evaluations, per-depth statistics and explore)."""
     progress = i / iterations
     noise = lambda scale: scale * float(rng.standard_normal())  # noqa: E731

@@ -1,4 +1,4 @@
-"""Tests for schedulers/flow.py against independent float64 references built from the papers' formulas (DanceGRPO, Flow-GRPO).
+"""Tests for branchdiff/schedulers/flow.py against independent float64 references built from the papers' formulas (DanceGRPO, Flow-GRPO).
 
 The references below are written from the papers' formulas, not from the module's helpers:
 

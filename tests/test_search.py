@@ -14,15 +14,15 @@ import statistics
 import pytest
 import torch
 
-from branchdiff.engine import NoiseAddress, SamplerSettings
-from branchdiff.rollout import grow
+from branchdiff.core.engine import NoiseAddress, SamplerSettings
+from branchdiff.core.rollout import grow
 from branchdiff.search import SEARCHES
 from branchdiff.search.backup import aggregate, backup_path
 from branchdiff.search.fixed_tree import FixedTree
 from branchdiff.search.forest import SearchForest, regenerate_path
 from branchdiff.search.run import run_search
 from branchdiff.search.sample import SEARCH_ITERATION, SearchSettings, encode_each, search_prompts
-from branchdiff.tree import Split, TreeSpec, build_tree
+from branchdiff.core.tree import Split, TreeSpec, build_tree
 
 PROMPTS = ["two red circles on the left", "one blue square at the top", "three green triangles at the bottom"]
 STEPS = 4

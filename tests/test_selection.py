@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from branchdiff.selection import MODES, select, select_per_group
+from branchdiff.explore.selection import MODES, select, select_per_group
 
 torch.set_num_threads(1)
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from branchdiff.tiny_task import IMAGE_SIZE, all_prompts, parse_prompt, render_batch, shape_mask, split_prompts
+from branchdiff.data.tiny_task import IMAGE_SIZE, all_prompts, parse_prompt, render_batch, shape_mask, split_prompts
 from branchdiff.rewards.tiny_geneval import TinyGenEval, classify_shape, detect_objects
 
 

@@ -7,10 +7,10 @@ import torch
 from safetensors.torch import load_file
 
 from branchdiff.cli import main
-from branchdiff.config import load_config
+from branchdiff.settings.load import load_config
 from branchdiff.objectives.base import Signal
-from branchdiff.trainer import Trainer
-from branchdiff.update import optimizer_groups
+from branchdiff.training.trainer import Trainer
+from branchdiff.training.update import optimizer_groups
 
 
 def _overrides(model_dir, out, iterations, *extra):

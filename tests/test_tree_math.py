@@ -11,9 +11,9 @@ import math
 import pytest
 import torch
 
-from branchdiff import prune
-from branchdiff.advantage import depthwise_advantages, fuse_rewards
-from branchdiff.tree import Split, TreeSpec, build_tree
+from branchdiff.core import prune
+from branchdiff.core.advantage import depthwise_advantages, fuse_rewards
+from branchdiff.core.tree import Split, TreeSpec, build_tree
 
 SPEC = TreeSpec(num_steps=3, splits=(Split(0, 2), Split(1, 3)))
 LEAVES_1 = torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0, 9.0])

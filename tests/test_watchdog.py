@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from branchdiff import watchdog
-from branchdiff.watchdog import Heartbeat, backend_timeout
+from branchdiff.runs import watchdog
+from branchdiff.runs.watchdog import Heartbeat, backend_timeout
 
 
 class Clock:
@@ -66,7 +66,7 @@ def test_a_collective_timeout_is_explained_with_the_silent_rank_or_the_diverging
     watch.activity = "iteration 4"
     beat(watch, 1, at=1.0, activity="the checkpoint of iteration 3")
     assert watch.explain(RuntimeError("mat1 and mat2 shapes cannot be multiplied")) is None  # not a collective's failure
-    from branchdiff.config import ConfigError
+    from branchdiff.errors import ConfigError
 
     assert watch.explain(ConfigError("the config differs ... (keys that may change: collective_timeout)")) is None  # regression
     explained = watch.explain(RuntimeError("[gloo] Timed out waiting 20000ms for recv operation to complete"))

@@ -12,7 +12,7 @@ from peft import LoraConfig
 from peft.utils import get_peft_model_state_dict
 from safetensors.torch import load_file
 
-from branchdiff import sharding, storage
+from branchdiff.runs import sharding, storage
 
 LORA_FILE = "pytorch_lora_weights.safetensors"
 

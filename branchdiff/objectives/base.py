@@ -3,7 +3,7 @@
 An objective turns an iteration's rollout and rewards into a `Signal` (what each node's sample
 earned and which transitions train) and the signal into an `UpdatePlan`: this process's minibatches,
 each with its number of loss terms and a function computing their per-term losses. The update loop
-(branchdiff/update.py) runs the plan: it groups minibatches into optimizer steps, syncs gradients,
+(branchdiff/training/update.py) runs the plan: it groups minibatches into optimizer steps, syncs gradients,
 clips, skips non-finite steps and keeps the weight average; it knows no objective. The plan's
 named statistics become metrics by the kind each objective declares (`MetricKind`).
 """
@@ -20,9 +20,9 @@ import torch
 from branchdiff.models.base import ModelAdapter, select_embeds
 
 if TYPE_CHECKING:
-    from branchdiff.rollout import NoiseAddress, Rollout
+    from branchdiff.core.rollout import NoiseAddress, Rollout
     from branchdiff.schedulers.schedule import Schedule
-    from branchdiff.tree import Tree
+    from branchdiff.core.tree import Tree
 
 MetricKind = Literal["per_term", "count", "max"]  # summed over processes then divided by the terms trained; summed; maximum
 UPDATE_LOOP_METRICS = ("grad_norm", "optimizer_steps", "steps_skipped")  # what the update loop logs for every objective

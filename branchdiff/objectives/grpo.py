@@ -4,7 +4,7 @@ trees or chains (BranchGRPO, arXiv 2509.06040): `train.loss: grpo`.
 Signal: leaf rewards are fused up each tree (`advantage.fuse_rewards`), normalised depth by depth
 (`advantage.depthwise_advantages`) and clipped to ±`advantage.clip`; an edge trains when it is an
 SDE edge with a density in a trainable step, after step subsampling and (while active) depth and
-width pruning (branchdiff/prune.py), and its group was not dropped.
+width pruning (branchdiff/core/prune.py), and its group was not dropped.
 
 Plan: siblings share their parent's forward, so minibatches are made of parent nodes (a random
 order from the seed and iteration) and each parent's velocity serves all its trained children. A
@@ -19,18 +19,18 @@ from typing import ClassVar
 
 import torch
 
-from branchdiff import prune
-from branchdiff.advantage import depthwise_advantages, fuse_rewards
-from branchdiff.config import TrainConfig
-from branchdiff.distributed import Collective
-from branchdiff.finetune import FullFinetune, LoraFinetune
-from branchdiff.loss import clipped_surrogate, kl_to_reference
+from branchdiff.core import prune
+from branchdiff.core.advantage import depthwise_advantages, fuse_rewards
+from branchdiff.settings.config import TrainConfig
+from branchdiff.runs.distributed import Collective
+from branchdiff.models.finetune import FullFinetune, LoraFinetune
+from branchdiff.core.loss import clipped_surrogate, kl_to_reference
 from branchdiff.models.base import ModelAdapter, select_embeds
 from branchdiff.objectives.base import MetricKind, Objective, Signal, drop_nonfinite_groups
-from branchdiff.rollout import NoiseAddress, Rollout, SamplerSettings
+from branchdiff.core.rollout import NoiseAddress, Rollout, SamplerSettings
 from branchdiff.schedulers.flow import StepOutput, gaussian_log_prob
 from branchdiff.schedulers.schedule import Schedule
-from branchdiff.tree_settings import trainable_steps
+from branchdiff.settings.trees import trainable_steps
 
 
 @dataclass

@@ -12,7 +12,7 @@ order of the per-step change of the mean, so its clip range is its own (`guard.c
 as in the verl-omni recipe; `train.clip_range` is plain GRPO's).
 
 μ_old is the rollout's step mean: recovered exactly from the stored sample and the step noise,
-which is addressable (branchdiff/noise.py), as x' − m·s·ε (m: the split's noise multiplier).
+which is addressable (branchdiff/core/noise.py), as x' − m·s·ε (m: the split's noise multiplier).
 Flow-matching families only: the step size is a difference of σ.
 """
 
@@ -23,14 +23,14 @@ from typing import ClassVar
 
 import torch
 
-from branchdiff import noise
-from branchdiff.loss import guard_surrogate
+from branchdiff.core import noise
+from branchdiff.core.loss import guard_surrogate
 from branchdiff.objectives.base import MetricKind, Signal
 from branchdiff.objectives.grpo import ClippedGRPO, GRPOPlan
-from branchdiff.rollout import NoiseAddress, Rollout
+from branchdiff.core.rollout import NoiseAddress, Rollout
 from branchdiff.schedulers.flow import StepOutput
 from branchdiff.schedulers.schedule import FlowSchedule
-from branchdiff.typed_yaml import ConfigError
+from branchdiff.errors import ConfigError
 
 
 @dataclass

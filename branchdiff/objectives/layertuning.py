@@ -12,7 +12,7 @@ supervised pull does not stop exploration. Each choice below is an interpretatio
   (`loss.sft_velocity_loss`): supervised flow matching toward the best sample, computed on the
   prediction the edge's surrogate already makes (no extra forward).
 - **Dynamic weight.** A is the edge's own depth-wise advantage (the fused reward of its subtree,
-  normalised among its depth, branchdiff/advantage.py): a process reward. A group whose leaves tie
+  normalised among its depth, branchdiff/core/advantage.py): a process reward. A group whose leaves tie
   has A = 0 everywhere and adds nothing.
 - **Reward-conditioned clip.** ρ ∈ [1 − ε·(1 + η·max(−A, 0)), 1 + ε·(1 + η·max(A, 0))] with
   ε = `train.clip_range` and η = `layertuning.clip_sensitivity` (`loss.reward_clipped_surrogate`).
@@ -26,14 +26,14 @@ from typing import ClassVar
 
 import torch
 
-from branchdiff.loss import reward_clipped_surrogate, sft_velocity_loss
+from branchdiff.core.loss import reward_clipped_surrogate, sft_velocity_loss
 from branchdiff.objectives.base import MetricKind, Signal
 from branchdiff.objectives.grpo import ClippedGRPO, GRPOPlan
-from branchdiff.rollout import NoiseAddress, Rollout
+from branchdiff.core.rollout import NoiseAddress, Rollout
 from branchdiff.schedulers.flow import StepOutput
 from branchdiff.schedulers.schedule import FlowSchedule
-from branchdiff.tree import Tree
-from branchdiff.typed_yaml import ConfigError
+from branchdiff.core.tree import Tree
+from branchdiff.errors import ConfigError
 
 
 @dataclass

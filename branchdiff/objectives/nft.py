@@ -17,7 +17,7 @@ The sampling policy θ_old is a soft copy of the trained weights (kept as an `em
 rollouts and v_old use it; after iteration i, θ_old ← d·θ_old + (1 − d)·θ with
 d = min(nft.old_decay_rate·i, nft.old_decay_max) (d = 0 at iteration 0: θ_old starts at θ). It is
 saved in checkpoints (`sampling_policy.safetensors`). A leaf's steps and noise are drawn at its address
-(branchdiff/noise.py: run seed, iteration, prompt key, node path), so one process and several draw
+(branchdiff/core/noise.py: run seed, iteration, prompt key, node path), so one process and several draw
 the same terms.
 Interpretations: the loss is left unscaled (no A_max/β factor); the KL is on the velocity, reusing
 train.kl_beta.
@@ -32,19 +32,19 @@ from typing import ClassVar
 
 import torch
 
-from branchdiff.advantage import depthwise_advantages, fuse_rewards, group_moments, unbiased_std
-from branchdiff.config import TrainConfig
-from branchdiff.distributed import Collective
-from branchdiff.ema import WeightAverage
-from branchdiff.finetune import FullFinetune, LoraFinetune
-from branchdiff.loss import nft_loss, nft_optimality
+from branchdiff.core.advantage import depthwise_advantages, fuse_rewards, group_moments, unbiased_std
+from branchdiff.settings.config import TrainConfig
+from branchdiff.runs.distributed import Collective
+from branchdiff.models.ema import WeightAverage
+from branchdiff.models.finetune import FullFinetune, LoraFinetune
+from branchdiff.core.loss import nft_loss, nft_optimality
 from branchdiff.models.base import ModelAdapter, select_embeds
-from branchdiff.noise import address_seed
+from branchdiff.core.noise import address_seed
 from branchdiff.objectives.base import MetricKind, Objective, Signal, drop_nonfinite_groups, zero_loss
-from branchdiff.rollout import NoiseAddress, Rollout, SamplerSettings
+from branchdiff.core.rollout import NoiseAddress, Rollout, SamplerSettings
 from branchdiff.schedulers.schedule import FlowSchedule, Schedule
-from branchdiff.tree import Tree
-from branchdiff.typed_yaml import ConfigError
+from branchdiff.core.tree import Tree
+from branchdiff.errors import ConfigError
 
 SAMPLING_POLICY_FILE = "sampling_policy.safetensors"
 

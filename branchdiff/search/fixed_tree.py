@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from branchdiff.search.forest import SearchForest
-from branchdiff.tree import Split
+from branchdiff.core.tree import Split
 
 
 @dataclass

@@ -5,7 +5,7 @@ children are initial noises (depth 0, path (r,)), drawn at their address, which 
 row. Every other node at depth d < T has children made by one step of the sampler from its latent
 and its model output; the output is computed once per node, when its first child is made, and
 kept, so a node's further children cost no forward (only fresh noise). A node's path is its
-parent's path and its child index, the same addressing as a training tree (branchdiff/noise.py):
+parent's path and its child index, the same addressing as a training tree (branchdiff/core/noise.py):
 the search's winner regenerates from its path alone (`regenerate_path`).
 
 Every forward is padded to `max_batch` rows (`SamplerSettings.exact`), so a node's latent does not
@@ -19,11 +19,11 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from branchdiff.engine import NoiseAddress, SamplerSettings, expand, initial_noise, predict, rows_per_latent, step_kind
+from branchdiff.core.engine import NoiseAddress, SamplerSettings, expand, initial_noise, predict, rows_per_latent, step_kind
 from branchdiff.models.base import ModelAdapter, PromptEmbeds, select_embeds
-from branchdiff.noise import NodePath
+from branchdiff.core.noise import NodePath
 from branchdiff.schedulers.schedule import Schedule
-from branchdiff.tree import TreeSpec
+from branchdiff.core.tree import TreeSpec
 
 
 @dataclass

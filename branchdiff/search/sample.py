@@ -16,13 +16,13 @@ from pathlib import Path
 
 import torch
 
-from branchdiff.engine import NoiseAddress, SamplerSettings
+from branchdiff.core.engine import NoiseAddress, SamplerSettings
 from branchdiff.models.base import ModelAdapter, PromptEmbeds
 from branchdiff.schedulers.schedule import FlowSchedule
 from branchdiff.search import SEARCHES
 from branchdiff.search.forest import SearchForest, regenerate_path
 from branchdiff.search.run import SearchResult, run_search
-from branchdiff.tree import TreeSpec
+from branchdiff.core.tree import TreeSpec
 
 SEARCH_ITERATION = -2  # the noise addresses' iteration field for search (training uses 0.., evaluation -1)
 

@@ -1,0 +1,348 @@
+"""`branchdiff bench curves`: held-out strict accuracy against training wall time, per variant.
+
+Every variant trains on the built-in task for the same wall-time budget, for each seed 0..S-1,
+in one process, interleaved (seed 0: every variant, seed 1: every variant, ...). The clock counts
+only training (rollout + rewards + update: `time.perf_counter` around `Trainer.run_iteration`);
+evaluation pauses it. At each time of a fixed grid, t_k = k/(n-1) · budget, k = 0..n-1, the
+model of the first iteration boundary at or after t_k is evaluated: held-out strict accuracy
+(`tiny-geneval.strict`) on `tiny:held_out` (36 prompts), `images_per_prompt` ODE images each
+(default 4, half of `prompts.eval_seeds`' 8, to keep evaluation cheap: 144 images, a standard
+error of about ±0.04 on a mean near 0.5) from the fixed evaluation noise. t_0 is the base model:
+LoRA starts at B = 0 and the evaluation noise is fixed, so it is the same for every variant and
+seed, and is evaluated once.
+
+Variants are the packaged presets at their own best setting (hyperparameters such as the learning
+rate follow them; docs/sweep.md), with the same shape for every variant: 8 prompts per iteration and
+a trained group of 8 samples per prompt (64 trained images per iteration in all). So the same seed
+draws the same prompts at every iteration in every variant. Where a variant differs from its preset:
+- branch, branch_pruned: their 4 prompts × 16-leaf trees (splits at steps 0..3) → 8 prompts ×
+  8-leaf trees (splits at steps 0..2, the last split dropped: tiny-mix's tree), with
+  `optimizer_every` rescaled to keep four optimizer steps per iteration;
+- chain (tiny-chain-window: chains with the SDE on the first 5 steps, the chains' best setting),
+  mix, explore_seeds (8 kept of 32 seeds, regenerated as tiny-chain-window's chains), explore_tree
+  (8 kept of 16 leaves, on a Mix tree): unchanged.
+`bench_curves` refuses to run when the loaded variants differ in prompts or group size (a preset
+changed its shape). Every variant also gets `explore.fidelity_every=0` (the explorers' pool-under-
+policy diagnostic is measurement, not training) and no logging, checkpoints or final evaluation.
+The explore presets run the emulated NVFP4 explorer, slower than the policy on CPU (docs/explore.md):
+their wall time here is their CPU cost, not a GPU's.
+
+Clocks (`--clock`): `wall` counts the measured training time; `modelled` (branchdiff/bench/clock.py)
+charges the explorer's network rows at their number format's cost on the GPU it targets (NVFP4 a
+quarter of a BF16 row), so that the explore variants, whose 4-bit explorer is emulated and slow on
+a CPU, are compared by what their mechanism costs where it runs. The budget and the grid are on the
+chosen clock; both clocks' times of every evaluation are kept in the JSON.
+
+Ratios: `time_to_chain_final[v]` is the first time v's mean curve reaches the chain's final mean
+(linear between grid points; `curve_stats.first_time_reaching`) over the budget. The chain gets the
+same rule, so its own value is ≤ 1 (below 1 when its mean curve peaked before the end); null when
+never reached. `time_to_chain_final_other_clock` is the same ratio on the other clock, from the same
+runs (`time_to_reference_final_on`): the explore variants' mechanism on the modelled clock beside
+their CPU cost on the wall clock, in one run. Confidence (branchdiff/bench/stats.py): a 95% Student-t interval over seeds at every
+grid point, a bootstrap interval for every `time_to_chain_final`, and Welch's test of each variant's
+final accuracy against the chain's; the markdown says which differences are significant.
+Before the timed runs, each variant runs one untimed iteration (a discarded trainer), so that the
+process's one-time costs (allocations, kernel choices) are charged to no variant.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from branchdiff.bench.clock import modelled_seconds
+from branchdiff.settings.config import TrainConfig
+from branchdiff.settings.load import load_config
+from branchdiff.settings.trees import tree_spec
+from branchdiff.bench.stats import first_time_reaching, t_interval, time_ratio_interval, welch_p
+from branchdiff.data.prompts import load_prompt_set
+from branchdiff.evaluation.evaluate import evaluate, summarize
+from branchdiff.rewards.combine import parse_reward_specs
+from branchdiff.rewards.multi import build_component
+from branchdiff.training.trainer import Trainer
+
+COMMON = ["iterations=100000", "final_eval=false", "logging.tensorboard=false", "logging.sample_every=0",
+          "logging.checkpoint_every=0", "explore.fidelity_every=0", "prompts.per_iteration=8"]
+EIGHT_LEAVES = "tree.splits=[[0,2],[1,2],[2,2]]"
+VARIANTS: dict[str, tuple[str, list[str]]] = {  # name: (preset, overrides equalising the shape: module doc)
+    "chain": ("tiny-chain-window", []),
+    "branch": ("tiny-branch", [EIGHT_LEAVES, "train.optimizer_every=140"]),  # 560 trained edges: four optimizer steps
+    "branch_pruned": ("tiny-branch-pruned", [EIGHT_LEAVES, "train.optimizer_every=60"]),  # 240 trained edges (depths 1..5)
+    "mix": ("tiny-mix", []),
+    "explore_seeds": ("tiny-explore-seeds", []),
+    "explore_tree": ("tiny-explore-tree", []),
+    # the objectives (docs/objectives.md) on the same shape: clipped GRPO is `mix`
+    "guard": ("tiny-mix", ["train.loss=grpo-guard"]),
+    "layertuning": ("tiny-mix", ["train.loss=grpo-layertuning"]),
+    "nft_tree": ("tiny-mix", ["train.loss=nft", "train.optimizer_every=32"]),  # 64 leaves × 2 steps: four optimizer steps
+    "nft_tree_depthwise": ("tiny-mix", ["train.loss=nft", "train.optimizer_every=32", "nft.advantage=depthwise"]),
+    "nft_chain": ("tiny-chain", ["tree.roots=8", "train.loss=nft", "sampling.sde=ode", "train.optimizer_every=32"]),  # DiffusionNFT's ODE chains
+    "sol": ("tiny-sol", []),  # Sol-RL: explore seeds + NFT
+}
+SAMPLING_VARIANTS = ("chain", "branch", "branch_pruned", "mix", "explore_seeds", "explore_tree")  # the default run: clipped GRPO on each sampler
+REFERENCE = "chain"
+CLOCKS = ("wall", "modelled")
+SCORE = "tiny-geneval.strict"
+
+
+def group_size(config: TrainConfig) -> int:
+    """Trained samples per prompt: the leaves of a prompt's trees, or the kept seeds' leaves / kept leaves (explore)."""
+    spec = tree_spec(config, 0)
+    if config.explore.mode == "seeds":
+        return config.explore.keep * spec.leaves // spec.roots
+    if config.explore.mode == "tree":
+        return config.explore.keep
+    return spec.leaves
+
+
+def time_to_reference_final(grid: list[float], means: dict[str, list[float]], reference: str = REFERENCE
+                            ) -> tuple[dict[str, float | None], dict[str, str]]:
+    """Per variant: `first_time_reaching` the reference's final mean, over the budget grid[-1]
+    (None when never reached, with a note)."""
+    target = means[reference][-1]
+    ratios, notes = {}, {}
+    for name, curve in means.items():
+        reached = first_time_reaching(grid, curve, target)
+        ratios[name] = None if reached is None else reached / grid[-1]
+        if reached is None:
+            notes[name] = f"never reached (final {curve[-1]:.3f} < {reference} final {target:.3f})"
+    return ratios, notes
+
+
+def time_to_reference_final_on(times: dict[str, list[float]], means: dict[str, list[float]], reference: str = REFERENCE
+                               ) -> dict[str, float | None]:
+    """`time_to_reference_final` on the clock the budget was not set on: each variant's mean curve
+    against its own evaluation times on that clock (`times`: the mean over seeds at each
+    evaluation), first reaching the reference's final mean, over the reference's time at its final
+    evaluation on that clock (None when never reached)."""
+    target, budget = means[reference][-1], times[reference][-1]
+    reached = {name: first_time_reaching(times[name], curve, target) for name, curve in means.items()}
+    return {name: None if t is None else t / budget for name, t in reached.items()}
+
+
+def _train_and_evaluate(config: TrainConfig, grid_seconds: list[float], held_out_strict, base: float | None, clock: str) -> dict:
+    """Train until the last grid time of `clock`; strict accuracy at each grid time (t_0: `base`,
+    evaluated here when None), with both clocks' training time at each evaluation."""
+    trainer = Trainer(config)
+    backend = config.explore.backend if config.explore.mode != "off" else None
+    strict, at = [held_out_strict(trainer) if base is None else base], {"wall": [0.0], "modelled": [0.0]}
+    spent, iteration = {"wall": 0.0, "modelled": 0.0}, 0
+    while len(strict) < len(grid_seconds):
+        start = time.perf_counter()
+        metrics = trainer.run_iteration(iteration).metrics
+        spent["wall"] += time.perf_counter() - start
+        spent["modelled"] += modelled_seconds(metrics, backend)
+        iteration += 1
+        if spent[clock] >= grid_seconds[len(strict)]:
+            value = held_out_strict(trainer)
+            while len(strict) < len(grid_seconds) and spent[clock] >= grid_seconds[len(strict)]:  # one iteration may pass several
+                strict.append(value)
+                for name in at:
+                    at[name].append(spent[name] / 60)
+    return {"strict": strict, "eval_minutes": at, "iterations": iteration, "seconds": spent}
+
+
+def bench_curves(minutes: float, seeds: int, json_path: Path | None, out_dir: Path, points: int = 7,
+                 variants: list[str] | None = None, images_per_prompt: int = 4, extra_overrides: list[str] = (), clock: str = "wall",
+                 reference: str = REFERENCE) -> dict:
+    """Held-out strict accuracy of each variant at `points` equally spaced training times up to
+    `minutes` (module doc), over seeds 0..seeds-1; writes out_dir/curves.png and curves.md, prints
+    the table and ratios, returns (and writes to `json_path`) the result.
+
+    variants: names of VARIANTS (None: the sampling variants; the objectives' are named); images_per_prompt: held-out images per prompt at each
+    evaluation; extra_overrides: appended to every variant's overrides (tests: `prompts.per_iteration=1`);
+    clock: `wall` or `modelled`, the clock of the budget and the grid (module doc); reference: the variant
+    whose final mean the others' times are measured against (`time_to_<reference>_final`)."""
+    if minutes <= 0 or seeds < 1 or points < 2 or clock not in CLOCKS:
+        raise ValueError(f"bench curves needs minutes > 0, seeds ≥ 1, points ≥ 2 and a clock of {', '.join(CLOCKS)}; got {minutes}, "
+                         f"{seeds}, {points}, {clock!r}")
+    names = list(SAMPLING_VARIANTS) if variants is None else variants
+    unknown = [n for n in names if n not in VARIANTS]
+    if unknown:
+        raise ValueError(f"unknown variant {unknown[0]!r}; allowed: {', '.join(VARIANTS)}")
+    if reference not in VARIANTS:
+        raise ValueError(f"unknown reference {reference!r}; allowed: {', '.join(VARIANTS)}")
+    grid = [minutes * k / (points - 1) for k in range(points)]
+    prompt_set = load_prompt_set("tiny:held_out")
+    reward = {"tiny-geneval": build_component(parse_reward_specs(["tiny-geneval"])[0], "cpu")}
+
+    def held_out_strict(trainer: Trainer) -> float:
+        sampling = trainer.config.sampling
+        result = evaluate(trainer.adapter, prompt_set, reward, images_per_prompt, num_steps=sampling.num_steps,
+                          shift=sampling.shift, guidance=trainer.config.prompts.eval_guidance)
+        return summarize(result)["all"][SCORE]["mean"]
+
+    runs: dict[str, list[dict]] = {name: [] for name in names}
+    load_start = os.getloadavg()[0]
+    base = None  # held-out strict of the base model, from the first run
+    with tempfile.TemporaryDirectory() as tmp:
+        def config(name: str, seed: int) -> TrainConfig:
+            preset, overrides = VARIANTS[name]
+            return load_config(preset, [*COMMON, *overrides, f"seed={seed}", f"output_dir={tmp}/{name}-{seed}", *extra_overrides])
+
+        shapes = {}
+        for name in names:
+            loaded = config(name, 0)
+            shapes[name] = (loaded.prompts.per_iteration, group_size(loaded))
+        if len(set(shapes.values())) > 1:
+            raise ValueError(f"variants differ in (prompts per iteration, group size): {shapes}; equalise them in VARIANTS")
+        for name in names:  # one untimed iteration of each variant: the process's one-time costs fall on none of them
+            Trainer(config(name, 0)).run_iteration(0)
+        for seed in range(seeds):
+            for name in names:
+                run = _train_and_evaluate(config(name, seed), [t * 60 for t in grid], held_out_strict, base, clock)
+                base = run["strict"][0]  # the base model: the same for every variant and seed (module doc)
+                runs[name].append(run)
+                print(f"seed {seed} {name}: {run['iterations']} iterations in {run['seconds'][clock]:.0f} s ({clock}), strict "
+                      + " ".join(f"{v:.3f}" for v in run["strict"]), flush=True)
+    result = _result(minutes, seeds, grid, runs, images_per_prompt, shapes[names[0]], clock, reference)
+    result["notes"]["machine"] = (f"{len(os.sched_getaffinity(0))} CPU cores, torch threads {torch.get_num_threads()}, load average "
+                                  f"{load_start:.1f} at the start and {os.getloadavg()[0]:.1f} at the end (other processes slow the clock)")
+    print(format_table(result))
+    print(format_ratios(result))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    plot_curves(result, out_dir / "curves.png")
+    command = (f"branchdiff bench curves --minutes {minutes:g} --seeds {seeds} --clock {clock}" + (f" --json {json_path}" if json_path else "")
+               + (f" --reference {reference}" if reference != REFERENCE else "")
+               + f" --out {out_dir}")
+    parameters = f"points={points}, images_per_prompt={images_per_prompt}, variants={names}, extra_overrides={list(extra_overrides)}"
+    (out_dir / "curves.md").write_text(
+        f"# Held-out strict accuracy against training time ({clock} clock)\n\n`{command}` ({parameters})\n\n"
+        f"{datetime.datetime.now().isoformat(timespec='minutes')}, {result['notes']['machine']}\n\n"
+        f"![curves](curves.png)\n\n{format_table(result, markdown=True)}\n\n{format_ratios(result)}\n\n{format_significance(result)}\n\n"
+        + "".join(f"- {key}: {note}\n" for key, note in result["notes"].items() if isinstance(note, str) and key != "machine"))
+    if json_path:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps(result, indent=1))
+    return result
+
+
+def _result(minutes: float, seeds: int, grid: list[float], runs: dict[str, list[dict]], images_per_prompt: int, shape: tuple[int, int],
+            clock: str, reference: str = REFERENCE) -> dict:
+    variants = {}
+    for name, seed_runs in runs.items():
+        per_time = [list(v) for v in zip(*(r["strict"] for r in seed_runs))]  # (points,) lists of per-seed values
+        variants[name] = {
+            "strict": [r["strict"] for r in seed_runs],  # (seeds, points)
+            "mean": [statistics.mean(v) for v in per_time],
+            "std": [statistics.stdev(v) if len(v) > 1 else 0.0 for v in per_time],
+            "ci": [list(t_interval(v)) for v in per_time],  # 95% Student-t interval of the mean, per point
+            "iterations": [r["iterations"] for r in seed_runs],
+            # training time on both clocks at each evaluation (the iteration boundary at or after the grid time)
+            "eval_minutes": {c: [r["eval_minutes"][c] for r in seed_runs] for c in CLOCKS},
+            "seconds_per_iteration": {c: sum(r["seconds"][c] for r in seed_runs) / sum(r["iterations"] for r in seed_runs) for c in CLOCKS},
+        }
+    notes = {
+        "evaluation": f"{SCORE} mean on tiny:held_out, {images_per_prompt} ODE images per prompt, fixed evaluation noise",
+        "shape": f"{shape[0]} prompts per iteration × {shape[1]} trained samples per prompt in every variant",
+        "clock": f"{clock}: the budget and the grid; eval_minutes holds both clocks (branchdiff/bench/clock.py)",
+        "time_0": "the base model (LoRA B = 0), evaluated once and shared by every variant and seed",
+        "confidence": "[low, high]: the 95% Student-t interval of the mean over seeds; the plot's band is that interval",
+    }
+    step = grid[1] * 60
+    slow = [name for name, v in variants.items() if v["seconds_per_iteration"][clock] > step]
+    if slow:
+        notes["coarse_grid"] = f"{', '.join(slow)}: an iteration takes longer than the grid step ({step:.1f} s), so grid values repeat"
+    ratios: dict = {}
+    if reference in variants:
+        key = f"time_to_{reference}_final"
+        ratios[key], notes[key] = time_to_reference_final(grid, {name: v["mean"] for name, v in variants.items()}, reference)
+        reference_runs = variants[reference]["strict"]
+        ratios[f"{key}_ci"] = {name: list(time_ratio_interval(reference_runs, v["strict"], grid)) for name, v in variants.items()}
+        other = next(c for c in CLOCKS if c != clock)
+        ratios[f"{key}_other_clock"] = time_to_reference_final_on(
+            {name: [statistics.mean(t) for t in zip(*v["eval_minutes"][other])] for name, v in variants.items()},
+            {name: v["mean"] for name, v in variants.items()}, reference)
+        ratios[f"final_vs_{reference}_p"] = {name: welch_p([r[-1] for r in v["strict"]], [r[-1] for r in reference_runs])
+                                             for name, v in variants.items() if name != reference}
+    return {"minutes": minutes, "seeds": seeds, "clock": clock, "grid_minutes": grid, "reference": reference, "variants": variants,
+            "ratios": ratios, "notes": notes}
+
+
+def format_table(result: dict, markdown: bool = False) -> str:
+    """Per variant: the mean over seeds [95% interval] at each grid time (the last is the final),
+    iterations, seconds per iteration on the run's clock."""
+    clock = result["clock"]
+    header = ["variant", *(f"{t:.2f} min" for t in result["grid_minutes"]), "iterations", f"s/iter ({clock})"]
+    header[-3] += " (final)"
+    rows = [[name, *(f"{m:.3f} [{low:.3f}, {high:.3f}]" for m, (low, high) in zip(v["mean"], v["ci"])),
+             f"{statistics.mean(v['iterations']):.0f}", f"{v['seconds_per_iteration'][clock]:.2f}"] for name, v in result["variants"].items()]
+    if markdown:
+        return "\n".join("| " + " | ".join(row) + " |" for row in [header, ["---"] * len(header), *rows])
+    widths = [max(len(row[i]) for row in [header, *rows]) + 2 for i in range(len(header))]
+    return "\n".join(row[0].ljust(widths[0]) + "".join(c.rjust(w) for c, w in zip(row[1:], widths[1:])) for row in [header, *rows])
+
+
+def _interval(low: float, high: float) -> str:
+    return f"[{low:.2f}, {'never' if math.isinf(high) else f'{high:.2f}'}]"
+
+
+def format_ratios(result: dict) -> str:
+    """One line: each variant's time to reach the reference's final mean, over the budget, with its interval."""
+    reference = result.get("reference", REFERENCE)
+    key = f"time_to_{reference}_final"
+    ratios = result["ratios"].get(key)
+    if ratios is None:
+        return f"{key}: no {reference} variant in this run"
+    notes, intervals = result["notes"][key], result["ratios"][f"{key}_ci"]
+    target = result["variants"][reference]["mean"][-1]
+    cells = [f"{name} {notes[name] if value is None else f'{value:.2f}'} {_interval(*intervals[name])}" for name, value in ratios.items()]
+    other = next(c for c in CLOCKS if c != result["clock"])
+    on_other = ", ".join(f"{name} {'never' if value is None else f'{value:.2f}'}"
+                         for name, value in result["ratios"][f"{key}_other_clock"].items())
+    return (f"time to reach {reference}'s final mean ({target:.3f}) / budget [95% bootstrap interval]: " + ", ".join(cells)
+            + f"\n\nthe same on the {other} clock (each variant's mean {other} time at each evaluation; over the {reference}'s at its end): {on_other}")
+
+
+def format_significance(result: dict) -> str:
+    """Which differences from the reference (the chain unless named) are significant: final accuracy
+    (Welch, p < 0.05) and time to the reference's final (bootstrap interval below 1)."""
+    reference = result.get("reference", REFERENCE)
+    if reference not in result["variants"]:
+        return ""
+    own = "the chain's" if reference == "chain" else f"{reference}'s"
+    reference_final = result["variants"][reference]["mean"][-1]
+    lines = []
+    for name, p in result["ratios"][f"final_vs_{reference}_p"].items():
+        final = result["variants"][name]["mean"][-1]
+        low, high = result["ratios"][f"time_to_{reference}_final_ci"][name]
+        accuracy = (f"final {final:.3f} vs {own} {reference_final:.3f}: " + (f"significantly {'higher' if final > reference_final else 'lower'}"
+                    if p < 0.05 else "not significantly different") + f" (Welch p = {p:.3f})")
+        speed = (f"reaches {own} final significantly sooner (interval below 1)" if high < 1 else
+                 "significantly later or never (interval above 1)" if low > 1 else f"time to {own} final not significantly different")
+        lines.append(f"- {name}: {accuracy}; {speed}.")
+    chosen = result["variants"][reference]
+    base, (low, high) = chosen["mean"][0], chosen["ci"][-1]
+    if low <= base:
+        lines.append(f"- {own} own final is not significantly above the base ({base:.3f} within its interval "
+                     f"[{low:.3f}, {high:.3f}]): times to reach it compare noise levels, not learning.")
+    return f"Significance ({result['seeds']} seeds):\n" + "\n".join(lines)
+
+
+def plot_curves(result: dict, path: Path) -> None:
+    """Mean held-out strict over seeds against training minutes, one line per variant, its 95% interval as a band."""
+    from matplotlib.figure import Figure
+
+    figure = Figure(figsize=(7, 4.5))
+    axes = figure.add_subplot()
+    grid = result["grid_minutes"]
+    for name, v in result["variants"].items():
+        style = {"color": "black", "linestyle": "--"} if name == result.get("reference", REFERENCE) else {}
+        line, = axes.plot(grid, v["mean"], marker="o", markersize=3, label=name, **style)
+        axes.fill_between(grid, [low for low, _ in v["ci"]], [high for _, high in v["ci"]], color=line.get_color(), alpha=0.12)
+    clock = {"wall": "training wall time", "modelled": "modelled GPU time (branchdiff/bench/clock.py)"}[result["clock"]]
+    axes.set_xlabel(f"{clock}, minutes; evaluation not counted")
+    axes.set_ylabel("held-out strict accuracy")
+    axes.set_title(f"tiny task, {result['seeds']} seed(s): mean and 95% interval")
+    axes.grid(alpha=0.3)
+    axes.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)

@@ -1,0 +1,53 @@
+"""argparse types: whole numbers with a lower bound, finite and positive numbers, image sizes; each
+refuses bad text with a message argparse prints as one line."""
+
+from __future__ import annotations
+
+import argparse
+import math
+from collections.abc import Callable
+
+
+def at_least(low: int) -> Callable[[str], int]:
+    """argparse type: an integer ≥ `low`."""
+    def whole(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be ≥ {low}, got {value}")
+        return value
+
+    return whole
+
+
+def image_size(text: str) -> int | list[int]:
+    """argparse type: H or HxW (H,W), each side a whole number of pixels in [8, 8192]."""
+    sides = text.lower().replace(",", "x").split("x")
+    try:
+        values = [int(side) for side in sides]
+    except ValueError:
+        values = []
+    if len(values) not in (1, 2) or not all(8 <= v <= 8192 for v in values):
+        raise argparse.ArgumentTypeError(f"{text!r} is not an image size; give H (a square) or HxW, each in [8, 8192], e.g. 1024 or 768x1344")
+    return values[0] if len(values) == 1 else values
+
+
+def finite(text: str) -> float:
+    """argparse type: a finite number."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid float value: {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
+    return value
+
+
+def positive(text: str) -> float:
+    """argparse type: a finite number > 0."""
+    value = finite(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value

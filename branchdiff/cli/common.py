@@ -1,0 +1,87 @@
+"""What several commands share: the sampling settings of `sample`, `eval` and `rewards check`
+(the options given, else the run's, else the defaults), loading the model with a run's weights, a
+device check, sample file names, and reading reward names and keyword arguments from the command line."""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from branchdiff.models.base import ModelAdapter
+    from branchdiff.settings.evaluation import EvalSettings
+
+
+def sampling_settings(args: argparse.Namespace) -> tuple[EvalSettings, Path | None]:
+    """The sampling settings of `sample` / `eval` (branchdiff/settings/evaluation.py): the options given,
+    else the LoRA's run's, else the defaults; a line says where they came from and what differs."""
+    from branchdiff.settings.evaluation import EvalSettings, differences, resolve
+
+    given = {name: getattr(args, name, None) for name in EvalSettings.__dataclass_fields__}
+    settings, run, config = resolve(given, getattr(args, "weights", None))
+    if run is not None:
+        differ = differences(settings, config) if args.command == "eval" else []
+        note = ("; differs from the run's final evaluation in " + ", ".join(differ)) if differ else (
+            ", as the run's final evaluation" if args.command == "eval" else "")
+        print(f"settings of the run {run} (its config.yaml) unless given{note}", file=sys.stderr)
+    return settings, run
+
+
+def load_model(settings: EvalSettings, weights: str | None, device: str | object = "cpu") -> ModelAdapter:
+    """The model the settings name, with a run's trained weights loaded when given (`finetune.load_weights`)."""
+    import torch
+
+    from branchdiff.models import load_adapter
+    from branchdiff.models.families import FAMILIES
+
+    if not settings.prompt_instruction and not FAMILIES[settings.family].instruction:
+        raise ValueError(f"--no-prompt-instruction applies to families whose prompts carry an instruction (sana), not {settings.family}")
+    adapter = load_adapter(settings.family, settings.model, device, settings.resolution, getattr(torch, settings.dtype),
+                           instruction=settings.prompt_instruction)
+    if weights:
+        from branchdiff.models.finetune import load_weights
+
+        load_weights(adapter, weights)
+    return adapter
+
+
+def check_device(device: str) -> None:
+    """Refuse a CUDA device on a machine without one, before anything loads."""
+    import torch
+
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"--device {device}: no CUDA device is visible here (torch.cuda.is_available() is False); use --device cpu")
+
+
+def file_name(index: int, prompt: str) -> str:
+    """A sample's file name from its index and prompt: letters, digits, '-' and '_' only, ≤ 60 of them."""
+    slug = re.sub(r"[^A-Za-z0-9_-]+", "_", prompt).strip("_")[:60] or "prompt"
+    return f"{index:03d}-{slug}.png"
+
+
+def yaml_value(text: str):
+    from branchdiff.settings.typed_yaml import parse_override
+
+    return parse_override(f"value={text}")[1]
+
+
+def reward_kwargs(text: str | None) -> dict:
+    """`--kwargs '{checkpoint: /models/HPS_v2.1_compressed.pt}'`: keyword arguments of a reward."""
+    value = yaml_value(text) if text else {}
+    if not isinstance(value, dict):
+        raise ValueError(f"--kwargs {text!r} must be a YAML mapping, e.g. '{{checkpoint: /models/HPS_v2.1_compressed.pt}}'")
+    return value
+
+
+def reward_specs_from_text(text: str) -> list:
+    """`--rewards a,b,http://host:port` or the config's form, `'[{name: hpsv2.1, kwargs: {checkpoint: ...}}]'`."""
+    from branchdiff.rewards.combine import RewardSpec, parse_reward_specs
+
+    if text.lstrip().startswith(("[", "{")):
+        return parse_reward_specs(yaml_value(text))
+    names = [name for name in text.split(",") if name]
+    specs = parse_reward_specs(names)
+    return [RewardSpec(remote=spec.name) if spec.name.startswith(("http://", "https://")) else spec for spec in specs]

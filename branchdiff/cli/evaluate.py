@@ -1,0 +1,49 @@
+"""`branchdiff eval`: generate on a prompt set with fixed seeds, score with rewards, write images,
+scores.csv, grid.png and a summary; shards prompts over the processes of `accelerate launch`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from branchdiff.cli.common import check_device, load_model, reward_specs_from_text, sampling_settings
+
+
+def cmd_eval(args: argparse.Namespace) -> None:
+    """Shards prompts over the processes of `accelerate launch` (each takes every P-th prompt) and
+    gathers once; the main process prints and writes."""
+    from accelerate import PartialState
+
+    from branchdiff.data.prompts import load_prompt_set
+    from branchdiff.runs.distributed import disconnect
+    from branchdiff.evaluation.evaluate import evaluate, format_summary, gather_results, write_outputs
+    from branchdiff.rewards.combine import parse_reward_specs
+    from branchdiff.rewards.multi import build_component
+
+    check_device(args.device)
+    settings, run = sampling_settings(args)
+    state = PartialState(cpu=args.device == "cpu")
+    prompt_set = load_prompt_set(settings.prompts)
+    specs = reward_specs_from_text(settings.rewards) if isinstance(settings.rewards, str) else parse_reward_specs(settings.rewards)
+    rewards = {spec.label: build_component(spec, args.device) for spec in specs}
+    out = args.out or Path("eval-" + (run.name if run else Path(args.weights or "base").stem))
+    result = evaluate(load_model(settings, args.weights, state.device), prompt_set, rewards, settings.images_per_prompt, settings.steps,
+                      settings.shift, settings.seed, state.process_index, state.num_processes, progress=state.is_local_main_process,
+                      out_dir=out, guidance=settings.guidance, solver=settings.solver)
+    result = gather_results(result, state)
+    disconnect(state)  # every process's images are on disk before the grid reads them
+    if not state.is_main_process:
+        return
+    out.mkdir(parents=True, exist_ok=True)
+    scales = {label: getattr(reward, "scale", "unspecified") for label, reward in rewards.items()}
+    extra = {"family": settings.family, "model": settings.model or "built-in tiny", "weights": args.weights, "steps": settings.steps,
+             "seed": settings.seed, "shift": settings.shift, "guidance": settings.guidance, "solver": settings.solver}
+    summary = write_outputs(result, out, scales, extra)
+    print(f"{prompt_set.name}: {len(prompt_set.prompts)} prompts × {settings.images_per_prompt} images, "
+          f"{'weights ' + args.weights if args.weights else 'base model'}; images, scores.csv, grid.png in {out}/")
+    print(format_summary(summary["summary"]))
+    if args.json:
+        from branchdiff.runs import storage
+
+        storage.write_text(args.json, json.dumps(summary, indent=1))

@@ -1,0 +1,91 @@
+"""`branchdiff COMMAND ...`: parse (branchdiff/cli/parser.py), run the command, and turn the library's
+errors into one line.
+
+Bad input ends with one line `branchdiff: error: ...` on stderr and exit status 2 (argparse's own
+errors too, without its usage block; `--debug` shows the traceback instead); Ctrl-C exits with 130
+(`train`: after a checkpoint). Nothing already written (checkpoints, metrics) is touched before the
+configuration has been validated. Every case is listed in docs/errors.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+
+from branchdiff.cli import evaluate, rewards, sample, tools, train
+from branchdiff.cli.parser import UsageError, build_parser
+
+COMMANDS: dict[str, Callable[[argparse.Namespace], None]] = {
+    "train": train.cmd_train, "config": train.cmd_config, "sample": sample.cmd_sample, "eval": evaluate.cmd_eval,
+    "rewards": rewards.cmd_rewards, "serve-reward": rewards.cmd_serve_reward, "accelerate-config": tools.cmd_accelerate_config,
+    "bench": tools.cmd_bench, "report": tools.cmd_report,
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run a command. Bad input: one line `branchdiff: error: ...`, exit 2 (`--debug` anywhere on the
+    command line re-raises with the traceback instead); Ctrl-C: exit 130."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv
+    argv = [item for item in argv if item != "--debug"]
+    parser = build_parser()
+    try:
+        args, extra = parser.parse_known_args(argv)
+        if args.command in ("train", "config", "bench") and all("=" in item and not item.startswith("-") for item in extra):
+            args.overrides = [*args.overrides, *extra]  # overrides may also follow --resume
+        elif extra:
+            raise UsageError(f"{args.command}: unrecognized arguments: {' '.join(extra)}; see branchdiff {args.command} --help")
+    except UsageError as error:
+        print(f"branchdiff: error: {error}", file=sys.stderr)
+        return 2
+    if not debug:
+        _quiet_third_party_logs()
+    from branchdiff.errors import ConfigError
+    from branchdiff.errors import UserError, is_out_of_memory, out_of_memory
+    from branchdiff.rewards.multi import RewardError
+    from branchdiff.rewards.remote import RemoteRewardError
+
+    try:
+        COMMANDS[args.command](args)
+    except KeyboardInterrupt as interrupt:
+        if debug:
+            raise
+        print(f"branchdiff: {interrupt or 'interrupted'}", file=sys.stderr)
+        return 130
+    except (ConfigError, UserError, OSError, ValueError, ImportError, RewardError, RemoteRewardError) as error:
+        if debug:
+            raise
+        print(f"branchdiff: error: {_one_line(error)}", file=sys.stderr)
+        return 2
+    except (MemoryError, RuntimeError) as error:
+        if debug or not is_out_of_memory(error):
+            raise
+        line = out_of_memory(error, f"in branchdiff {args.command}", "use a smaller batch (fewer images per prompt or prompts), a smaller "
+                             "--resolution, --dtype bfloat16, or a device with more memory")
+        print(f"branchdiff: error: {_one_line(line)}", file=sys.stderr)
+        return 2
+    return 0
+
+
+NOISY_LOGGERS = ("torch.utils._pytree", "bitsandbytes", "diffusers.quantizers")  # import-time notices about optional kernels
+
+
+def _quiet_third_party_logs() -> None:
+    """Hold back the notices optional dependencies print when they are imported (a missing optional
+    kernel, a deprecated registration): they are not the user's to fix. `--debug` shows them."""
+    import logging
+
+    for name in NOISY_LOGGERS:
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
+def _one_line(error: BaseException) -> str:
+    """The error's message on one line of at most `errors.MAX_LINE` characters; an OSError names its
+    file (`[Errno 28] ...: 'path'`)."""
+    from branchdiff.errors import bounded
+
+    if isinstance(error, OSError) and not isinstance(error, FileNotFoundError) and error.strerror:
+        where = f": {error.filename}" if error.filename else ""
+        return bounded(f"{error.strerror}{where} ({type(error).__name__}); free space or fix the path's permissions and run again")
+    return bounded(" ".join(str(error).split()))

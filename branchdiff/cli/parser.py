@@ -1,0 +1,177 @@
+"""The command line's shape: `build_parser()` (every command, its options and their types), the
+presets listed in `train --help`, and `UsageError`, argparse's errors as one line."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import NoReturn
+
+from branchdiff.cli.arguments import at_least, finite, image_size, positive
+from branchdiff.settings.evaluation import SOLVERS
+
+DEFAULT_PRESET = "tiny-mix-full"  # the preset `branchdiff train` runs without one
+EXAMPLES = """examples:
+  branchdiff train                                  # the built-in tiny task, best preset: runs/tiny-mix-full/
+  branchdiff train tiny-chain iterations=20 output_dir=runs/chain
+  branchdiff train my.yaml train.learning_rate=1e-4
+  branchdiff train my.yaml iterations=500 --resume latest   # continue, longer
+  branchdiff config tiny-chain > my.yaml            # every key of a preset, to edit
+  branchdiff sample --prompt "two red circles on the left" --weights runs/tiny-mix-full --out samples/
+  branchdiff eval --weights runs/tiny-mix-full --json eval.json     # the run's own evaluation settings
+  branchdiff report runs/tiny-mix-full                   # rebuild the run's report.html
+  branchdiff rewards list                           # what rewards exist, what each needs
+  branchdiff rewards check my_pkg.rewards:Sharpness --prompts tiny:held_out
+  branchdiff serve-reward hpsv2.1 --port 8765 --device cuda:1   # then reward={remote: http://127.0.0.1:8765}
+  accelerate launch --config_file $(branchdiff accelerate-config multi-gpu) -m branchdiff.cli train flux-hps-branch
+"""
+RUN_DEFAULTS = """defaults: with --weights of a run (RUN, RUN/lora, RUN/transformer, or a checkpoint RUN/checkpoints/iter-N), every
+option left unset takes the run's own value from RUN/config.yaml (model, resolution, dtype, steps, shift, eval prompts, images per prompt,
+guidance, eval rewards), so `branchdiff eval --weights RUN` reproduces the trained column of the run's final
+evaluation (a line names any setting that differs); otherwise the built-in tiny model, 10 steps, tiny:held_out,
+8 images per prompt, tiny-geneval."""
+
+
+class UsageError(Exception):
+    """A command-line problem argparse found, described in one line."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse whose errors are one line naming the subcommand and its --help (no usage block);
+    subcommand parsers are of this class too (add_subparsers uses the parent's class)."""
+
+    def error(self, message: str) -> NoReturn:
+        command = self.prog.partition(" ")[2]
+        raise UsageError(f"{command + ': ' if command else ''}{message}; see {self.prog} --help")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="branchdiff", description="GRPO fine-tuning of text-to-image models on branching SDE trees.",
+                     epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    train = commands.add_parser("train", help="fine-tune with GRPO", formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog=_presets_help())
+    train.add_argument("config", nargs="?", default=None, help=f"preset name or YAML file (default: {DEFAULT_PRESET})")
+    train.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. tree.roots=4")
+    train.add_argument("--resume", default=None, help="'latest' or a checkpoint directory of this run")
+
+    show = commands.add_parser("config", help="print the effective config of a preset or YAML file with overrides (a start for your own YAML)")
+    show.add_argument("config", nargs="?", default=None, help=f"preset name or YAML file (default: {DEFAULT_PRESET})")
+    show.add_argument("overrides", nargs="*", help="dotted key=value overrides")
+
+    for name, help_text in (("sample", "write PNGs for a prompt"), ("eval", "generate on a prompt set and score with rewards")):
+        sub = commands.add_parser(name, help=help_text, epilog=RUN_DEFAULTS if name == "eval" else None,
+                                  formatter_class=argparse.RawDescriptionHelpFormatter)
+        sub.add_argument("--weights", "--lora", dest="weights", default=None,
+                         help="what a run trained: the run folder, its lora/ (or .safetensors) or fine-tuned transformer/ (unet/) "
+                              "folder, or a checkpoint iter-N (default: the base model)")
+        _model_arguments(sub)
+        sub.add_argument("--steps", type=at_least(1), default=None, help="ODE sampling steps (default: the run's, else 10)")
+        sub.add_argument("--shift", type=finite, default=None, help="σ schedule shift s (default: the family's own schedule)")
+        sub.add_argument("--guidance", type=finite, default=None, help="CFG scale, or FLUX's guidance embedding (default: the family's)")
+        sub.add_argument("--images-per-prompt", "--seeds", dest="images_per_prompt", type=at_least(1), default=None,
+                         help="images per prompt (fixed seeds; default: the run's prompts.eval_seeds, else 8)")
+        sub.add_argument("--solver", choices=SOLVERS, default=None,
+                         help="training (default): the ODE of the steps branchdiff trains with; release: the sampler the model "
+                              "folder ships (e.g. SANA's DPM-Solver++, SD 1.5's PNDM)")
+        if name == "sample":
+            sub.add_argument("--prompt", action="append", help="prompt (repeatable; required unless --from-trace)")
+            sub.add_argument("--out", type=Path, required=True, help="output directory")
+            sub.add_argument("--seed", type=at_least(0), default=None, help="noise seed (default: 1234)")
+            search = sub.add_argument_group("search (docs/search.md): the best images of a search over each prompt's denoising tree")
+            search.add_argument("--search", choices=["best-of-n", "tree", "dts", "dts-star"], default=None,
+                                help="search within --budget instead of ODE samples; writes the best images and OUT/search.json")
+            search.add_argument("--budget", type=at_least(1), default=None, help="network rows per prompt (a CFG prediction costs 2)")
+            search.add_argument("--reward", default="tiny-geneval", help="what the search maximises: a name, dotted path or server URL")
+            search.add_argument("--keep", type=at_least(1), default=1, help="best images written per prompt")
+            search.add_argument("--sde", choices=["dance", "flow", "cps", "ddim"], default=None,
+                                help="the stochastic step (default: flow for flow-matching families, ddim for SD 1.5)")
+            search.add_argument("--noise-level", type=positive, default=None, help="its noise level (default: 0.7 flow, 1.0 ddim)")
+            search.add_argument("--max-batch", type=at_least(1), default=16, help="network rows per forward (every forward is padded to it)")
+            search.add_argument("--temperature", type=positive, default=10.0, help="dts, dts-star: λ of selection and soft backup")
+            search.add_argument("--max-children", type=at_least(1), default=4, help="dts, dts-star: children per node")
+            search.add_argument("--from-trace", type=Path, default=None, help="regrow the best images of a search.json from their noise paths")
+        else:
+            sub.add_argument("--prompts", default=None, help="tiny:held_out, hpdv2[:style], or a .txt / .jsonl / .csv file (default: the run's prompts.eval)")
+            sub.add_argument("--rewards", default=None,
+                             help="comma-separated names, dotted paths or server URLs, or the config's form '[{name: hpsv2.1, kwargs: {checkpoint: PATH}}]' "
+                                  "(default: the run's eval_rewards, else tiny-geneval)")
+            sub.add_argument("--seed", type=at_least(0), default=None, help="noise seed, the same for base and LoRA (default: 1234, as a run's evaluations)")
+            sub.add_argument("--device", default="cpu", help="device of the rewards (cpu, cuda, cuda:1)")
+            sub.add_argument("--out", type=Path, default=None, help="output directory (default: eval-<run or lora name, or base>)")
+            sub.add_argument("--json", type=Path, default=None, help="also write the summary to this JSON file")
+
+    rewards = commands.add_parser("rewards", help="list rewards, or check that one carries signal")
+    which = rewards.add_subparsers(dest="rewards_command", required=True)
+    which.add_parser("list", help="built-in and installed rewards, what each needs and where its weights come from")
+    check = which.add_parser("check", help="sample groups from the model and print the reward's scale and spread")
+    check.add_argument("name", help="registered name, entry point or dotted path 'package.module:Name'")
+    check.add_argument("--prompts", default="tiny:held_out", help="prompt source (tiny:held_out, a .txt file, ...)")
+    check.add_argument("--num-prompts", type=at_least(1), default=8, help="prompts sampled from the source")
+    check.add_argument("--group-size", type=at_least(2), default=8, help="samples per prompt (a GRPO group)")
+    _model_arguments(check)
+    check.add_argument("--steps", type=at_least(1), default=10, help="SDE sampling steps")
+    check.add_argument("--device", default="cpu", help="device of the reward")
+    check.add_argument("--kwargs", default=None, help="keyword arguments of the reward, a YAML mapping: '{checkpoint: PATH}'")
+
+    serve = commands.add_parser("serve-reward", help="serve a reward over HTTP (docs/reward-server.md)")
+    serve.add_argument("name", help="registered name, entry point or dotted path 'package.module:Name'")
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default: this machine only)")
+    serve.add_argument("--port", type=at_least(1), default=8765, help="port to listen on")
+    serve.add_argument("--device", default="cpu", help="device of the reward's model")
+    serve.add_argument("--kwargs", default=None, help="keyword arguments of the reward, a YAML mapping: '{checkpoint: PATH}'")
+
+    accel = commands.add_parser("accelerate-config", help="print the path of a packaged accelerate config (for --config_file)")
+    accel.add_argument("name", nargs="?", default=None, help="single-gpu | multi-gpu | multi-node (none: list them)")
+
+    bench = commands.add_parser("bench", help="side-by-side benchmarks")
+    bench.add_argument("which", choices=["tree", "explore", "curves", "search"], help="what to benchmark")
+    bench.add_argument("--json", type=Path, default=None, help="write the table and ratios to this JSON file")
+    bench.add_argument("--repeats", type=at_least(1), default=3, help="timed repeats of each variant (median reported)")
+    bench.add_argument("--minutes", type=positive, default=2.0, help="curves: training wall time of each variant and seed")
+    bench.add_argument("--seeds", type=at_least(1), default=3, help="curves, search: seeds of each variant")
+    bench.add_argument("--out", type=Path, default=Path("docs"), help="curves, search: folder of the plot and the table")
+    bench.add_argument("--images", type=at_least(1), default=32, help="search: the largest budget, in images' worth of network rows per prompt")
+    bench.add_argument("--variants", default=None, help="tree, curves, search: comma-separated variants (default: all; tree: chain, tree, "
+                                                         "tree_depth_pruned, tree_width_pruned, mix, best; curves: chain, branch, "
+                                                         "branch_pruned, mix, explore_seeds, explore_tree, and the objectives guard, "
+                                                         "layertuning, nft_tree, nft_tree_depthwise, nft_chain, sol when named; "
+                                                         "search: best-of-n, tree, dts, dts-star)")
+    bench.add_argument("--reference", default="chain", help="curves: the variant whose final accuracy the others' times are measured "
+                                                            "against (time_to_<reference>_final; e.g. mix to compare objectives with GRPO)")
+    bench.add_argument("--points", type=at_least(2), default=7, help="curves: evaluations over the budget")
+    bench.add_argument("--eval-images", type=at_least(1), default=4, help="curves: held-out images per prompt at each evaluation")
+    bench.add_argument("--clock", choices=["wall", "modelled"], default="wall",
+                       help="curves: the clock of the budget: measured wall time, or modelled GPU time (low-precision explorer rows "
+                            "charged at their format's cost; branchdiff/bench/clock.py)")
+    bench.add_argument("overrides", nargs="*", help="dotted key=value overrides of every variant, e.g. prompts.per_iteration=2")
+
+    report = commands.add_parser("report", help="(re)build RUN_DIR/report.html from a run's metrics, evaluations and samples")
+    report.add_argument("run_dir", type=Path, help="a run directory (output_dir of branchdiff train)")
+    for sub in (parser, *commands.choices.values()):
+        sub.add_argument("--debug", action="store_true", help="on an error, show the traceback instead of one line")
+    return parser
+
+
+def _presets_help() -> str:
+    """`train --help`'s epilog: the packaged presets, each with the first line of its comment."""
+    lines = ["presets (branchdiff/configs/; print one with `branchdiff config NAME`):"]
+    for path in sorted((Path(__file__).parents[1] / "configs").glob("*.yaml")):
+        first = path.read_text().splitlines()[0].lstrip("# ").strip()
+        lines.append(f"  {path.stem:<26}{first[:90]}")
+    lines += ["", "every key, its type, default and meaning: branchdiff/settings/config.py; bad input ends with one line and exit 2",
+              "(docs/errors.md), --debug shows the traceback; runs end by printing where their folder, LoRA and report are"]
+    return "\n".join(lines)
+
+
+def _model_arguments(sub: argparse.ArgumentParser) -> None:
+    from branchdiff.models.families import FAMILIES
+
+    sub.add_argument("--family", default=None, choices=list(FAMILIES), help="model family (default: tiny)")
+    sub.add_argument("--model", default=None, help="diffusers pipeline directory or hub id (default: the built-in tiny model)")
+    sub.add_argument("--resolution", type=image_size, default=None, help="image size in pixels: H (a square) or HxW, e.g. 768x1344 "
+                                                                      "(default: the run's, else the family's)")
+    sub.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"], help="weights' dtype (default: float32)")
+    sub.add_argument("--no-prompt-instruction", dest="prompt_instruction", action="store_const", const=False, default=None,
+                     help="sana: the bare prompt, without the pipeline's instruction before it (default: the run's model.prompt_instruction)")

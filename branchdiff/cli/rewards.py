@@ -1,0 +1,47 @@
+"""`branchdiff rewards list | check` and `branchdiff serve-reward`: what rewards exist, whether one
+spreads within groups (what GRPO learns from), and a reward served over HTTP."""
+
+from __future__ import annotations
+
+import argparse
+
+from branchdiff.cli.common import check_device, load_model, reward_kwargs, sampling_settings
+
+
+def cmd_rewards(args: argparse.Namespace) -> None:
+    from branchdiff.rewards.registry import available, build_reward
+
+    if args.rewards_command == "list":
+        rows = available()
+        columns = ("name", "source", "needs", "status", "weights")
+        widths = {c: max(len(c), *(len(row[c]) for row in rows)) for c in columns}
+        print("  ".join(c.ljust(widths[c]) for c in columns))
+        for row in rows:
+            print("  ".join(row[c].ljust(widths[c]) for c in columns))
+        return
+    from branchdiff.data.prompts import load_prompt_set
+    from branchdiff.models.families import FAMILIES
+    from branchdiff.training.signal_check import check_reward
+
+    check_device(args.device)
+    reward = build_reward(args.name, args.device, reward_kwargs(args.kwargs))
+    prompt_set = load_prompt_set(args.prompts)
+    prompts, metadata = prompt_set.prompts[: args.num_prompts], prompt_set.metadata[: args.num_prompts]
+    settings, _ = sampling_settings(args)
+    sde = "ddim" if FAMILIES[settings.family].steps == "ddim" else "flow"
+    stats = check_reward(load_model(settings, None), reward, prompts, metadata, args.name, args.group_size, settings.steps, sde=sde)
+    print(f"reward {args.name!r}, scale: {getattr(reward, 'scale', 'unspecified')}; {stats['images']} images "
+          f"({len(prompts)} prompts × {args.group_size}) from {args.prompts}")
+    for key in ("min", "mean", "max", "within_group_std", "between_prompt_std", "zero_spread_fraction", "seconds_per_image",
+                "nonfinite", "groups_dropped"):
+        print(f"  {key:<22}{stats[key]:.4g}")
+    if stats["zero_spread_fraction"] > 0.5 or stats["within_group_std"] < 1e-6:
+        print("  weak signal: most groups score all their samples alike; GRPO learns nothing from those groups")
+
+
+def cmd_serve_reward(args: argparse.Namespace) -> None:
+    from branchdiff.rewards.registry import build_reward
+    from branchdiff.rewards.server import serve
+
+    check_device(args.device)
+    serve(build_reward(args.name, args.device, reward_kwargs(args.kwargs)), args.host, args.port)

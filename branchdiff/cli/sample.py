@@ -1,0 +1,45 @@
+"""`branchdiff sample`: ODE samples of each prompt as PNGs; with `--search`, the best images of an
+inference-time search (branchdiff/cli/search.py); with `--from-trace`, a search's best images regrown."""
+
+from __future__ import annotations
+
+import argparse
+
+from branchdiff.cli.common import file_name, load_model, sampling_settings
+
+
+def cmd_sample(args: argparse.Namespace) -> None:
+    """ODE samples of each prompt, one PNG each, named by `file_name`; with `--search`, each prompt's
+    best images of a search and OUT/search.json; with `--from-trace`, a trace's best images regrown."""
+    from torchvision.utils import save_image
+
+    from branchdiff.settings.evaluation import EVAL_RUN_SEED
+
+    if args.from_trace is None and not args.prompt:
+        raise ValueError("sample needs --prompt (or --from-trace OUT/search.json to regrow a search's best images)")
+    if (args.search or args.from_trace is not None) and args.solver == "release":
+        raise ValueError("--solver release samples the model's own ODE; a search grows SDE trees with branchdiff's steps: "
+                         "leave --solver unset with --search or --from-trace")
+    if args.search and args.budget is None:
+        raise ValueError(f"--search {args.search} needs --budget: the network rows to spend per prompt (a {args.steps or 10}-step image costs "
+                         f"{args.steps or 10}, twice that under CFG)")
+    settings, _ = sampling_settings(args)
+    seed = EVAL_RUN_SEED if args.seed is None else args.seed
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.from_trace is not None or args.search:
+        from branchdiff.cli.search import regrow_trace, search_and_write
+
+        adapter = load_model(settings, args.weights)
+        written = (regrow_trace(adapter, args.from_trace, args.weights, args.out) if args.from_trace is not None else
+                   search_and_write(adapter, args, settings, seed))
+        for path in written:
+            print(path)
+        return
+    from branchdiff.evaluation.evaluate import sample_ode
+
+    images, prompts = sample_ode(load_model(settings, args.weights), args.prompt, settings.images_per_prompt, settings.steps, settings.shift,
+                                 seed=seed, guidance=settings.guidance, solver=settings.solver)
+    for index, (image, prompt) in enumerate(zip(images, prompts)):
+        path = args.out / file_name(index, prompt)
+        save_image(image, path)
+        print(path)

@@ -1,0 +1,65 @@
+"""What `branchdiff sample --search` and `--from-trace` write: each prompt's best images (PNG,
+named as `sample` names them) and OUT/search.json (branchdiff/search/sample.py)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from torchvision.utils import save_image
+
+from branchdiff.settings.evaluation import EvalSettings
+from branchdiff.models.base import ModelAdapter
+from branchdiff.search.sample import SearchSettings, read_trace, regenerate, search_prompts, trace
+
+
+def search_and_write(adapter: ModelAdapter, args: argparse.Namespace, settings: EvalSettings, seed: int) -> Iterator[Path]:
+    """Search every `--prompt` with `--reward`; write the best images, then the trace; yield the paths."""
+    from branchdiff.runs import storage
+    from branchdiff.cli.common import file_name, reward_specs_from_text
+    from branchdiff.rewards.multi import build_component, score_component
+
+    spec = reward_specs_from_text(args.reward)
+    if len(spec) != 1:
+        raise ValueError(f"--reward {args.reward}: a search maximises one reward; name one (a name, dotted path or server URL)")
+    label, reward = spec[0].label, build_component(spec[0], "cpu")
+    prompts = list(args.prompt)
+
+    def score(images: torch.Tensor, prompt_index: list[int]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        value, more, _ = score_component(reward, label, images, [prompts[i] for i in prompt_index], [{} for _ in prompt_index])
+        return value, {f"{label}.{key}": scores for key, scores in more.items()}
+
+    search = SearchSettings(args.search, args.budget, settings.steps, settings.shift, settings.guidance, args.sde, args.noise_level,
+                            args.max_batch, seed, args.temperature, args.max_children, args.keep)
+    forest, result = search_prompts(adapter, prompts, search, score)
+    recorded = trace(forest, result, prompts, search, {"family": settings.family, "model": settings.model or "built-in tiny",
+                                                       "weights": args.weights, "reward": args.reward})
+    index = 0
+    for entry in recorded["prompts"]:
+        for best, leaf in zip(entry["best"], result.best(entry["prompt_key"], search.keep)):
+            image = adapter.decode(forest.latent[leaf][None])  # (1, 3, H, W): decoded alone, as `--from-trace` decodes it
+            best["image"] = file_name(index, entry["prompt"])
+            save_image(image[0], args.out / best["image"])
+            index += 1
+            yield args.out / best["image"]
+        rounds = entry["rounds"]
+        print(f"{entry['prompt']!r}: best {label} {entry['best'][0]['reward']:.4f} (mean {rounds[-1]['mean']:.4f} over "
+              f"{rounds[-1]['images']} images) with {entry['nfe']} of {search.budget} network rows ({args.search})", file=sys.stderr)
+    storage.write_text(args.out / "search.json", json.dumps(recorded, indent=1))
+    yield args.out / "search.json"
+
+
+def regrow_trace(adapter: ModelAdapter, trace_path: Path, weights: str | None, out: Path) -> Iterator[Path]:
+    """Regrow a trace's best images from their noise paths (with the model and weights given) and write them to `out`."""
+    recorded = read_trace(trace_path)
+    if recorded.get("weights") != weights:
+        print(f"note: the trace was searched with weights {recorded.get('weights')}; regrowing with {weights}: the images "
+              "are the same only with the same model and weights", file=sys.stderr)
+    for _, latent, best in regenerate(adapter, recorded):
+        path = out / best["image"]
+        save_image(adapter.decode(latent[None])[0], path)
+        yield path

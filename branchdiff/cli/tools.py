@@ -1,0 +1,48 @@
+"""`branchdiff accelerate-config`, `branchdiff bench` and `branchdiff report`: the packaged accelerate
+configs, the side-by-side benchmarks, and a run's report rebuilt."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+
+ACCELERATE_DIR = Path(__file__).parents[1] / "configs" / "accelerate"
+
+
+def cmd_accelerate_config(args: argparse.Namespace) -> None:
+    """The path of a packaged accelerate config, or the list of them with their first comment line."""
+    configs = sorted(p.stem for p in ACCELERATE_DIR.glob("*.yaml"))
+    if args.name is None:
+        for name in configs:
+            first = (ACCELERATE_DIR / f"{name}.yaml").read_text().splitlines()[0].lstrip("# ")
+            print(f"{name:<14}{first}")
+        return
+    if args.name not in configs:
+        raise ValueError(f"no packaged accelerate config {args.name!r}; available: {', '.join(configs)}")
+    print(ACCELERATE_DIR / f"{args.name}.yaml")
+
+
+def cmd_bench(args: argparse.Namespace) -> None:
+    from branchdiff.bench.iteration import bench_explore, bench_tree
+
+    variants = [name for name in args.variants.split(",") if name] if args.variants else None
+    if args.which == "tree":
+        bench_tree(args.json, args.repeats, args.overrides, variants)
+    elif args.which == "explore":
+        bench_explore(args.json, extra_overrides=args.overrides)
+    elif args.which == "search":
+        from branchdiff.bench.search import bench_search
+
+        bench_search(args.images, args.seeds, args.json, args.out, variants)
+    else:
+        from branchdiff.bench.curves import bench_curves
+
+        bench_curves(args.minutes, args.seeds, args.json, args.out, args.points, variants, args.eval_images, args.overrides, args.clock,
+                     args.reference)
+
+
+def cmd_report(args: argparse.Namespace) -> None:
+    from branchdiff.report.run_report import write_report
+
+    print(write_report(args.run_dir))

@@ -1,0 +1,106 @@
+"""Reward fusion (leaves → every node) and depth-wise GRPO advantages on flat tree arrays.
+
+Fusion, bottom-up over depths, for a node n with children C(n):
+    mean             R(n) = mean of the rewards of n's leaf descendants
+                          = Σ_c L(c)·R(c) / Σ_c L(c), L(c) = number of leaves below c
+    logprob_softmax  R(n) = Σ_c softmax_c(α·logp(n→c))·R(c)       (BranchGRPO's option, α = 1)
+    max              R(n) = max_c R(c)
+A node with one child takes its child's reward in every mode.
+
+Depth-wise advantages: nodes of one prompt at one depth form a group g (for a chain group of G
+samples, the G nodes at each depth; for a tree, its nodes at that depth), r̄_g its mean reward.
+    scope "tree":  A(n) = (R(n) - r̄_g) / (s_g + 1e-8), s_g the unbiased std of group g;
+                   0 for a group of one node or with s_g < 1e-6. (BranchGRPO's rule: a depth
+                   with exactly two nodes always gets ±1/√2, whatever the gap.)
+    scope "batch": A(n) = (R(n) - r̄_g) / (s_d + 1e-8), s_d the pooled within-group std of all
+                   groups at depth d across the batch, s_d² = Σ_n (R(n) - r̄_g)² / (N_d - G_d)
+                   (N_d nodes, G_d groups); 0 where N_d = G_d or s_d < 1e-6. Advantages then
+                   scale with the gap, and two-node depths carry information. The batch is every
+                   process's trees: N_d, G_d and the squares are summed over processes.
+The edge parent → n is trained with A(n), clipped to ±clip. Without splits, each depth of a
+chain group holds the G samples, so both scopes reduce to flat group GRPO
+(DanceGRPO's per-prompt z-score; Flow-GRPO-like batch std).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from branchdiff.runs.distributed import LOCAL, Collective
+from branchdiff.core.tree import Tree
+
+FUSION_MODES = ("mean", "logprob_softmax", "max")
+SCOPES = ("tree", "batch")
+EPS = 1e-8
+MIN_STD = 1e-6
+
+
+def fuse_rewards(
+    tree: Tree, leaf_rewards: torch.Tensor, edge_log_prob: torch.Tensor, mode: str = "mean", alpha: float = 1.0
+) -> torch.Tensor:
+    """Reward of every node (N,) from leaf rewards (L,) in `tree.leaf_index` order.
+    `edge_log_prob` (N,) is the log-prob of the edge into each node (used by logprob_softmax)."""
+    if mode not in FUSION_MODES:
+        raise ValueError(f"unknown fusion mode {mode!r}; allowed: {FUSION_MODES}")
+    n = tree.num_nodes
+    rewards = torch.zeros(n, dtype=torch.float64)
+    leaf_count = torch.zeros(n, dtype=torch.float64)
+    rewards[tree.leaf_index] = leaf_rewards.double()
+    leaf_count[tree.leaf_index] = 1.0
+    log_prob = edge_log_prob.double()
+    for depth in reversed(range(tree.spec.num_steps)):
+        children = torch.arange(tree.level_start[depth + 1], tree.level_start[depth + 2])
+        parents = tree.parent[children]  # (C,)
+        level = slice(tree.level_start[depth], tree.level_start[depth + 1])
+        leaf_count.index_add_(0, parents, leaf_count[children])
+        if mode == "mean":
+            weights = leaf_count[children]
+        elif mode == "logprob_softmax":
+            logits = alpha * log_prob[children]
+            parent_max = torch.full((n,), -torch.inf, dtype=torch.float64).index_reduce_(0, parents, logits, "amax")
+            weights = torch.exp(logits - parent_max[parents])
+        if mode == "max":
+            rewards.index_reduce_(0, parents, rewards[children], "amax", include_self=False)
+        else:
+            total = torch.zeros(n, dtype=torch.float64).index_add_(0, parents, weights)
+            weighted = torch.zeros(n, dtype=torch.float64).index_add_(0, parents, weights * rewards[children])
+            rewards[level] = weighted[level] / total[level]
+    return rewards.to(leaf_rewards.dtype)
+
+
+def group_moments(values: torch.Tensor, groups: torch.Tensor, num_groups: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For values (N,) in groups (N,) of 0..num_groups-1, in float64: the count n_g (G,), each
+    value's residual r - mean_g (N,), and the sum of squared residuals S_g (G,)."""
+    values = values.double()
+    count = torch.bincount(groups, minlength=num_groups).double()
+    mean = torch.zeros(num_groups, dtype=torch.float64).index_add_(0, groups, values) / count.clamp(min=1)
+    residual = values - mean[groups]
+    return count, residual, torch.zeros(num_groups, dtype=torch.float64).index_add_(0, groups, residual**2)
+
+
+def unbiased_std(count: torch.Tensor, squares: torch.Tensor) -> torch.Tensor:
+    """√(S_g / (n_g - 1)) per group (G,); 0 for a group of one."""
+    return torch.sqrt(squares / (count - 1).clamp(min=1))
+
+
+def depthwise_advantages(tree: Tree, node_rewards: torch.Tensor, scope: str = "tree", collective: Collective = LOCAL) -> torch.Tensor:
+    """Advantage of every node (N,) from its reward (N,), normalised per (prompt, depth) group;
+    scope "batch" pools the std over the trees of every process of `collective`."""
+    if scope not in SCOPES:
+        raise ValueError(f"unknown advantage scope {scope!r}; allowed: {SCOPES}")
+    num_depths = tree.spec.num_steps + 1
+    group = tree.prompt * num_depths + tree.depth  # (N,)
+    count, residual, squares = group_moments(node_rewards, group, tree.num_prompts * num_depths)  # (P·(T+1),), (N,), (P·(T+1),)
+    if scope == "tree":
+        std = unbiased_std(count, squares)[group]  # (N,)
+        valid = (count[group] > 1) & (std >= MIN_STD)
+    else:
+        nodes_at = torch.bincount(tree.depth, minlength=num_depths).double()  # N_d
+        groups_at = (count.reshape(tree.num_prompts, num_depths) > 0).sum(0).double()  # G_d
+        pooled = squares.reshape(tree.num_prompts, num_depths).sum(0)  # (T+1,)
+        nodes_at, groups_at, pooled = collective.sum(torch.stack([nodes_at, groups_at, pooled])).unbind(0)
+        std = torch.sqrt(pooled / (nodes_at - groups_at).clamp(min=1))[tree.depth]  # (N,)
+        valid = (nodes_at > groups_at)[tree.depth] & (std >= MIN_STD)
+    advantages = torch.where(valid, residual / (std + EPS), torch.zeros_like(residual))
+    return advantages.to(node_rewards.dtype)
+

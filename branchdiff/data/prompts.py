@@ -1,0 +1,120 @@
+"""Prompt sources, and the per-iteration prompt draw.
+
+A source is a named set or a file:
+- `tiny:train`, `tiny:held_out`, `tiny:all`: the built-in task's grammar splits;
+- `hpdv2` (all four styles) or `hpdv2:<style>` (anime, concept-art, paintings, photo): the HPDv2
+  benchmark prompts (800 per style), read from `$BRANCHDIFF_DATA/hpdv2/<style>.json` (default
+  `~/.cache/branchdiff/hpdv2`), or fetched once from the hub dataset `zhwang/HPDv2`
+  (`benchmark/<style>.json`, a JSON list of prompts) when online and cached there;
+- a `.txt` file (one prompt a line), a `.jsonl` file (one object a line with a "prompt" field; the
+  other fields are the prompt's metadata), or a `.csv` file (a "prompt" column; the other columns
+  are metadata).
+Every prompt carries a metadata dict (`style` for hpdv2), which rewards receive and evaluation
+groups its tables by.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from branchdiff.errors import quote, read_utf8
+from branchdiff.data.tiny_task import all_prompts, split_prompts
+
+TINY_SOURCES = {"tiny:train": lambda: split_prompts()[0], "tiny:held_out": lambda: split_prompts()[1], "tiny:all": all_prompts}
+HPDV2_STYLES = ("anime", "concept-art", "paintings", "photo")
+HPDV2_REPO = "zhwang/HPDv2"
+
+
+@dataclass
+class PromptSet:
+    name: str  # the source it was read from
+    prompts: list[str]
+    metadata: list[dict]  # one dict per prompt
+
+
+def hpdv2_dir() -> Path:
+    return Path(os.environ.get("BRANCHDIFF_DATA", Path.home() / ".cache" / "branchdiff")) / "hpdv2"
+
+
+def _hpdv2_style(style: str) -> list[str]:
+    path = hpdv2_dir() / f"{style}.json"
+    if not path.is_file():
+        try:
+            from huggingface_hub import hf_hub_download
+
+            fetched = hf_hub_download(HPDV2_REPO, f"{style}.json", subfolder="benchmark", repo_type="dataset")
+        except Exception as error:  # offline, or the hub refused: say where the file belongs
+            raise FileNotFoundError(
+                f"HPDv2 prompts {path} not found and not fetched from the hub ({type(error).__name__}); download "
+                f"benchmark/{style}.json of the dataset {HPDV2_REPO} into {path.parent} (or set $BRANCHDIFF_DATA)") from None
+        path.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(fetched, path)
+    prompts = json.loads(path.read_text())
+    if not isinstance(prompts, list) or not all(isinstance(p, str) for p in prompts):
+        raise ValueError(f"{path} is not a JSON list of prompts")
+    return prompts
+
+
+def load_prompt_set(source: str) -> PromptSet:
+    """The prompts and metadata of a source (module doc)."""
+    if source in TINY_SOURCES:
+        prompts = [p.text for p in TINY_SOURCES[source]()]
+        return PromptSet(source, prompts, [{} for _ in prompts])
+    if source == "hpdv2" or source.startswith("hpdv2:"):
+        styles = HPDV2_STYLES if source == "hpdv2" else (source.partition(":")[2],)
+        unknown = [s for s in styles if s not in HPDV2_STYLES]
+        if unknown:
+            raise ValueError(f"unknown HPDv2 style {unknown[0]!r}; allowed: {', '.join(HPDV2_STYLES)}")
+        rows = [(prompt, {"style": style}) for style in styles for prompt in _hpdv2_style(style)]
+        return PromptSet(source, [p for p, _ in rows], [m for _, m in rows])
+    path = Path(source)
+    if not path.is_file():
+        raise FileNotFoundError(f"prompt source {quote(source, 80)} is neither {', '.join(TINY_SOURCES)}, hpdv2[:style] nor an existing file")
+    text = read_utf8(path)
+    lines = text.splitlines()
+    if path.suffix == ".jsonl":
+        rows = []
+        for number, line in enumerate(lines, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                raise ValueError(f"{path}:{number}: expected a JSON object with a \"prompt\" field, got {quote(line)}") from None
+            if not isinstance(record, dict) or "prompt" not in record:
+                raise ValueError(f"{path}:{number}: expected a JSON object with a \"prompt\" field")
+            rows.append((_prompt_text(record.pop("prompt"), path, number), record))
+    elif path.suffix == ".csv":
+        reader = csv.DictReader(io.StringIO(text, newline=""))
+        if "prompt" not in (reader.fieldnames or []):
+            raise ValueError(f"{path}:1: no \"prompt\" column (columns: {', '.join(reader.fieldnames or [])})")
+        rows = [(_prompt_text(row.pop("prompt"), path, reader.line_num), row) for row in reader]
+    else:
+        rows = [(line.strip(), {}) for line in lines if line.strip()]
+    if not rows:
+        raise ValueError(f"prompt source {quote(source, 80)} holds no prompts")
+    return PromptSet(source, [p for p, _ in rows], [m for _, m in rows])
+
+
+def _prompt_text(value: object, path: Path, line: int) -> str:
+    """A record's prompt: a string with text in it."""
+    if not isinstance(value, str) or not value.strip():
+        raise ValueError(f"{path}:{line}: \"prompt\" must be a non-empty string, got {quote(json.dumps(value))}")
+    return value
+
+
+def draw_prompts(prompts: list[str], count: int, seed: int, iteration: int) -> list[int]:
+    """Indices of `count` prompts for an iteration, a pure function of (seed, iteration): without
+    replacement while the source is large enough, so a resumed run draws the same prompts."""
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + iteration)
+    if count <= len(prompts):
+        return torch.randperm(len(prompts), generator=generator)[:count].tolist()
+    return torch.randint(len(prompts), (count,), generator=generator).tolist()

@@ -1,0 +1,243 @@
+"""Generate on a prompt set with fixed seeds, score with chosen rewards, and write what a user reads.
+
+Samples are deterministic (ODE) chains: image s of prompt p starts from the addressable initial
+noise (seed, iteration -1, prompt p, root s), so base and LoRA see exactly the same noise, and
+forwards are padded to a fixed batch (`exact`) and prompts encoded one at a time, so an image does
+not depend on which other prompts share its batch: with `accelerate launch`, processes take every P-th prompt and the gathered
+results equal a one-process run's.
+
+Outputs: `images/seed-<s>/<style>/<index:05d>.jpg`, written by every process for its own prompts as
+they are made (the HPDv2 benchmark's layout, which its official evaluator reads; prompts without a
+style go to `all/`); then, by one process (`write_outputs`), `scores.csv`
+(one row per image), `grid.png` (the first prompts × seeds), and the JSON summary: mean ± std per
+score, per style when the prompts have one, with each reward's scale and the prompt set.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torchvision.io import write_jpeg
+from tqdm.auto import tqdm
+
+from branchdiff.data.prompts import PromptSet
+from branchdiff.core.engine import initial_noise, rows_per_latent
+from branchdiff.settings.evaluation import EVAL_RUN_SEED, SOLVERS
+from branchdiff.models.base import ModelAdapter, select_embeds
+from branchdiff.report.figures import save_grid
+from branchdiff.rewards.base import to_uint8
+from branchdiff.rewards.multi import extra_keys, score_component
+from branchdiff.core.rollout import NoiseAddress, SamplerSettings, grow
+from branchdiff.core.tree import TreeSpec, build_tree
+
+EVAL_BATCH = 32  # rows per forward: fixed, so an image is the same whatever else is in its batch
+
+
+@torch.no_grad()
+def sample_ode(
+    adapter: ModelAdapter, prompts: list[str], num_seeds: int, num_steps: int, shift: float | None = None,
+    seed: int = EVAL_RUN_SEED, prompt_keys: list[int] | None = None, guidance: float | None = None, solver: str = "training",
+) -> tuple[torch.Tensor, list[str]]:
+    """ODE samples of every prompt × seed on the adapter's schedule (`shift` None: the family's
+    own) with `guidance` (None: the family's default): images (P·S, 3, H, W) in [0, 1],
+    prompt-major, and the prompt of each image. `prompt_keys[p]` addresses prompt p's noise
+    (default: its position). `solver` "release": from the same initial noise, the sampler the
+    model folder ships (`ModelAdapter.release_denoise`), in batches of a fixed size."""
+    if solver not in SOLVERS:
+        raise ValueError(f"solver={solver!r} is not one of {', '.join(SOLVERS)}")
+    tree = build_tree(TreeSpec(num_steps, roots=num_seeds, sde_steps=frozenset()), len(prompts))
+    address = NoiseAddress(seed, -1, tuple(prompt_keys if prompt_keys is not None else range(len(prompts))))
+    settings = SamplerSettings(max_batch=EVAL_BATCH, exact=True, guidance=guidance)
+    # one prompt per text-encoder call: an encoder's output, too, depends on its batch size
+    encoded = [adapter.encode_prompts([prompt]) for prompt in prompts]
+    embeds = {key: torch.cat([e[key] for e in encoded]) for key in encoded[0]}
+    if solver == "release":
+        latents = _release_latents(adapter, tree, embeds, address, num_steps, settings)
+    else:
+        latents = grow(adapter, tree, embeds, adapter.schedule(num_steps, shift), settings, address).leaf_latents
+    return adapter.decode(latents), [prompts[p] for p in tree.prompt[tree.leaf_index].tolist()]
+
+
+def _release_latents(adapter: ModelAdapter, tree, embeds: dict, address: NoiseAddress, num_steps: int,
+                     settings: SamplerSettings) -> torch.Tensor:
+    """The chains of an ODE `tree` (one per root, roots in leaf order) run by the model's own sampler
+    from the roots' addressable noise, `max_batch` rows at a time (the last batch padded)."""
+    roots = torch.arange(tree.level_start[0], tree.level_start[1])  # (R,) prompt-major, as the leaves
+    keys = [address.prompt_keys[p] for p in tree.prompt[roots].tolist()]
+    initial = initial_noise(address, keys, [tree.paths[r] for r in roots.tolist()], adapter.latent_shape, adapter.device)  # (R, ...)
+    chunk = max(1, settings.max_batch // rows_per_latent(adapter, settings))
+    out = []
+    for start in range(0, len(roots), chunk):
+        rows = torch.arange(start, min(start + chunk, len(roots)))
+        padded = torch.cat([rows, rows[-1:].expand(chunk - len(rows))])
+        latents = adapter.release_denoise(initial[padded], select_embeds(embeds, tree.prompt[roots[padded]]), num_steps, settings.guidance)
+        out.append(latents[: len(rows)])
+    return torch.cat(out)
+
+
+def score_names(rewards: dict[str, object]) -> list[str]:
+    """The score names `score_images` returns: each reward's label, then `label.key` for the extra
+    scores it declares (tiny-geneval's strict and per-attribute accuracy)."""
+    return [name for label, reward in rewards.items() for name in (label, *(f"{label}.{k}" for k in extra_keys(reward)))]
+
+
+def score_images(rewards: dict[str, object], images: torch.Tensor, prompts: list[str], metadata: list[dict]) -> dict[str, torch.Tensor]:
+    """Per-image scores (B,) by `score_names`, through the same boundary as training
+    (`score_component`: one-line errors, shapes checked; non-finite scores kept and counted later)."""
+    scores = {}
+    for label, reward in rewards.items():
+        value, more, _ = score_component(reward, label, images, prompts, metadata)
+        scores[label] = value
+        scores.update({f"{label}.{k}": v for k, v in more.items()})
+    return scores
+
+
+@dataclass
+class EvalResult:
+    prompt_set: PromptSet
+    images_per_prompt: int
+    prompt_index: torch.Tensor  # (N,) prompt of each image, prompt-major then seed
+    seed_index: torch.Tensor  # (N,) seed (root) of each image
+    scores: dict[str, torch.Tensor]  # (N,) per score name
+
+
+def benchmark_paths(prompt_set: PromptSet) -> list[Path]:
+    """Each prompt's image path below `images/seed-<s>/`: `<style>/<index within the style:05d>.jpg`
+    (HPDv2's layout; prompts without a style go to `all/`)."""
+    seen: dict[str, int] = {}
+    paths = []
+    for metadata in prompt_set.metadata:
+        style = metadata.get("style") or "all"
+        paths.append(Path(style) / f"{seen.get(style, 0):05d}.jpg")
+        seen[style] = seen.get(style, 0) + 1
+    return paths
+
+
+def image_path(prompt_set_paths: list[Path], prompt: int, seed: int) -> Path:
+    return Path("images") / f"seed-{seed}" / prompt_set_paths[prompt]
+
+
+def save_jpeg(image: torch.Tensor, path: Path) -> None:
+    """An image (3, H, W) in [0, 1] as JPEG quality 95 (the benchmark reads JPEG; PIL's default 75
+    would move the pixels its evaluator sees further from those scored here)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_jpeg(to_uint8(image[None])[0], str(path), quality=95)
+
+
+def evaluate(
+    adapter: ModelAdapter, prompt_set: PromptSet, rewards: dict[str, object], images_per_prompt: int, num_steps: int,
+    shift: float | None = None, seed: int = EVAL_RUN_SEED, process_index: int = 0, num_processes: int = 1, chunk: int = 16,
+    progress: bool = False, out_dir: Path | None = None, guidance: float | None = None, lockstep: bool = False, solver: str = "training",
+) -> EvalResult:
+    """This process's share of the evaluation: prompts process_index, process_index + num_processes, ...
+    (`gather_results` joins the shares); with `out_dir`, each image is written there as it is made
+    (`image_path`), so no process holds more than a chunk of images; `progress` shows a bar. With
+    `lockstep` (a sharded denoiser) every process samples as many prompts, in chunks of the same
+    sizes: a shorter share is padded with its last prompt (or the first), whose images are dropped."""
+    mine = list(range(process_index, len(prompt_set.prompts), num_processes))
+    share = -(-len(prompt_set.prompts) // num_processes) if lockstep else len(mine)
+    sampled = mine + [mine[-1] if mine else 0] * (share - len(mine))
+    paths = benchmark_paths(prompt_set)
+    scores: dict[str, list[torch.Tensor]] = {name: [] for name in score_names(rewards)}
+    with tqdm(total=len(mine), desc="eval", unit="prompt", disable=not progress) as bar:  # closed (its line ended) on errors too
+        for start in range(0, len(sampled), chunk):
+            keys = sampled[start : start + chunk]
+            prompts = [prompt_set.prompts[k] for k in keys]
+            images, image_prompts = sample_ode(adapter, prompts, images_per_prompt, num_steps, shift, seed, keys, guidance, solver)
+            keys = keys[: max(0, len(mine) - start)]  # the padding's images are dropped
+            images, image_prompts = images[: len(keys) * images_per_prompt], image_prompts[: len(keys) * images_per_prompt]
+            if not keys:
+                continue
+            metadata = [prompt_set.metadata[k] for k in keys for _ in range(images_per_prompt)]
+            for name, values in score_images(rewards, images, image_prompts, metadata).items():
+                scores[name].append(values)
+            if out_dir is not None:
+                for row, image in enumerate(images):
+                    save_jpeg(image, out_dir / image_path(paths, keys[row // images_per_prompt], row % images_per_prompt))
+            bar.update(len(keys))
+    index = torch.tensor(mine, dtype=torch.long).repeat_interleave(images_per_prompt)
+    seeds = torch.arange(images_per_prompt).repeat(len(mine))
+    return EvalResult(prompt_set, images_per_prompt, index, seeds, {name: torch.cat(v) if v else torch.empty(0) for name, v in scores.items()})
+
+
+def gather_results(result: EvalResult, accelerator) -> EvalResult:
+    """Every process's scores joined in prompt order (one gather of Python objects; images stay on disk)."""
+    if accelerator.num_processes == 1:
+        return result
+    from accelerate.utils import gather_object
+
+    shares = gather_object([(result.prompt_index, result.seed_index, result.scores)])
+    index, seeds = torch.cat([s[0] for s in shares]), torch.cat([s[1] for s in shares])
+    order = torch.argsort(index * result.images_per_prompt + seeds, stable=True)
+    scores = {name: torch.cat([s[2][name] for s in shares])[order] for name in result.scores}
+    return EvalResult(result.prompt_set, result.images_per_prompt, index[order], seeds[order], scores)
+
+
+def summarize(result: EvalResult) -> dict[str, dict[str, dict[str, float]]]:
+    """{group: {score: {mean, std, images, nonfinite}}}: group "all", and each style when prompts
+    have one; mean and std over the finite scores, `nonfinite` counting the others."""
+    styles = [result.prompt_set.metadata[p].get("style") for p in result.prompt_index.tolist()]
+    groups = {"all": torch.ones(len(styles), dtype=torch.bool)}
+    for style in sorted({s for s in styles if s}):
+        groups[style] = torch.tensor([s == style for s in styles])
+    summary = {}
+    for group, member in groups.items():
+        summary[group] = {}
+        for name, values in result.scores.items():
+            chosen = values[member]
+            finite = chosen[torch.isfinite(chosen)]
+            summary[group][name] = {"mean": finite.mean().item() if len(finite) else float("nan"),
+                                    "std": finite.std().item() if len(finite) > 1 else 0.0,
+                                    "images": len(chosen), "nonfinite": len(chosen) - len(finite)}
+    return summary
+
+
+def format_comparison(rows: dict[str, dict[str, float]]) -> str:
+    """Scores (rows) of several models (columns), e.g. base vs trained means."""
+    models = list(rows)
+    names = list(rows[models[0]])
+    width = max(len(n) for n in names) + 2
+    lines = [f"{'score':<{width}}" + "".join(f"{m:>12}" for m in models)]
+    lines += [f"{name:<{width}}" + "".join(f"{rows[m][name]:>12.4f}" for m in models) for name in names]
+    return "\n".join(lines)
+
+
+def format_summary(summary: dict, label: str = "score") -> str:
+    """Mean ± std per score (rows) and group (columns)."""
+    groups = list(summary)
+    names = list(summary[groups[0]])
+    width = max(len(n) for n in names) + 2
+    lines = [f"{label:<{width}}" + "".join(f"{g:>20}" for g in groups)]
+    for name in names:
+        cells = [f"{summary[g][name]['mean']:.4f} ± {summary[g][name]['std']:.4f}"
+                 + (f" ({summary[g][name]['nonfinite']} NaN)" if summary[g][name]["nonfinite"] else "") for g in groups]
+        lines.append(f"{name:<{width}}" + "".join(f"{c:>20}" for c in cells))
+    return "\n".join(lines)
+
+
+def write_outputs(result: EvalResult, out_dir: Path, scales: dict[str, str], extra: dict) -> dict:
+    """scores.csv, grid.png (from the images `evaluate` wrote) and summary.json under `out_dir`
+    (module doc); returns the summary JSON. `scales`: each reward's scale note; `extra`: run facts."""
+    from torchvision.io import read_image
+
+    prompts, metadata = result.prompt_set.prompts, result.prompt_set.metadata
+    paths = benchmark_paths(result.prompt_set)
+    rows = []
+    for row, (p, s) in enumerate(zip(result.prompt_index.tolist(), result.seed_index.tolist())):
+        rows.append({"prompt_index": p, "seed": s, "style": metadata[p].get("style") or "all", "prompt": prompts[p],
+                     "image": str(image_path(paths, p, s)), **{name: f"{values[row].item():.6g}" for name, values in result.scores.items()}})
+    with (out_dir / "scores.csv").open("w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=list(rows[0]) if rows else ["prompt_index"])
+        writer.writeheader()
+        writer.writerows(rows)
+    shown = [row["image"] for row in rows[: min(8, len(prompts)) * result.images_per_prompt]]
+    if shown:
+        save_grid(torch.stack([read_image(str(out_dir / path)).float() / 255 for path in shown]), out_dir / "grid.png", nrow=result.images_per_prompt)
+    summary = {"prompts": result.prompt_set.name, "images_per_prompt": result.images_per_prompt, "scales": scales,
+               **extra, "summary": summarize(result)}
+    (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+    return summary

@@ -1,0 +1,138 @@
+"""Build a reward from a registered name, an installed entry point or a dotted import path.
+
+- A **registered name** (`REGISTRY`: `tiny-geneval`, ...) names a built-in; its module is imported
+  only when it is built, so a reward's heavy dependencies load only for runs that use it.
+- An **entry point** in the group `branchdiff.rewards` (a package's `pyproject.toml`:
+  `[project.entry-points."branchdiff.rewards"] sharpness = "my_pkg.rewards:Sharpness"`) is found
+  by its name once the package is installed.
+- A **dotted path** `package.module:Name` names a class or factory in any importable module.
+
+Keyword arguments (from YAML: `{name: ..., kwargs: {...}}`) go to the class or factory; `device`
+is passed too when its signature takes one. The result follows the protocol of `branchdiff/rewards/base.py`.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+from importlib.metadata import entry_points
+from importlib.util import find_spec
+
+import torch
+
+from branchdiff.errors import quote
+
+ENTRY_POINT_GROUP = "branchdiff.rewards"
+
+
+@dataclass(frozen=True)
+class Registered:
+    target: str  # "module:attribute" of the class or factory
+    needs: tuple[str, ...] = ()  # importable modules it needs beyond branchdiff's own dependencies
+    install: str = ""  # how to get them
+    weights: str = "none"  # where its weights come from
+
+
+REGISTRY: dict[str, Registered] = {
+    "tiny-geneval": Registered("branchdiff.rewards.tiny_geneval:TinyGenEval", weights="none: a programmatic verifier of the built-in task"),
+    "hpsv2": Registered("branchdiff.rewards.hps:hpsv2", weights="checkpoint=: xswu/HPSv2 HPS_v2_compressed.pt (hub id or local path)"),
+    "hpsv2.1": Registered("branchdiff.rewards.hps:hpsv2_1", weights="checkpoint=: xswu/HPSv2 HPS_v2.1_compressed.pt (hub id or local path)"),
+    "pickscore": Registered("branchdiff.rewards.pickscore:PickScoreReward",
+                            weights="model=: yuvalkirstain/PickScore_v1; processor=: laion/CLIP-ViT-H-14-laion2B-s32B-b79K"),
+    "clip-score": Registered("branchdiff.rewards.clip_score:CLIPScoreReward", weights="model=: openai/clip-vit-large-patch14"),
+    "aesthetic": Registered("branchdiff.rewards.aesthetic:AestheticReward",
+                            weights="mlp=: trl-lib/ddpo-aesthetic-predictor aesthetic-model.pth; clip_model=: openai/clip-vit-large-patch14"),
+    "imagereward": Registered("branchdiff.rewards.imagereward:ImageRewardReward", needs=("ImageReward",),
+                              install="pip install image-reward in its own environment (old pins) and serve it: branchdiff serve-reward imagereward",
+                              weights="checkpoint=: THUDM/ImageReward ImageReward.pt, and bert-base-uncased's tokenizer from the hub"),
+}
+
+
+def _import(target: str, what: str):
+    module_name, _, attribute = target.partition(":")
+    try:
+        return getattr(importlib.import_module(module_name), attribute)
+    except (ImportError, AttributeError) as error:
+        raise ValueError(f"{what} {target!r} could not be imported ({error}); expected 'package.module:Name'") from None
+
+
+def _entry_points() -> dict[str, object]:
+    return {point.name: point for point in entry_points(group=ENTRY_POINT_GROUP)}
+
+
+def _construct(factory, name: str, device: str, kwargs: dict) -> object:
+    try:
+        parameters = inspect.signature(factory).parameters
+    except (TypeError, ValueError):  # a builtin or C callable: no signature to inspect
+        parameters = {}
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
+    if "device" in parameters or takes_any:
+        kwargs = {"device": device, **kwargs}
+    try:
+        return factory(**kwargs)
+    except TypeError as error:
+        raise ValueError(f"reward {name!r}: {error}; check its kwargs") from None
+
+
+def resolve_reward(name: str) -> Callable[..., object]:
+    """The class or factory `name` names (registered name, entry point or dotted path), imported but
+    not built: what a run checks before it loads anything."""
+    if name in REGISTRY:
+        registered = REGISTRY[name]
+        missing = [module for module in registered.needs if find_spec(module) is None]
+        if missing:
+            raise ValueError(f"reward {name!r} needs {', '.join(missing)}: {registered.install}")
+        return _import(registered.target, f"reward {name!r}:")
+    points = _entry_points()
+    if name in points:
+        try:
+            return points[name].load()
+        except (ImportError, AttributeError) as error:
+            raise ValueError(f"reward {name!r} (entry point {points[name].value!r}) could not be loaded ({error})") from None
+    if ":" in name:
+        return _import(name, "reward")
+    known = [*REGISTRY, *points]
+    close = difflib.get_close_matches(name, known, n=2)
+    hint = f" (did you mean {', '.join(close)}?)" if close else ""
+    raise ValueError(f"unknown reward {quote(name)}{hint}; available: {', '.join(known)}, or a dotted path 'package.module:Name'")
+
+
+def check_reward_kwargs(name: str, factory: Callable[..., object], kwargs: dict) -> None:
+    """Refuse keyword arguments the reward's class or factory does not take (before it is built)."""
+    try:
+        parameters = inspect.signature(factory).parameters
+    except (TypeError, ValueError):  # a builtin or C callable: nothing to check
+        return
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+        return
+    unknown = sorted(set(kwargs) - set(parameters))
+    if unknown:
+        takes = [p for p in parameters if p != "device"]
+        raise ValueError(f"reward {name!r} takes no keyword argument {unknown[0]!r}; it takes: {', '.join(takes) or 'none'}")
+
+
+def build_reward(name: str, device: str | torch.device = "cpu", kwargs: dict | None = None) -> object:
+    """The reward `name` (registered name, entry point name or dotted path), built with `kwargs`."""
+    return _construct(resolve_reward(name), name, str(device), dict(kwargs or {}))
+
+
+def available() -> list[dict[str, str]]:
+    """One row per reward that can be named: built-ins and installed entry points, with what each
+    needs, whether that is installed, and where its weights come from (`branchdiff rewards list`)."""
+    rows = []
+    for name, registered in REGISTRY.items():
+        missing = [module for module in registered.needs if find_spec(module) is None]
+        needs = ", ".join(registered.needs) or "-"
+        status = "ready" if not missing else f"missing {', '.join(missing)}: {registered.install}"
+        rows.append({"name": name, "source": "built-in", "needs": needs, "status": status, "weights": registered.weights})
+    for name, point in _entry_points().items():
+        rows.append({"name": name, "source": f"entry point {point.value}", "needs": "-", "status": "installed", "weights": "see its package"})
+    return rows
+
+
+def reward_key(reward: object) -> str:
+    """The key of a reward's `score()` dict that is the reward itself (others are extra scores)."""
+    return getattr(reward, "reward_key", "reward")

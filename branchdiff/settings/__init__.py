@@ -1,0 +1,7 @@
+"""The run's settings: the typed dataclasses of every key (`config`), reading presets, YAML files and
+overrides (`load`), checks across keys (`validate`), the tree an iteration grows and its checks
+(`trees`), the settings of `sample` and `eval` (`evaluation`), and the YAML-to-dataclass machinery
+(`typed_yaml`).
+
+May import: rewards (reward specs), core (tree specs), models (the family table), runs, errors.
+"""

@@ -1,0 +1,111 @@
+"""Checks across a run's keys, which single fields cannot express: each a `ConfigError` with one
+line naming the key, the value and the fix. Combinations that would run but train nothing (no
+trainable step, a group of one, cps without noise) are refused here too, before anything loads.
+"""
+
+from __future__ import annotations
+
+import difflib
+
+from branchdiff.errors import ConfigError
+from branchdiff.models.families import FAMILIES, LORA_TARGET_SETS, STEP_KINDS, image_size
+from branchdiff.rewards.combine import parse_reward_specs
+from branchdiff.settings.config import TrainConfig
+from branchdiff.settings.trees import tree_spec, validate_cps, validate_ode, validate_trainable, validate_tree
+
+
+def validate(config: TrainConfig) -> None:
+    """Cross-field checks that single fields cannot express."""
+    if not config.output_dir.strip():
+        raise ConfigError("'output_dir' is empty; pass output_dir= a folder for the run, e.g. output_dir=runs/my-run")
+    _validate_finetune(config)
+    validate_warmup(config.train.warmup_iterations, config.iterations)
+    validate_decay_start(config.train.decay_start, config.train.warmup_iterations, config.train.lr_schedule)
+    validate_decay(config.train.ema_decay)
+    if config.watch.stop and not config.eval_every:
+        raise ConfigError("'watch.stop' = true needs held-out evaluations to watch: set eval_every (e.g. eval_every=20) and the gold "
+                          "score in watch.gold (an eval_rewards score)")
+    family = FAMILIES[config.model.family]
+    try:
+        size = image_size(config.model.resolution, family.resolution)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+    if not config.model.prompt_instruction and not family.instruction:
+        raise ConfigError(f"'model.prompt_instruction' = false applies to families whose prompts carry an instruction (sana); "
+                          f"model.family={config.model.family} has none: leave it unset")
+    if family.fixed_resolution and size != (family.resolution, family.resolution):
+        raise ConfigError(f"'model.resolution' = {config.model.resolution}: model.family={config.model.family} makes only "
+                          f"{family.resolution}×{family.resolution} images; leave model.resolution unset")
+    try:
+        parse_reward_specs(config.reward, "reward")
+        parse_reward_specs(config.eval_rewards, "eval_rewards")
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+    validate_tree(config)
+    steps_family = FAMILIES[config.model.family].steps
+    if config.sampling.sde == "ode":
+        validate_ode(config, steps_family)
+    elif config.sampling.sde not in STEP_KINDS[steps_family]:
+        raise ConfigError(f"'sampling.sde' = {config.sampling.sde!r} is not an SDE of model.family={config.model.family} "
+                          f"({steps_family} steps); allowed: {', '.join(STEP_KINDS[steps_family])}")
+    if steps_family == "ddim" and config.sampling.shift is not None:
+        raise ConfigError(f"'sampling.shift' = {config.sampling.shift} applies to flow families; model.family={config.model.family} "
+                          "samples on its scheduler's DDIM timesteps: leave sampling.shift unset")
+    if config.sampling.sde == "cps":
+        validate_cps(config)
+    _validate_explore(config)
+    if config.train.loss != "nft":  # the GRPO objectives train SDE edges; DiffusionNFT trains final samples and checks its own keys when built
+        validate_trainable(config)
+
+
+def _validate_finetune(config: TrainConfig) -> None:
+    """A named LoRA target set or a list of module-name patterns; full fine-tuning trains float32 weights."""
+    targets = config.model.lora_targets
+    if isinstance(targets, str) and targets not in LORA_TARGET_SETS:
+        close = difflib.get_close_matches(targets, LORA_TARGET_SETS, n=1)
+        raise ConfigError(f"'model.lora_targets' = {targets!r} is not a named set; allowed: {', '.join(LORA_TARGET_SETS)}, or a list of "
+                          f"module-name patterns such as [to_q, to_v]{f' (did you mean {close[0]!r}?)' if close else ''}")
+    if isinstance(targets, list) and (not targets or not all(t.strip() for t in targets)):
+        raise ConfigError(f"'model.lora_targets' = {targets!r}: give at least one module-name pattern, each non-empty")
+    if config.model.finetune == "full" and config.model.dtype != "float32":
+        raise ConfigError(f"'model.finetune' = 'full' trains the denoiser's own weights, which need model.dtype=float32 (got "
+                          f"{config.model.dtype!r}); compute in bf16 with train.mixed_precision=bf16, or fine-tune a LoRA")
+
+
+def _validate_explore(config: TrainConfig) -> None:
+    explore = config.explore
+    if explore.mode == "search" and config.train.loss != "nft":
+        raise ConfigError(f"'explore.mode' = 'search' keeps only the searched images, not their trees' log-probs: it trains with "
+                          f"train.loss=nft (DiffusionNFT), not {config.train.loss!r}")
+    if explore.mode == "search" and config.sampling.sde == "ode":
+        raise ConfigError("'explore.mode' = 'search' searches SDE trees: set sampling.sde to an SDE (flow, dance or cps), not ode")
+    if explore.mode == "seeds" and explore.keep > explore.pool:
+        raise ConfigError(f"'explore.keep' = {explore.keep} exceeds 'explore.pool' = {explore.pool}")
+    if explore.mode == "tree":
+        leaves = tree_spec(config, 0).leaves
+        if explore.keep > leaves:
+            raise ConfigError(f"'explore.keep' = {explore.keep} exceeds the {leaves} leaves per prompt of the tree")
+
+
+def validate_warmup(warmup_iterations: int, iterations: int) -> None:
+    """Warm-up must end before the run does."""
+    if warmup_iterations and warmup_iterations >= iterations:
+        raise ConfigError(f"'train.warmup_iterations' = {warmup_iterations} is not below iterations = {iterations}; "
+                          f"warm up for fewer iterations (e.g. train.warmup_iterations={iterations // 10})")
+
+
+def validate_decay_start(decay_start: int, warmup_iterations: int, schedule: str) -> None:
+    """A decay starts after the warm-up, and only a decaying schedule has one."""
+    if decay_start and schedule == "constant":
+        raise ConfigError(f"'train.decay_start' = {decay_start} needs a decaying train.lr_schedule (linear or cosine); "
+                          "set train.lr_schedule=cosine, or train.decay_start=0")
+    if decay_start and decay_start < warmup_iterations:
+        raise ConfigError(f"'train.decay_start' = {decay_start} is inside the warm-up (train.warmup_iterations = {warmup_iterations}); "
+                          f"start the decay at or after it (e.g. train.decay_start={warmup_iterations})")
+
+
+def validate_decay(decay: float) -> None:
+    """An average must move: the decay is in [0, 1)."""
+    if not 0.0 <= decay < 1.0:
+        raise ConfigError(f"'train.ema_decay' = {decay} is not in [0, 1); use e.g. train.ema_decay=0.99 "
+                          "(an average over about 100 optimizer steps), or 0 for no average")

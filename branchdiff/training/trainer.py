@@ -1,0 +1,379 @@
+"""The training loop: one iteration is rollout → rewards → the objective's signal (for GRPO: fusion,
+advantages, pruning) → update.
+
+The checkpoint methods are in branchdiff/training/checkpoints.py.
+
+Everything random in an iteration (the prompts drawn, every node's noise, step subsampling, the
+minibatch order) is a pure function of (run seed, iteration), so a checkpoint needs only the LoRA
+weights, the optimizer and the iteration to continue exactly as if the run had never stopped.
+
+With several processes (`accelerate launch`), each process grows the trees of its own prompts.
+Under DDP, rollouts, the KL reference and evaluation run the plain denoiser (no collective inside);
+only the training forward goes through the DDP wrapper, and every process takes the same optimizer
+steps. Under FSDP every forward gathers weights, so the processes' forwards agree in number
+(branchdiff/runs/sharding.py, docs/sharding.md).
+Batch-wide statistics, the loss normaliser and the metrics combine all processes
+(`branchdiff.runs.distributed`), so a run on P processes computes what one process would on all prompts.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import sys
+import time
+import uuid
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import DistributedDataParallelKwargs, InitProcessGroupKwargs, ProjectConfiguration, broadcast_object_list, set_seed
+
+from branchdiff.runs import storage
+from branchdiff.errors import ConfigError
+from branchdiff.settings.config import TrainConfig
+from branchdiff.data.prompts import draw_prompts, load_prompt_set
+from branchdiff.runs.distributed import AcceleratorCollective
+from branchdiff.models.ema import WeightAverage
+from branchdiff.errors import UserError
+from branchdiff.evaluation.evaluate import EvalResult, evaluate, gather_results, sample_ode, score_names, summarize
+from branchdiff.explore.pool import ExploreResult, explore_search, explore_seeds, explore_tree, latent_difference, pool_under_policy, selection_generators
+from branchdiff.training.metrics import iteration_metrics
+from branchdiff.models import load_adapter
+from branchdiff.models.base import ModelAdapter
+from branchdiff.objectives import make_objective
+from branchdiff.models.finetune import make_finetune
+from branchdiff.training.hacking import WatchState
+from branchdiff.training.lr_schedule import LearningRateSchedule
+from branchdiff.runs.memory import PhaseMemory
+from branchdiff.explore.quant import QuantConfig, make_quantized_copy, refresh_quantized_copy
+from branchdiff.rewards.combine import parse_reward_specs
+from branchdiff.rewards.multi import MultiReward, RewardBatch, build_component
+from branchdiff.core.rollout import NoiseAddress, Rollout, SamplerSettings, grow
+from branchdiff.search import SEARCHES
+from branchdiff.runs.sharding import Lockstep, ShardingSettings, accelerate_without_fsdp, process_group_backend
+from branchdiff.core.tree import build_tree
+from branchdiff.training.checkpoints import TrainerCheckpoints
+from branchdiff.settings.trees import tree_spec
+from branchdiff.training.update import UpdateLoop
+from branchdiff.runs.watchdog import Heartbeat, backend_timeout
+
+
+@dataclass
+class IterationResult:
+    metrics: dict[str, float]
+    rollout: Rollout
+    leaf_images: torch.Tensor  # (L, 3, H, W)
+    node_rewards: torch.Tensor  # (N,) fused reward of each node
+    node_advantages: torch.Tensor  # (N,) clipped advantage of the edge into each node
+    trained: torch.Tensor  # (N,) bool: the edge into the node got gradients
+    prompts: list[str]  # (P,) the prompt of each tree
+
+
+def sampler_settings(config: TrainConfig) -> SamplerSettings:
+    s = config.sampling
+    return SamplerSettings(s.sde, s.noise_level, s.max_batch, s.exact, s.guidance)
+
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def make_optimizer(config: TrainConfig, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    """AdamW over the LoRA parameters, or bitsandbytes' 8-bit AdamW (`train.optimizer=adamw8bit`:
+    its two moments in 8 bits, a quarter of AdamW's optimizer memory)."""
+    train = config.train
+    if train.optimizer == "adamw8bit":
+        try:
+            import bitsandbytes
+        except ImportError:
+            raise ImportError("train.optimizer=adamw8bit needs bitsandbytes: pip install 'branchdiff-rl[quant]'") from None
+        return bitsandbytes.optim.AdamW8bit(params, lr=train.learning_rate, weight_decay=train.weight_decay)
+    return torch.optim.AdamW(params, lr=train.learning_rate, weight_decay=train.weight_decay)
+
+
+class Trainer(TrainerCheckpoints):
+    def __init__(self, config: TrainConfig, resume: str | None = None) -> None:
+        """Everything an iteration needs. `resume` ("latest" or a checkpoint folder): continue from
+        that checkpoint, which is chosen and checked before any model or reward loads (`select_checkpoint`)."""
+        self.config = config
+        self.run_dir = Path(config.output_dir)
+        self.sharding = ShardingSettings.from_environment()
+        if self.sharding.enabled and config.explore.mode == "search":
+            raise ConfigError("'explore.mode' = 'search' grows each prompt's tree a node at a time, which sharded forwards cannot follow "
+                              "in lockstep; under FSDP use explore.mode=seeds or tree")
+        if self.sharding.enabled and config.train.optimizer == "adamw8bit":
+            raise ConfigError("'train.optimizer' = 'adamw8bit' is not supported on a sharded (FSDP) denoiser; use train.optimizer=adamw "
+                              "(its moments are sharded with the weights)")
+        with accelerate_without_fsdp():
+            self.accelerator = self._accelerator()
+        if self.sharding.enabled and self.accelerator.num_processes < 2:
+            raise UserError("FSDP is on (ACCELERATE_USE_FSDP) in a single process: sharding needs several; launch with accelerate launch "
+                            "--config_file $(branchdiff accelerate-config fsdp) --num_processes N (N ≥ 2), or unset ACCELERATE_USE_FSDP")
+        self.collective = AcceleratorCollective(self.accelerator)
+        self.memory = PhaseMemory(self.accelerator.device)  # peak memory of each phase, in the metrics
+        self.heartbeat = self._start_heartbeat() if self.accelerator.num_processes > 1 else None
+        resumed = self.select_checkpoint(resume) if resume else None
+        self.settings = sampler_settings(config)
+        set_seed(config.seed)
+        self.reward = MultiReward(parse_reward_specs(config.reward), config.reward_combine, self.accelerator.device)
+        self.eval_rewards = self._build_eval_rewards()  # by label: resolved and loaded before the first iteration
+        self.gold_score = self._gold_score()  # before the model loads: a wrong name costs nothing
+        model = config.model
+        self.adapter = load_adapter(model.family, model.path, self.accelerator.device, model.resolution, DTYPES[model.dtype], model.offload,
+                                    model.prompt_instruction)
+        notice = self.adapter.solver_notice()
+        if notice and self.accelerator.is_main_process:
+            print(f"branchdiff: {notice}", file=sys.stderr)
+        self.schedule = self.adapter.schedule(config.sampling.num_steps, config.sampling.shift).to(self.accelerator.device)
+        if self.sharding.enabled:  # LoRA and the frozen copy are made in host memory; `shard` moves one block at a time to the device
+            self.adapter.denoiser.to("cpu")
+        self.finetune = make_finetune(self.adapter, model.finetune, model.lora_targets, config.train.lora_rank, config.train.lora_alpha,
+                                      config.seed, keep_base=config.train.kl_beta > 0 or config.final_eval)
+        if config.train.gradient_checkpointing:
+            self.adapter.denoiser.enable_gradient_checkpointing()
+        self.explorer = self._make_explorer()  # a whole copy on every process, made before the denoiser is sharded
+        if self.sharding.enabled:
+            self.finetune.shard(self.sharding, Lockstep(self.collective))
+        optimizer = make_optimizer(config, self.finetune.params)
+        self.weight_average = WeightAverage(self.finetune.params, config.train.ema_decay) if config.train.ema_decay else None
+        self.learning_rate = LearningRateSchedule(optimizer, config.train.lr_schedule, config.train.warmup_iterations, config.iterations,
+                                                  config.train.decay_start)
+        if self.sharding.enabled:  # the sharded module is its own wrapper; its optimizer state is saved gathered (_save_trained)
+            wrapped, self.optimizer = self.adapter.denoiser, optimizer
+        else:
+            wrapped, self.optimizer = self.accelerator.prepare(self.adapter.denoiser, optimizer)
+        # the training forward goes through the (DDP-)wrapped module; everything else uses the plain one
+        self.train_adapter = copy.copy(self.adapter)
+        self.train_adapter.denoiser = wrapped
+        self.objective = make_objective(config.train.loss, config=config, collective=self.collective, finetune=self.finetune,
+                                        train_policy=self.train_adapter, schedule=self.schedule, settings=self.settings)
+        self.update = UpdateLoop(config.train, self.accelerator, self.collective, self.finetune.params, wrapped, self.optimizer,
+                                 self.weight_average, self.sharding.enabled)
+        self.accelerator.register_save_state_pre_hook(self._save_hook)
+        self.accelerator.register_load_state_pre_hook(self._load_hook)
+        self.prompt_set = load_prompt_set(config.prompts.train)
+        self.prompts = self.prompt_set.prompts
+        self.start_iteration = 0
+        self.run_state = {"skipped_in_a_row": 0}  # optimizer steps skipped in a row (non-finite gradients), across iterations
+        self.watch_state = WatchState()  # the reward-hacking watch's memory (branchdiff/training/hacking.py)
+        if resumed is not None:
+            self._load_checkpoint(resumed)
+
+    def _accelerator(self) -> Accelerator:
+        config = self.config
+        backend = process_group_backend(self.sharding, torch.cuda.is_available())
+        timeout = timedelta(seconds=backend_timeout(config.collective_timeout))
+        group = InitProcessGroupKwargs(timeout=timeout, **({"backend": backend} if backend else {}))
+        return Accelerator(
+            cpu=not torch.cuda.is_available(),
+            mixed_precision=config.train.mixed_precision,
+            log_with="tensorboard" if config.logging.tensorboard else None,
+            project_config=ProjectConfiguration(project_dir=str(self.run_dir), logging_dir=str(self.run_dir / "logs")),
+            # the denoiser's buffers are constants (SD3's positional table): nothing to broadcast; a collective
+            # still waiting a while after the heartbeat watch (branchdiff/runs/watchdog.py) would have named a frozen rank raises
+            kwargs_handlers=[DistributedDataParallelKwargs(broadcast_buffers=False),
+                             group],
+        )
+
+    def _make_explorer(self) -> ModelAdapter | None:
+        """The policy itself (backend none) or a 4-bit copy of it, for explore modes."""
+        explore = self.config.explore
+        if explore.mode == "off":
+            return None
+        if explore.backend == "none":
+            return self.adapter
+        self.quant_config = QuantConfig(explore.backend, self.adapter.quant_skip_modules, explore.min_features)
+        explorer = copy.copy(self.adapter)
+        explorer.denoiser = make_quantized_copy(self.adapter.denoiser, self.quant_config, self.accelerator.device)
+        return explorer
+
+    def refresh_explorer(self) -> None:
+        """Re-derive the quantised copy from the policy (its weights, LoRA merged), so exploration follows it."""
+        if self.explorer is not None and self.explorer is not self.adapter:
+            refresh_quantized_copy(self.explorer.denoiser, self.adapter.denoiser, self.quant_config)
+
+    def _start_heartbeat(self) -> Heartbeat:
+        """With several processes, this process's heartbeat and its watch over the others
+        (branchdiff/runs/watchdog.py), started before the first collective that could wait on a frozen rank."""
+        job = broadcast_object_list([uuid.uuid4().hex])[0]  # names this launch in every process's heartbeat
+        return Heartbeat(self.run_dir, self.accelerator.process_index, self.accelerator.num_processes,
+                         self.config.collective_timeout, self.newest_checkpoint, job).start()
+
+    # ---------------------------------------------------------------- one iteration
+    def iteration_draw(self, iteration: int) -> tuple[list[int], tuple[int, ...]]:
+        """This process's prompt indices and their global keys (slots of the iteration's global draw)."""
+        per_process = self.config.prompts.per_iteration
+        indices = draw_prompts(self.prompts, per_process * self.accelerator.num_processes, self.config.seed, iteration)
+        first = self.accelerator.process_index * per_process
+        keys = tuple(range(first, first + per_process))
+        return [indices[k] for k in keys], keys
+
+    def rollout_and_score(self, iteration: int, per_node: bool = False) -> tuple[Rollout, torch.Tensor, RewardBatch, dict]:
+        """Grow this iteration's trees and score the leaves: (rollout, leaf images, rewards, info)."""
+        indices, keys = self.iteration_draw(iteration)
+        prompts, metadata = [self.prompts[i] for i in indices], [self.prompt_set.metadata[i] for i in indices]
+        spec = tree_spec(self.config, iteration)
+        embeds = self.adapter.encode_prompts(prompts)
+        address = NoiseAddress(self.config.seed, iteration, keys)
+        info: dict = {"embeds": embeds, "prompts": prompts, "address": address, "memory": {}}
+        start = time.perf_counter()
+        with self.memory.phase("rollout", info["memory"]), self.accelerator.autocast(), self.objective.sampling_weights():
+            if self.explorer is None:
+                rollout = grow(self.adapter, build_tree(spec, len(prompts)), embeds, self.schedule, self.settings, address, per_node)
+            else:
+                explored = self._explore(spec, prompts, metadata, embeds, address, iteration)
+                rollout = explored.rollout
+        info["rollout_seconds"] = time.perf_counter() - start
+        start = time.perf_counter()
+        with self.memory.phase("reward", info["memory"]):
+            images = self.adapter.decode(rollout.leaf_latents)
+            tree = rollout.tree
+            leaf_prompts = tree.prompt[tree.leaf_index]  # (L,) the group of each leaf
+            rewards = self.reward(images, [prompts[p] for p in leaf_prompts.tolist()], [metadata[p] for p in leaf_prompts.tolist()],
+                                  leaf_prompts)
+        info["reward_seconds"] = time.perf_counter() - start
+        if self.explorer is not None:
+            kept_regenerated = rewards.total.reshape(len(prompts), self.config.explore.keep, -1).mean(-1)
+            info["explore_kept"] = (explored.pool_rewards.gather(1, explored.kept), kept_regenerated)  # (P, K) each
+            info["explore_stats"] = {**latent_difference(explored), **explored.stats}
+            every = self.config.explore.fidelity_every
+            if every and iteration % every == 0 and self.config.explore.mode != "search":  # a search's pool has no fixed shape to regrow
+                info["explore_pool"] = (explored.pool_rewards, self._pool_rewards_under_policy(spec, prompts, metadata, embeds, address))
+        return rollout, images, rewards, info
+
+    def _score_images(self, prompts: list[str], metadata: list[dict]):
+        def score(images: torch.Tensor, prompt_index: torch.Tensor) -> torch.Tensor:
+            rows = prompt_index.tolist()
+            return self.reward(images, [prompts[p] for p in rows], [metadata[p] for p in rows], prompt_index).total
+
+        return score
+
+    def _score_latents(self, prompts: list[str], metadata: list[dict]):
+        score_images = self._score_images(prompts, metadata)
+        return lambda latents, prompt_index: score_images(self.adapter.decode(latents), prompt_index)
+
+    def _explore(self, spec, prompts: list[str], metadata: list[dict], embeds: dict, address: NoiseAddress, iteration: int) -> ExploreResult:
+        explore = self.config.explore
+        generators = selection_generators(self.config.seed, iteration, address.prompt_keys)
+        if explore.mode == "search":
+            return explore_search(self.adapter, self.explorer, embeds, spec, self.schedule, self.settings, address, SEARCHES[explore.search](),
+                                  explore.search_budget, explore.keep, explore.selection, self._score_images(prompts, metadata), generators)
+        score = self._score_latents(prompts, metadata)
+        if explore.mode == "tree":
+            return explore_tree(self.adapter, self.explorer, embeds, spec, self.schedule, self.settings, address,
+                                explore.keep, explore.selection, score, generators)
+        preview_steps = explore.preview_steps or self.config.sampling.num_steps
+        preview_schedule = self.adapter.schedule(preview_steps, self.config.sampling.shift).to(self.accelerator.device)
+        return explore_seeds(self.adapter, self.explorer, embeds, spec, self.schedule, preview_schedule, explore.preview_sampler == "sde",
+                             self.settings, address, explore.pool, explore.keep, explore.selection, score, generators)
+
+    def _pool_rewards_under_policy(self, spec, prompts: list[str], metadata: list[dict], embeds: dict, address: NoiseAddress) -> torch.Tensor:
+        """(P, N) the policy's reward of every pool candidate (the explorer's ranking is judged on these)."""
+        explore = self.config.explore
+        with self.accelerator.autocast():
+            latents, per_candidate = pool_under_policy(self.adapter, embeds, spec, self.schedule, self.settings, address, explore.mode, explore.pool)
+        prompt_index = torch.arange(len(prompts)).repeat_interleave(len(latents) // len(prompts))
+        return self._score_latents(prompts, metadata)(latents, prompt_index).reshape(len(prompts), -1, per_candidate).mean(-1)
+
+    def run_iteration(self, iteration: int, per_node: bool = False) -> IterationResult:
+        """One iteration; `per_node` grows the tree with batch-1 forwards (benchmarks). The objective
+        (`train.loss`, branchdiff/objectives/) turns the rewards into a signal and the signal into
+        an update plan, which the update loop runs (branchdiff/training/update.py)."""
+        rollout, images, rewards, info = self.rollout_and_score(iteration, per_node)
+        signal = self.objective.signal(rollout, rewards.total, iteration)
+        info["groups_dropped"] = signal.groups_dropped
+        learning_rate = self.learning_rate.set(iteration)
+        start = time.perf_counter()
+        with self.memory.phase("train", info["memory"]):
+            train_stats = self.update(self.objective.plan(rollout, info["embeds"], signal, info["address"]))
+            self.objective.after_update(iteration)
+        info["train_seconds"] = time.perf_counter() - start
+        streak = self.run_state["skipped_in_a_row"] + train_stats["steps_skipped"]
+        self.run_state["skipped_in_a_row"] = train_stats["trailing_skips"] if train_stats["optimizer_steps"] else streak
+        metrics = {"iteration": iteration, **iteration_metrics(self.collective, rollout, rewards, signal.node_advantages, signal.trained,
+                                                               train_stats, self.objective.metric_kinds, info),
+                   "learning_rate": learning_rate}
+        self.refresh_explorer()
+        return IterationResult(metrics, rollout, images, signal.node_rewards, signal.node_advantages, signal.trained, info["prompts"])
+
+    # ---------------------------------------------------------------- evaluation
+    def evaluated_weights(self) -> AbstractContextManager:
+        """The weights that are evaluated and exported in the model for the block: the moving
+        average when `train.ema_decay` is on (branchdiff/models/ema.py), else the live ones."""
+        return self.weight_average.swapped_in() if self.weight_average is not None else nullcontext()
+
+    def _gold_score(self) -> str | None:
+        """The held-out score the reward-hacking watch follows: `watch.gold`, else the first eval
+        reward's own score; None when the run never evaluates during training."""
+        if not self.config.eval_every:
+            return None
+        names = score_names(self.eval_rewards)
+        gold = self.config.watch.gold or names[0]
+        if gold not in names:
+            raise ConfigError(f"'watch.gold' = {gold!r} is not a score of eval_rewards; allowed: {', '.join(names)}")
+        return gold
+
+    def _build_eval_rewards(self) -> dict[str, object]:
+        """The evaluation rewards (`eval_rewards`) by label, built before the first iteration when the
+        run evaluates; a component the training reward already built (the same spec) is shared, not
+        loaded twice."""
+        def component(spec) -> object:
+            for trained, reward in zip(self.reward.specs, self.reward.rewards):
+                if (trained.name, trained.remote, trained.kwargs) == (spec.name, spec.remote, spec.kwargs):
+                    return reward
+            return build_component(spec, str(self.accelerator.device))
+
+        if not (self.config.final_eval or self.config.eval_every):
+            return {}  # the run never evaluates
+        return {spec.label: component(spec) for spec in parse_reward_specs(self.config.eval_rewards)}
+
+    def _evaluate(self, model: ModelAdapter, process_index: int = 0, num_processes: int = 1) -> EvalResult:
+        """`model` on the eval prompts with the eval rewards (this process's share)."""
+        config = self.config
+        return evaluate(model, load_prompt_set(config.prompts.eval), self.eval_rewards, config.prompts.eval_seeds,
+                        config.sampling.num_steps, config.sampling.shift, process_index=process_index, num_processes=num_processes,
+                        guidance=config.prompts.eval_guidance, lockstep=self.sharding.enabled)
+
+    def _evaluate_shared(self, model: ModelAdapter) -> EvalResult:
+        """`model` on the eval prompts, each process sampling its share, gathered on every process."""
+        accelerator = self.accelerator
+        return gather_results(self._evaluate(model, accelerator.process_index, accelerator.num_processes), accelerator)
+
+    def heldout_metrics(self) -> dict[str, float]:
+        """The policy's mean score on the eval prompts, `eval_<score>` for each eval reward and its
+        extras (fixed noise, ODE), each process sampling its share of the prompts; `eval_seconds`."""
+        start, memory = time.perf_counter(), {}
+        with self.memory.phase("eval", memory), self.evaluated_weights():
+            summary = summarize(self._evaluate_shared(self.adapter))["all"]
+        memory = {key: self.collective.max(torch.tensor([value], dtype=torch.float64)).item() for key, value in memory.items()}
+        return {**{f"eval_{name}": row["mean"] for name, row in summary.items()}, "eval_seconds": time.perf_counter() - start, **memory}
+
+    def fixed_samples(self, prompts: int = 4, images_per_prompt: int = 4) -> tuple[torch.Tensor, list[str]]:
+        """The policy's ODE samples (prompts · images_per_prompt, 3, H, W) of the first eval prompts
+        with fixed seeds, and those prompts: the same noise at every call, so grids compare across
+        iterations. On a sharded denoiser every process calls it."""
+        config = self.config
+        chosen = load_prompt_set(config.prompts.eval).prompts[:prompts]
+        with self.evaluated_weights():
+            images = sample_ode(self.adapter, chosen, images_per_prompt, config.sampling.num_steps, config.sampling.shift,
+                                guidance=config.prompts.eval_guidance)[0]
+        return images, chosen
+
+    def final_evaluation(self) -> dict[str, dict[str, float]]:
+        """Base (adapter disabled) vs trained on the eval prompts with the eval rewards and the same
+        fixed noise: mean scores by model; the full summaries go to eval.json in the run directory
+        (written by the main process). Every process calls it and samples its share of the prompts."""
+        config = self.config
+        with self.finetune.base() as base:
+            summaries = {"base": summarize(self._evaluate_shared(base))}
+        with self.evaluated_weights():
+            summaries["trained"] = summarize(self._evaluate_shared(self.adapter))
+        scales = {label: getattr(reward, "scale", "unspecified") for label, reward in self.eval_rewards.items()}
+        report = {"prompts": config.prompts.eval, "images_per_prompt": config.prompts.eval_seeds, "scales": scales,
+                  "after_iteration": config.iterations - 1, **summaries}
+        if self.accelerator.is_main_process:
+            storage.write_text(self.run_dir / "eval.json", json.dumps(report, indent=1))
+        return {model: {name: row["mean"] for name, row in summary["all"].items()} for model, summary in summaries.items()}
