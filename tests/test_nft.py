@@ -14,15 +14,15 @@ from branchdiff.settings.load import load_config
 from branchdiff.core.loss import nft_loss, nft_optimality
 
 
-def _reference_loss(v_theta, v_old, x0, x_t, sigma, r, beta):
-    """Element by element in float64."""
+def _reference_loss(v_theta, v_old, x0, x_t, sigma, r, beta, advantage_clip):
+    """Element by element in float64: the paper's A_max/β·(r·L⁺ + (1 − r)·L⁻)."""
     out = []
     for e in range(len(x0)):
         losses = []
         for v in ((1 - beta) * v_old[e] + beta * v_theta[e], (1 + beta) * v_old[e] - beta * v_theta[e]):
             error = (x_t[e].double() - float(sigma[e]) * v.double() - x0[e].double()).flatten()
             losses.append(float((error**2).mean()) / max(float(error.abs().mean()), 1e-5))
-        out.append(float(r[e]) * losses[0] + (1 - float(r[e])) * losses[1])
+        out.append(advantage_clip / beta * (float(r[e]) * losses[0] + (1 - float(r[e])) * losses[1]))
     return torch.tensor(out, dtype=torch.float64)
 
 
@@ -32,17 +32,17 @@ def test_the_loss_equals_the_formula_and_vanishes_where_the_implicit_policy_hits
     sigma = torch.tensor([0.9, 0.7, 0.5, 0.3, 0.1])
     x_t = (1 - sigma.view(-1, 1, 1, 1)) * x0 + sigma.view(-1, 1, 1, 1) * noise
     r = torch.tensor([0.0, 0.25, 0.5, 0.75, 1.0])
-    for beta in (1.0, 0.1):
-        expected = _reference_loss(v_theta, v_old, x0, x_t, sigma, r, beta)
-        assert torch.allclose(nft_loss(v_theta, v_old, x0, x_t, sigma, r, beta).double(), expected, rtol=1e-5, atol=1e-7)
+    for beta, advantage_clip in ((1.0, 5.0), (0.1, 5.0), (0.5, 2.0)):  # the policy term is 5×, 50× and 4× the bare bracket
+        expected = _reference_loss(v_theta, v_old, x0, x_t, sigma, r, beta, advantage_clip)
+        assert torch.allclose(nft_loss(v_theta, v_old, x0, x_t, sigma, r, beta, advantage_clip).double(), expected, rtol=1e-5, atol=1e-6)
     target = noise - x0  # the flow-matching velocity: x_t − σ·target = x0
     ones, zeros = torch.ones(5), torch.zeros(5)
     # r = 1: the loss is the positive branch, 0 when v⁺ = (1 − β)·v_old + β·v_θ is the target
     v_hit = (target - 0.5 * v_old) / 0.5
-    assert nft_loss(v_hit, v_old, x0, x_t, sigma, ones, 0.5).abs().max() < 1e-4
+    assert nft_loss(v_hit, v_old, x0, x_t, sigma, ones, 0.5, 5.0).abs().max() < 1e-3
     # r = 0: the negative branch, 0 when v⁻ = (1 + β)·v_old − β·v_θ is the target: v_θ pushed to the other side of v_old
     v_away = (1.5 * v_old - target) / 0.5
-    assert nft_loss(v_away, v_old, x0, x_t, sigma, zeros, 0.5).abs().max() < 1e-4
+    assert nft_loss(v_away, v_old, x0, x_t, sigma, zeros, 0.5, 5.0).abs().max() < 1e-3
     assert nft_optimality(torch.tensor([-10.0, -2.5, 0.0, 2.5, 10.0]), 5.0).tolist() == [0.0, 0.25, 0.5, 0.75, 1.0]
 
 
@@ -55,7 +55,7 @@ def _config(tmp_path, *extra):
 def test_leaf_advantages_are_group_normalised_and_the_sampling_policy_follows_its_recursion(tmp_path):
     from branchdiff.training.trainer import Trainer
 
-    trainer = Trainer(_config(tmp_path, "nft.old_decay_rate=0.25", "nft.old_decay_max=0.4", "nft.advantage_clip=1.5"))
+    trainer = Trainer(_config(tmp_path, "nft.old_decay_rate=0.05", "nft.old_decay_max=0.4", "nft.advantage_clip=1.5"))
     objective, params = trainer.objective, trainer.finetune.params
     rollout, _, _, _ = trainer.rollout_and_score(0)
     rewards = torch.tensor([0.1, 0.5, 0.9, 0.3, 0.3, float("nan")])  # the second prompt is dropped
@@ -66,9 +66,11 @@ def test_leaf_advantages_are_group_normalised_and_the_sampling_policy_follows_it
     assert torch.allclose(signal.node_advantages[leaves[:3]], expected, atol=1e-6) and signal.node_advantages[leaves[3:]].abs().max() == 0
     assert signal.trained.tolist() == [node in leaves[:3].tolist() for node in range(rollout.tree.num_nodes)] and signal.groups_dropped == 1
     old = [p.detach().clone() for p in params]  # θ_old before any update is θ
+    steps = 0
     for iteration in range(3):
-        trainer.run_iteration(iteration)
-        d = min(0.25 * iteration, 0.4)
+        steps += trainer.run_iteration(iteration).metrics["optimizer_steps"]  # 12 terms, one step every 4: 3 a iteration
+        d = min(0.05 * steps, 0.4)  # the decay counts optimizer steps (0.15, 0.3, then 0.4), as the paper's script does
+        assert steps == 3 * (iteration + 1)
         old = [d * o + (1 - d) * p.detach() for o, p in zip(old, params)]
         with objective.sampling_weights():
             assert all(torch.allclose(p, o, rtol=0, atol=1e-6) for p, o in zip(params, old))

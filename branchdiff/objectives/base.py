@@ -69,8 +69,9 @@ class Objective:
         """The weights the rollouts sample with, in the model for the block (default: the trained ones)."""
         return nullcontext()
 
-    def after_update(self, iteration: int) -> None:
-        """Called once the iteration's optimizer steps are taken."""
+    def after_update(self, optimizer_steps: int) -> None:
+        """Called once the iteration's optimizer steps are taken; `optimizer_steps`: the run's steps taken
+        so far, this iteration's included (skipped steps not counted; kept across a resume)."""
 
     def save_state(self, folder: Path, write: bool) -> None:
         """The objective's own state into a checkpoint folder; every process calls it (sharded tensors

@@ -14,13 +14,13 @@ a term is (leaf, step) with the loss of `loss.nft_loss` between the trained pred
 sampling policy's v_old, plus train.kl_beta · mean((v_θ − v_ref)²) to the base model.
 
 The sampling policy θ_old is a soft copy of the trained weights (kept as an `ema.WeightAverage`):
-rollouts and v_old use it; after iteration i, θ_old ← d·θ_old + (1 − d)·θ with
-d = min(nft.old_decay_rate·i, nft.old_decay_max) (d = 0 at iteration 0: θ_old starts at θ). It is
-saved in checkpoints (`sampling_policy.safetensors`). A leaf's steps and noise are drawn at its address
+rollouts and v_old use it; after each iteration's optimizer steps, θ_old ← d·θ_old + (1 − d)·θ with
+d = min(nft.old_decay_rate·n, nft.old_decay_max), n the optimizer steps the run has taken so far (as
+the paper's public script counts its global step; θ_old starts at θ). It is saved in checkpoints (`sampling_policy.safetensors`). A leaf's steps and noise are drawn at its address
 (branchdiff/core/noise.py: run seed, iteration, prompt key, node path), so one process and several draw
 the same terms.
-Interpretations: the loss is left unscaled (no A_max/β factor); the KL is on the velocity, reusing
-train.kl_beta.
+The loss is the paper's, A_max/β factor included, so `train.kl_beta` (the KL on the velocity) and
+`train.max_grad_norm` weigh against the policy term as the paper's settings do.
 """
 
 from __future__ import annotations
@@ -96,9 +96,9 @@ class DiffusionNFT(Objective):
     def sampling_weights(self) -> AbstractContextManager:
         return self.sampling_policy.swapped_in()
 
-    def after_update(self, iteration: int) -> None:
+    def after_update(self, optimizer_steps: int) -> None:
         nft = self.config.nft
-        self.sampling_policy.update(min(nft.old_decay_rate * iteration, nft.old_decay_max))
+        self.sampling_policy.update(min(nft.old_decay_rate * optimizer_steps, nft.old_decay_max))
 
     def save_state(self, folder: Path, write: bool) -> None:
         self.sampling_policy.save(folder, SAMPLING_POLICY_FILE, write)
@@ -162,7 +162,7 @@ class NFTPlan:
         objective, terms = self.objective, self.minibatches[index]
         v_theta = self._predict(objective.train_policy, terms)  # (e, ...)
         per_term = nft_loss(v_theta, self.v_old[terms], self.x0[terms], self.x_t[terms], self.sigma[terms], self.optimality[terms],
-                            objective.config.nft.beta)
+                            objective.config.nft.beta, objective.config.nft.advantage_clip)
         kl = torch.zeros_like(per_term)
         if objective.config.train.kl_beta > 0:
             with torch.no_grad(), objective.finetune.base() as base:

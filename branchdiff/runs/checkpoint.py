@@ -144,9 +144,10 @@ def state_problem(state: object) -> str | None:
             continue
         if not valid(state[name]):
             return f"field '{name}' = {json.dumps(state[name])[:40]} is not {expected}"
-    skipped = state.get("run_state", {}).get("skipped_in_a_row", 0)
-    if not _whole(skipped, 0):
-        return f"field 'run_state.skipped_in_a_row' = {json.dumps(skipped)[:40]} is not an integer ≥ 0"
+    for counter in ("skipped_in_a_row", "optimizer_steps"):
+        count = state.get("run_state", {}).get(counter, 0)
+        if not _whole(count, 0):
+            return f"field 'run_state.{counter}' = {json.dumps(count)[:40]} is not an integer ≥ 0"
     watch = state.get("run_state", {}).get("watch", {})
     numbers = lambda values: isinstance(values, list) and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values)  # noqa: E731
     if not (isinstance(watch, dict) and set(watch) <= {"train", "gold"} and numbers(watch.get("train", []))

@@ -108,7 +108,7 @@ class NFTConfig:
     beta: float = positive(1.0)  # β of the implicit policies v± (the paper's 1; 0.1 for several rewards)
     advantage_clip: float = positive(5.0)  # A_max: advantages clipped to ±A_max, optimality r = clip(A/A_max, −1, 1)/2 + 1/2
     timesteps: int = positive(2)  # sampler steps each sample is trained at (drawn without replacement per sample and iteration)
-    old_decay_rate: float = non_negative(0.001)  # the sampling policy after iteration i: θ_old ← d·θ_old + (1 − d)·θ, d = min(rate·i, max)
+    old_decay_rate: float = non_negative(0.001)  # the sampling policy after each iteration: θ_old ← d·θ_old + (1 − d)·θ, d = min(rate·n, max), n = optimizer steps so far
     old_decay_max: float = in_range(0.5, 0.0, 0.999)
     advantage: str = choice("leaf", "leaf", "depthwise")  # leaf: each sample's group-normalised reward; depthwise: a term at step k takes the depth-wise tree advantage (advantage.*) of the leaf's ancestor at depth k + 1
 

@@ -157,7 +157,8 @@ class Trainer(TrainerCheckpoints):
         self.prompt_set = load_prompt_set(config.prompts.train)
         self.prompts = self.prompt_set.prompts
         self.start_iteration = 0
-        self.run_state = {"skipped_in_a_row": 0}  # optimizer steps skipped in a row (non-finite gradients), across iterations
+        # optimizer steps skipped in a row (non-finite gradients), across iterations; optimizer steps taken in the run
+        self.run_state = {"skipped_in_a_row": 0, "optimizer_steps": 0}
         self.watch_state = WatchState()  # the reward-hacking watch's memory (branchdiff/training/hacking.py)
         if resumed is not None:
             self._load_checkpoint(resumed)
@@ -289,7 +290,8 @@ class Trainer(TrainerCheckpoints):
         start = time.perf_counter()
         with self.memory.phase("train", info["memory"]):
             train_stats = self.update(self.objective.plan(rollout, info["embeds"], signal, info["address"]))
-            self.objective.after_update(iteration)
+            self.run_state["optimizer_steps"] += train_stats["optimizer_steps"]
+            self.objective.after_update(self.run_state["optimizer_steps"])
         info["train_seconds"] = time.perf_counter() - start
         streak = self.run_state["skipped_in_a_row"] + train_stats["steps_skipped"]
         self.run_state["skipped_in_a_row"] = train_stats["trailing_skips"] if train_stats["optimizer_steps"] else streak
