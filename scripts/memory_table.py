@@ -31,9 +31,9 @@ import os
 import sys
 import warnings
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 warnings.filterwarnings("ignore")
@@ -150,8 +150,7 @@ class Family:
 
 
 def _text_models():
-    from transformers import (CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, Gemma2Config, Gemma2Model,
-                              T5Config, T5EncoderModel)
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, Gemma2Config, Gemma2Model, T5Config, T5EncoderModel
 
     return {
         "CLIP-L": lambda: CLIPTextModel(CLIPTextConfig(**CLIP_L)),
@@ -314,13 +313,13 @@ class Cost:
     fixed: float = 0.0
     per_row: float = 0.0
 
-    def __add__(self, other: "Cost") -> "Cost":
+    def __add__(self, other: Cost) -> Cost:
         return Cost(self.fixed + other.fixed, self.per_row + other.per_row)
 
-    def __sub__(self, other: "Cost") -> "Cost":
+    def __sub__(self, other: Cost) -> Cost:
         return Cost(self.fixed - other.fixed, self.per_row - other.per_row)
 
-    def __rmul__(self, k: float) -> "Cost":
+    def __rmul__(self, k: float) -> Cost:
         return Cost(k * self.fixed, k * self.per_row)
 
     def at(self, rows: int) -> float:
@@ -631,9 +630,9 @@ class Row:
 
 def estimate(preset: str, fams: dict[str, Family], cache: dict, overrides: tuple[str, ...] = ()) -> Row:
     """The estimate for `preset` (and its -explore variant) with dotted config `overrides`."""
+    from branchdiff.core.tree import build_tree
     from branchdiff.settings.load import load_config
     from branchdiff.settings.trees import tree_spec
-    from branchdiff.core.tree import build_tree
 
     config = load_config(preset, list(overrides))
     explore = load_config(preset + "-explore", list(overrides))
@@ -815,9 +814,9 @@ def per_row_table(rows: list[Row]) -> str:
         seen.add((f.name, res))
         blocks = (", ".join(f"{n}× {k}" for k, n in m.counts.items()) if f.block_lists
                   else f"{sum(m.counts.values())} checkpointed units (resnets, transformer blocks)")
-        off = [slope(lambda r: m.held(r, False)), slope(m.backward)]
-        on = [slope(lambda r: m.held(r, True)), slope(m.recompute), slope(m.backward)]
-        fixed = [m.train(1, ckpt) - slope(lambda r: m.train(r, ckpt)) for ckpt in (False, True)]
+        off = [slope(lambda r, m=m: m.held(r, False)), slope(m.backward)]
+        on = [slope(lambda r, m=m: m.held(r, True)), slope(m.recompute), slope(m.backward)]
+        fixed = [m.train(1, ckpt) - slope(lambda r, m=m, ckpt=ckpt: m.train(r, ckpt)) for ckpt in (False, True)]
         out.append(f"| {f.label} @ {res} | {f.tokens(res)} | {blocks} | {' + '.join(map(mib, off))} = **{mib(sum(off))} MiB** "
                    f"| {' + '.join(map(mib, on))} = **{mib(sum(on))} MiB** | {mib(fixed[0])} / {mib(fixed[1])} MiB "
                    f"| {mib(slope(m.rollout))} MiB | {mib(m.decode_image)} MiB |")
@@ -835,7 +834,8 @@ def components_table(rows: list[Row]) -> str:
             continue
         seen.add(f.name)
         enc = ", ".join(f"{k} {n:,}" for k, n in m.encoders.items())
-        out.append(f"| {f.label} | {m.denoiser_params:,} | {', '.join(f.adapter.lora_target_sets['attention'])} | {m.lora_params:,} (r {v['config'].train.lora_rank}) "
+        targets = ", ".join(f.adapter.lora_target_sets["attention"])
+        out.append(f"| {f.label} | {m.denoiser_params:,} | {targets} | {m.lora_params:,} (r {v['config'].train.lora_rank}) "
                    f"| {m.copy_quantised:,} / {g(m.copy_bytes)} GiB | {enc} | {f.vae[0]} {m.vae_params:,} |")
     out.append(f"| reward (HPS v2.1 / PickScore, ViT-H-14) | {reward_params():,} | | | | | |")
     return "\n".join(out)

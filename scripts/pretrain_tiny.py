@@ -22,10 +22,10 @@ import torch
 from diffusers.training_utils import EMAModel
 
 from branchdiff.data.prompts import PromptSet
-from branchdiff.evaluation.evaluate import evaluate, summarize
-from branchdiff.rewards.tiny_geneval import TinyGenEval
-from branchdiff.models.tiny import TinyAdapter
 from branchdiff.data.tiny_task import render_batch, split_prompts
+from branchdiff.evaluation.evaluate import evaluate, summarize
+from branchdiff.models.tiny import TinyAdapter
+from branchdiff.rewards.tiny_geneval import TinyGenEval
 
 
 def main() -> None:

@@ -40,7 +40,7 @@ def main() -> None:
     targets = [one_step_variance("ode", s, s_next, 0.0)[1] for s, s_next in steps]
 
     header = ["SDE, default level L", "f"]
-    for (s, s_next), target in zip(steps, targets):
+    for s, s_next in steps:
         header += [f"σ {s:g} → {s_next:.2g}: level L·f", f"σ {s:g} → {s_next:.2g}: noise × f"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     any_out_of_range = False

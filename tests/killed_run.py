@@ -16,8 +16,8 @@ import sys
 
 import torch
 
-from branchdiff.runs import checkpoint
 from branchdiff.cli import main
+from branchdiff.runtime import checkpoint
 from branchdiff.training.trainer import Trainer
 
 point, target = sys.argv[1], int(sys.argv[2])

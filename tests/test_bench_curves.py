@@ -5,8 +5,16 @@ import json
 
 import pytest
 
-from branchdiff.bench.curves import (COMMON, VARIANTS, bench_curves, format_ratios, format_significance, group_size, time_to_reference_final,
-                                      time_to_reference_final_on)
+from branchdiff.bench.curves import (
+    COMMON,
+    VARIANTS,
+    bench_curves,
+    format_ratios,
+    format_significance,
+    group_size,
+    time_to_reference_final,
+    time_to_reference_final_on,
+)
 from branchdiff.bench.stats import first_time_reaching, t_interval, time_ratio_interval, welch_p
 from branchdiff.settings.load import load_config
 

@@ -33,8 +33,10 @@ def test_the_nfe_ratio_compares_first_times_at_the_references_final():
     assert nfe_ratio([0.5, 0.7, 0.9], [0.5, 0.6, 1.1], grid) == pytest.approx(40 / (20 + 20 * 0.3 / 0.5))
 
 
-def test_a_small_bench_writes_its_table_plot_and_ratio(tmp_path):
+def test_a_small_bench_writes_its_table_plot_and_ratio(tmp_path, capsys):
     result = bench_search(2, 2, tmp_path / "search.json", tmp_path, ["best-of-n", "dts-star", "tree"], prompts=2)
+    # it says where it wrote (it did not)
+    assert capsys.readouterr().out.splitlines()[-1] == f"wrote {tmp_path / 'search.md'}, {tmp_path / 'search.png'}, {tmp_path / 'search.json'}"
     assert "NaN" not in (tmp_path / "search.json").read_text()
     tree = result["searches"].pop("tree")  # a tree of 8 images does not fit in two images' rows: no winner yet
     assert all(math.isnan(v) for v in tree["best_reward"]["mean"]) and "| tree | best tiny-geneval | — | — |" in (tmp_path / "search.md").read_text()

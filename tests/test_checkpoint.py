@@ -4,8 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from branchdiff.runs import checkpoint
 from branchdiff.errors import ConfigError
+from branchdiff.runtime import checkpoint
 from branchdiff.settings.load import load_config, to_dict
 
 

@@ -257,7 +257,7 @@ def _iterations_run(monkeypatch) -> list[int]:
 
 def test_resume_with_a_changed_lora_rank_is_refused_and_touches_nothing(capsys, tmp_path, tiny_model_dir):
     # before the resume check: a size-mismatch traceback from load_state, exit status 1
-    from branchdiff.runs.checkpoint import RESUMABLE_KEYS
+    from branchdiff.runtime.checkpoint import RESUMABLE_KEYS
 
     run = tmp_path / "run"
     assert main(_run_args(tiny_model_dir, run, 1)) == 0
@@ -296,3 +296,39 @@ def test_resume_after_a_crash_inside_publish(capsys, tmp_path, tiny_model_dir, m
     assert sorted(p.name for p in checkpoints.iterdir()) == ["iter-000001", "iter-000002"]
     assert snapshot(checkpoints / "iter-000001") == saved
     assert [json.loads(line)["iteration"] for line in (run / "metrics.jsonl").read_text().splitlines()] == [0, 1, 2]
+
+
+def test_sample_and_eval_refuse_a_size_or_missing_weights_before_the_model_loads(tmp_path, monkeypatch, capsys):
+    """A size the folder's config files rule out, or `--weights` naming nothing a run trained, is
+    refused before the pipeline loads (it loaded first), and a refused `sample` leaves no --out
+    folder (it left an empty one)."""
+    import branchdiff.models
+    from tiny_pipelines import save_pipeline  # tests/ is on sys.path
+
+    folder = save_pipeline("sd3", tmp_path / "sd3")
+
+    def loaded(*args, **kwargs):
+        raise AssertionError("the pipeline loaded before the input was checked")
+
+    monkeypatch.setattr(branchdiff.models, "load_adapter", loaded)
+    common = ["--family", "sd3", "--model", str(folder), "--steps", "1", "--images-per-prompt", "1"]
+    for command in (["sample", "--prompt", "a red circle", "--out", str(tmp_path / "out")], ["eval", "--out", str(tmp_path / "out")]):
+        assert main([*command, *common, "--resolution", "30x44"]) == 2  # the tiny pipeline's VAE factor 2 × patch 2
+        assert error_line(capsys) == (f"{PREFIX}model.resolution=[30, 44] (height, width) is not possible for sd3: each side must be a "
+                                      "multiple of 4 (e.g. [32, 44])")
+        assert main([*command, *common, "--resolution", "32", "--weights", str(tmp_path / "runs" / "missing")]) == 2
+        assert error_line(capsys).startswith(f"{PREFIX}no LoRA or fine-tuned denoiser at {tmp_path / 'runs' / 'missing'}; pass a run folder")
+        assert not (tmp_path / "out").exists()
+
+
+def test_loading_a_pipeline_shows_no_progress_bars(tmp_path, capsys):
+    """`sample` printed diffusers' "Loading pipeline components" bars on stderr."""
+    from tiny_pipelines import save_pipeline  # tests/ is on sys.path
+
+    folder = save_pipeline("sd3", tmp_path / "sd3")
+    capsys.readouterr()  # what saving it printed
+    assert main(["sample", "--family", "sd3", "--model", str(folder), "--resolution", "32", "--steps", "1", "--images-per-prompt", "1",
+                 "--prompt", "a red circle", "--out", str(tmp_path / "out")]) == 0
+    captured = capsys.readouterr()
+    assert "Loading" not in captured.err and "it/s" not in captured.err, captured.err
+    assert captured.out.splitlines() == [str(tmp_path / "out" / "000-a_red_circle.png")]

@@ -8,13 +8,13 @@ import math
 
 import pytest
 
+from branchdiff.core.prune import mix_sde_steps
 from branchdiff.errors import ConfigError
 from branchdiff.settings.config import OptimConfig, TrainConfig, TreeConfig
 from branchdiff.settings.load import load_config, presets, save_config
+from branchdiff.settings.trees import trainable_steps, tree_spec
 from branchdiff.settings.typed_yaml import parse_override
 from branchdiff.settings.validate import validate
-from branchdiff.core.prune import mix_sde_steps
-from branchdiff.settings.trees import trainable_steps, tree_spec
 
 
 def config_error(source=None, overrides=()) -> str:
@@ -160,6 +160,14 @@ def test_unknown_top_level_key_suggests_close_match():
 def test_unknown_nested_key_suggests_close_match():
     message = config_error(None, ["tree.rots=2"])
     assert message == "override 'tree.rots=2': unknown key 'tree.rots'; did you mean tree.roots?"
+
+
+def test_a_key_given_without_its_section_suggests_the_section(capsys):
+    """`learning_rate=1e-4` suggested nothing useful; docs/errors.md promises "did you mean"."""
+    assert config_error(None, ["learning_rate=1e-4"]) == "override 'learning_rate=1e-4': unknown key 'learning_rate'; did you mean train.learning_rate?"
+    assert config_error(None, ["lerning_rate=1e-4"]).endswith("did you mean train.learning_rate?")
+    assert config_error(None, ["roots=4"]).endswith("did you mean tree.roots?")
+    assert config_error(None, ["clip_range=1e-4"]).endswith("did you mean train.clip_range, guard.clip_range?")
 
 
 def test_unknown_key_without_close_match_lists_allowed_keys():

@@ -20,10 +20,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from resumed_runs import deterministic  # tests/ is on sys.path
 from safetensors.torch import load_file
 
 from branchdiff.cli import main
+from resumed_runs import deterministic  # tests/ is on sys.path
 
 TESTS = Path(__file__).parent
 ITERATIONS = 6
@@ -71,7 +71,7 @@ def _assert_same_run(run: Path, reference: Path) -> None:
     final, expected = (load_file(r / "lora" / "pytorch_lora_weights.safetensors") for r in (run, reference))
     assert final.keys() == expected.keys() and all(torch.equal(final[k], expected[k]) for k in expected)
     assert _iterations(run) == list(range(ITERATIONS))
-    lines, expected_lines = ([json.loads(l) for l in (r / "metrics.jsonl").read_text().splitlines()] for r in (run, reference))
+    lines, expected_lines = ([json.loads(line) for line in (r / "metrics.jsonl").read_text().splitlines()] for r in (run, reference))
     for line, expected_line in zip(lines, expected_lines):
         assert deterministic(line) == deterministic(expected_line)
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -83,7 +83,7 @@ def _assert_same_run(run: Path, reference: Path) -> None:
 
 def test_the_metrics_carry_the_scheduled_learning_rate(setting):
     """Warm-up over iteration 0, then cosine decay over iterations 1..5 of 6: 3e-3·½(1 + cos(π(i − 1)/5))."""
-    rates = [json.loads(l)["learning_rate"] for l in (setting["reference"] / "metrics.jsonl").read_text().splitlines()]
+    rates = [json.loads(line)["learning_rate"] for line in (setting["reference"] / "metrics.jsonl").read_text().splitlines()]
     expected = [0.0, *(3e-3 * 0.5 * (1 + math.cos(math.pi * (i - 1) / 5)) for i in range(1, ITERATIONS))]
     assert rates == pytest.approx(expected, rel=1e-12, abs=1e-18)
 

@@ -10,9 +10,8 @@ import torch
 from safetensors.torch import load_file
 
 from branchdiff.errors import ConfigError
-
-from branchdiff.settings.load import load_config
 from branchdiff.models.ema import WeightAverage
+from branchdiff.settings.load import load_config
 
 
 def _reference_average(history: list[list[torch.Tensor]], decay: float) -> list[torch.Tensor]:
@@ -45,7 +44,7 @@ def test_the_average_follows_the_ramped_decay_and_survives_a_save():
 def test_a_saved_average_loads_into_a_new_one_and_continues_alike(tmp_path):
     params = [torch.nn.Parameter(torch.arange(6.0).reshape(2, 3))]
     first = WeightAverage(params, decay=0.9)
-    for step in range(3):
+    for _ in range(3):
         with torch.no_grad():
             params[0].mul_(1.5)
         first.update()

@@ -7,14 +7,14 @@ at any moment are in test_crash_resume.py.)
 from __future__ import annotations
 
 import errno
+import fcntl
+import json
 import re
 import shutil
 import sys
-import fcntl
-import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import pytest
 import torch
@@ -76,7 +76,7 @@ def _rewrite_state(**changes) -> Callable[[Env], None]:
     """Change fields of iter-000001's trainer_state.json (None: remove the field) and write a manifest
     that matches: a checkpoint whose files agree with its manifest but whose state is wrong."""
     def setup(env: Env) -> None:
-        from branchdiff.runs import checkpoint
+        from branchdiff.runtime import checkpoint
 
         path = env.checkpoint() / "trainer_state.json"
         state = json.loads(path.read_text())
@@ -92,7 +92,7 @@ def _empty_lora(env: Env) -> None:
     """A valid safetensors file with no tensor in it, and a manifest that agrees."""
     from safetensors.torch import save_file
 
-    from branchdiff.runs import checkpoint
+    from branchdiff.runtime import checkpoint
 
     save_file({}, env.checkpoint() / "pytorch_lora_weights.safetensors")
     checkpoint.write_manifest(env.checkpoint())
@@ -128,7 +128,7 @@ def _unwritable(env: Env) -> None:
     (env.tmp / "a-file").write_text("not a folder")  # an output_dir inside a file cannot be created, even by root
 
 
-LONG_PROMPT = "two red circles on the left " * 400  # 10,800 characters
+LONG_PROMPT = "two red circles on the left " * 40  # 1,120 characters: within what the tiny family's text encoder takes (1,232)
 
 CASES = [
     # configuration
@@ -147,6 +147,11 @@ CASES = [
     Case("output-dir-empty", lambda e: e.fresh("output_dir="), r"'output_dir' is empty; pass output_dir= a folder for the run"),
     Case("renamed-key", lambda e: e.fresh("logging.keep_checkpoints=3"), r"'logging.keep_checkpoints' was replaced: renamed logging.checkpoints_total_limit"),
     Case("unknown-preset", lambda e: ["train", "tiny-mixx"], r"no preset or file 'tiny-mixx'; presets: .*did you mean tiny-mix"),
+    Case("family-without-preset", lambda e: ["train", "model.family=sd3", f"model.path={e.tmp}", f"output_dir={e.tmp / 'new'}"],
+         r"model.family=sd3 without a preset would train with the default preset tiny-mix-full, the built-in tiny model's recipe .*; "
+         r"start from one of its presets \(sd35-pickscore, sd35-pickscore-explore, sd35-pickscore-sol\), e.g. branchdiff train sd35-pickscore"),
+    Case("loss-of-another-family", lambda e: ["config", "sd15-hps", "train.loss=grpo-layertuning"],
+         r"'train.loss' = 'grpo-layertuning' regresses flow-matching velocities .*model.family=sd15 is an ε-prediction \(DDIM\) family: use train.loss=grpo"),
     Case("yaml-unknown-key", lambda e: ["train", str(e.tmp / "my.yaml")], r".*my.yaml:3: unknown key 'train.learning_rat'; did you mean train.learning_rate\?",
          _write("my.yaml", "iterations: 2\ntrain:\n  learning_rat: 1.0e-4\n")),
     Case("yaml-syntax", lambda e: ["train", str(e.tmp / "my.yaml")], r".*my.yaml:3: not valid YAML \(expected ',' or '\]'", _write("my.yaml", "iterations: 2\ntree: [roots: 1\n")),
@@ -174,6 +179,12 @@ CASES = [
          _write("p.csv", "text,style\ntwo red circles,anime\n")),
     Case("prompt-csv-empty-prompt", lambda e: e.fresh(f"prompts.train={e.tmp / 'p.csv'}"), r".*p.csv:3: \"prompt\" must be a non-empty string, got '\"\"'",
          _write("p.csv", "prompt,style\ntwo red circles on the left,anime\n,photo\n")),
+    Case("prompt-too-long", lambda e: e.fresh(f"prompts.train={e.tmp / 'one-line.txt'}"),
+         r"prompt 1 of '.*one-line.txt' is 50,000 characters \('xxxx.*'\): more than model.family=tiny's text encoders read \(77 tokens, at most 1,232 characters\)",
+         _write("one-line.txt", "x" * 50_000)),
+    Case("prompt-the-reward-cannot-score", lambda e: e.fresh(f"prompts.train={e.tmp / 'p.txt'}"),
+         r"reward 'tiny-geneval' cannot score '.*p.txt': prompt 2: prompt 'a photo of a cat' is not in the tiny grammar",
+         _write("p.txt", "two red circles on the left\na photo of a cat\n")),
     Case("eval-prompts-missing", lambda e: e.fresh("final_eval=true", f"prompts.eval={e.tmp / 'held.txt'}"), r"prompt source '.*held.txt' is neither"),
     # model and reward weights
     Case("model-missing", lambda e: ["train", "tiny-chain", f"model.path={e.tmp / 'no-model'}", f"output_dir={e.tmp / 'new'}"],
@@ -186,6 +197,8 @@ CASES = [
          r"reward 'hpsv2.1': no weights at '.*HPS.pt'; download HPS_v2.1_compressed.pt from https://huggingface.co/xswu/HPSv2 .*and pass its local path"),
     Case("reward-unknown", lambda e: e.fresh("reward=hpsv3"), r"unknown reward 'hpsv3'.*available: .*dotted path"),
     Case("eval-reward-unknown", lambda e: e.fresh("final_eval=true", "eval_rewards=[pickscor]"), r"unknown reward 'pickscor' \(did you mean pickscore\?\)"),
+    Case("eval-reward-unknown-not-evaluated", lambda e: e.fresh("final_eval=false", "eval_every=0", "eval_rewards=[pickscor]"),
+         r"unknown reward 'pickscor' \(did you mean pickscore\?\)"),
     Case("reward-kwarg-unknown", lambda e: e.fresh("reward={name: rewards_for_tests:Redness, kwargs: {strength: 2}}"),
          r"reward 'rewards_for_tests:Redness' takes no keyword argument 'strength'"),
     # rewards misbehaving during a run
@@ -246,6 +259,14 @@ CASES = [
     Case("minutes-not-finite", lambda e: ["bench", "curves", "--minutes", "nan"], r"bench: argument --minutes: must be a finite number, got nan"),
     Case("lora-missing", lambda e: ["sample", "--model", str(e.model), "--lora", str(e.tmp / "no-lora"), "--prompt", "one red circle on the left",
                                     "--out", str(e.tmp / "out"), "--steps", "1", "--images-per-prompt", "1"], r"no LoRA or fine-tuned denoiser at .*no-lora; pass a run folder, its lora/ or transformer/ folder, a pytorch_lora_weights.safetensors, or a checkpoint folder \(iter-N\)"),
+    Case("weights-not-a-lora", lambda e: ["sample", "--model", str(e.model), "--weights", str(e.tmp / "foreign.safetensors"), "--prompt",
+                                          "one red circle on the left", "--out", str(e.tmp / "out"), "--steps", "1", "--images-per-prompt", "1"],
+         r".*foreign.safetensors holds no LoRA for this model's transformer .*; it holds 2 tensors, e.g. 'encoder.conv.weight'; pass a LoRA exported",
+         lambda e: __import__("safetensors.torch").torch.save_file({"encoder.conv.weight": torch.zeros(2), "head.bias": torch.zeros(1)},
+                                                                  str(e.tmp / "foreign.safetensors"))),
+    Case("sample-resolution-of-a-fixed-family", lambda e: ["sample", "--model", str(e.model), "--resolution", "64", "--prompt", "x",
+                                                           "--out", str(e.tmp / "out")],
+         r"resolution 64x64: model.family=tiny makes only 32×32 images; leave the resolution unset"),
     Case("sample-no-prompt", lambda e: ["sample", "--model", str(e.model), "--out", str(e.tmp / "out")],
          r"sample needs --prompt \(or --from-trace OUT/search.json to regrow a search's best images\)"),
     Case("search-no-budget", lambda e: ["sample", "--model", str(e.model), "--prompt", "one red circle on the left", "--search", "dts-star",
@@ -279,8 +300,9 @@ def _edit_metrics(env: Env, index: int, line: str) -> None:
     path.write_bytes(("\n".join(lines) + "\n").encode("utf-8", "surrogateescape"))
 
 
-def snapshot(root: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+def snapshot(root: Path) -> dict[str, bytes | None]:
+    """Every file's bytes and every folder (None), by path: a refused command leaves no empty folder behind either."""
+    return {str(p.relative_to(root)): p.read_bytes() if p.is_file() else None for p in sorted(root.rglob("*"))}
 
 
 @pytest.fixture(scope="module")
@@ -325,7 +347,7 @@ def test_bad_input_gives_one_line_exit_2_and_loses_nothing(case, env, capsys):
 TESTED_ELSEWHERE = {
     "non-finite-gradients": ["test_non_finite_gradients_skip_steps_then_stop_after_a_checkpoint"],
     "out-of-memory": ["test_out_of_memory_is_one_line_naming_what_to_lower", "test_a_failed_cpu_allocation_is_recognised"],
-    "full-disk": ["test_full_disk_during_a_checkpoint_keeps_the_previous_one",
+    "full-disk": ["test_full_disk_during_a_checkpoint_keeps_the_previous_one", "test_full_disk_on_one_file_of_a_checkpoint_names_the_whole_checkpoint",
                   "test_faults::test_a_real_full_disk_stops_with_one_line_keeps_the_last_checkpoint_and_resumes_exactly",
                   "test_faults::test_every_writer_on_a_full_filesystem_raises_disk_full_and_keeps_the_old_file",
                   "test_multiprocess::test_a_full_disk_on_one_process_stops_both_at_the_checkpoint_and_keeps_the_last_one"],
@@ -385,6 +407,29 @@ def test_full_disk_during_a_checkpoint_keeps_the_previous_one(env, capsys, monke
     assert (env.run / "checkpoints" / "iter-000002").is_dir()
 
 
+def test_full_disk_on_one_file_of_a_checkpoint_names_the_whole_checkpoint(env, capsys, monkeypatch):
+    """The disk fills while the checkpoint's LoRA file is written (its own whole-or-nothing write): the
+    line names the checkpoint and the space the whole checkpoint needs (the last one's size), not the
+    file's (it said "995.3 kB free, about 263.6 kB needed", the LoRA file's size)."""
+    import pathlib
+
+    from branchdiff.runtime.storage import size_text, tree_size
+
+    write_bytes = pathlib.Path.write_bytes
+
+    def full_disk(self, data):
+        if self.name.startswith(".pytorch_lora_weights") and "000002" in str(self.parent):
+            raise OSError(errno.ENOSPC, "No space left on device", str(self))
+        return write_bytes(self, data)
+
+    monkeypatch.setattr(pathlib.Path, "write_bytes", full_disk)
+    whole = size_text(tree_size(env.checkpoint(1)))
+    assert main(env.train("iterations=3", resume=True)) == 2
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert line.startswith(f"{PREFIX}could not write {env.run / 'checkpoints' / 'iter-000002'} (No space left on device: "), line
+    assert f" free, about {whole} needed); the newest complete checkpoint, {env.checkpoint(1)}, is intact" in line, line
+
+
 def test_non_finite_gradients_skip_steps_then_stop_after_a_checkpoint(env, capsys, monkeypatch):
     """A NaN loss skips the optimizer step (weights and moments untouched, counted); after
     train.max_skipped_steps skips in a row the run stops with one line, after a checkpoint."""
@@ -404,8 +449,8 @@ def test_non_finite_gradients_skip_steps_then_stop_after_a_checkpoint(env, capsy
                     "are saved; lower train.learning_rate or check the reward's scale, then start a new run")
     import json
 
-    lines = [json.loads(l) for l in (env.run / "metrics.jsonl").read_text().splitlines()]
-    assert [(l["iteration"], l["steps_skipped"], l["optimizer_steps"]) for l in lines[2:]] == [(2, 1, 0), (3, 1, 0)]
+    lines = [json.loads(line) for line in (env.run / "metrics.jsonl").read_text().splitlines()]
+    assert [(line["iteration"], line["steps_skipped"], line["optimizer_steps"]) for line in lines[2:]] == [(2, 1, 0), (3, 1, 0)]
     from safetensors.torch import load_file
 
     lora = "pytorch_lora_weights.safetensors"

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from branchdiff.settings.load import load_config
 from branchdiff.explore.pool import selection_generators
 from branchdiff.explore.selection import select_per_group
+from branchdiff.settings.load import load_config
 from branchdiff.training.trainer import Trainer
 
 

@@ -16,8 +16,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from branchdiff.runs import checkpoint
 from branchdiff.cli import main
+from branchdiff.runtime import checkpoint
 
 PREFIX = "branchdiff: error: "
 LORA = "pytorch_lora_weights.safetensors"
@@ -78,11 +78,11 @@ def test_a_real_full_disk_stops_with_one_line_keeps_the_last_checkpoint_and_resu
     assert [p.name for p in checkpoint.checkpoints(run / "checkpoints")] == ["iter-000000"]
     assert checkpoint.verify(newest)[1] is None  # its manifest checks out
     lines = (run / "metrics.jsonl").read_text().splitlines()
-    assert [json.loads(l)["iteration"] for l in lines] in ([0], [0, 1])  # whole lines only
+    assert [json.loads(line)["iteration"] for line in lines] in ([0], [0, 1])  # whole lines only
     subprocess.run(["mount", "-o", "remount,size=16m", str(small_filesystem)], check=True)
     assert main(train_args(tiny_model_dir, run, 3, "--resume", "latest")) == 0
     assert_same_lora(run / "lora", uninterrupted / "lora")
-    assert [json.loads(l)["iteration"] for l in (run / "metrics.jsonl").read_text().splitlines()] == [0, 1, 2]
+    assert [json.loads(line)["iteration"] for line in (run / "metrics.jsonl").read_text().splitlines()] == [0, 1, 2]
 
 
 # ---------------------------------------------------------------- a damaged checkpoint
@@ -95,6 +95,8 @@ def test_resume_latest_falls_back_past_a_damaged_checkpoint_and_ends_as_if_never
     assert main(train_args(tiny_model_dir, run, 3, "--resume", "latest")) == 0
     err = capsys.readouterr().err
     assert f"branchdiff: skipping checkpoint {damaged}: damaged ({LORA} has 1000 bytes, the manifest says" in err
+    # it says which checkpoint it continues from (it said nothing)
+    assert f"branchdiff: resuming from {run / 'checkpoints' / 'iter-000000'} (iteration 0 done; continuing with iteration 1 of 3)" in err
     assert_same_lora(run / "lora", uninterrupted / "lora")
 
 
@@ -116,7 +118,7 @@ def test_two_runs_started_at_once_on_one_output_dir_one_trains_the_other_stops(t
     assert line.startswith(f"{PREFIX}output_dir {run} is in use by another run (pid {winner.pid} on ")
     seed = 11 if winner is runs[0] else 12
     assert f"seed: {seed}\n" in (run / "config.yaml").read_text()  # the winner's files only
-    assert [json.loads(l)["iteration"] for l in (run / "metrics.jsonl").read_text().splitlines()] == [0, 1, 2]
+    assert [json.loads(line)["iteration"] for line in (run / "metrics.jsonl").read_text().splitlines()] == [0, 1, 2]
     for folder in checkpoint.checkpoints(run / "checkpoints"):
         state, problem = checkpoint.verify(folder)
         assert problem is None and state["config"]["seed"] == seed
@@ -166,8 +168,8 @@ def _writers(folder: Path) -> dict:
     """Every kind of write a run makes, each through branchdiff's writers, about 600 kB each."""
     from safetensors.torch import save_file
 
-    from branchdiff.runs import metrics_log, storage
     from branchdiff.report.figures import save_grid
+    from branchdiff.runtime import metrics_log, storage
 
     tensor = torch.randn(150_000)
     return {
@@ -184,8 +186,8 @@ def test_every_writer_on_a_full_filesystem_raises_disk_full_and_keeps_the_old_fi
     """A write that does not fit (torch's zip writer, safetensors, PIL and plain files each fail in
     their own way) raises `DiskFull` naming the file, leaves no temporary file, and the previous
     version of the file is still there, whole."""
-    from branchdiff.runs import metrics_log
-    from branchdiff.runs.storage import DiskFull
+    from branchdiff.runtime import metrics_log
+    from branchdiff.runtime.storage import DiskFull
 
     folder = small_filesystem / "run"
     folder.mkdir()
@@ -222,7 +224,7 @@ def test_what_a_killed_write_left_is_cleaned_when_the_folder_is_claimed_again(ti
 
 
 def test_clean_leftovers_puts_a_replaced_folder_back_and_removes_the_rest(tmp_path):
-    from branchdiff.runs.storage import clean_leftovers
+    from branchdiff.runtime.storage import clean_leftovers
 
     (tmp_path / ".lora.replaced").mkdir()
     (tmp_path / ".lora.replaced" / LORA).write_bytes(b"old")  # its successor never got the name

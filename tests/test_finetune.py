@@ -14,12 +14,12 @@ import torch
 
 from branchdiff.cli import main
 from branchdiff.errors import ConfigError
-from branchdiff.settings.load import load_config
-from branchdiff.models.finetune import load_weights
 from branchdiff.models import load_adapter
+from branchdiff.models.finetune import load_weights
 from branchdiff.models.lora import add_lora
-from tiny_pipelines import FAMILIES, RESOLUTION, load_pipeline, save_pipeline
+from branchdiff.settings.load import load_config
 from test_model_families import STEPS, TOLERANCE, _ode_images, _pipeline_images
+from tiny_pipelines import FAMILIES, RESOLUTION, load_pipeline, save_pipeline
 
 MODES = ["full", "attention", "attention+ff", "all-linear"]
 

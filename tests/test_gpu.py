@@ -168,10 +168,10 @@ def test_a_rollout_forwards_peak_memory_against_the_memory_tables_estimate(saved
     allocated memory above the start, against memory_table.py's trace of the same module and inputs
     (fake CUDA tensors, one row, scaled to R). Both count activations and the output, not the weights."""
     sys.path.insert(0, str(TESTS.parent / "scripts"))
+    from memory_table import forward_peak
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from branchdiff.models import load_adapter
-    from memory_table import forward_peak
 
     rows = 256
     adapter = load_adapter(family, str(saved[family]), "cuda", 32, torch.bfloat16)
@@ -206,9 +206,9 @@ def test_a_rollout_forwards_peak_memory_against_the_memory_tables_estimate(saved
 @pytest.mark.parametrize("family", FAMILIES)
 def test_rollout_throughput(saved, family, summary):
     """Network rows per second of a 10-step tree rollout (4 prompts × 8 chains, k = 2 at step 0) in bf16."""
-    from branchdiff.models import load_adapter
     from branchdiff.core.rollout import NoiseAddress, SamplerSettings, grow
     from branchdiff.core.tree import Split, TreeSpec, build_tree
+    from branchdiff.models import load_adapter
 
     adapter = load_adapter(family, str(saved[family]), "cuda", 32, torch.bfloat16)
     prompts = ["a red circle on the left", "two blue squares", "three green triangles", "a yellow star at the top"]

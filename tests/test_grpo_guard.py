@@ -10,11 +10,10 @@ import math
 import pytest
 import torch
 
-from branchdiff.errors import ConfigError
-
-from branchdiff.settings.load import load_config
 from branchdiff.core.loss import guard_surrogate
+from branchdiff.errors import ConfigError
 from branchdiff.schedulers.flow import gaussian_log_prob
+from branchdiff.settings.load import load_config
 
 
 def _reference(sample, old_mean, mean, std, step_size, advantage, clip):
@@ -106,12 +105,10 @@ def test_after_an_update_plain_log_ratios_sit_below_zero_and_the_guards_are_cent
     assert (guarded.exp().mean() - 1).abs().item() < (plain.exp().mean() - 1).abs().item()
 
 
-def test_a_ddim_family_is_refused_with_the_fix(tmp_path):
-    from branchdiff.objectives.grpo_guard import GRPOGuard
-
-    config = load_config("tiny-chain", [f"output_dir={tmp_path}", "train.loss=grpo-guard"])
-    with pytest.raises(ConfigError, match="is an ε-prediction \\(DDIM\\) family: use train.loss=grpo"):
-        GRPOGuard(config, None, None, None, object(), None)
+def test_a_ddim_family_is_refused_by_the_settings():
+    with pytest.raises(ConfigError, match="'train.loss' = 'grpo-guard' weighs each step by its σ step size; model.family=sd15 is an "
+                                          "ε-prediction \\(DDIM\\) family: use train.loss=grpo"):
+        load_config("sd15-hps", ["train.loss=grpo-guard"])
 
 
 def test_a_run_resumed_from_its_checkpoint_ends_like_an_unstopped_one(tmp_path):

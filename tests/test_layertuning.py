@@ -9,11 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from branchdiff.errors import ConfigError
-
-from branchdiff.settings.load import load_config
 from branchdiff.core.loss import clipped_surrogate, reward_clipped_surrogate, sft_velocity_loss
 from branchdiff.core.tree import Split, TreeSpec, build_tree
+from branchdiff.errors import ConfigError
+from branchdiff.settings.load import load_config
 
 
 def test_the_clip_opens_with_the_advantage_and_is_plain_clipping_at_zero_sensitivity():
@@ -59,8 +58,8 @@ def test_best_paths_follow_each_groups_highest_leaf_to_its_root():
 
 
 def test_an_updates_edge_losses_are_grpos_plus_the_weighted_sft_term_on_the_best_paths(tmp_path):
-    from branchdiff.objectives.grpo import GRPOPlan
     from branchdiff.models.base import select_embeds
+    from branchdiff.objectives.grpo import GRPOPlan
     from branchdiff.training.trainer import Trainer
 
     trainer = Trainer(load_config("tiny-mix", [f"output_dir={tmp_path}", "prompts.per_iteration=2", "sampling.num_steps=4",
@@ -106,12 +105,17 @@ def _is_ancestor(tree, node: int, leaf: int) -> bool:
     return False
 
 
-def test_a_ddim_family_is_refused_with_the_fix(tmp_path):
-    from branchdiff.objectives.layertuning import LayerTuningGRPO
+def test_a_ddim_family_is_refused_by_the_settings_and_by_branchdiff_config(capsys):
+    """Refused when the config is read, before the pipeline loads (it was refused only when the objective was built)."""
+    from branchdiff.cli import main
 
-    config = load_config("tiny-mix", [f"output_dir={tmp_path}", "train.loss=grpo-layertuning"])
-    with pytest.raises(ConfigError, match="is an ε-prediction \\(DDIM\\) family: use train.loss=grpo"):
-        LayerTuningGRPO(config, None, None, None, object(), None)
+    line = ("'train.loss' = 'grpo-layertuning' regresses flow-matching velocities toward the best sample; model.family=sd15 is an "
+            "ε-prediction (DDIM) family: use train.loss=grpo")
+    with pytest.raises(ConfigError) as refused:
+        load_config("sd15-hps", ["train.loss=grpo-layertuning"])
+    assert str(refused.value) == line
+    assert main(["config", "sd15-hps", "train.loss=grpo-layertuning"]) == 2
+    assert capsys.readouterr().err.strip() == f"branchdiff: error: {line}"
 
 
 def test_a_run_resumed_from_its_checkpoint_ends_like_an_unstopped_one(tmp_path):

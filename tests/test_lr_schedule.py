@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from branchdiff.errors import ConfigError
-
 from branchdiff.settings.load import load_config
 from branchdiff.training.lr_schedule import LearningRateSchedule
 

@@ -1,11 +1,11 @@
-"""Peak memory per phase (branchdiff/runs/memory.py): on the CPU, the resident set's peak within each
+"""Peak memory per phase (branchdiff/runtime/memory.py): on the CPU, the resident set's peak within each
 phase; a training iteration logs every phase's."""
 
 from __future__ import annotations
 
 import torch
 
-from branchdiff.runs.memory import GIB, PhaseMemory
+from branchdiff.runtime.memory import GIB, PhaseMemory
 
 
 def test_each_phase_reports_its_own_peak():

@@ -20,16 +20,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from resumed_runs import deterministic  # tests/ is on sys.path
 from safetensors.torch import load_file
 
-from branchdiff.core.advantage import depthwise_advantages
 from branchdiff.cli import main
+from branchdiff.core.advantage import depthwise_advantages
+from branchdiff.core.prune import width_mask
+from branchdiff.core.tree import build_tree
 from branchdiff.settings.load import load_config
 from branchdiff.settings.trees import tree_spec
-from branchdiff.core.prune import width_mask
 from branchdiff.training.trainer import Trainer
-from branchdiff.core.tree import build_tree
+from resumed_runs import deterministic  # tests/ is on sys.path
 
 TESTS = Path(__file__).parent
 PER_PROCESS = 2
@@ -209,7 +209,7 @@ def test_a_frozen_rank_ends_the_job_with_one_line_naming_it_and_the_run_resumes_
     assert re.match(r"branchdiff: error: process rank 1 \(pid \d+ on .+, silent for \d+ s, last in iteration 2\) stopped responding "
                     r"for more than collective_timeout = 8 s, so the job ends; the newest complete checkpoint, .+/iter-000001, is intact; ", lines[0])
     assert elapsed < 120, elapsed
-    from branchdiff.runs import checkpoint
+    from branchdiff.runtime import checkpoint
 
     assert [p.name for p in checkpoint.checkpoints(run / "checkpoints")] == ["iter-000000", "iter-000001"]
     assert checkpoint.verify(run / "checkpoints" / "iter-000001")[1] is None
@@ -228,7 +228,7 @@ def _assert_same_lora(run: Path, reference: Path) -> None:
 
 
 def test_a_full_disk_on_one_process_stops_both_at_the_checkpoint_and_keeps_the_last_one(two_process_run, tmp_path):
-    from branchdiff.runs import checkpoint
+    from branchdiff.runtime import checkpoint
 
     """Process 0's writes into iteration 1's checkpoint fail (ENOSPC): both processes stop together
     at once (no collective left waiting), process 0 with the full-disk line, the staging folder is

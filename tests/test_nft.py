@@ -8,10 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from branchdiff.errors import ConfigError
-
-from branchdiff.settings.load import load_config
 from branchdiff.core.loss import nft_loss, nft_optimality
+from branchdiff.errors import ConfigError
+from branchdiff.settings.load import load_config
 
 
 def _reference_loss(v_theta, v_old, x0, x_t, sigma, r, beta, advantage_clip):
@@ -92,20 +91,14 @@ def test_a_run_resumed_from_its_checkpoint_ends_like_an_unstopped_one(tmp_path):
     assert_resumed_run_equals_straight(args, tmp_path, 2, 3, sampling_policy_saved)
 
 
-def test_too_many_timesteps_and_a_ddim_family_are_refused_with_the_fix(tmp_path):
-    from branchdiff.objectives.nft import DiffusionNFT
-
-    config = _config(tmp_path, "nft.timesteps=5")
+def test_too_many_timesteps_and_a_ddim_family_are_refused_by_the_settings(tmp_path):
+    """Refused when the config is read (so `branchdiff config` too), before any model loads; they were refused only
+    when the objective was built, after the pipeline had loaded."""
     with pytest.raises(ConfigError, match=r"'nft.timesteps' = 5 exceeds sampling.num_steps = 4; use nft.timesteps ≤ 4"):
-        DiffusionNFT(config, None, None, None, _flow_schedule(), None)
-    with pytest.raises(ConfigError, match="is an ε-prediction \\(DDIM\\) family: use train.loss=grpo"):
-        DiffusionNFT(_config(tmp_path), None, None, None, object(), None)
-
-
-def _flow_schedule():
-    from branchdiff.schedulers.schedule import FlowSchedule
-
-    return FlowSchedule.shifted(4, 1.0, 1.0)
+        _config(tmp_path, "nft.timesteps=5")
+    with pytest.raises(ConfigError, match="'train.loss' = 'nft' trains on the flow-matching forward process; model.family=sd15 is an "
+                                          "ε-prediction \\(DDIM\\) family: use train.loss=grpo"):
+        load_config("sd15-hps", ["train.loss=nft"])
 
 
 def test_depthwise_advantages_credit_each_term_with_its_ancestor_at_the_next_depth(tmp_path):

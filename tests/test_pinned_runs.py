@@ -23,10 +23,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from resumed_runs import deterministic  # tests/ is on sys.path
-
 from branchdiff.settings.load import load_config
 from branchdiff.training.trainer import Trainer
+from resumed_runs import deterministic  # tests/ is on sys.path
 
 PINS = Path(__file__).parent / "data" / "pinned"
 ITERATIONS = 2

@@ -74,7 +74,7 @@ def test_accelerate_configs_are_found_and_parse(capsys):
         path = Path(capsys.readouterr().out.strip())
         parsed = load_config_from_file(str(path))
         assert (parsed.num_processes, parsed.num_machines, parsed.mixed_precision) == (processes, machines, "bf16")
-        if name.startswith("fsdp"):  # FSDP2, the shards offloaded only in fsdp-offload (branchdiff/runs/sharding.py reads these)
+        if name.startswith("fsdp"):  # FSDP2, the shards offloaded only in fsdp-offload (branchdiff/runtime/sharding.py reads these)
             assert parsed.distributed_type == "FSDP" and parsed.fsdp_config["fsdp_version"] == 2
             assert parsed.fsdp_config["fsdp_offload_params"] == (name == "fsdp-offload")
     assert main(["accelerate-config", "fsdp-typo"]) == 2

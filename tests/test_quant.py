@@ -12,7 +12,6 @@ import pytest
 import torch
 from torch import nn
 
-from branchdiff.settings.load import load_config
 from branchdiff.explore.formats import (
     fake_quantize_fp8,
     fake_quantize_mxfp4,
@@ -23,7 +22,6 @@ from branchdiff.explore.formats import (
     round_to_e2m1,
     round_to_e4m3,
 )
-from branchdiff.models.tiny import TinyAdapter
 from branchdiff.explore.quant import (
     BACKENDS,
     GPU_BACKENDS,
@@ -34,6 +32,8 @@ from branchdiff.explore.quant import (
     quantized_layer_names,
     refresh_quantized_copy,
 )
+from branchdiff.models.tiny import TinyAdapter
+from branchdiff.settings.load import load_config
 
 SD3_SKIPS = TinyAdapter.quant_skip_modules  # the SD3 architecture's embedders, output norm and projection
 

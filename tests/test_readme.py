@@ -136,7 +136,7 @@ def test_sample_file_names_are_safe_whatever_the_prompt(tiny_model_dir, tmp_path
 
 
 def test_train_help_lists_every_preset_and_the_debug_switch(capsys):
-    from branchdiff.settings.load import presets
+    from branchdiff.settings.load import PRESET_DIR, presets
 
     with pytest.raises(SystemExit) as done:
         main(["train", "--help"])
@@ -144,3 +144,8 @@ def test_train_help_lists_every_preset_and_the_debug_switch(capsys):
     out = capsys.readouterr().out
     assert all(re.search(rf"^  {re.escape(name)} +\S", out, flags=re.M) for name in presets()) and len(presets()) >= 17
     assert "--debug" in out and "docs/errors.md" in out
+    for name in presets():  # each preset's summary, whole (descriptions were cut at 90 characters, mid-word)
+        summary = (PRESET_DIR / f"{name}.yaml").read_text().splitlines()[0].lstrip("# ")
+        assert len(summary) <= 80 and re.search(rf"^  {re.escape(name)} +{re.escape(summary)}$", out, flags=re.M), name
+    # what the default trains: every weight of the tiny model, not LoRA (the epilogue said LoRA)
+    assert "the tiny presets fine-tune every weight of the built-in model (exported to RUN/transformer/)" in out

@@ -10,11 +10,11 @@ import torch
 from diffusers import DPMSolverMultistepScheduler, PNDMScheduler
 
 from branchdiff.core.engine import initial_noise
-from branchdiff.settings.evaluation import EVAL_RUN_SEED
-from branchdiff.evaluation.evaluate import sample_ode
-from branchdiff.models import load_adapter
 from branchdiff.core.rollout import NoiseAddress
 from branchdiff.core.tree import TreeSpec, build_tree
+from branchdiff.evaluation.evaluate import sample_ode
+from branchdiff.models import load_adapter
+from branchdiff.settings.evaluation import EVAL_RUN_SEED
 from test_model_families import PROMPTS, TOLERANCE, _pipeline_images, _train_overrides
 from tiny_pipelines import RESOLUTION, build_pipeline, load_pipeline
 
@@ -76,6 +76,19 @@ def test_training_on_a_folder_with_another_solver_prints_the_notice(released, tm
     Trainer(load_config(None, _train_overrides("sana", released["sana"], tmp_path / "run")))
     notice = [line for line in capsys.readouterr().err.splitlines() if "DPMSolverMultistepScheduler" in line]
     assert len(notice) == 1 and "--solver release" in notice[0] and "FlowMatchEulerDiscreteScheduler" in notice[0]
+
+
+def test_sample_and_eval_on_a_folder_with_another_solver_print_the_notice(released, tmp_path, capsys):
+    """As training does: without --solver release, a line says the folder ships DPM-Solver++ and that
+    the images come from branchdiff's steps (sample said nothing); with it, no line."""
+    from branchdiff.cli import main
+
+    common = ["--family", "sana", "--model", str(released["sana"]), "--resolution", "32", "--steps", "2", "--images-per-prompt", "1"]
+    assert main(["sample", *common, "--prompt", "a red circle", "--out", str(tmp_path / "sampled")]) == 0
+    notice = [line for line in capsys.readouterr().err.splitlines() if "DPMSolverMultistepScheduler" in line]
+    assert len(notice) == 1 and notice[0].startswith("note: model.path ships the sampler") and "--solver release" in notice[0]
+    assert main(["sample", *common, "--solver", "release", "--prompt", "a red circle", "--out", str(tmp_path / "released")]) == 0
+    assert "DPMSolverMultistepScheduler" not in capsys.readouterr().err
 
 
 def test_sample_takes_the_release_solver_and_refuses_it_with_a_search(released, tmp_path, capsys):

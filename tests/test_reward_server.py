@@ -22,11 +22,21 @@ import urllib.request
 import pytest
 import torch
 
+from branchdiff.data.tiny_task import all_prompts, render_batch
 from branchdiff.rewards.base import check_scores
 from branchdiff.rewards.registry import build_reward
-from branchdiff.rewards.remote import IMAGE_FORMATS, WIRE_VERSION, RemoteReward, RemoteRewardError, WireFormatError, decode_batch, encode_batch, quantize, to_uint8
+from branchdiff.rewards.remote import (
+    IMAGE_FORMATS,
+    WIRE_VERSION,
+    RemoteReward,
+    RemoteRewardError,
+    WireFormatError,
+    decode_batch,
+    encode_batch,
+    quantize,
+    to_uint8,
+)
 from branchdiff.rewards.server import BackgroundServer, create_app, serve
-from branchdiff.data.tiny_task import all_prompts, render_batch
 
 FAST = {"retries": 1, "backoff": 0.01, "timeout": 5.0}  # failures in these tests take milliseconds
 

@@ -4,6 +4,7 @@ combination, failures at the boundary, and training with a user's reward named i
 from __future__ import annotations
 
 import json
+import re
 import textwrap
 
 import pytest
@@ -68,7 +69,7 @@ def test_entry_point_is_found_by_name_and_listed(installed_entry_point):
     reward = build_reward(installed_entry_point, "cpu", {"gain": 2.0})
     assert torch.allclose(reward(IMAGES, PROMPTS, METADATA), 2.0 * IMAGES.flatten(1).mean(1))
     rows = {row["name"]: row for row in available()}
-    assert rows["brightness"]["source"] == "entry point user_rewards:Brightness"
+    assert rows["brightness"]["source"] == "entry point" and rows["brightness"]["weights"] == "its package's (user_rewards:Brightness)"
     assert rows["tiny-geneval"]["status"] == "ready"
 
 
@@ -254,7 +255,19 @@ def test_serve_reward_and_list_name_the_built_ins(capsys):
     assert main(["rewards", "list"]) == 0
     listed = capsys.readouterr().out
     assert all(name in listed for name in ("hpsv2.1", "pickscore", "clip-score", "aesthetic", "imagereward"))
-    assert "missing ImageReward: pip install image-reward in its own environment" in listed  # not installed here
+    assert re.search(r"^imagereward +built-in +missing ImageReward ", listed, flags=re.M)  # not installed here
+    assert "  imagereward: pip install image-reward in its own environment" in listed
+
+
+def test_rewards_list_is_narrow_and_ready_only_when_the_weights_are_here(capsys, monkeypatch, tmp_path):
+    """Rows were ~270 characters, and a reward whose weights come from the hub said "ready" with nothing downloaded."""
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty-cache"))
+    assert main(["rewards", "list"]) == 0
+    listed = capsys.readouterr().out
+    assert max(len(line) for line in listed.splitlines()) <= 120
+    assert re.search(r"^tiny-geneval +built-in +ready ", listed, flags=re.M)
+    assert all(re.search(rf"^{re.escape(name)} +built-in +not downloaded ", listed, flags=re.M) for name in ("hpsv2.1", "pickscore"))
+    assert "  hpsv2.1: checkpoint = xswu/HPSv2 HPS_v2.1_compressed.pt" in listed
 
 
 @pytest.mark.parametrize(

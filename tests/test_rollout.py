@@ -16,7 +16,10 @@ SPEC = TreeSpec(num_steps=5, splits=(Split(0, 2), Split(2, 3, noise_level=0.9)),
 ADDRESS = NoiseAddress(run_seed=7, iteration=3, prompt_keys=(10, 11, 12))
 
 
-def _grow(adapter, spec=SPEC, settings=SamplerSettings(sde="dance", noise_level=0.3, max_batch=8), **kw):
+SETTINGS = SamplerSettings(sde="dance", noise_level=0.3, max_batch=8)
+
+
+def _grow(adapter, spec=SPEC, settings=SETTINGS, **kw):
     tree = build_tree(spec, len(PROMPTS))
     embeds = adapter.encode_prompts(PROMPTS)
     return grow(adapter, tree, embeds, adapter.schedule(spec.num_steps, 3.0), settings, ADDRESS, **kw), embeds

@@ -9,7 +9,6 @@ from __future__ import annotations
 import base64
 import io
 import json
-from pathlib import Path
 import math
 import os
 import re
@@ -17,6 +16,7 @@ import shutil
 import subprocess
 from dataclasses import dataclass, field
 from html.parser import HTMLParser
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -25,11 +25,11 @@ import yaml
 from matplotlib.figure import Figure
 from PIL import Image
 
-from branchdiff.report import run_report
 from branchdiff.cli import main
+from branchdiff.report import run_report
 from branchdiff.report.figures import base_level, grid_captions, moving_average, png_data_uri, save_grid
-from branchdiff.report.run_report import evenly_spaced, write_report
 from branchdiff.report.run_data import columns, read_metrics, reward_components
+from branchdiff.report.run_report import evenly_spaced, write_report
 
 ITERATIONS = 40
 EVAL_EVERY = 4  # held-out evaluation (and its grid) every 4 iterations: 10 grids, more than the 8 shown
@@ -242,7 +242,7 @@ def test_a_full_run_gives_one_self_contained_page_with_every_section(full_run, f
     page = Page(text)
     assert page.sections == list(SECTIONS)
     assert "not recorded" not in text and "could not be drawn" not in text  # every input is there and every plot drew
-    for section, kind, alt, src in page.images:
+    for _section, kind, alt, src in page.images:
         assert src.startswith("data:image/png;base64,") and alt and kind in ("plot", "grid")
         assert decode(src).size[0] > 0
     plots = {section for section, kind, _, _ in page.images if kind == "plot"}

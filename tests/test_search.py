@@ -16,13 +16,13 @@ import torch
 
 from branchdiff.core.engine import NoiseAddress, SamplerSettings
 from branchdiff.core.rollout import grow
-from branchdiff.search import SEARCHES
+from branchdiff.core.tree import Split, TreeSpec, build_tree
+from branchdiff.search import SEARCHES, make_search
 from branchdiff.search.backup import aggregate, backup_path
 from branchdiff.search.fixed_tree import FixedTree
 from branchdiff.search.forest import SearchForest, regenerate_path
 from branchdiff.search.run import run_search
 from branchdiff.search.sample import SEARCH_ITERATION, SearchSettings, encode_each, search_prompts
-from branchdiff.core.tree import Split, TreeSpec, build_tree
 
 PROMPTS = ["two red circles on the left", "one blue square at the top", "three green triangles at the bottom"]
 STEPS = 4
@@ -64,7 +64,10 @@ def test_the_soft_backup_runs_from_the_mean_to_the_max_and_refuses_a_bad_rule():
         aggregate(values, "soft", 0.0)
 
 
-def _forest(adapter, settings=SamplerSettings(sde="flow", noise_level=0.7, max_batch=8), seed=5) -> SearchForest:
+FLOW_SETTINGS = SamplerSettings(sde="flow", noise_level=0.7, max_batch=8)
+
+
+def _forest(adapter, settings=FLOW_SETTINGS, seed=5) -> SearchForest:
     return SearchForest(adapter, TreeSpec(STEPS), adapter.schedule(STEPS), settings, NoiseAddress(seed, SEARCH_ITERATION, (0, 1, 2)),
                         encode_each(adapter, PROMPTS))
 
@@ -99,7 +102,7 @@ def test_every_search_stays_in_budget_counts_its_rows_and_its_winner_regrows_exa
     the budget; the best leaf regrown alone from its path is the same latent, bit for bit."""
     forest = _forest(tiny_adapter)
     budget = 7 * STEPS
-    result = run_search(forest, SEARCHES[name](), budget, _brightness, seed=1)
+    result = run_search(forest, make_search(name), budget, _brightness, seed=1)
     for p in range(3):
         computed = sum(1 for n in range(len(forest.parent)) if forest.prompt[n] == p and forest.output[n] is not None)
         assert forest.nfe[p] == computed <= budget and result.trace[p][-1]["nfe"] == forest.nfe[p]
@@ -114,7 +117,7 @@ def test_every_search_stays_in_budget_counts_its_rows_and_its_winner_regrows_exa
 
 def test_dts_star_branches_below_its_best_root_once_the_virtual_root_is_full(tiny_adapter):
     forest = _forest(tiny_adapter)
-    search = SEARCHES["dts-star"](max_children=2)
+    search = make_search("dts-star", max_children=2)
     budget = 2 * STEPS + (STEPS - 1)  # two roll-outs from new noise, then a new child of a root's kept output: its roll-out only
     result = run_search(forest, search, budget, _brightness)
     for p in range(3):
@@ -137,10 +140,10 @@ def test_searches_beat_random_samples_at_the_same_budget(tiny_adapter):
         return SearchForest(tiny_adapter, TreeSpec(STEPS), tiny_adapter.schedule(STEPS), settings,
                             NoiseAddress(9, SEARCH_ITERATION, tuple(range(len(prompts)))), embeds)
 
-    random_samples = run_search(forest(), SEARCHES["best-of-n"](), STEPS, _brightness).rewards  # one image each
+    random_samples = run_search(forest(), make_search("best-of-n"), STEPS, _brightness).rewards  # one image each
     random_mean = statistics.mean(r[0] for r in random_samples)
     for name in SEARCHES:
-        found = run_search(forest(), SEARCHES[name](), 6 * STEPS, _brightness).rewards
+        found = run_search(forest(), make_search(name), 6 * STEPS, _brightness).rewards
         gains = [max(r) - random_mean for r in found]
         assert statistics.mean(gains) > 3 * statistics.stdev(gains) / math.sqrt(len(gains)), (name, gains)
 

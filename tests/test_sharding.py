@@ -1,4 +1,4 @@
-"""FSDP2 (branchdiff/runs/sharding.py) against DDP, on two CPU processes (gloo) launched once with the
+"""FSDP2 (branchdiff/runtime/sharding.py) against DDP, on two CPU processes (gloo) launched once with the
 packaged `fsdp` accelerate config (tests/sharded_runs.py runs several trainings in that launch): a
 tiny SD3 pipeline trained for two iterations with LoRA and with full fine-tuning, under DDP and under
 FSDP2 (LoRA once more with the shards in CPU memory); the same runs stopped after the first iteration
@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 
 from branchdiff.cli.tools import ACCELERATE_DIR
 from branchdiff.errors import UserError
-from branchdiff.runs.sharding import ShardingSettings
+from branchdiff.runtime.sharding import ShardingSettings
 from test_multiprocess import TESTS, _free_port
 from tiny_pipelines import load_pipeline, save_pipeline
 
@@ -121,8 +121,8 @@ def test_sharded_runs_evaluate_like_unsharded_ones(runs):
 
 def test_the_exported_lora_of_a_sharded_run_loads_in_the_pipeline_to_the_trained_output(runs):
     """pipe.load_lora_weights(RUN/lora) gives the images branchdiff samples with the run's weights."""
-    from branchdiff.models.finetune import load_weights
     from branchdiff.models import load_adapter
+    from branchdiff.models.finetune import load_weights
     from test_model_families import _ode_images, _pipeline_images
 
     torch.set_num_threads(1)
@@ -152,7 +152,7 @@ def test_settings_come_from_accelerates_fsdp_variables():
 def test_a_sharded_run_on_gpus_gets_a_process_group_with_a_cpu_backend_too():
     """Offloaded shards and gathered checkpoints are CPU tensors: on GPUs a sharded run's group is NCCL
     and gloo; an unsharded one, or one on CPUs, keeps accelerate's choice."""
-    from branchdiff.runs.sharding import process_group_backend
+    from branchdiff.runtime.sharding import process_group_backend
 
     assert process_group_backend(ShardingSettings(True, offload=True), cuda=True) == "cuda:nccl,cpu:gloo"
     assert process_group_backend(ShardingSettings(True), cuda=True) == "cuda:nccl,cpu:gloo"

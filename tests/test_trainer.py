@@ -7,8 +7,8 @@ import torch
 from safetensors.torch import load_file
 
 from branchdiff.cli import main
-from branchdiff.settings.load import load_config
 from branchdiff.objectives.base import Signal
+from branchdiff.settings.load import load_config
 from branchdiff.training.trainer import Trainer
 from branchdiff.training.update import optimizer_groups
 

@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from branchdiff.runs import watchdog
-from branchdiff.runs.watchdog import Heartbeat, backend_timeout
+from branchdiff.runtime import watchdog
+from branchdiff.runtime.watchdog import Heartbeat, backend_timeout
 
 
 class Clock:

@@ -59,14 +59,14 @@ from pathlib import Path
 import torch
 
 from branchdiff.bench.clock import modelled_seconds
-from branchdiff.settings.config import TrainConfig
-from branchdiff.settings.load import load_config
-from branchdiff.settings.trees import tree_spec
 from branchdiff.bench.stats import first_time_reaching, t_interval, time_ratio_interval, welch_p
 from branchdiff.data.prompts import load_prompt_set
 from branchdiff.evaluation.evaluate import evaluate, summarize
 from branchdiff.rewards.combine import parse_reward_specs
 from branchdiff.rewards.multi import build_component
+from branchdiff.settings.config import TrainConfig
+from branchdiff.settings.load import load_config
+from branchdiff.settings.trees import tree_spec
 from branchdiff.training.trainer import Trainer
 
 COMMON = ["iterations=100000", "final_eval=false", "logging.tensorboard=false", "logging.sample_every=0",
@@ -222,6 +222,7 @@ def bench_curves(minutes: float, seeds: int, json_path: Path | None, out_dir: Pa
     if json_path:
         json_path.parent.mkdir(parents=True, exist_ok=True)
         json_path.write_text(json.dumps(result, indent=1))
+    print(f"wrote {out_dir / 'curves.md'}, {out_dir / 'curves.png'}" + (f", {json_path}" if json_path else ""))
     return result
 
 

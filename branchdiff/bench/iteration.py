@@ -24,10 +24,10 @@ from pathlib import Path
 
 import torch
 
-from branchdiff.settings.load import load_config
+from branchdiff.core.engine import forward_chunked
 from branchdiff.explore.pool import ranking_agreement
 from branchdiff.models.base import select_embeds
-from branchdiff.core.engine import forward_chunked
+from branchdiff.settings.load import load_config
 from branchdiff.training.trainer import Trainer
 
 ANCHOR_SPLITS = "[[0,2],[3,2],[6,2],[9,2]]"  # BranchGRPO: T = 20, k = 2 at steps 0, 3, 6, 9 → 16 leaves
@@ -155,6 +155,7 @@ def bench_tree(json_path: Path | None = None, repeats: int = 3, extra_overrides:
     print(format_bench(rows, ratios))
     if json_path:
         json_path.write_text(json.dumps(result, indent=1))
+        print(f"wrote {json_path}")
     return result
 
 
@@ -236,6 +237,7 @@ def bench_explore(json_path: Path | None = None, iterations: int = 4, extra_over
     print(format_explore(rows))
     if json_path:
         json_path.write_text(json.dumps(result, indent=1))
+        print(f"wrote {json_path}")
     return result
 
 

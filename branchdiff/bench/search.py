@@ -101,6 +101,7 @@ def bench_search(images: int, seeds: int, json_path: Path | None, out_dir: Path,
     if json_path:
         json_path.parent.mkdir(parents=True, exist_ok=True)
         json_path.write_text(json.dumps(result, indent=1).replace("NaN", "null"))  # strict JSON: no image yet within a budget
+    print(f"wrote {out_dir / 'search.md'}, {out_dir / 'search.png'}" + (f", {json_path}" if json_path else ""))
     return result
 
 
@@ -153,7 +154,8 @@ def format_table(result: dict, markdown: bool = False) -> str:
     rows = []
     for name, entry in result["searches"].items():
         for key, label in (("best_reward", f"best {REWARD}"), ("strict", "winner strict")):
-            rows.append([name, label, *("—" if math.isnan(m) else f"{m:.3f} [{lo:.3f}, {hi:.3f}]" for m, (lo, hi) in zip(entry[key]["mean"], entry[key]["ci"]))])
+            cells = ("—" if math.isnan(m) else f"{m:.3f} [{lo:.3f}, {hi:.3f}]" for m, (lo, hi) in zip(entry[key]["mean"], entry[key]["ci"]))
+            rows.append([name, label, *cells])
     if markdown:
         return "\n".join("| " + " | ".join(row) + " |" for row in [header, ["---"] * len(header), *rows])
     widths = [max(len(row[i]) for row in [header, *rows]) + 2 for i in range(len(header))]

@@ -30,21 +30,37 @@ def sampling_settings(args: argparse.Namespace) -> tuple[EvalSettings, Path | No
     return settings, run
 
 
-def load_model(settings: EvalSettings, weights: str | None, device: str | object = "cpu") -> ModelAdapter:
-    """The model the settings name, with a run's trained weights loaded when given (`finetune.load_weights`)."""
-    import torch
-
-    from branchdiff.models import load_adapter
+def check_model(settings: EvalSettings, weights: str | None) -> None:
+    """What `load_model` checks before anything loads (its docstring)."""
+    from branchdiff.models import adapter_class, check_size
     from branchdiff.models.families import FAMILIES
+    from branchdiff.models.finetune import locate_weights
 
     if not settings.prompt_instruction and not FAMILIES[settings.family].instruction:
         raise ValueError(f"--no-prompt-instruction applies to families whose prompts carry an instruction (sana), not {settings.family}")
+    check_size(settings.family, settings.model, settings.resolution)
+    if weights:
+        locate_weights(weights, adapter_class(settings.family).denoiser_name)
+
+
+def load_model(settings: EvalSettings, weights: str | None, device: str | object = "cpu") -> ModelAdapter:
+    """The model the settings name, with a run's trained weights loaded when given (`finetune.load_weights`).
+    What can be checked without loading is checked first: the instruction switch, the image size
+    against the folder's config files, and that `weights` names something a run trained. A model
+    folder that ships another sampler than the one `--solver training` steps with gets a notice."""
+    import torch
+
+    from branchdiff.models import load_adapter
+    from branchdiff.models.finetune import load_weights
+
+    check_model(settings, weights)
     adapter = load_adapter(settings.family, settings.model, device, settings.resolution, getattr(torch, settings.dtype),
                            instruction=settings.prompt_instruction)
     if weights:
-        from branchdiff.models.finetune import load_weights
-
         load_weights(adapter, weights)
+    notice = adapter.solver_notice() if settings.solver == "training" else None
+    if notice:
+        print(f"note: {notice}", file=sys.stderr)
     return adapter
 
 

@@ -7,7 +7,7 @@ import argparse
 import json
 from pathlib import Path
 
-from branchdiff.cli.common import check_device, load_model, reward_specs_from_text, sampling_settings
+from branchdiff.cli.common import check_device, check_model, load_model, reward_specs_from_text, sampling_settings
 
 
 def cmd_eval(args: argparse.Namespace) -> None:
@@ -16,13 +16,14 @@ def cmd_eval(args: argparse.Namespace) -> None:
     from accelerate import PartialState
 
     from branchdiff.data.prompts import load_prompt_set
-    from branchdiff.runs.distributed import disconnect
     from branchdiff.evaluation.evaluate import evaluate, format_summary, gather_results, write_outputs
     from branchdiff.rewards.combine import parse_reward_specs
     from branchdiff.rewards.multi import build_component
+    from branchdiff.runtime.distributed import disconnect
 
     check_device(args.device)
     settings, run = sampling_settings(args)
+    check_model(settings, args.weights)  # before the rewards load
     state = PartialState(cpu=args.device == "cpu")
     prompt_set = load_prompt_set(settings.prompts)
     specs = reward_specs_from_text(settings.rewards) if isinstance(settings.rewards, str) else parse_reward_specs(settings.rewards)
@@ -44,6 +45,6 @@ def cmd_eval(args: argparse.Namespace) -> None:
           f"{'weights ' + args.weights if args.weights else 'base model'}; images, scores.csv, grid.png in {out}/")
     print(format_summary(summary["summary"]))
     if args.json:
-        from branchdiff.runs import storage
+        from branchdiff.runtime import storage
 
         storage.write_text(args.json, json.dumps(summary, indent=1))

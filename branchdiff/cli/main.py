@@ -41,8 +41,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if not debug:
         _quiet_third_party_logs()
-    from branchdiff.errors import ConfigError
-    from branchdiff.errors import UserError, is_out_of_memory, out_of_memory
+    from branchdiff.errors import ConfigError, UserError, is_out_of_memory, out_of_memory
     from branchdiff.rewards.multi import RewardError
     from branchdiff.rewards.remote import RemoteRewardError
 

@@ -8,9 +8,10 @@ from pathlib import Path
 from typing import NoReturn
 
 from branchdiff.cli.arguments import at_least, finite, image_size, positive
+from branchdiff.search import SEARCHES
+from branchdiff.settings.config import DEFAULT_PRESET
 from branchdiff.settings.evaluation import SOLVERS
 
-DEFAULT_PRESET = "tiny-mix-full"  # the preset `branchdiff train` runs without one
 EXAMPLES = """examples:
   branchdiff train                                  # the built-in tiny task, best preset: runs/tiny-mix-full/
   branchdiff train tiny-chain iterations=20 output_dir=runs/chain
@@ -80,7 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
             sub.add_argument("--out", type=Path, required=True, help="output directory")
             sub.add_argument("--seed", type=at_least(0), default=None, help="noise seed (default: 1234)")
             search = sub.add_argument_group("search (docs/search.md): the best images of a search over each prompt's denoising tree")
-            search.add_argument("--search", choices=["best-of-n", "tree", "dts", "dts-star"], default=None,
+            search.add_argument("--search", choices=list(SEARCHES), default=None,
                                 help="search within --budget instead of ODE samples; writes the best images and OUT/search.json")
             search.add_argument("--budget", type=at_least(1), default=None, help="network rows per prompt (a CFG prediction costs 2)")
             search.add_argument("--reward", default="tiny-geneval", help="what the search maximises: a name, dotted path or server URL")
@@ -155,13 +156,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _presets_help() -> str:
-    """`train --help`'s epilog: the packaged presets, each with the first line of its comment."""
+    """`train --help`'s epilog: the packaged presets, each with the summary on the first line of its comment (whole)."""
     lines = ["presets (branchdiff/configs/; print one with `branchdiff config NAME`):"]
     for path in sorted((Path(__file__).parents[1] / "configs").glob("*.yaml")):
-        first = path.read_text().splitlines()[0].lstrip("# ").strip()
-        lines.append(f"  {path.stem:<26}{first[:90]}")
-    lines += ["", "every key, its type, default and meaning: branchdiff/settings/config.py; bad input ends with one line and exit 2",
-              "(docs/errors.md), --debug shows the traceback; runs end by printing where their folder, LoRA and report are"]
+        lines.append(f"  {path.stem:<26}{path.read_text().splitlines()[0].lstrip('# ').strip()}")
+    lines += ["", "the tiny presets fine-tune every weight of the built-in model (exported to RUN/transformer/); the real-model presets",
+              "train LoRA adapters (RUN/lora/, for pipe.load_lora_weights); model.finetune=lora|full chooses",
+              "every key, its type, default and meaning: branchdiff/settings/config.py; bad input ends with one line and exit 2",
+              "(docs/errors.md), --debug shows the traceback; runs end by printing where their folder, weights and report are"]
     return "\n".join(lines)
 
 

@@ -13,11 +13,16 @@ def cmd_rewards(args: argparse.Namespace) -> None:
 
     if args.rewards_command == "list":
         rows = available()
-        columns = ("name", "source", "needs", "status", "weights")
+        columns = ("name", "source", "status", "weights")
         widths = {c: max(len(c), *(len(row[c]) for row in rows)) for c in columns}
-        print("  ".join(c.ljust(widths[c]) for c in columns))
+        print("  ".join(c.ljust(widths[c]) for c in columns).rstrip())
         for row in rows:
-            print("  ".join(row[c].ljust(widths[c]) for c in columns))
+            print("  ".join(row[c].ljust(widths[c]) for c in columns).rstrip())
+        notes = [f"  {row['name']}: {row['note']}" for row in rows if row["note"]]
+        if notes:
+            print("\nnot downloaded: fetched from the hub when first used online; offline, download it and pass its local path as the\n"
+                  "keyword argument shown (kwargs: {checkpoint: PATH}; docs/rewards.md). missing: install it as shown.")
+            print("\n".join(notes))
         return
     from branchdiff.data.prompts import load_prompt_set
     from branchdiff.models.families import FAMILIES

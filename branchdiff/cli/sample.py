@@ -25,13 +25,15 @@ def cmd_sample(args: argparse.Namespace) -> None:
                          f"{args.steps or 10}, twice that under CFG)")
     settings, _ = sampling_settings(args)
     seed = EVAL_RUN_SEED if args.seed is None else args.seed
-    args.out.mkdir(parents=True, exist_ok=True)
-    if args.from_trace is not None or args.search:
-        from branchdiff.cli.search import regrow_trace, search_and_write
+    if args.from_trace is not None or args.search:  # the trace or the reward is read before the model loads
+        from branchdiff.cli.search import one_reward, regrow_trace, search_and_write
+        from branchdiff.search.sample import read_trace
 
+        recorded = read_trace(args.from_trace) if args.from_trace is not None else None
+        spec = one_reward(args.reward) if args.search else None
         adapter = load_model(settings, args.weights)
-        written = (regrow_trace(adapter, args.from_trace, args.weights, args.out) if args.from_trace is not None else
-                   search_and_write(adapter, args, settings, seed))
+        written = (regrow_trace(adapter, recorded, args.weights, args.out) if recorded is not None else
+                   search_and_write(adapter, args, settings, seed, spec))
         for path in written:
             print(path)
         return
@@ -39,6 +41,7 @@ def cmd_sample(args: argparse.Namespace) -> None:
 
     images, prompts = sample_ode(load_model(settings, args.weights), args.prompt, settings.images_per_prompt, settings.steps, settings.shift,
                                  seed=seed, guidance=settings.guidance, solver=settings.solver)
+    args.out.mkdir(parents=True, exist_ok=True)  # only once there are images to write
     for index, (image, prompt) in enumerate(zip(images, prompts)):
         path = args.out / file_name(index, prompt)
         save_image(image, path)

@@ -1,5 +1,6 @@
 """What `branchdiff sample --search` and `--from-trace` write: each prompt's best images (PNG,
-named as `sample` names them) and OUT/search.json (branchdiff/search/sample.py)."""
+named as `sample` names them) and OUT/search.json (branchdiff/search/sample.py). The reward spec and
+the trace are read before the model loads; OUT is made only when the first image is ready."""
 
 from __future__ import annotations
 
@@ -12,21 +13,29 @@ from pathlib import Path
 import torch
 from torchvision.utils import save_image
 
-from branchdiff.settings.evaluation import EvalSettings
+from branchdiff.cli.common import file_name
 from branchdiff.models.base import ModelAdapter
-from branchdiff.search.sample import SearchSettings, read_trace, regenerate, search_prompts, trace
+from branchdiff.rewards.combine import RewardSpec
+from branchdiff.runtime import storage
+from branchdiff.search.sample import SearchSettings, regenerate, search_prompts, trace
+from branchdiff.settings.evaluation import EvalSettings
 
 
-def search_and_write(adapter: ModelAdapter, args: argparse.Namespace, settings: EvalSettings, seed: int) -> Iterator[Path]:
-    """Search every `--prompt` with `--reward`; write the best images, then the trace; yield the paths."""
-    from branchdiff.runs import storage
-    from branchdiff.cli.common import file_name, reward_specs_from_text
+def one_reward(text: str) -> RewardSpec:
+    """`--reward`: the one reward a search maximises."""
+    from branchdiff.cli.common import reward_specs_from_text
+
+    specs = reward_specs_from_text(text)
+    if len(specs) != 1:
+        raise ValueError(f"--reward {text}: a search maximises one reward; name one (a name, dotted path or server URL)")
+    return specs[0]
+
+
+def search_and_write(adapter: ModelAdapter, args: argparse.Namespace, settings: EvalSettings, seed: int, spec: RewardSpec) -> Iterator[Path]:
+    """Search every `--prompt` for the reward `spec`; write the best images, then the trace; yield the paths."""
     from branchdiff.rewards.multi import build_component, score_component
 
-    spec = reward_specs_from_text(args.reward)
-    if len(spec) != 1:
-        raise ValueError(f"--reward {args.reward}: a search maximises one reward; name one (a name, dotted path or server URL)")
-    label, reward = spec[0].label, build_component(spec[0], "cpu")
+    label, reward = spec.label, build_component(spec, "cpu")
     prompts = list(args.prompt)
 
     def score(images: torch.Tensor, prompt_index: list[int]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -38,6 +47,7 @@ def search_and_write(adapter: ModelAdapter, args: argparse.Namespace, settings: 
     forest, result = search_prompts(adapter, prompts, search, score)
     recorded = trace(forest, result, prompts, search, {"family": settings.family, "model": settings.model or "built-in tiny",
                                                        "weights": args.weights, "reward": args.reward})
+    args.out.mkdir(parents=True, exist_ok=True)
     index = 0
     for entry in recorded["prompts"]:
         for best, leaf in zip(entry["best"], result.best(entry["prompt_key"], search.keep)):
@@ -53,13 +63,13 @@ def search_and_write(adapter: ModelAdapter, args: argparse.Namespace, settings: 
     yield args.out / "search.json"
 
 
-def regrow_trace(adapter: ModelAdapter, trace_path: Path, weights: str | None, out: Path) -> Iterator[Path]:
+def regrow_trace(adapter: ModelAdapter, recorded: dict, weights: str | None, out: Path) -> Iterator[Path]:
     """Regrow a trace's best images from their noise paths (with the model and weights given) and write them to `out`."""
-    recorded = read_trace(trace_path)
     if recorded.get("weights") != weights:
         print(f"note: the trace was searched with weights {recorded.get('weights')}; regrowing with {weights}: the images "
               "are the same only with the same model and weights", file=sys.stderr)
     for _, latent, best in regenerate(adapter, recorded):
+        out.mkdir(parents=True, exist_ok=True)
         path = out / best["image"]
         save_image(adapter.decode(latent[None])[0], path)
         yield path

@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-
 ACCELERATE_DIR = Path(__file__).parents[1] / "configs" / "accelerate"
 
 

@@ -8,8 +8,6 @@ import argparse
 import os
 from pathlib import Path
 
-from branchdiff.cli.parser import DEFAULT_PRESET
-
 
 def split_train_args(args: argparse.Namespace) -> tuple[str | None, list[str]]:
     """argparse puts a first `key=value` into `config`; move it back to the overrides."""
@@ -21,22 +19,22 @@ def split_train_args(args: argparse.Namespace) -> tuple[str | None, list[str]]:
 def cmd_train(args: argparse.Namespace) -> None:
     """Validate everything, claim the run directory (the first process), load, train, evaluate,
     and say where the results are. A failure before the first file is written leaves no folder behind."""
-    from branchdiff.settings.load import load_config
+    from branchdiff.runtime.run_dir import claim
+    from branchdiff.settings.load import load_config, preset_or_default
     from branchdiff.training.preflight import check_inputs
-    from branchdiff.runs.run_dir import claim
 
     source, overrides = split_train_args(args)
-    config = load_config(source or DEFAULT_PRESET, overrides)
+    config = load_config(preset_or_default(source, overrides), overrides)
     check_inputs(config)  # rewards and prompt sources, before anything is created
     run_dir = Path(config.output_dir)
     first_process = int(os.environ.get("RANK", "0")) == 0
     claimed = claim(run_dir, resume=bool(args.resume)) if first_process else None
-    from branchdiff.runs import checkpoint
-    from branchdiff.runs.distributed import disconnect
     from branchdiff.evaluation.evaluate import format_comparison
+    from branchdiff.runtime import checkpoint
+    from branchdiff.runtime.distributed import disconnect
+    from branchdiff.runtime.watchdog import explain_failure
     from branchdiff.training.run import train
     from branchdiff.training.trainer import Trainer
-    from branchdiff.runs.watchdog import explain_failure
 
     try:
         trainer = Trainer(config, resume=args.resume)
@@ -56,7 +54,7 @@ def cmd_train(args: argparse.Namespace) -> None:
         print(f"held-out evaluation ({config.prompts.eval}, {config.prompts.eval_seeds} seeds each, ODE {config.sampling.num_steps} steps):")
         print(format_comparison(comparison))
     from branchdiff.report.run_report import write_report
-    from branchdiff.runs.sharding import plain_class
+    from branchdiff.runtime.sharding import plain_class
 
     how = ("pipe.load_lora_weights loads it" if trainer.finetune.export_name == "lora" else
            f"{plain_class(trainer.adapter.denoiser).__name__}.from_pretrained loads it")
@@ -69,7 +67,7 @@ def cmd_config(args: argparse.Namespace) -> None:
     """Print the effective config of a preset or YAML file with overrides, as YAML."""
     import yaml
 
-    from branchdiff.settings.load import load_config, to_dict
+    from branchdiff.settings.load import load_config, preset_or_default, to_dict
 
     source, overrides = split_train_args(args)
-    print(yaml.safe_dump(to_dict(load_config(source or DEFAULT_PRESET, overrides)), sort_keys=False), end="")
+    print(yaml.safe_dump(to_dict(load_config(preset_or_default(source, overrides), overrides)), sort_keys=False), end="")

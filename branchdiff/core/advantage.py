@@ -26,8 +26,8 @@ from __future__ import annotations
 
 import torch
 
-from branchdiff.runs.distributed import LOCAL, Collective
 from branchdiff.core.tree import Tree
+from branchdiff.runtime.distributed import LOCAL, Collective
 
 FUSION_MODES = ("mean", "logprob_softmax", "max")
 SCOPES = ("tree", "batch")

@@ -24,11 +24,11 @@ from dataclasses import dataclass
 import torch
 
 from branchdiff.core import noise
-from branchdiff.models.base import ModelAdapter, PromptEmbeds, select_embeds
 from branchdiff.core.noise import NodePath
+from branchdiff.core.tree import TreeSpec
+from branchdiff.models.base import ModelAdapter, PromptEmbeds, select_embeds
 from branchdiff.schedulers.flow import gaussian_log_prob
 from branchdiff.schedulers.schedule import Schedule
-from branchdiff.core.tree import TreeSpec
 
 
 @dataclass(frozen=True)

@@ -23,9 +23,9 @@ from dataclasses import dataclass, replace
 import torch
 
 from branchdiff.core.engine import NoiseAddress, SamplerSettings, initial_noise, predict, transition
+from branchdiff.core.tree import Tree
 from branchdiff.models.base import ModelAdapter, PromptEmbeds, select_embeds
 from branchdiff.schedulers.schedule import Schedule
-from branchdiff.core.tree import Tree
 
 
 @dataclass

@@ -25,8 +25,8 @@ from pathlib import Path
 
 import torch
 
-from branchdiff.errors import quote, read_utf8
 from branchdiff.data.tiny_task import all_prompts, split_prompts
+from branchdiff.errors import quote, read_utf8
 
 TINY_SOURCES = {"tiny:train": lambda: split_prompts()[0], "tiny:held_out": lambda: split_prompts()[1], "tiny:all": all_prompts}
 HPDV2_STYLES = ("anime", "concept-art", "paintings", "photo")

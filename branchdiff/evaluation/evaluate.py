@@ -24,15 +24,15 @@ import torch
 from torchvision.io import write_jpeg
 from tqdm.auto import tqdm
 
-from branchdiff.data.prompts import PromptSet
 from branchdiff.core.engine import initial_noise, rows_per_latent
-from branchdiff.settings.evaluation import EVAL_RUN_SEED, SOLVERS
+from branchdiff.core.rollout import NoiseAddress, SamplerSettings, grow
+from branchdiff.core.tree import TreeSpec, build_tree
+from branchdiff.data.prompts import PromptSet
 from branchdiff.models.base import ModelAdapter, select_embeds
 from branchdiff.report.figures import save_grid
 from branchdiff.rewards.base import to_uint8
 from branchdiff.rewards.multi import extra_keys, score_component
-from branchdiff.core.rollout import NoiseAddress, SamplerSettings, grow
-from branchdiff.core.tree import TreeSpec, build_tree
+from branchdiff.settings.evaluation import EVAL_RUN_SEED, SOLVERS
 
 EVAL_BATCH = 32  # rows per forward: fixed, so an image is the same whatever else is in its batch
 

@@ -35,11 +35,11 @@ from scipy import stats
 
 from branchdiff.core import noise
 from branchdiff.core.engine import rows_per_latent
-from branchdiff.models.base import ModelAdapter, PromptEmbeds, select_embeds
 from branchdiff.core.rollout import NoiseAddress, Rollout, SamplerSettings, grow, regenerate
-from branchdiff.schedulers.schedule import Schedule
-from branchdiff.explore.selection import select, select_per_group
 from branchdiff.core.tree import Tree, TreeSpec, build_tree
+from branchdiff.explore.selection import select, select_per_group
+from branchdiff.models.base import ModelAdapter, PromptEmbeds, select_embeds
+from branchdiff.schedulers.schedule import Schedule
 
 
 @dataclass

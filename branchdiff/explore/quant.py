@@ -31,16 +31,15 @@ from __future__ import annotations
 import copy
 import fnmatch
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Callable
 
 import torch
 from torch import Tensor, nn
 
 from branchdiff.explore.formats import fake_quantize_fp8, fake_quantize_mxfp4, fake_quantize_nvfp4
-from branchdiff.runs.sharding import full_tensor
-
+from branchdiff.runtime.sharding import full_tensor
 
 FP8_EMULATED = {"fp8-emulated": "row", "fp8-emulated-tensor": "tensor"}  # backend -> scale granularity
 EMULATED_BACKENDS = ("nvfp4-emulated", "mxfp4-emulated", *FP8_EMULATED)

@@ -14,6 +14,24 @@ if TYPE_CHECKING:
     from branchdiff.models.base import ModelAdapter
 
 
+def check_size(family: str, path: str | None, resolution: int | list[int] | tuple[int, int] | None) -> tuple[int, int]:
+    """The (height, width) the family's model at `path` makes at `resolution`, refused before anything
+    loads when it cannot: another size of a fixed-size family, or sides that are not multiples of what
+    the folder's config files ask for (a hub id is checked once it has loaded)."""
+    from branchdiff.models.pipeline_adapter import check_multiple
+
+    spec = FAMILIES[family]
+    size = image_size(resolution, spec.resolution)
+    if spec.fixed_resolution and size != (spec.resolution, spec.resolution):
+        raise ValueError(f"resolution {size[0]}x{size[1]}: model.family={family} makes only {spec.resolution}×{spec.resolution} images; "
+                         "leave the resolution unset")
+    folder_multiple = getattr(adapter_class(family), "folder_multiple", None)
+    multiple = folder_multiple(path) if folder_multiple else None
+    if multiple:
+        check_multiple(size, multiple, family)
+    return size
+
+
 def adapter_class(family: str) -> type[ModelAdapter]:
     if family not in FAMILIES:
         raise ValueError(f"unknown model family {family!r}; allowed: {', '.join(FAMILIES)}")

@@ -28,9 +28,9 @@ Nothing outside `branchdiff.models` knows which family it runs.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Iterator
 
 import torch
 
@@ -65,6 +65,7 @@ class ModelAdapter(ABC):
     uses_cfg: bool = False  # guidance as classifier-free guidance rows (else embedded, or none)
     default_guidance: float = 1.0  # the family's guidance when the config leaves it unset (1: none)
     decode_batch: int = 8  # images per VAE decode call
+    max_sequence_length: int = 77  # the most prompt tokens the family's text encoders read (CLIP's 77; the pipelines' T5 / Gemma lengths)
     instruction: bool = True  # prepend the family's prompt instruction where it has one (SANA's complex_human_instruction)
     lockstep: Callable[[int], int] | None = None  # a sharded denoiser (FSDP): agrees a number of forwards with the other processes (sharding.Lockstep)
 

@@ -20,7 +20,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from branchdiff.runs.sharding import full_tensor, shard_like
+from branchdiff.runtime.sharding import full_tensor, shard_like
 
 EMA_FILE = "ema.safetensors"  # a checkpoint's averaged weights, with the step count in its metadata
 

@@ -27,10 +27,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from branchdiff.runs import sharding, storage
 from branchdiff.models.base import ModelAdapter
 from branchdiff.models.lora import LORA_FILE, add_lora, canonical_header
-from branchdiff.runs.sharding import Lockstep, ShardingSettings
+from branchdiff.runtime import sharding, storage
+from branchdiff.runtime.sharding import Lockstep, ShardingSettings
 
 FULL_WEIGHTS = "denoiser.safetensors"  # a full fine-tuning checkpoint's weights
 
@@ -44,7 +44,7 @@ class LoraFinetune:
         self.export_name = "lora"
 
     def shard(self, settings: ShardingSettings, lockstep: Lockstep) -> None:
-        """FSDP2 over the denoiser, LoRA inside its blocks (branchdiff/runs/sharding.py); `params` become the
+        """FSDP2 over the denoiser, LoRA inside its blocks (branchdiff/runtime/sharding.py); `params` become the
         shards and the adapter's forwards agree in number with the other processes' (`lockstep`)."""
         sharding.shard(self.adapter.denoiser, settings)
         self.adapter.lockstep = lockstep
@@ -89,7 +89,7 @@ class FullFinetune:
             self._base.denoiser = copy.deepcopy(adapter.denoiser).requires_grad_(False).eval()
 
     def shard(self, settings: ShardingSettings, lockstep: Lockstep) -> None:
-        """FSDP2 over the denoiser and over the frozen copy (branchdiff/runs/sharding.py); `params` become the
+        """FSDP2 over the denoiser and over the frozen copy (branchdiff/runtime/sharding.py); `params` become the
         shards and both adapters' forwards agree in number with the other processes' (`lockstep`)."""
         sharding.shard(self.adapter.denoiser, settings)
         self.adapter.lockstep = lockstep
@@ -157,20 +157,31 @@ def export(finetune: LoraFinetune | FullFinetune, run_dir: Path, write: bool = T
     return run_dir / finetune.export_name
 
 
-def load_weights(adapter: ModelAdapter, path: str | Path) -> None:
-    """Load what a run trained into `adapter`, from any of the places it is: the run folder (its
-    export), a LoRA (`lora/` or its .safetensors, as `pipe.load_lora_weights` reads it), a fully
-    fine-tuned denoiser's folder (`transformer/`, `unet/`), or a checkpoint folder (`iter-N`)."""
+def locate_weights(path: str | Path, denoiser_name: str) -> tuple[str, Path]:
+    """What a run trained, found from any of the places it is, without loading anything: the run
+    folder (its export), a LoRA (`lora/` or its .safetensors, as `pipe.load_lora_weights` reads it), a
+    fully fine-tuned denoiser's folder (`transformer/`, `unet/`), or a checkpoint folder (`iter-N`).
+    Returns ("full-checkpoint" | "denoiser" | "lora", the path to load); nothing there raises one line."""
     path = Path(path)
     if path.is_dir() and (path / "config.yaml").is_file():  # a run folder: its export
-        exported = [path / "lora", path / adapter.denoiser_name]
+        exported = [path / "lora", path / denoiser_name]
         path = next((p for p in exported if p.is_dir()), path)
-    if path.is_dir() and (path / FULL_WEIGHTS).is_file():  # a full fine-tuning checkpoint
-        load_full_state(adapter.denoiser, path)
-    elif path.is_dir() and (path / "config.json").is_file():  # an exported denoiser
-        adapter.load_denoiser(path)
-    elif path.suffix == ".safetensors" or (path / LORA_FILE).is_file():
-        adapter.load_lora(path)
+    if path.is_dir() and (path / FULL_WEIGHTS).is_file():
+        return "full-checkpoint", path
+    if path.is_dir() and (path / "config.json").is_file():
+        return "denoiser", path
+    if (path.suffix == ".safetensors" and path.is_file()) or (path / LORA_FILE).is_file():
+        return "lora", path
+    raise FileNotFoundError(f"no LoRA or fine-tuned denoiser at {path}; pass a run folder, its lora/ or {denoiser_name}/ "
+                            f"folder, a {LORA_FILE}, or a checkpoint folder (iter-N)")
+
+
+def load_weights(adapter: ModelAdapter, path: str | Path) -> None:
+    """Load what a run trained into `adapter` (`locate_weights` finds it)."""
+    kind, found = locate_weights(path, adapter.denoiser_name)
+    if kind == "full-checkpoint":
+        load_full_state(adapter.denoiser, found)
+    elif kind == "denoiser":
+        adapter.load_denoiser(found)
     else:
-        raise FileNotFoundError(f"no LoRA or fine-tuned denoiser at {path}; pass a run folder, its lora/ or {adapter.denoiser_name}/ "
-                                f"folder, a {LORA_FILE}, or a checkpoint folder (iter-N)")
+        adapter.load_lora(found)

@@ -30,9 +30,9 @@ class FluxAdapter(PipelineAdapter):
     max_sequence_length = 512  # T5 tokens (the pipeline's default)
     time_scale = 1.0  # the transformer takes σ itself
 
-    @property
-    def resolution_multiple(self) -> int:
-        return self.pipe.vae_scale_factor * 2  # 2×2 packing
+    @classmethod
+    def multiple_of(cls, vae_scale_factor: int, patch_size: int) -> int:
+        return vae_scale_factor * 2  # 2×2 packing
 
     @property
     def latent_shape(self) -> tuple[int, ...]:

@@ -12,7 +12,7 @@ from peft import LoraConfig
 from peft.utils import get_peft_model_state_dict
 from safetensors.torch import load_file
 
-from branchdiff.runs import sharding, storage
+from branchdiff.runtime import sharding, storage
 
 LORA_FILE = "pytorch_lora_weights.safetensors"
 
@@ -79,6 +79,11 @@ def load_lora(denoiser: torch.nn.Module, path: str | Path, pipeline_class_name: 
     if not file.is_file():
         raise FileNotFoundError(f"no LoRA weights at {file}; pass a run's lora/ directory or its {LORA_FILE}")
     *state, metadata = pipeline_class(pipeline_class_name).lora_state_dict(str(file), return_lora_metadata=True)
+    if not any(key.startswith(prefix + ".") and "lora" in key for key in state[0]):  # the pipeline would load nothing, silently
+        keys = sorted(state[0])
+        holds = f"{len(keys)} tensors, e.g. {keys[0]!r}" if keys else "no tensors"
+        raise ValueError(f"{file} holds no LoRA for this model's {prefix} (keys '{prefix}.*lora*' as {pipeline_class_name}.load_lora_weights "
+                         f"reads them); it holds {holds}; pass a LoRA exported by branchdiff train or saved by save_lora_weights")
     denoiser.load_lora_adapter(state[0], prefix=prefix, metadata=metadata)
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import json
 import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -21,7 +22,6 @@ from pathlib import Path
 import torch
 
 from branchdiff.errors import UserError, one_line, quote
-
 from branchdiff.models.base import ModelAdapter
 from branchdiff.schedulers.schedule import FlowSchedule
 
@@ -32,11 +32,7 @@ class PipelineAdapter(ModelAdapter):
 
     def __init__(self, pipe, device: torch.device | str = "cpu", size: tuple[int, int] = (1024, 1024), offload: bool = False) -> None:
         self.pipe = pipe
-        multiple = self.resolution_multiple
-        if size[0] % multiple or size[1] % multiple:
-            nearest = [max(1, round(side / multiple)) * multiple for side in size]
-            raise ValueError(f"model.resolution={list(size)} (height, width) is not possible for {self.family}: each side must be a "
-                             f"multiple of {multiple} (e.g. {nearest})")
+        check_multiple(size, self.resolution_multiple, self.family)
         self.device = torch.device(device)
         self.height, self.width = size
         self.offload = offload
@@ -49,7 +45,7 @@ class PipelineAdapter(ModelAdapter):
 
     @classmethod
     def from_pretrained(cls, path: str | Path | None, device: torch.device | str = "cpu", size: tuple[int, int] = (1024, 1024),
-                        dtype: torch.dtype = torch.float32, offload: bool = False) -> "PipelineAdapter":
+                        dtype: torch.dtype = torch.float32, offload: bool = False) -> PipelineAdapter:
         """Load the family's diffusers pipeline from a local folder or a hub id, weights in `dtype`, for
         images of `size` (height, width)."""
         if not path:
@@ -61,7 +57,7 @@ class PipelineAdapter(ModelAdapter):
         with _quiet_loading():
             try:
                 pipe = pipeline.from_pretrained(str(path), dtype=dtype)
-            except (OSError, ValueError, EnvironmentError) as error:
+            except (OSError, ValueError) as error:
                 raise UserError(f"model.path={quote(str(path), 80)} could not be loaded as a {cls.pipeline_class_name} ({_load_failure(path, error)}); "
                                 f"pass model.path= a local diffusers folder (model_index.json beside {cls.denoiser_name}/, vae/, "
                                 "text_encoder*/, tokenizer*/ and scheduler/), or a hub id on a machine that reaches the hub "
@@ -84,8 +80,26 @@ class PipelineAdapter(ModelAdapter):
 
     @property
     def resolution_multiple(self) -> int:
-        """Image height and width must be multiples of this (VAE factor × patch size)."""
-        return self.pipe.vae_scale_factor * getattr(getattr(self.pipe, self.denoiser_name).config, "patch_size", 1)
+        """Image height and width must be multiples of this (`multiple_of` the loaded pipeline's VAE factor and patch)."""
+        return self.multiple_of(self.pipe.vae_scale_factor, getattr(getattr(self.pipe, self.denoiser_name).config, "patch_size", None) or 1)
+
+    @classmethod
+    def multiple_of(cls, vae_scale_factor: int, patch_size: int) -> int:
+        """The image sides' multiple from the VAE's scale factor and the denoiser's patch size."""
+        return vae_scale_factor * patch_size
+
+    @classmethod
+    def folder_multiple(cls, path: str | Path | None) -> int | None:
+        """`resolution_multiple` read from a local pipeline folder's config files, before anything loads
+        (the VAE factor as the pipelines compute it, 2^(levels − 1)); None for a hub id or an unreadable folder."""
+        configs = []
+        for component in ("vae", cls.denoiser_name):
+            try:
+                configs.append(json.loads((Path(path or "") / component / "config.json").read_text()))
+            except (OSError, ValueError):
+                return None
+        vae, denoiser = configs
+        return cls.multiple_of(2 ** (len(vae.get("block_out_channels", [])) - 1), denoiser.get("patch_size") or 1)
 
     @property
     def vae_scale_factor(self) -> int:
@@ -175,16 +189,34 @@ class PipelineAdapter(ModelAdapter):
 @contextmanager
 def _quiet_loading() -> Iterator[None]:
     """diffusers', transformers' and the hub client's warnings (deprecations, "couldn't connect to the
-    Hub") are held back while a pipeline loads: a failure is reported as one line instead."""
+    Hub") and their loading progress bars are held back while a pipeline loads: a failure is reported
+    as one line instead."""
+    from diffusers.utils import logging as diffusers_logging
+    from transformers.utils import logging as transformers_logging
+
     names = ("diffusers", "transformers", "huggingface_hub")
     levels = {name: logging.getLogger(name).level for name in names}
+    bars = [(module, module.is_progress_bar_enabled()) for module in (diffusers_logging, transformers_logging)]
     for name in names:
         logging.getLogger(name).setLevel(logging.ERROR)
+    for module, _ in bars:
+        module.disable_progress_bar()
     try:
         yield
     finally:
         for name, level in levels.items():
             logging.getLogger(name).setLevel(level)
+        for module, enabled in bars:
+            if enabled:
+                module.enable_progress_bar()
+
+
+def check_multiple(size: tuple[int, int], multiple: int, family: str) -> None:
+    """Refuse an image size whose sides are not multiples of `multiple`, naming the nearest that are."""
+    if size[0] % multiple or size[1] % multiple:
+        nearest = [max(1, round(side / multiple)) * multiple for side in size]
+        raise ValueError(f"model.resolution={list(size)} (height, width) is not possible for {family}: each side must be a "
+                         f"multiple of {multiple} (e.g. {nearest})")
 
 
 def _load_failure(path: str | Path, error: Exception) -> str:

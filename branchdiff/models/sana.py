@@ -32,8 +32,8 @@ class SanaAdapter(PipelineAdapter):
     example_hub_id = "Efficient-Large-Model/Sana_1600M_1024px_diffusers"
     max_sequence_length = 300  # Gemma tokens after the instruction (the pipeline's default)
 
-    @property
-    def resolution_multiple(self) -> int:
+    @classmethod
+    def multiple_of(cls, vae_scale_factor: int, patch_size: int) -> int:
         return 32  # SanaPipeline.check_inputs
 
     @property

@@ -31,9 +31,9 @@ class SD15Adapter(PipelineAdapter):
     stepped_scheduler = "DDIMScheduler"
     example_hub_id = "stable-diffusion-v1-5/stable-diffusion-v1-5"
 
-    @property
-    def resolution_multiple(self) -> int:
-        return self.pipe.vae_scale_factor
+    @classmethod
+    def multiple_of(cls, vae_scale_factor: int, patch_size: int) -> int:
+        return vae_scale_factor
 
     @property
     def latent_shape(self) -> tuple[int, ...]:

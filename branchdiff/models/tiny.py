@@ -82,7 +82,7 @@ class TinyAdapter(ModelAdapter):
         self.tokenizer = tokenizer
 
     @classmethod
-    def random(cls, seed: int = 0, device: str | torch.device = "cpu") -> "TinyAdapter":
+    def random(cls, seed: int = 0, device: str | torch.device = "cpu") -> TinyAdapter:
         """Randomly initialised model of the shipped architecture (pretraining, tests)."""
         torch.manual_seed(seed)
         tokenizer = build_tokenizer()
@@ -90,7 +90,7 @@ class TinyAdapter(ModelAdapter):
 
     @classmethod
     def from_pretrained(cls, path: str | Path | None = None, device: str | torch.device = "cpu", size: tuple[int, int] = (32, 32),
-                        dtype: torch.dtype = torch.float32, offload: bool = False) -> "TinyAdapter":
+                        dtype: torch.dtype = torch.float32, offload: bool = False) -> TinyAdapter:
         """Load `transformer/`, `text_encoder/` and `tokenizer/` saved by `save_pretrained` (the
         built-in model when `path` is None). The model is 32×32 pixels, small enough to stay on the
         device: `offload` is ignored."""

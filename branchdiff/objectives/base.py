@@ -21,8 +21,8 @@ from branchdiff.models.base import ModelAdapter, select_embeds
 
 if TYPE_CHECKING:
     from branchdiff.core.rollout import NoiseAddress, Rollout
-    from branchdiff.schedulers.schedule import Schedule
     from branchdiff.core.tree import Tree
+    from branchdiff.schedulers.schedule import Schedule
 
 MetricKind = Literal["per_term", "count", "max"]  # summed over processes then divided by the terms trained; summed; maximum
 UPDATE_LOOP_METRICS = ("grad_norm", "optimizer_steps", "steps_skipped")  # what the update loop logs for every objective

@@ -21,15 +21,15 @@ import torch
 
 from branchdiff.core import prune
 from branchdiff.core.advantage import depthwise_advantages, fuse_rewards
-from branchdiff.settings.config import TrainConfig
-from branchdiff.runs.distributed import Collective
-from branchdiff.models.finetune import FullFinetune, LoraFinetune
 from branchdiff.core.loss import clipped_surrogate, kl_to_reference
-from branchdiff.models.base import ModelAdapter, select_embeds
-from branchdiff.objectives.base import MetricKind, Objective, Signal, drop_nonfinite_groups
 from branchdiff.core.rollout import NoiseAddress, Rollout, SamplerSettings
+from branchdiff.models.base import ModelAdapter, select_embeds
+from branchdiff.models.finetune import FullFinetune, LoraFinetune
+from branchdiff.objectives.base import MetricKind, Objective, Signal, drop_nonfinite_groups
+from branchdiff.runtime.distributed import Collective
 from branchdiff.schedulers.flow import StepOutput, gaussian_log_prob
 from branchdiff.schedulers.schedule import Schedule
+from branchdiff.settings.config import TrainConfig
 from branchdiff.settings.trees import trainable_steps
 
 

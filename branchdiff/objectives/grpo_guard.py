@@ -13,7 +13,7 @@ as in the verl-omni recipe; `train.clip_range` is plain GRPO's).
 
 μ_old is the rollout's step mean: recovered exactly from the stored sample and the step noise,
 which is addressable (branchdiff/core/noise.py), as x' − m·s·ε (m: the split's noise multiplier).
-Flow-matching families only: the step size is a difference of σ.
+Flow-matching families only: the step size is a difference of σ (the settings refuse a DDIM family: `flow_only` in LOSSES).
 """
 
 from __future__ import annotations
@@ -25,12 +25,10 @@ import torch
 
 from branchdiff.core import noise
 from branchdiff.core.loss import guard_surrogate
+from branchdiff.core.rollout import NoiseAddress, Rollout
 from branchdiff.objectives.base import MetricKind, Signal
 from branchdiff.objectives.grpo import ClippedGRPO, GRPOPlan
-from branchdiff.core.rollout import NoiseAddress, Rollout
 from branchdiff.schedulers.flow import StepOutput
-from branchdiff.schedulers.schedule import FlowSchedule
-from branchdiff.errors import ConfigError
 
 
 @dataclass
@@ -40,11 +38,6 @@ class GRPOGuard(ClippedGRPO):
         "log_ratio": "per_term",  # mean plain logp_θ − logp_rollout of the edges trained: below 0 once the weights move
         "log_ratio_guard": "per_term",  # mean re-centred log ρ̃: about 0
     }
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.schedule, FlowSchedule):
-            raise ConfigError(f"'train.loss' = 'grpo-guard' weighs each step by its σ step size; model.family={self.config.model.family} "
-                              "is an ε-prediction (DDIM) family: use train.loss=grpo")
 
     def plan(self, rollout: Rollout, embeds: dict, signal: Signal, address: NoiseAddress) -> GuardPlan:
         return GuardPlan(self, rollout, embeds, signal.node_advantages, signal.trained, address)

@@ -16,7 +16,7 @@ supervised pull does not stop exploration. Each choice below is an interpretatio
   has A = 0 everywhere and adds nothing.
 - **Reward-conditioned clip.** ρ ∈ [1 − ε·(1 + η·max(−A, 0)), 1 + ε·(1 + η·max(A, 0))] with
   ε = `train.clip_range` and η = `layertuning.clip_sensitivity` (`loss.reward_clipped_surrogate`).
-Flow-matching families only: the SFT target is a flow-matching velocity.
+Flow-matching families only: the SFT target is a flow-matching velocity (the settings refuse a DDIM family: `flow_only` in LOSSES).
 """
 
 from __future__ import annotations
@@ -27,13 +27,11 @@ from typing import ClassVar
 import torch
 
 from branchdiff.core.loss import reward_clipped_surrogate, sft_velocity_loss
+from branchdiff.core.rollout import NoiseAddress, Rollout
+from branchdiff.core.tree import Tree
 from branchdiff.objectives.base import MetricKind, Signal
 from branchdiff.objectives.grpo import ClippedGRPO, GRPOPlan
-from branchdiff.core.rollout import NoiseAddress, Rollout
 from branchdiff.schedulers.flow import StepOutput
-from branchdiff.schedulers.schedule import FlowSchedule
-from branchdiff.core.tree import Tree
-from branchdiff.errors import ConfigError
 
 
 @dataclass
@@ -43,11 +41,6 @@ class LayerTuningGRPO(ClippedGRPO):
         "sft": "per_term",  # mean weighted SFT term over the edges trained (0 off the best paths)
         "sft_edges": "count",  # trained edges on a best path with a positive advantage
     }
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.schedule, FlowSchedule):
-            raise ConfigError(f"'train.loss' = 'grpo-layertuning' regresses flow-matching velocities toward the best sample; "
-                              f"model.family={self.config.model.family} is an ε-prediction (DDIM) family: use train.loss=grpo")
 
     def plan(self, rollout: Rollout, embeds: dict, signal: Signal, address: NoiseAddress) -> LayerTuningPlan:
         return LayerTuningPlan(self, rollout, embeds, signal, address.iteration)

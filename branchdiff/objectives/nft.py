@@ -16,11 +16,11 @@ sampling policy's v_old, plus train.kl_beta · mean((v_θ − v_ref)²) to the b
 The sampling policy θ_old is a soft copy of the trained weights (kept as an `ema.WeightAverage`):
 rollouts and v_old use it; after each iteration's optimizer steps, θ_old ← d·θ_old + (1 − d)·θ with
 d = min(nft.old_decay_rate·n, nft.old_decay_max), n the optimizer steps the run has taken so far (as
-the paper's public script counts its global step; θ_old starts at θ). It is saved in checkpoints (`sampling_policy.safetensors`). A leaf's steps and noise are drawn at its address
-(branchdiff/core/noise.py: run seed, iteration, prompt key, node path), so one process and several draw
-the same terms.
-The loss is the paper's, A_max/β factor included, so `train.kl_beta` (the KL on the velocity) and
-`train.max_grad_norm` weigh against the policy term as the paper's settings do.
+the paper's public script counts its global step; θ_old starts at θ). It is saved in checkpoints
+(`sampling_policy.safetensors`). A leaf's steps and noise are drawn at its address
+(branchdiff/core/noise.py: run seed, iteration, prompt key, node path), so one process and several
+draw the same terms. The loss is the paper's, A_max/β factor included, so `train.kl_beta` (the KL on
+the velocity) and `train.max_grad_norm` weigh against the policy term as the paper's settings do.
 """
 
 from __future__ import annotations
@@ -33,18 +33,17 @@ from typing import ClassVar
 import torch
 
 from branchdiff.core.advantage import depthwise_advantages, fuse_rewards, group_moments, unbiased_std
-from branchdiff.settings.config import TrainConfig
-from branchdiff.runs.distributed import Collective
+from branchdiff.core.loss import nft_loss, nft_optimality
+from branchdiff.core.noise import address_seed
+from branchdiff.core.rollout import NoiseAddress, Rollout, SamplerSettings
+from branchdiff.core.tree import Tree
+from branchdiff.models.base import ModelAdapter, select_embeds
 from branchdiff.models.ema import WeightAverage
 from branchdiff.models.finetune import FullFinetune, LoraFinetune
-from branchdiff.core.loss import nft_loss, nft_optimality
-from branchdiff.models.base import ModelAdapter, select_embeds
-from branchdiff.core.noise import address_seed
 from branchdiff.objectives.base import MetricKind, Objective, Signal, drop_nonfinite_groups, zero_loss
-from branchdiff.core.rollout import NoiseAddress, Rollout, SamplerSettings
-from branchdiff.schedulers.schedule import FlowSchedule, Schedule
-from branchdiff.core.tree import Tree
-from branchdiff.errors import ConfigError
+from branchdiff.runtime.distributed import Collective
+from branchdiff.schedulers.schedule import Schedule
+from branchdiff.settings.config import TrainConfig
 
 SAMPLING_POLICY_FILE = "sampling_policy.safetensors"
 
@@ -63,12 +62,6 @@ class DiffusionNFT(Objective):
     }
 
     def __post_init__(self) -> None:
-        nft, steps = self.config.nft, self.config.sampling.num_steps
-        if not isinstance(self.schedule, FlowSchedule):
-            raise ConfigError(f"'train.loss' = 'nft' trains on the flow-matching forward process; model.family={self.config.model.family} "
-                              "is an ε-prediction (DDIM) family: use train.loss=grpo")
-        if nft.timesteps > steps:
-            raise ConfigError(f"'nft.timesteps' = {nft.timesteps} exceeds sampling.num_steps = {steps}; use nft.timesteps ≤ {steps}")
         self.sampling_policy = WeightAverage(self.finetune.params, decay=0.0)
         self.sampling_policy.update(0.0)  # θ_old = θ before the first rollout
 

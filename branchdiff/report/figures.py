@@ -48,8 +48,8 @@ def save_grid(images: torch.Tensor, path: Path, nrow: int = 8, upscale: int = 4,
     from PIL.PngImagePlugin import PngInfo
     from torchvision.utils import make_grid
 
-    from branchdiff.runs import storage
     from branchdiff.rewards.base import to_uint8
+    from branchdiff.runtime import storage
 
     big = torch.nn.functional.interpolate(images.float().cpu(), scale_factor=upscale, mode="nearest")
     grid = make_grid(big, nrow=nrow, padding=2, pad_value=0.5)  # (3, H', W')

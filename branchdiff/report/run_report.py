@@ -24,12 +24,23 @@ import numpy as np
 from matplotlib.axes import Axes
 from matplotlib.ticker import LogLocator, NullLocator
 
-from branchdiff.runs import storage
-from branchdiff.objectives import OBJECTIVES
-from branchdiff.report.figures import (Column, base_level, draw_curve, grid_captions, grid_data_uri, new_figure, png_data_uri, small_multiples,
-                               smoothing_window, title_and_legend)
-from branchdiff.report.run_data import DEPTH_KEY, Grid, Run, read_run, reward_components, sample_grids
+from branchdiff.objectives import objective_class
+from branchdiff.report.figures import (
+    Column,
+    base_level,
+    draw_curve,
+    grid_captions,
+    grid_data_uri,
+    new_figure,
+    png_data_uri,
+    small_multiples,
+    smoothing_window,
+    title_and_legend,
+)
 from branchdiff.report.html import STYLE, dotted_get, evenly_spaced, finite_mean, fmt, img, missing, note, table
+from branchdiff.report.run_data import DEPTH_KEY, Grid, Run, read_run, reward_components, sample_grids
+from branchdiff.runtime import storage
+from branchdiff.settings.config import LOSSES
 
 PHASES = ("rollout_seconds", "reward_seconds", "train_seconds", "eval_seconds")
 NFE_KEYS = ("nfe_rollout", "nfe_rollout_computed", "nfe_trained")
@@ -84,7 +95,8 @@ def _header(run: Run) -> str:
         body = [["family", str(dotted_get(c, "model.family"))], ["model.path", str(dotted_get(c, "model.path"))],
                 ["iterations", str(dotted_get(c, "iterations"))], ["reward", str(dotted_get(c, "reward"))],
                 ["tree", f"{dotted_get(c, 'tree.roots')} roots, splits {dotted_get(c, 'tree.splits')}"],
-                ["sampling steps", f"{dotted_get(c, 'sampling.num_steps')} ({'ODE' if dotted_get(c, 'sampling.sde') == 'ode' else str(dotted_get(c, 'sampling.sde')) + ' SDE'})"],
+                ["sampling steps", f"{dotted_get(c, 'sampling.num_steps')} "
+                                   f"({'ODE' if dotted_get(c, 'sampling.sde') == 'ode' else str(dotted_get(c, 'sampling.sde')) + ' SDE'})"],
                 ["objective", str(dotted_get(c, "train.loss") or "grpo")],
                 ["learning rate", str(dotted_get(c, "train.learning_rate"))], ["explore", str(dotted_get(c, "explore.mode"))]]
         facts = table(["config", "value"], body) + f"<details><summary>config.yaml</summary><pre>{escape(run.config_text)}</pre></details>"
@@ -249,7 +261,7 @@ def _cost(run: Run) -> str:
 
 
 def _memory(run: Run) -> str:
-    """Peak memory of each phase per iteration (branchdiff/runs/memory.py) and its maximum over the run."""
+    """Peak memory of each phase per iteration (branchdiff/runtime/memory.py) and its maximum over the run."""
     keys = run.has(*MEMORY_KEYS)
     if not keys:
         return missing("Peak memory per phase")
@@ -262,14 +274,14 @@ def _memory(run: Run) -> str:
     body = [[key.removeprefix("memory_").removesuffix("_gb"), f"{np.nanmax(run.columns[key][1]):.3f}"] for key in keys]
     return (img(png_data_uri(figure), "peak memory per phase") + table(["phase", "peak over the run (GiB)"], body)
             + "<p>On a GPU: CUDA's peak of allocated tensor memory in the phase; on the CPU: the process's peak resident set "
-              "size in the phase (branchdiff/runs/memory.py).</p>")
+              "size in the phase (branchdiff/runtime/memory.py).</p>")
 
 
 def _update_keys(run: Run) -> list[str]:
     """The statistics of the run's objective (`train.loss`; its counts are drawn with the NFE), the
     gradient norm and the skipped steps."""
-    objective = OBJECTIVES.get(dotted_get(run.config, "train.loss") or "grpo")
-    kinds = objective.metric_kinds if objective else {}
+    loss = dotted_get(run.config, "train.loss") or "grpo"
+    kinds = objective_class(loss).metric_kinds if loss in LOSSES else {}  # a run of a loss this version does not have: none
     return [key for key, kind in kinds.items() if kind != "count"] + ["grad_norm", "steps_skipped"]
 
 
@@ -351,7 +363,7 @@ def _section(run: Run, section_id: str, title: str, build: Callable[[Run], str])
     else:
         try:
             body = build(run)
-        except Exception as error:  # noqa: BLE001: a report must not stop the run that rebuilds it
+        except Exception as error:  # a report must not stop the run that rebuilds it
             body = note(f"This section could not be drawn: {error!r}")
     return f'<section><h2 id="{section_id}">{title}</h2>{body}</section>'
 

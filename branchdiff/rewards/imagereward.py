@@ -24,7 +24,13 @@ import torch
 from torchvision.transforms.v2 import functional as TF
 
 from branchdiff.rewards.model_reward import (
-    CLIP_MEAN, CLIP_STD, ModelReward, import_optional, load_tensor_file, resolve_weight_file, to_uint8,
+    CLIP_MEAN,
+    CLIP_STD,
+    ModelReward,
+    import_optional,
+    load_tensor_file,
+    resolve_weight_file,
+    to_uint8,
 )
 
 IMAGEREWARD_HUB_REPO = "THUDM/ImageReward"

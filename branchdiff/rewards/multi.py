@@ -47,7 +47,8 @@ def score_component(reward: object, label: str, images: torch.Tensor, prompts: l
         else:
             raw, more = reward(images, prompts, metadata), {}
     except Exception as error:  # a reward is user code: any failure is reported at this boundary
-        message = f"reward {label!r} failed on a batch of {len(prompts)} images (first prompt {quote(prompts[0])}): {one_line(f'{type(error).__name__}: {error}')}"
+        message = (f"reward {label!r} failed on a batch of {len(prompts)} images (first prompt {quote(prompts[0])}): "
+                   f"{one_line(f'{type(error).__name__}: {error}')}")
         if required:
             raise RewardError(message + " (mark it required: false to train without it when it fails)") from error
         warnings.warn(message + "; it is missing for this batch", RuntimeWarning, stacklevel=2)

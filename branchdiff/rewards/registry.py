@@ -33,21 +33,23 @@ class Registered:
     target: str  # "module:attribute" of the class or factory
     needs: tuple[str, ...] = ()  # importable modules it needs beyond branchdiff's own dependencies
     install: str = ""  # how to get them
-    weights: str = "none"  # where its weights come from
+    weights: tuple[tuple[str, str, str], ...] = ()  # (keyword argument, hub repo, a file of it) per weight it loads by default
 
 
 REGISTRY: dict[str, Registered] = {
-    "tiny-geneval": Registered("branchdiff.rewards.tiny_geneval:TinyGenEval", weights="none: a programmatic verifier of the built-in task"),
-    "hpsv2": Registered("branchdiff.rewards.hps:hpsv2", weights="checkpoint=: xswu/HPSv2 HPS_v2_compressed.pt (hub id or local path)"),
-    "hpsv2.1": Registered("branchdiff.rewards.hps:hpsv2_1", weights="checkpoint=: xswu/HPSv2 HPS_v2.1_compressed.pt (hub id or local path)"),
+    "tiny-geneval": Registered("branchdiff.rewards.tiny_geneval:TinyGenEval"),
+    "hpsv2": Registered("branchdiff.rewards.hps:hpsv2", weights=(("checkpoint", "xswu/HPSv2", "HPS_v2_compressed.pt"),)),
+    "hpsv2.1": Registered("branchdiff.rewards.hps:hpsv2_1", weights=(("checkpoint", "xswu/HPSv2", "HPS_v2.1_compressed.pt"),)),
     "pickscore": Registered("branchdiff.rewards.pickscore:PickScoreReward",
-                            weights="model=: yuvalkirstain/PickScore_v1; processor=: laion/CLIP-ViT-H-14-laion2B-s32B-b79K"),
-    "clip-score": Registered("branchdiff.rewards.clip_score:CLIPScoreReward", weights="model=: openai/clip-vit-large-patch14"),
+                            weights=(("model", "yuvalkirstain/PickScore_v1", "config.json"),
+                                     ("processor", "laion/CLIP-ViT-H-14-laion2B-s32B-b79K", "preprocessor_config.json"))),
+    "clip-score": Registered("branchdiff.rewards.clip_score:CLIPScoreReward", weights=(("model", "openai/clip-vit-large-patch14", "config.json"),)),
     "aesthetic": Registered("branchdiff.rewards.aesthetic:AestheticReward",
-                            weights="mlp=: trl-lib/ddpo-aesthetic-predictor aesthetic-model.pth; clip_model=: openai/clip-vit-large-patch14"),
+                            weights=(("mlp", "trl-lib/ddpo-aesthetic-predictor", "aesthetic-model.pth"),
+                                     ("clip_model", "openai/clip-vit-large-patch14", "config.json"))),
     "imagereward": Registered("branchdiff.rewards.imagereward:ImageRewardReward", needs=("ImageReward",),
-                              install="pip install image-reward in its own environment (old pins) and serve it: branchdiff serve-reward imagereward",
-                              weights="checkpoint=: THUDM/ImageReward ImageReward.pt, and bert-base-uncased's tokenizer from the hub"),
+                              install="pip install image-reward in its own environment, then serve it: branchdiff serve-reward imagereward",
+                              weights=(("checkpoint", "THUDM/ImageReward", "ImageReward.pt"), ("", "bert-base-uncased", "tokenizer_config.json"))),
 }
 
 
@@ -119,17 +121,34 @@ def build_reward(name: str, device: str | torch.device = "cpu", kwargs: dict | N
     return _construct(resolve_reward(name), name, str(device), dict(kwargs or {}))
 
 
+def _cached(repo: str, file: str) -> bool:
+    """Whether the hub file is in the local cache (nothing is downloaded to find out)."""
+    from huggingface_hub import try_to_load_from_cache
+
+    return isinstance(try_to_load_from_cache(repo, file), str)
+
+
 def available() -> list[dict[str, str]]:
-    """One row per reward that can be named: built-ins and installed entry points, with what each
-    needs, whether that is installed, and where its weights come from (`branchdiff rewards list`)."""
+    """One row per reward that can be named, built-ins and installed entry points (`branchdiff rewards
+    list`): its source, its status (`ready`: it runs now; `not downloaded`: a default weight is not in
+    the local hub cache, so it needs the hub or a local path; `missing X`: a package it needs) and its
+    default weights; `note` says how to get what is missing."""
     rows = []
     for name, registered in REGISTRY.items():
         missing = [module for module in registered.needs if find_spec(module) is None]
-        needs = ", ".join(registered.needs) or "-"
-        status = "ready" if not missing else f"missing {', '.join(missing)}: {registered.install}"
-        rows.append({"name": name, "source": "built-in", "needs": needs, "status": status, "weights": registered.weights})
+        absent = [(argument, repo, file) for argument, repo, file in registered.weights if not _cached(repo, file)]
+        weights = ", ".join(dict.fromkeys(repo for _, repo, _ in registered.weights)) or "none (a programmatic verifier)"
+        if missing:
+            status, note = f"missing {', '.join(missing)}", registered.install
+        elif absent:
+            status = "not downloaded"
+            note = "; ".join(f"{argument + ' = ' if argument else ''}{repo}{'' if file.endswith('.json') else ' ' + file}"
+                             for argument, repo, file in absent)
+        else:
+            status, note = "ready", ""
+        rows.append({"name": name, "source": "built-in", "status": status, "weights": weights, "note": note})
     for name, point in _entry_points().items():
-        rows.append({"name": name, "source": f"entry point {point.value}", "needs": "-", "status": "installed", "weights": "see its package"})
+        rows.append({"name": name, "source": "entry point", "status": "installed", "weights": f"its package's ({point.value})", "note": ""})
     return rows
 
 

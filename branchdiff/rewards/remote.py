@@ -206,7 +206,8 @@ class RemoteReward:
         self._opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
         health = self._request("/health")
         if not isinstance(health, dict) or health.get("wire") != WIRE_VERSION or "name" not in health:
-            raise RemoteRewardError(f"reward server {self.url}/health answered {one_line(health, 200)}, which does not describe a branchdiff reward server of wire format {WIRE_VERSION}")
+            raise RemoteRewardError(f"reward server {self.url}/health answered {one_line(health, 200)}, which does not describe a branchdiff "
+                                    f"reward server of wire format {WIRE_VERSION}")
         self.health = health  # everything the server reported (branchdiff_version, device, ...)
         self.name = str(health["name"])
         self.scale = str(health.get("scale", "unspecified"))
@@ -261,12 +262,13 @@ class RemoteReward:
                 failure = f"answered HTTP {error.code}: {_error_message(error)}"
                 if error.code not in RETRIED_STATUS:
                     raise RemoteRewardError(f"reward server {url} {failure}") from None
-            except (TimeoutError, socket.timeout):
+            except TimeoutError:
                 failure = f"did not answer within {self.timeout:g} s"
             except urllib.error.URLError as error:
                 reason = error.reason
                 unreachable = not isinstance(reason, (TimeoutError, socket.timeout))
-                failure = f"is not reachable ({one_line(getattr(reason, 'strerror', None) or reason)})" if unreachable else f"did not answer within {self.timeout:g} s"
+                failure = (f"is not reachable ({one_line(getattr(reason, 'strerror', None) or reason)})" if unreachable
+                           else f"did not answer within {self.timeout:g} s")
             except (OSError, http.client.HTTPException) as error:  # reset, closed mid-reply, ...
                 failure = f"dropped the connection ({type(error).__name__}: {one_line(error)})"
             else:

@@ -142,6 +142,16 @@ class TinyGenEval:
         if self.strict_weight:
             self.scale = f"{1 - self.strict_weight:g}·partial + {self.strict_weight:g}·strict, in [0, 1]"
 
+    @staticmethod
+    def check_prompts(prompts: list[str]) -> None:
+        """Refuse, before a run starts, a prompt the verifier cannot score (one outside the tiny grammar);
+        the reward protocol's optional check, which preflight calls (docs/rewards.md)."""
+        for number, text in enumerate(prompts, start=1):
+            try:
+                parse_prompt(text)
+            except ValueError as error:
+                raise ValueError(f"prompt {number}: {error}") from None
+
     def score(self, images: torch.Tensor, prompts: list[str]) -> dict[str, torch.Tensor]:
         """Every score of `score_image` for a batch: images (B, 3, H, W) in [0, 1]; and the blend."""
         if images.shape[0] != len(prompts):

@@ -67,7 +67,7 @@ def step_gain_and_std(
     if kind == "flow":
         if sigma >= 1 and sigma_for_noise_level is None:
             raise ValueError("a 'flow' step at σ = 1 needs sigma_for_noise_level (σ_1 of the schedule)")
-        denom_sigma = sigma_for_noise_level if sigma >= 1 else sigma  # only the denominator's σ is replaced
+        denom_sigma = sigma_for_noise_level if sigma_for_noise_level is not None and sigma >= 1 else sigma  # only the denominator's σ is replaced
         diffusion_sq = noise_level**2 * sigma / (1 - denom_sigma)  # s²
         alpha = 1 + diffusion_sq * delta / (2 * sigma) + c * (1 + diffusion_sq * (1 - sigma) / (2 * sigma)) * delta
         return alpha, math.sqrt(diffusion_sq) * math.sqrt(-delta)

@@ -27,7 +27,7 @@ class FlowSchedule:
     model_times: torch.Tensor  # (T,) what the denoiser is conditioned on at each step (σ, or σ·1000, ...)
 
     @classmethod
-    def shifted(cls, num_steps: int, shift: float, time_scale: float) -> "FlowSchedule":
+    def shifted(cls, num_steps: int, shift: float, time_scale: float) -> FlowSchedule:
         """The anchors' schedule σ = s·t / (1 + (s-1)·t) on t = linspace(1, 0, T+1) (`sigma_schedule`),
         the denoiser conditioned on σ·time_scale."""
         sigmas = sigma_schedule(num_steps, shift)
@@ -37,7 +37,7 @@ class FlowSchedule:
     def num_steps(self) -> int:
         return len(self.model_times)
 
-    def to(self, device: torch.device | str) -> "FlowSchedule":
+    def to(self, device: torch.device | str) -> FlowSchedule:
         return FlowSchedule(self.sigmas.to(device), self.model_times.to(device))
 
     def kind_at(self, kind: str, index: int) -> str:
@@ -62,7 +62,7 @@ class DDIMSchedule:
     def num_steps(self) -> int:
         return len(self.model_times)
 
-    def to(self, device: torch.device | str) -> "DDIMSchedule":
+    def to(self, device: torch.device | str) -> DDIMSchedule:
         return DDIMSchedule(self.alpha_bars.to(device), self.model_times.to(device))
 
     def kind_at(self, kind: str, index: int) -> str:

@@ -1,18 +1,25 @@
 """Inference-time search over denoising trees (`branchdiff sample --search`, `branchdiff bench
-search`): a search is one file with `select` (which node gets a new child) and `branching` (how a
-new child is completed to images), and one line here."""
+search`, `explore.mode=search`): a search is one file with `select` (which node gets a new child) and
+`branching` (how a new child is completed to images), and one line in `SEARCHES` here. The registry
+is names only (a search's module is imported when it is built), so the settings and the command line
+read it without loading torch.
+
+May import: core, models, schedulers, runtime, data, errors.
+"""
 
 from __future__ import annotations
 
-from functools import partial
+import importlib
 
-from branchdiff.search.best_of_n import BestOfN
-from branchdiff.search.dts import DTS
-from branchdiff.search.fixed_tree import FixedTree
-
-SEARCHES = {
-    "best-of-n": BestOfN,
-    "tree": FixedTree,
-    "dts": DTS,
-    "dts-star": partial(DTS, greedy=True),
+SEARCHES = {  # name → "module:factory" taking the search's keyword arguments
+    "best-of-n": "branchdiff.search.best_of_n:BestOfN",
+    "tree": "branchdiff.search.fixed_tree:FixedTree",
+    "dts": "branchdiff.search.dts:DTS",
+    "dts-star": "branchdiff.search.dts:dts_star",
 }
+
+
+def make_search(name: str, **settings: object) -> object:
+    """The search `name` with its keyword arguments (DTS and DTS*: temperature, max_children)."""
+    module, _, attribute = SEARCHES[name].partition(":")
+    return getattr(importlib.import_module(module), attribute)(**settings)

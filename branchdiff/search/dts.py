@@ -23,6 +23,11 @@ import torch
 from branchdiff.search.forest import SearchForest
 
 
+def dts_star(**settings: object) -> DTS:
+    """DTS*: DTS that selects the child of highest value (a search for the maximum)."""
+    return DTS(greedy=True, **settings)  # type: ignore[arg-type]
+
+
 @dataclass
 class DTS:
     greedy: bool = False  # DTS* (argmax) instead of DTS (Boltzmann)

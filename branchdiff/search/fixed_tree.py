@@ -9,8 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
-from branchdiff.search.forest import SearchForest
 from branchdiff.core.tree import Split
+from branchdiff.search.forest import SearchForest
 
 
 @dataclass

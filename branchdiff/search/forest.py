@@ -20,10 +20,10 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from branchdiff.core.engine import NoiseAddress, SamplerSettings, expand, initial_noise, predict, rows_per_latent, step_kind
-from branchdiff.models.base import ModelAdapter, PromptEmbeds, select_embeds
 from branchdiff.core.noise import NodePath
-from branchdiff.schedulers.schedule import Schedule
 from branchdiff.core.tree import TreeSpec
+from branchdiff.models.base import ModelAdapter, PromptEmbeds, select_embeds
+from branchdiff.schedulers.schedule import Schedule
 
 
 @dataclass

@@ -17,12 +17,12 @@ from pathlib import Path
 import torch
 
 from branchdiff.core.engine import NoiseAddress, SamplerSettings
+from branchdiff.core.tree import TreeSpec
 from branchdiff.models.base import ModelAdapter, PromptEmbeds
 from branchdiff.schedulers.schedule import FlowSchedule
-from branchdiff.search import SEARCHES
+from branchdiff.search import SEARCHES, make_search
 from branchdiff.search.forest import SearchForest, regenerate_path
 from branchdiff.search.run import SearchResult, run_search
-from branchdiff.core.tree import TreeSpec
 
 SEARCH_ITERATION = -2  # the noise addresses' iteration field for search (training uses 0.., evaluation -1)
 
@@ -63,11 +63,11 @@ def encode_each(adapter: ModelAdapter, prompts: list[str]) -> PromptEmbeds:
     return {key: torch.cat([e[key] for e in encoded]) for key in encoded[0]}
 
 
-def make_search(settings: SearchSettings) -> object:
-    build = SEARCHES[settings.search]
+def search_of(settings: SearchSettings) -> object:
+    """The search the settings name, with DTS's temperature and child cap where it takes them."""
     if settings.search in ("dts", "dts-star"):
-        return build(temperature=settings.temperature, max_children=settings.max_children)
-    return build()
+        return make_search(settings.search, temperature=settings.temperature, max_children=settings.max_children)
+    return make_search(settings.search)
 
 
 @torch.no_grad()
@@ -76,7 +76,7 @@ def search_prompts(adapter: ModelAdapter, prompts: list[str], settings: SearchSe
     settings.validate()
     forest = SearchForest(adapter, TreeSpec(settings.steps), adapter.schedule(settings.steps, settings.shift), sampler(adapter, settings),
                           NoiseAddress(settings.seed, SEARCH_ITERATION, tuple(range(len(prompts)))), encode_each(adapter, prompts))
-    return forest, run_search(forest, make_search(settings), settings.budget, score, settings.seed)
+    return forest, run_search(forest, search_of(settings), settings.budget, score, settings.seed)
 
 
 def trace(forest: SearchForest, result: SearchResult, prompts: list[str], settings: SearchSettings, extras: dict) -> dict:

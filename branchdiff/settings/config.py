@@ -12,9 +12,25 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from branchdiff.models.families import FAMILIES
+from branchdiff.search import SEARCHES
 from branchdiff.settings.typed_yaml import choice, in_range, non_negative, positive
 
 LR_SCHEDULES = ("constant", "linear", "cosine")  # train.lr_schedule (branchdiff/training/lr_schedule.py)
+DEFAULT_PRESET = "tiny-mix-full"  # what `branchdiff train` and `branchdiff config` start from when given no preset or file
+
+
+@dataclass(frozen=True)
+class Loss:
+    objective: str  # "module:Class" of the objective (branchdiff/objectives/), imported only when a run builds it
+    flow_only: str = ""  # why an ε-prediction (DDIM) family cannot train it; "": every family can
+
+
+LOSSES: dict[str, Loss] = {  # train.loss: the objectives' registry (docs/objectives.md), one line each
+    "grpo": Loss("branchdiff.objectives.grpo:ClippedGRPO"),
+    "grpo-guard": Loss("branchdiff.objectives.grpo_guard:GRPOGuard", "weighs each step by its σ step size"),
+    "grpo-layertuning": Loss("branchdiff.objectives.layertuning:LayerTuningGRPO", "regresses flow-matching velocities toward the best sample"),
+    "nft": Loss("branchdiff.objectives.nft:DiffusionNFT", "trains on the flow-matching forward process"),
+}
 
 
 @dataclass
@@ -86,7 +102,7 @@ class OptimConfig:
     decay_start: int = non_negative(0)  # linear / cosine: hold the rate until this iteration, then decay to 0 at `iterations` (0: decay over the whole run)
     lora_rank: int = positive(8)  # LoRA rank on the attention projections
     lora_alpha: float = positive(8.0)  # LoRA scaling numerator
-    loss: str = choice("grpo", "grpo", "grpo-guard", "grpo-layertuning", "nft")  # the training objective (branchdiff/objectives/, docs/objectives.md): clipped GRPO, GRPO-Guard (guard.*), LayerTuning-RL (layertuning.*) or DiffusionNFT (nft.*)
+    loss: str = choice("grpo", *LOSSES)  # the training objective (branchdiff/objectives/, docs/objectives.md): clipped GRPO, GRPO-Guard (guard.*), LayerTuning-RL (layertuning.*) or DiffusionNFT (nft.*)
     clip_range: float = positive(1e-3)  # ε of the clipped ratio
     kl_beta: float = non_negative(0.0)  # weight of the KL to the adapter-free base (0: off)
     step_fraction: float = positive(1.0)  # random fraction of SDE steps trained per iteration (DanceGRPO 0.6)
@@ -138,7 +154,7 @@ class ExploreConfig:
     preview_sampler: str = choice("ode", "ode", "sde")  # seeds mode: ODE preview (Sol-RL) or the training SDE
     min_features: int = non_negative(0)  # linear layers with fewer in·out weights stay unquantised
     fidelity_every: int = non_negative(10)  # every n iterations grow the whole pool with the policy too: explore_spearman_pool (0: never; not in search mode)
-    search: str = choice("dts-star", "best-of-n", "tree", "dts", "dts-star")  # search mode: the search (branchdiff/search/, docs/search.md)
+    search: str = choice("dts-star", *SEARCHES)  # search mode: the search (branchdiff/search/, docs/search.md)
     search_budget: int = positive(160)  # search mode: network rows each prompt's search spends per iteration (a 10-step image costs 10)
 
 

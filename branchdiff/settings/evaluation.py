@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -56,18 +57,19 @@ def run_of(weights: str | None) -> Path | None:
     return None
 
 
-def _get(config: dict, dotted: str) -> object:
+def _get(config: dict, dotted: str) -> Any:
+    value: Any = config
     for key in dotted.split("."):
-        config = config.get(key) if isinstance(config, dict) else None
-    return config
+        value = value.get(key) if isinstance(value, dict) else None
+    return value
 
 
-def resolve(given: dict[str, object], weights: str | None) -> tuple[EvalSettings, Path | None, dict]:
+def resolve(given: dict[str, Any], weights: str | None) -> tuple[EvalSettings, Path | None, dict]:
     """(settings, the run, its config) from the options `given` (None where unset) and the weights' run."""
     run = run_of(weights)
     config = yaml.safe_load((run / "config.yaml").read_text()) if run else {}
     config = config if isinstance(config, dict) else {}
-    values = {}
+    values: dict[str, Any] = {}
     for spec in fields(EvalSettings):
         if given.get(spec.name) is not None:
             values[spec.name] = given[spec.name]

@@ -12,14 +12,16 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from branchdiff.errors import ConfigError
-from branchdiff.runs import storage
-from branchdiff.settings.config import TrainConfig
+from branchdiff.models.families import FAMILIES
+from branchdiff.runtime import storage
+from branchdiff.settings.config import DEFAULT_PRESET, TrainConfig
 from branchdiff.settings.typed_yaml import build, merge, parse_override, read_yaml
 from branchdiff.settings.validate import validate
 
@@ -38,7 +40,30 @@ def presets() -> list[str]:
     return sorted(p.stem for p in PRESET_DIR.glob("*.yaml"))
 
 
-def load_config(source: str | None = None, overrides: list[str] = ()) -> TrainConfig:
+def family_presets(family: str) -> list[str]:
+    """The packaged presets whose `model.family` is `family`."""
+    return [name for name in presets() if (yaml.safe_load((PRESET_DIR / f"{name}.yaml").read_text()) or {}).get("model", {}).get(
+        "family", "tiny") == family]
+
+
+def preset_or_default(source: str | None, overrides: Sequence[str]) -> str:
+    """`source`, or the default preset when none is given. The default is the built-in tiny model's
+    recipe (full fine-tuning at its learning rate, its reward): a real family named by an override
+    alone is refused, naming the family's own presets."""
+    if source:
+        return source
+    family = next((value for keys, value in map(parse_override, overrides) if keys == ["model", "family"]), "tiny")
+    if family == "tiny" or family not in FAMILIES:  # an unknown family is refused by the settings' own check
+        return DEFAULT_PRESET
+    own = family_presets(family)
+    start = (f"start from one of its presets ({', '.join(own)}), e.g. branchdiff train {own[0]} model.path=...; or from a YAML file "
+             f"of your own (branchdiff config {own[0]} > my.yaml)" if own else
+             "write a YAML file of your own (branchdiff config tiny-chain > my.yaml, then set model.family, model.path and the rest)")
+    raise ConfigError(f"model.family={family} without a preset would train with the default preset {DEFAULT_PRESET}, the built-in tiny "
+                      f"model's recipe (full fine-tuning, its learning rate and reward); {start}")
+
+
+def load_config(source: str | None = None, overrides: Sequence[str] = ()) -> TrainConfig:
     """Defaults ← preset or YAML file `source` ← dotted `overrides`, validated."""
     data: dict = {}
     where: dict[str, str] = {}

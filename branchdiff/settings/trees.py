@@ -7,14 +7,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import TYPE_CHECKING
+from typing import cast
 
 from branchdiff.core.prune import mix_sde_steps
 from branchdiff.core.tree import Split, TreeSpec
 from branchdiff.errors import ConfigError
-
-if TYPE_CHECKING:
-    from branchdiff.settings.config import TrainConfig
+from branchdiff.settings.config import TrainConfig
 
 
 def tree_spec(config: TrainConfig, iteration: int) -> TreeSpec:
@@ -23,8 +21,15 @@ def tree_spec(config: TrainConfig, iteration: int) -> TreeSpec:
     sde_steps = None
     if tree.mix_window:
         sde_steps = mix_sde_steps(config.sampling.num_steps, tree.mix_window, iteration, tree.mix_start, tree.mix_slide_every)
-    splits = tuple(Split(int(s[0]), int(s[1]), s[2].get("noise_level") if len(s) > 2 else None) for s in tree.splits)
+    splits = tuple(Split(*split_parts(entry)) for entry in tree.splits)
     return TreeSpec(config.sampling.num_steps, splits, tree.roots, tree.split_noise_level, tree.anchor_noise_multiplier, sde_steps)
+
+
+def split_parts(entry: list[float | dict]) -> tuple[int, int, float | None]:
+    """(step, k, the split's noise level or None) of a `tree.splits` entry [step, k] or [step, k, {noise_level: x}]."""
+    step, k, *options = entry
+    level = options[0].get("noise_level") if options and isinstance(options[0], dict) else None
+    return int(cast(float, step)), int(cast(float, k)), level
 
 
 def validate_tree(config: TrainConfig) -> None:
@@ -80,12 +85,12 @@ def validate_cps(config: TrainConfig) -> None:
             raise ConfigError(f"'{name}' = {level!r} is outside cps's range: {CPS_RANGE}; {fix}")
     last = config.sampling.num_steps - 1
     for entry in config.tree.splits:
-        level = entry[2]["noise_level"] if len(entry) > 2 else None
+        step, k, level = split_parts(entry)
         if level is not None and not low <= level <= high:
             raise ConfigError(f"'tree.splits' entry {entry!r}: noise_level {level!r} is outside cps's range: {CPS_RANGE}; {fix}")
-        if int(entry[0]) == last:
+        if step == last:
             raise ConfigError(f"'tree.splits' entry {entry!r} splits at the last step, {last} (sampling.num_steps = {last + 1}), where cps's "
-                              f"std σ'·sin(aπ/2) is 0 (σ' = 0): its {int(entry[1])} children would be identical; split at an earlier "
+                              f"std σ'·sin(aπ/2) is 0 (σ' = 0): its {k} children would be identical; split at an earlier "
                               "step or use sampling.sde=flow or dance")
 
 

@@ -171,6 +171,24 @@ def _type_name(annotation: Any) -> str:
     return str(annotation).replace("typing.", "") if not isinstance(annotation, type) else annotation.__name__
 
 
+def _close_keys(cls: type, key: str, prefix: str) -> list[str]:
+    """Keys of `cls` close to an unknown `key`: its own fields, or a section's field when that is closer
+    (`learning_rate` → train.learning_rate, a key given without its section)."""
+    hints = typing.get_type_hints(cls)
+    fields = [f.name for f in dataclasses.fields(cls)]
+    leaves = {f"{prefix}{name}.{field.name}": field.name for name in fields if dataclasses.is_dataclass(hints[name])
+              for field in dataclasses.fields(hints[name])}
+
+    def score(candidate: str) -> float:
+        return difflib.SequenceMatcher(None, key, candidate).ratio()
+
+    own = [prefix + c for c in difflib.get_close_matches(key, fields, n=3)]
+    nested = [dotted for dotted, leaf in sorted(leaves.items(), key=lambda item: -score(item[1])) if score(leaf) >= 0.6][:3]
+    if nested and (not own or score(leaves[nested[0]]) > score(own[0][len(prefix):])):
+        return [dotted for dotted in nested if score(leaves[dotted]) == score(leaves[nested[0]])]
+    return own
+
+
 def build(cls: type, data: dict, prefix: str, where: dict[str, str], replaced_keys: dict[str, str]) -> Any:
     """An instance of dataclass `cls` from `data`, checked field by field (type, `choice`, range);
     `where` maps dotted keys to a location prefix ("file:line: "), `replaced_keys` old keys to advice."""
@@ -183,11 +201,11 @@ def build(cls: type, data: dict, prefix: str, where: dict[str, str], replaced_ke
         if key not in fields and dotted in replaced_keys:
             raise ConfigError(f"{loc}'{dotted}' was replaced: {replaced_keys[dotted]}")
         if key not in fields:
-            close = difflib.get_close_matches(str(key), fields, n=3)
-            hint = f"; did you mean {', '.join(prefix + c for c in close)}?" if close else f"; allowed: {', '.join(prefix + f for f in fields)}"
+            close = _close_keys(cls, str(key), prefix)
+            hint = f"; did you mean {', '.join(close)}?" if close else f"; allowed: {', '.join(prefix + f for f in fields)}"
             raise ConfigError(f"{loc}unknown key '{dotted}'{hint}")
         annotation = hints[key]
-        if dataclasses.is_dataclass(annotation):
+        if isinstance(annotation, type) and dataclasses.is_dataclass(annotation):
             if not isinstance(value, dict):
                 raise ConfigError(f"{loc}'{dotted}' must be a mapping of its keys ({', '.join(f.name for f in dataclasses.fields(annotation))}), got {value!r}")
             kwargs[key] = build(annotation, value, dotted + ".", where, replaced_keys)
@@ -213,7 +231,10 @@ def build(cls: type, data: dict, prefix: str, where: dict[str, str], replaced_ke
 
 
 def _default(spec: dataclasses.Field) -> Any:
-    return spec.default if spec.default is not dataclasses.MISSING else spec.default_factory()
+    if spec.default is not dataclasses.MISSING:
+        return spec.default
+    factory: Any = spec.default_factory  # every field of the settings has a default or a factory
+    return factory()
 
 
 def merge(base: dict, update: dict) -> dict:

@@ -10,7 +10,7 @@ import difflib
 from branchdiff.errors import ConfigError
 from branchdiff.models.families import FAMILIES, LORA_TARGET_SETS, STEP_KINDS, image_size
 from branchdiff.rewards.combine import parse_reward_specs
-from branchdiff.settings.config import TrainConfig
+from branchdiff.settings.config import LOSSES, TrainConfig
 from branchdiff.settings.trees import tree_spec, validate_cps, validate_ode, validate_trainable, validate_tree
 
 
@@ -53,9 +53,21 @@ def validate(config: TrainConfig) -> None:
                           "samples on its scheduler's DDIM timesteps: leave sampling.shift unset")
     if config.sampling.sde == "cps":
         validate_cps(config)
+    _validate_loss(config, steps_family)
     _validate_explore(config)
     if config.train.loss != "nft":  # the GRPO objectives train SDE edges; DiffusionNFT trains final samples and checks its own keys when built
         validate_trainable(config)
+
+
+def _validate_loss(config: TrainConfig, steps_family: str) -> None:
+    """The objective's family and its own step count: refused here, before any model loads."""
+    loss = config.train.loss
+    if steps_family == "ddim" and LOSSES[loss].flow_only:
+        raise ConfigError(f"'train.loss' = {loss!r} {LOSSES[loss].flow_only}; model.family={config.model.family} is an ε-prediction "
+                          "(DDIM) family: use train.loss=grpo")
+    steps = config.sampling.num_steps
+    if loss == "nft" and config.nft.timesteps > steps:
+        raise ConfigError(f"'nft.timesteps' = {config.nft.timesteps} exceeds sampling.num_steps = {steps}; use nft.timesteps ≤ {steps}")
 
 
 def _validate_finetune(config: TrainConfig) -> None:

@@ -2,10 +2,10 @@
 
 A checkpoint holds what is trained (the LoRA, or every weight of the denoiser; never a frozen base),
 its moving average, the objective's own state, the optimizer's and the RNG states (accelerate), the
-iteration and the run's counters, and a manifest of it all (branchdiff/runs/checkpoint.py). Everything
+iteration and the run's counters, and a manifest of it all (branchdiff/runtime/checkpoint.py). Everything
 else (prompts, noise, step subsampling, pruning and Mix windows, the explorer's quantised copy) is a
 function of the iteration or of the weights. A sharded denoiser's tensors are gathered on every
-process and written by the main one; a resume loads them on every process (branchdiff/runs/sharding.py).
+process and written by the main one; a resume loads them on every process (branchdiff/runtime/sharding.py).
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from pathlib import Path
 
 import torch
 
-from branchdiff.runs import checkpoint, metrics_log, sharding, storage
-from branchdiff.settings.load import to_dict
 from branchdiff.errors import CheckpointError
+from branchdiff.runtime import checkpoint, metrics_log, sharding, storage
+from branchdiff.settings.load import to_dict
 from branchdiff.training.hacking import WatchState
 
 
@@ -141,6 +141,9 @@ class TrainerCheckpoints:
                 print(f"branchdiff: {notice}", file=sys.stderr)
             for damaged in selected.skipped:
                 checkpoint.set_aside(damaged)
+            done = selected.state["iteration"]
+            print(f"branchdiff: resuming from {selected.path} (iteration {done} done; continuing with iteration {done + 1} of "
+                  f"{self.config.iterations})", file=sys.stderr)
         return selected
 
     def _load_checkpoint(self, selected: checkpoint.Selected) -> None:

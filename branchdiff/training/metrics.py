@@ -20,11 +20,11 @@ from __future__ import annotations
 import torch
 
 from branchdiff.core.advantage import group_moments, unbiased_std
-from branchdiff.runs.distributed import Collective
+from branchdiff.core.rollout import Rollout
 from branchdiff.explore.pool import ranking_agreement
 from branchdiff.objectives.base import MetricKind
 from branchdiff.rewards.multi import RewardBatch
-from branchdiff.core.rollout import Rollout
+from branchdiff.runtime.distributed import Collective
 
 ZERO_SPREAD = 1e-6  # a group whose rewards spread less than this trains nothing
 

@@ -1,27 +1,60 @@
 """What `branchdiff train` checks before it claims a run directory, loads a model, a reward or a
-checkpoint, or writes anything: beyond the config itself (branchdiff/settings/config.py), every training
-and evaluation reward resolves (its name imported, its keyword arguments accepted) and every prompt
-source the run reads decodes (a problem is named with its file and line). The run directory is then
-claimed (branchdiff/runs/run_dir.py) and the checkpoint to resume chosen (`Trainer.select_checkpoint`),
-still before the model loads.
+checkpoint, or writes anything: beyond the config itself (branchdiff/settings/validate.py), every
+training and evaluation reward resolves (its name imported, its keyword arguments accepted; the
+evaluation rewards even when the run does not evaluate), every prompt source the run reads decodes
+(a problem is named with its file and line), no prompt is longer than the family's text encoders
+can read (`max_prompt_characters`), every reward that can check prompts (`check_prompts`, e.g.
+tiny-geneval's grammar) accepts them, and the image size fits the model folder's config files.
+The run directory is then claimed (branchdiff/runtime/run_dir.py) and the checkpoint to resume chosen
+(`Trainer.select_checkpoint`), still before the model loads.
 """
 
 from __future__ import annotations
 
-from branchdiff.settings.config import TrainConfig
-from branchdiff.data.prompts import load_prompt_set
-from branchdiff.rewards.combine import parse_reward_specs
+from branchdiff.data.prompts import PromptSet, load_prompt_set
+from branchdiff.errors import quote
+from branchdiff.models import adapter_class, check_size
+from branchdiff.rewards.combine import RewardSpec, parse_reward_specs
 from branchdiff.rewards.registry import check_reward_kwargs, resolve_reward
+from branchdiff.settings.config import TrainConfig
+
+CHARACTERS_PER_TOKEN = 16  # no token of the families' tokenizers spans more characters than this in a prompt (a generous bound)
+
+
+def max_prompt_characters(family: str) -> int:
+    """The longest prompt a family takes: its text encoders' token limit × `CHARACTERS_PER_TOKEN`.
+    A longer prompt is mostly cut off by the tokenizer, and a file of one huge line is a mistake."""
+    return adapter_class(family).max_sequence_length * CHARACTERS_PER_TOKEN
 
 
 def check_inputs(config: TrainConfig) -> None:
-    """Raise a one-line error for a reward that does not resolve or a prompt source that does not read
-    (evaluation rewards and prompts only when the run evaluates)."""
+    """Raise a one-line error for a reward that does not resolve, a prompt source that does not read
+    or holds a prompt the family or a reward cannot take, or an image size the model cannot make
+    (evaluation prompts only when the run evaluates)."""
     evaluates = config.final_eval or config.eval_every
-    for value in (config.reward, *([config.eval_rewards] if evaluates else [])):
-        for spec in parse_reward_specs(value):
-            if spec.remote is None:
-                check_reward_kwargs(spec.name, resolve_reward(spec.name), spec.kwargs)
-    load_prompt_set(config.prompts.train)
+    train_specs, eval_specs = parse_reward_specs(config.reward), parse_reward_specs(config.eval_rewards)
+    factories = {}
+    for spec in (*train_specs, *eval_specs):
+        if spec.remote is None:
+            factories[spec.name] = resolve_reward(spec.name)
+            check_reward_kwargs(spec.name, factories[spec.name], spec.kwargs)
+    check_size(config.model.family, config.model.path, config.model.resolution)
+    _check_prompts(load_prompt_set(config.prompts.train), train_specs, factories, config.model.family)
     if evaluates:
-        load_prompt_set(config.prompts.eval)
+        _check_prompts(load_prompt_set(config.prompts.eval), eval_specs, factories, config.model.family)
+
+
+def _check_prompts(prompt_set: PromptSet, specs: list[RewardSpec], factories: dict, family: str) -> None:
+    limit = max_prompt_characters(family)
+    for number, prompt in enumerate(prompt_set.prompts, start=1):
+        if len(prompt) > limit:
+            raise ValueError(f"prompt {number} of {quote(prompt_set.name, 80)} is {len(prompt):,} characters ({quote(prompt)}): more than "
+                             f"model.family={family}'s text encoders read ({adapter_class(family).max_sequence_length} tokens, at most "
+                             f"{limit:,} characters); shorten it or check the file (one prompt per line)")
+    for spec in specs:
+        check = getattr(factories.get(spec.name), "check_prompts", None)
+        if check is not None:
+            try:
+                check(prompt_set.prompts)
+            except ValueError as error:
+                raise ValueError(f"reward {spec.label!r} cannot score {quote(prompt_set.name, 80)}: {error}") from None

@@ -16,9 +16,9 @@ The processes decide together (one max-reduction per iteration), so none waits o
 A crash or SIGKILL at any moment loses only the iterations after the last checkpoint: on resume,
 metrics.jsonl is cut back to it and TensorBoard is told to drop later steps (`purge_step`).
 
-Every file is written whole or not at all (branchdiff/runs/storage.py); a full disk stops the run with
+Every file is written whole or not at all (branchdiff/runtime/storage.py); a full disk stops the run with
 one line naming the file, the space and the newest complete checkpoint (`storage.DiskFull`). With
-several processes a heartbeat watches the others (branchdiff/runs/watchdog.py): a process that stops
+several processes a heartbeat watches the others (branchdiff/runtime/watchdog.py): a process that stops
 responding for `collective_timeout` seconds ends the job with one line naming it.
 """
 
@@ -32,13 +32,13 @@ import torch
 from accelerate import Accelerator
 from tqdm.auto import tqdm
 
-from branchdiff.runs import metrics_log, storage
 from branchdiff.errors import CheckpointError, RunStopped, is_out_of_memory, out_of_memory
 from branchdiff.models.finetune import export
-from branchdiff.training.hacking import stop_line
 from branchdiff.report.figures import save_grid
+from branchdiff.runtime import metrics_log, storage
+from branchdiff.runtime.watchdog import Heartbeat
+from branchdiff.training.hacking import stop_line
 from branchdiff.training.trainer import Trainer
-from branchdiff.runs.watchdog import Heartbeat
 
 WEAK_SIGNAL = 0.25  # the progress bar warns when more than this fraction of groups has no reward spread
 
@@ -171,7 +171,7 @@ def _end_trackers(accelerator: Accelerator) -> None:
     try:
         for tracker in accelerator.trackers:
             tracker.finish()
-    except Exception as error:  # noqa: BLE001: TensorBoard's writer raises its own types
+    except Exception as error:  # TensorBoard's writer raises its own types
         if not storage.is_disk_full(error, Path(accelerator.project_dir or ".")):
             raise
 

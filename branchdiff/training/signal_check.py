@@ -18,11 +18,11 @@ import time
 
 import torch
 
-from branchdiff.training.metrics import ZERO_SPREAD
-from branchdiff.models.base import ModelAdapter
-from branchdiff.rewards.multi import RewardError, score_component
 from branchdiff.core.rollout import NoiseAddress, SamplerSettings, grow
 from branchdiff.core.tree import TreeSpec, build_tree
+from branchdiff.models.base import ModelAdapter
+from branchdiff.rewards.multi import RewardError, score_component
+from branchdiff.training.metrics import ZERO_SPREAD
 
 CHECK_RUN_SEED = 4321  # sampling noise of the check, apart from training and evaluation noise
 

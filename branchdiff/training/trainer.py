@@ -11,9 +11,9 @@ With several processes (`accelerate launch`), each process grows the trees of it
 Under DDP, rollouts, the KL reference and evaluation run the plain denoiser (no collective inside);
 only the training forward goes through the DDP wrapper, and every process takes the same optimizer
 steps. Under FSDP every forward gathers weights, so the processes' forwards agree in number
-(branchdiff/runs/sharding.py, docs/sharding.md).
+(branchdiff/runtime/sharding.py, docs/sharding.md).
 Batch-wide statistics, the loss normaliser and the metrics combine all processes
-(`branchdiff.runs.distributed`), so a run on P processes computes what one process would on all prompts.
+(`branchdiff.runtime.distributed`), so a run on P processes computes what one process would on all prompts.
 """
 
 from __future__ import annotations
@@ -32,34 +32,33 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedDataParallelKwargs, InitProcessGroupKwargs, ProjectConfiguration, broadcast_object_list, set_seed
 
-from branchdiff.runs import storage
-from branchdiff.errors import ConfigError
-from branchdiff.settings.config import TrainConfig
+from branchdiff.core.rollout import NoiseAddress, Rollout, SamplerSettings, grow
+from branchdiff.core.tree import build_tree
 from branchdiff.data.prompts import draw_prompts, load_prompt_set
-from branchdiff.runs.distributed import AcceleratorCollective
-from branchdiff.models.ema import WeightAverage
-from branchdiff.errors import UserError
+from branchdiff.errors import ConfigError, UserError
 from branchdiff.evaluation.evaluate import EvalResult, evaluate, gather_results, sample_ode, score_names, summarize
 from branchdiff.explore.pool import ExploreResult, explore_search, explore_seeds, explore_tree, latent_difference, pool_under_policy, selection_generators
-from branchdiff.training.metrics import iteration_metrics
+from branchdiff.explore.quant import QuantConfig, make_quantized_copy, refresh_quantized_copy
 from branchdiff.models import load_adapter
 from branchdiff.models.base import ModelAdapter
-from branchdiff.objectives import make_objective
+from branchdiff.models.ema import WeightAverage
 from branchdiff.models.finetune import make_finetune
-from branchdiff.training.hacking import WatchState
-from branchdiff.training.lr_schedule import LearningRateSchedule
-from branchdiff.runs.memory import PhaseMemory
-from branchdiff.explore.quant import QuantConfig, make_quantized_copy, refresh_quantized_copy
+from branchdiff.objectives import make_objective
 from branchdiff.rewards.combine import parse_reward_specs
 from branchdiff.rewards.multi import MultiReward, RewardBatch, build_component
-from branchdiff.core.rollout import NoiseAddress, Rollout, SamplerSettings, grow
-from branchdiff.search import SEARCHES
-from branchdiff.runs.sharding import Lockstep, ShardingSettings, accelerate_without_fsdp, process_group_backend
-from branchdiff.core.tree import build_tree
-from branchdiff.training.checkpoints import TrainerCheckpoints
+from branchdiff.runtime import storage
+from branchdiff.runtime.distributed import AcceleratorCollective
+from branchdiff.runtime.memory import PhaseMemory
+from branchdiff.runtime.sharding import Lockstep, ShardingSettings, accelerate_without_fsdp, process_group_backend
+from branchdiff.runtime.watchdog import Heartbeat, backend_timeout
+from branchdiff.search import make_search
+from branchdiff.settings.config import TrainConfig
 from branchdiff.settings.trees import tree_spec
+from branchdiff.training.checkpoints import TrainerCheckpoints
+from branchdiff.training.hacking import WatchState
+from branchdiff.training.lr_schedule import LearningRateSchedule
+from branchdiff.training.metrics import iteration_metrics
 from branchdiff.training.update import UpdateLoop
-from branchdiff.runs.watchdog import Heartbeat, backend_timeout
 
 
 @dataclass
@@ -174,7 +173,7 @@ class Trainer(TrainerCheckpoints):
             log_with="tensorboard" if config.logging.tensorboard else None,
             project_config=ProjectConfiguration(project_dir=str(self.run_dir), logging_dir=str(self.run_dir / "logs")),
             # the denoiser's buffers are constants (SD3's positional table): nothing to broadcast; a collective
-            # still waiting a while after the heartbeat watch (branchdiff/runs/watchdog.py) would have named a frozen rank raises
+            # still waiting a while after the heartbeat watch (branchdiff/runtime/watchdog.py) would have named a frozen rank raises
             kwargs_handlers=[DistributedDataParallelKwargs(broadcast_buffers=False),
                              group],
         )
@@ -198,7 +197,7 @@ class Trainer(TrainerCheckpoints):
 
     def _start_heartbeat(self) -> Heartbeat:
         """With several processes, this process's heartbeat and its watch over the others
-        (branchdiff/runs/watchdog.py), started before the first collective that could wait on a frozen rank."""
+        (branchdiff/runtime/watchdog.py), started before the first collective that could wait on a frozen rank."""
         job = broadcast_object_list([uuid.uuid4().hex])[0]  # names this launch in every process's heartbeat
         return Heartbeat(self.run_dir, self.accelerator.process_index, self.accelerator.num_processes,
                          self.config.collective_timeout, self.newest_checkpoint, job).start()
@@ -260,7 +259,7 @@ class Trainer(TrainerCheckpoints):
         explore = self.config.explore
         generators = selection_generators(self.config.seed, iteration, address.prompt_keys)
         if explore.mode == "search":
-            return explore_search(self.adapter, self.explorer, embeds, spec, self.schedule, self.settings, address, SEARCHES[explore.search](),
+            return explore_search(self.adapter, self.explorer, embeds, spec, self.schedule, self.settings, address, make_search(explore.search),
                                   explore.search_budget, explore.keep, explore.selection, self._score_images(prompts, metadata), generators)
         score = self._score_latents(prompts, metadata)
         if explore.mode == "tree":

@@ -23,11 +23,11 @@ from dataclasses import dataclass
 import torch
 from accelerate import Accelerator
 
-from branchdiff.settings.config import OptimConfig
-from branchdiff.runs.distributed import Collective
 from branchdiff.models.ema import WeightAverage
 from branchdiff.objectives.base import UpdatePlan
-from branchdiff.runs.sharding import full_tensor
+from branchdiff.runtime.distributed import Collective
+from branchdiff.runtime.sharding import full_tensor
+from branchdiff.settings.config import OptimConfig
 
 
 @dataclass

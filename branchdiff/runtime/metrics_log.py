@@ -15,8 +15,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from branchdiff.runs import storage
 from branchdiff.errors import UserError, read_utf8
+from branchdiff.runtime import storage
 
 
 def append(path: Path, metrics: dict) -> None:

@@ -106,7 +106,9 @@ def plain_class(module: nn.Module) -> type[nn.Module]:
     """The module's own class (`fully_shard` gives a sharded module a subclass named FSDP<class>)."""
     from torch.distributed.fsdp import FSDPModule
 
-    return next(cls for cls in type(module).__mro__ if not issubclass(cls, FSDPModule)) if is_sharded(module) else type(module)
+    if not is_sharded(module):
+        return type(module)
+    return next(cls for cls in type(module).__mro__ if issubclass(cls, nn.Module) and not issubclass(cls, FSDPModule))
 
 
 def full_tensor(tensor: torch.Tensor) -> torch.Tensor:

@@ -25,8 +25,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from branchdiff.errors import ConfigError
-from branchdiff.errors import CheckpointError
+from branchdiff.errors import CheckpointError, ConfigError
 
 PREFIX = "iter-"
 STAGING = ".staging-"
@@ -219,10 +218,10 @@ def select(directory: Path, which: str) -> Selected:
             raise FileNotFoundError(f"--resume latest: no checkpoint under {directory}")
     notices: list[str] = []
     skipped: list[Path] = []
-    first_problem = None
+    first_problem = ""
     for path in candidates:
         state, problem = verify(path)
-        if problem is None:
+        if problem is None and state is not None:
             if state.get("format", 1) < 2:
                 notices.append(f"checkpoint {path} predates checkpoint manifests: its files are not verified")
             return Selected(path, state, notices, skipped)
@@ -273,7 +272,8 @@ def check_config(saved: dict, current: dict, path: Path) -> None:
     only one side has (a newer or older version of branchdiff) are not compared."""
     old, new = _flatten(saved), _flatten(current)
     # pruning stops after prune.active_fraction·iterations: with a fraction below 1, a new length moves that point
-    fixed_length = old.get("prune.active_fraction", 1.0) < 1.0
+    fraction = old.get("prune.active_fraction", 1.0)
+    fixed_length = isinstance(fraction, (int, float)) and fraction < 1.0
     differing = [k for k in sorted(old.keys() & new.keys())
                  if (not _resumable(k) or (k == "iterations" and fixed_length)) and old[k] != new[k]]
     if differing:

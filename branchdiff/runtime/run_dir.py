@@ -21,18 +21,19 @@ import time
 from pathlib import Path
 from typing import TextIO
 
-from branchdiff.runs import storage
 from branchdiff.errors import UserError
+from branchdiff.runtime import storage
 
 LOCK_FILE = ".lock"
-HEARTBEATS = ".heartbeat"  # branchdiff/runs/watchdog.py's folder
+HEARTBEATS = ".heartbeat"  # branchdiff/runtime/watchdog.py's folder
 
 
 class RunDirectory:
     """A claimed run directory: holds the lock while the process lives."""
 
     def __init__(self, path: Path, created: bool, created_lock: bool, handle: TextIO) -> None:
-        self.path, self.created, self.created_lock, self._handle = path, created, created_lock, handle
+        self.path, self.created, self.created_lock = path, created, created_lock
+        self._handle: TextIO | None = handle  # None once released
         handle.seek(0)
         self._previous_holder = handle.read()  # the lock file's text before this claim, restored by `abandon`
 

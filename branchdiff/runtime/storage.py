@@ -1,13 +1,13 @@
 """Writes that never leave a partial file behind, and a full disk told apart from other failures.
 
 The files a run writes go through one of these (checkpoints are folders staged the same way by
-branchdiff/runs/checkpoint.py; TensorBoard's event files and the heartbeats are the exceptions: a cut
+branchdiff/runtime/checkpoint.py; TensorBoard's event files and the heartbeats are the exceptions: a cut
 last record is skipped by their readers):
 - `replace_file(path, write)`: `write(tmp)` fills `.NAME.tmp` beside `path`, which then takes the
   name by `os.replace`; on any failure the temporary file is removed and `path` is as it was.
 - `replace_folder(path, write)`: the same for a folder (the exported LoRA), through `.NAME.staging`.
 - `append_line(path, text)`: one line appended; on failure the file is cut back to its old length.
-The temporary names are fixed (one run owns its folder: branchdiff/runs/run_dir.py), so what a killed
+The temporary names are fixed (one run owns its folder: branchdiff/runtime/run_dir.py), so what a killed
 process leaves behind is found and removed by `clean_leftovers` when the next run claims the folder.
 
 A failure that comes from a full disk is re-raised as `DiskFull`, whatever exception the writer
@@ -86,10 +86,11 @@ def tree_size(path: Path) -> int:
 
 def _chain(error: BaseException) -> Iterator[BaseException]:
     seen: set[int] = set()
-    while error is not None and id(error) not in seen:
-        seen.add(id(error))
-        yield error
-        error = error.__cause__ or error.__context__
+    link: BaseException | None = error
+    while link is not None and id(link) not in seen:
+        seen.add(id(link))
+        yield link
+        link = link.__cause__ or link.__context__
 
 
 def is_disk_full(error: BaseException, path: Path, needed: int = 0) -> bool:
@@ -107,19 +108,31 @@ def is_disk_full(error: BaseException, path: Path, needed: int = 0) -> bool:
 @contextmanager
 def disk_full_as_error(path: Path, needed: int = 0, partial: Path | None = None) -> Iterator[None]:
     """Re-raise a failure of the block that writes `path` as `DiskFull` when the disk is full.
-    `needed`: the bytes the write takes, when known; else `partial`, where the write puts its bytes,
-    gives at least what it needed (measured before the caller removes it)."""
+    `needed`: the bytes the whole write takes, when known; else `partial`, where the write puts its
+    bytes, gives at least what it needed (measured before the caller removes it). A `DiskFull` of one
+    file inside the block becomes one about `path` and the whole write (a checkpoint, not its LoRA file)."""
     try:
         yield
-    except DiskFull:
-        raise
     except Exception as error:
-        if not is_disk_full(error, path, needed):
+        if (error.path == path) if isinstance(error, DiskFull) else not is_disk_full(error, path, needed):
             raise
+        _release(error)
         if needed:
             raise DiskFull(path, needed) from error
         written = tree_size(partial) if partial is not None else 0
         raise DiskFull(path, written or None, at_least=True) from error
+
+
+def _release(error: BaseException) -> None:
+    """Drop the local variables of the frames a failed write passed through, so the files they held
+    open are closed and their space is free again when the line reports what is free."""
+    frame = error.__traceback__
+    while frame is not None:
+        try:
+            frame.tb_frame.clear()
+        except RuntimeError:  # a frame still running (the one handling the error)
+            pass
+        frame = frame.tb_next
 
 
 def _remove(path: Path) -> None:
@@ -151,7 +164,10 @@ def replace_file(path: Path, write: Callable[[Path], None], needed: int = 0) -> 
 
 def write_bytes(path: Path, data: bytes) -> Path:
     """`data` as the whole content of `path` (`replace_file`)."""
-    return replace_file(path, lambda tmp: tmp.write_bytes(data), len(data))
+    def write(tmp: Path) -> None:
+        tmp.write_bytes(data)
+
+    return replace_file(path, write, len(data))
 
 
 def write_text(path: Path, text: str) -> Path:

@@ -1,0 +1,56 @@
+"""The house's checks, run with the suite (and by pre-commit, .pre-commit-config.yaml): import-linter's
+contracts (the layers' order, models / rewards / schedulers never importing training, no import
+circle anywhere), ruff's lint and import order on the whole tree, and mypy on the typed layers; and
+proof that the contracts bite: a copy of the package with one upward import, or one circle inside a
+layer, breaks them."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+
+
+def _tool(name: str, *args: str, cwd: Path = REPO, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    executable = BIN / name
+    if not executable.exists():
+        pytest.fail(f"{name} is not installed beside this Python: pip install -e '.[test]'")
+    return subprocess.run([str(executable), *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+
+
+def test_the_import_contracts_hold():
+    done = _tool("lint-imports", "--no-cache")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    assert "Contracts: 3 kept, 0 broken." in done.stdout
+
+
+def test_ruff_is_clean():
+    done = _tool("ruff", "check", ".")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+
+
+def test_mypy_is_clean_on_the_typed_layers():
+    done = _tool("mypy", "--cache-dir", os.devnull)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+
+
+@pytest.mark.parametrize("importer, line, broken", [
+    ("core/tree.py", "import branchdiff.cli.main", "Layers: each imports only the layers below it BROKEN"),
+    ("models/lora.py", "import branchdiff.training.trainer", "Models, rewards and schedulers never import training, objectives or the command"),
+    ("core/noise.py", "import branchdiff.core.tree", "No import circles, inside a layer either BROKEN"),  # core.tree imports core.noise
+])
+def test_a_wrong_import_breaks_a_contract(tmp_path, importer, line, broken):
+    copy = tmp_path / "copy"
+    shutil.copytree(REPO / "branchdiff", copy / "branchdiff", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(REPO / "pyproject.toml", copy / "pyproject.toml")
+    module = copy / "branchdiff" / importer
+    module.write_text(module.read_text().replace("from __future__ import annotations\n", f"from __future__ import annotations\n\n{line}\n", 1))
+    done = _tool("lint-imports", "--no-cache", cwd=copy, env={**os.environ, "PYTHONPATH": str(copy)})
+    assert done.returncode != 0 and broken in done.stdout, done.stdout[-3000:]
