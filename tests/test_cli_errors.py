@@ -321,13 +321,14 @@ def test_sample_and_eval_refuse_a_size_or_missing_weights_before_the_model_loads
         assert not (tmp_path / "out").exists()
 
 
-def test_loading_a_pipeline_shows_no_progress_bars(tmp_path, capsys):
-    """`sample` printed diffusers' "Loading pipeline components" bars on stderr."""
+@pytest.mark.parametrize("family", ["tiny", "sd3"])
+def test_loading_a_model_shows_no_progress_bars(family, tiny_model_dir, tmp_path, capsys):
+    """`sample` printed diffusers' "Loading pipeline components" and transformers' "Loading weights" bars on stderr."""
     from tiny_pipelines import save_pipeline  # tests/ is on sys.path
 
-    folder = save_pipeline("sd3", tmp_path / "sd3")
+    folder = save_pipeline("sd3", tmp_path / "sd3") if family == "sd3" else tiny_model_dir
     capsys.readouterr()  # what saving it printed
-    assert main(["sample", "--family", "sd3", "--model", str(folder), "--resolution", "32", "--steps", "1", "--images-per-prompt", "1",
+    assert main(["sample", "--family", family, "--model", str(folder), "--resolution", "32", "--steps", "1", "--images-per-prompt", "1",
                  "--prompt", "a red circle", "--out", str(tmp_path / "out")]) == 0
     captured = capsys.readouterr()
     assert "Loading" not in captured.err and "it/s" not in captured.err, captured.err

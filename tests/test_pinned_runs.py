@@ -83,8 +83,8 @@ def test_a_pinned_run_trains_and_logs_as_pinned(tmp_path, name):
         PINS.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps({"metrics": metrics, "weights": weights}, indent=1))
     pinned = json.loads(path.read_text())
-    if os.environ.get("BRANCHDIFF_PIN_EXACT") == "1":
-        assert metrics == pinned["metrics"] and weights == pinned["weights"]
+    if os.environ.get("BRANCHDIFF_PIN_EXACT") == "1":  # the bytes of the weights; the float64 norms and projections sum in a thread-count order
+        assert metrics == pinned["metrics"] and weights["sha256"] == pinned["weights"]["sha256"]
         return
     assert [m.keys() for m in metrics] == [m.keys() for m in pinned["metrics"]]
     for line, pinned_line in zip(metrics, pinned["metrics"]):

@@ -1,7 +1,10 @@
-"""The first hour, as a new user meets it: every command of README's "Use" block, in order, in a
-fresh folder, on the built-in model, verbatim but for sizes (fewer iterations, prompts, images,
-minutes), each succeeding, with the files the next command needs where the README says; `eval` of
-a run reproducing the run's own final evaluation; `sample` file names that any prompt cannot break."""
+"""README, as a new user meets it: every command of its first hour and its longer benchmarks, in
+order, in a fresh folder, on the built-in model, verbatim but for sizes (fewer iterations, prompts,
+images, minutes), each succeeding, with the files the next command needs where the README says;
+every GPU command and every command of the results table checked as far as a machine without a GPU
+can (the preset and overrides validated by `branchdiff config`, the accelerate config found, the
+options parsed); the README a manual (at most 200 lines, a result a line); `eval` of a run
+reproducing the run's own final evaluation; `sample` file names that any prompt cannot break."""
 
 from __future__ import annotations
 
@@ -20,12 +23,21 @@ README = Path(__file__).parent.parent / "README.md"
 SMALL_RUN = ["prompts.eval_seeds=1", "prompts.per_iteration=2"]  # sizes added to every training command
 
 
+def section(title: str) -> str:
+    """The README's text under `## title`, up to the next `## ` heading."""
+    found = re.search(rf"^## {re.escape(title)}\n(.*?)(?=^## |\Z)", README.read_text(), flags=re.S | re.M)
+    assert found, f"README has no section ## {title}"
+    return found[1]
+
+
+def code_lines(text: str) -> list[str]:
+    """The non-empty lines of every ``` block in `text`, in order."""
+    return [line for block in re.findall(r"^```\n(.*?)^```", text, flags=re.S | re.M) for line in block.splitlines() if line.strip()]
+
+
 def use_commands() -> list[str]:
-    """The lines of the README's first code block under "## Use"."""
-    text = README.read_text()
-    block = re.search(r"^## Use\n.*?```\n(.*?)```", text, flags=re.S | re.M)
-    assert block, "README has no code block under ## Use"
-    return [line for line in block[1].splitlines() if line.strip()]
+    """The first hour's commands, then the longer benchmarks'."""
+    return code_lines(section("The first hour"))
 
 
 def smaller(words: list[str]) -> list[str]:
@@ -54,7 +66,7 @@ def test_the_readme_commands_run_in_order(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     commands = use_commands()
-    assert len(commands) >= 10 and commands[0].split("#")[0].split() == ["branchdiff", "train"]
+    assert len(commands) >= 12 and commands[0].split("#")[0].split() == ["branchdiff", "train"]
     for line in commands:
         words = shlex.split(line, comments=True)
         redirect = words[words.index(">") + 1] if ">" in words else None
@@ -77,10 +89,62 @@ def test_the_readme_commands_run_in_order(tmp_path, monkeypatch, capsys):
             Path(redirect).write_text(out)
         if words[1] == "train":  # training says where its results are
             assert re.search(r"^run folder: runs/[\w-]+/$", out, flags=re.M) and "  weights: runs/" in out and "  report: runs/" in out, out
+        if words[1] == "bench":  # and a benchmark where it wrote
+            assert out.splitlines()[-1].startswith("wrote "), out
     for made in ("runs/tiny-mix-full/transformer/diffusion_pytorch_model.safetensors", "runs/tiny-mix-full/report.html", "samples", "eval.json",
                  "runs/tiny-chain/checkpoints", "runs/mine/transformer", "bench.json", "curves/curves.md", "runs/two/transformer",
-                 "found/search.json", "search/search.md"):
+                 "found/search.json", "again", "search/search.md"):
         assert (tmp_path / made).exists(), made
+    ignored = subprocess.run(["git", "-C", str(README.parent), "check-ignore", "--no-index", *made_paths()], capture_output=True, text=True)
+    assert ignored.stdout.split() == made_paths(), ignored  # what the first hour writes is ignored by git
+
+
+def made_paths() -> list[str]:
+    """The files and folders the first hour writes in the folder it runs in."""
+    return ["runs/tiny-mix-full/", "samples/", "eval.json", "my.yaml", "bench.json", "found/", "again/", "curves/", "search/", "eval-tiny-mix-full/"]
+
+
+def test_the_gpu_and_results_commands_are_valid(capsys):
+    """The commands that need a GPU or an hour: their presets and overrides validate, their accelerate
+    configs exist, their options parse."""
+    from branchdiff.cli.parser import build_parser
+
+    lines = code_lines(section("Fine-tuning real models")) + re.findall(r"`(branchdiff [^`]+)`", section("Results on the built-in task (2 CPU cores)"))
+    checked = 0
+    for line in lines:
+        words = shlex.split(line, comments=True)
+        if words[0] == "accelerate":
+            config = re.search(r"\$\(branchdiff accelerate-config ([\w-]+)\)", line)
+            assert config and main(["accelerate-config", config[1]]) == 0, line
+            words = ["branchdiff", *words[words.index("branchdiff.cli") + 1 :]]
+        if words[0] != "branchdiff":
+            continue  # pip, huggingface-cli
+        if words[1] == "train":
+            assert main(["config", *words[2:]]) == 0, line
+        else:
+            build_parser().parse_args(words[1:])
+        checked += 1
+    capsys.readouterr()
+    assert checked >= 8
+
+
+def test_the_readme_is_a_manual():
+    """At most 200 lines, a result a line; what a new user tripped on: the set-up trained, so the first
+    hour's first command found its folder taken; no times (and well over an hour); LoRA said where the
+    default trains every weight; presets missing; nothing on the 6 GB CUDA build or on threads."""
+    from branchdiff.settings.load import presets
+
+    text = README.read_text()
+    assert len(text.splitlines()) <= 200
+    results = [line for line in section("Results on the built-in task (2 CPU cores)").splitlines() if line.startswith("| ")]
+    assert len(results) >= 6 and max(len(line) for line in results) <= 300  # a result a line: figure, command, link
+    assert not any("branchdiff" in line for line in code_lines(section("Set up")))  # the set-up installs and tests, nothing more
+    first_hour = code_lines(section("The first hour"))[:12]
+    minutes = [re.search(r"# (\d+) (s|min)\b", line) for line in first_hour if not line.startswith("branchdiff config")]
+    assert all(minutes), first_hour  # every command that takes time says how long
+    assert sum(int(m[1]) / (60 if m[2] == "s" else 1) for m in minutes) <= 60
+    assert "RUN/transformer/" in text and all(f"`{name}`" in text for name in presets() if name.startswith(("tiny-", "branchgrpo")))
+    assert "download.pytorch.org/whl/cpu" in text and "OMP_NUM_THREADS" in text
 
 
 def _free_port() -> int:

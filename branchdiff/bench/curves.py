@@ -34,7 +34,7 @@ a CPU, are compared by what their mechanism costs where it runs. The budget and 
 chosen clock; both clocks' times of every evaluation are kept in the JSON.
 
 Ratios: `time_to_chain_final[v]` is the first time v's mean curve reaches the chain's final mean
-(linear between grid points; `curve_stats.first_time_reaching`) over the budget. The chain gets the
+(linear between grid points; `bench.stats.first_time_reaching`) over the budget. The chain gets the
 same rule, so its own value is ≤ 1 (below 1 when its mean curve peaked before the end); null when
 never reached. `time_to_chain_final_other_clock` is the same ratio on the other clock, from the same
 runs (`time_to_reference_final_on`): the explore variants' mechanism on the modelled clock beside

@@ -126,7 +126,7 @@ def _result(runs: dict[str, list[dict]], grid: list[int], seeds: int, prompts: i
 
 def nfe_ratio(reference: list[float], variant: list[float], grid: list[int]) -> float | None:
     """Rows the reference curve needs to first reach its own final value over the rows the variant
-    needs (linear between grid points; `curve_stats.first_time_reaching`); None when the variant never does."""
+    needs (linear between grid points; `bench.stats.first_time_reaching`); None when the variant never does."""
     target = reference[-1]
     reached = first_time_reaching(grid, variant, target)
     return None if reached is None else first_time_reaching(grid, reference, target) / reached

@@ -3,5 +3,5 @@ noise (`noise`), the engine that predicts and expands any frontier of nodes (`en
 (`rollout`), reward fusion and advantages (`advantage`), pruning and Mix windows (`prune`) and the
 objectives' loss formulas (`loss`).
 
-May import: models, schedulers, runs (the `Collective` of batch-wide statistics), errors.
+May import: models, schedulers, runtime (the `Collective` of batch-wide statistics), errors.
 """

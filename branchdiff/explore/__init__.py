@@ -2,5 +2,5 @@
 low-precision copies of the policy (`quant`), number formats as pure functions (`formats`) and the
 contrastive subset's selection (`selection`).
 
-May import: search (explore.mode=search), settings, rewards, core, models, schedulers, runs, data, errors.
+May import: settings, search (explore.mode=search), rewards, core, models, schedulers, runtime, data, errors.
 """

@@ -1,5 +1,9 @@
 """Model adapters by family (`families.FAMILIES`): one module per family, the only family-specific
-code in branchdiff (`base.ModelAdapter` is the contract; docs/models.md)."""
+code in branchdiff (`base.ModelAdapter` is the contract; docs/models.md); LoRA (`lora`), what a run
+trains, LoRA or every weight (`finetune`), and a moving average of trained weights (`ema`).
+
+May import: schedulers, runtime, data, errors; never training, objectives or the command line.
+"""
 
 from __future__ import annotations
 

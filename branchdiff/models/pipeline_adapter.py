@@ -14,15 +14,13 @@ from __future__ import annotations
 import copy
 import inspect
 import json
-import logging
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
 from branchdiff.errors import UserError, one_line, quote
 from branchdiff.models.base import ModelAdapter
+from branchdiff.models.loading import quiet_loading
 from branchdiff.schedulers.schedule import FlowSchedule
 
 
@@ -54,7 +52,7 @@ class PipelineAdapter(ModelAdapter):
         from branchdiff.models.lora import pipeline_class
 
         pipeline = pipeline_class(cls.pipeline_class_name)  # imported first: diffusers sets its log level on import
-        with _quiet_loading():
+        with quiet_loading():
             try:
                 pipe = pipeline.from_pretrained(str(path), dtype=dtype)
             except (OSError, ValueError) as error:
@@ -184,31 +182,6 @@ class PipelineAdapter(ModelAdapter):
     def model_times(self, timesteps: torch.Tensor) -> torch.Tensor:
         """The scheduler's timesteps as the pipeline hands them to the denoiser."""
         return timesteps
-
-
-@contextmanager
-def _quiet_loading() -> Iterator[None]:
-    """diffusers', transformers' and the hub client's warnings (deprecations, "couldn't connect to the
-    Hub") and their loading progress bars are held back while a pipeline loads: a failure is reported
-    as one line instead."""
-    from diffusers.utils import logging as diffusers_logging
-    from transformers.utils import logging as transformers_logging
-
-    names = ("diffusers", "transformers", "huggingface_hub")
-    levels = {name: logging.getLogger(name).level for name in names}
-    bars = [(module, module.is_progress_bar_enabled()) for module in (diffusers_logging, transformers_logging)]
-    for name in names:
-        logging.getLogger(name).setLevel(logging.ERROR)
-    for module, _ in bars:
-        module.disable_progress_bar()
-    try:
-        yield
-    finally:
-        for name, level in levels.items():
-            logging.getLogger(name).setLevel(level)
-        for module, enabled in bars:
-            if enabled:
-                module.enable_progress_bar()
 
 
 def check_multiple(size: tuple[int, int], multiple: int, family: str) -> None:

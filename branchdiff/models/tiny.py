@@ -19,6 +19,7 @@ from diffusers import SD3Transformer2DModel
 from transformers import CLIPTextConfig, CLIPTextModelWithProjection, CLIPTokenizer
 
 from branchdiff.models.base import ModelAdapter, PromptEmbeds
+from branchdiff.models.loading import quiet_loading
 from branchdiff.models.sd3 import SD3_ATTENTION, SD3_FEED_FORWARD
 from branchdiff.schedulers.schedule import FlowSchedule
 
@@ -102,12 +103,10 @@ class TinyAdapter(ModelAdapter):
                 f"no tiny model at {path}: expected {path}/transformer/config.json; set model.path or "
                 "$BRANCHDIFF_TINY_MODEL to a directory holding one (the source tree's scripts/pretrain_tiny.py makes one)"
             )
-        return cls(
-            SD3Transformer2DModel.from_pretrained(path / "transformer", torch_dtype=dtype),
-            CLIPTextModelWithProjection.from_pretrained(path / "text_encoder"),
-            CLIPTokenizer.from_pretrained(path / "tokenizer"),
-            device,
-        )
+        with quiet_loading():
+            parts = (SD3Transformer2DModel.from_pretrained(path / "transformer", torch_dtype=dtype),
+                     CLIPTextModelWithProjection.from_pretrained(path / "text_encoder"), CLIPTokenizer.from_pretrained(path / "tokenizer"))
+        return cls(*parts, device)
 
     def save_pretrained(self, path: str | Path) -> None:
         path = Path(path)

@@ -1,7 +1,7 @@
 """Training objectives, one module each (docs/objectives.md): `train.loss` names one of the
 `LOSSES` registered in branchdiff/settings/config.py (one line there, "module:Class"), built here.
 
-May import: explore, search, settings, rewards, core, models, schedulers, runtime, data, errors.
+May import: settings, search, rewards, core, models, schedulers, runtime, data, errors (not explore, its sibling).
 """
 
 from __future__ import annotations

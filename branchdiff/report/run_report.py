@@ -8,7 +8,7 @@ stop for it.
 
 This module is the page: the sections and `write_report`. The figures, curves and grid images it
 embeds are drawn with branchdiff/report/figures.py. The base model's level of a curve is its value at
-iteration 0 (`report.base_level`); the final evaluation (eval.json) is a point after the held-out
+iteration 0 (`figures.base_level`); the final evaluation (eval.json) is a point after the held-out
 curves, at the updates it followed (`Run.final_x`).
 """
 

@@ -3,5 +3,5 @@ overrides (`load`), checks across keys (`validate`), the tree an iteration grows
 (`trees`), the settings of `sample` and `eval` (`evaluation`), and the YAML-to-dataclass machinery
 (`typed_yaml`).
 
-May import: rewards (reward specs), core (tree specs), models (the family table), runs, errors.
+May import: search and models (their registries' names), rewards (reward specs), core (tree specs), runtime, data, errors.
 """
