@@ -161,7 +161,7 @@ def _presets_help() -> str:
     for path in sorted((Path(__file__).parents[1] / "configs").glob("*.yaml")):
         lines.append(f"  {path.stem:<26}{path.read_text().splitlines()[0].lstrip('# ').strip()}")
     lines += ["", "the tiny presets fine-tune every weight of the built-in model (exported to RUN/transformer/); the real-model presets",
-              "train LoRA adapters (RUN/lora/, for pipe.load_lora_weights); model.finetune=lora|full chooses",
+              "train LoRA adapters (RUN/lora/, for pipe.load_lora_weights); model.finetune=lora|full chooses.", "",
               "every key, its type, default and meaning: branchdiff/settings/config.py; bad input ends with one line and exit 2",
               "(docs/errors.md), --debug shows the traceback; runs end by printing where their folder, weights and report are"]
     return "\n".join(lines)
