@@ -43,9 +43,9 @@ class PipelineAdapter(ModelAdapter):
 
     @classmethod
     def from_pretrained(cls, path: str | Path | None, device: torch.device | str = "cpu", size: tuple[int, int] = (1024, 1024),
-                        dtype: torch.dtype = torch.float32, offload: bool = False) -> PipelineAdapter:
+                        dtype: torch.dtype = torch.float32, offload: bool = False, **options: object) -> PipelineAdapter:
         """Load the family's diffusers pipeline from a local folder or a hub id, weights in `dtype`, for
-        images of `size` (height, width)."""
+        images of `size` (height, width); `options` go to the family's constructor (Wan: `frames`)."""
         if not path:
             raise ValueError(f"model.path is required for model.family={cls.family}: a local diffusers pipeline folder or a hub id "
                              f"such as {cls.example_hub_id}")
@@ -60,7 +60,7 @@ class PipelineAdapter(ModelAdapter):
                                 f"pass model.path= a local diffusers folder (model_index.json beside {cls.denoiser_name}/, vae/, "
                                 "text_encoder*/, tokenizer*/ and scheduler/), or a hub id on a machine that reaches the hub "
                                 "(gated models: huggingface-cli login first)") from None
-        return cls(pipe, device, size, offload)
+        return cls(pipe, device, size, offload, **options)
 
     def replace_denoiser(self, denoiser: torch.nn.Module) -> None:
         """The fine-tuned denoiser becomes the pipeline's component too."""
@@ -96,7 +96,11 @@ class PipelineAdapter(ModelAdapter):
                 configs.append(json.loads((Path(path or "") / component / "config.json").read_text()))
             except (OSError, ValueError):
                 return None
-        vae, denoiser = configs
+        return cls.multiple_from_configs(*configs)
+
+    @classmethod
+    def multiple_from_configs(cls, vae: dict, denoiser: dict) -> int:
+        """`resolution_multiple` from the VAE's and the denoiser's config.json."""
         return cls.multiple_of(2 ** (len(vae.get("block_out_channels", [])) - 1), denoiser.get("patch_size") or 1)
 
     @property

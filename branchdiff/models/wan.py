@@ -1,0 +1,122 @@
+"""Wan text-to-video (Wan 2.1 T2V 1.3B / 14B; Wan 2.2 A14B with its low-noise expert) through
+diffusers' `WanPipeline`: UMT5 prompts padded to `max_sequence_length`, CFG with an empty negative
+prompt, rectified flow on the scheduler's σ schedule (the release's flow shift), the transformer
+conditioned on the scheduler's timesteps t = σ·1000.
+
+Latents are videos: (C, F', H/s, W/s) with F' = (F − 1)/r + 1 latent frames for F = r·k + 1 frames
+(r = `vae.config.scale_factor_temporal`, 4 as released; s = `scale_factor_spatial`, 8). Image sides
+are multiples of 16 (the pipeline's check) and of s × the transformer's spatial patch. `decode`
+returns videos (B, F, 3, H, W) in [0, 1], as `pipe(..., output_type="pt")` does: latents·std + mean
+per channel (the VAE's `latents_std`, `latents_mean`), then the VAE and the pipeline's video processor.
+
+Wan 2.2 A14B ships a second transformer (`transformer_2`, the low-noise expert): rows whose timestep
+is below `boundary_ratio · num_train_timesteps` go to it, the others to `transformer`, as the pipeline
+switches them; each expert applies the run's guidance (the pipeline's default when `guidance_scale_2`
+is not given). `denoiser` (what LoRA and full fine-tuning train, and what the export holds) is
+`transformer`, the high-noise expert; the low-noise expert stays frozen.
+
+Not yet a registered family (issue 28): rewards, sample/eval outputs and the report do not take
+videos yet. tests/test_wan.py checks that ODE sampling equals `pipe(...)` for one and two experts, at
+two frame counts and a non-square size, and that `--solver release` equals it with UniPC.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from branchdiff.models.pipeline_adapter import PipelineAdapter
+
+WAN_ATTENTION = ["attn1.to_q", "attn1.to_k", "attn1.to_v", "attn1.to_out.0", "attn2.to_q", "attn2.to_k", "attn2.to_v", "attn2.to_out.0"]
+WAN_FEED_FORWARD = ["ffn.net.0.proj", "ffn.net.2"]
+PIPELINE_SIDE_MULTIPLE = 16  # WanPipeline.check_inputs: height and width divisible by 16
+
+
+class WanAdapter(PipelineAdapter):
+    family = "wan"
+    pipeline_class_name = "WanPipeline"
+    helper_names = ("text_encoder", "vae")
+    lora_target_sets = {"attention": WAN_ATTENTION, "attention+ff": WAN_ATTENTION + WAN_FEED_FORWARD, "all-linear": "all-linear"}
+    quant_skip_modules = ("patch_embedding", "condition_embedder", "norm_out", "proj_out")
+    uses_cfg = True
+    default_guidance = 5.0  # WanPipeline's default guidance_scale
+    example_hub_id = "Wan-AI/Wan2.1-T2V-1.3B-Diffusers"
+    max_sequence_length = 512  # UMT5 tokens (WanPipeline.__call__'s default)
+
+    def __init__(self, pipe, device: torch.device | str = "cpu", size: tuple[int, int] = (480, 832), offload: bool = False,
+                 frames: int = 81) -> None:
+        temporal = pipe.vae_scale_factor_temporal
+        if frames < 1 or (frames - 1) % temporal:
+            raise ValueError(f"model.frames={frames}: a Wan video has r·k + 1 frames (r = {temporal}, the VAE's temporal factor), "
+                             f"e.g. {temporal * max(1, (frames - 1) // temporal) + 1}")
+        self.frames = frames
+        super().__init__(pipe, device, size, offload)
+        self.second = pipe.transformer_2  # the low-noise expert (Wan 2.2 A14B), or None
+        if self.second is not None:
+            self.second.requires_grad_(False).eval().to(self.device)
+        ratio = pipe.config.boundary_ratio
+        self.boundary = None if ratio is None else ratio * pipe.scheduler.config.num_train_timesteps  # timesteps below it: transformer_2
+
+    @classmethod
+    def multiple_of(cls, vae_scale_factor: int, patch_size: int) -> int:
+        return math.lcm(PIPELINE_SIDE_MULTIPLE, vae_scale_factor * patch_size)
+
+    @property
+    def resolution_multiple(self) -> int:
+        return self.multiple_of(self.pipe.vae_scale_factor_spatial, self.pipe.transformer.config.patch_size[1])
+
+    @classmethod
+    def multiple_from_configs(cls, vae: dict, denoiser: dict) -> int:
+        return cls.multiple_of(vae.get("scale_factor_spatial") or 8, (denoiser.get("patch_size") or (1, 2, 2))[1])
+
+    @property
+    def vae_scale_factor(self) -> int:
+        return self.pipe.vae_scale_factor_spatial
+
+    @property
+    def latent_frames(self) -> int:
+        return (self.frames - 1) // self.pipe.vae_scale_factor_temporal + 1
+
+    @property
+    def latent_shape(self) -> tuple[int, ...]:
+        return (self.config.in_channels, self.latent_frames, *self.latent_grid())
+
+    def encode(self, prompts: list[str]) -> dict[str, torch.Tensor]:
+        embeds, negative = self.pipe.encode_prompt(prompt=prompts, do_classifier_free_guidance=True,
+                                                   max_sequence_length=self.max_sequence_length, device=self.device)
+        return {"encoder_hidden_states": embeds, "negative_encoder_hidden_states": negative}
+
+    def forward(self, latents: torch.Tensor, times: torch.Tensor, embeds: dict[str, torch.Tensor], guidance: float) -> torch.Tensor:
+        """Rows at timesteps ≥ the boundary (all, without a second expert) through `transformer`, the
+        others through `transformer_2`."""
+        high = torch.ones_like(times, dtype=torch.bool) if self.boundary is None else times >= self.boundary
+        if bool(high.all()):
+            return self._expert(self.denoiser, latents, times, embeds["encoder_hidden_states"])
+        out = torch.empty_like(latents, dtype=self.dtype)
+        for expert, rows in ((self.denoiser, high), (self.second, ~high)):
+            if bool(rows.any()):
+                out[rows] = self._expert(expert, latents[rows], times[rows], embeds["encoder_hidden_states"][rows])
+        return out
+
+    def _expert(self, expert: torch.nn.Module, latents: torch.Tensor, times: torch.Tensor, text: torch.Tensor) -> torch.Tensor:
+        return expert(hidden_states=latents.to(self.dtype), timestep=times, encoder_hidden_states=text.to(self.dtype), return_dict=False)[0]
+
+    def vae_input(self, latents: torch.Tensor) -> torch.Tensor:
+        config = self.pipe.vae.config
+        shape = (1, config.z_dim, 1, 1, 1)
+        mean = torch.tensor(config.latents_mean, device=latents.device, dtype=latents.dtype).view(shape)
+        std = torch.tensor(config.latents_std, device=latents.device, dtype=latents.dtype).view(shape)
+        return latents * std + mean
+
+    @torch.no_grad()
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        """Videos (B, F, 3, H, W) in [0, 1], `decode_batch` at a time, post-processed by the
+        pipeline's video processor as `pipe(..., output_type="pt")` does."""
+        vae = self.pipe.vae
+        videos = []
+        with self.modules_on_device(vae):
+            for chunk in latents.split(self.decode_batch):
+                decoded = vae.decode(self.vae_input(chunk.to(self.device)).to(vae.dtype), return_dict=False)[0]  # (b, 3, F, H, W)
+                videos.append(self.pipe.video_processor.postprocess_video(decoded, output_type="pt").float())  # (b, F, 3, H, W)
+        return torch.cat(videos)
