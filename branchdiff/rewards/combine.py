@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from branchdiff.core.advantage import group_moments, unbiased_std
+from branchdiff.rewards.frames import FrameAggregation
 
 COMBINE_MODES = ("sum_then_normalize", "normalize_then_sum")
 EPS = 1e-8
@@ -36,14 +37,16 @@ class RewardSpec:
     weight: float = 1.0
     required: bool = True  # False: a failure leaves the component out of that batch (counted), not the run
     kwargs: dict = field(default_factory=dict)  # keyword arguments of the class or factory
+    frames: FrameAggregation | None = None  # how a reward of images scores videos (`frames: N`, `reduce: mean | min`)
 
     @property
     def label(self) -> str:
         return self.name or self.remote or "reward"
 
 
-SPEC_KEYS = ("name", "remote", "weight", "required", "kwargs")
-SPEC_FORM = "a reward name or dotted path, a mapping {name: ..., weight: 1.0, required: true, kwargs: {...}} or {remote: URL, ...}, or a list of these"
+SPEC_KEYS = ("name", "remote", "weight", "required", "kwargs", "frames", "reduce")
+SPEC_FORM = ("a reward name or dotted path, a mapping {name: ..., weight: 1.0, required: true, kwargs: {...}, frames: N, reduce: mean} "
+             "or {remote: URL, ...}, or a list of these")
 
 
 def parse_reward_specs(value: object, key: str = "reward") -> list[RewardSpec]:
@@ -68,7 +71,14 @@ def parse_reward_specs(value: object, key: str = "reward") -> list[RewardSpec]:
             raise ValueError(f"'{key}' entry {entry!r}: weight must be a finite number")
         if not isinstance(entry.get("required", True), bool) or not isinstance(entry.get("kwargs", {}), dict):
             raise ValueError(f"'{key}' entry {entry!r}: required must be true or false and kwargs a mapping")
-        specs.append(RewardSpec(entry.get("name"), entry.get("remote"), float(weight), entry.get("required", True), dict(entry.get("kwargs", {}))))
+        frames = None
+        if "frames" in entry or "reduce" in entry:
+            try:
+                frames = FrameAggregation(entry.get("frames", 1), entry.get("reduce", "mean"))
+            except ValueError as error:
+                raise ValueError(f"'{key}' entry {entry!r}: {error}") from None
+        specs.append(RewardSpec(entry.get("name"), entry.get("remote"), float(weight), entry.get("required", True),
+                                dict(entry.get("kwargs", {})), frames))
     labels = [spec.label for spec in specs]
     if len(set(labels)) != len(labels):
         raise ValueError(f"'{key}' names a component twice: {labels}; give each reward once, with its weight")

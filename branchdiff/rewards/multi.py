@@ -20,6 +20,7 @@ import torch
 from branchdiff.errors import one_line, quote
 from branchdiff.rewards.base import check_scores
 from branchdiff.rewards.combine import RewardSpec, combine
+from branchdiff.rewards.frames import FrameAggregation
 from branchdiff.rewards.registry import build_reward, reward_key
 
 
@@ -34,12 +35,21 @@ def extra_keys(reward: object) -> tuple[str, ...]:
 
 
 def score_component(reward: object, label: str, images: torch.Tensor, prompts: list[str], metadata: list[dict],
-                    required: bool = True) -> tuple[torch.Tensor, dict[str, torch.Tensor], bool]:
+                    required: bool = True, frames: FrameAggregation | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor], bool]:
     """The boundary every reward call goes through (training, evaluation, `rewards check`): the
     reward's scores (B,) and its declared extra scores, each a float CPU tensor, and whether it
     failed. A raising reward stops with a one-line `RewardError` when required, else is NaN for
     this batch (with a warning); a wrong shape always stops (it is a bug in the reward, not a bad
-    batch); non-finite scores are returned as they are, for the caller to count."""
+    batch); non-finite scores are returned as they are, for the caller to count. Videos
+    (B, F, 3, H, W) go whole to a reward that declares `video = True`; a reward of images scores
+    them through `frames` (every N-th frame, reduced per video), and without it stops with one line."""
+    count = len(prompts)
+    videos = images.dim() == 5 and not getattr(reward, "video", False)
+    if videos:
+        if frames is None:
+            raise RewardError(f"reward {label!r} scores images and the model makes videos (B, F, 3, H, W): give it frames: N (score "
+                              "every N-th frame) and reduce: mean or min, e.g. {name: " + label + ", frames: 4, reduce: mean}")
+        images, prompts, metadata = frames.frames_of(images, prompts, metadata)
     try:
         if hasattr(reward, "score"):  # a reward that reports more than its score (tiny-geneval)
             every = reward.score(images, prompts)
@@ -52,12 +62,15 @@ def score_component(reward: object, label: str, images: torch.Tensor, prompts: l
         if required:
             raise RewardError(message + " (mark it required: false to train without it when it fails)") from error
         warnings.warn(message + "; it is missing for this batch", RuntimeWarning, stacklevel=2)
-        nan = torch.full((len(prompts),), float("nan"))
+        nan = torch.full((count,), float("nan"))
         return nan, {k: nan.clone() for k in extra_keys(reward)}, True
     try:
-        return check_scores(raw, len(prompts), label), {k: check_scores(v, len(prompts), label) for k, v in more.items()}, False
+        scores, more = check_scores(raw, len(prompts), label), {k: check_scores(v, len(prompts), label) for k, v in more.items()}
     except ValueError as error:
         raise RewardError(str(error)) from None
+    if videos:
+        return frames.reduce_scores(scores, count), {k: frames.reduce_scores(v, count) for k, v in more.items()}, False
+    return scores, more, False
 
 
 @dataclass
@@ -91,10 +104,10 @@ class MultiReward:
         self.names = [metric_name(spec.label) for spec in specs]
 
     def __call__(self, images: torch.Tensor, prompts: list[str], metadata: list[dict], groups: torch.Tensor) -> RewardBatch:
-        """Score images (B, 3, H, W) in [0, 1]; `groups` (B,) the group (prompt) of each image."""
+        """Score images (B, 3, H, W) or videos (B, F, 3, H, W) in [0, 1]; `groups` (B,) the group (prompt) of each."""
         components, extras, counts = {}, {}, {}
         for spec, reward, name in zip(self.specs, self.rewards, self.names):
-            scores, more, failed = score_component(reward, spec.label, images, prompts, metadata, spec.required)
+            scores, more, failed = score_component(reward, spec.label, images, prompts, metadata, spec.required, spec.frames)
             counts[f"{name}_failed"] = int(failed)
             counts[f"{name}_nonfinite"] = 0 if failed else int((~torch.isfinite(scores)).sum())
             components[name] = scores

@@ -1,0 +1,69 @@
+"""Rewards on videos (B, F, 3, H, W) (issue 28, third piece): a reward of images scores every N-th
+frame and reduces a video's frame scores by their mean or minimum, equal to scoring the frames one by
+one; its extra scores reduce alike; a reward that declares `video = True` gets the videos whole; a
+reward of images given videos without `frames` stops with one line; the spec's keys are checked."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from branchdiff.rewards.combine import RewardSpec, parse_reward_specs
+from branchdiff.rewards.frames import FrameAggregation
+from branchdiff.rewards.multi import MultiReward, RewardError, score_component
+from rewards_for_tests import Redness
+
+VIDEOS = torch.rand(3, 7, 3, 8, 8, generator=torch.Generator().manual_seed(0))  # (B, F, 3, H, W)
+PROMPTS = ["a red circle moving left", "two blue squares moving up", "a green triangle"]
+
+
+class FrameCounter:
+    """A reward of videos: how many frames it was given (it must get them whole)."""
+
+    name, scale, video = "frames", "frames per video", True
+
+    def __call__(self, videos, prompts, metadata):
+        assert videos.dim() == 5
+        return torch.full((len(videos),), float(videos.shape[1]))
+
+
+class RednessWithExtras(Redness):
+    score_keys = ("reward", "green")
+
+    def score(self, images, prompts):
+        return {"reward": self(images, prompts), "green": images[:, 1].flatten(1).mean(1)}
+
+
+@pytest.mark.parametrize("every, reduce", [(1, "mean"), (3, "mean"), (2, "min")])
+def test_a_reward_of_images_scores_every_nth_frame_and_reduces_per_video(every, reduce):
+    scores, extras, failed = score_component(RednessWithExtras(), "redness", VIDEOS, PROMPTS, [{} for _ in PROMPTS],
+                                             frames=FrameAggregation(every, reduce))
+    frames = range(0, VIDEOS.shape[1], every)
+    per_frame = torch.tensor([[Redness()(VIDEOS[b, f][None], [PROMPTS[b]]).item() for f in frames] for b in range(len(VIDEOS))])
+    green = torch.tensor([[VIDEOS[b, f, 1].mean().item() for f in frames] for b in range(len(VIDEOS))])
+    pick = (lambda x: x.mean(1)) if reduce == "mean" else (lambda x: x.min(1).values)
+    assert not failed and scores.shape == (3,)
+    assert torch.allclose(scores, pick(per_frame), atol=1e-6) and torch.allclose(extras["green"], pick(green), atol=1e-6)
+
+
+def test_a_reward_of_videos_gets_them_whole_and_an_image_reward_needs_frames():
+    scores, _, _ = score_component(FrameCounter(), "frames", VIDEOS, PROMPTS, [{} for _ in PROMPTS])
+    assert scores.tolist() == [7.0, 7.0, 7.0]
+    with pytest.raises(RewardError, match=r"^reward 'redness' scores images and the model makes videos \(B, F, 3, H, W\): give it frames: N "):
+        score_component(Redness(), "redness", VIDEOS, PROMPTS, [{} for _ in PROMPTS])
+    images = VIDEOS[:, 0]  # images are scored as before, frames or not
+    assert torch.equal(score_component(Redness(), "redness", images, PROMPTS, [{}] * 3, frames=FrameAggregation(2))[0],
+                       score_component(Redness(), "redness", images, PROMPTS, [{}] * 3)[0])
+
+
+def test_a_config_names_frames_and_reduce_and_training_scores_videos_with_them():
+    specs = parse_reward_specs([{"name": "rewards_for_tests:Redness", "frames": 2, "reduce": "min"}])
+    assert specs[0].frames == FrameAggregation(2, "min") and parse_reward_specs("x:Y")[0].frames is None
+    batch = MultiReward(specs, "sum_then_normalize")(VIDEOS, PROMPTS, [{}] * 3, torch.tensor([0, 0, 1]))
+    expected = score_component(Redness(), "x", VIDEOS, PROMPTS, [{}] * 3, frames=FrameAggregation(2, "min"))[0]
+    assert torch.allclose(batch.components["reward_rewards_for_tests_Redness"], expected)
+    for entry, message in [({"name": "x:Y", "frames": 0}, "frames must be a whole number ≥ 1"),
+                           ({"name": "x:Y", "frames": 2, "reduce": "median"}, "reduce must be one of mean, min, got 'median'")]:
+        with pytest.raises(ValueError, match=message):
+            parse_reward_specs([entry])
+    assert RewardSpec("x:Y").frames is None
