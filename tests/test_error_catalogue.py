@@ -150,6 +150,8 @@ CASES = [
     Case("family-without-preset", lambda e: ["train", "model.family=sd3", f"model.path={e.tmp}", f"output_dir={e.tmp / 'new'}"],
          r"model.family=sd3 without a preset would train with the default preset tiny-mix-full, the built-in tiny model's recipe .*; "
          r"start from one of its presets \(sd35-pickscore, sd35-pickscore-explore, sd35-pickscore-sol\), e.g. branchdiff train sd35-pickscore"),
+    Case("frames-on-an-image-family", lambda e: e.fresh("model.frames=5"),
+         r"'model.frames' = 5: model.family=tiny makes images, not videos; leave model.frames unset"),
     Case("loss-of-another-family", lambda e: ["config", "sd15-hps", "train.loss=grpo-layertuning"],
          r"'train.loss' = 'grpo-layertuning' regresses flow-matching velocities .*model.family=sd15 is an ε-prediction \(DDIM\) family: use train.loss=grpo"),
     Case("yaml-unknown-key", lambda e: ["train", str(e.tmp / "my.yaml")], r".*my.yaml:3: unknown key 'train.learning_rat'; did you mean train.learning_rate\?",
@@ -352,6 +354,8 @@ TESTED_ELSEWHERE = {
                   "test_faults::test_every_writer_on_a_full_filesystem_raises_disk_full_and_keeps_the_old_file",
                   "test_multiprocess::test_a_full_disk_on_one_process_stops_both_at_the_checkpoint_and_keeps_the_last_one"],
     "resume-falls-back": ["test_faults::test_resume_latest_falls_back_past_a_damaged_checkpoint_and_ends_as_if_never_stopped"],
+    "video-frames-not-possible": ["test_wan::test_bad_video_input_is_one_line_before_anything_is_written"],
+    "video-reward-without-frames": ["test_wan::test_bad_video_input_is_one_line_before_anything_is_written"],
     "ctrl-c": ["test_crash_resume::test_ctrl_c_stops_after_the_iteration_with_a_checkpoint_and_exit_130",
                "test_multiprocess::test_ctrl_c_on_one_process_stops_both_after_the_same_iteration"],
     "reward-hacking": ["test_hacking::test_a_hackable_proxy_is_flagged_and_stopped_and_the_verifier_is_not"],

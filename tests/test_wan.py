@@ -8,6 +8,8 @@ the adapter's video; sizes and frame counts the model cannot make are refused wi
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -116,3 +118,75 @@ def test_sizes_and_frame_counts_it_cannot_make_are_refused(saved):
                                          r"of 16 \(e.g. \[32, 32\]\)"):
         WanAdapter.from_pretrained(str(saved["one"]), size=(24, 32), frames=5)
     assert WanAdapter.folder_multiple(saved["one"]) == 16
+
+
+def test_sample_writes_each_video_as_a_strip_and_an_mp4(saved, tmp_path, capsys):
+    import imageio.v3 as iio
+    from PIL import Image
+
+    from branchdiff.cli import main
+
+    assert main(["sample", "--family", "wan", "--model", str(saved["one"]), "--resolution", "16x32", "--frames", "5", "--steps", "2",
+                 "--images-per-prompt", "1", "--prompt", "a red circle", "--out", str(tmp_path / "out")]) == 0
+    written = capsys.readouterr().out.split()
+    assert written == [str(tmp_path / "out" / "000-a_red_circle.png"), str(tmp_path / "out" / "000-a_red_circle.mp4")]
+    assert Image.open(written[0]).size == (5 * 32, 16)  # the 5 frames side by side
+    assert iio.imread(written[1]).shape == (5, 16, 32, 3)
+    assert main(["sample", "--family", "sd3", "--frames", "5", "--prompt", "x", "--out", str(tmp_path / "x")]) == 2
+    assert "--frames 5: the sd3 family makes images, not videos; leave --frames unset" in capsys.readouterr().err
+
+
+def test_a_video_run_trains_evaluates_and_exports_a_lora_the_pipeline_loads(saved, tmp_path):
+    """`branchdiff train` on the tiny Wan: a tree iteration whose log-probs recompute (≤ 1e-5), an image
+    reward scoring every 2nd frame, sample grids of frame strips, the final evaluation writing MP4s,
+    and a LoRA export that `pipe.load_lora_weights()` loads to the trained adapter's video."""
+    from branchdiff.cli import main
+    from branchdiff.settings.load import load_config
+    from branchdiff.training.trainer import Trainer
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a red circle moving left\ntwo blue squares moving up\n")
+    run = tmp_path / "run"
+    overrides = ["model.family=wan", f"model.path={saved['one']}", "model.resolution=[16,32]", "model.frames=5", "model.finetune=lora",
+                 f"prompts.train={prompts}", f"prompts.eval={prompts}", "prompts.per_iteration=2", "prompts.eval_seeds=1",
+                 "reward={name: rewards_for_tests:Redness, frames: 2}", "eval_rewards=[{name: rewards_for_tests:Redness, frames: 2}]",
+                 "sampling.num_steps=3", "tree.roots=2", "tree.splits=[[0,2]]", "train.learning_rate=0.05", "train.lora_rank=4",
+                 "train.lora_alpha=16", "logging.sample_every=1", "logging.tensorboard=false", f"output_dir={run}"]
+    assert main(["train", "tiny-chain", *overrides, "iterations=1"]) == 0
+    assert (run / "samples" / "iter-000000.png").is_file() and (run / "report.html").is_file()
+    assert json.loads((run / "eval.json").read_text())["trained"]["all"]["rewards_for_tests:Redness"]["nonfinite"] == 0
+    assert main(["eval", "--weights", str(run), "--out", str(tmp_path / "eval")]) == 0  # the run's settings: frames, rewards with frames
+    written = sorted(p.suffix for p in (tmp_path / "eval" / "images").rglob("*.*"))
+    assert written == [".jpg", ".jpg", ".mp4", ".mp4"] and (tmp_path / "eval" / "grid.png").is_file()
+    trainer = Trainer(load_config("tiny-chain", [*overrides, "iterations=1", f"output_dir={tmp_path / 'again'}", "final_eval=false"]))
+    metrics = trainer.run_iteration(0).metrics
+    assert metrics["logprob_check"] <= 1e-5 and metrics["optimizer_steps"] == 1
+    trainer.adapter.save_lora(tmp_path / "lora")
+    initial, trained = _ode_video(trainer.adapter)
+    pipe = _pipe(saved["one"])
+    pipe.load_lora_weights(str(tmp_path / "lora"))
+    guidance = trainer.adapter.default_guidance
+    loaded = pipe(prompt=PROMPTS, num_inference_steps=STEPS, height=16, width=32, num_frames=5, guidance_scale=guidance,
+                  latents=initial.clone(), output_type="pt", max_sequence_length=WanAdapter.max_sequence_length).frames
+    assert (loaded - trained).abs().max().item() <= TOLERANCE
+
+
+def test_bad_video_input_is_one_line_before_anything_is_written(saved, tmp_path, capsys):
+    """An image reward without `frames` on a video family, and a frame count the VAE cannot make, stop
+    `train` and `eval` with one line and exit 2 before the run folder, the model or a reward is made."""
+    from branchdiff.cli import main
+
+    model = ["model.family=wan", f"model.path={saved['one']}", "model.resolution=[16,32]", "final_eval=false", f"output_dir={tmp_path / 'run'}"]
+    cases = [
+        (["train", "tiny-chain", *model, "model.frames=5", "reward=rewards_for_tests:Redness"],
+         "'reward' entry 'rewards_for_tests:Redness' scores images and the model makes videos: give it frames: N"),
+        (["train", "tiny-chain", *model, "model.frames=6", "reward={name: rewards_for_tests:Redness, frames: 2}"],
+         "model.frames=6: a Wan video has r·k + 1 frames (r = 2, the VAE's temporal factor), e.g. 5"),
+        (["eval", "--family", "wan", "--model", str(saved["one"]), "--resolution", "16x32", "--frames", "5", "--rewards",
+          "rewards_for_tests:Redness", "--out", str(tmp_path / "eval")], "'--rewards' entry 'rewards_for_tests:Redness' scores images"),
+    ]
+    for argv, message in cases:
+        assert main(argv) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err[-1].startswith("branchdiff: error: ") and message in err[-1] and sum("error" in line for line in err) == 1, err
+        assert not (tmp_path / "run").exists() and not (tmp_path / "eval").exists()

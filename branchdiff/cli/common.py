@@ -32,13 +32,16 @@ def sampling_settings(args: argparse.Namespace) -> tuple[EvalSettings, Path | No
 
 def check_model(settings: EvalSettings, weights: str | None) -> None:
     """What `load_model` checks before anything loads (its docstring)."""
-    from branchdiff.models import adapter_class, check_size
+    from branchdiff.models import adapter_class, check_frames, check_size
     from branchdiff.models.families import FAMILIES
     from branchdiff.models.finetune import locate_weights
 
     if not settings.prompt_instruction and not FAMILIES[settings.family].instruction:
         raise ValueError(f"--no-prompt-instruction applies to families whose prompts carry an instruction (sana), not {settings.family}")
+    if settings.frames is not None and not FAMILIES[settings.family].video:
+        raise ValueError(f"--frames {settings.frames}: the {settings.family} family makes images, not videos; leave --frames unset")
     check_size(settings.family, settings.model, settings.resolution)
+    check_frames(settings.family, settings.model, settings.frames)
     if weights:
         locate_weights(weights, adapter_class(settings.family).denoiser_name)
 
@@ -55,7 +58,7 @@ def load_model(settings: EvalSettings, weights: str | None, device: str | object
 
     check_model(settings, weights)
     adapter = load_adapter(settings.family, settings.model, device, settings.resolution, getattr(torch, settings.dtype),
-                           instruction=settings.prompt_instruction)
+                           instruction=settings.prompt_instruction, frames=settings.frames)
     if weights:
         load_weights(adapter, weights)
     notice = adapter.solver_notice() if settings.solver == "training" else None

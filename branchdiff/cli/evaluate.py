@@ -17,9 +17,12 @@ def cmd_eval(args: argparse.Namespace) -> None:
 
     from branchdiff.data.prompts import load_prompt_set
     from branchdiff.evaluation.evaluate import evaluate, format_summary, gather_results, write_outputs
+    from branchdiff.models.families import FAMILIES
     from branchdiff.rewards.combine import parse_reward_specs
     from branchdiff.rewards.multi import build_component
+    from branchdiff.rewards.registry import resolve_reward
     from branchdiff.runtime.distributed import disconnect
+    from branchdiff.training.preflight import check_video_rewards
 
     check_device(args.device)
     settings, run = sampling_settings(args)
@@ -27,11 +30,14 @@ def cmd_eval(args: argparse.Namespace) -> None:
     state = PartialState(cpu=args.device == "cpu")
     prompt_set = load_prompt_set(settings.prompts)
     specs = reward_specs_from_text(settings.rewards) if isinstance(settings.rewards, str) else parse_reward_specs(settings.rewards)
+    if FAMILIES[settings.family].video:  # before any reward loads
+        check_video_rewards("--rewards", specs, {spec.name: resolve_reward(spec.name) for spec in specs if spec.remote is None})
     rewards = {spec.label: build_component(spec, args.device) for spec in specs}
     out = args.out or Path("eval-" + (run.name if run else Path(args.weights or "base").stem))
     result = evaluate(load_model(settings, args.weights, state.device), prompt_set, rewards, settings.images_per_prompt, settings.steps,
                       settings.shift, settings.seed, state.process_index, state.num_processes, progress=state.is_local_main_process,
-                      out_dir=out, guidance=settings.guidance, solver=settings.solver)
+                      out_dir=out, guidance=settings.guidance, solver=settings.solver,
+                      frames={spec.label: spec.frames for spec in specs})
     result = gather_results(result, state)
     disconnect(state)  # every process's images are on disk before the grid reads them
     if not state.is_main_process:

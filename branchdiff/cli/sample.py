@@ -1,4 +1,5 @@
-"""`branchdiff sample`: ODE samples of each prompt as PNGs; with `--search`, the best images of an
+"""`branchdiff sample`: ODE samples of each prompt as PNGs (a video family's: a frame strip PNG and
+an MP4 each); with `--search`, the best images of an
 inference-time search (branchdiff/cli/search.py); with `--from-trace`, a search's best images regrown."""
 
 from __future__ import annotations
@@ -11,8 +12,7 @@ from branchdiff.cli.common import file_name, load_model, sampling_settings
 def cmd_sample(args: argparse.Namespace) -> None:
     """ODE samples of each prompt, one PNG each, named by `file_name`; with `--search`, each prompt's
     best images of a search and OUT/search.json; with `--from-trace`, a trace's best images regrown."""
-    from torchvision.utils import save_image
-
+    from branchdiff.report.video import save_sample
     from branchdiff.settings.evaluation import EVAL_RUN_SEED
 
     if args.from_trace is None and not args.prompt:
@@ -43,6 +43,5 @@ def cmd_sample(args: argparse.Namespace) -> None:
                                  seed=seed, guidance=settings.guidance, solver=settings.solver)
     args.out.mkdir(parents=True, exist_ok=True)  # only once there are images to write
     for index, (image, prompt) in enumerate(zip(images, prompts)):
-        path = args.out / file_name(index, prompt)
-        save_image(image, path)
-        print(path)
+        for path in save_sample(image, args.out / file_name(index, prompt)):  # a video: its strip PNG and its MP4
+            print(path)

@@ -11,10 +11,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from torchvision.utils import save_image
 
 from branchdiff.cli.common import file_name
 from branchdiff.models.base import ModelAdapter
+from branchdiff.report.video import save_sample
 from branchdiff.rewards.combine import RewardSpec
 from branchdiff.runtime import storage
 from branchdiff.search.sample import SearchSettings, regenerate, search_prompts, trace
@@ -51,11 +51,10 @@ def search_and_write(adapter: ModelAdapter, args: argparse.Namespace, settings: 
     index = 0
     for entry in recorded["prompts"]:
         for best, leaf in zip(entry["best"], result.best(entry["prompt_key"], search.keep)):
-            image = adapter.decode(forest.latent[leaf][None])  # (1, 3, H, W): decoded alone, as `--from-trace` decodes it
+            image = adapter.decode(forest.latent[leaf][None])  # (1, 3, H, W), a video (1, F, 3, H, W): decoded alone, as `--from-trace` decodes it
             best["image"] = file_name(index, entry["prompt"])
-            save_image(image[0], args.out / best["image"])
             index += 1
-            yield args.out / best["image"]
+            yield from save_sample(image[0], args.out / best["image"])
         rounds = entry["rounds"]
         print(f"{entry['prompt']!r}: best {label} {entry['best'][0]['reward']:.4f} (mean {rounds[-1]['mean']:.4f} over "
               f"{rounds[-1]['images']} images) with {entry['nfe']} of {search.budget} network rows ({args.search})", file=sys.stderr)
@@ -70,6 +69,4 @@ def regrow_trace(adapter: ModelAdapter, recorded: dict, weights: str | None, out
               "are the same only with the same model and weights", file=sys.stderr)
     for _, latent, best in regenerate(adapter, recorded):
         out.mkdir(parents=True, exist_ok=True)
-        path = out / best["image"]
-        save_image(adapter.decode(latent[None])[0], path)
-        yield path
+        yield from save_sample(adapter.decode(latent[None])[0], out / best["image"])

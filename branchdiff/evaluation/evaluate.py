@@ -30,7 +30,9 @@ from branchdiff.core.tree import TreeSpec, build_tree
 from branchdiff.data.prompts import PromptSet
 from branchdiff.models.base import ModelAdapter, select_embeds
 from branchdiff.report.figures import save_grid
+from branchdiff.report.video import frame_strip, write_mp4
 from branchdiff.rewards.base import to_uint8
+from branchdiff.rewards.frames import FrameAggregation
 from branchdiff.rewards.multi import extra_keys, score_component
 from branchdiff.settings.evaluation import EVAL_RUN_SEED, SOLVERS
 
@@ -85,12 +87,14 @@ def score_names(rewards: dict[str, object]) -> list[str]:
     return [name for label, reward in rewards.items() for name in (label, *(f"{label}.{k}" for k in extra_keys(reward)))]
 
 
-def score_images(rewards: dict[str, object], images: torch.Tensor, prompts: list[str], metadata: list[dict]) -> dict[str, torch.Tensor]:
+def score_images(rewards: dict[str, object], images: torch.Tensor, prompts: list[str], metadata: list[dict],
+                 frames: dict[str, FrameAggregation | None] | None = None) -> dict[str, torch.Tensor]:
     """Per-image scores (B,) by `score_names`, through the same boundary as training
-    (`score_component`: one-line errors, shapes checked; non-finite scores kept and counted later)."""
+    (`score_component`: one-line errors, shapes checked; non-finite scores kept and counted later);
+    `frames`: by label, how a reward of images scores videos (a spec's `frames`, `reduce`)."""
     scores = {}
     for label, reward in rewards.items():
-        value, more, _ = score_component(reward, label, images, prompts, metadata)
+        value, more, _ = score_component(reward, label, images, prompts, metadata, frames=(frames or {}).get(label))
         scores[label] = value
         scores.update({f"{label}.{k}": v for k, v in more.items()})
     return scores
@@ -123,8 +127,12 @@ def image_path(prompt_set_paths: list[Path], prompt: int, seed: int) -> Path:
 
 def save_jpeg(image: torch.Tensor, path: Path) -> None:
     """An image (3, H, W) in [0, 1] as JPEG quality 95 (the benchmark reads JPEG; PIL's default 75
-    would move the pixels its evaluator sees further from those scored here)."""
+    would move the pixels its evaluator sees further from those scored here); a video (F, 3, H, W) as
+    its frame strip there and its MP4 beside it."""
     path.parent.mkdir(parents=True, exist_ok=True)
+    if image.dim() == 4:
+        write_mp4(image, path.with_suffix(".mp4"))
+        image = frame_strip(image[None])[0]
     write_jpeg(to_uint8(image[None])[0], str(path), quality=95)
 
 
@@ -132,12 +140,14 @@ def evaluate(
     adapter: ModelAdapter, prompt_set: PromptSet, rewards: dict[str, object], images_per_prompt: int, num_steps: int,
     shift: float | None = None, seed: int = EVAL_RUN_SEED, process_index: int = 0, num_processes: int = 1, chunk: int = 16,
     progress: bool = False, out_dir: Path | None = None, guidance: float | None = None, lockstep: bool = False, solver: str = "training",
+    frames: dict[str, FrameAggregation | None] | None = None,
 ) -> EvalResult:
     """This process's share of the evaluation: prompts process_index, process_index + num_processes, ...
     (`gather_results` joins the shares); with `out_dir`, each image is written there as it is made
     (`image_path`), so no process holds more than a chunk of images; `progress` shows a bar. With
     `lockstep` (a sharded denoiser) every process samples as many prompts, in chunks of the same
-    sizes: a shorter share is padded with its last prompt (or the first), whose images are dropped."""
+    sizes: a shorter share is padded with its last prompt (or the first), whose images are dropped.
+    `frames`: by reward label, how a reward of images scores a video family's videos."""
     mine = list(range(process_index, len(prompt_set.prompts), num_processes))
     share = -(-len(prompt_set.prompts) // num_processes) if lockstep else len(mine)
     sampled = mine + [mine[-1] if mine else 0] * (share - len(mine))
@@ -153,7 +163,7 @@ def evaluate(
             if not keys:
                 continue
             metadata = [prompt_set.metadata[k] for k in keys for _ in range(images_per_prompt)]
-            for name, values in score_images(rewards, images, image_prompts, metadata).items():
+            for name, values in score_images(rewards, images, image_prompts, metadata, frames).items():
                 scores[name].append(values)
             if out_dir is not None:
                 for row, image in enumerate(images):

@@ -26,7 +26,7 @@ def check_size(family: str, path: str | None, resolution: int | list[int] | tupl
 
     spec = FAMILIES[family]
     size = image_size(resolution, spec.resolution)
-    if spec.fixed_resolution and size != (spec.resolution, spec.resolution):
+    if spec.fixed_resolution and size != image_size(None, spec.resolution):
         raise ValueError(f"resolution {size[0]}x{size[1]}: model.family={family} makes only {spec.resolution}×{spec.resolution} images; "
                          "leave the resolution unset")
     folder_multiple = getattr(adapter_class(family), "folder_multiple", None)
@@ -34,6 +34,13 @@ def check_size(family: str, path: str | None, resolution: int | list[int] | tupl
     if multiple:
         check_multiple(size, multiple, family)
     return size
+
+
+def check_frames(family: str, path: str | None, frames: int | None) -> None:
+    """A video family's frame count, refused before anything loads when the folder's VAE cannot make it."""
+    spec = FAMILIES[family]
+    if spec.video:
+        adapter_class(family).folder_frames(path, frames or spec.frames)
 
 
 def adapter_class(family: str) -> type[ModelAdapter]:
@@ -51,14 +58,17 @@ def load_adapter(
     dtype: torch.dtype | None = None,
     offload: bool = False,
     instruction: bool = True,
+    frames: int | None = None,
 ) -> ModelAdapter:
     """The family's adapter loaded from `path` (a local directory or a hub id; None: the family's
-    default, which only the built-in tiny model has) at `resolution` (H, [H, W] or None: the family's default square),
+    default, which only the built-in tiny model has) at `resolution` (H, [H, W] or None: the family's default size),
     base weights in `dtype` (None: float32); `instruction` False: prompts without the family's
-    instruction prefix (SANA's)."""
+    instruction prefix (SANA's); `frames`: a video family's frames per video (None: its default)."""
     import torch
 
-    size = image_size(resolution, FAMILIES[family].resolution)
-    adapter = adapter_class(family).from_pretrained(path, device, size, dtype or torch.float32, offload)
+    spec = FAMILIES[family]
+    size = image_size(resolution, spec.resolution)
+    options = {"frames": frames or spec.frames} if spec.video else {}
+    adapter = adapter_class(family).from_pretrained(path, device, size, dtype or torch.float32, offload, **options)
     adapter.instruction = instruction
     return adapter

@@ -3,7 +3,8 @@ diffusers), so a config is validated without importing any model code.
 
 A family entry names its adapter class ("module:Class", imported only when used), its step family
 (`flow` for velocity models, whose SDEs are dance | flow | cps; `ddim` for ε-models), its
-default image side, and whether its prompts carry an instruction prefix.
+default image size, whether its prompts carry an instruction prefix, and whether it makes videos
+(then `model.frames` is its frames per video; `frames` the default).
 """
 
 from __future__ import annotations
@@ -15,9 +16,14 @@ from dataclasses import dataclass
 class Family:
     adapter: str  # "module:Class" of the ModelAdapter
     steps: str  # "flow" | "ddim": which schedulers the family samples with
-    resolution: int  # default image side in pixels
+    resolution: int | tuple[int, int]  # default image size in pixels: a side (a square) or (height, width)
     fixed_resolution: bool = False  # True: the family makes images of `resolution` only
     instruction: bool = False  # True: its pipeline prepends an instruction to every prompt (model.prompt_instruction turns it off)
+    frames: int = 0  # a video family's default frames per video (0: the family makes images)
+
+    @property
+    def video(self) -> bool:
+        return self.frames > 0
 
 
 FAMILIES: dict[str, Family] = {
@@ -26,16 +32,17 @@ FAMILIES: dict[str, Family] = {
     "flux": Family("branchdiff.models.flux:FluxAdapter", "flow", 1024),
     "sana": Family("branchdiff.models.sana:SanaAdapter", "flow", 1024, instruction=True),
     "sd15": Family("branchdiff.models.sd15:SD15Adapter", "ddim", 512),
+    "wan": Family("branchdiff.models.wan:WanAdapter", "flow", (480, 832), frames=81),  # Wan 2.1 / 2.2 text-to-video at 480p
 }
 LORA_TARGET_SETS = ("attention", "attention+ff", "all-linear")  # the named LoRA target sets every family's adapter defines
 STEP_KINDS = {"flow": ("dance", "flow", "cps"), "ddim": ("ddim",)}  # the SDEs each step family trains with
 
 
-def image_size(resolution: int | list[int] | tuple[int, ...] | None, default: int) -> tuple[int, int]:
+def image_size(resolution: int | list[int] | tuple[int, ...] | None, default: int | tuple[int, int]) -> tuple[int, int]:
     """(height, width) in pixels from `model.resolution`: H (a square), [H, W], or None (the family's
-    `default` square). Raises ValueError naming the value and what is allowed."""
+    `default`: a square's side or (height, width)). Raises ValueError naming the value and what is allowed."""
     if resolution is None:
-        return default, default
+        return (default, default) if isinstance(default, int) else (default[0], default[1])
     sides = [resolution] if isinstance(resolution, int) and not isinstance(resolution, bool) else resolution
     if (not isinstance(sides, (list, tuple)) or len(sides) not in (1, 2)
             or not all(isinstance(side, int) and not isinstance(side, bool) and 8 <= side <= 8192 for side in sides)):

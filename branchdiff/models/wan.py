@@ -22,7 +22,9 @@ two frame counts and a non-square size, and that `--solver release` equals it wi
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 
 import torch
 
@@ -46,10 +48,7 @@ class WanAdapter(PipelineAdapter):
 
     def __init__(self, pipe, device: torch.device | str = "cpu", size: tuple[int, int] = (480, 832), offload: bool = False,
                  frames: int = 81) -> None:
-        temporal = pipe.vae_scale_factor_temporal
-        if frames < 1 or (frames - 1) % temporal:
-            raise ValueError(f"model.frames={frames}: a Wan video has r·k + 1 frames (r = {temporal}, the VAE's temporal factor), "
-                             f"e.g. {temporal * max(1, (frames - 1) // temporal) + 1}")
+        check_frames(frames, pipe.vae_scale_factor_temporal)
         self.frames = frames
         super().__init__(pipe, device, size, offload)
         self.second = pipe.transformer_2  # the low-noise expert (Wan 2.2 A14B), or None
@@ -65,6 +64,15 @@ class WanAdapter(PipelineAdapter):
     @property
     def resolution_multiple(self) -> int:
         return self.multiple_of(self.pipe.vae_scale_factor_spatial, self.pipe.transformer.config.patch_size[1])
+
+    @classmethod
+    def folder_frames(cls, path, frames: int) -> None:
+        """Refuse a frame count the folder's VAE cannot make, from its config.json, before anything loads."""
+        try:
+            temporal = json.loads((Path(path or "") / "vae" / "config.json").read_text()).get("scale_factor_temporal") or 4
+        except (OSError, ValueError):
+            return  # a hub id: checked once it has loaded
+        check_frames(frames, temporal)
 
     @classmethod
     def multiple_from_configs(cls, vae: dict, denoiser: dict) -> int:
@@ -120,3 +128,10 @@ class WanAdapter(PipelineAdapter):
                 decoded = vae.decode(self.vae_input(chunk.to(self.device)).to(vae.dtype), return_dict=False)[0]  # (b, 3, F, H, W)
                 videos.append(self.pipe.video_processor.postprocess_video(decoded, output_type="pt").float())  # (b, F, 3, H, W)
         return torch.cat(videos)
+
+
+def check_frames(frames: int, temporal: int) -> None:
+    """A Wan video has r·k + 1 frames, r the VAE's temporal factor."""
+    if frames < 1 or (frames - 1) % temporal:
+        raise ValueError(f"model.frames={frames}: a Wan video has r·k + 1 frames (r = {temporal}, the VAE's temporal factor), "
+                         f"e.g. {temporal * max(1, (frames - 1) // temporal) + 1}")

@@ -42,14 +42,19 @@ Column = tuple[np.ndarray, np.ndarray]  # (iterations, values) of the rows that 
 # ---------------------------------------------------------------- sample grids
 def save_grid(images: torch.Tensor, path: Path, nrow: int = 8, upscale: int = 4, row_captions: list[str] | None = None) -> None:
     """Save images (B, 3, H, W) in [0, 1] as one PNG grid, each image enlarged `upscale`× (nearest),
-    written atomically (`storage.replace_file`). `row_captions` (one per row, e.g. its prompt) go
-    into the PNG's text chunk `CAPTIONS_KEY` as a JSON list, which the report shows under the grid."""
+    written atomically (`storage.replace_file`); videos (B, F, 3, H, W) show as their frame strips
+    (`video.frame_strip`). `row_captions` (one per row, e.g. its prompt) go into the PNG's text chunk
+    `CAPTIONS_KEY` as a JSON list, which the report shows under the grid."""
     import torch
     from PIL.PngImagePlugin import PngInfo
     from torchvision.utils import make_grid
 
+    from branchdiff.report.video import frame_strip
     from branchdiff.rewards.base import to_uint8
     from branchdiff.runtime import storage
+
+    if images.dim() == 5:
+        images = frame_strip(images)
 
     big = torch.nn.functional.interpolate(images.float().cpu(), scale_factor=upscale, mode="nearest")
     grid = make_grid(big, nrow=nrow, padding=2, pad_value=0.5)  # (3, H', W')

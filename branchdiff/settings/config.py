@@ -37,7 +37,8 @@ LOSSES: dict[str, Loss] = {  # train.loss: the objectives' registry (docs/object
 class ModelConfig:
     family: str = choice("tiny", *FAMILIES)  # model family (branchdiff/models/, docs/models.md)
     path: str | None = None  # local directory or hub id of the diffusers pipeline; None = the built-in tiny model
-    resolution: int | list[int] | None = None  # image size in pixels: H (a square) or [H, W]; None = the family's default square (tiny 32, sd15 512, others 1024)
+    resolution: int | list[int] | None = None  # image size in pixels: H (a square) or [H, W]; None = the family's default (tiny 32, sd15 512, wan [480, 832], others 1024)
+    frames: int | None = positive(None)  # video families (wan): frames per video, r·k + 1 (r = the VAE's temporal factor, 4 for Wan); None = the family's default (Wan 81); image families: leave unset
     dtype: str = choice("float32", "float32", "bfloat16", "float16")  # base weights' dtype (LoRA parameters stay float32)
     offload: bool = False  # keep text encoders and VAE on the CPU except while they run
     finetune: str = choice("lora", "lora", "full")  # lora: a LoRA adapter (train.lora_rank, lora_alpha); full: every weight of the denoiser

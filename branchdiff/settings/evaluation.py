@@ -25,6 +25,7 @@ class EvalSettings:
     family: str = "tiny"
     model: str | None = None  # None: the built-in tiny model
     resolution: int | list[int] | None = None  # H or [H, W]
+    frames: int | None = None  # a video family's frames per video (None: its default)
     dtype: str = "float32"
     steps: int = 10
     shift: float | None = None
@@ -40,7 +41,7 @@ class EvalSettings:
 SOLVERS = ("training", "release")  # the ODE of the steps branchdiff trains with, or the sampler the model folder ships
 
 # settings field → the key of a run's config that holds it
-FROM_RUN = {"family": "model.family", "model": "model.path", "resolution": "model.resolution", "dtype": "model.dtype",
+FROM_RUN = {"family": "model.family", "model": "model.path", "resolution": "model.resolution", "frames": "model.frames", "dtype": "model.dtype",
             "steps": "sampling.num_steps", "shift": "sampling.shift", "guidance": "prompts.eval_guidance",
             "images_per_prompt": "prompts.eval_seeds", "prompts": "prompts.eval", "rewards": "eval_rewards",
             "prompt_instruction": "model.prompt_instruction"}

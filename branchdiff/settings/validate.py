@@ -30,10 +30,13 @@ def validate(config: TrainConfig) -> None:
         size = image_size(config.model.resolution, family.resolution)
     except ValueError as error:
         raise ConfigError(str(error)) from None
+    if config.model.frames is not None and not family.video:
+        raise ConfigError(f"'model.frames' = {config.model.frames}: model.family={config.model.family} makes images, not videos; "
+                          "leave model.frames unset")
     if not config.model.prompt_instruction and not family.instruction:
         raise ConfigError(f"'model.prompt_instruction' = false applies to families whose prompts carry an instruction (sana); "
                           f"model.family={config.model.family} has none: leave it unset")
-    if family.fixed_resolution and size != (family.resolution, family.resolution):
+    if family.fixed_resolution and size != image_size(None, family.resolution):
         raise ConfigError(f"'model.resolution' = {config.model.resolution}: model.family={config.model.family} makes only "
                           f"{family.resolution}×{family.resolution} images; leave model.resolution unset")
     try:

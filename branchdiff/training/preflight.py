@@ -4,7 +4,8 @@ training and evaluation reward resolves (its name imported, its keyword argument
 evaluation rewards even when the run does not evaluate), every prompt source the run reads decodes
 (a problem is named with its file and line), no prompt is longer than the family's text encoders
 can read (`max_prompt_characters`), every reward that can check prompts (`check_prompts`, e.g.
-tiny-geneval's grammar) accepts them, and the image size fits the model folder's config files.
+tiny-geneval's grammar) accepts them, the image size (and a video's frame count) fits the model
+folder's config files, and on a video family every reward scores videos or names its frames.
 The run directory is then claimed (branchdiff/runtime/run_dir.py) and the checkpoint to resume chosen
 (`Trainer.select_checkpoint`), still before the model loads.
 """
@@ -13,7 +14,8 @@ from __future__ import annotations
 
 from branchdiff.data.prompts import PromptSet, load_prompt_set
 from branchdiff.errors import quote
-from branchdiff.models import adapter_class, check_size
+from branchdiff.models import adapter_class, check_frames, check_size
+from branchdiff.models.families import FAMILIES
 from branchdiff.rewards.combine import RewardSpec, parse_reward_specs
 from branchdiff.rewards.registry import check_reward_kwargs, resolve_reward
 from branchdiff.settings.config import TrainConfig
@@ -39,9 +41,23 @@ def check_inputs(config: TrainConfig) -> None:
             factories[spec.name] = resolve_reward(spec.name)
             check_reward_kwargs(spec.name, factories[spec.name], spec.kwargs)
     check_size(config.model.family, config.model.path, config.model.resolution)
+    check_frames(config.model.family, config.model.path, config.model.frames)
+    if FAMILIES[config.model.family].video:
+        for key, specs in (("reward", train_specs), *((("eval_rewards", eval_specs),) if evaluates else ())):
+            check_video_rewards(key, specs, factories)
     _check_prompts(load_prompt_set(config.prompts.train), train_specs, factories, config.model.family)
     if evaluates:
         _check_prompts(load_prompt_set(config.prompts.eval), eval_specs, factories, config.model.family)
+
+
+def check_video_rewards(key: str, specs: list[RewardSpec], factories: dict) -> None:
+    """On a video family, each reward scores videos itself (`video = True`) or says how to score its
+    frames (`frames`, `reduce`); a reward server is taken at its word."""
+    for spec in specs:
+        factory = factories.get(spec.name)
+        if spec.frames is None and factory is not None and not getattr(factory, "video", False):
+            raise ValueError(f"'{key}' entry {spec.label!r} scores images and the model makes videos: give it frames: N (score every N-th "
+                             f"frame) and reduce: mean or min, e.g. {{name: {spec.label}, frames: 4, reduce: mean}}")
 
 
 def _check_prompts(prompt_set: PromptSet, specs: list[RewardSpec], factories: dict, family: str) -> None:

@@ -122,7 +122,7 @@ class Trainer(TrainerCheckpoints):
         self.gold_score = self._gold_score()  # before the model loads: a wrong name costs nothing
         model = config.model
         self.adapter = load_adapter(model.family, model.path, self.accelerator.device, model.resolution, DTYPES[model.dtype], model.offload,
-                                    model.prompt_instruction)
+                                    model.prompt_instruction, model.frames)
         notice = self.adapter.solver_notice()
         if notice and self.accelerator.is_main_process:
             print(f"branchdiff: {notice}", file=sys.stderr)
@@ -336,7 +336,8 @@ class Trainer(TrainerCheckpoints):
         config = self.config
         return evaluate(model, load_prompt_set(config.prompts.eval), self.eval_rewards, config.prompts.eval_seeds,
                         config.sampling.num_steps, config.sampling.shift, process_index=process_index, num_processes=num_processes,
-                        guidance=config.prompts.eval_guidance, lockstep=self.sharding.enabled)
+                        guidance=config.prompts.eval_guidance, lockstep=self.sharding.enabled,
+                        frames={spec.label: spec.frames for spec in parse_reward_specs(config.eval_rewards)})
 
     def _evaluate_shared(self, model: ModelAdapter) -> EvalResult:
         """`model` on the eval prompts, each process sampling its share, gathered on every process."""
