@@ -341,7 +341,7 @@ def sana_default_instruction() -> list[str]:
 
 
 def build_wan(two_experts: bool = False, release: bool = False, seed: int = 0) -> DiffusionPipeline:
-    """A tiny Wan text-to-video pipeline (not in FAMILIES: branchdiff/models/wan.py is not a family yet).
+    """A tiny Wan text-to-video pipeline (not in this module's FAMILIES, whose shared tests take images; tests/test_wan.py).
     UMT5 text encoder, a 2-level causal 3-D VAE (spatial and temporal factor 2: F = 2k + 1 frames,
     latents (4, F', H/2, W/2)), a 1-layer WanTransformer3DModel with patch (1, 2, 2). `two_experts`:
     Wan 2.2 A14B's layout, a second transformer for timesteps below boundary_ratio 0.75 · 1000.

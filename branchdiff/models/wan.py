@@ -15,9 +15,9 @@ switches them; each expert applies the run's guidance (the pipeline's default wh
 is not given). `denoiser` (what LoRA and full fine-tuning train, and what the export holds) is
 `transformer`, the high-noise expert; the low-noise expert stays frozen.
 
-Not yet a registered family (issue 28): rewards, sample/eval outputs and the report do not take
-videos yet. tests/test_wan.py checks that ODE sampling equals `pipe(...)` for one and two experts, at
-two frame counts and a non-square size, and that `--solver release` equals it with UniPC.
+`model.frames` (`--frames`) is F. tests/test_wan.py checks that ODE sampling equals `pipe(...)` for one
+and two experts, at two frame counts and a non-square size, that `--solver release` equals it with
+UniPC, and that a trained LoRA's export loads into the pipeline to the same video (docs/models.md).
 """
 
 from __future__ import annotations
