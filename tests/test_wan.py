@@ -8,6 +8,7 @@ the adapter's video; sizes and frame counts the model cannot make are refused wi
 
 from __future__ import annotations
 
+import base64
 import json
 
 import pytest
@@ -154,6 +155,9 @@ def test_a_video_run_trains_evaluates_and_exports_a_lora_the_pipeline_loads(save
                  "train.lora_alpha=16", "logging.sample_every=1", "logging.tensorboard=false", f"output_dir={run}"]
     assert main(["train", "tiny-chain", *overrides, "iterations=1"]) == 0
     assert (run / "samples" / "iter-000000.png").is_file() and (run / "report.html").is_file()
+    playing = run / "samples" / "iter-000000.mp4"  # the grid of training videos, playing; the report embeds it
+    assert playing.is_file() and '<video class="grid"' in (run / "report.html").read_text()
+    assert base64.b64encode(playing.read_bytes()).decode() in (run / "report.html").read_text()
     assert json.loads((run / "eval.json").read_text())["trained"]["all"]["rewards_for_tests:Redness"]["nonfinite"] == 0
     assert main(["eval", "--weights", str(run), "--out", str(tmp_path / "eval")]) == 0  # the run's settings: frames, rewards with frames
     written = sorted(p.suffix for p in (tmp_path / "eval" / "images").rglob("*.*"))

@@ -43,17 +43,21 @@ Column = tuple[np.ndarray, np.ndarray]  # (iterations, values) of the rows that 
 def save_grid(images: torch.Tensor, path: Path, nrow: int = 8, upscale: int = 4, row_captions: list[str] | None = None) -> None:
     """Save images (B, 3, H, W) in [0, 1] as one PNG grid, each image enlarged `upscale`× (nearest),
     written atomically (`storage.replace_file`); videos (B, F, 3, H, W) show as their frame strips
-    (`video.frame_strip`). `row_captions` (one per row, e.g. its prompt) go into the PNG's text chunk
+    (`video.frame_strip`), and the grid plays beside it as an MP4 (`path` with .mp4, the videos in the
+    same places). `row_captions` (one per row, e.g. its prompt) go into the PNG's text chunk
     `CAPTIONS_KEY` as a JSON list, which the report shows under the grid."""
     import torch
     from PIL.PngImagePlugin import PngInfo
     from torchvision.utils import make_grid
 
-    from branchdiff.report.video import frame_strip
+    from branchdiff.report.video import frame_strip, write_mp4
     from branchdiff.rewards.base import to_uint8
     from branchdiff.runtime import storage
 
     if images.dim() == 5:
+        frames = [make_grid(torch.nn.functional.interpolate(images[:, f].float().cpu(), scale_factor=upscale, mode="nearest"), nrow=nrow,
+                            padding=2, pad_value=0.5) for f in range(images.shape[1])]
+        write_mp4(torch.stack(frames), path.with_suffix(".mp4"))  # (F, 3, H', W'): the grid, playing
         images = frame_strip(images)
 
     big = torch.nn.functional.interpolate(images.float().cpu(), scale_factor=upscale, mode="nearest")
@@ -73,6 +77,14 @@ def grid_captions(path: Path) -> list[str] | None:
     except (OSError, SyntaxError, ValueError, AttributeError):
         return None
     return [str(c) for c in captions] if isinstance(captions, list) else None
+
+
+def video_data_uri(path: Path) -> str | None:
+    """An MP4 as a data URI; None when there is none."""
+    try:
+        return "data:video/mp4;base64," + base64.b64encode(path.read_bytes()).decode()
+    except OSError:
+        return None
 
 
 def grid_data_uri(path: Path) -> str | None:

@@ -9,7 +9,7 @@ import numpy as np
 
 STYLE = """body{font-family:system-ui,sans-serif;max-width:1240px;margin:1em auto;padding:0 1em;color:#222}
 h2{border-bottom:1px solid #ccc;margin-top:1.6em}nav a{margin-right:1em}
-img.plot{max-width:100%;display:block}img.grid{width:100%;display:block;image-rendering:pixelated}
+img.plot{max-width:100%;display:block}img.grid,video.grid{width:100%;display:block;image-rendering:pixelated}
 figure{display:inline-block;width:calc(50% - 1.2em);margin:.4em;vertical-align:top}figcaption{font-size:.85em;color:#555}
 table{border-collapse:collapse;margin:.5em 0}td,th{border:1px solid #ccc;padding:2px 8px;text-align:right}
 td:first-child,th:first-child{text-align:left}.missing{color:#888;font-style:italic}

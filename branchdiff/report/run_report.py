@@ -36,6 +36,7 @@ from branchdiff.report.figures import (
     small_multiples,
     smoothing_window,
     title_and_legend,
+    video_data_uri,
 )
 from branchdiff.report.html import STYLE, dotted_get, evenly_spaced, finite_mean, fmt, img, missing, note, table
 from branchdiff.report.run_data import DEPTH_KEY, Grid, Run, read_run, reward_components, sample_grids
@@ -328,6 +329,10 @@ def _figures(grids: list[Grid], alt: str) -> str:
     for iteration, path in grids:
         uri = grid_data_uri(path)
         image = img(uri, f"{alt}, iteration {iteration}", "grid") if uri else note(f"{path.name} unreadable")
+        playing = video_data_uri(path.with_suffix(".mp4"))  # a video family's grid, playing (the strip shows its frames)
+        if playing:
+            image += (f'<video class="grid" title="{escape(alt)}, iteration {iteration}" src="{playing}" autoplay loop muted '
+                      'playsinline controls></video>')
         rows = "".join(f"<li>{escape(_cut(caption))}</li>" for caption in grid_captions(path) or [])
         html += f"<figure>{image}<figcaption>iteration {iteration}{f'<ol>{rows}</ol>' if rows else ''}</figcaption></figure>"
     return html
