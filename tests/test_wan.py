@@ -194,3 +194,15 @@ def test_bad_video_input_is_one_line_before_anything_is_written(saved, tmp_path,
         err = capsys.readouterr().err.strip().splitlines()
         assert err[-1].startswith("branchdiff: error: ") and message in err[-1] and sum("error" in line for line in err) == 1, err
         assert not (tmp_path / "run").exists() and not (tmp_path / "eval").exists()
+
+
+def test_rewards_check_scores_videos_through_their_frames(saved, capsys):
+    from branchdiff.cli import main
+
+    common = ["rewards", "check", "rewards_for_tests:Redness", "--family", "wan", "--model", str(saved["one"]), "--resolution", "16x32",
+              "--frames", "5", "--steps", "2", "--num-prompts", "2", "--group-size", "2"]
+    assert main(common) == 2
+    assert "give --every-frame N (score every N-th frame) and --reduce mean or min" in capsys.readouterr().err
+    assert main([*common, "--every-frame", "2", "--reduce", "min"]) == 0
+    out = capsys.readouterr().out
+    assert "4 images (2 prompts × 2)" in out and "within_group_std" in out

@@ -115,6 +115,8 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--steps", type=at_least(1), default=10, help="SDE sampling steps")
     check.add_argument("--device", default="cpu", help="device of the reward")
     check.add_argument("--kwargs", default=None, help="keyword arguments of the reward, a YAML mapping: '{checkpoint: PATH}'")
+    check.add_argument("--every-frame", type=at_least(1), default=None, help="a video family: score every N-th frame with a reward of images")
+    check.add_argument("--reduce", choices=["mean", "min"], default="mean", help="a video family: a video's score from its frames' scores")
 
     serve = commands.add_parser("serve-reward", help="serve a reward over HTTP (docs/reward-server.md)")
     serve.add_argument("name", help="registered name, entry point or dotted path 'package.module:Name'")

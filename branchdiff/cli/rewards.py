@@ -26,6 +26,7 @@ def cmd_rewards(args: argparse.Namespace) -> None:
         return
     from branchdiff.data.prompts import load_prompt_set
     from branchdiff.models.families import FAMILIES
+    from branchdiff.rewards.frames import FrameAggregation
     from branchdiff.training.signal_check import check_reward
 
     check_device(args.device)
@@ -34,7 +35,12 @@ def cmd_rewards(args: argparse.Namespace) -> None:
     prompts, metadata = prompt_set.prompts[: args.num_prompts], prompt_set.metadata[: args.num_prompts]
     settings, _ = sampling_settings(args)
     sde = "ddim" if FAMILIES[settings.family].steps == "ddim" else "flow"
-    stats = check_reward(load_model(settings, None), reward, prompts, metadata, args.name, args.group_size, settings.steps, sde=sde)
+    frames = FrameAggregation(args.every_frame, args.reduce) if args.every_frame else None
+    if FAMILIES[settings.family].video and frames is None and not getattr(reward, "video", False):
+        raise ValueError(f"rewards check: {args.name!r} scores images and the {settings.family} family makes videos; give --every-frame N "
+                         "(score every N-th frame) and --reduce mean or min")
+    stats = check_reward(load_model(settings, None), reward, prompts, metadata, args.name, args.group_size, settings.steps, sde=sde,
+                         frames=frames)
     print(f"reward {args.name!r}, scale: {getattr(reward, 'scale', 'unspecified')}; {stats['images']} images "
           f"({len(prompts)} prompts × {args.group_size}) from {args.prompts}")
     for key in ("min", "mean", "max", "within_group_std", "between_prompt_std", "zero_spread_fraction", "seconds_per_image",

@@ -21,6 +21,7 @@ import torch
 from branchdiff.core.rollout import NoiseAddress, SamplerSettings, grow
 from branchdiff.core.tree import TreeSpec, build_tree
 from branchdiff.models.base import ModelAdapter
+from branchdiff.rewards.frames import FrameAggregation
 from branchdiff.rewards.multi import RewardError, score_component
 from branchdiff.training.metrics import ZERO_SPREAD
 
@@ -43,18 +44,20 @@ def spread_statistics(scores: torch.Tensor) -> dict[str, float]:
 def check_reward(
     adapter: ModelAdapter, reward, prompts: list[str], metadata: list[dict], label: str, group_size: int = 8, num_steps: int = 10,
     shift: float | None = None, sde: str = "flow", noise_level: float = 0.7, guidance: float | None = None,
+    frames: FrameAggregation | None = None,
 ) -> dict[str, float]:
     """Sample `group_size` SDE samples per prompt and report the reward's spread (module doc),
-    scored through the same boundary as training (`score_component`); non-finite scores are
-    counted and their groups left out, as training drops them."""
+    scored through the same boundary as training (`score_component`, with `frames` for a video
+    family's videos); non-finite scores are counted and their groups left out, as training drops them."""
     tree = build_tree(TreeSpec(num_steps, roots=group_size), len(prompts))
     settings = SamplerSettings(sde=sde, noise_level=noise_level, guidance=guidance)
     address = NoiseAddress(CHECK_RUN_SEED, 0, tuple(range(len(prompts))))
     rollout = grow(adapter, tree, adapter.encode_prompts(prompts), adapter.schedule(num_steps, shift), settings, address)
-    images = adapter.decode(rollout.leaf_latents)  # (P·G, 3, H, W), prompt-major
+    images = adapter.decode(rollout.leaf_latents)  # (P·G, 3, H, W) or videos (P·G, F, 3, H, W), prompt-major
     image_prompts = [prompts[p] for p in tree.prompt[tree.leaf_index].tolist()]
     start = time.perf_counter()
-    scores, _, _ = score_component(reward, label, images, image_prompts, [metadata[p] for p in tree.prompt[tree.leaf_index].tolist()])
+    scores, _, _ = score_component(reward, label, images, image_prompts, [metadata[p] for p in tree.prompt[tree.leaf_index].tolist()],
+                                   frames=frames)
     seconds = time.perf_counter() - start
     nonfinite = int((~torch.isfinite(scores)).sum())
     if nonfinite == len(scores):
