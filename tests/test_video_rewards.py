@@ -67,3 +67,27 @@ def test_a_config_names_frames_and_reduce_and_training_scores_videos_with_them()
         with pytest.raises(ValueError, match=message):
             parse_reward_specs([entry])
     assert RewardSpec("x:Y").frames is None
+
+
+def test_on_a_video_family_every_reward_scores_videos_or_names_its_frames():
+    from branchdiff.training.preflight import check_video_rewards
+
+    specs = parse_reward_specs([{"name": "rewards_for_tests:Redness", "frames": 2}, {"remote": "http://127.0.0.1:9", "frames": 1}])
+    check_video_rewards("reward", specs, {"rewards_for_tests:Redness": Redness})
+    check_video_rewards("reward", [RewardSpec("frames:Counter")], {"frames:Counter": FrameCounter})
+    for spec, factories in ((RewardSpec("rewards_for_tests:Redness"), {"rewards_for_tests:Redness": Redness}),
+                            (RewardSpec(remote="http://127.0.0.1:9"), {})):  # a server's wire carries images: it gets frames
+        with pytest.raises(ValueError, match=r"'reward' entry '.*' scores images and the model makes videos: give it frames: N"):
+            check_video_rewards("reward", [spec], factories)
+
+
+def test_a_reward_server_scores_videos_through_their_frames():
+    """The wire carries images: a served reward of images scores a video family's frames as a local one does."""
+    from branchdiff.rewards.server import BackgroundServer
+
+    with BackgroundServer(Redness()) as server:
+        remote = MultiReward([RewardSpec(remote=server.url, kwargs={"image_format": "float32"}, frames=FrameAggregation(3, "min"))],
+                             "sum_then_normalize")
+        served = remote(VIDEOS, PROMPTS, [{}] * 3, torch.tensor([0, 1, 2])).components
+    local = score_component(Redness(), "redness", VIDEOS, PROMPTS, [{}] * 3, frames=FrameAggregation(3, "min"))[0]
+    assert torch.equal(next(iter(served.values())), local)

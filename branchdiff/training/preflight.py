@@ -52,10 +52,9 @@ def check_inputs(config: TrainConfig) -> None:
 
 def check_video_rewards(key: str, specs: list[RewardSpec], factories: dict) -> None:
     """On a video family, each reward scores videos itself (`video = True`) or says how to score its
-    frames (`frames`, `reduce`); a reward server is taken at its word."""
+    frames (`frames`, `reduce`); a reward server receives frames (its wire carries images)."""
     for spec in specs:
-        factory = factories.get(spec.name)
-        if spec.frames is None and factory is not None and not getattr(factory, "video", False):
+        if spec.frames is None and not getattr(factories.get(spec.name), "video", False):
             raise ValueError(f"'{key}' entry {spec.label!r} scores images and the model makes videos: give it frames: N (score every N-th "
                              f"frame) and reduce: mean or min, e.g. {{name: {spec.label}, frames: 4, reduce: mean}}")
 
