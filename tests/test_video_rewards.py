@@ -91,3 +91,28 @@ def test_a_reward_server_scores_videos_through_their_frames():
         served = remote(VIDEOS, PROMPTS, [{}] * 3, torch.tensor([0, 1, 2])).components
     local = score_component(Redness(), "redness", VIDEOS, PROMPTS, [{}] * 3, frames=FrameAggregation(3, "min"))[0]
     assert torch.equal(next(iter(served.values())), local)
+
+
+def test_flicker_is_the_mean_change_of_blurred_adjacent_frames():
+    from branchdiff.rewards.registry import build_reward
+
+    reward = build_reward("flicker")
+    scores = reward(VIDEOS, PROMPTS, [{}] * 3)
+
+    def blur(frame: torch.Tensor) -> torch.Tensor:  # 3×3 mean over the neighbours a pixel has, written out
+        out = torch.empty_like(frame)
+        height, width = frame.shape[1:]
+        for y in range(height):
+            for x in range(width):
+                out[:, y, x] = frame[:, max(0, y - 1) : y + 2, max(0, x - 1) : x + 2].mean(dim=(1, 2))
+        return out
+
+    for b in range(len(VIDEOS)):
+        blurred = [blur(frame) for frame in VIDEOS[b]]
+        expected = torch.stack([(blurred[t] - blurred[t - 1]).abs().mean() for t in range(1, len(blurred))]).mean()
+        assert scores[b].item() == pytest.approx(expected.item(), abs=1e-6)
+    still = VIDEOS[:, :1].expand(-1, 4, -1, -1, -1)  # the same frame four times
+    assert reward(still, PROMPTS, [{}] * 3).abs().max() == 0 and reward(VIDEOS[:, :1], PROMPTS, [{}] * 3).tolist() == [0.0] * 3
+    assert (reward.video, reward.higher_is_better) == (True, False)
+    with pytest.raises(ValueError, match=r"reward 'flicker' scores videos \(B, F, 3, H, W\), got \(3, 3, 8, 8\)"):
+        reward(VIDEOS[:, 0], PROMPTS, [{}] * 3)

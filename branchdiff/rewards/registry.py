@@ -38,6 +38,7 @@ class Registered:
 
 REGISTRY: dict[str, Registered] = {
     "tiny-geneval": Registered("branchdiff.rewards.tiny_geneval:TinyGenEval"),
+    "flicker": Registered("branchdiff.rewards.flicker:Flicker"),  # videos: frame-to-frame change
     "hpsv2": Registered("branchdiff.rewards.hps:hpsv2", weights=(("checkpoint", "xswu/HPSv2", "HPS_v2_compressed.pt"),)),
     "hpsv2.1": Registered("branchdiff.rewards.hps:hpsv2_1", weights=(("checkpoint", "xswu/HPSv2", "HPS_v2.1_compressed.pt"),)),
     "pickscore": Registered("branchdiff.rewards.pickscore:PickScoreReward",
@@ -137,7 +138,7 @@ def available() -> list[dict[str, str]]:
     for name, registered in REGISTRY.items():
         missing = [module for module in registered.needs if find_spec(module) is None]
         absent = [(argument, repo, file) for argument, repo, file in registered.weights if not _cached(repo, file)]
-        weights = ", ".join(dict.fromkeys(repo for _, repo, _ in registered.weights)) or "none (a programmatic verifier)"
+        weights = ", ".join(dict.fromkeys(repo for _, repo, _ in registered.weights)) or "none"
         if missing:
             status, note = f"missing {', '.join(missing)}", registered.install
         elif absent:
