@@ -150,6 +150,8 @@ CASES = [
     Case("family-without-preset", lambda e: ["train", "model.family=sd3", f"model.path={e.tmp}", f"output_dir={e.tmp / 'new'}"],
          r"model.family=sd3 without a preset would train with the default preset tiny-mix-full, the built-in tiny model's recipe .*; "
          r"start from one of its presets \(sd35-pickscore, sd35-pickscore-explore, sd35-pickscore-sol\), e.g. branchdiff train sd35-pickscore"),
+    Case("expert-of-a-one-denoiser-family", lambda e: e.fresh("model.expert=low"),
+         r"'model.expert' = 'low' chooses one of Wan 2.2's two experts; model.family=tiny has one denoiser: leave model.expert unset"),
     Case("frames-on-an-image-family", lambda e: e.fresh("model.frames=5"),
          r"'model.frames' = 5: model.family=tiny makes images, not videos; leave model.frames unset"),
     Case("loss-of-another-family", lambda e: ["config", "sd15-hps", "train.loss=grpo-layertuning"],

@@ -239,3 +239,34 @@ def test_a_video_run_killed_mid_iteration_resumes_to_the_same_weights(saved, tmp
     assert final.keys() == expected.keys() and all(torch.equal(final[k], expected[k]) for k in expected)
     lines = [[deterministic(json.loads(line)) for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()] for run in ("killed", "straight")]
     assert lines[0] == lines[1] and len(lines[0]) == 4
+
+
+def test_the_low_noise_expert_trains_and_its_lora_loads_into_transformer_2(saved, tmp_path):
+    """Wan 2.2 A14B with `model.expert=low`: the trained denoiser is transformer_2, sampling is the
+    pipeline's as before, and its LoRA export loads with load_into_transformer_2=True to the same video
+    (into transformer it gives another)."""
+    from branchdiff.errors import ConfigError
+    from branchdiff.models.finetune import LoraFinetune
+    from branchdiff.settings.load import load_config
+
+    adapter = WanAdapter.from_pretrained(str(saved["two"]), size=SIZE, frames=5, expert="low")
+    pipe = _pipe(saved["two"])
+    assert adapter.denoiser is adapter.pipe.transformer_2 and adapter.second is adapter.pipe.transformer
+    initial, base = _ode_video(adapter)
+    assert (base - _pipeline_video(pipe, initial, 5, adapter.default_guidance)).abs().max().item() <= TOLERANCE
+    finetune = LoraFinetune(adapter, "attention", rank=4, alpha=16.0, seed=0)
+    with torch.no_grad():
+        for name, param in adapter.denoiser.named_parameters():
+            if "lora_B" in name:
+                param.copy_(0.05 * torch.randn(param.shape, generator=torch.Generator().manual_seed(len(name))))
+    finetune.write_export(finetune.trained_state(), tmp_path / "lora")
+    _, ours = _ode_video(adapter)
+    pipe.load_lora_weights(str(tmp_path / "lora"), load_into_transformer_2=True)
+    assert (ours - base).abs().max().item() > 1e-3 and (_pipeline_video(pipe, initial, 5, adapter.default_guidance) - ours).abs().max() <= TOLERANCE
+    wrong = _pipe(saved["two"])
+    wrong.load_lora_weights(str(tmp_path / "lora"))
+    assert (_pipeline_video(wrong, initial, 5, adapter.default_guidance) - ours).abs().max().item() > 1e-3
+    with pytest.raises(ValueError, match="model.expert=low trains Wan 2.2's low-noise expert .*this model has one transformer"):
+        WanAdapter.from_pretrained(str(saved["one"]), size=SIZE, frames=5, expert="low")
+    with pytest.raises(ConfigError, match="'model.expert' = 'low' chooses one of Wan 2.2's two experts; model.family=tiny has one denoiser"):
+        load_config("tiny-chain", ["model.expert=low"])

@@ -12,8 +12,10 @@ per channel (the VAE's `latents_std`, `latents_mean`), then the VAE and the pipe
 Wan 2.2 A14B ships a second transformer (`transformer_2`, the low-noise expert): rows whose timestep
 is below `boundary_ratio · num_train_timesteps` go to it, the others to `transformer`, as the pipeline
 switches them; each expert applies the run's guidance (the pipeline's default when `guidance_scale_2`
-is not given). `denoiser` (what LoRA and full fine-tuning train, and what the export holds) is
-`transformer`, the high-noise expert; the low-noise expert stays frozen.
+is not given). `denoiser` (what LoRA and full fine-tuning train, and what the export holds) is the
+expert `model.expert` names: `high`, `transformer` (the default, and Wan 2.1's only one), or `low`,
+`transformer_2`, whose LoRA loads with `pipe.load_lora_weights(path, load_into_transformer_2=True)`
+and whose full fine-tuning exports `transformer_2/`; the other expert stays frozen.
 
 `model.frames` (`--frames`) is F. tests/test_wan.py checks that ODE sampling equals `pipe(...)` for one
 and two experts, at two frame counts and a non-square size, that `--solver release` equals it with
@@ -33,6 +35,7 @@ from branchdiff.models.pipeline_adapter import PipelineAdapter
 WAN_ATTENTION = ["attn1.to_q", "attn1.to_k", "attn1.to_v", "attn1.to_out.0", "attn2.to_q", "attn2.to_k", "attn2.to_v", "attn2.to_out.0"]
 WAN_FEED_FORWARD = ["ffn.net.0.proj", "ffn.net.2"]
 PIPELINE_SIDE_MULTIPLE = 16  # WanPipeline.check_inputs: height and width divisible by 16
+EXPERTS = ("high", "low")  # model.expert: Wan 2.2 A14B's expert trained, `transformer` (high noise) or `transformer_2` (low noise)
 
 
 class WanAdapter(PipelineAdapter):
@@ -47,11 +50,17 @@ class WanAdapter(PipelineAdapter):
     max_sequence_length = 512  # UMT5 tokens (WanPipeline.__call__'s default)
 
     def __init__(self, pipe, device: torch.device | str = "cpu", size: tuple[int, int] = (480, 832), offload: bool = False,
-                 frames: int = 81) -> None:
+                 frames: int = 81, expert: str = "high") -> None:
         check_frames(frames, pipe.vae_scale_factor_temporal)
-        self.frames = frames
+        if expert not in EXPERTS:
+            raise ValueError(f"model.expert={expert!r}; allowed: {', '.join(EXPERTS)}")
+        if expert == "low" and pipe.transformer_2 is None:
+            raise ValueError("model.expert=low trains Wan 2.2's low-noise expert (transformer_2), and this model has one transformer; "
+                             "use model.expert=high")
+        self.frames, self.expert = frames, expert
+        self.denoiser_name = "transformer" if expert == "high" else "transformer_2"  # the trained expert, and its export's folder
         super().__init__(pipe, device, size, offload)
-        self.second = pipe.transformer_2  # the low-noise expert (Wan 2.2 A14B), or None
+        self.second = pipe.transformer_2 if expert == "high" else pipe.transformer  # the frozen expert, or None (Wan 2.1)
         if self.second is not None:
             self.second.requires_grad_(False).eval().to(self.device)
         ratio = pipe.config.boundary_ratio
@@ -99,10 +108,11 @@ class WanAdapter(PipelineAdapter):
         """Rows at timesteps ≥ the boundary (all, without a second expert) through `transformer`, the
         others through `transformer_2`."""
         high = torch.ones_like(times, dtype=torch.bool) if self.boundary is None else times >= self.boundary
+        first, second = (self.denoiser, self.second) if self.expert == "high" else (self.second, self.denoiser)  # transformer, transformer_2
         if bool(high.all()):
-            return self._expert(self.denoiser, latents, times, embeds["encoder_hidden_states"])
+            return self._expert(first, latents, times, embeds["encoder_hidden_states"])
         out = torch.empty_like(latents, dtype=self.dtype)
-        for expert, rows in ((self.denoiser, high), (self.second, ~high)):
+        for expert, rows in ((first, high), (second, ~high)):
             if bool(rows.any()):
                 out[rows] = self._expert(expert, latents[rows], times[rows], embeds["encoder_hidden_states"][rows])
         return out

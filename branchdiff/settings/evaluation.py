@@ -26,6 +26,7 @@ class EvalSettings:
     model: str | None = None  # None: the built-in tiny model
     resolution: int | list[int] | None = None  # H or [H, W]
     frames: int | None = None  # a video family's frames per video (None: its default)
+    expert: str = "high"  # wan: the expert a run trained (its weights load into it)
     dtype: str = "float32"
     steps: int = 10
     shift: float | None = None
@@ -41,10 +42,10 @@ class EvalSettings:
 SOLVERS = ("training", "release")  # the ODE of the steps branchdiff trains with, or the sampler the model folder ships
 
 # settings field → the key of a run's config that holds it
-FROM_RUN = {"family": "model.family", "model": "model.path", "resolution": "model.resolution", "frames": "model.frames", "dtype": "model.dtype",
-            "steps": "sampling.num_steps", "shift": "sampling.shift", "guidance": "prompts.eval_guidance",
-            "images_per_prompt": "prompts.eval_seeds", "prompts": "prompts.eval", "rewards": "eval_rewards",
-            "prompt_instruction": "model.prompt_instruction"}
+FROM_RUN = {"family": "model.family", "model": "model.path", "resolution": "model.resolution", "frames": "model.frames",
+            "expert": "model.expert", "dtype": "model.dtype", "steps": "sampling.num_steps", "shift": "sampling.shift",
+            "guidance": "prompts.eval_guidance", "images_per_prompt": "prompts.eval_seeds", "prompts": "prompts.eval",
+            "rewards": "eval_rewards", "prompt_instruction": "model.prompt_instruction"}
 
 
 def run_of(weights: str | None) -> Path | None:
