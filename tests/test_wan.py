@@ -93,16 +93,21 @@ def test_the_release_solver_reproduces_the_pipeline_with_unipc(saved):
     assert ours.std() > 1e-3 and (ours - theirs).abs().max().item() <= TOLERANCE
 
 
-def test_a_lora_export_loads_into_the_pipeline_to_the_same_video(saved, tmp_path):
+def _export_a_random_lora(adapter: WanAdapter, targets: str, folder) -> None:
+    """A LoRA (rank 4, alpha 16) on the adapter's trained expert, its B matrices random (not zero), exported to `folder`."""
     from branchdiff.models.finetune import LoraFinetune
 
-    adapter = WanAdapter.from_pretrained(str(saved["one"]), size=SIZE, frames=5)
-    finetune = LoraFinetune(adapter, "attention+ff", rank=4, alpha=16.0, seed=0)
+    finetune = LoraFinetune(adapter, targets, rank=4, alpha=16.0, seed=0)
     with torch.no_grad():
         for name, param in adapter.denoiser.named_parameters():
             if "lora_B" in name:
                 param.copy_(0.05 * torch.randn(param.shape, generator=torch.Generator().manual_seed(len(name))))
-    finetune.write_export(finetune.trained_state(), tmp_path / "lora")
+    finetune.write_export(finetune.trained_state(), folder)
+
+
+def test_a_lora_export_loads_into_the_pipeline_to_the_same_video(saved, tmp_path):
+    adapter = WanAdapter.from_pretrained(str(saved["one"]), size=SIZE, frames=5)
+    _export_a_random_lora(adapter, "attention+ff", tmp_path / "lora")
     initial, ours = _ode_video(adapter)
     pipe = _pipe(saved["one"])
     base = _pipeline_video(pipe, initial, 5, adapter.default_guidance)
@@ -246,7 +251,6 @@ def test_the_low_noise_expert_trains_and_its_lora_loads_into_transformer_2(saved
     pipeline's as before, and its LoRA export loads with load_into_transformer_2=True to the same video
     (into transformer it gives another)."""
     from branchdiff.errors import ConfigError
-    from branchdiff.models.finetune import LoraFinetune
     from branchdiff.settings.load import load_config
 
     adapter = WanAdapter.from_pretrained(str(saved["two"]), size=SIZE, frames=5, expert="low")
@@ -254,12 +258,7 @@ def test_the_low_noise_expert_trains_and_its_lora_loads_into_transformer_2(saved
     assert adapter.denoiser is adapter.pipe.transformer_2 and adapter.second is adapter.pipe.transformer
     initial, base = _ode_video(adapter)
     assert (base - _pipeline_video(pipe, initial, 5, adapter.default_guidance)).abs().max().item() <= TOLERANCE
-    finetune = LoraFinetune(adapter, "attention", rank=4, alpha=16.0, seed=0)
-    with torch.no_grad():
-        for name, param in adapter.denoiser.named_parameters():
-            if "lora_B" in name:
-                param.copy_(0.05 * torch.randn(param.shape, generator=torch.Generator().manual_seed(len(name))))
-    finetune.write_export(finetune.trained_state(), tmp_path / "lora")
+    _export_a_random_lora(adapter, "attention", tmp_path / "lora")
     _, ours = _ode_video(adapter)
     pipe.load_lora_weights(str(tmp_path / "lora"), load_into_transformer_2=True)
     assert (ours - base).abs().max().item() > 1e-3 and (_pipeline_video(pipe, initial, 5, adapter.default_guidance) - ours).abs().max() <= TOLERANCE
