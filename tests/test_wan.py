@@ -269,3 +269,30 @@ def test_the_low_noise_expert_trains_and_its_lora_loads_into_transformer_2(saved
         WanAdapter.from_pretrained(str(saved["one"]), size=SIZE, frames=5, expert="low")
     with pytest.raises(ConfigError, match="'model.expert' = 'low' chooses one of Wan 2.2's two experts; model.family=tiny has one denoiser"):
         load_config("tiny-chain", ["model.expert=low"])
+
+
+def test_full_fine_tuning_with_gradient_checkpointing_exports_a_transformer_the_pipeline_takes(saved, tmp_path):
+    """model.finetune=full, train.gradient_checkpointing=true, two iterations: the exported transformer/
+    loads with WanTransformer3DModel.from_pretrained, and the pipeline built with it makes the video the
+    trained adapter makes (its moving average, which evaluations and the export use)."""
+    from diffusers import WanPipeline, WanTransformer3DModel
+
+    from branchdiff.cli import main
+    from branchdiff.models import load_adapter
+    from branchdiff.models.finetune import load_weights
+
+    run = tmp_path / "run"
+    assert main(["train", "tiny-chain", "model.family=wan", f"model.path={saved['one']}", "model.resolution=[16,32]", "model.frames=5",
+                 "model.finetune=full", "train.gradient_checkpointing=true", "train.learning_rate=1e-3", "train.ema_decay=0.5",
+                 "reward={name: rewards_for_tests:Redness, frames: 2}", "prompts.per_iteration=2", "iterations=2", "sampling.num_steps=3",
+                 "tree.roots=2", "tree.splits=[[0,2]]", "final_eval=false", "logging.sample_every=0", "logging.tensorboard=false",
+                 f"output_dir={run}"]) == 0
+    transformer = WanTransformer3DModel.from_pretrained(run / "transformer")
+    pipe = WanPipeline.from_pretrained(saved["one"], transformer=transformer)
+    pipe.set_progress_bar_config(disable=True)
+    trained = load_adapter("wan", str(saved["one"]), resolution=SIZE, frames=5)
+    load_weights(trained, run)  # the run folder's export, as sample/eval --weights RUN load it
+    initial, ours = _ode_video(trained)
+    base = _pipeline_video(_pipe(saved["one"]), initial, 5, trained.default_guidance)
+    assert (ours - base).abs().max().item() > 1e-4  # it trained
+    assert (_pipeline_video(pipe, initial, 5, trained.default_guidance) - ours).abs().max().item() <= TOLERANCE
