@@ -5,7 +5,8 @@ in one process, interleaved (seed 0: every variant, seed 1: every variant, ...).
 only training (rollout + rewards + update: `time.perf_counter` around `Trainer.run_iteration`);
 evaluation pauses it. At each time of a fixed grid, t_k = k/(n-1) · budget, k = 0..n-1, the
 model of the first iteration boundary at or after t_k is evaluated: held-out strict accuracy
-(`tiny-geneval.strict`) on `tiny:held_out` (36 prompts), `images_per_prompt` ODE images each
+(`tiny-geneval.strict`) on `tiny:held_out` (36 prompts; with `--task tiny-video`, `tiny-video.strict`
+on `tiny-video:held_out`, 24 prompts, the same presets moved onto the video model), `images_per_prompt` ODE images each
 (default 4, half of `prompts.eval_seeds`' 8, to keep evaluation cheap: 144 images, a standard
 error of about ±0.04 on a mean near 0.5) from the fixed evaluation noise. t_0 is the base model:
 LoRA starts at B = 0 and the evaluation noise is fixed, so it is the same for every variant and
@@ -90,7 +91,12 @@ VARIANTS: dict[str, tuple[str, list[str]]] = {  # name: (preset, overrides equal
 SAMPLING_VARIANTS = ("chain", "branch", "branch_pruned", "mix", "explore_seeds", "explore_tree")  # the default run: clipped GRPO on each sampler
 REFERENCE = "chain"
 CLOCKS = ("wall", "modelled")
-SCORE = "tiny-geneval.strict"
+TASKS: dict[str, tuple[str, str, list[str]]] = {  # task: (held-out prompts, verifier, overrides moving a tiny preset onto the task)
+    "tiny": ("tiny:held_out", "tiny-geneval", []),
+    "tiny-video": ("tiny-video:held_out", "tiny-video", ["model.family=tiny-video", "prompts.train=tiny-video:train",
+                                                         "prompts.eval=tiny-video:held_out", "reward=tiny-video", "eval_rewards=[tiny-video]",
+                                                         "watch.gold=tiny-video.strict"]),
+}
 
 
 def group_size(config: TrainConfig) -> int:
@@ -152,7 +158,7 @@ def _train_and_evaluate(config: TrainConfig, grid_seconds: list[float], held_out
 
 def bench_curves(minutes: float, seeds: int, json_path: Path | None, out_dir: Path, points: int = 7,
                  variants: list[str] | None = None, images_per_prompt: int = 4, extra_overrides: list[str] = (), clock: str = "wall",
-                 reference: str = REFERENCE) -> dict:
+                 reference: str = REFERENCE, task: str = "tiny") -> dict:
     """Held-out strict accuracy of each variant at `points` equally spaced training times up to
     `minutes` (module doc), over seeds 0..seeds-1; writes out_dir/curves.png and curves.md, prints
     the table and ratios, returns (and writes to `json_path`) the result.
@@ -160,7 +166,9 @@ def bench_curves(minutes: float, seeds: int, json_path: Path | None, out_dir: Pa
     variants: names of VARIANTS (None: the sampling variants; the objectives' are named); images_per_prompt: held-out images per prompt at each
     evaluation; extra_overrides: appended to every variant's overrides (tests: `prompts.per_iteration=1`);
     clock: `wall` or `modelled`, the clock of the budget and the grid (module doc); reference: the variant
-    whose final mean the others' times are measured against (`time_to_<reference>_final`)."""
+    whose final mean the others' times are measured against (`time_to_<reference>_final`); task: the built-in
+    task trained and evaluated, `tiny` (images) or `tiny-video` (clips: the same presets on the video model,
+    its prompts and its verifier)."""
     if minutes <= 0 or seeds < 1 or points < 2 or clock not in CLOCKS:
         raise ValueError(f"bench curves needs minutes > 0, seeds ≥ 1, points ≥ 2 and a clock of {', '.join(CLOCKS)}; got {minutes}, "
                          f"{seeds}, {points}, {clock!r}")
@@ -170,15 +178,19 @@ def bench_curves(minutes: float, seeds: int, json_path: Path | None, out_dir: Pa
         raise ValueError(f"unknown variant {unknown[0]!r}; allowed: {', '.join(VARIANTS)}")
     if reference not in VARIANTS:
         raise ValueError(f"unknown reference {reference!r}; allowed: {', '.join(VARIANTS)}")
+    if task not in TASKS:
+        raise ValueError(f"unknown task {task!r}; allowed: {', '.join(TASKS)}")
     grid = [minutes * k / (points - 1) for k in range(points)]
-    prompt_set = load_prompt_set("tiny:held_out")
-    reward = {"tiny-geneval": build_component(parse_reward_specs(["tiny-geneval"])[0], "cpu")}
+    source, verifier, task_overrides = TASKS[task]
+    prompt_set = load_prompt_set(source)
+    reward = {verifier: build_component(parse_reward_specs([verifier])[0], "cpu")}
+    score = f"{verifier}.strict"
 
     def held_out_strict(trainer: Trainer) -> float:
         sampling = trainer.config.sampling
         result = evaluate(trainer.adapter, prompt_set, reward, images_per_prompt, num_steps=sampling.num_steps,
                           shift=sampling.shift, guidance=trainer.config.prompts.eval_guidance)
-        return summarize(result)["all"][SCORE]["mean"]
+        return summarize(result)["all"][score]["mean"]
 
     runs: dict[str, list[dict]] = {name: [] for name in names}
     load_start = os.getloadavg()[0]
@@ -186,7 +198,7 @@ def bench_curves(minutes: float, seeds: int, json_path: Path | None, out_dir: Pa
     with tempfile.TemporaryDirectory() as tmp:
         def config(name: str, seed: int) -> TrainConfig:
             preset, overrides = VARIANTS[name]
-            return load_config(preset, [*COMMON, *overrides, f"seed={seed}", f"output_dir={tmp}/{name}-{seed}", *extra_overrides])
+            return load_config(preset, [*COMMON, *task_overrides, *overrides, f"seed={seed}", f"output_dir={tmp}/{name}-{seed}", *extra_overrides])
 
         shapes = {}
         for name in names:
@@ -203,7 +215,7 @@ def bench_curves(minutes: float, seeds: int, json_path: Path | None, out_dir: Pa
                 runs[name].append(run)
                 print(f"seed {seed} {name}: {run['iterations']} iterations in {run['seconds'][clock]:.0f} s ({clock}), strict "
                       + " ".join(f"{v:.3f}" for v in run["strict"]), flush=True)
-    result = _result(minutes, seeds, grid, runs, images_per_prompt, shapes[names[0]], clock, reference)
+    result = _result(minutes, seeds, grid, runs, images_per_prompt, shapes[names[0]], clock, reference, source, score)
     result["notes"]["machine"] = (f"{len(os.sched_getaffinity(0))} CPU cores, torch threads {torch.get_num_threads()}, load average "
                                   f"{load_start:.1f} at the start and {os.getloadavg()[0]:.1f} at the end (other processes slow the clock)")
     print(format_table(result))
@@ -211,7 +223,7 @@ def bench_curves(minutes: float, seeds: int, json_path: Path | None, out_dir: Pa
     out_dir.mkdir(parents=True, exist_ok=True)
     plot_curves(result, out_dir / "curves.png")
     command = (f"branchdiff bench curves --minutes {minutes:g} --seeds {seeds} --clock {clock}" + (f" --json {json_path}" if json_path else "")
-               + (f" --reference {reference}" if reference != REFERENCE else "")
+               + (f" --reference {reference}" if reference != REFERENCE else "") + (f" --task {task}" if task != "tiny" else "")
                + f" --out {out_dir}")
     parameters = f"points={points}, images_per_prompt={images_per_prompt}, variants={names}, extra_overrides={list(extra_overrides)}"
     (out_dir / "curves.md").write_text(
@@ -227,7 +239,7 @@ def bench_curves(minutes: float, seeds: int, json_path: Path | None, out_dir: Pa
 
 
 def _result(minutes: float, seeds: int, grid: list[float], runs: dict[str, list[dict]], images_per_prompt: int, shape: tuple[int, int],
-            clock: str, reference: str = REFERENCE) -> dict:
+            clock: str, reference: str = REFERENCE, source: str = "tiny:held_out", score: str = "tiny-geneval.strict") -> dict:
     variants = {}
     for name, seed_runs in runs.items():
         per_time = [list(v) for v in zip(*(r["strict"] for r in seed_runs))]  # (points,) lists of per-seed values
@@ -242,7 +254,7 @@ def _result(minutes: float, seeds: int, grid: list[float], runs: dict[str, list[
             "seconds_per_iteration": {c: sum(r["seconds"][c] for r in seed_runs) / sum(r["iterations"] for r in seed_runs) for c in CLOCKS},
         }
     notes = {
-        "evaluation": f"{SCORE} mean on tiny:held_out, {images_per_prompt} ODE images per prompt, fixed evaluation noise",
+        "evaluation": f"{score} mean on {source}, {images_per_prompt} ODE images per prompt, fixed evaluation noise",
         "shape": f"{shape[0]} prompts per iteration × {shape[1]} trained samples per prompt in every variant",
         "clock": f"{clock}: the budget and the grid; eval_minutes holds both clocks (branchdiff/bench/clock.py)",
         "time_0": "the base model (LoRA B = 0), evaluated once and shared by every variant and seed",

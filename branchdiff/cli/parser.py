@@ -143,6 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                          "search: best-of-n, tree, dts, dts-star)")
     bench.add_argument("--reference", default="chain", help="curves: the variant whose final accuracy the others' times are measured "
                                                             "against (time_to_<reference>_final; e.g. mix to compare objectives with GRPO)")
+    bench.add_argument("--task", choices=["tiny", "tiny-video"], default="tiny", help="curves: the built-in task, images (tiny) or clips (tiny-video)")
     bench.add_argument("--points", type=at_least(2), default=7, help="curves: evaluations over the budget")
     bench.add_argument("--eval-images", type=at_least(1), default=4, help="curves: held-out images per prompt at each evaluation")
     bench.add_argument("--clock", choices=["wall", "modelled"], default="wall",

@@ -38,7 +38,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
         from branchdiff.bench.curves import bench_curves
 
         bench_curves(args.minutes, args.seeds, args.json, args.out, args.points, variants, args.eval_images, args.overrides, args.clock,
-                     args.reference)
+                     args.reference, args.task)
 
 
 def cmd_report(args: argparse.Namespace) -> None:

@@ -1,7 +1,8 @@
 """Prompt sources, and the per-iteration prompt draw.
 
 A source is a named set or a file:
-- `tiny:train`, `tiny:held_out`, `tiny:all`: the built-in task's grammar splits;
+- `tiny:train`, `tiny:held_out`, `tiny:all`: the built-in task's grammar splits; `tiny-video:train`,
+  `tiny-video:held_out`, `tiny-video:all`: the built-in video task's;
 - `hpdv2` (all four styles) or `hpdv2:<style>` (anime, concept-art, paintings, photo): the HPDv2
   benchmark prompts (800 per style), read from `$BRANCHDIFF_DATA/hpdv2/<style>.json` (default
   `~/.cache/branchdiff/hpdv2`), or fetched once from the hub dataset `zhwang/HPDv2`
@@ -21,14 +22,23 @@ import json
 import os
 import shutil
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
 
-from branchdiff.data.tiny_task import all_prompts, split_prompts
+from branchdiff.data import tiny_task, tiny_video_task
 from branchdiff.errors import quote, read_utf8
 
-TINY_SOURCES = {"tiny:train": lambda: split_prompts()[0], "tiny:held_out": lambda: split_prompts()[1], "tiny:all": all_prompts}
+
+
+def _grammar_split(task, split: str) -> list:
+    """A built-in task's prompts (`split`: train, held_out or all)."""
+    return task.all_prompts() if split == "all" else task.split_prompts()[split == "held_out"]
+
+
+TINY_SOURCES = {f"{name}:{split}": partial(_grammar_split, task, split)
+                for name, task in (("tiny", tiny_task), ("tiny-video", tiny_video_task)) for split in ("train", "held_out", "all")}
 HPDV2_STYLES = ("anime", "concept-art", "paintings", "photo")
 HPDV2_REPO = "zhwang/HPDv2"
 

@@ -28,6 +28,7 @@ class Family:
 
 FAMILIES: dict[str, Family] = {
     "tiny": Family("branchdiff.models.tiny:TinyAdapter", "flow", 32, fixed_resolution=True),
+    "tiny-video": Family("branchdiff.models.tiny_video:TinyVideoAdapter", "flow", 32, fixed_resolution=True, frames=5),  # the built-in video task's model
     "sd3": Family("branchdiff.models.sd3:SD3Adapter", "flow", 1024),
     "flux": Family("branchdiff.models.flux:FluxAdapter", "flow", 1024),
     "sana": Family("branchdiff.models.sana:SanaAdapter", "flow", 1024, instruction=True),

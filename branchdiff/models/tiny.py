@@ -32,11 +32,11 @@ TRANSFORMER_CONFIG = dict(
 )
 
 
-def default_assets_dir() -> Path:
-    """$BRANCHDIFF_TINY_MODEL, else the built-in model shipped as package data of `branchdiff.assets`
-    (the source tree's `assets/tiny` in an editable install)."""
-    override = os.environ.get("BRANCHDIFF_TINY_MODEL")
-    return Path(override) if override else Path(str(resources.files("branchdiff.assets") / "tiny"))
+def default_assets_dir(name: str = "tiny", variable: str = "BRANCHDIFF_TINY_MODEL") -> Path:
+    """$`variable`, else the built-in model `name` shipped as package data of `branchdiff.assets`
+    (the source tree's `assets/<name>` in an editable install)."""
+    override = os.environ.get(variable)
+    return Path(override) if override else Path(str(resources.files("branchdiff.assets") / name))
 
 
 def build_tokenizer() -> CLIPTokenizer:
@@ -69,6 +69,10 @@ class TinyAdapter(ModelAdapter):
     lora_target_sets = {"attention": SD3_ATTENTION, "attention+ff": SD3_ATTENTION + SD3_FEED_FORWARD, "all-linear": "all-linear"}
     quant_skip_modules = ("pos_embed", "time_text_embed", "context_embedder", "norm_out", "proj_out")
     pipeline_class_name = "StableDiffusion3Pipeline"  # its LoRA loads into an SD3 transformer
+    denoiser_class = SD3Transformer2DModel
+    denoiser_config = TRANSFORMER_CONFIG
+    assets = ("tiny", "BRANCHDIFF_TINY_MODEL")  # the built-in model's folder under branchdiff.assets, and the variable that overrides it
+    pretrain_script = "pretrain_tiny.py"
 
     def __init__(
         self,
@@ -87,7 +91,7 @@ class TinyAdapter(ModelAdapter):
         """Randomly initialised model of the shipped architecture (pretraining, tests)."""
         torch.manual_seed(seed)
         tokenizer = build_tokenizer()
-        return cls(SD3Transformer2DModel(**TRANSFORMER_CONFIG), build_text_encoder(tokenizer), tokenizer, device)
+        return cls(cls.denoiser_class(**cls.denoiser_config), build_text_encoder(tokenizer), tokenizer, device)
 
     @classmethod
     def from_pretrained(cls, path: str | Path | None = None, device: str | torch.device = "cpu", size: tuple[int, int] = (32, 32),
@@ -97,14 +101,14 @@ class TinyAdapter(ModelAdapter):
         device: `offload` is ignored."""
         if tuple(size) != (cls.height, cls.width):
             raise ValueError(f"the tiny model makes {cls.height}×{cls.width} images; model.resolution={list(size)} is not possible")
-        path = Path(path) if path else default_assets_dir()
+        path = Path(path) if path else default_assets_dir(*cls.assets)
         if not (path / "transformer" / "config.json").is_file():
             raise FileNotFoundError(
-                f"no tiny model at {path}: expected {path}/transformer/config.json; set model.path or "
-                "$BRANCHDIFF_TINY_MODEL to a directory holding one (the source tree's scripts/pretrain_tiny.py makes one)"
+                f"no {cls.family} model at {path}: expected {path}/transformer/config.json; set model.path or "
+                f"${cls.assets[1]} to a directory holding one (the source tree's scripts/{cls.pretrain_script} makes one)"
             )
         with quiet_loading():
-            parts = (SD3Transformer2DModel.from_pretrained(path / "transformer", torch_dtype=dtype),
+            parts = (cls.denoiser_class.from_pretrained(path / "transformer", torch_dtype=dtype),
                      CLIPTextModelWithProjection.from_pretrained(path / "text_encoder"), CLIPTokenizer.from_pretrained(path / "tokenizer"))
         return cls(*parts, device)
 
@@ -140,8 +144,8 @@ class TinyAdapter(ModelAdapter):
     def forward(self, latents: torch.Tensor, times: torch.Tensor, embeds: PromptEmbeds, guidance: float = 1.0) -> torch.Tensor:
         """v = (x - x̂0) / σ, with times = σ."""
         sigmas = times
-        x0_hat = self.predict_x0(latents, sigmas, embeds)  # (B, 3, 32, 32)
-        return (latents - x0_hat) / sigmas.reshape(-1, 1, 1, 1).to(latents.dtype)
+        x0_hat = self.predict_x0(latents, sigmas, embeds)  # (B, 3, 32, 32), or (B, 3, F, 32, 32) for clips
+        return (latents - x0_hat) / sigmas.reshape(-1, *[1] * (latents.dim() - 1)).to(latents.dtype)
 
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         return ((latents.float() + 1) / 2).clamp(0, 1)

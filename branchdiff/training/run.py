@@ -74,8 +74,9 @@ def progress_fields(metrics: dict[str, float]) -> dict[str, str]:
     fields = {"reward": f"{metrics['reward_mean']:.3f}"}
     if "accuracy_strict" in metrics:
         fields["strict"] = f"{metrics['accuracy_strict']:.2f}"
-    if "eval_tiny-geneval.strict" in metrics:
-        fields["held-out strict"] = f"{metrics['eval_tiny-geneval.strict']:.2f}"
+    held_out = next((key for key in ("eval_tiny-geneval.strict", "eval_tiny-video.strict") if key in metrics), None)  # a built-in task's verifier
+    if held_out:
+        fields["held-out strict"] = f"{metrics[held_out]:.2f}"
     if metrics["reward_zero_spread_fraction"] > WEAK_SIGNAL:
         fields["no-spread groups"] = f"{metrics['reward_zero_spread_fraction']:.0%}"
     if metrics["groups_dropped"]:

@@ -1,0 +1,113 @@
+"""`tiny-video`: a programmatic verifier of clips of the built-in tiny-video task (`video = True`).
+
+Every frame is segmented into objects as `tiny-geneval` segments an image (connected components of
+bright pixels, each with a palette colour and a template shape). Per frame f, with n_f objects
+detected and c asked, the count, colour and shape terms are tiny-geneval's:
+
+    count_f   = 1[n_f = c]                       partial: max(0, 1 − |n_f − c| / 3)
+    colour_f  = 1[n_f ≥ 1, every object's colour matches]   partial: min(m, c) / max(n_f, c)
+    shape_f   likewise with shapes
+
+A clip has an attribute when most of its frames (more than half) have it. The direction of motion
+comes from the track of the mean centroid of each frame's objects, over the frames that have any:
+its least-squares velocity v (px per frame) times F − 1 is the clip's travel d. With u the asked
+direction's unit vector, along = d·u and across = |d × u|:
+
+    direction = 1[along ≥ MIN_TRAVEL and across ≤ along / 2]
+    partial   = clamp((along − across) / EXPECTED_TRAVEL, 0, 1)
+
+(the ground truth travels 8 or 12 px; a still clip, or one with fewer than two frames holding
+objects, scores 0). Then, as for images,
+
+    strict    = count · colour · shape · direction
+    partial   = mean of the four partial terms (count, colour, shape averaged over frames)
+
+The reward is `partial`; `score` also returns `strict` and the four binary attributes.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from branchdiff.data.tiny_video_task import DIRECTIONS, TinyClipPrompt, parse_prompt
+from branchdiff.rewards.tiny_geneval import detect_objects
+
+ATTRIBUTES = ("count", "color", "shape", "direction")
+MIN_TRAVEL = 4.0  # px over the clip: less is a still clip
+EXPECTED_TRAVEL = 8.0  # px: the ground truth's slower speed, full credit from here on
+
+
+def clip_direction(centroids: list[tuple[int, np.ndarray]], frames: int, direction: str) -> tuple[float, float]:
+    """(binary, partial) direction scores from the (frame index, mean centroid (y, x)) of the frames
+    holding objects."""
+    if len(centroids) < 2:
+        return 0.0, 0.0
+    times = np.array([t for t, _ in centroids], dtype=np.float64)  # (K,)
+    points = np.stack([c for _, c in centroids])  # (K, 2)
+    centred = times - times.mean()
+    velocity = (centred[:, None] * (points - points.mean(axis=0))).sum(axis=0) / (centred**2).sum()  # (2,) px per frame
+    travel = velocity * (frames - 1)
+    unit = np.asarray(DIRECTIONS[direction], dtype=np.float64)  # (dy, dx)
+    along = float(travel @ unit)
+    across = abs(float(travel[0] * unit[1] - travel[1] * unit[0]))
+    binary = float(along >= MIN_TRAVEL and across <= along / 2)
+    return binary, float(np.clip((along - across) / EXPECTED_TRAVEL, 0.0, 1.0))
+
+
+def score_clip(clip: np.ndarray, prompt: TinyClipPrompt) -> dict[str, float]:
+    """Binary attributes, strict and partial scores of one clip (F, 3, H, W) in [0, 1] against its prompt."""
+    frames = clip.shape[0]
+    binary = {name: [] for name in ("count", "color", "shape")}
+    partial = {name: [] for name in ("count", "color", "shape")}
+    centroids = []
+    for index, image in enumerate(clip):
+        objects = detect_objects(image)
+        n, c = len(objects), prompt.count
+        binary["count"].append(n == c)
+        partial["count"].append(max(0.0, 1 - abs(n - c) / 3))
+        for name, hits in (("color", [o.color == prompt.color for o in objects]), ("shape", [o.shape == prompt.shape for o in objects])):
+            binary[name].append(n > 0 and all(hits))
+            partial[name].append(min(sum(hits), c) / max(n, c))
+        if objects:
+            centroids.append((index, np.mean([o.centroid_yx for o in objects], axis=0)))
+    scores = {name: float(sum(hits) > frames / 2) for name, hits in binary.items()}
+    scores["direction"], direction_partial = clip_direction(centroids, frames, prompt.direction)
+    scores["strict"] = float(all(scores[a] for a in ATTRIBUTES))
+    scores["partial"] = float(np.mean([np.mean(partial["count"]), np.mean(partial["color"]), np.mean(partial["shape"]), direction_partial]))
+    return scores
+
+
+class TinyVideoVerifier:
+    """Reward `(videos, prompts, metadata) -> tensor[B]` in [0, 1]: partial credit (module doc)."""
+
+    name = "tiny-video"
+    scale = "partial credit in [0, 1]: mean of count, colour, shape (averaged over frames) and direction-of-motion scores"
+    video = True
+    reward_key = "partial"
+    score_keys = ("strict", "partial", *ATTRIBUTES)
+
+    def __init__(self, device: str | torch.device = "cpu") -> None:
+        self.device = torch.device(device)
+
+    @staticmethod
+    def check_prompts(prompts: list[str]) -> None:
+        """Refuse, before a run starts, a prompt outside the tiny-video grammar (preflight calls it)."""
+        for number, text in enumerate(prompts, start=1):
+            try:
+                parse_prompt(text)
+            except ValueError as error:
+                raise ValueError(f"prompt {number}: {error}") from None
+
+    def score(self, videos: torch.Tensor, prompts: list[str]) -> dict[str, torch.Tensor]:
+        """Every score of `score_clip` for videos (B, F, 3, H, W) in [0, 1]."""
+        if videos.dim() != 5 or videos.shape[2] != 3:
+            raise ValueError(f"reward 'tiny-video' scores videos (B, F, 3, H, W), got {tuple(videos.shape)}")
+        if videos.shape[0] != len(prompts):
+            raise ValueError(f"got {videos.shape[0]} videos for {len(prompts)} prompts")
+        pixels = videos.detach().float().clamp(0, 1).cpu().numpy()
+        rows = [score_clip(clip, parse_prompt(text)) for clip, text in zip(pixels, prompts)]
+        return {key: torch.tensor([row[key] for row in rows]) for key in rows[0]} if rows else {}
+
+    def __call__(self, videos: torch.Tensor, prompts: list[str], metadata: list[dict] | None = None) -> torch.Tensor:
+        return self.score(videos, prompts)["partial"]
