@@ -370,3 +370,46 @@ def build_wan(two_experts: bool = False, release: bool = False, seed: int = 0) -
     pipe = WanPipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, transformer=transformer(), scheduler=scheduler, **experts)
     pipe.set_progress_bar_config(disable=True)
     return pipe
+
+
+VIDEOALIGN_TOKENS = {"VQ": "<|VQ_reward|>", "MQ": "<|MQ_reward|>", "TA": "<|TA_reward|>"}
+QWEN2_VL_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+QWEN2_VL_CHAT = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n{% for part in message['content'] %}"
+                 "{% if part['type'] == 'video' %}<|vision_start|><|video_pad|><|vision_end|>{% else %}{{ part['text'] }}{% endif %}"
+                 "{% endfor %}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def save_videoalign(directory: Path, seed: int = 0) -> Path:
+    """A tiny random Qwen2-VL reward model in the `videoalign` reward's folder layout: a byte-level Qwen2
+    tokenizer with the chat and vision tokens and the three reward tokens, a Qwen2VLProcessor (patch 4,
+    merge 2: 32×32 frames are 4 tokens per pair of frames), a 1-layer Qwen2VLForConditionalGeneration,
+    a random head and a standardisation."""
+    import json
+
+    from open_clip.tokenizer import bytes_to_unicode
+    from safetensors.torch import save_file
+    from transformers import (Qwen2Tokenizer, Qwen2VLConfig, Qwen2VLForConditionalGeneration, Qwen2VLImageProcessor, Qwen2VLProcessor,
+                              Qwen2VLVideoProcessor)
+
+    torch.manual_seed(seed)
+    tokenizer = Qwen2Tokenizer(vocab={t: i for i, t in enumerate(bytes_to_unicode().values())}, merges=[], unk_token=None, bos_token=None,
+                               eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    tokenizer.add_special_tokens({"additional_special_tokens": QWEN2_VL_SPECIALS[1:] + list(VIDEOALIGN_TOKENS.values())})
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in QWEN2_VL_SPECIALS}
+    sizes = dict(patch_size=4, merge_size=2, temporal_patch_size=2, min_pixels=16, max_pixels=32 * 32)
+    processor = Qwen2VLProcessor(image_processor=Qwen2VLImageProcessor(**sizes), video_processor=Qwen2VLVideoProcessor(**sizes),
+                                 tokenizer=tokenizer, chat_template=QWEN2_VL_CHAT)
+    config = Qwen2VLConfig(
+        text_config=dict(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                         num_key_value_heads=1, max_position_embeddings=512, bos_token_id=None, eos_token_id=ids["<|im_end|>"],
+                         rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0}),
+        vision_config=dict(depth=1, embed_dim=16, hidden_size=32, num_heads=2, patch_size=4, spatial_merge_size=2, temporal_patch_size=2,
+                           mlp_ratio=2),
+        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"])
+    Qwen2VLForConditionalGeneration(config).save_pretrained(directory)
+    processor.save_pretrained(directory)
+    save_file({"weight": torch.randn(1, 32)}, str(directory / "reward_head.safetensors"))
+    template = "Prompt: {prompt}. Visual quality <|VQ_reward|> motion quality <|MQ_reward|> alignment <|TA_reward|>"
+    (directory / "videoalign.json").write_text(json.dumps({"template": template, "tokens": VIDEOALIGN_TOKENS,
+                                                           "mean": {"VQ": 0.5, "MQ": -0.25, "TA": 1.0}, "std": {"VQ": 2.0, "MQ": 0.5, "TA": 4.0}}))
+    return directory

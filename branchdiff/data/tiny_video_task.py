@@ -3,7 +3,7 @@ renderer of short clips.
 
 A prompt names a count, a colour, a shape and a direction of motion, e.g. "two red circles moving
 left". A clip is `FRAMES` frames of 32×32 RGB in [0, 1] on a black background: the objects (sizes
-7–9 px, one colour and shape) move together, `SPEEDS` pixels a frame along the named direction
+9–12 px, one colour and shape) move together, `SPEEDS` pixels a frame along the named direction
 (the speed is drawn per clip, not named), stay inside the frame the whole clip and never touch each
 other, so connected components recover them in every frame. The verifier reward that scores
 generated clips against a prompt lives in `rewards.tiny_video`.
@@ -24,7 +24,7 @@ FRAMES = 5  # frames per clip (4·1 + 1, the r·k + 1 form of Wan's videos)
 COUNTS = {"one": 1, "two": 2}
 DIRECTIONS: dict[str, tuple[int, int]] = {"left": (0, -1), "right": (0, 1), "up": (-1, 0), "down": (1, 0)}  # (dy, dx) per unit step
 SPEEDS = (2, 3)  # pixels per frame: a clip travels 8 or 12 px
-SIZES = (7, 10)  # object sides in [7, 10) px
+SIZES = (9, 13)  # object sides in [9, 13) px: larger than the image task's 7–9, so that shapes survive 8-px patches and motion
 GAP = 2  # the fewest background pixels between two objects
 _PLURAL = {"circle": "circles", "square": "squares", "triangle": "triangles"}
 

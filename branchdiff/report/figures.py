@@ -7,7 +7,7 @@ the legend of small multiples above them all, each in as many columns as fit; `p
 a figure at the top until its titles and legends fit (`fit_top`).
 
 Nothing here knows a run's sections or metric names (branchdiff/report/run_report.py is the page). torch is
-imported by `save_grid` only, so that building a report does not load it.
+imported by `grid_of` and `save_grid` only, so that building a report does not load it.
 """
 
 from __future__ import annotations
@@ -40,28 +40,35 @@ Column = tuple[np.ndarray, np.ndarray]  # (iterations, values) of the rows that 
 
 
 # ---------------------------------------------------------------- sample grids
+def grid_of(images: torch.Tensor, nrow: int = 8, upscale: int = 4) -> torch.Tensor:
+    """Images (B, 3, H, W) → one grid image (3, H', W'), each enlarged `upscale`× (nearest), `nrow` a row;
+    videos (B, F, 3, H, W) → the grid of each frame, a video (F, 3, H', W')."""
+    import torch
+    from torchvision.utils import make_grid
+
+    if images.dim() == 5:
+        return torch.stack([grid_of(images[:, f], nrow, upscale) for f in range(images.shape[1])])
+    big = torch.nn.functional.interpolate(images.float().cpu(), scale_factor=upscale, mode="nearest")
+    return make_grid(big, nrow=nrow, padding=2, pad_value=0.5)
+
+
 def save_grid(images: torch.Tensor, path: Path, nrow: int = 8, upscale: int = 4, row_captions: list[str] | None = None) -> None:
     """Save images (B, 3, H, W) in [0, 1] as one PNG grid, each image enlarged `upscale`× (nearest),
     written atomically (`storage.replace_file`); videos (B, F, 3, H, W) show as their frame strips
     (`video.frame_strip`), and the grid plays beside it as an MP4 (`path` with .mp4, the videos in the
     same places). `row_captions` (one per row, e.g. its prompt) go into the PNG's text chunk
     `CAPTIONS_KEY` as a JSON list, which the report shows under the grid."""
-    import torch
     from PIL.PngImagePlugin import PngInfo
-    from torchvision.utils import make_grid
 
     from branchdiff.report.video import frame_strip, write_mp4
     from branchdiff.rewards.base import to_uint8
     from branchdiff.runtime import storage
 
     if images.dim() == 5:
-        frames = [make_grid(torch.nn.functional.interpolate(images[:, f].float().cpu(), scale_factor=upscale, mode="nearest"), nrow=nrow,
-                            padding=2, pad_value=0.5) for f in range(images.shape[1])]
-        write_mp4(torch.stack(frames), path.with_suffix(".mp4"))  # (F, 3, H', W'): the grid, playing
+        write_mp4(grid_of(images, nrow, upscale), path.with_suffix(".mp4"))  # (F, 3, H', W'): the grid, playing
         images = frame_strip(images)
 
-    big = torch.nn.functional.interpolate(images.float().cpu(), scale_factor=upscale, mode="nearest")
-    grid = make_grid(big, nrow=nrow, padding=2, pad_value=0.5)  # (3, H', W')
+    grid = grid_of(images, nrow, upscale)  # (3, H', W')
     info = PngInfo()
     if row_captions is not None:
         info.add_text(CAPTIONS_KEY, json.dumps(list(row_captions)))

@@ -34,7 +34,8 @@ from tqdm.auto import tqdm
 
 from branchdiff.errors import CheckpointError, RunStopped, is_out_of_memory, out_of_memory
 from branchdiff.models.finetune import export
-from branchdiff.report.figures import save_grid
+from branchdiff.report.figures import grid_of, save_grid
+from branchdiff.report.tensorboard import add_grid
 from branchdiff.runtime import metrics_log, storage
 from branchdiff.runtime.watchdog import Heartbeat
 from branchdiff.training.hacking import stop_line
@@ -187,6 +188,7 @@ def _iteration(trainer: Trainer, iteration: int) -> dict[str, float]:
             images, prompts = trainer.fixed_samples()
         if accelerator.is_main_process:
             save_grid(images, run_dir / "samples" / f"eval-iter-{iteration:06d}.png", nrow=len(images) // len(prompts), row_captions=prompts)
+            _log_grid(trainer, "samples/held_out", images, len(images) // len(prompts), iteration)
     result = trainer.run_iteration(iteration)
     if heldout:  # the evaluation measured the policy of this iteration's rollouts: the watch pairs the two
         heldout.update(trainer.watch_state.add_evaluation(result.metrics["reward_mean"], heldout[f"eval_{trainer.gold_score}"],
@@ -203,7 +205,15 @@ def _iteration(trainer: Trainer, iteration: int) -> dict[str, float]:
             shown = 4 * leaves_per_prompt
             save_grid(result.leaf_images[:shown], run_dir / "samples" / f"iter-{iteration:06d}.png", nrow=leaves_per_prompt,
                       row_captions=result.prompts[: shown // leaves_per_prompt])
+            _log_grid(trainer, "samples/train", result.leaf_images[:shown], leaves_per_prompt, iteration)
     return metrics
+
+
+def _log_grid(trainer: Trainer, tag: str, images: torch.Tensor, nrow: int, iteration: int) -> None:
+    """A sample grid into TensorBoard when it logs: an image, or a video's grid playing as a GIF."""
+    if trainer.config.logging.tensorboard:
+        with storage.disk_full_as_error(trainer.run_dir / "logs"):
+            add_grid(trainer.accelerator.get_tracker("tensorboard", unwrap=True), tag, grid_of(images, nrow), iteration)
 
 
 def _write_report(trainer: Trainer) -> None:
