@@ -11,7 +11,8 @@ from branchdiff.cli import main
 from branchdiff.settings.load import load_config
 from branchdiff.settings.trees import tree_spec
 
-FAMILY_PRESETS = {"sd35-pickscore": "sd3", "flux-hps-branch": "flux", "flux-hps-mix": "flux", "sana-pickscore": "sana", "sd15-hps": "sd15"}
+FAMILY_PRESETS = {"sd35-pickscore": "sd3", "flux-hps-branch": "flux", "flux-hps-mix": "flux", "sana-pickscore": "sana", "sd15-hps": "sd15",
+                  "wan-mq-branch": "wan"}
 
 
 @pytest.mark.parametrize("name", sorted(FAMILY_PRESETS))
@@ -23,7 +24,7 @@ def test_family_preset_and_its_explore_variant(name):
 
 
 SOL_PRESETS = {"sd35-pickscore-sol": ("sd3", "seeds"), "sana-pickscore-sol": ("sana", "seeds"), "flux-hps-branch-sol": ("flux", "tree"),
-               "flux-hps-mix-sol": ("flux", "tree")}  # sd15-hps has none: DiffusionNFT trains flow-matching families
+               "flux-hps-mix-sol": ("flux", "tree"), "wan-mq-branch-sol": ("wan", "tree")}  # sd15-hps has none: DiffusionNFT trains flow-matching families
 
 
 @pytest.mark.parametrize("name", sorted(SOL_PRESETS))
@@ -51,6 +52,20 @@ def test_the_tiny_sol_presets_run_an_iteration(name, tiny_model_dir, tmp_path):
     metrics = trainer.run_iteration(0).metrics
     assert metrics["optimizer_steps"] >= 1 and metrics["nfe_trained"] == 2 * 4 * 2  # 2 prompts × 4 kept samples × 2 steps
     assert metrics["edges_trained"] == 2 * 4  # the kept samples
+
+
+def test_wan_presets_are_branchgrpo_video_and_its_dancegrpo_baseline():
+    """BranchGRPO's video setting as far as the paper states it: Wan 2.1 T2V 1.3B, VideoAlign's motion quality, the image
+    runs' tree (20 steps, k = 2 at steps 0, 3, 6, 9: 16 leaves, η 0.3); the chain baseline: 16 DanceGRPO chains, 60% of steps."""
+    branch, chain = load_config("wan-mq-branch"), load_config("wan-mq-chain")
+    for config in (branch, chain):
+        assert (config.model.family, config.model.path) == ("wan", "Wan-AI/Wan2.1-T2V-1.3B-Diffusers")
+        assert config.reward["name"] == "videoalign" and config.reward["kwargs"]["dimension"] == "MQ"
+        assert (config.sampling.num_steps, config.sampling.sde, config.sampling.noise_level) == (20, "dance", 0.3)
+    spec = tree_spec(branch, 0)
+    assert [s.step for s in spec.splits] == [0, 3, 6, 9] and spec.leaves == 16 == tree_spec(chain, 0).leaves
+    assert chain.tree.splits == [] and chain.train.step_fraction == 0.6
+    assert (chain.model, chain.train.learning_rate) == (branch.model, branch.train.learning_rate)
 
 
 def test_flux_branch_preset_is_branchgrpo():

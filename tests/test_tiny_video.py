@@ -106,3 +106,20 @@ def test_a_lora_export_loads_into_a_wan_pipeline(model_dir, tmp_path):
     with torch.no_grad():
         loaded, trained = base.predict_x0(latents, sigmas, embeds), trainer.adapter.predict_x0(latents, sigmas, embeds)
     assert (loaded - trained).abs().max().item() <= 1e-5 < (loaded - before).abs().max().item()
+
+
+def test_bad_video_input_is_one_line_before_anything_is_written(model_dir, tmp_path, capsys):
+    """Another frame count, an image reward without frames, an image prompt: one line, exit 2, no run folder."""
+    from branchdiff.cli import main
+
+    run = tmp_path / "run"
+    cases = [
+        (["model.frames=9"], "the tiny-video model makes 5-frame clips; model.frames=9 is not possible"),
+        (["reward=tiny-geneval"], "'reward' entry 'tiny-geneval' scores images and the model makes videos: give it frames: N"),
+        (["prompts.train=tiny:train"], "is not in the tiny-video grammar"),
+    ]
+    for overrides, message in cases:
+        assert main(["train", "tiny-video", f"model.path={model_dir}", f"output_dir={run}", *overrides]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err[-1].startswith("branchdiff: error: ") and message in err[-1] and sum("error" in line for line in err) == 1, err
+        assert not run.exists()
