@@ -437,7 +437,7 @@ def test_override_without_key_value_form(override):
 
 def test_missing_preset_suggests_close_name():
     message = config_error("tiny-chian")
-    assert message.startswith(f"no preset or file 'tiny-chian'; presets: {', '.join(presets())}; did you mean tiny-chain")
+    assert message.startswith("no preset or file 'tiny-chian'; did you mean tiny-chain") and "branchdiff train --help lists every preset" in message
 
 
 def test_missing_file_lists_presets(tmp_path):

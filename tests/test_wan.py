@@ -70,6 +70,20 @@ def test_ode_sampling_reproduces_the_wan_pipeline(saved, experts, frames):
         assert (times >= adapter.boundary).any() and (times < adapter.boundary).any()
 
 
+def test_the_low_noise_experts_own_guidance_reproduces_guidance_scale_2(saved):
+    """`model.guidance_2` is the pipeline's guidance_scale_2: the video equals `pipe(..., guidance_scale_2=...)` and
+    differs from sampling without it; a one-transformer model refuses it in one line."""
+    adapter = WanAdapter.from_pretrained(str(saved["two"]), size=SIZE, frames=5, guidance_2=1.5)
+    initial, ours = _ode_video(adapter)
+    pipe = _pipe(saved["two"])
+    theirs = pipe(prompt=PROMPTS, num_inference_steps=STEPS, height=SIZE[0], width=SIZE[1], num_frames=5, guidance_scale=adapter.default_guidance,
+                  guidance_scale_2=1.5, latents=initial.clone(), output_type="pt", max_sequence_length=WanAdapter.max_sequence_length).frames
+    assert (ours - theirs).abs().max().item() <= TOLERANCE
+    assert (ours - _pipeline_video(pipe, initial, 5, adapter.default_guidance)).abs().max().item() > 1e-3
+    with pytest.raises(ValueError, match="model.guidance_2=1.5 is the guidance of Wan 2.2's low-noise expert .* has one transformer"):
+        WanAdapter.from_pretrained(str(saved["one"]), size=SIZE, frames=5, guidance_2=1.5)
+
+
 def test_rows_on_both_sides_of_the_boundary_equal_their_separate_calls(saved):
     adapter = WanAdapter.from_pretrained(str(saved["two"]), size=SIZE, frames=5)
     embeds = adapter.encode_prompts(PROMPTS)

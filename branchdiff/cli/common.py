@@ -58,7 +58,8 @@ def load_model(settings: EvalSettings, weights: str | None, device: str | object
 
     check_model(settings, weights)
     adapter = load_adapter(settings.family, settings.model, device, settings.resolution, getattr(torch, settings.dtype),
-                           instruction=settings.prompt_instruction, frames=settings.frames, expert=settings.expert)
+                           instruction=settings.prompt_instruction, frames=settings.frames, expert=settings.expert,
+                           guidance_2=settings.guidance_2)
     if weights:
         load_weights(adapter, weights)
     notice = adapter.solver_notice() if settings.solver == "training" else None

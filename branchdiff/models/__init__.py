@@ -60,17 +60,19 @@ def load_adapter(
     instruction: bool = True,
     frames: int | None = None,
     expert: str = "high",
+    guidance_2: float | None = None,
 ) -> ModelAdapter:
     """The family's adapter loaded from `path` (a local directory or a hub id; None: the family's
     default, which only the built-in tiny model has) at `resolution` (H, [H, W] or None: the family's default size),
     base weights in `dtype` (None: float32); `instruction` False: prompts without the family's
     instruction prefix (SANA's); `frames`: a video family's frames per video (None: its default);
-    `expert`: which of Wan 2.2's experts is the trained denoiser."""
+    `expert`: which of Wan 2.2's experts is the trained denoiser; `guidance_2`: the guidance of its low-noise
+    expert (None: the guidance each call names)."""
     import torch
 
     spec = FAMILIES[family]
     size = image_size(resolution, spec.resolution)
-    options = {"frames": frames or spec.frames, "expert": expert} if spec.video else {}
+    options = {"frames": frames or spec.frames, "expert": expert, "guidance_2": guidance_2} if spec.video else {}
     adapter = adapter_class(family).from_pretrained(path, device, size, dtype or torch.float32, offload, **options)
     adapter.instruction = instruction
     return adapter

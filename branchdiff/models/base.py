@@ -110,7 +110,12 @@ class ModelAdapter(ABC):
         both = cat_embeds([unconditional, conditional])
         output = self.forward(torch.cat([latents, latents]), torch.cat([times, times]), both, guidance)
         uncond, cond = output.chunk(2)
-        return uncond + guidance * (cond - uncond)
+        return uncond + self.guidance_scale(times, guidance) * (cond - uncond)
+
+    def guidance_scale(self, times: torch.Tensor, guidance: float) -> float | torch.Tensor:
+        """The CFG scale of rows at `times` (B,): `guidance` (a family whose experts guide differently
+        returns one scale per row)."""
+        return guidance
 
     def solver_notice(self) -> str | None:
         """A line for a run whose model ships a sampler other than the one branchdiff steps with (None: the same)."""

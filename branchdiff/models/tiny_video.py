@@ -37,12 +37,13 @@ class TinyVideoAdapter(TinyAdapter):
 
     @classmethod
     def from_pretrained(cls, path=None, device="cpu", size=(32, 32), dtype=torch.float32, offload=False,
-                        frames: int = FRAMES, expert: str = "high") -> TinyVideoAdapter:
-        """As the tiny image model; `frames` must be the shipped 5 and `expert` the one transformer."""
+                        frames: int = FRAMES, expert: str = "high", guidance_2: float | None = None) -> TinyVideoAdapter:
+        """As the tiny image model; `frames` must be the shipped 5, `expert` the one transformer, no `guidance_2`."""
         if frames != FRAMES:
             raise ValueError(f"the tiny-video model makes {FRAMES}-frame clips; model.frames={frames} is not possible")
-        if expert != "high":
-            raise ValueError("model.expert=low trains Wan 2.2's low-noise expert; the tiny-video model has one transformer: leave model.expert unset")
+        if expert != "high" or guidance_2 is not None:
+            raise ValueError("model.expert and model.guidance_2 are Wan 2.2's low-noise expert's; the tiny-video model has one transformer: "
+                             "leave them unset")
         return super().from_pretrained(path, device, size, dtype, offload)
 
     @classmethod

@@ -11,8 +11,8 @@ per channel (the VAE's `latents_std`, `latents_mean`), then the VAE and the pipe
 
 Wan 2.2 A14B ships a second transformer (`transformer_2`, the low-noise expert): rows whose timestep
 is below `boundary_ratio · num_train_timesteps` go to it, the others to `transformer`, as the pipeline
-switches them; each expert applies the run's guidance (the pipeline's default when `guidance_scale_2`
-is not given). `denoiser` (what LoRA and full fine-tuning train, and what the export holds) is the
+switches them; `transformer` applies the run's guidance and `transformer_2` `model.guidance_2` (the
+pipeline's `guidance_scale_2`), or the run's when it is unset (the pipeline's default). `denoiser` (what LoRA and full fine-tuning train, and what the export holds) is the
 expert `model.expert` names: `high`, `transformer` (the default, and Wan 2.1's only one), or `low`,
 `transformer_2`, whose LoRA loads with `pipe.load_lora_weights(path, load_into_transformer_2=True)`
 and whose full fine-tuning exports `transformer_2/`; the other expert stays frozen.
@@ -50,14 +50,17 @@ class WanAdapter(PipelineAdapter):
     max_sequence_length = 512  # UMT5 tokens (WanPipeline.__call__'s default)
 
     def __init__(self, pipe, device: torch.device | str = "cpu", size: tuple[int, int] = (480, 832), offload: bool = False,
-                 frames: int = 81, expert: str = "high") -> None:
+                 frames: int = 81, expert: str = "high", guidance_2: float | None = None) -> None:
         check_frames(frames, pipe.vae_scale_factor_temporal)
         if expert not in EXPERTS:
             raise ValueError(f"model.expert={expert!r}; allowed: {', '.join(EXPERTS)}")
         if expert == "low" and pipe.transformer_2 is None:
             raise ValueError("model.expert=low trains Wan 2.2's low-noise expert (transformer_2), and this model has one transformer; "
                              "use model.expert=high")
-        self.frames, self.expert = frames, expert
+        if guidance_2 is not None and pipe.transformer_2 is None:
+            raise ValueError(f"model.guidance_2={guidance_2} is the guidance of Wan 2.2's low-noise expert (transformer_2), and this model "
+                             "has one transformer; leave model.guidance_2 unset")
+        self.frames, self.expert, self.guidance_2 = frames, expert, guidance_2
         self.denoiser_name = "transformer" if expert == "high" else "transformer_2"  # the trained expert, and its export's folder
         super().__init__(pipe, device, size, offload)
         self.second = pipe.transformer_2 if expert == "high" else pipe.transformer  # the frozen expert, or None (Wan 2.1)
@@ -103,6 +106,14 @@ class WanAdapter(PipelineAdapter):
         embeds, negative = self.pipe.encode_prompt(prompt=prompts, do_classifier_free_guidance=True,
                                                    max_sequence_length=self.max_sequence_length, device=self.device)
         return {"encoder_hidden_states": embeds, "negative_encoder_hidden_states": negative}
+
+    def guidance_scale(self, times: torch.Tensor, guidance: float) -> float | torch.Tensor:
+        """`guidance`, or with `guidance_2` set, per row: `guidance_2` on the rows the low-noise expert takes
+        (the pipeline's guidance_scale_2), shaped to broadcast over a row's latent."""
+        if self.guidance_2 is None or self.boundary is None:
+            return guidance
+        scale = torch.where(times >= self.boundary, guidance, self.guidance_2).to(self.dtype)  # (B,)
+        return scale.view(-1, *[1] * len(self.latent_shape))
 
     def forward(self, latents: torch.Tensor, times: torch.Tensor, embeds: dict[str, torch.Tensor], guidance: float) -> torch.Tensor:
         """Rows at timesteps ≥ the boundary (all, without a second expert) through `transformer`, the

@@ -27,6 +27,7 @@ class EvalSettings:
     resolution: int | list[int] | None = None  # H or [H, W]
     frames: int | None = None  # a video family's frames per video (None: its default)
     expert: str = "high"  # wan: the expert a run trained (its weights load into it)
+    guidance_2: float | None = None  # wan, Wan 2.2 A14B: the low-noise expert's guidance (None: `guidance`)
     dtype: str = "float32"
     steps: int = 10
     shift: float | None = None
@@ -43,7 +44,7 @@ SOLVERS = ("training", "release")  # the ODE of the steps branchdiff trains with
 
 # settings field → the key of a run's config that holds it
 FROM_RUN = {"family": "model.family", "model": "model.path", "resolution": "model.resolution", "frames": "model.frames",
-            "expert": "model.expert", "dtype": "model.dtype", "steps": "sampling.num_steps", "shift": "sampling.shift",
+            "expert": "model.expert", "guidance_2": "model.guidance_2", "dtype": "model.dtype", "steps": "sampling.num_steps", "shift": "sampling.shift",
             "guidance": "prompts.eval_guidance", "images_per_prompt": "prompts.eval_seeds", "prompts": "prompts.eval",
             "rewards": "eval_rewards", "prompt_instruction": "model.prompt_instruction"}
 

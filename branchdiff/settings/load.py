@@ -73,8 +73,9 @@ def load_config(source: str | None = None, overrides: Sequence[str] = ()) -> Tra
             path = PRESET_DIR / f"{source}.yaml"
         if not path.is_file():
             close = difflib.get_close_matches(source, presets(), n=3)
-            hint = f"; did you mean {', '.join(close)}?" if close else ""
-            raise ConfigError(f"no preset or file {source!r}; presets: {', '.join(presets())}{hint}")
+            names = (f"did you mean {', '.join(close)}? (branchdiff train --help lists every preset)" if close
+                     else f"presets: {', '.join(presets())}")
+            raise ConfigError(f"no preset or file {source!r}; {names}")
         data, lines = read_yaml(path)
         where = {key: f"{path}:{line}: " for key, line in lines.items()}
     for text in overrides:

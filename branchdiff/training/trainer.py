@@ -122,7 +122,7 @@ class Trainer(TrainerCheckpoints):
         self.gold_score = self._gold_score()  # before the model loads: a wrong name costs nothing
         model = config.model
         self.adapter = load_adapter(model.family, model.path, self.accelerator.device, model.resolution, DTYPES[model.dtype], model.offload,
-                                    model.prompt_instruction, model.frames, model.expert)
+                                    model.prompt_instruction, model.frames, model.expert, model.guidance_2)
         notice = self.adapter.solver_notice()
         if notice and self.accelerator.is_main_process:
             print(f"branchdiff: {notice}", file=sys.stderr)
