@@ -29,7 +29,7 @@ TOLERANCE = 1e-4  # max abs difference of frames in [0, 1], fp32
 def saved(tmp_path_factory):
     root = tmp_path_factory.mktemp("wan")
     folders = {}
-    for name, options in {"one": {}, "two": {"two_experts": True}, "release": {"release": True}}.items():
+    for name, options in {"one": {}, "two": {"two_experts": True}, "release": {"release": True}, "ti2v": {"ti2v": True}}.items():
         build_wan(**options).save_pretrained(root / name, safe_serialization=True)
         folders[name] = root / name
     return folders
@@ -56,11 +56,13 @@ def _ode_video(adapter: WanAdapter) -> tuple[torch.Tensor, torch.Tensor]:
     return rollout.latents[roots], adapter.decode(rollout.leaf_latents)
 
 
-@pytest.mark.parametrize("experts", ["one", "two"])
+@pytest.mark.parametrize("experts", ["one", "two", "ti2v"])
 @pytest.mark.parametrize("frames", [5, 9])
 def test_ode_sampling_reproduces_the_wan_pipeline(saved, experts, frames):
+    """Wan 2.1 (one transformer), 2.2 A14B (two experts) and 2.2 TI2V-5B (a timestep per token, a VAE patchifying 2×2)."""
     adapter = WanAdapter.from_pretrained(str(saved[experts]), size=SIZE, frames=frames)
-    assert adapter.latent_shape == (4, (frames - 1) // 2 + 1, SIZE[0] // 2, SIZE[1] // 2)
+    channels, factor = (12, 4) if experts == "ti2v" else (4, 2)
+    assert adapter.latent_shape == (channels, (frames - 1) // 2 + 1, SIZE[0] // factor, SIZE[1] // factor)
     initial, ours = _ode_video(adapter)
     theirs = _pipeline_video(_pipe(saved[experts]), initial, frames, adapter.default_guidance)
     assert ours.shape == theirs.shape == (len(PROMPTS), frames, 3, *SIZE)

@@ -340,12 +340,14 @@ def sana_default_instruction() -> list[str]:
     return inspect.signature(SanaPipeline.__call__).parameters["complex_human_instruction"].default
 
 
-def build_wan(two_experts: bool = False, release: bool = False, seed: int = 0) -> DiffusionPipeline:
+def build_wan(two_experts: bool = False, release: bool = False, seed: int = 0, ti2v: bool = False) -> DiffusionPipeline:
     """A tiny Wan text-to-video pipeline (not in this module's FAMILIES, whose shared tests take images; tests/test_wan.py).
     UMT5 text encoder, a 2-level causal 3-D VAE (spatial and temporal factor 2: F = 2k + 1 frames,
     latents (4, F', H/2, W/2)), a 1-layer WanTransformer3DModel with patch (1, 2, 2). `two_experts`:
     Wan 2.2 A14B's layout, a second transformer for timesteps below boundary_ratio 0.75 · 1000.
-    `release`: the released scheduler (UniPC, flow prediction, flow shift 3) instead of flow-matching Euler."""
+    `release`: the released scheduler (UniPC, flow prediction, flow shift 3) instead of flow-matching Euler.
+    `ti2v`: Wan 2.2 TI2V-5B's layout: `expand_timesteps` (a timestep per token) and its residual VAE that
+    patchifies 2×2 before a 2-level encoder (spatial factor 4, latents (12, F', H/4, W/4))."""
     from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel
     from transformers import UMT5Config, UMT5EncoderModel
 
@@ -356,18 +358,21 @@ def build_wan(two_experts: bool = False, release: bool = False, seed: int = 0) -
         feed_forward_proj="gated-gelu", is_encoder_decoder=False, pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id, decoder_start_token_id=0,
     ))
-    vae = AutoencoderKLWan(base_dim=8, z_dim=4, dim_mult=[1, 2], num_res_blocks=1, temperal_downsample=[True],
-                           latents_mean=[0.1, -0.2, 0.3, 0.0], latents_std=[1.5, 0.8, 1.2, 2.0],
-                           scale_factor_temporal=2, scale_factor_spatial=2)
+    channels = 12 if ti2v else 4
+    vae = AutoencoderKLWan(base_dim=8, z_dim=channels, dim_mult=[1, 1] if ti2v else [1, 2], num_res_blocks=1, temperal_downsample=[True],
+                           latents_mean=[0.1, -0.2, 0.3, 0.0] * (channels // 4), latents_std=[1.5, 0.8, 1.2, 2.0] * (channels // 4),
+                           scale_factor_temporal=2, scale_factor_spatial=4 if ti2v else 2,
+                           **({"is_residual": True, "patch_size": 2, "in_channels": 12, "out_channels": 12} if ti2v else {}))
 
     def transformer() -> WanTransformer3DModel:
-        return WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=8, in_channels=4, out_channels=4,
+        return WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=8, in_channels=channels, out_channels=channels,
                                      text_dim=32, freq_dim=16, ffn_dim=32, num_layers=1, rope_max_seq_len=32)
 
     scheduler = (UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0, num_train_timesteps=1000)
                  if release else FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0))
     experts = {"transformer_2": transformer(), "boundary_ratio": 0.75} if two_experts else {}
-    pipe = WanPipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, transformer=transformer(), scheduler=scheduler, **experts)
+    pipe = WanPipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, transformer=transformer(), scheduler=scheduler, **experts,
+                       expand_timesteps=ti2v)
     pipe.set_progress_bar_config(disable=True)
     return pipe
 

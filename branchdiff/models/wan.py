@@ -1,4 +1,4 @@
-"""Wan text-to-video (Wan 2.1 T2V 1.3B / 14B; Wan 2.2 A14B with its low-noise expert) through
+"""Wan text-to-video (Wan 2.1 T2V 1.3B / 14B; Wan 2.2 A14B with its low-noise expert, and TI2V-5B) through
 diffusers' `WanPipeline`: UMT5 prompts padded to `max_sequence_length`, CFG with an empty negative
 prompt, rectified flow on the scheduler's σ schedule (the release's flow shift), the transformer
 conditioned on the scheduler's timesteps t = σ·1000.
@@ -16,6 +16,10 @@ pipeline's `guidance_scale_2`), or the run's when it is unset (the pipeline's de
 expert `model.expert` names: `high`, `transformer` (the default, and Wan 2.1's only one), or `low`,
 `transformer_2`, whose LoRA loads with `pipe.load_lora_weights(path, load_into_transformer_2=True)`
 and whose full fine-tuning exports `transformer_2/`; the other expert stays frozen.
+
+Wan 2.2 TI2V-5B (`expand_timesteps` in its pipeline's config) is given one timestep per token by its
+pipeline; in text-to-video they all equal the row's, which the transformer's one-timestep path computes
+alike (tests/test_wan.py: sampling equals the pipeline's); its VAE patchifies 2×2 and compresses 16×.
 
 `model.frames` (`--frames`) is F. tests/test_wan.py checks that ODE sampling equals `pipe(...)` for one
 and two experts, at two frame counts and a non-square size, that `--solver release` equals it with
