@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from branchdiff.data.tiny_task import IMAGE_SIZE, shape_mask
-from branchdiff.data.tiny_video_task import FRAMES, all_prompts, parse_prompt, render_batch, split_prompts
+from branchdiff.data.tiny_video_task import FRAMES, SPEEDS, all_prompts, parse_prompt, render_batch, split_prompts
 from branchdiff.rewards.tiny_video import EXPECTED_TRAVEL, TinyVideoVerifier, clip_direction
 
 RED = np.asarray((0.9, 0.1, 0.1), dtype=np.float32)[:, None]
@@ -24,14 +24,14 @@ def test_grammar_and_split():
 
 
 def test_rendered_clips_move_rigidly_inside_the_frame():
-    """Every frame holds the asked objects, each frame the previous one shifted by 2 or 3 px along the direction."""
+    """Every frame holds the asked objects, each frame the previous one shifted by 4 or 5 px along the direction."""
     for prompt in all_prompts()[:: 7]:
         clip = render_batch([prompt], seed=1)[0]  # (F, 3, 32, 32)
         assert clip.shape == (FRAMES, 3, IMAGE_SIZE, IMAGE_SIZE)
         areas = (clip.max(axis=1) > 0).sum(axis=(1, 2))  # (F,) foreground pixels per frame
         assert (areas == areas[0]).all() and areas[0] > 0  # nothing leaves the frame
         dy, dx = {"left": (0, -1), "right": (0, 1), "up": (-1, 0), "down": (1, 0)}[prompt.direction]
-        speeds = [s for s in (2, 3) if np.array_equal(np.roll(clip[0], (dy * s, dx * s), axis=(1, 2)), clip[1])]
+        speeds = [s for s in SPEEDS if np.array_equal(np.roll(clip[0], (dy * s, dx * s), axis=(1, 2)), clip[1])]
         assert len(speeds) == 1
         for frame in range(1, FRAMES):
             assert np.array_equal(np.roll(clip[frame - 1], (dy * speeds[0], dx * speeds[0]), axis=(1, 2)), clip[frame])
@@ -59,26 +59,26 @@ def _clip(boxes_per_frame: list[list[tuple[int, int]]], shape: str = "circle", s
 
 
 def test_direction_from_the_track_of_centroids():
-    """The least-squares velocity of the mean centroid, times F − 1: 3 px a frame left is 12 px along, full credit;
-    the same clip asked to move right is 12 px against; 1 px a frame (4 px) is the least travel that counts, with half credit."""
-    left = _clip([[(12, 20 - 3 * f)] for f in range(5)])
-    slow = _clip([[(12, 20 - f)] for f in range(5)])
+    """The least-squares velocity of the mean centroid, times F − 1: 4 px a frame left is 16 px along, full credit;
+    the same clip asked to move right is 16 px against; 2 px a frame (8 px) is the least travel that counts, with half credit."""
+    left = _clip([[(12, 20 - 4 * f)] for f in range(5)])
+    slow = _clip([[(12, 20 - 2 * f)] for f in range(5)])
     still = _clip([[(12, 20)]] * 5)
     verifier = TinyVideoVerifier()
     scores = verifier.score(torch.from_numpy(np.stack([left, left, slow, still])), ["one red circle moving left", "one red circle moving right",
                                                                                     "one red circle moving left", "one red circle moving left"])
     assert scores["direction"].tolist() == [1.0, 0.0, 1.0, 0.0]
-    assert scores["partial"].tolist() == pytest.approx([1.0, 0.75, (3 + 4 / EXPECTED_TRAVEL) / 4, 0.75])
-    # sideways drift: along 8 px, across 6 px > 8 / 2 fails the direction, partial (8 − 6) / 8
-    track = [(t, np.array([10.0 + 1.5 * t, 20.0 - 2.0 * t])) for t in range(5)]
-    assert clip_direction(track, 5, "left") == pytest.approx((0.0, 2 / EXPECTED_TRAVEL))
+    assert scores["partial"].tolist() == pytest.approx([1.0, 0.75, (3 + 8 / EXPECTED_TRAVEL) / 4, 0.75])
+    # sideways drift: along 16 px, across 12 px > 16 / 2 fails the direction, partial (16 − 12) / 16
+    track = [(t, np.array([10.0 + 3.0 * t, 20.0 - 4.0 * t])) for t in range(5)]
+    assert clip_direction(track, 5, "left") == pytest.approx((0.0, 4 / EXPECTED_TRAVEL))
     assert clip_direction(track[:1], 5, "left") == (0.0, 0.0)  # one frame with objects: no track
 
 
 def test_attributes_hold_in_most_frames():
     """A shape wrong in 2 of 5 frames still counts as right; an object missing from 3 of 5 frames fails the count;
     partial credit averages each frame's terms."""  # circles of side 8 at (top, left): centroid (top + 4, left + 4)
-    frames = [[(4, 22 - 3 * f), (20, 22 - 3 * f)] for f in range(5)]
+    frames = [[(4, 23 - 4 * f), (20, 23 - 4 * f)] for f in range(5)]
     clip = _clip(frames)
     for frame in (1, 3):  # the second object drawn as a square in two frames
         top, left = frames[frame][1]
@@ -91,7 +91,7 @@ def test_attributes_hold_in_most_frames():
     count = (2 * 1 + 3 * 2 / 3) / 5  # a frame with one of two objects: count 2/3, colour and shape 1/2 each
     colour = shape = (2 * 1 + 3 * 0.5) / 5
     # the mean centroid jumps 8 px up when the lower object vanishes: the track drifts sideways, less direction credit
-    track = [(f, np.array([16.0 if f < 2 else 8.0, 26.0 - 3 * f])) for f in range(5)]
+    track = [(f, np.array([16.0 if f < 2 else 8.0, 27.0 - 4 * f])) for f in range(5)]
     direction = clip_direction(track, 5, "left")[1]
     assert direction < 1 and scores["partial"][1].item() == pytest.approx((count + colour + shape + direction) / 4)
 

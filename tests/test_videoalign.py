@@ -2,10 +2,10 @@
 
 import pytest
 import torch
-from tiny_pipelines import VIDEOALIGN_TOKENS, save_videoalign
 
 from branchdiff.rewards.combine import parse_reward_specs
 from branchdiff.rewards.multi import build_component, score_component
+from tiny_pipelines import VIDEOALIGN_TOKENS, save_videoalign
 
 PROMPTS = ["one red circle moving left", "two blue squares moving up and away from the camera", "a cat"]
 

@@ -47,13 +47,14 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_wheel_contents(wheel: Path) -> None:
-    """rewards/ and schedulers/ only inside `branchdiff`; every file of assets/tiny in `branchdiff.assets`;
+    """rewards/ and schedulers/ only inside `branchdiff`; every file of assets/tiny and assets/tiny-video in `branchdiff.assets`;
     every module of every subpackage of branchdiff/ (a package left out of pyproject's list is missing)."""
     names = set(zipfile.ZipFile(wheel).namelist())
     assert not [n for n in names if n.startswith(("rewards/", "schedulers/"))]
     assert {"branchdiff/rewards/registry.py", "branchdiff/schedulers/flow.py"} <= names
-    model_files = [p.relative_to(REPO / "assets").as_posix() for p in (REPO / "assets" / "tiny").rglob("*") if p.is_file()]
-    assert "tiny/transformer/config.json" in model_files
+    model_files = [p.relative_to(REPO / "assets").as_posix() for name in ("tiny", "tiny-video")
+                   for p in (REPO / "assets" / name).rglob("*") if p.is_file()]
+    assert {"tiny/transformer/config.json", "tiny-video/transformer/config.json"} <= set(model_files)
     assert not [f for f in model_files if f"branchdiff/assets/{f}" not in names]
     modules = [p.relative_to(REPO).as_posix() for p in (REPO / "branchdiff").rglob("*.py")]
     assert "branchdiff/search/dts.py" in modules and not [m for m in modules if m not in names]

@@ -393,8 +393,7 @@ def save_videoalign(directory: Path, seed: int = 0) -> Path:
 
     from open_clip.tokenizer import bytes_to_unicode
     from safetensors.torch import save_file
-    from transformers import (Qwen2Tokenizer, Qwen2VLConfig, Qwen2VLForConditionalGeneration, Qwen2VLImageProcessor, Qwen2VLProcessor,
-                              Qwen2VLVideoProcessor)
+    from transformers import Qwen2Tokenizer, Qwen2VLConfig, Qwen2VLForConditionalGeneration, Qwen2VLImageProcessor, Qwen2VLProcessor, Qwen2VLVideoProcessor
 
     torch.manual_seed(seed)
     tokenizer = Qwen2Tokenizer(vocab={t: i for i, t in enumerate(bytes_to_unicode().values())}, merges=[], unk_token=None, bos_token=None,

@@ -31,7 +31,6 @@ from branchdiff.data import tiny_task, tiny_video_task
 from branchdiff.errors import quote, read_utf8
 
 
-
 def _grammar_split(task, split: str) -> list:
     """A built-in task's prompts (`split`: train, held_out or all)."""
     return task.all_prompts() if split == "all" else task.split_prompts()[split == "held_out"]

@@ -23,7 +23,7 @@ from branchdiff.errors import quote
 FRAMES = 5  # frames per clip (4·1 + 1, the r·k + 1 form of Wan's videos)
 COUNTS = {"one": 1, "two": 2}
 DIRECTIONS: dict[str, tuple[int, int]] = {"left": (0, -1), "right": (0, 1), "up": (-1, 0), "down": (1, 0)}  # (dy, dx) per unit step
-SPEEDS = (2, 3)  # pixels per frame: a clip travels 8 or 12 px
+SPEEDS = (4, 5)  # pixels per frame: a clip travels 16 or 20 px, more than an object's side, so that a still object never fits the clip
 SIZES = (9, 13)  # object sides in [9, 13) px: larger than the image task's 7–9, so that shapes survive 8-px patches and motion
 GAP = 2  # the fewest background pixels between two objects
 _PLURAL = {"circle": "circles", "square": "squares", "triangle": "triangles"}

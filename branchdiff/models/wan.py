@@ -12,10 +12,11 @@ per channel (the VAE's `latents_std`, `latents_mean`), then the VAE and the pipe
 Wan 2.2 A14B ships a second transformer (`transformer_2`, the low-noise expert): rows whose timestep
 is below `boundary_ratio · num_train_timesteps` go to it, the others to `transformer`, as the pipeline
 switches them; `transformer` applies the run's guidance and `transformer_2` `model.guidance_2` (the
-pipeline's `guidance_scale_2`), or the run's when it is unset (the pipeline's default). `denoiser` (what LoRA and full fine-tuning train, and what the export holds) is the
-expert `model.expert` names: `high`, `transformer` (the default, and Wan 2.1's only one), or `low`,
-`transformer_2`, whose LoRA loads with `pipe.load_lora_weights(path, load_into_transformer_2=True)`
-and whose full fine-tuning exports `transformer_2/`; the other expert stays frozen.
+pipeline's `guidance_scale_2`), or the run's when it is unset (the pipeline's default). `denoiser`
+(what LoRA and full fine-tuning train, and what the export holds) is the expert `model.expert` names:
+`high`, `transformer` (the default, and Wan 2.1's only one), or `low`, `transformer_2`, whose LoRA
+loads with `pipe.load_lora_weights(path, load_into_transformer_2=True)` and whose full fine-tuning
+exports `transformer_2/`; the other expert stays frozen.
 
 Wan 2.2 TI2V-5B (`expand_timesteps` in its pipeline's config) is given one timestep per token by its
 pipeline; in text-to-video they all equal the row's, which the transformer's one-timestep path computes

@@ -16,7 +16,7 @@ direction's unit vector, along = d·u and across = |d × u|:
     direction = 1[along ≥ MIN_TRAVEL and across ≤ along / 2]
     partial   = clamp((along − across) / EXPECTED_TRAVEL, 0, 1)
 
-(the ground truth travels 8 or 12 px; a still clip, or one with fewer than two frames holding
+(the ground truth travels 16 or 20 px; a still clip, or one with fewer than two frames holding
 objects, scores 0). Then, as for images,
 
     strict    = count · colour · shape · direction
@@ -34,8 +34,8 @@ from branchdiff.data.tiny_video_task import DIRECTIONS, TinyClipPrompt, parse_pr
 from branchdiff.rewards.tiny_geneval import detect_objects
 
 ATTRIBUTES = ("count", "color", "shape", "direction")
-MIN_TRAVEL = 4.0  # px over the clip: less is a still clip
-EXPECTED_TRAVEL = 8.0  # px: the ground truth's slower speed, full credit from here on
+MIN_TRAVEL = 8.0  # px over the clip: half the ground truth's shortest travel; less is a still clip
+EXPECTED_TRAVEL = 16.0  # px: the ground truth's shortest travel, full credit from here on
 
 
 def clip_direction(centroids: list[tuple[int, np.ndarray]], frames: int, direction: str) -> tuple[float, float]:
