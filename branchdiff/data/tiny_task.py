@@ -54,12 +54,27 @@ def all_prompts() -> list[TinyPrompt]:
     ]
 
 
+def split_grammar(prompts: list, held_out_fraction: float, seed: int) -> tuple[list, list]:
+    """A fixed (train, held-out) split of a grammar's prompts, shuffled by `seed`; held-out prompts are never trained on."""
+    shuffled = list(prompts)
+    random.Random(seed).shuffle(shuffled)
+    n_held = round(len(shuffled) * held_out_fraction)
+    return shuffled[n_held:], shuffled[:n_held]
+
+
+def check_grammar(prompts: list[str], parse) -> None:
+    """Refuse the first prompt `parse` rejects, naming its number (a verifier's `check_prompts`, which
+    preflight calls before a run starts; docs/rewards.md)."""
+    for number, text in enumerate(prompts, start=1):
+        try:
+            parse(text)
+        except ValueError as error:
+            raise ValueError(f"prompt {number}: {error}") from None
+
+
 def split_prompts(held_out_fraction: float = 0.25, seed: int = 0) -> tuple[list[TinyPrompt], list[TinyPrompt]]:
-    """A fixed (train, held-out) split of the grammar; held-out prompts are never trained on."""
-    prompts = all_prompts()
-    random.Random(seed).shuffle(prompts)
-    n_held = round(len(prompts) * held_out_fraction)
-    return prompts[n_held:], prompts[:n_held]
+    """A fixed (train, held-out) split of the grammar (108 and 36 prompts)."""
+    return split_grammar(all_prompts(), held_out_fraction, seed)
 
 
 def parse_prompt(text: str) -> TinyPrompt:

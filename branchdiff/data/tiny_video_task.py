@@ -12,12 +12,11 @@ generated clips against a prompt lives in `rewards.tiny_video`.
 from __future__ import annotations
 
 import itertools
-import random
 from dataclasses import dataclass
 
 import numpy as np
 
-from branchdiff.data.tiny_task import COLORS, IMAGE_SIZE, SHAPES, shape_mask
+from branchdiff.data.tiny_task import COLORS, IMAGE_SIZE, SHAPES, shape_mask, split_grammar
 from branchdiff.errors import quote
 
 FRAMES = 5  # frames per clip (4·1 + 1, the r·k + 1 form of Wan's videos)
@@ -52,10 +51,7 @@ def all_prompts() -> list[TinyClipPrompt]:
 
 def split_prompts(held_out_fraction: float = 0.25, seed: int = 0) -> tuple[list[TinyClipPrompt], list[TinyClipPrompt]]:
     """A fixed (train, held-out) split of the grammar (72 and 24 prompts); held-out prompts are never trained on."""
-    prompts = all_prompts()
-    random.Random(seed).shuffle(prompts)
-    n_held = round(len(prompts) * held_out_fraction)
-    return prompts[n_held:], prompts[:n_held]
+    return split_grammar(all_prompts(), held_out_fraction, seed)
 
 
 def parse_prompt(text: str) -> TinyClipPrompt:

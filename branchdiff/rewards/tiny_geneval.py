@@ -37,7 +37,7 @@ import numpy as np
 import torch
 from scipy import ndimage
 
-from branchdiff.data.tiny_task import COLORS, SHAPES, TinyPrompt, parse_prompt, region_bounds
+from branchdiff.data.tiny_task import COLORS, SHAPES, TinyPrompt, check_grammar, parse_prompt, region_bounds
 
 FOREGROUND_THRESHOLD = 0.5  # half intensity: objects are ≥ 0.8 in their brightest channel, background 0
 MIN_AREA = 8  # smaller components are noise, not objects
@@ -146,11 +146,7 @@ class TinyGenEval:
     def check_prompts(prompts: list[str]) -> None:
         """Refuse, before a run starts, a prompt the verifier cannot score (one outside the tiny grammar);
         the reward protocol's optional check, which preflight calls (docs/rewards.md)."""
-        for number, text in enumerate(prompts, start=1):
-            try:
-                parse_prompt(text)
-            except ValueError as error:
-                raise ValueError(f"prompt {number}: {error}") from None
+        check_grammar(prompts, parse_prompt)
 
     def score(self, images: torch.Tensor, prompts: list[str]) -> dict[str, torch.Tensor]:
         """Every score of `score_image` for a batch: images (B, 3, H, W) in [0, 1]; and the blend."""

@@ -30,6 +30,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from branchdiff.data.tiny_task import check_grammar
 from branchdiff.data.tiny_video_task import DIRECTIONS, TinyClipPrompt, parse_prompt
 from branchdiff.rewards.tiny_geneval import detect_objects
 
@@ -93,11 +94,7 @@ class TinyVideoVerifier:
     @staticmethod
     def check_prompts(prompts: list[str]) -> None:
         """Refuse, before a run starts, a prompt outside the tiny-video grammar (preflight calls it)."""
-        for number, text in enumerate(prompts, start=1):
-            try:
-                parse_prompt(text)
-            except ValueError as error:
-                raise ValueError(f"prompt {number}: {error}") from None
+        check_grammar(prompts, parse_prompt)
 
     def score(self, videos: torch.Tensor, prompts: list[str]) -> dict[str, torch.Tensor]:
         """Every score of `score_clip` for videos (B, F, 3, H, W) in [0, 1]."""
