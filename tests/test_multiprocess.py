@@ -70,7 +70,7 @@ def two_process_run(tiny_model_dir, tmp_path_factory):
     run, records = base / "run", base / "records"
     records.mkdir()
     overrides = _overrides(tiny_model_dir, run, PER_PROCESS)
-    first = launch_two(records, ["train", "tiny-chain", *overrides, "iterations=2", "final_eval=false", "eval_every=1"])
+    first = launch_two(records, ["train", "tiny-chain", *overrides, "iterations=2", "final_eval=false", "eval_every=1", "logging.tensorboard=true"])
     assert first.returncode == 0, first.stderr[-3000:]
     resumed = launch_two(records, ["train", "tiny-chain", *overrides, "iterations=3", "--resume", "latest"])
     assert resumed.returncode == 0, resumed.stderr[-3000:]
@@ -180,6 +180,17 @@ def test_heldout_evaluation_and_depth_statistics_equal_one_process(two_process_r
     assert depth_keys and {k for k in two[0] if "/depth_" in k} == set(depth_keys)
     assert all(two[0][k] == pytest.approx(one[k], rel=1e-4, abs=1e-6) for k in depth_keys)
     assert (two_process_run["run"] / "report.html").is_file() and (two_process_run["run"] / "samples" / "eval-iter-000001.png").is_file()
+
+
+def test_the_main_process_alone_logs_the_grids_to_tensorboard(two_process_run):
+    """The first launch logged to TensorBoard: one event file, each grid once per iteration it was saved."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    files = list((two_process_run["run"] / "logs").rglob("events.out.tfevents.*"))
+    assert len(files) == 1
+    events = EventAccumulator(str(files[0]), size_guidance={"images": 0})
+    events.Reload()
+    assert [e.step for e in events.Images("samples/train")] == [0, 1] and [e.step for e in events.Images("samples/held_out")] == [0, 1]
 
 
 def test_ctrl_c_on_one_process_stops_both_after_the_same_iteration(tiny_model_dir, tmp_path):
