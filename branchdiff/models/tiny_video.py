@@ -14,10 +14,10 @@ from __future__ import annotations
 import torch
 from diffusers import WanTransformer3DModel
 
+from branchdiff.data.tiny_video_task import FRAMES
 from branchdiff.models.tiny import TinyAdapter
 from branchdiff.models.wan import WAN_ATTENTION, WAN_FEED_FORWARD
 
-FRAMES = 5
 TRANSFORMER_CONFIG = dict(
     patch_size=(1, 8, 8), num_attention_heads=4, attention_head_dim=32, in_channels=3, out_channels=3, text_dim=64,
     freq_dim=64, ffn_dim=256, num_layers=4, rope_max_seq_len=32,
@@ -39,8 +39,7 @@ class TinyVideoAdapter(TinyAdapter):
     def from_pretrained(cls, path=None, device="cpu", size=(32, 32), dtype=torch.float32, offload=False,
                         frames: int = FRAMES, expert: str = "high", guidance_2: float | None = None) -> TinyVideoAdapter:
         """As the tiny image model; `frames` must be the shipped 5, `expert` the one transformer, no `guidance_2`."""
-        if frames != FRAMES:
-            raise ValueError(f"the tiny-video model makes {FRAMES}-frame clips; model.frames={frames} is not possible")
+        cls.folder_frames(path, frames)
         if expert != "high" or guidance_2 is not None:
             raise ValueError("model.expert and model.guidance_2 are Wan 2.2's low-noise expert's; the tiny-video model has one transformer: "
                              "leave them unset")

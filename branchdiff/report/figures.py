@@ -52,20 +52,23 @@ def grid_of(images: torch.Tensor, nrow: int = 8, upscale: int = 4) -> torch.Tens
     return make_grid(big, nrow=nrow, padding=2, pad_value=0.5)
 
 
-def save_grid(images: torch.Tensor, path: Path, nrow: int = 8, upscale: int = 4, row_captions: list[str] | None = None) -> None:
+def save_grid(images: torch.Tensor, path: Path, nrow: int = 8, upscale: int = 4, row_captions: list[str] | None = None) -> torch.Tensor:
     """Save images (B, 3, H, W) in [0, 1] as one PNG grid, each image enlarged `upscale`× (nearest),
     written atomically (`storage.replace_file`); videos (B, F, 3, H, W) show as their frame strips
     (`video.frame_strip`), and the grid plays beside it as an MP4 (`path` with .mp4, the videos in the
     same places). `row_captions` (one per row, e.g. its prompt) go into the PNG's text chunk
-    `CAPTIONS_KEY` as a JSON list, which the report shows under the grid."""
+    `CAPTIONS_KEY` as a JSON list, which the report shows under the grid. Returns the grid shown: the
+    image (3, H', W'), or for videos the playing grid (F, 3, H', W')."""
     from PIL.PngImagePlugin import PngInfo
 
     from branchdiff.report.video import frame_strip, write_mp4
     from branchdiff.rewards.base import to_uint8
     from branchdiff.runtime import storage
 
+    playing = None
     if images.dim() == 5:
-        write_mp4(grid_of(images, nrow, upscale), path.with_suffix(".mp4"))  # (F, 3, H', W'): the grid, playing
+        playing = grid_of(images, nrow, upscale)  # (F, 3, H', W'): the grid, playing
+        write_mp4(playing, path.with_suffix(".mp4"))
         images = frame_strip(images)
 
     grid = grid_of(images, nrow, upscale)  # (3, H', W')
@@ -74,6 +77,7 @@ def save_grid(images: torch.Tensor, path: Path, nrow: int = 8, upscale: int = 4,
         info.add_text(CAPTIONS_KEY, json.dumps(list(row_captions)))
     image = Image.fromarray(to_uint8(grid[None])[0].permute(1, 2, 0).numpy())
     storage.replace_file(path, lambda tmp: image.save(tmp, format="PNG", pnginfo=info))
+    return grid if playing is None else playing
 
 
 def grid_captions(path: Path) -> list[str] | None:

@@ -34,7 +34,7 @@ from tqdm.auto import tqdm
 
 from branchdiff.errors import CheckpointError, RunStopped, is_out_of_memory, out_of_memory
 from branchdiff.models.finetune import export
-from branchdiff.report.figures import grid_of, save_grid
+from branchdiff.report.figures import save_grid
 from branchdiff.report.tensorboard import add_grid
 from branchdiff.runtime import metrics_log, storage
 from branchdiff.runtime.watchdog import Heartbeat
@@ -75,7 +75,7 @@ def progress_fields(metrics: dict[str, float]) -> dict[str, str]:
     fields = {"reward": f"{metrics['reward_mean']:.3f}"}
     if "accuracy_strict" in metrics:
         fields["strict"] = f"{metrics['accuracy_strict']:.2f}"
-    held_out = next((key for key in ("eval_tiny-geneval.strict", "eval_tiny-video.strict") if key in metrics), None)  # a built-in task's verifier
+    held_out = next((key for key in metrics if key.startswith("eval_") and key.endswith(".strict")), None)  # a verifier's held-out accuracy
     if held_out:
         fields["held-out strict"] = f"{metrics[held_out]:.2f}"
     if metrics["reward_zero_spread_fraction"] > WEAK_SIGNAL:
@@ -187,8 +187,9 @@ def _iteration(trainer: Trainer, iteration: int) -> dict[str, float]:
         if accelerator.is_main_process or trainer.sharding.enabled:
             images, prompts = trainer.fixed_samples()
         if accelerator.is_main_process:
-            save_grid(images, run_dir / "samples" / f"eval-iter-{iteration:06d}.png", nrow=len(images) // len(prompts), row_captions=prompts)
-            _log_grid(trainer, "samples/held_out", images, len(images) // len(prompts), iteration)
+            grid = save_grid(images, run_dir / "samples" / f"eval-iter-{iteration:06d}.png", nrow=len(images) // len(prompts),
+                             row_captions=prompts)
+            _log_grid(trainer, "samples/held_out", grid, iteration)
     result = trainer.run_iteration(iteration)
     if heldout:  # the evaluation measured the policy of this iteration's rollouts: the watch pairs the two
         heldout.update(trainer.watch_state.add_evaluation(result.metrics["reward_mean"], heldout[f"eval_{trainer.gold_score}"],
@@ -203,17 +204,17 @@ def _iteration(trainer: Trainer, iteration: int) -> dict[str, float]:
             tree = result.rollout.tree
             leaves_per_prompt = len(tree.leaf_index) // tree.num_prompts
             shown = 4 * leaves_per_prompt
-            save_grid(result.leaf_images[:shown], run_dir / "samples" / f"iter-{iteration:06d}.png", nrow=leaves_per_prompt,
-                      row_captions=result.prompts[: shown // leaves_per_prompt])
-            _log_grid(trainer, "samples/train", result.leaf_images[:shown], leaves_per_prompt, iteration)
+            grid = save_grid(result.leaf_images[:shown], run_dir / "samples" / f"iter-{iteration:06d}.png", nrow=leaves_per_prompt,
+                             row_captions=result.prompts[: shown // leaves_per_prompt])
+            _log_grid(trainer, "samples/train", grid, iteration)
     return metrics
 
 
-def _log_grid(trainer: Trainer, tag: str, images: torch.Tensor, nrow: int, iteration: int) -> None:
-    """A sample grid into TensorBoard when it logs: an image, or a video's grid playing as a GIF."""
+def _log_grid(trainer: Trainer, tag: str, grid: torch.Tensor, iteration: int) -> None:
+    """A saved sample grid into TensorBoard when it logs: an image, or a video's grid playing as a GIF."""
     if trainer.config.logging.tensorboard:
         with storage.disk_full_as_error(trainer.run_dir / "logs"):
-            add_grid(trainer.accelerator.get_tracker("tensorboard", unwrap=True), tag, grid_of(images, nrow), iteration)
+            add_grid(trainer.accelerator.get_tracker("tensorboard", unwrap=True), tag, grid, iteration)
 
 
 def _write_report(trainer: Trainer) -> None:
