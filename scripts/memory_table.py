@@ -47,6 +47,7 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from branchdiff.models.lora import add_lora  # noqa: E402
 
 GIB = 2**30
+Size = tuple[int, int, int]  # (frames, height, width) in pixels of what a row makes: frames 1 for an image
 
 # ------------------------------------------------------------------------------------------------
 # Published configs. Sources: the hub config.json of each component (read through the public
@@ -80,6 +81,14 @@ SANA_1600M_1024_TRANSFORMER = dict(
 # (blocks 320/640/1280/1280, 2 layers per block, 8 heads, cross-attention dim 768), sample 64.
 SD15_UNET = dict(sample_size=64, in_channels=4, out_channels=4, cross_attention_dim=768, attention_head_dim=8)
 
+# Wan-AI/Wan2.1-T2V-1.3B-Diffusers and -14B-Diffusers transformer/config.json (the release's configs,
+# wan/configs/wan_t2v_1_3B.py and wan_t2v_14B.py: width 1536 = 12 × 128, FFN 8960, 30 blocks; width
+# 5120 = 40 × 128, FFN 13824, 40 blocks; 2×2 patches, RMS qk-norm across heads, UMT5 text of width 4096).
+_WAN_T2V = dict(patch_size=[1, 2, 2], attention_head_dim=128, in_channels=16, out_channels=16, text_dim=4096, freq_dim=256,
+                cross_attn_norm=True, qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024)
+WAN_T2V_1_3B_TRANSFORMER = dict(_WAN_T2V, num_attention_heads=12, ffn_dim=8960, num_layers=30)
+WAN_T2V_14B_TRANSFORMER = dict(_WAN_T2V, num_attention_heads=40, ffn_dim=13824, num_layers=40)
+
 # VAEs. SD3.5 and FLUX.1: vae/config.json, AutoencoderKL with 16 latent channels and no quant convs;
 # SD 1.5: vae/config.json, AutoencoderKL with 4 latent channels and quant convs; SANA: DC-AE f32c32
 # (mit-han-lab/dc-ae-f32c32-sana-1.0-diffusers, the pipeline's vae/config.json).
@@ -103,6 +112,8 @@ CLIP_G = dict(hidden_size=1280, intermediate_size=5120, num_hidden_layers=32, nu
               max_position_embeddings=77, projection_dim=1280, hidden_act="gelu")  # OpenCLIP bigG (SD3 text_encoder_2)
 T5_XXL = dict(d_model=4096, d_ff=10240, d_kv=64, num_heads=64, num_layers=24, vocab_size=32128,
               feed_forward_proj="gated-gelu")  # google/t5-v1_1-xxl (encoder only: SD3 text_encoder_3, FLUX text_encoder_2)
+UMT5_XXL = dict(d_model=4096, d_ff=10240, d_kv=64, num_heads=64, num_layers=24, vocab_size=256384,
+                feed_forward_proj="gated-gelu")  # google/umt5-xxl encoder (Wan's text_encoder, UMT5EncoderModel)
 GEMMA2_2B = dict(hidden_size=2304, intermediate_size=9216, num_hidden_layers=26, num_attention_heads=8, num_key_value_heads=4,
                  head_dim=256, vocab_size=256000)  # google/gemma-2-2b-it (SANA text_encoder, Gemma2Model)
 
@@ -115,6 +126,15 @@ VIT_H14_CLIP = dict(
     vision_config=dict(hidden_size=1280, intermediate_size=5120, num_hidden_layers=32, num_attention_heads=16, patch_size=14,
                        image_size=224, hidden_act="gelu"),
     projection_dim=1024,
+)
+# VideoAlign (KwaiVGI/VideoReward, branchdiff/rewards/videoalign.py): Qwen2-VL-2B-Instruct's config.json, 2.21 B parameters
+# as published; resident in the dtype of its `dtype` kwarg (float32 unless the preset says otherwise).
+QWEN2_VL_2B = dict(
+    text_config=dict(hidden_size=1536, intermediate_size=8960, num_attention_heads=12, num_hidden_layers=28, num_key_value_heads=2,
+                     vocab_size=151936, rms_norm_eps=1e-6, rope_theta=1e6),
+    vision_config=dict(depth=32, embed_dim=1280, mlp_ratio=4, num_heads=16, in_chans=3, hidden_size=1536, patch_size=14,
+                       spatial_merge_size=2, temporal_patch_size=2),
+    tie_word_embeddings=True, vocab_size=151936,
 )
 
 # The GPU each preset targets (the presets' headers; one DDP process per GPU). Capacity as
@@ -138,19 +158,29 @@ class Family:
     block_lists: tuple[str, ...]  # ModuleLists of the blocks whose per-block figures scale to the real depth
     reduced: dict  # config overrides of the traced copy (one block of every kind)
     block_kind: Callable[[str, torch.nn.Module], str]
-    inputs: Callable[[int, int, torch.dtype, int], dict]  # (rows, resolution, dtype, text tokens) -> forward kwargs
+    inputs: Callable[[int, Size, torch.dtype, int], dict]  # (rows, size, dtype, text tokens) -> forward kwargs
     text_tokens: int  # per row: T5 512 (FLUX); CLIP 77 + T5 256 concatenated (SD3); Gemma 300 (SANA); CLIP 77 (SD 1.5)
-    tokens: Callable[[int], str]  # description of a row's tokens at a resolution
+    tokens: Callable[[Size], str]  # description of a row's tokens at a size
     text_encoders: list[tuple[str, Callable[[], torch.nn.Module]]]
     vae: tuple[str, dict]
-    vae_latent: Callable[[int], tuple[int, ...]]  # per image latent the VAE decodes
-    latent: Callable[[int], tuple[int, ...]]  # per node latent the rollout stores (fp32)
+    vae_latent: Callable[[Size], tuple[int, ...]]  # per image (video) latent the VAE decodes
+    latent: Callable[[Size], tuple[int, ...]]  # per node latent the rollout stores (fp32)
     gpu: str
     ckpt_units: tuple[str, ...] = ()  # module classes diffusers checkpoints (UNet: resnets and transformer blocks)
 
 
 def _text_models():
-    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, Gemma2Config, Gemma2Model, T5Config, T5EncoderModel
+    from transformers import (
+        CLIPTextConfig,
+        CLIPTextModel,
+        CLIPTextModelWithProjection,
+        Gemma2Config,
+        Gemma2Model,
+        T5Config,
+        T5EncoderModel,
+        UMT5Config,
+        UMT5EncoderModel,
+    )
 
     return {
         "CLIP-L": lambda: CLIPTextModel(CLIPTextConfig(**CLIP_L)),
@@ -158,43 +188,63 @@ def _text_models():
         "CLIP-G+proj": lambda: CLIPTextModelWithProjection(CLIPTextConfig(**CLIP_G)),
         "T5-XXL enc": lambda: T5EncoderModel(T5Config(**T5_XXL)),
         "Gemma-2-2B": lambda: Gemma2Model(Gemma2Config(**GEMMA2_2B)),
+        "UMT5-XXL enc": lambda: UMT5EncoderModel(UMT5Config(**UMT5_XXL)),
     }
 
 
 # The forward's inputs for `rows` network rows, as the adapters pass them (branchdiff/models/*.py):
 # latents and text embeddings in the model dtype; `text` = the adapter's text tokens per row.
 
-def _flux_inputs(rows: int, resolution: int, dtype: torch.dtype, text: int) -> dict:
-    side = resolution // 16  # VAE /8, then 2×2 packing
+def _flux_inputs(rows: int, size: Size, dtype: torch.dtype, text: int) -> dict:
+    tokens = (size[1] // 16) * (size[2] // 16)  # VAE /8, then 2×2 packing
     e = lambda *shape, dt=dtype: torch.empty(*shape, device="cuda", dtype=dt)  # noqa: E731
-    return dict(hidden_states=e(rows, side * side, 64), encoder_hidden_states=e(rows, text, 4096), pooled_projections=e(rows, 768),
-                timestep=e(rows), guidance=e(rows, dt=torch.float32), img_ids=e(side * side, 3), txt_ids=e(text, 3), return_dict=False)
+    return dict(hidden_states=e(rows, tokens, 64), encoder_hidden_states=e(rows, text, 4096), pooled_projections=e(rows, 768),
+                timestep=e(rows), guidance=e(rows, dt=torch.float32), img_ids=e(tokens, 3), txt_ids=e(text, 3), return_dict=False)
 
 
-def _sd3_inputs(rows: int, resolution: int, dtype: torch.dtype, text: int) -> dict:
-    side = resolution // 8
+def _sd3_inputs(rows: int, size: Size, dtype: torch.dtype, text: int) -> dict:
     e = lambda *shape, dt=dtype: torch.empty(*shape, device="cuda", dtype=dt)  # noqa: E731
-    return dict(hidden_states=e(rows, 16, side, side), encoder_hidden_states=e(rows, text, 4096), pooled_projections=e(rows, 2048),
+    return dict(hidden_states=e(rows, 16, size[1] // 8, size[2] // 8), encoder_hidden_states=e(rows, text, 4096), pooled_projections=e(rows, 2048),
                 timestep=e(rows, dt=torch.float32), return_dict=False)
 
 
-def _sana_inputs(rows: int, resolution: int, dtype: torch.dtype, text: int) -> dict:
-    side = resolution // 32
+def _sana_inputs(rows: int, size: Size, dtype: torch.dtype, text: int) -> dict:
     e = lambda *shape, dt=dtype: torch.empty(*shape, device="cuda", dtype=dt)  # noqa: E731
-    return dict(hidden_states=e(rows, 32, side, side), encoder_hidden_states=e(rows, text, 2304),
+    return dict(hidden_states=e(rows, 32, size[1] // 32, size[2] // 32), encoder_hidden_states=e(rows, text, 2304),
                 encoder_attention_mask=e(rows, text, dt=torch.int64), timestep=e(rows, dt=torch.float32), return_dict=False)
 
 
-def _sd15_inputs(rows: int, resolution: int, dtype: torch.dtype, text: int) -> dict:
-    side = resolution // 8
+def _sd15_inputs(rows: int, size: Size, dtype: torch.dtype, text: int) -> dict:
     e = lambda *shape, dt=dtype: torch.empty(*shape, device="cuda", dtype=dt)  # noqa: E731
-    return dict(sample=e(rows, 4, side, side), timestep=e(rows, dt=torch.float32), encoder_hidden_states=e(rows, text, 768), return_dict=False)
+    return dict(sample=e(rows, 4, size[1] // 8, size[2] // 8), timestep=e(rows, dt=torch.float32), encoder_hidden_states=e(rows, text, 768), return_dict=False)
 
 
 def _sd3_kind(name: str, block: torch.nn.Module) -> str:
     if getattr(block, "context_pre_only", False):
         return "last joint block (context pre-only)"
     return "joint block + dual attention" if getattr(block, "attn2", None) is not None else "joint block"
+
+
+def _wan_inputs(rows: int, size: Size, dtype: torch.dtype, text: int) -> dict:
+    e = lambda *shape, dt=dtype: torch.empty(*shape, device="cuda", dtype=dt)  # noqa: E731
+    return dict(hidden_states=e(rows, 16, *_wan_latent(size)[1:]), timestep=e(rows, dt=torch.float32),
+                encoder_hidden_states=e(rows, text, 4096), return_dict=False)
+
+
+def _wan_latent(size: Size) -> tuple[int, int, int, int]:
+    """Wan's latent of a video of F frames at H×W: (16, (F − 1)/4 + 1, H/8, W/8)."""
+    return (16, (size[0] - 1) // 4 + 1, size[1] // 8, size[2] // 8)
+
+
+def _wan_family(name: str, label: str, config: dict, text: dict) -> Family:
+    from branchdiff.models.wan import WanAdapter
+
+    return Family(
+        name, label, WanAdapter, "WanTransformer3DModel", config, ("blocks",), dict(num_layers=1),
+        lambda block_name, block: type(block).__name__, _wan_inputs, WanAdapter.max_sequence_length,
+        lambda s: f"{math.prod(_wan_latent(s)[1:]) // 4} video + {WanAdapter.max_sequence_length} text (cross-attention)",
+        [("UMT5-XXL enc", text["UMT5-XXL enc"])], ("AutoencoderKLWan", {}), _wan_latent, _wan_latent, "80",
+    )
 
 
 def families() -> dict[str, Family]:
@@ -209,33 +259,49 @@ def families() -> dict[str, Family]:
             "flux", "FLUX.1-dev", FluxAdapter, "FluxTransformer2DModel", FLUX_DEV_TRANSFORMER,
             ("transformer_blocks", "single_transformer_blocks"), dict(num_layers=1, num_single_layers=1),
             lambda name, block: type(block).__name__, _flux_inputs, FluxAdapter.max_sequence_length,
-            lambda r: f"{(r // 16) ** 2} image + {FluxAdapter.max_sequence_length} text",
+            lambda s: f"{(s[1] // 16) * (s[2] // 16)} image + {FluxAdapter.max_sequence_length} text",
             [("CLIP-L", text["CLIP-L"]), ("T5-XXL enc", text["T5-XXL enc"])], ("AutoencoderKL", VAE_KL16),
-            lambda r: (16, r // 8, r // 8), lambda r: ((r // 16) ** 2, 64), "80",
+            lambda s: (16, s[1] // 8, s[2] // 8), lambda s: ((s[1] // 16) * (s[2] // 16), 64), "80",
         ),
         "sd3": Family(
             "sd3", "SD3.5 Medium", SD3Adapter, "SD3Transformer2DModel", SD35_MEDIUM_TRANSFORMER,
             ("transformer_blocks",), dict(num_layers=3, dual_attention_layers=(0,)), _sd3_kind, _sd3_inputs, 77 + SD3Adapter.max_sequence_length,
-            lambda r: f"{(r // 16) ** 2} image + {77 + SD3Adapter.max_sequence_length} text",
+            lambda s: f"{(s[1] // 16) * (s[2] // 16)} image + {77 + SD3Adapter.max_sequence_length} text",
             [("CLIP-L", text["CLIP-L+proj"]), ("CLIP-G", text["CLIP-G+proj"]), ("T5-XXL enc", text["T5-XXL enc"])], ("AutoencoderKL", VAE_KL16),
-            lambda r: (16, r // 8, r // 8), lambda r: (16, r // 8, r // 8), "80",
+            lambda s: (16, s[1] // 8, s[2] // 8), lambda s: (16, s[1] // 8, s[2] // 8), "80",
         ),
         "sana": Family(
             "sana", "SANA 1600M 1024px", SanaAdapter, "SanaTransformer2DModel", SANA_1600M_1024_TRANSFORMER,
             ("transformer_blocks",), dict(num_layers=1), lambda name, block: type(block).__name__, _sana_inputs, SanaAdapter.max_sequence_length,
-            lambda r: f"{(r // 32) ** 2} image (+ {SanaAdapter.max_sequence_length} text, cross-attention)",
+            lambda s: f"{(s[1] // 32) * (s[2] // 32)} image (+ {SanaAdapter.max_sequence_length} text, cross-attention)",
             [("Gemma-2-2B", text["Gemma-2-2B"])], ("AutoencoderDC", VAE_DCAE_F32C32),
-            lambda r: (32, r // 32, r // 32), lambda r: (32, r // 32, r // 32), "80",
+            lambda s: (32, s[1] // 32, s[2] // 32), lambda s: (32, s[1] // 32, s[2] // 32), "80",
         ),
         "sd15": Family(
             "sd15", "SD 1.5", SD15Adapter, "UNet2DConditionModel", SD15_UNET,
             (), {}, lambda name, block: name, _sd15_inputs, 77,
-            lambda r: f"{(r // 8) ** 2} at the top level (+ 77 text, cross-attention)",
+            lambda s: f"{(s[1] // 8) * (s[2] // 8)} at the top level (+ 77 text, cross-attention)",
             [("CLIP-L", text["CLIP-L"])], ("AutoencoderKL", VAE_KL4),
-            lambda r: (4, r // 8, r // 8), lambda r: (4, r // 8, r // 8), "24",
+            lambda s: (4, s[1] // 8, s[2] // 8), lambda s: (4, s[1] // 8, s[2] // 8), "24",
             ckpt_units=("ResnetBlock2D", "BasicTransformerBlock"),
         ),
+        "wan": _wan_family("wan", "Wan 2.1 T2V 1.3B", WAN_T2V_1_3B_TRANSFORMER, text),
+        "wan-14b": _wan_family("wan-14b", "Wan 2.1 T2V 14B", WAN_T2V_14B_TRANSFORMER, text),
     }
+
+
+def family_key(config) -> str:
+    """The `families()` entry of a run's model: its family, Wan's 14B where the model path names it."""
+    if config.model.family == "wan" and "14b" in str(config.model.path).lower():
+        return "wan-14b"
+    return config.model.family
+
+
+def size_of(config) -> Size:
+    """(frames, height, width) of what a run's model makes: frames 1 for an image family."""
+    resolution = config.model.resolution
+    height, width = (resolution, resolution) if isinstance(resolution, int) else tuple(resolution)
+    return (config.model.frames if config.model.family == "wan" else 1, height, width)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -458,7 +524,7 @@ def units(model: torch.nn.Module, family: Family):
     return [(f"{lst}.{i}", m) for lst in family.block_lists for i, m in enumerate(getattr(model, lst))]
 
 
-def trace(model: torch.nn.Module, family: Family, resolution: int, grad: bool, autocast: torch.dtype | None) -> Trace:
+def trace(model: torch.nn.Module, family: Family, size: Size, grad: bool, autocast: torch.dtype | None) -> Trace:
     """One forward of one network row through `model` (already on fake CUDA)."""
     tracker = LiveBytes({id(p.untyped_storage()) for p in model.parameters()})
     result = Trace()
@@ -479,7 +545,7 @@ def trace(model: torch.nn.Module, family: Family, resolution: int, grad: bool, a
         hooks += [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
     try:
         with efficient_attention(), torch.set_grad_enabled(grad), cuda_autocast(autocast), tracker:
-            out = model(**family.inputs(1, resolution, model.dtype, family.text_tokens))
+            out = model(**family.inputs(1, size, model.dtype, family.text_tokens))
             result.held, result.peak = tracker.live, tracker.peak
             del out
     finally:
@@ -554,7 +620,7 @@ class Measured:
         return self.nograd.peak.at(rows)
 
 
-def measure(family: Family, dtype: torch.dtype, rank: int, alpha: float, resolution: int, autocast: torch.dtype | None) -> Measured:
+def measure(family: Family, dtype: torch.dtype, rank: int, alpha: float, size: Size, autocast: torch.dtype | None) -> Measured:
     import diffusers
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -587,14 +653,14 @@ def measure(family: Family, dtype: torch.dtype, rank: int, alpha: float, resolut
         raise RuntimeError(f"{family.name}: peft attached {attached} LoRA parameters, r·(in+out) over the targets gives {expected}")
     with FakeTensorMode(allow_non_fake_inputs=True):
         model.to_empty(device="cuda")
-        plain = trace(model, family, resolution, True, autocast)
-        nograd = trace(model, family, resolution, False, autocast)
+        plain = trace(model, family, size, True, autocast)
+        nograd = trace(model, family, size, False, autocast)
         # diffusers' checkpointing (non-reentrant); the RNG state is not saved: there is no CUDA to ask
         model.enable_gradient_checkpointing(
             lambda module, *args: torch.utils.checkpoint.checkpoint(module.__call__, *args, use_reentrant=False, preserve_rng_state=False))
-        ckpt = trace(model, family, resolution, True, autocast)
+        ckpt = trace(model, family, size, True, autocast)
         vae.to_empty(device="cuda")
-        decode_image = trace_vae_decode(vae, family.vae_latent(resolution))
+        decode_image = trace_vae_decode(vae, family.vae_latent(size))
     return Measured(params, buffers, lora, lora_base, copy_bytes, quantised, encoders, vae_params, counts, plain, ckpt, nograd, decode_image)
 
 
@@ -602,30 +668,53 @@ def measure(family: Family, dtype: torch.dtype, rank: int, alpha: float, resolut
 # Presets
 # ------------------------------------------------------------------------------------------------
 
-PRESETS = ["sd35-pickscore", "flux-hps-branch", "flux-hps-mix", "sana-pickscore", "sd15-hps"]
-try:
-    from branchdiff.evaluation.evaluate import EVAL_BATCH  # network rows per evaluation forward
-except ImportError:
-    EVAL_BATCH = 32
+WAN_14B = "model.path=Wan-AI/Wan2.1-T2V-14B-Diffusers"
+# (preset, its overrides): each row's preset and -explore variant; Wan 14B is wan-mq-branch on the 14B model
+PRESETS = [("sd35-pickscore", ()), ("flux-hps-branch", ()), ("flux-hps-mix", ()), ("sana-pickscore", ()), ("sd15-hps", ()),
+           ("wan-mq-branch", ()), ("wan-mq-branch", (WAN_14B,))]
 EVAL_CHUNK = 16  # prompts per evaluate() chunk (its default)
 RESERVE = 2 * GIB  # a suggested setting must leave this free: CUDA context (~1 GiB) and allocator slack
 REWARD_PARAMS: dict[str, int] = {}
 
 
-def reward_params() -> int:
-    """ViT-H-14 CLIP (HPS v2.1 and PickScore share the geometry), counted on meta."""
-    if "vit-h-14" not in REWARD_PARAMS:
-        from transformers import CLIPConfig, CLIPModel
+def reward_params(model: str = "vit-h-14") -> int:
+    """Parameters of a reward's network, counted on meta: "vit-h-14" (HPS v2.1 and PickScore share the
+    geometry) or "qwen2-vl-2b" (VideoAlign)."""
+    if model not in REWARD_PARAMS:
+        from transformers import CLIPConfig, CLIPModel, Qwen2VLConfig, Qwen2VLForConditionalGeneration
 
         with torch.device("meta"):
-            REWARD_PARAMS["vit-h-14"] = numel(CLIPModel(CLIPConfig(**VIT_H14_CLIP)))
-    return REWARD_PARAMS["vit-h-14"]
+            network = CLIPModel(CLIPConfig(**VIT_H14_CLIP)) if model == "vit-h-14" else Qwen2VLForConditionalGeneration(Qwen2VLConfig(**QWEN2_VL_2B))
+        REWARD_PARAMS[model] = numel(network)
+    return REWARD_PARAMS[model]
+
+
+def reward_list(value: object) -> list:
+    """The reward components of a config's `reward` or `eval_rewards`."""
+    from branchdiff.rewards.combine import parse_reward_specs
+
+    return parse_reward_specs(value)
+
+
+def reward_bytes(spec) -> int:
+    """GPU bytes of one reward component's weights: HPS / PickScore fp32 ViT-H-14, VideoAlign's
+    Qwen2-VL-2B in its `dtype`; the programmatic rewards (flicker, the verifiers) hold none."""
+    if spec.name in ("hpsv2", "hpsv2.1", "pickscore"):
+        return reward_params("vit-h-14") * 4
+    if spec.name == "videoalign":
+        return reward_params("qwen2-vl-2b") * torch.finfo(DTYPES[spec.kwargs.get("dtype", "float32")]).bits // 8
+    return 0
 
 
 @dataclass
 class Row:
     preset: str
     values: dict
+    label: str = ""  # the row's name in the tables: the preset, and the overrides that made it (WAN_14B)
+
+    @property
+    def name(self) -> str:
+        return self.label or self.preset
 
 
 def estimate(preset: str, fams: dict[str, Family], cache: dict, overrides: tuple[str, ...] = ()) -> Row:
@@ -636,14 +725,15 @@ def estimate(preset: str, fams: dict[str, Family], cache: dict, overrides: tuple
 
     config = load_config(preset, list(overrides))
     explore = load_config(preset + "-explore", list(overrides))
-    family = fams[config.model.family]
+    family = fams[family_key(config)]
     dtype = DTYPES[config.model.dtype]
     dbytes = torch.finfo(dtype).bits // 8
     autocast = torch.bfloat16 if config.train.mixed_precision == "bf16" else None
-    rank, alpha, res = config.train.lora_rank, config.train.lora_alpha, config.model.resolution
-    key = (family.name, dtype, rank, alpha, res, autocast)
+    rank, alpha, size = config.train.lora_rank, config.train.lora_alpha, size_of(config)
+    pixels = math.prod(size) * 3  # values per decoded image (video)
+    key = (family.name, dtype, rank, alpha, size, autocast)
     if key not in cache:
-        cache[key] = measure(family, dtype, rank, alpha, res, autocast)
+        cache[key] = measure(family, dtype, rank, alpha, size, autocast)
     m: Measured = cache[key]
 
     cfg_rows = 2 if family.adapter.uses_cfg and (config.sampling.guidance or family.adapter.default_guidance) > 1 else 1
@@ -657,12 +747,12 @@ def estimate(preset: str, fams: dict[str, Family], cache: dict, overrides: tuple
     vae = m.vae_params * dbytes
     helpers = encoders + vae
     resident_helpers = 0 if offload else helpers
-    reward = reward_params() * 4
+    reward = sum(reward_bytes(spec) for spec in reward_list(config.reward))
     moments = 2 if config.train.optimizer == "adamw8bit" else 8  # AdamW: two fp32 moments (bitsandbytes 8-bit: two bytes)
     lora_state = m.lora_params * (4 + 4 + moments + 4)  # fp32 params, fp32 grads, optimizer moments, DDP gradient bucket (fp32)
     tree = build_tree(tree_spec(config, 0), config.prompts.per_iteration)
-    latents = tree.num_nodes * math.prod(family.latent(res)) * 4
-    images = len(tree.leaf_index) * 3 * res * res * 4  # decoded leaves, fp32 (B, 3, H, W)
+    latents = tree.num_nodes * math.prod(family.latent(size)) * 4
+    images = len(tree.leaf_index) * pixels * 4  # decoded leaves, fp32 (B, 3, H, W) or (B, F, 3, H, W)
 
     train_act = m.train(train_rows, ckpt)
     # sd35 (train.kl_beta > 0): the adapter-free reference forward runs without grad while the
@@ -680,10 +770,10 @@ def estimate(preset: str, fams: dict[str, Family], cache: dict, overrides: tuple
         "decode": (vae if offload else 0) + decode,
         "update": m.lora_params * 4 + max(train_act, kl_ref),  # LoRA grads + activations
         # final_evaluation: one more reward model per eval reward (all ViT-H-14 here), ODE sampling at
-        # evaluate.EVAL_BATCH rows for EVAL_CHUNK prompts at a time, then their decode
-        "final eval": len(config.eval_rewards) * reward + max(
-            encoders if offload else 0, m.rollout(EVAL_BATCH),
-            (vae if offload else 0) + min(decode_batch, eval_images) * m.decode_image + eval_images * 3 * res * res * 4),
+        # the adapter's eval_batch rows for EVAL_CHUNK prompts at a time, then their decode
+        "final eval": sum(reward_bytes(spec) for spec in reward_list(config.eval_rewards)) + max(
+            encoders if offload else 0, m.rollout(family.adapter.eval_batch),
+            (vae if offload else 0) + min(decode_batch, eval_images) * m.decode_image + eval_images * pixels * 4),
     }
     peak_phase = max(phases, key=phases.get)
     total = static + phases[peak_phase]
@@ -694,8 +784,8 @@ def estimate(preset: str, fams: dict[str, Family], cache: dict, overrides: tuple
     explore_phases = dict(phases, refresh=refresh)
     if explore.explore.mode == "seeds":  # the pool: previewed latents and decoded images of pool × prompts candidates
         pool = explore.explore.pool * explore.prompts.per_iteration
-        pool_latents = pool * (explore.explore.preview_steps + 1) * math.prod(family.latent(res)) * 4
-        explore_phases["decode"] = (vae if offload else 0) + min(decode_batch, pool) * m.decode_image + pool * 3 * res * res * 4 + pool_latents
+        pool_latents = pool * (explore.explore.preview_steps + 1) * math.prod(family.latent(size)) * 4
+        explore_phases["decode"] = (vae if offload else 0) + min(decode_batch, pool) * m.decode_image + pool * pixels * 4 + pool_latents
     else:  # tree: the explored tree is kept while its kept paths are regenerated
         explore_static += latents
     explore_peak_phase = max(explore_phases, key=explore_phases.get)
@@ -778,7 +868,7 @@ def table(rows: list[Row]) -> str:
         if v["kl_ref"]:
             act += f"; KL ref. {g(v['kl_ref'])}"
         lines.append([
-            row.preset, f"{v['gpu']} ({g(v['capacity'])})", f"{params} ({g(v['denoiser'])} {v['dtype']})", helpers, g(v["reward"]),
+            row.name, f"{v['gpu']} ({g(v['capacity'])})", f"{params} ({g(v['denoiser'])} {v['dtype']})", helpers, g(v["reward"]),
             f"{millions(m.lora_params)} (r {v['config'].train.lora_rank})", g(v["lora_state"]), act, f"{g(v['rollout'])} ({v['chunk_rows']} rows)",
             f"**{g(v['total'])}** ({v['peak_phase']})", g(v["capacity"] - v["total"]), g(v["copy"]),
             f"**{g(v['explore_total'])}** ({v['explore_peak_phase']})", g(v["capacity"] - v["explore_total"]),
@@ -793,7 +883,7 @@ def phase_table(rows: list[Row]) -> str:
     for row in rows:
         v = row.values
         p, e = v["phases"], v["explore_phases"]
-        lines.append([row.preset, g(v["static"]), *(f"+{g(p[k])}" for k in ("encode", "rollout", "decode", "update", "final eval")),
+        lines.append([row.name, g(v["static"]), *(f"+{g(p[k])}" for k in ("encode", "rollout", "decode", "update", "final eval")),
                       g(v["explore_static"]), f"+{g(e['decode'])}", f"+{g(e['refresh'])}", g(v["build"])])
     return _table(head, lines)
 
@@ -808,16 +898,17 @@ def per_row_table(rows: list[Row]) -> str:
     for row in rows:
         v = row.values
         f, m = v["family"], v["m"]
-        res = v["config"].model.resolution
-        if (f.name, res) in seen:
+        size = size_of(v["config"])
+        if (f.name, size) in seen:
             continue
-        seen.add((f.name, res))
+        seen.add((f.name, size))
         blocks = (", ".join(f"{n}× {k}" for k, n in m.counts.items()) if f.block_lists
                   else f"{sum(m.counts.values())} checkpointed units (resnets, transformer blocks)")
         off = [slope(lambda r, m=m: m.held(r, False)), slope(m.backward)]
         on = [slope(lambda r, m=m: m.held(r, True)), slope(m.recompute), slope(m.backward)]
         fixed = [m.train(1, ckpt) - slope(lambda r, m=m, ckpt=ckpt: m.train(r, ckpt)) for ckpt in (False, True)]
-        out.append(f"| {f.label} @ {res} | {f.tokens(res)} | {blocks} | {' + '.join(map(mib, off))} = **{mib(sum(off))} MiB** "
+        at = f"{size[1]}×{size[2]}" + (f", {size[0]} frames" if size[0] > 1 else "")
+        out.append(f"| {f.label} @ {at} | {f.tokens(size)} | {blocks} | {' + '.join(map(mib, off))} = **{mib(sum(off))} MiB** "
                    f"| {' + '.join(map(mib, on))} = **{mib(sum(on))} MiB** | {mib(fixed[0])} / {mib(fixed[1])} MiB "
                    f"| {mib(slope(m.rollout))} MiB | {mib(m.decode_image)} MiB |")
     return "\n".join(out)
@@ -838,6 +929,8 @@ def components_table(rows: list[Row]) -> str:
         out.append(f"| {f.label} | {m.denoiser_params:,} | {targets} | {m.lora_params:,} (r {v['config'].train.lora_rank}) "
                    f"| {m.copy_quantised:,} / {g(m.copy_bytes)} GiB | {enc} | {f.vae[0]} {m.vae_params:,} |")
     out.append(f"| reward (HPS v2.1 / PickScore, ViT-H-14) | {reward_params():,} | | | | | |")
+    if any(f.name.startswith("wan") for f in (row.values["family"] for row in rows)):
+        out.append(f"| reward (VideoAlign, Qwen2-VL-2B) | {reward_params('qwen2-vl-2b'):,} | | | | | |")
     return "\n".join(out)
 
 
@@ -850,9 +943,11 @@ def main() -> None:
     fams = families()
     cache: dict = {}
     overrides = tuple(args.set)
-    rows = [estimate(p, fams, cache, overrides) for p in PRESETS]
+    rows = [estimate(preset, fams, cache, (*extra, *overrides)) for preset, extra in PRESETS]
+    for row, (preset, extra) in zip(rows, PRESETS):
+        row.label = f"{preset} ({', '.join(extra)})" if extra else preset
     print(table(rows))
-    notes = [(r.preset, fits(r, fams, cache)) for r in rows] + [(r.preset + "-explore", fits(r, fams, cache, "explore_total")) for r in rows]
+    notes = [(r.name, fits(r, fams, cache)) for r in rows] + [(f"{r.name} -explore", fits(r, fams, cache, "explore_total")) for r in rows]
     print()
     if any(note for _, note in notes):
         print(f"Over the GPU or less than {RESERVE // GIB} GiB under it, and settings that bring the estimate {RESERVE // GIB} GiB under it:\n")

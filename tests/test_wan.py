@@ -312,3 +312,22 @@ def test_full_fine_tuning_with_gradient_checkpointing_exports_a_transformer_the_
     base = _pipeline_video(_pipe(saved["one"]), initial, 5, trained.default_guidance)
     assert (ours - base).abs().max().item() > 1e-4  # it trained
     assert (_pipeline_video(pipe, initial, 5, trained.default_guidance) - ours).abs().max().item() <= TOLERANCE
+
+
+def test_evaluation_forwards_and_decodes_stay_within_the_familys_batches(saved):
+    """Evaluation runs Wan `eval_batch` (4) rows per forward and decodes `decode_batch` (1) video per VAE
+    call, not the image families' 32 and 8 (at 33 frames of 480×832 those would add ~21 GiB and ~27 GiB:
+    docs/memory-table.md); the samples equal one-prompt-at-a-time sampling."""
+    from branchdiff.evaluation.evaluate import sample_ode
+
+    adapter = WanAdapter.from_pretrained(str(saved["one"]), size=SIZE, frames=5)
+    assert (adapter.eval_batch, adapter.decode_batch) == (4, 1)
+    forward_rows, decoded = [], []
+    adapter.denoiser.register_forward_pre_hook(lambda module, args, kwargs: forward_rows.append(kwargs["hidden_states"].shape[0]), with_kwargs=True)
+    decode = adapter.pipe.vae.decode
+    adapter.pipe.vae.decode = lambda z, **kwargs: (decoded.append(z.shape[0]), decode(z, **kwargs))[1]
+    videos, prompts = sample_ode(adapter, PROMPTS, 3, STEPS)
+    assert videos.shape == (6, 5, 3, *SIZE) and prompts == [p for p in PROMPTS for _ in range(3)]
+    assert set(forward_rows) == {4} and set(decoded) == {1} and len(decoded) == 6
+    alone = torch.cat([sample_ode(adapter, [prompt], 3, STEPS, prompt_keys=[index])[0] for index, prompt in enumerate(PROMPTS)])
+    assert torch.equal(videos, alone)

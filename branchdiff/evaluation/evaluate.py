@@ -2,7 +2,7 @@
 
 Samples are deterministic (ODE) chains: image s of prompt p starts from the addressable initial
 noise (seed, iteration -1, prompt p, root s), so base and LoRA see exactly the same noise, and
-forwards are padded to a fixed batch (`exact`) and prompts encoded one at a time, so an image does
+forwards are padded to the family's fixed batch (`adapter.eval_batch`, `exact`) and prompts encoded one at a time, so an image does
 not depend on which other prompts share its batch: with `accelerate launch`, processes take every P-th prompt and the gathered
 results equal a one-process run's.
 
@@ -36,8 +36,6 @@ from branchdiff.rewards.frames import FrameAggregation
 from branchdiff.rewards.multi import extra_keys, score_component
 from branchdiff.settings.evaluation import EVAL_RUN_SEED, SOLVERS
 
-EVAL_BATCH = 32  # rows per forward: fixed, so an image is the same whatever else is in its batch
-
 
 @torch.no_grad()
 def sample_ode(
@@ -53,7 +51,7 @@ def sample_ode(
         raise ValueError(f"solver={solver!r} is not one of {', '.join(SOLVERS)}")
     tree = build_tree(TreeSpec(num_steps, roots=num_seeds, sde_steps=frozenset()), len(prompts))
     address = NoiseAddress(seed, -1, tuple(prompt_keys if prompt_keys is not None else range(len(prompts))))
-    settings = SamplerSettings(max_batch=EVAL_BATCH, exact=True, guidance=guidance)
+    settings = SamplerSettings(max_batch=adapter.eval_batch, exact=True, guidance=guidance)  # fixed per family
     # one prompt per text-encoder call: an encoder's output, too, depends on its batch size
     encoded = [adapter.encode_prompts([prompt]) for prompt in prompts]
     embeds = {key: torch.cat([e[key] for e in encoded]) for key in encoded[0]}

@@ -65,6 +65,7 @@ class ModelAdapter(ABC):
     uses_cfg: bool = False  # guidance as classifier-free guidance rows (else embedded, or none)
     default_guidance: float = 1.0  # the family's guidance when the config leaves it unset (1: none)
     decode_batch: int = 8  # images per VAE decode call
+    eval_batch: int = 32  # network rows per evaluation forward: fixed per family, so a sample is the same whatever else shares its batch
     max_sequence_length: int = 77  # the most prompt tokens the family's text encoders read (CLIP's 77; the pipelines' T5 / Gemma lengths)
     instruction: bool = True  # prepend the family's prompt instruction where it has one (SANA's complex_human_instruction)
     lockstep: Callable[[int], int] | None = None  # a sharded denoiser (FSDP): agrees a number of forwards with the other processes (sharding.Lockstep)

@@ -53,6 +53,8 @@ class WanAdapter(PipelineAdapter):
     default_guidance = 5.0  # WanPipeline's default guidance_scale
     example_hub_id = "Wan-AI/Wan2.1-T2V-1.3B-Diffusers"
     max_sequence_length = 512  # UMT5 tokens (WanPipeline.__call__'s default)
+    decode_batch = 1  # videos per VAE call: one 33-frame 480×832 decode peaks near 4 GiB (docs/memory-table.md)
+    eval_batch = 4  # rows per evaluation forward (2 videos with CFG): 32 rows of 14k tokens would add ~21 GiB (1.3B) or ~53 GiB (14B)
 
     def __init__(self, pipe, device: torch.device | str = "cpu", size: tuple[int, int] = (480, 832), offload: bool = False,
                  frames: int = 81, expert: str = "high", guidance_2: float | None = None) -> None:
