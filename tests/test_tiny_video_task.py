@@ -102,3 +102,16 @@ def test_verifier_refuses_images_and_foreign_prompts():
         verifier(torch.zeros(2, 3, 32, 32), ["one red circle moving left"] * 2)
     with pytest.raises(ValueError, match="prompt 2: prompt 'two red circles on the left' is not in the tiny-video grammar"):
         verifier.check_prompts(["one red circle moving left", "two red circles on the left"])
+
+
+def test_eval_of_the_video_family_defaults_to_its_own_task(tmp_path):
+    """`branchdiff eval --family tiny-video` scores the video task's held-out prompts with its verifier
+    (it once defaulted to the image task's, and the image verifier was refused on videos)."""
+    from branchdiff.settings.evaluation import resolve
+
+    settings, _, _ = resolve({"family": "tiny-video"}, None)
+    assert (settings.prompts, settings.rewards) == ("tiny-video:held_out", "tiny-video")
+    settings, _, _ = resolve({"family": "tiny-video", "prompts": "tiny-video:all", "rewards": "flicker"}, None)
+    assert (settings.prompts, settings.rewards) == ("tiny-video:all", "flicker")
+    settings, _, _ = resolve({}, None)
+    assert (settings.prompts, settings.rewards) == ("tiny:held_out", "tiny-geneval")

@@ -40,6 +40,9 @@ class EvalSettings:
     prompt_instruction: bool = True  # sana: its pipeline's instruction before every prompt
 
 
+# a built-in task's family evaluates on that task unless told otherwise (the dataclass defaults are the image task's)
+TASK_DEFAULTS = {"tiny-video": {"prompts": "tiny-video:held_out", "rewards": "tiny-video"}}
+
 SOLVERS = ("training", "release")  # the ODE of the steps branchdiff trains with, or the sampler the model folder ships
 
 # settings field → the key of a run's config that holds it
@@ -78,6 +81,8 @@ def resolve(given: dict[str, Any], weights: str | None) -> tuple[EvalSettings, P
             values[spec.name] = given[spec.name]
         elif spec.name in FROM_RUN and _get(config, FROM_RUN[spec.name]) is not None:
             values[spec.name] = _get(config, FROM_RUN[spec.name])
+    for name, value in TASK_DEFAULTS.get(values.get("family", EvalSettings.family), {}).items():
+        values.setdefault(name, value)
     return EvalSettings(**values), run, config
 
 
