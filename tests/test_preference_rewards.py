@@ -321,6 +321,28 @@ def test_clip_score_is_100_times_the_positive_part_of_the_cosine(hf_clip, clip_s
     assert reward.name == "clip-score" and "100·max(cosine, 0)" in reward.scale
 
 
+def test_clip_consistency_is_the_mean_cosine_of_adjacent_frames_embeddings(hf_clip):
+    """clip-consistency against the written-out embeddings of every frame: the mean of <e_t, e_t−1>; the
+    same at any batch size; a still video scores 1, a one-frame video 1; images are refused in one line."""
+    from branchdiff.rewards.clip_consistency import CLIPConsistencyReward
+
+    folder, model, tokenizer = hf_clip
+    videos = random_images(3 * 4, 48, 80, seed=5).view(3, 4, 3, 48, 80)  # (B, F, 3, H, W)
+    videos[2] = videos[2, :1]  # a still video
+    frames, _ = reference_clip_embeddings(model, tokenizer, videos.flatten(0, 1), ["x"] * 12)
+    frames = frames.view(3, 4, -1)
+    expected = torch.stack([sum((frames[b, t] * frames[b, t - 1]).sum() for t in range(1, 4)) / 3 for b in range(3)])
+    for batch_size in (1, 5, 16):
+        reward = CLIPConsistencyReward(model=folder / "model", processor=folder / "processor", batch_size=batch_size)
+        scores = reward(videos, PROMPTS[:3])
+        torch.testing.assert_close(scores, expected, rtol=0, atol=1e-5)
+    assert scores[:2].max() < 0.999 and abs(scores[2].item() - 1) < 1e-5
+    assert torch.equal(reward(videos[:, :1], PROMPTS[:3]), torch.ones(3))
+    assert (reward.name, reward.higher_is_better, reward.video) == ("clip-consistency", True, True)
+    with pytest.raises(ValueError, match=r"scores videos \(B, F, 3, H, W\), got \(3, 3, 48, 80\)"):
+        reward(videos[:, 0], PROMPTS[:3])
+
+
 @pytest.mark.parametrize("reward", ["pickscore", "clip_score", "aesthetic"])
 def test_clip_rewards_do_not_depend_on_batch_size(request, reward):
     reward = request.getfixturevalue(reward)
