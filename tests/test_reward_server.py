@@ -176,7 +176,7 @@ def test_health_names_reward_scale_and_version(checksum_server):
         assert response.status == 200
         health = json.loads(response.read())
     assert health["status"] == "ok" and health["name"] == "checksum" and health["scale"] == Checksum.scale
-    assert health["higher_is_better"] is False and health["wire"] == WIRE_VERSION
+    assert health["higher_is_better"] is False and health["video"] is False and health["wire"] == WIRE_VERSION
     assert health["branchdiff_version"] == importlib.metadata.version("branchdiff-rl")
     remote = RemoteReward(server.url, **FAST)
     assert (remote.name, remote.scale, remote.higher_is_better) == ("checksum", Checksum.scale, False)
@@ -334,11 +334,35 @@ def test_wire_roundtrip_and_quantisation():
     assert torch.equal(to_uint8(torch.tensor([0.0, 0.5 / 255, 1.5 / 255, 0.999, 1.5, -1.0])), torch.tensor([0, 0, 2, 255, 255, 0], dtype=torch.uint8))
 
 
+@pytest.mark.parametrize("image_format", IMAGE_FORMATS)
+def test_a_served_reward_of_videos_scores_them_whole(image_format):
+    """Videos (B, F, 3, H, W) travel whole, frame by frame in PNG; /health says the reward scores videos,
+    and the remote scores equal flicker's in-process scores of what was sent; a reward of images served
+    refuses videos in the client, with one line."""
+    flicker = build_reward("flicker")
+    videos = torch.rand(3, 4, 3, 8, 10, generator=torch.Generator().manual_seed(1))  # (B, F, 3, H, W)
+    prompts, metadata = ["a", "bb", "ccc"], [{}, {"k": 1}, {}]
+    decoded, got_prompts, got_metadata = decode_batch(encode_batch(videos, prompts, metadata, image_format))
+    assert torch.equal(decoded, videos if image_format == "float32" else quantize(videos)) and got_prompts == prompts and got_metadata == metadata
+    with BackgroundServer(flicker) as server:
+        remote = RemoteReward(server.url, image_format=image_format, chunk_size=2, **FAST)
+        assert remote.video and remote.health["video"] is True and remote.higher_is_better is False
+        scores = remote(videos, prompts, metadata)
+        assert torch.equal(scores, flicker(decoded, prompts, metadata).float()) and scores.abs().min() > 0
+        with pytest.raises(ValueError) as error:
+            remote(videos[:, 0], prompts, metadata)
+        assert_one_line(error, "(3, 3, 8, 10)", "expected (3, F, 3, H, W): the served reward 'flicker' scores videos")
+    with BackgroundServer(Checksum()) as server, pytest.raises(ValueError) as error:
+        RemoteReward(server.url, **FAST)(videos, prompts, metadata)
+    assert_one_line(error, "(3, 4, 3, 8, 10)", "expected (3, 3, H, W)")
+
+
 @pytest.mark.parametrize(
     ("body", "expected"),
     [
         (b'{"format": "uint8", "shape": [1, 3, 2, 2], "prompts": ["a"], "metadata": [{}]}\n' + bytes(11), "must be 12 bytes; got 11"),
-        (b'{"format": "uint8", "shape": [1, 4, 2, 2], "prompts": ["a"], "metadata": [{}]}\n', "expected [B, 3, H, W]"),
+        (b'{"format": "uint8", "shape": [1, 4, 2, 2], "prompts": ["a"], "metadata": [{}]}\n', "expected [B, 3, H, W] (images) or [B, F, 3, H, W]"),
+        (b'{"format": "png", "shape": [1, 2, 3, 1, 1], "prompts": ["a"], "metadata": [{}], "png_sizes": [3]}\nabc', "'png_sizes' must be a list of 2"),
         (b'{"format": "uint8", "shape": [2, 3, 1, 1], "prompts": ["a"], "metadata": [{}, {}]}\n' + bytes(6), "'prompts' must be a list of 2 strings"),
         (b'{"format": "png", "shape": [1, 3, 1, 1], "prompts": ["a"], "metadata": [{}], "png_sizes": [3]}\nabc', "image 0 is not a readable PNG"),
         (b"[1, 2]\n", "must be a JSON object"),

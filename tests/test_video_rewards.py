@@ -75,14 +75,30 @@ def test_on_a_video_family_every_reward_scores_videos_or_names_its_frames():
     specs = parse_reward_specs([{"name": "rewards_for_tests:Redness", "frames": 2}, {"remote": "http://127.0.0.1:9", "frames": 1}])
     check_video_rewards("reward", specs, {"rewards_for_tests:Redness": Redness})
     check_video_rewards("reward", [RewardSpec("frames:Counter")], {"frames:Counter": FrameCounter})
-    for spec, factories in ((RewardSpec("rewards_for_tests:Redness"), {"rewards_for_tests:Redness": Redness}),
-                            (RewardSpec(remote="http://127.0.0.1:9"), {})):  # a server's wire carries images: it gets frames
+    with pytest.raises(ValueError, match=r"'reward' entry '.*' scores images and the model makes videos: give it frames: N"):
+        check_video_rewards("reward", [RewardSpec("rewards_for_tests:Redness")], {"rewards_for_tests:Redness": Redness})
+
+
+def test_a_served_rewards_own_health_says_whether_it_needs_frames():
+    """Preflight asks a reward server's /health: a served reward of videos needs no frames, a served reward of
+    images does (one line), and an unreachable server is one line before anything is written."""
+    from branchdiff.rewards.registry import build_reward
+    from branchdiff.rewards.remote import RemoteRewardError
+    from branchdiff.rewards.server import BackgroundServer
+    from branchdiff.training.preflight import check_video_rewards
+
+    fast = {"retries": 0, "timeout": 5.0}
+    with BackgroundServer(build_reward("flicker")) as videos, BackgroundServer(Redness()) as images:
+        check_video_rewards("reward", [RewardSpec(remote=videos.url, kwargs=fast)], {})
+        check_video_rewards("reward", [RewardSpec(remote=images.url, kwargs=fast, frames=FrameAggregation(2, "mean"))], {})
         with pytest.raises(ValueError, match=r"'reward' entry '.*' scores images and the model makes videos: give it frames: N"):
-            check_video_rewards("reward", [spec], factories)
+            check_video_rewards("reward", [RewardSpec(remote=images.url, kwargs=fast)], {})
+    with pytest.raises(RemoteRewardError, match=r"^reward server http://127.0.0.1:9/health is not reachable .*serve-reward"):
+        check_video_rewards("eval_rewards", [RewardSpec(remote="http://127.0.0.1:9", kwargs=fast)], {})
 
 
 def test_a_reward_server_scores_videos_through_their_frames():
-    """The wire carries images: a served reward of images scores a video family's frames as a local one does."""
+    """A served reward of images scores a video family's frames as a local one does."""
     from branchdiff.rewards.server import BackgroundServer
 
     with BackgroundServer(Redness()) as server:

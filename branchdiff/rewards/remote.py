@@ -1,17 +1,18 @@
 """A reward scored by a reward server over HTTP (`branchdiff serve-reward`), and the wire format.
 
-`RemoteReward(url)` follows the reward protocol of `branchdiff/rewards/base.py`: its `name`, `scale` and
-`higher_is_better` are those the server reports on `GET /health`; a call sends the images, prompts
-and metadata to `POST /score` in chunks of at most `chunk_size` images and returns the scores (B,)
-as float32 on the CPU. It uses only the standard library for HTTP (urllib), so a training
+`RemoteReward(url)` follows the reward protocol of `branchdiff/rewards/base.py`: its `name`, `scale`,
+`higher_is_better` and `video` are those the server reports on `GET /health`; a call sends the images
+(or, to a reward of videos, the videos), prompts and metadata to `POST /score` in chunks of at most
+`chunk_size` of them and returns the scores (B,) as float32 on the CPU. It uses only the standard library for HTTP (urllib), so a training
 environment needs no server package. docs/reward-server.md documents the wire format:
 
     request body  = one line of JSON (the header, no newline inside) + b"\\n" + the image payload
-    header        = {"format": "uint8" | "float32" | "png", "shape": [B, 3, H, W],
-                     "prompts": [B strings], "metadata": [B objects], "png_sizes": [B ints] (png)}
-    payload       = uint8:   B·3·H·W bytes, C order, pixel = round(255·clamp(x, 0, 1))
-                    float32: B·3·H·W little-endian float32, C order (exact)
-                    png:     B 8-bit RGB PNG files back to back, their lengths in "png_sizes"
+    header        = {"format": "uint8" | "float32" | "png", "shape": [B, 3, H, W] or, videos, [B, F, 3, H, W],
+                     "prompts": [B strings], "metadata": [B objects], "png_sizes": [N ints] (png)}
+    payload       = uint8:   the shape's values as bytes, C order, pixel = round(255·clamp(x, 0, 1))
+                    float32: the shape's values as little-endian float32, C order (exact)
+                    png:     N = B (images) or B·F (videos, frame by frame) 8-bit RGB PNG files back
+                             to back, their lengths in "png_sizes"
     response      = {"scores": [B numbers]} (float32 values; a non-finite score is null), or
                     {"error": "one line"} with status 400 (bad request) or 500 (the reward failed)
 
@@ -60,7 +61,7 @@ def from_uint8(pixels: torch.Tensor) -> torch.Tensor:
 
 
 def quantize(images: torch.Tensor) -> torch.Tensor:
-    """The float32 images (B, 3, H, W) a server scores when they are sent as uint8 or PNG."""
+    """The float32 images (B, 3, H, W) or videos (B, F, 3, H, W) a server scores when they are sent as uint8 or PNG."""
     return from_uint8(to_uint8(images))
 
 
@@ -69,7 +70,7 @@ def quantize(images: torch.Tensor) -> torch.Tensor:
 
 
 def encode_batch(images: torch.Tensor, prompts: list[str], metadata: list[dict], image_format: str = "uint8") -> bytes:
-    """The body of a `POST /score` request for images (B, 3, H, W) in [0, 1]."""
+    """The body of a `POST /score` request for images (B, 3, H, W) or videos (B, F, 3, H, W) in [0, 1]."""
     if image_format not in IMAGE_FORMATS:
         raise ValueError(f"image_format {image_format!r} is not one of {', '.join(IMAGE_FORMATS)}")
     header = {"format": image_format, "shape": list(images.shape), "prompts": list(prompts), "metadata": list(metadata)}
@@ -78,7 +79,7 @@ def encode_batch(images: torch.Tensor, prompts: list[str], metadata: list[dict],
     elif image_format == "uint8":
         payload = to_uint8(images).numpy().tobytes()
     else:
-        pngs = [_encode_png(image) for image in to_uint8(images)]
+        pngs = [_encode_png(image) for image in to_uint8(images).reshape(-1, *images.shape[-3:])]  # (N, 3, H, W): images or frames
         header["png_sizes"] = [len(png) for png in pngs]
         payload = b"".join(pngs)
     try:
@@ -89,8 +90,8 @@ def encode_batch(images: torch.Tensor, prompts: list[str], metadata: list[dict],
 
 
 def decode_batch(body: bytes) -> tuple[torch.Tensor, list[str], list[dict]]:
-    """(images float32 (B, 3, H, W) in [0, 1], prompts, metadata) of a request body; a malformed
-    body raises `WireFormatError` with one line saying what is wrong."""
+    """(images float32 (B, 3, H, W) or videos (B, F, 3, H, W) in [0, 1], prompts, metadata) of a request
+    body; a malformed body raises `WireFormatError` with one line saying what is wrong."""
     newline = body.find(b"\n")
     if newline < 0:
         raise WireFormatError("the body must be one line of JSON (the header), a newline, then the image bytes")
@@ -105,8 +106,8 @@ def decode_batch(body: bytes) -> tuple[torch.Tensor, list[str], list[dict]]:
     prompts, metadata = header.get("prompts"), header.get("metadata")
     if image_format not in IMAGE_FORMATS:
         raise WireFormatError(f"header 'format' is {image_format!r}; allowed: {', '.join(IMAGE_FORMATS)}")
-    if not (isinstance(shape, list) and len(shape) == 4 and all(type(n) is int and n >= 0 for n in shape) and shape[1] == 3):
-        raise WireFormatError(f"header 'shape' is {shape!r}; expected [B, 3, H, W] of non-negative integers")
+    if not (isinstance(shape, list) and len(shape) in (4, 5) and all(type(n) is int and n >= 0 for n in shape) and shape[-3] == 3):
+        raise WireFormatError(f"header 'shape' is {shape!r}; expected [B, 3, H, W] (images) or [B, F, 3, H, W] (videos) of non-negative integers")
     batch = shape[0]
     if not (isinstance(prompts, list) and len(prompts) == batch and all(isinstance(p, str) for p in prompts)):
         raise WireFormatError(f"header 'prompts' must be a list of {batch} strings (one per image)")
@@ -135,12 +136,13 @@ def _encode_png(pixels: torch.Tensor) -> bytes:
 
 
 def _decode_pngs(payload: memoryview, sizes: object, shape: list[int]) -> torch.Tensor:
-    """uint8 (B, 3, H, W) of B PNG files back to back in `payload`, with byte lengths `sizes`."""
+    """uint8 `shape` ((B, 3, H, W), or (B, F, 3, H, W) frame by frame) of its N images' PNG files back to
+    back in `payload`, with byte lengths `sizes`."""
     from PIL import Image
 
-    batch, _, height, width = shape
-    if not (isinstance(sizes, list) and len(sizes) == batch and all(type(n) is int and n > 0 for n in sizes)):
-        raise WireFormatError(f"header 'png_sizes' must be a list of {batch} positive integers (each PNG's length in bytes)")
+    count, (height, width) = math.prod(shape[:-3]), shape[-2:]
+    if not (isinstance(sizes, list) and len(sizes) == count and all(type(n) is int and n > 0 for n in sizes)):
+        raise WireFormatError(f"header 'png_sizes' must be a list of {count} positive integers (each PNG's length in bytes)")
     if sum(sizes) != len(payload):
         raise WireFormatError(f"'png_sizes' add up to {sum(sizes)} bytes but the payload has {len(payload)}")
     images, start = [], 0
@@ -154,7 +156,7 @@ def _decode_pngs(payload: memoryview, sizes: object, shape: list[int]) -> torch.
             raise WireFormatError(f"image {index} is a {image.mode} PNG of {image.size[0]}x{image.size[1]}; expected 8-bit RGB of {width}x{height}")
         images.append(torch.from_numpy(np.asarray(image).copy()).permute(2, 0, 1))  # (3, H, W)
         start += size
-    return torch.stack(images) if images else torch.zeros(shape, dtype=torch.uint8)
+    return torch.stack(images).view(shape) if images else torch.zeros(shape, dtype=torch.uint8)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -178,7 +180,7 @@ class RemoteReward:
         backoff: seconds before the first retry. Default 1.0.
         image_format: "uint8" (default: 1 byte a value; the server scores `quantize(images)`),
             "float32" (exact, 4 bytes a value) or "png" (lossless 8-bit, smallest for flat images).
-        chunk_size: most images in one request; a larger batch is sent in order in several.
+        chunk_size: most images (videos) in one request; a larger batch is sent in order in several.
 
     The server's `/health` is read once here (with the same retries), so a server that is down or
     is not a reward server fails at build time, not at the first batch. Requests go directly to
@@ -212,15 +214,17 @@ class RemoteReward:
         self.name = str(health["name"])
         self.scale = str(health.get("scale", "unspecified"))
         self.higher_is_better = bool(health.get("higher_is_better", True))
+        self.video = bool(health.get("video", False))  # the served reward scores videos whole (B, F, 3, H, W)
 
     def __repr__(self) -> str:
         return f"RemoteReward({self.url!r}, name={self.name!r}, image_format={self.image_format!r})"
 
     def __call__(self, images: torch.Tensor, prompts: list[str], metadata: list[dict] | dict | None = None) -> torch.Tensor:
-        """Scores (B,) float32 on the CPU for images (B, 3, H, W) in [0, 1]."""
+        """Scores (B,) float32 on the CPU for images (B, 3, H, W), or for a reward of videos videos (B, F, 3, H, W), in [0, 1]."""
         batch = len(prompts)
-        if images.dim() != 4 or images.shape[0] != batch or images.shape[1] != 3:
-            raise ValueError(f"remote reward {self.url}: images of shape {tuple(images.shape)} for {batch} prompts; expected ({batch}, 3, H, W)")
+        expected = f"({batch}, F, 3, H, W): the served reward {self.name!r} scores videos" if self.video else f"({batch}, 3, H, W)"
+        if images.dim() != (5 if self.video else 4) or images.shape[0] != batch or images.shape[-3] != 3:
+            raise ValueError(f"remote reward {self.url}: input of shape {tuple(images.shape)} for {batch} prompts; expected {expected}")
         if not metadata:  # None or {}: no metadata for any image
             metadata = [{} for _ in range(batch)]
         if not isinstance(metadata, list) or len(metadata) != batch:

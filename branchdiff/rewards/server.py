@@ -4,15 +4,15 @@ lives in its own environment or machine: `branchdiff serve-reward NAME` runs
 `reward: {remote: http://host:port}` (`branchdiff/rewards/remote.py`, docs/reward-server.md).
 
 Endpoints:
-- `GET /health`: 200 and `{"status": "ok", "name", "scale", "higher_is_better", "device",
-  "branchdiff_version", "wire", "formats"}`;
+- `GET /health`: 200 and `{"status": "ok", "name", "scale", "higher_is_better", "video", "device",
+  "branchdiff_version", "wire", "formats"}` (`video`: the reward scores videos (B, F, 3, H, W) whole);
 - `POST /score`: a batch in the wire format of `branchdiff/rewards/remote.py`, answered `{"scores": [B]}`
   (float32 values, a non-finite score as null), or `{"error": "one line"}` with status 400 for a
   malformed request and 500 when the reward raises or returns the wrong shape.
 
 The reward runs in a worker thread (the event loop keeps answering /health), one batch at a time
 (a lock: models are rarely thread-safe), under `torch.inference_mode`, on images moved to its
-`device`. Built on Starlette and uvicorn, the optional extra `serve`, imported only here. The
+`device` (videos stay whole). Built on Starlette and uvicorn, the optional extra `serve`, imported only here. The
 server has no authentication: it listens on 127.0.0.1 unless told otherwise.
 """
 
@@ -56,6 +56,7 @@ def health_info(reward: object) -> dict:
         "name": str(getattr(reward, "name", type(reward).__name__)),
         "scale": str(getattr(reward, "scale", "unspecified")),
         "higher_is_better": bool(getattr(reward, "higher_is_better", True)),
+        "video": bool(getattr(reward, "video", False)),  # it scores videos (B, F, 3, H, W) whole
         "device": str(getattr(reward, "device", "cpu")),
         "branchdiff_version": branchdiff_version,
         "wire": WIRE_VERSION,
@@ -78,7 +79,7 @@ def create_app(reward: object):
     lock = threading.Lock()
 
     def score_body(body: bytes) -> list[float | None]:
-        images, prompts, metadata = decode_batch(body)  # (B, 3, H, W) float32
+        images, prompts, metadata = decode_batch(body)  # (B, 3, H, W) or (B, F, 3, H, W) float32
         with lock, torch.inference_mode():  # grad mode is per thread: set it in the worker
             scores = reward(images.to(device), prompts, metadata)
             scores = check_scores(scores, len(prompts), name)  # (B,) float32 on the CPU

@@ -51,12 +51,20 @@ def check_inputs(config: TrainConfig) -> None:
 
 
 def check_video_rewards(key: str, specs: list[RewardSpec], factories: dict) -> None:
-    """On a video family, each reward scores videos itself (`video = True`) or says how to score its
-    frames (`frames`, `reduce`); a reward server receives frames (its wire carries images)."""
+    """On a video family, each reward scores videos itself (`video = True`; a reward server says so on
+    its /health, read here) or says how to score its frames (`frames`, `reduce`)."""
     for spec in specs:
-        if spec.frames is None and not getattr(factories.get(spec.name), "video", False):
+        if spec.frames is None and not _scores_videos(spec, factories):
             raise ValueError(f"'{key}' entry {spec.label!r} scores images and the model makes videos: give it frames: N (score every N-th "
                              f"frame) and reduce: mean or min, e.g. {{name: {spec.label}, frames: 4, reduce: mean}}")
+
+
+def _scores_videos(spec: RewardSpec, factories: dict) -> bool:
+    if spec.remote is None:
+        return bool(getattr(factories.get(spec.name), "video", False))
+    from branchdiff.rewards.remote import RemoteReward
+
+    return RemoteReward(spec.remote, **spec.kwargs).video  # an unreachable server is one line here, before anything is written
 
 
 def _check_prompts(prompt_set: PromptSet, specs: list[RewardSpec], factories: dict, family: str) -> None:
