@@ -115,3 +115,25 @@ def test_eval_of_the_video_family_defaults_to_its_own_task(tmp_path):
     assert (settings.prompts, settings.rewards) == ("tiny-video:all", "flicker")
     settings, _, _ = resolve({}, None)
     assert (settings.prompts, settings.rewards) == ("tiny:held_out", "tiny-geneval")
+
+
+@pytest.mark.parametrize("missing", [0, 1, 2, 3, 4])
+def test_a_square_may_lose_two_corner_pixels_in_a_clip_but_not_in_an_image(missing):
+    """The video rule (tiny_video.clip_shape): a square-fitting object with ≥ 2 of its four box-corner pixels
+    set is a square, as the model draws moving squares through 8-px patches; tiny-geneval still asks all four.
+    A circle sets none and stays a circle."""
+    from branchdiff.rewards.tiny_geneval import detect_objects
+    from branchdiff.rewards.tiny_video import clip_shape
+
+    clip = _clip([[(10, 20 - 4 * f)] for f in range(5)], shape="square", size=10)
+    for top, left in ((0, 0), (0, 9), (9, 0), (9, 9))[:missing]:
+        for f in range(5):  # the same corner pixel in every frame
+            clip[f, :, 10 + top, 20 - 4 * f + left] = 0
+    (square,) = detect_objects(clip[0])
+    assert (square.nearest_shape, square.corners) == ("square", 4 - missing)
+    assert square.shape == ("square" if missing == 0 else "unknown")  # tiny-geneval's rule, unchanged
+    assert clip_shape(square) == ("square" if missing <= 2 else "unknown")
+    scores = TinyVideoVerifier().score(torch.from_numpy(clip[None]), ["one red square moving left"])
+    assert scores["shape"].item() == float(missing <= 2) and scores["strict"].item() == float(missing <= 2)
+    (circle,) = detect_objects(_clip([[(10, 10)]], shape="circle", size=10)[0])
+    assert (circle.corners, circle.shape, clip_shape(circle)) == (0, "circle", "circle")

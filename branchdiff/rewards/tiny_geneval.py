@@ -53,6 +53,8 @@ class DetectedObject:
     shape: str  # one of SHAPES, or "unknown"
     centroid_yx: tuple[float, float]
     area: int
+    nearest_shape: str  # the best-fitting template before the corner rules (`nearest_shape`), or "unknown"
+    corners: int  # how many of the bounding box's four corner pixels are set (the corner rules' evidence)
 
 
 def template(shape: str, height: int, width: int) -> np.ndarray:
@@ -67,19 +69,22 @@ def template(shape: str, height: int, width: int) -> np.ndarray:
     raise ValueError(f"unknown shape {shape!r}; allowed: {SHAPES}")
 
 
-def classify_shape(mask: np.ndarray) -> str:
-    """Shape of a component given its bounding-box crop `mask` (h, w), or "unknown"."""
+def nearest_shape(mask: np.ndarray) -> str:
+    """The template (of SHAPES) with the highest IoU against a component's bounding-box crop `mask`
+    (h, w), if that IoU is ≥ MIN_TEMPLATE_IOU and the box's aspect within [0.7, 1/0.7]; else "unknown"."""
     height, width = mask.shape
     if not 0.7 <= height / width <= 1 / 0.7:
         return "unknown"
-    ious = {}
-    for shape in SHAPES:
-        reference = template(shape, height, width)
-        ious[shape] = (mask & reference).sum() / (mask | reference).sum()
+    ious = {shape: (mask & template(shape, height, width)).sum() / (mask | template(shape, height, width)).sum() for shape in SHAPES}
     best = max(ious, key=ious.get)
+    return best if ious[best] >= MIN_TEMPLATE_IOU else "unknown"
+
+
+def classify_shape(mask: np.ndarray) -> str:
+    """Shape of a component given its bounding-box crop `mask` (h, w), or "unknown": the nearest
+    template, where a square must have its four corner pixels set and a circle none of them."""
+    best = nearest_shape(mask)
     corners = mask[[0, 0, -1, -1], [0, -1, 0, -1]]
-    if ious[best] < MIN_TEMPLATE_IOU:
-        return "unknown"
     if best == "square" and not corners.all():
         return "unknown"
     if best == "circle" and corners.any():
@@ -101,7 +106,8 @@ def detect_objects(image: np.ndarray) -> list[DetectedObject]:
         color = list(COLORS)[int(np.argmin(((_PALETTE - mean_rgb) ** 2).sum(axis=1)))]
         ys, xs = np.nonzero(mask)
         centroid = (float(ys.mean() + box[0].start + 0.5), float(xs.mean() + box[1].start + 0.5))
-        objects.append(DetectedObject(color, classify_shape(mask), centroid, area))
+        corners = int(mask[[0, 0, -1, -1], [0, -1, 0, -1]].sum())
+        objects.append(DetectedObject(color, classify_shape(mask), centroid, area, nearest_shape(mask), corners))
     return objects
 
 
