@@ -93,7 +93,8 @@ def test_a_lora_export_loads_into_a_wan_pipeline(model_dir, tmp_path):
 
     config = load_config("tiny-video", [f"model.path={model_dir}", "model.finetune=lora", "train.learning_rate=0.05", "iterations=1",
                                         "prompts.per_iteration=1", "sampling.num_steps=3", "tree.splits=[[0,2]]", "tree.mix_window=2",
-                                        "final_eval=false", f"output_dir={tmp_path / 'run'}"])
+                                        "final_eval=false", f"output_dir={tmp_path / 'run'}",
+                                        "reward=flicker"])  # a continuous reward: two leaves never tie (the verifier's can: then nothing trains)
     trainer = Trainer(config)
     assert trainer.run_iteration(0).metrics["optimizer_steps"] >= 1
     trainer.adapter.save_lora(tmp_path / "lora")
