@@ -689,13 +689,6 @@ def reward_params(model: str = "vit-h-14") -> int:
     return REWARD_PARAMS[model]
 
 
-def reward_list(value: object) -> list:
-    """The reward components of a config's `reward` or `eval_rewards`."""
-    from branchdiff.rewards.combine import parse_reward_specs
-
-    return parse_reward_specs(value)
-
-
 def reward_bytes(spec) -> int:
     """GPU bytes of one reward component's weights: HPS / PickScore fp32 ViT-H-14, VideoAlign's
     Qwen2-VL-2B in its `dtype`; the programmatic rewards (flicker, the verifiers) hold none."""
@@ -720,6 +713,7 @@ class Row:
 def estimate(preset: str, fams: dict[str, Family], cache: dict, overrides: tuple[str, ...] = ()) -> Row:
     """The estimate for `preset` (and its -explore variant) with dotted config `overrides`."""
     from branchdiff.core.tree import build_tree
+    from branchdiff.rewards.combine import parse_reward_specs
     from branchdiff.settings.load import load_config
     from branchdiff.settings.trees import tree_spec
 
@@ -747,7 +741,7 @@ def estimate(preset: str, fams: dict[str, Family], cache: dict, overrides: tuple
     vae = m.vae_params * dbytes
     helpers = encoders + vae
     resident_helpers = 0 if offload else helpers
-    reward = sum(reward_bytes(spec) for spec in reward_list(config.reward))
+    reward = sum(reward_bytes(spec) for spec in parse_reward_specs(config.reward))
     moments = 2 if config.train.optimizer == "adamw8bit" else 8  # AdamW: two fp32 moments (bitsandbytes 8-bit: two bytes)
     lora_state = m.lora_params * (4 + 4 + moments + 4)  # fp32 params, fp32 grads, optimizer moments, DDP gradient bucket (fp32)
     tree = build_tree(tree_spec(config, 0), config.prompts.per_iteration)
@@ -771,7 +765,7 @@ def estimate(preset: str, fams: dict[str, Family], cache: dict, overrides: tuple
         "update": m.lora_params * 4 + max(train_act, kl_ref),  # LoRA grads + activations
         # final_evaluation: one more reward model per eval reward (all ViT-H-14 here), ODE sampling at
         # the adapter's eval_batch rows for EVAL_CHUNK prompts at a time, then their decode
-        "final eval": sum(reward_bytes(spec) for spec in reward_list(config.eval_rewards)) + max(
+        "final eval": sum(reward_bytes(spec) for spec in parse_reward_specs(config.eval_rewards)) + max(
             encoders if offload else 0, m.rollout(family.adapter.eval_batch),
             (vae if offload else 0) + min(decode_batch, eval_images) * m.decode_image + eval_images * pixels * 4),
     }

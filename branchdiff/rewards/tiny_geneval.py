@@ -54,7 +54,7 @@ class DetectedObject:
     centroid_yx: tuple[float, float]
     area: int
     nearest_shape: str  # the best-fitting template before the corner rules (`nearest_shape`), or "unknown"
-    corners: int  # how many of the bounding box's four corner pixels are set (the corner rules' evidence)
+    corners: int  # how many of the bounding box's four corner pixels are set (`shape_by_corners`' evidence)
 
 
 def template(shape: str, height: int, width: int) -> np.ndarray:
@@ -75,21 +75,32 @@ def nearest_shape(mask: np.ndarray) -> str:
     height, width = mask.shape
     if not 0.7 <= height / width <= 1 / 0.7:
         return "unknown"
-    ious = {shape: (mask & template(shape, height, width)).sum() / (mask | template(shape, height, width)).sum() for shape in SHAPES}
+    ious = {}
+    for shape in SHAPES:
+        reference = template(shape, height, width)
+        ious[shape] = (mask & reference).sum() / (mask | reference).sum()
     best = max(ious, key=ious.get)
     return best if ious[best] >= MIN_TEMPLATE_IOU else "unknown"
 
 
+def corner_count(mask: np.ndarray) -> int:
+    """How many of the four corner pixels of a bounding-box crop `mask` (h, w) are set."""
+    return int(mask[[0, 0, -1, -1], [0, -1, 0, -1]].sum())
+
+
+def shape_by_corners(nearest: str, corners: int, square_corners: int = 4) -> str:
+    """The corner rules on the nearest template: a square must set `square_corners` of its box's four
+    corner pixels (all four here; tiny-video asks two) and a circle none; otherwise "unknown"."""
+    if nearest == "square" and corners < square_corners:
+        return "unknown"
+    if nearest == "circle" and corners > 0:
+        return "unknown"
+    return nearest
+
+
 def classify_shape(mask: np.ndarray) -> str:
-    """Shape of a component given its bounding-box crop `mask` (h, w), or "unknown": the nearest
-    template, where a square must have its four corner pixels set and a circle none of them."""
-    best = nearest_shape(mask)
-    corners = mask[[0, 0, -1, -1], [0, -1, 0, -1]]
-    if best == "square" and not corners.all():
-        return "unknown"
-    if best == "circle" and corners.any():
-        return "unknown"
-    return best
+    """Shape of a component given its bounding-box crop `mask` (h, w), or "unknown"."""
+    return shape_by_corners(nearest_shape(mask), corner_count(mask))
 
 
 def detect_objects(image: np.ndarray) -> list[DetectedObject]:
@@ -106,8 +117,8 @@ def detect_objects(image: np.ndarray) -> list[DetectedObject]:
         color = list(COLORS)[int(np.argmin(((_PALETTE - mean_rgb) ** 2).sum(axis=1)))]
         ys, xs = np.nonzero(mask)
         centroid = (float(ys.mean() + box[0].start + 0.5), float(xs.mean() + box[1].start + 0.5))
-        corners = int(mask[[0, 0, -1, -1], [0, -1, 0, -1]].sum())
-        objects.append(DetectedObject(color, classify_shape(mask), centroid, area, nearest_shape(mask), corners))
+        nearest, corners = nearest_shape(mask), corner_count(mask)
+        objects.append(DetectedObject(color, shape_by_corners(nearest, corners), centroid, area, nearest, corners))
     return objects
 
 

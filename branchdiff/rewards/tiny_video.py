@@ -37,7 +37,7 @@ import torch
 
 from branchdiff.data.tiny_task import check_grammar
 from branchdiff.data.tiny_video_task import DIRECTIONS, TinyClipPrompt, parse_prompt
-from branchdiff.rewards.tiny_geneval import DetectedObject, detect_objects
+from branchdiff.rewards.tiny_geneval import DetectedObject, detect_objects, shape_by_corners
 
 ATTRIBUTES = ("count", "color", "shape", "direction")
 MIN_TRAVEL = 8.0  # px over the clip: half the ground truth's shortest travel; less is a still clip
@@ -46,11 +46,9 @@ SQUARE_MIN_CORNERS = 2  # corner pixels of its bounding box a square-fitting obj
 
 
 def clip_shape(obj: DetectedObject) -> str:
-    """The shape of a detected object under the video rule: tiny-geneval's, except that a
-    square-fitting object needs SQUARE_MIN_CORNERS of its box's corner pixels, not all four."""
-    if obj.nearest_shape == "square":
-        return "square" if obj.corners >= SQUARE_MIN_CORNERS else "unknown"
-    return obj.shape
+    """The shape of a detected object under the video rule: tiny-geneval's corner rules with
+    SQUARE_MIN_CORNERS of a square's four box-corner pixels instead of all four."""
+    return shape_by_corners(obj.nearest_shape, obj.corners, SQUARE_MIN_CORNERS)
 
 
 def clip_direction(centroids: list[tuple[int, np.ndarray]], frames: int, direction: str) -> tuple[float, float]:
