@@ -152,6 +152,9 @@ CASES = [
          r"start from one of its presets \(sd35-pickscore, sd35-pickscore-explore, sd35-pickscore-sol\), e.g. branchdiff train sd35-pickscore"),
     Case("expert-of-a-one-denoiser-family", lambda e: e.fresh("model.expert=low"),
          r"'model.expert' = 'low' chooses one of Wan 2.2's two experts; model.family=tiny has one denoiser: leave model.expert unset"),
+    Case("both-experts-fully-fine-tuned", lambda e: ["config", "wan-mq-branch", "model.expert=both", "model.finetune=full", "model.dtype=float32"],
+         r"'model.expert' = 'both' trains LoRA on Wan 2.2's two experts; full fine-tuning trains one expert per run: "
+         r"set model.finetune=lora, or model.expert=high or low"),
     Case("guidance-2-of-a-one-denoiser-family", lambda e: e.fresh("model.guidance_2=3"),
          r"'model.guidance_2' = 3 is the guidance of Wan 2.2's low-noise expert; model.family=tiny has one denoiser: leave model.guidance_2 unset"),
     Case("frames-on-an-image-family", lambda e: e.fresh("model.frames=5"),

@@ -49,6 +49,22 @@ def test_verifier_on_ground_truth_and_shuffled_prompts():
     assert abs(shuffled["direction"].mean() - 0.25) < 0.08 and abs(shuffled["color"].mean() - 0.25) < 0.08
 
 
+def test_strict_weight_blends_partial_and_strict_credit():
+    """reward = (1 - w)·partial + w·strict against the two scores computed apart, on a right clip and one
+    with the wrong direction; w outside [0, 1] refused."""
+    prompt = parse_prompt("one red circle moving left")
+    clips = torch.from_numpy(render_batch([prompt, parse_prompt("one red circle moving right")], seed=2))
+    texts = [prompt.text] * 2
+    plain = TinyVideoVerifier().score(clips, texts)
+    assert plain["strict"].tolist() == [1.0, 0.0] and 0 < plain["partial"][1] < 1
+    blend = TinyVideoVerifier(strict_weight=0.25)
+    assert blend(clips, texts).tolist() == pytest.approx((0.75 * plain["partial"] + 0.25 * plain["strict"]).tolist())
+    assert blend.reward_key == "blended" and "blended" in blend.score_keys and TinyVideoVerifier()(clips, texts).tolist() == plain["partial"].tolist()
+    for bad in (-0.1, 1.5, float("nan")):
+        with pytest.raises(ValueError, match=r"tiny-video's strict_weight must be in \[0, 1\]"):
+            TinyVideoVerifier(strict_weight=bad)
+
+
 def _clip(boxes_per_frame: list[list[tuple[int, int]]], shape: str = "circle", size: int = 8) -> np.ndarray:
     """A red clip with a `shape` of side `size` at each (top, left) of each frame."""
     clip = np.zeros((len(boxes_per_frame), 3, IMAGE_SIZE, IMAGE_SIZE), dtype=np.float32)

@@ -13,9 +13,10 @@ import json
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from branchdiff.core.rollout import NoiseAddress, SamplerSettings, grow
-from branchdiff.core.tree import TreeSpec, build_tree
+from branchdiff.core.tree import Split, TreeSpec, build_tree
 from branchdiff.models.wan import WanAdapter
 from tiny_pipelines import build_wan
 
@@ -237,8 +238,6 @@ def test_a_video_run_killed_mid_iteration_resumes_to_the_same_weights(saved, tmp
     import sys
     from pathlib import Path
 
-    from safetensors.torch import load_file
-
     from branchdiff.cli import main
     from resumed_runs import deterministic
 
@@ -331,3 +330,65 @@ def test_evaluation_forwards_and_decodes_stay_within_the_familys_batches(saved):
     assert set(forward_rows) == {4} and set(decoded) == {1} and len(decoded) == 6
     alone = torch.cat([sample_ode(adapter, [prompt], 3, STEPS, prompt_keys=[index])[0] for index, prompt in enumerate(PROMPTS)])
     assert torch.equal(videos, alone)
+
+
+def _two_expert_run(saved, run, expert: str, *extra: str) -> list[dict]:
+    """Two iterations of LoRA training on the two-expert Wan with `model.expert=expert`, one parent per
+    minibatch (so a minibatch's rows are all one expert's); the run's metrics."""
+    from branchdiff.cli import main
+
+    assert main(["train", "tiny-chain", "model.family=wan", f"model.path={saved['two']}", "model.resolution=[16,32]", "model.frames=5",
+                 "model.finetune=lora", f"model.expert={expert}", "reward={name: rewards_for_tests:Redness, frames: 2}",
+                 "prompts.per_iteration=2", "iterations=2", f"sampling.num_steps={STEPS}", "tree.roots=2", "tree.splits=[[0,2],[2,2]]",
+                 "train.learning_rate=5e-2", "train.minibatch=1", "final_eval=false", "logging.sample_every=0", "logging.tensorboard=false",
+                 f"output_dir={run}", *extra]) == 0
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_one_trained_expert_trains_only_the_edges_it_predicts(saved, tmp_path):
+    """Regression: with one expert trained, a minibatch whose rows the frozen expert predicts had a loss
+    without gradient and the run crashed ("element 0 of tensors does not require grad"). Now those edges
+    are left out: the edges expert=high and expert=low train add up to those expert=both trains, each
+    as many as the SDE edges stepped from its side of the boundary; DiffusionNFT trains at the steps
+    the trained expert predicts."""
+    adapter = WanAdapter.from_pretrained(str(saved["two"]), size=SIZE, frames=5)
+    times = adapter.schedule(STEPS).model_times  # (STEPS,) the time each step starts from
+    tree = build_tree(TreeSpec(STEPS, roots=2, splits=(Split(0, 2), Split(2, 2))), 2)
+    edge_times = times[tree.depth[tree.parent[tree.parent >= 0]]]  # (edges,) every edge of the trees, all SDE in tiny-chain's window
+    trained = {expert: [m["edges_trained"] for m in _two_expert_run(saved, tmp_path / expert, expert)] for expert in ("high", "low", "both")}
+    high = int((edge_times >= adapter.boundary).sum())
+    assert 0 < high < len(edge_times)
+    assert trained["high"] == [high] * 2 and trained["low"] == [len(edge_times) - high] * 2 and trained["both"] == [len(edge_times)] * 2
+    # DiffusionNFT draws each leaf's steps among those the trained expert predicts (it crashed the same way)
+    leaves, high_steps = int((tree.depth == STEPS).sum()), int((times >= adapter.boundary).sum())
+    nft = _two_expert_run(saved, tmp_path / "nft", "high", "train.loss=nft", f"nft.timesteps={STEPS}")
+    assert [m["nfe_trained"] for m in nft] == [leaves * high_steps] * 2 and all(m["optimizer_steps"] == 1 for m in nft)
+
+
+def test_both_experts_train_in_one_run_and_their_loras_load_into_the_pipeline(saved, tmp_path):
+    """model.expert=both: one run trains a LoRA on each expert; RUN/lora loads into transformer and
+    RUN/lora/transformer_2 with load_into_transformer_2=True, and the pipeline then makes the video the
+    adapter makes with the run's weights; full fine-tuning of both is refused in one line."""
+    from branchdiff.errors import ConfigError
+    from branchdiff.models.finetune import load_weights
+    from branchdiff.settings.load import load_config
+
+    run = tmp_path / "both"
+    _two_expert_run(saved, run, "both")
+    exports = {name: load_file(folder / "pytorch_lora_weights.safetensors")
+               for name, folder in (("transformer", run / "lora"), ("transformer_2", run / "lora" / "transformer_2"))}
+    for state in exports.values():  # each expert's B moved from 0
+        assert state and max(v.abs().max().item() for k, v in state.items() if "lora_B" in k) > 1e-3
+    adapter = WanAdapter.from_pretrained(str(saved["two"]), size=SIZE, frames=5, expert="both")
+    initial, base = _ode_video(adapter)
+    load_weights(adapter, run)
+    _, ours = _ode_video(adapter)
+    pipe = _pipe(saved["two"])
+    pipe.load_lora_weights(str(run / "lora"))
+    pipe.load_lora_weights(str(run / "lora" / "transformer_2"), load_into_transformer_2=True)
+    theirs = _pipeline_video(pipe, initial, 5, adapter.default_guidance)
+    assert (ours - base).abs().max().item() > 1e-3 and (theirs - ours).abs().max().item() <= TOLERANCE
+    with pytest.raises(ConfigError, match="'model.expert' = 'both' trains LoRA on Wan 2.2's two experts; full fine-tuning trains one"):
+        load_config("tiny-chain", ["model.family=wan", f"model.path={saved['two']}", "model.expert=both", "model.finetune=full"])
+    with pytest.raises(ValueError, match="model.expert=both trains Wan 2.2's low-noise expert .*this model has one transformer"):
+        WanAdapter.from_pretrained(str(saved["one"]), size=SIZE, frames=5, expert="both")

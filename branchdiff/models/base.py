@@ -113,6 +113,12 @@ class ModelAdapter(ABC):
         uncond, cond = output.chunk(2)
         return uncond + self.guidance_scale(times, guidance) * (cond - uncond)
 
+    def trains_at(self, times: torch.Tensor) -> torch.Tensor:
+        """(B,) True where the trained denoiser makes the prediction at model times `times` (B,): every
+        row, except on a family with a frozen second network taking some timesteps (Wan 2.2 A14B training one
+        expert), whose edges there cannot learn and are left out of the update."""
+        return torch.ones_like(times, dtype=torch.bool)
+
     def guidance_scale(self, times: torch.Tensor, guidance: float) -> float | torch.Tensor:
         """The CFG scale of rows at `times` (B,): `guidance` (a family whose experts guide differently
         returns one scale per row)."""

@@ -16,7 +16,14 @@ pipeline's `guidance_scale_2`), or the run's when it is unset (the pipeline's de
 (what LoRA and full fine-tuning train, and what the export holds) is the expert `model.expert` names:
 `high`, `transformer` (the default, and Wan 2.1's only one), or `low`, `transformer_2`, whose LoRA
 loads with `pipe.load_lora_weights(path, load_into_transformer_2=True)` and whose full fine-tuning
-exports `transformer_2/`; the other expert stays frozen.
+exports `transformer_2/`; the other expert stays frozen, and the edges it predicts are not trained
+(`trains_at`). With `both`, LoRA trains the two experts together (`WanExperts`): the export RUN/lora
+holds transformer's LoRA, and RUN/lora/transformer_2/ transformer_2's, which loads with
+`load_into_transformer_2=True` (full fine-tuning trains one expert per run).
+
+Under FSDP every process must call a sharded expert as often as the others (`lockstep`): an expert
+with no rows in a batch then runs one row, whose output enters the result times 0, so its gathers
+and its gradient's reduction happen on every process alike.
 
 Wan 2.2 TI2V-5B (`expand_timesteps` in its pipeline's config) is given one timestep per token by its
 pipeline; in text-to-video they all equal the row's, which the transformer's one-timestep path computes
@@ -29,18 +36,65 @@ UniPC, and that a trained LoRA's export loads into the pipeline to the same vide
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 from pathlib import Path
 
 import torch
 
+from branchdiff.models import lora
 from branchdiff.models.pipeline_adapter import PipelineAdapter
 
 WAN_ATTENTION = ["attn1.to_q", "attn1.to_k", "attn1.to_v", "attn1.to_out.0", "attn2.to_q", "attn2.to_k", "attn2.to_v", "attn2.to_out.0"]
 WAN_FEED_FORWARD = ["ffn.net.0.proj", "ffn.net.2"]
 PIPELINE_SIDE_MULTIPLE = 16  # WanPipeline.check_inputs: height and width divisible by 16
-EXPERTS = ("high", "low")  # model.expert: Wan 2.2 A14B's expert trained, `transformer` (high noise) or `transformer_2` (low noise)
+EXPERTS = ("high", "low", "both")  # model.expert: Wan 2.2 A14B's expert(s) trained: `transformer` (high noise), `transformer_2` (low noise), or both
+LOW_NOISE_LORA = "transformer_2"  # with model.expert=both: the folder of transformer_2's LoRA inside RUN/lora
+
+
+class WanExperts(torch.nn.Module):
+    """Wan 2.2's two experts as one trained module (`model.expert: both`): `forward(expert, **inputs)`
+    calls `transformer` or `transformer_2`, so a (DDP-)wrapper sees every call; LoRA, gradient
+    checkpointing and the adapter switch reach both. `denoisers` names them for FSDP's wrap
+    (branchdiff/runtime/sharding.py: each expert's blocks are units)."""
+
+    denoisers = ("transformer", "transformer_2")
+
+    def __init__(self, transformer: torch.nn.Module, transformer_2: torch.nn.Module) -> None:
+        super().__init__()
+        self.transformer, self.transformer_2 = transformer, transformer_2
+
+    def forward(self, expert: str, **inputs: object) -> object:
+        return getattr(self, expert)(**inputs)
+
+    @property
+    def config(self):
+        return self.transformer.config
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.transformer.dtype
+
+    @property
+    def peft_config(self) -> dict:
+        return self.transformer.peft_config
+
+    def add_adapter(self, config) -> None:
+        for expert in (self.transformer, self.transformer_2):
+            expert.add_adapter(copy.deepcopy(config))
+
+    def disable_adapters(self) -> None:
+        self.transformer.disable_adapters()
+        self.transformer_2.disable_adapters()
+
+    def enable_adapters(self) -> None:
+        self.transformer.enable_adapters()
+        self.transformer_2.enable_adapters()
+
+    def enable_gradient_checkpointing(self) -> None:
+        self.transformer.enable_gradient_checkpointing()
+        self.transformer_2.enable_gradient_checkpointing()
 
 
 class WanAdapter(PipelineAdapter):
@@ -61,8 +115,8 @@ class WanAdapter(PipelineAdapter):
         check_frames(frames, pipe.vae_scale_factor_temporal)
         if expert not in EXPERTS:
             raise ValueError(f"model.expert={expert!r}; allowed: {', '.join(EXPERTS)}")
-        if expert == "low" and pipe.transformer_2 is None:
-            raise ValueError("model.expert=low trains Wan 2.2's low-noise expert (transformer_2), and this model has one transformer; "
+        if expert != "high" and pipe.transformer_2 is None:
+            raise ValueError(f"model.expert={expert} trains Wan 2.2's low-noise expert (transformer_2), and this model has one transformer; "
                              "use model.expert=high")
         if guidance_2 is not None and pipe.transformer_2 is None:
             raise ValueError(f"model.guidance_2={guidance_2} is the guidance of Wan 2.2's low-noise expert (transformer_2), and this model "
@@ -70,9 +124,11 @@ class WanAdapter(PipelineAdapter):
         self.frames, self.expert, self.guidance_2 = frames, expert, guidance_2
         self.denoiser_name = "transformer" if expert == "high" else "transformer_2"  # the trained expert, and its export's folder
         super().__init__(pipe, device, size, offload)
-        self.second = pipe.transformer_2 if expert == "high" else pipe.transformer  # the frozen expert, or None (Wan 2.1)
+        self.second = {"high": pipe.transformer_2, "low": pipe.transformer, "both": None}[expert]  # the frozen expert, or None (Wan 2.1; both trained)
         if self.second is not None:
             self.second.requires_grad_(False).eval().to(self.device)
+        if expert == "both":
+            self.denoiser = WanExperts(pipe.transformer, pipe.transformer_2.to(self.device))
         ratio = pipe.config.boundary_ratio
         self.boundary = None if ratio is None else ratio * pipe.scheduler.config.num_train_timesteps  # timesteps below it: transformer_2
 
@@ -122,18 +178,68 @@ class WanAdapter(PipelineAdapter):
         scale = torch.where(times >= self.boundary, guidance, self.guidance_2).to(self.dtype)  # (B,)
         return scale.view(-1, *[1] * len(self.latent_shape))
 
+    def high_noise(self, times: torch.Tensor) -> torch.Tensor:
+        """(B,) True for rows `transformer` predicts: at timesteps ≥ the boundary (all, without a second expert)."""
+        return torch.ones_like(times, dtype=torch.bool) if self.boundary is None else times >= self.boundary
+
+    def trains_at(self, times: torch.Tensor) -> torch.Tensor:
+        high = self.high_noise(times)
+        return {"high": high, "low": ~high, "both": torch.ones_like(high)}[self.expert]
+
     def forward(self, latents: torch.Tensor, times: torch.Tensor, embeds: dict[str, torch.Tensor], guidance: float) -> torch.Tensor:
-        """Rows at timesteps ≥ the boundary (all, without a second expert) through `transformer`, the
-        others through `transformer_2`."""
-        high = torch.ones_like(times, dtype=torch.bool) if self.boundary is None else times >= self.boundary
-        first, second = (self.denoiser, self.second) if self.expert == "high" else (self.second, self.denoiser)  # transformer, transformer_2
-        if bool(high.all()):
-            return self._expert(first, latents, times, embeds["encoder_hidden_states"])
-        out = torch.empty_like(latents, dtype=self.dtype)
-        for expert, rows in ((first, high), (second, ~high)):
+        """Rows at timesteps ≥ the boundary through `transformer`, the others through `transformer_2`
+        (under FSDP a sharded expert without rows runs one: module doc)."""
+        high, text = self.high_noise(times), embeds["encoder_hidden_states"]
+        if bool(high.all()) and self.lockstep is None:
+            return self._expert(self._network("transformer"), latents, times, text)
+        out, idle = torch.empty_like(latents, dtype=self.dtype), None
+        for name, rows in (("transformer", high), ("transformer_2", ~high)):
+            expert = self._network(name)
             if bool(rows.any()):
-                out[rows] = self._expert(expert, latents[rows], times[rows], embeds["encoder_hidden_states"][rows])
-        return out
+                out[rows] = self._expert(expert, latents[rows], times[rows], text[rows])
+            elif self.lockstep is not None and name in self.trained_experts():
+                unused = self._expert(expert, latents[:1], times[:1], text[:1]).sum() * 0  # the gathers and gradient reduction of the others
+                idle = unused if idle is None else idle + unused
+        return out if idle is None else out + idle
+
+    def trained_experts(self) -> tuple[str, ...]:
+        return {"high": ("transformer",), "low": ("transformer_2",), "both": WanExperts.denoisers}[self.expert]
+
+    def _network(self, name: str):
+        """What predicts for the pipeline component `name`: the trained (possibly wrapped) denoiser, an
+        expert of it (`both`), or the frozen expert."""
+        if self.expert == "both":
+            return lambda **inputs: self.denoiser(name, **inputs)
+        return self.denoiser if name in self.trained_experts() else self.second
+
+    @staticmethod
+    def _lora_parts(directory: Path) -> list[tuple[str, Path]]:
+        """With model.expert=both: (expert, folder) of each expert's LoRA in an export `directory` (module doc)."""
+        return [("transformer", directory), ("transformer_2", directory / LOW_NOISE_LORA)]
+
+    def save_lora(self, directory: Path, state: dict[str, torch.Tensor] | None = None) -> Path:
+        if self.expert != "both":
+            return super().save_lora(directory, state)
+        for name, folder in self._lora_parts(directory):
+            start = name + "."
+            part = None if state is None else {k[len(start) :]: v for k, v in state.items() if k.startswith(start)}
+            lora.save_lora(getattr(self.denoiser, name), folder, self.pipeline_class_name, self.lora_prefix, part)
+        return directory / lora.LORA_FILE
+
+    def load_lora(self, path: str | Path) -> None:
+        if self.expert != "both":
+            return super().load_lora(path)
+        if not Path(path).is_dir():
+            raise FileNotFoundError(f"model.expert=both loads a LoRA folder holding both experts' (RUN/lora, with {LOW_NOISE_LORA}/ inside); "
+                                    f"got {path}")
+        for name, folder in self._lora_parts(Path(path)):
+            lora.load_lora(getattr(self.denoiser, name), folder, self.pipeline_class_name, self.lora_prefix)
+
+    def load_lora_state(self, directory: Path) -> None:
+        if self.expert != "both":
+            return super().load_lora_state(directory)
+        for name, folder in self._lora_parts(directory):
+            lora.load_lora_state(getattr(self.denoiser, name), folder, self.lora_prefix)
 
     def _expert(self, expert: torch.nn.Module, latents: torch.Tensor, times: torch.Tensor, text: torch.Tensor) -> torch.Tensor:
         return expert(hidden_states=latents.to(self.dtype), timestep=times, encoder_hidden_states=text.to(self.dtype), return_dict=False)[0]

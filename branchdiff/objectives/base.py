@@ -93,10 +93,12 @@ def drop_nonfinite_groups(tree: Tree, rewards: torch.Tensor) -> tuple[torch.Tens
 
 def zero_loss(train_policy: ModelAdapter, rollout: Rollout, embeds: dict, schedule: Schedule, guidance: float | None,
               reference: ModelAdapter | None = None) -> torch.Tensor:
-    """A zero loss through the trained (wrapped) denoiser on the rollout's first node, and a forward of
-    `reference` on it when given (`UpdatePlan.idle_loss` of a process that holds no minibatch)."""
+    """A zero loss through the trained (wrapped) denoiser on the rollout's first node at the first step
+    it predicts (`ModelAdapter.trains_at`), and a forward of `reference` on it when given
+    (`UpdatePlan.idle_loss` of a process that holds no minibatch)."""
     root = torch.tensor([0])
-    inputs = (rollout.latents[root], schedule.model_times[:1], select_embeds(embeds, rollout.tree.prompt[root]), guidance)
+    step = int(torch.nonzero(train_policy.trains_at(schedule.model_times))[0])
+    inputs = (rollout.latents[root], schedule.model_times[step : step + 1], select_embeds(embeds, rollout.tree.prompt[root]), guidance)
     output = train_policy.predict(*inputs)
     if reference is not None:
         with torch.no_grad():

@@ -57,18 +57,25 @@ class ClippedGRPO(Objective):
         return Signal(node_rewards, node_advantages, trained, int(dropped.sum()))
 
     def trainable_mask(self, rollout: Rollout, node_advantages: torch.Tensor, iteration: int) -> torch.Tensor:
-        """(N,) edges that get gradients: SDE edges with a density, in the trainable steps, after
-        step subsampling and (while active) depth and width pruning."""
+        """(N,) edges that get gradients: SDE edges with a density, from a step the trained denoiser
+        predicts (`ModelAdapter.trains_at`), in the trainable steps, after step subsampling and (while
+        active) depth and width pruning."""
         config, tree = self.config, rollout.tree
         steps = trainable_steps(config, iteration)
         generator = torch.Generator().manual_seed(config.seed * 7_919 + iteration)
-        mask = tree.is_sde_edge & (rollout.std > 0)
+        mask = self.learnable_edges(rollout)
         mask &= prune.step_mask(tree, prune.subsample_steps(steps, config.train.step_fraction, generator))
         p = config.prune
         if iteration < p.active_fraction * config.iterations:
             mask &= prune.depth_mask(tree, prune.sliding_depths(frozenset(p.depths), iteration, p.slide_every, p.stop_depth))
             mask &= prune.width_mask(tree, node_advantages, p.width, p.width_ratio, self.collective)
         return mask
+
+    def learnable_edges(self, rollout: Rollout) -> torch.Tensor:
+        """(N,) SDE edges with a density stepped from a time the trained denoiser predicts."""
+        tree, times = rollout.tree, self.schedule.model_times
+        parent_times = times[tree.depth[tree.parent.clamp(min=0)].to(times.device)]  # (N,)
+        return tree.is_sde_edge & (rollout.std > 0) & self.train_policy.trains_at(parent_times).cpu()
 
     def plan(self, rollout: Rollout, embeds: dict, signal: Signal, address: NoiseAddress) -> GRPOPlan:
         return GRPOPlan(self, rollout, embeds, signal.node_advantages, signal.trained, address.iteration)
@@ -140,14 +147,14 @@ class GRPOPlan:
 
     def idle_loss(self) -> torch.Tensor:
         """Zero, through the network calls of a minibatch's loss: the first minibatch's edges, or (every
-        edge of this process pruned) its trees' first SDE edge; the statistics are left as they were."""
+        edge of this process pruned) its trees' first learnable edge; the statistics are left as they were."""
         if self.minibatches:
             parent_rows, edge_rows = self.minibatches[0], self.minibatch_edges[0]  # (u,), (e,)
             parents, children = self.parents[parent_rows], self.edges[edge_rows]
             local = torch.searchsorted(parent_rows, self.edge_parent[edge_rows])
         else:
             tree = self.rollout.tree
-            children = torch.nonzero(tree.is_sde_edge & (self.rollout.std > 0)).squeeze(1)[:1]  # (1,)
+            children = torch.nonzero(self.objective.learnable_edges(self.rollout)).squeeze(1)[:1]  # (1,)
             parents, local = tree.parent[children], torch.zeros(1, dtype=torch.long)
         stats = dict(self.stats)
         per_edge = self.edge_losses(parents, children, local)[0]

@@ -9,7 +9,7 @@ project's option, no published system has it) the leaf rewards are fused up the 
 depth by depth as clipped GRPO does (`advantage.*`), and a term at step k takes the advantage of the
 edge into the leaf's ancestor at depth k + 1: the choice made at the noise level it is trained at.
 Plan: every kept leaf x0 is trained at `nft.timesteps`
-of the sampler's steps (σ of the rollout's schedule), with fresh noise ε, on x_t = (1 − σ)·x0 + σ·ε;
+of the sampler's steps (σ of the rollout's schedule; steps a frozen expert predicts left out), with fresh noise ε, on x_t = (1 − σ)·x0 + σ·ε;
 a term is (leaf, step) with the loss of `loss.nft_loss` between the trained prediction v_θ and the
 sampling policy's v_old, plus train.kl_beta · mean((v_θ − v_ref)²) to the base model.
 
@@ -119,10 +119,12 @@ class NFTPlan:
         leaves = torch.nonzero(signal.trained).squeeze(1)  # (K,) leaf nodes trained
         rows, steps, noises = [], [], []
         generator = torch.Generator()
+        learnable = objective.train_policy.trains_at(schedule.model_times).cpu()  # (T,) steps the trained denoiser predicts
         for leaf in leaves.tolist():  # each term's step and noise addressed by (seed, iteration, prompt key, the leaf's node path)
             prompt_key = address.prompt_keys[int(tree.prompt[leaf])]
             generator.manual_seed(address_seed("nft", address.run_seed, address.iteration, prompt_key, tree.paths[leaf]))
-            chosen = torch.randperm(schedule.num_steps, generator=generator)[: config.nft.timesteps]
+            order = torch.randperm(schedule.num_steps, generator=generator)
+            chosen = order[learnable[order]][: config.nft.timesteps]
             rows += [leaf] * len(chosen)
             steps.append(chosen)
             noises.append(torch.randn((len(chosen), *rollout.latents.shape[1:]), generator=generator))

@@ -27,7 +27,8 @@ objects, scores 0). Then, as for images,
     strict    = count · colour · shape · direction
     partial   = mean of the four partial terms (count, colour, shape averaged over frames)
 
-The reward is `partial`; `score` also returns `strict` and the four binary attributes.
+The reward is `partial`; `score` also returns `strict` and the four binary attributes. With
+`strict_weight` w > 0 the reward is tiny-geneval's blend (1 − w)·partial + w·strict.
 """
 
 from __future__ import annotations
@@ -92,16 +93,22 @@ def score_clip(clip: np.ndarray, prompt: TinyClipPrompt) -> dict[str, float]:
 
 
 class TinyVideoVerifier:
-    """Reward `(videos, prompts, metadata) -> tensor[B]` in [0, 1]: partial credit (module doc)."""
+    """Reward `(videos, prompts, metadata) -> tensor[B]` in [0, 1]: partial credit, or with
+    `strict_weight` w > 0 the blend (1 - w)·partial + w·strict (module doc)."""
 
     name = "tiny-video"
     scale = "partial credit in [0, 1]: mean of count, colour, shape (averaged over frames) and direction-of-motion scores"
     video = True
-    reward_key = "partial"
-    score_keys = ("strict", "partial", *ATTRIBUTES)
 
-    def __init__(self, device: str | torch.device = "cpu") -> None:
+    def __init__(self, device: str | torch.device = "cpu", strict_weight: float = 0.0) -> None:
+        if not 0.0 <= strict_weight <= 1.0:  # also refuses NaN
+            raise ValueError(f"tiny-video's strict_weight must be in [0, 1] (the blend (1 - w)·partial + w·strict); got {strict_weight}")
         self.device = torch.device(device)
+        self.strict_weight = float(strict_weight)
+        self.reward_key = "blended" if self.strict_weight else "partial"  # the key of `score` that is the reward
+        self.score_keys = ("strict", "partial", *ATTRIBUTES, *(("blended",) if self.strict_weight else ()))  # every key `score` returns
+        if self.strict_weight:
+            self.scale = f"{1 - self.strict_weight:g}·partial + {self.strict_weight:g}·strict, in [0, 1]"
 
     @staticmethod
     def check_prompts(prompts: list[str]) -> None:
@@ -116,7 +123,10 @@ class TinyVideoVerifier:
             raise ValueError(f"got {videos.shape[0]} videos for {len(prompts)} prompts")
         pixels = videos.detach().float().clamp(0, 1).cpu().numpy()
         rows = [score_clip(clip, parse_prompt(text)) for clip, text in zip(pixels, prompts)]
-        return {key: torch.tensor([row[key] for row in rows]) for key in rows[0]} if rows else {}
+        scores = {key: torch.tensor([row[key] for row in rows]) for key in rows[0]} if rows else {}
+        if self.strict_weight and scores:
+            scores["blended"] = (1 - self.strict_weight) * scores["partial"] + self.strict_weight * scores["strict"]  # (B,)
+        return scores
 
     def __call__(self, videos: torch.Tensor, prompts: list[str], metadata: list[dict] | None = None) -> torch.Tensor:
-        return self.score(videos, prompts)["partial"]
+        return self.score(videos, prompts)[self.reward_key]

@@ -6,7 +6,7 @@ Turned on by the launcher: `accelerate launch --config_file $(branchdiff acceler
 FSDP variables, which `ShardingSettings.from_environment` reads. branchdiff shards the denoiser
 itself, the same way on GPUs and on CPUs (gloo), so every part of a run knows the sharded module:
 - the wrap: every block of the denoiser's top-level `ModuleList`s (transformer blocks, UNet down and
-  up blocks) is one FSDP unit, the rest of the network the root unit; LoRA's layers live inside
+  up blocks; each expert's, for Wan 2.2's two trained together) is one FSDP unit, the rest of the network the root unit; LoRA's layers live inside
   their blocks. `fsdp_offload_params` keeps the shards (and the optimizer's step) on the CPU;
   `fsdp_reshard_after_forward` is honoured for the blocks; accelerate's wrap policy and FSDP1 settings
   are not read. The module may wait in host memory: `fully_shard` moves each unit to the device.
@@ -80,7 +80,10 @@ def accelerate_without_fsdp() -> Iterator[None]:
 
 
 def blocks(module: nn.Module) -> list[nn.Module]:
-    """The FSDP units below the root: every element of the module's top-level `ModuleList`s."""
+    """The FSDP units below the root: every element of the module's top-level `ModuleList`s; of a
+    module made of several denoisers (`denoisers` names them: Wan 2.2's two experts), theirs."""
+    if hasattr(module, "denoisers"):
+        return [block for name in module.denoisers for block in blocks(getattr(module, name))]
     return [block for child in module.children() if isinstance(child, nn.ModuleList) for block in child]
 
 

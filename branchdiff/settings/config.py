@@ -39,7 +39,7 @@ class ModelConfig:
     path: str | None = None  # local directory or hub id of the diffusers pipeline; None = the built-in tiny model
     resolution: int | list[int] | None = None  # image size in pixels: H (a square) or [H, W]; None = the family's default (tiny 32, sd15 512, wan [480, 832], others 1024)
     frames: int | None = positive(None)  # video families (wan): frames per video, r·k + 1 (r = the VAE's temporal factor, 4 for Wan); None = the family's default (Wan 81); image families: leave unset
-    expert: str = choice("high", "high", "low")  # wan, Wan 2.2 A14B: the expert trained and exported, transformer (high noise) or transformer_2 (low noise)
+    expert: str = choice("high", "high", "low", "both")  # wan, Wan 2.2 A14B: the expert(s) trained and exported, transformer (high noise), transformer_2 (low noise) or both (LoRA)
     guidance_2: float | None = positive(None)  # wan, Wan 2.2 A14B: the low-noise expert's CFG scale (the pipeline's guidance_scale_2); None = the run's guidance
     dtype: str = choice("float32", "float32", "bfloat16", "float16")  # base weights' dtype (LoRA parameters stay float32)
     offload: bool = False  # keep text encoders and VAE on the CPU except while they run

@@ -33,6 +33,9 @@ def validate(config: TrainConfig) -> None:
     if config.model.expert != "high" and not family.video:
         raise ConfigError(f"'model.expert' = {config.model.expert!r} chooses one of Wan 2.2's two experts; model.family="
                           f"{config.model.family} has one denoiser: leave model.expert unset")
+    if config.model.expert == "both" and config.model.finetune == "full":
+        raise ConfigError("'model.expert' = 'both' trains LoRA on Wan 2.2's two experts; full fine-tuning trains one expert per run: "
+                          "set model.finetune=lora, or model.expert=high or low")
     if config.model.guidance_2 is not None and not family.video:
         raise ConfigError(f"'model.guidance_2' = {config.model.guidance_2} is the guidance of Wan 2.2's low-noise expert; model.family="
                           f"{config.model.family} has one denoiser: leave model.guidance_2 unset")

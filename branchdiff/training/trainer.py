@@ -174,7 +174,8 @@ class Trainer(TrainerCheckpoints):
             project_config=ProjectConfiguration(project_dir=str(self.run_dir), logging_dir=str(self.run_dir / "logs")),
             # the denoiser's buffers are constants (SD3's positional table): nothing to broadcast; a collective
             # still waiting a while after the heartbeat watch (branchdiff/runtime/watchdog.py) would have named a frozen rank raises
-            kwargs_handlers=[DistributedDataParallelKwargs(broadcast_buffers=False),
+            # model.expert=both: a minibatch whose rows are all one expert's leaves the other's LoRA without a gradient
+            kwargs_handlers=[DistributedDataParallelKwargs(broadcast_buffers=False, find_unused_parameters=config.model.expert == "both"),
                              group],
         )
 
