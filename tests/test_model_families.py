@@ -37,7 +37,8 @@ def _ode_images(adapter, num_steps: int, guidance: float | None = None) -> tuple
 def _pipeline_images(pipe, family: str, latents: torch.Tensor, num_steps: int, guidance: float,
                      size: tuple[int, int] | None = None, prompts: list[str] = PROMPTS) -> torch.Tensor:
     height, width = size or (RESOLUTION[family], RESOLUTION[family])
-    return pipe(prompt=prompts, num_inference_steps=num_steps, height=height, width=width, guidance_scale=guidance,
+    # a copy: ZImagePipeline writes its chat-templated prompts into the list it is given
+    return pipe(prompt=list(prompts), num_inference_steps=num_steps, height=height, width=width, guidance_scale=guidance,
                 latents=latents.clone(), output_type="pt", **CALL_KWARGS[family]).images
 
 
@@ -62,6 +63,16 @@ def test_guidance_is_a_setting_and_changes_the_images(saved, family):
     assert (unguided - theirs).abs().max().item() <= TOLERANCE
     assert (unguided - _ode_images(adapter, STEPS)[1]).abs().max().item() > 1e-3
     assert adapter.rows_per_sample(1.0) == 1 and adapter.rows_per_sample(adapter.default_guidance) == 2
+
+
+def test_z_image_guides_as_its_pipeline_does(saved):
+    """Z-Image's pipeline guides at any scale g > 0 with pos + g·(pos − neg) and not at 0 (Z-Image-Turbo's
+    setting): both equal `pipe(guidance_scale=g)`, 0 with one network row per sample, 1 with two."""
+    adapter = load_adapter("z-image", str(saved["z-image"]), resolution=RESOLUTION["z-image"])
+    for guidance, rows in ((0.0, 1), (1.0, 2)):
+        initial, ours = _ode_images(adapter, STEPS, guidance=guidance)
+        theirs = _pipeline_images(load_pipeline("z-image", saved["z-image"]), "z-image", initial, STEPS, guidance)
+        assert adapter.rows_per_sample(guidance) == rows and (ours - theirs).abs().max().item() <= TOLERANCE
 
 
 def _train_overrides(family: str, folder, run_dir, *extra: str) -> list[str]:
@@ -221,7 +232,7 @@ def test_sample_search_runs_for_every_family_and_its_winner_regrows(saved, famil
     assert (tmp_path / "again" / image).read_bytes() == (tmp_path / "search" / image).read_bytes()
 
 
-NON_SQUARE = {"sd3": (32, 16), "flux": (32, 16), "sana": (32, 64), "sd15": (16, 32)}  # (height, width): multiples of each family's step
+NON_SQUARE = {"sd3": (32, 16), "flux": (32, 16), "sana": (32, 64), "sd15": (16, 32), "z-image": (16, 32)}  # (height, width): multiples of each family's step
 
 
 @pytest.mark.parametrize("family", FAMILIES)

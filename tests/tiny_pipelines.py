@@ -76,6 +76,8 @@ from diffusers import (
     StableDiffusion3Pipeline,
     StableDiffusionPipeline,
     UNet2DConditionModel,
+    ZImagePipeline,
+    ZImageTransformer2DModel,
 )
 from tokenizers import Tokenizer, decoders, normalizers, pre_tokenizers, processors
 from tokenizers.models import WordPiece
@@ -87,29 +89,32 @@ from transformers import (
     Gemma2Config,
     Gemma2Model,
     PreTrainedTokenizerFast,
+    Qwen3Config,
+    Qwen3Model,
     T5Config,
     T5EncoderModel,
 )
 
 from branchdiff.models.tiny import build_tokenizer as build_clip_tokenizer
 
-FAMILIES = ("sd3", "flux", "sana", "sd15")
-RESOLUTION: dict[str, int] = {"sd3": 32, "flux": 32, "sana": 32, "sd15": 32}
+FAMILIES = ("sd3", "flux", "sana", "sd15", "z-image")
+RESOLUTION: dict[str, int] = {"sd3": 32, "flux": 32, "sana": 32, "sd15": 32, "z-image": 32}
 PIPELINE_CLASS: dict[str, type[DiffusionPipeline]] = {
     "sd3": StableDiffusion3Pipeline,
     "flux": FluxPipeline,
     "sana": SanaPipeline,
     "sd15": StableDiffusionPipeline,
+    "z-image": ZImagePipeline,
 }
 # Extra `__call__` keyword arguments a family needs at RESOLUTION (see the module docstring).
-CALL_KWARGS: dict[str, dict[str, Any]] = {"sd3": {}, "flux": {}, "sana": {"use_resolution_binning": False}, "sd15": {}}
+CALL_KWARGS: dict[str, dict[str, Any]] = {"sd3": {}, "flux": {}, "sana": {"use_resolution_binning": False}, "sd15": {}, "z-image": {}}
 # Guidance scale per family for tests: > 1 runs classifier-free guidance (sd3, sana, sd15);
 # FLUX.1-dev is guidance-distilled, its guidance scale is an embedding input (3.5 as released).
-GUIDANCE_SCALE: dict[str, float] = {"sd3": 4.5, "flux": 3.5, "sana": 4.5, "sd15": 4.5}
+GUIDANCE_SCALE: dict[str, float] = {"sd3": 4.5, "flux": 3.5, "sana": 4.5, "sd15": 4.5, "z-image": 5.0}
 
 CLIP_MAX_LENGTH = 77
-VAE_SCALE_FACTOR: dict[str, int] = {"sd3": 2, "flux": 2, "sana": 4, "sd15": 2}
-LATENT_CHANNELS: dict[str, int] = {"sd3": 16, "flux": 16, "sana": 32, "sd15": 4}
+VAE_SCALE_FACTOR: dict[str, int] = {"sd3": 2, "flux": 2, "sana": 4, "sd15": 2, "z-image": 2}
+LATENT_CHANNELS: dict[str, int] = {"sd3": 16, "flux": 16, "sana": 32, "sd15": 4, "z-image": 16}
 
 # A few hundred words for the T5 / Gemma WordPiece vocabularies; anything else falls back to
 # single characters (`##x` continuations), so ASCII text never maps to <unk>.
@@ -163,6 +168,22 @@ def build_gemma_tokenizer() -> PreTrainedTokenizerFast:
     """Gemma-style: <pad>=0, <eos>=1, <bos>=2, <unk>=3, "<bos>" prepended."""
     specials = {"pad_token": "<pad>", "eos_token": "<eos>", "bos_token": "<bos>", "unk_token": "<unk>"}
     return _wordpiece_tokenizer(specials, "<bos> $A", model_max_length=2048)
+
+
+QWEN_CHAT_TEMPLATE = (  # Qwen3's chat markup, as much of it as the Z-Image pipeline renders (one user turn, the generation prompt)
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% if enable_thinking is defined and not enable_thinking %}"
+    "<think>\n\n</think>\n\n{% endif %}{% endif %}"
+)
+
+
+def build_qwen_tokenizer() -> PreTrainedTokenizerFast:
+    """Qwen-style: <|endoftext|> pads, <|im_start|> / <|im_end|> are special tokens, nothing added
+    around a text, and the chat template above (Z-Image renders each prompt through it)."""
+    specials = {"pad_token": "<|endoftext|>", "eos_token": "<|im_end|>", "bos_token": "<|im_start|>", "unk_token": "<unk>"}
+    tokenizer = _wordpiece_tokenizer(specials, "$A", model_max_length=32768)
+    tokenizer.chat_template = QWEN_CHAT_TEMPLATE
+    return tokenizer
 
 
 def _clip_tokenizer() -> CLIPTokenizer:
@@ -287,7 +308,22 @@ def _build_sd15(res: int) -> StableDiffusionPipeline:
     )
 
 
-_BUILDERS = {"sd3": _build_sd3, "flux": _build_flux, "sana": _build_sana, "sd15": _build_sd15}
+def _build_z_image(res: int) -> ZImagePipeline:
+    tokenizer = build_qwen_tokenizer()
+    text_encoder = Qwen3Model(Qwen3Config(  # the pipeline takes the second-to-last hidden states: two layers
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=16, max_position_embeddings=1024, pad_token_id=tokenizer.pad_token_id,
+    ))
+    transformer = ZImageTransformer2DModel(  # rope axes (frame, row, column) sum to the head size 16
+        all_patch_size=(2,), all_f_patch_size=(1,), in_channels=LATENT_CHANNELS["z-image"], dim=32, n_layers=2,
+        n_refiner_layers=1, n_heads=2, n_kv_heads=2, cap_feat_dim=32, axes_dims=[8, 4, 4], axes_lens=[1024, 64, 64],
+    )
+    vae = _autoencoder_kl(LATENT_CHANNELS["z-image"], scaling_factor=0.3611, shift_factor=0.1159, flow=True)  # FLUX.1's VAE, as released
+    scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=False)  # Z-Image-Turbo's config
+    return ZImagePipeline(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, transformer=transformer)
+
+
+_BUILDERS = {"sd3": _build_sd3, "flux": _build_flux, "sana": _build_sana, "sd15": _build_sd15, "z-image": _build_z_image}
 
 
 def _check(family: str) -> None:

@@ -125,6 +125,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--device", default="cpu", help="device of the reward's model")
     serve.add_argument("--kwargs", default=None, help="keyword arguments of the reward, a YAML mapping: '{checkpoint: PATH}'")
 
+    commands.add_parser("families", help="list the model families: built-in and installed, each one's pipeline, guidance and sizes")
+
     accel = commands.add_parser("accelerate-config", help="print the path of a packaged accelerate config (for --config_file)")
     accel.add_argument("name", nargs="?", default=None, help="single-gpu | multi-gpu | multi-node (none: list them)")
 

@@ -5,11 +5,18 @@ A family entry names its adapter class ("module:Class", imported only when used)
 (`flow` for velocity models, whose SDEs are dance | flow | cps; `ddim` for ε-models), its
 default image size, whether its prompts carry an instruction prefix, and whether it makes videos
 (then `model.frames` is its frames per video; `frames` the default).
+
+An installed package adds a family through an entry point in the group `branchdiff.families` (its
+`pyproject.toml`: `[project.entry-points."branchdiff.families"] my-model = "my_pkg.family:FAMILY"`,
+`FAMILY` a `Family` naming its adapter class); it is read when this module is imported, and a
+built-in name is never replaced. `branchdiff families` lists them all (docs/models.md, "Families
+from other packages"; `branchdiff.testing.check_family` runs the pipeline checks on one).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from importlib.metadata import entry_points
 
 
 @dataclass(frozen=True)
@@ -20,21 +27,48 @@ class Family:
     fixed_resolution: bool = False  # True: the family makes images of `resolution` only
     instruction: bool = False  # True: its pipeline prepends an instruction to every prompt (model.prompt_instruction turns it off)
     frames: int = 0  # a video family's default frames per video (0: the family makes images)
+    side_multiple: int = 8  # the released models' image sides are multiples of this (the loaded folder's configs decide)
 
     @property
     def video(self) -> bool:
         return self.frames > 0
 
 
-FAMILIES: dict[str, Family] = {
+BUILT_IN: dict[str, Family] = {
     "tiny": Family("branchdiff.models.tiny:TinyAdapter", "flow", 32, fixed_resolution=True),
     "tiny-video": Family("branchdiff.models.tiny_video:TinyVideoAdapter", "flow", 32, fixed_resolution=True, frames=5),  # the built-in video task's model
-    "sd3": Family("branchdiff.models.sd3:SD3Adapter", "flow", 1024),
-    "flux": Family("branchdiff.models.flux:FluxAdapter", "flow", 1024),
-    "sana": Family("branchdiff.models.sana:SanaAdapter", "flow", 1024, instruction=True),
+    "sd3": Family("branchdiff.models.sd3:SD3Adapter", "flow", 1024, side_multiple=16),
+    "flux": Family("branchdiff.models.flux:FluxAdapter", "flow", 1024, side_multiple=16),
+    "sana": Family("branchdiff.models.sana:SanaAdapter", "flow", 1024, instruction=True, side_multiple=32),
     "sd15": Family("branchdiff.models.sd15:SD15Adapter", "ddim", 512),
-    "wan": Family("branchdiff.models.wan:WanAdapter", "flow", (480, 832), frames=81),  # Wan 2.1 / 2.2 text-to-video at 480p
+    "z-image": Family("branchdiff.models.z_image:ZImageAdapter", "flow", 1024, side_multiple=16),  # Z-Image(-Turbo), Qwen3 prompts
+    "wan": Family("branchdiff.models.wan:WanAdapter", "flow", (480, 832), frames=81, side_multiple=16),  # Wan 2.1 / 2.2 text-to-video at 480p
 }
+ENTRY_POINT_GROUP = "branchdiff.families"
+
+
+def installed_families() -> tuple[dict[str, Family], dict[str, str]]:
+    """The families installed packages register (entry points of ENTRY_POINT_GROUP), and for each
+    entry point that could not be used, why: it failed to import, is not a `Family`, or takes a built-in's name."""
+    found, refused = {}, {}
+    for point in entry_points(group=ENTRY_POINT_GROUP):
+        if point.name in BUILT_IN:
+            refused[point.name] = f"{point.value}: the name of a built-in family"
+            continue
+        try:
+            spec = point.load()
+        except Exception as error:  # a broken plugin must not stop branchdiff: `branchdiff families` shows why
+            refused[point.name] = f"{point.value}: could not be imported ({type(error).__name__}: {error})"
+            continue
+        if isinstance(spec, Family):
+            found[point.name] = spec
+        else:
+            refused[point.name] = f"{point.value}: is a {type(spec).__name__}, not a branchdiff.models.families.Family"
+    return found, refused
+
+
+PLUGINS, REFUSED_PLUGINS = installed_families()
+FAMILIES: dict[str, Family] = {**BUILT_IN, **PLUGINS}
 LORA_TARGET_SETS = ("attention", "attention+ff", "all-linear")  # the named LoRA target sets every family's adapter defines
 STEP_KINDS = {"flow": ("dance", "flow", "cps"), "ddim": ("ddim",)}  # the SDEs each step family trains with
 

@@ -82,8 +82,9 @@ def accelerate_without_fsdp() -> Iterator[None]:
 def blocks(module: nn.Module) -> list[nn.Module]:
     """The FSDP units below the root: every element of the module's top-level `ModuleList`s; of a
     module made of several denoisers (`denoisers` names them: Wan 2.2's two experts), theirs."""
-    if hasattr(module, "denoisers"):
-        return [block for name in module.denoisers for block in blocks(getattr(module, name))]
+    denoisers: tuple[str, ...] = getattr(module, "denoisers", ())
+    if denoisers:
+        return [block for name in denoisers for block in blocks(getattr(module, name))]
     return [block for child in module.children() if isinstance(child, nn.ModuleList) for block in child]
 
 
