@@ -65,6 +65,19 @@ def test_guidance_is_a_setting_and_changes_the_images(saved, family):
     assert adapter.rows_per_sample(1.0) == 1 and adapter.rows_per_sample(adapter.default_guidance) == 2
 
 
+@pytest.mark.parametrize("layout", ["sd3.5-large", "sd3.5-medium"])
+def test_sd35_large_and_medium_layouts_pass_the_family_checks(tmp_path, layout):
+    """SD3.5 Large (QK RMS-norm) and Medium (QK norm, dual attention) through `sd3`: the transformer's options
+    come from the checkpoint's config; sampling equals the pipeline's and a LoRA round-trips (branchdiff.testing)
+    at a square and a non-square size."""
+    from branchdiff.testing import check_family
+    from tiny_pipelines import build_sd3
+
+    build_sd3(layout).save_pretrained(tmp_path / layout, safe_serialization=True)
+    measured = check_family("sd3", tmp_path / layout, sizes=((32, 32), (32, 16)))
+    assert len(measured) == 4 and max(measured.values()) <= TOLERANCE
+
+
 def test_z_image_guides_as_its_pipeline_does(saved):
     """Z-Image's pipeline guides at any scale g > 0 with pos + g·(pos − neg) and not at 0 (Z-Image-Turbo's
     setting): both equal `pipe(guidance_scale=g)`, 0 with one network row per sample, 1 with two."""

@@ -101,7 +101,7 @@ def test_save_reload_is_lossless(family, saved, loaded):
 @pytest.mark.parametrize("family", tp.FAMILIES)
 def test_explicit_latents(family, loaded):
     shape = tp.latent_shape(family, batch_size=2)
-    expected = {"sd3": (2, 16, 16, 16), "flux": (2, 64, 64), "sana": (2, 32, 8, 8), "sd15": (2, 4, 16, 16)}
+    expected = {"sd3": (2, 16, 16, 16), "flux": (2, 64, 64), "sana": (2, 32, 8, 8), "sd15": (2, 4, 16, 16), "z-image": (2, 16, 16, 16)}
     assert shape == expected[family]  # as documented in tiny_pipelines' docstring
     latents = torch.randn(shape, generator=torch.Generator().manual_seed(1))
     images = generate(loaded[family], family, latents=latents)

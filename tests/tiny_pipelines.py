@@ -1,4 +1,4 @@
-"""Tiny, randomly initialised diffusers pipelines of four families, for offline tests.
+"""Tiny, randomly initialised diffusers pipelines of five families, for offline tests.
 
 `build_pipeline(family)` builds one from configs (no hub access: CLIP tokenizers come from
 open_clip's shipped BPE vocabulary via `branchdiff.models.tiny.build_tokenizer`, T5 and Gemma
@@ -25,6 +25,8 @@ read from the pipelines' `prepare_latents`, see `latent_shape`):
 - sd15 (StableDiffusionPipeline, 32 px): (B, 4, 16, 16) — unpacked (B, C, H/f, W/f); VAE factor
   f = 2, 4 latent channels as SD 1.5. Height/width must be divisible by 8 (`check_inputs`, whatever
   the VAE). The pipeline multiplies passed latents by `scheduler.init_noise_sigma` (1.0 for DDIM).
+- z-image (ZImagePipeline, 32 px): (B, 16, 16, 16) — unpacked (B, C, H/f, W/f); f = 2, 16 latent
+  channels (FLUX.1's VAE, as Z-Image); the transformer patchifies 2×2 itself and takes lists.
 
 Pitfalls handled here:
 - open_clip-derived CLIP tokenizers have `model_max_length` ≈ 1e30; SD3/FLUX/SD15 pad CLIP prompts to
@@ -220,7 +222,22 @@ def _autoencoder_kl(latent_channels: int, scaling_factor: float, shift_factor: f
     )
 
 
-def _build_sd3(res: int) -> StableDiffusion3Pipeline:
+SD3_LAYOUTS: dict[str, dict[str, Any]] = {  # the SD3 transformer's options by release (their config.json)
+    "sd3": {},  # SD3 Medium
+    "sd3.5-large": {"qk_norm": "rms_norm"},  # SD3.5 Large and Large Turbo: RMS-normed queries and keys
+    "sd3.5-medium": {"qk_norm": "rms_norm", "dual_attention_layers": (0,)},  # SD3.5 Medium: MMDiT-X, a second self-attention in its first blocks
+}
+
+
+def build_sd3(layout: str = "sd3", seed: int = 0) -> StableDiffusion3Pipeline:
+    """A tiny SD3 pipeline with the transformer options of `layout` (SD3_LAYOUTS)."""
+    torch.manual_seed(seed)
+    pipe = _build_sd3(RESOLUTION["sd3"], **SD3_LAYOUTS[layout])
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def _build_sd3(res: int, **layout: Any) -> StableDiffusion3Pipeline:
     tokenizer, tokenizer_2, tokenizer_3 = _clip_tokenizer(), _clip_tokenizer(), build_t5_tokenizer()
     text_encoder = CLIPTextModelWithProjection(_clip_config(tokenizer))
     text_encoder_2 = CLIPTextModelWithProjection(_clip_config(tokenizer_2))
@@ -229,7 +246,7 @@ def _build_sd3(res: int) -> StableDiffusion3Pipeline:
     transformer = SD3Transformer2DModel(
         sample_size=latent, patch_size=2, in_channels=LATENT_CHANNELS["sd3"], out_channels=LATENT_CHANNELS["sd3"],
         num_layers=2, attention_head_dim=16, num_attention_heads=2, joint_attention_dim=64,
-        caption_projection_dim=32, pooled_projection_dim=64, pos_embed_max_size=latent,
+        caption_projection_dim=32, pooled_projection_dim=64, pos_embed_max_size=latent, **layout,
     )
     vae = _autoencoder_kl(LATENT_CHANNELS["sd3"], scaling_factor=1.5305, shift_factor=0.0609, flow=True)
     scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0)  # SD3.5's config

@@ -122,7 +122,7 @@ class WanAdapter(PipelineAdapter):
             raise ValueError(f"model.guidance_2={guidance_2} is the guidance of Wan 2.2's low-noise expert (transformer_2), and this model "
                              "has one transformer; leave model.guidance_2 unset")
         self.frames, self.expert, self.guidance_2 = frames, expert, guidance_2
-        self.denoiser_name = "transformer" if expert == "high" else "transformer_2"  # the trained expert, and its export's folder
+        self.denoiser_name = "transformer_2" if expert == "low" else "transformer"  # the trained expert (both: the first), its export's folder
         super().__init__(pipe, device, size, offload)
         self.second = {"high": pipe.transformer_2, "low": pipe.transformer, "both": None}[expert]  # the frozen expert, or None (Wan 2.1; both trained)
         if self.second is not None:
