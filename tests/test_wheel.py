@@ -60,6 +60,7 @@ def test_wheel_contents(wheel: Path) -> None:
     assert "branchdiff/search/dts.py" in modules and not [m for m in modules if m not in names]
 
 
+@pytest.mark.slow  # a release check (the installed wheel end to end, 19 s); its contents are checked above on every run
 def test_wheel_trains_and_evaluates_outside_the_source_tree(wheel: Path, tmp_path: Path) -> None:
     """A fresh venv holding only the wheel (plus this environment's dependencies on its path) trains and
     evaluates the built-in model from a directory that is not the source tree."""
