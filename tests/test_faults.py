@@ -141,7 +141,6 @@ def test_a_lock_left_by_a_dead_run_is_taken_over(tiny_model_dir, tmp_path):
 
 
 # ---------------------------------------------------------------- deterministic files
-@pytest.mark.slow  # a release check (three runs under other hash seeds, 22 s)
 def test_exported_files_are_byte_identical_whatever_pythonhashseed(tiny_model_dir, tmp_path):
     """The LoRA export listed target_modules in set order, which depends on PYTHONHASHSEED."""
     outputs = []

@@ -61,9 +61,9 @@ def runs(tmp_path_factory):
     video = [f"model.path={base / 'wan'}", "model.family=wan", "model.resolution=[16,32]", "model.frames=5",
              "reward={name: rewards_for_tests:Redness, frames: 2}"]
     plan += [[mode, [*_arguments(model, base / f"{mode}-wan", "lora"), *video]] for mode in ("ddp", "fsdp")]
-    # Wan 2.2's two experts trained together, one parent per minibatch: a process's minibatch may hold one expert's rows only
+    # Wan 2.2's two experts trained together, two parents per minibatch: a minibatch holds both experts' rows or one's only
     build_wan(two_experts=True).save_pretrained(base / "wan-two", safe_serialization=True)
-    both = [*video, f"model.path={base / 'wan-two'}", "model.expert=both", "train.minibatch=1"]
+    both = [*video, f"model.path={base / 'wan-two'}", "model.expert=both"]
     plan += [[mode, [*_arguments(model, base / f"{mode}-wan-both", "lora"), *both]] for mode in ("ddp", "fsdp")]
     # Z-Image: list-taking transformer, prompts of different token counts, its refiner and main blocks sharded
     z_image = save_pipeline("z-image", base / "z-image")
@@ -120,10 +120,10 @@ def test_a_sharded_video_run_trains_like_ddp(runs):
 
 
 def test_wan_22s_two_experts_train_together_sharded_like_ddp(runs):
-    """model.expert=both on two processes, one parent per minibatch: under DDP (an expert without rows in a
-    minibatch has no gradient there) and under FSDP2 (an expert without rows runs one row, times 0, so both
-    processes gather and reduce alike) the two experts' LoRAs agree within 1e-4 and moved 100× more.
-    (Measured 3.4e-5, as for the one-expert Wan above.)"""
+    """model.expert=both on two processes, two parents per minibatch: under DDP (one forward routes a minibatch's
+    rows to both experts; an expert without rows has no gradient there) and under FSDP2 (an expert without rows
+    runs one row, times 0, so both processes gather and reduce alike) the two experts' LoRAs agree within 1e-4
+    and moved 100× more."""
     base = runs["base"]
     for part in ("", "transformer_2/"):
         ddp, fsdp = (load_file(base / f"{mode}-wan-both" / "lora" / part / "pytorch_lora_weights.safetensors") for mode in ("ddp", "fsdp"))

@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 
 from branchdiff.core.rollout import NoiseAddress, SamplerSettings, grow
 from branchdiff.core.tree import Split, TreeSpec, build_tree
-from branchdiff.models.wan import WanAdapter
+from branchdiff.models.wan import WanAdapter, call_expert
 from tiny_pipelines import build_wan
 
 PROMPTS = ["a red circle moving left", "two blue squares moving up"]
@@ -95,9 +95,9 @@ def test_rows_on_both_sides_of_the_boundary_equal_their_separate_calls(saved):
     with torch.no_grad():
         together = adapter.predict(latents, times, embeds)
         apart = torch.cat([adapter.predict(latents[i : i + 1], times[i : i + 1], {k: v[i : i + 1] for k, v in embeds.items()}) for i in (0, 1)])
-        first_only = adapter._expert(adapter.denoiser, latents[1:], times[1:], embeds["encoder_hidden_states"][1:])
+        first_only = call_expert(adapter.denoiser, latents[1:], times[1:], embeds["encoder_hidden_states"][1:], adapter.dtype)
     assert torch.allclose(together, apart, atol=1e-6)
-    assert not torch.allclose(first_only, adapter._expert(adapter.second, latents[1:], times[1:], embeds["encoder_hidden_states"][1:]))
+    assert not torch.allclose(first_only, call_expert(adapter.second, latents[1:], times[1:], embeds["encoder_hidden_states"][1:], adapter.dtype))
 
 
 def test_the_release_solver_reproduces_the_pipeline_with_unipc(saved):
@@ -388,7 +388,13 @@ def test_both_experts_train_in_one_run_and_their_loras_load_into_the_pipeline(sa
     pipe.load_lora_weights(str(run / "lora" / "transformer_2"), load_into_transformer_2=True)
     theirs = _pipeline_video(pipe, initial, 5, adapter.default_guidance)
     assert (ours - base).abs().max().item() > 1e-3 and (theirs - ours).abs().max().item() <= TOLERANCE
+    high_only = WanAdapter.from_pretrained(str(saved["two"]), size=SIZE, frames=5)
+    with pytest.raises(ValueError, match="holds LoRAs of both Wan 2.2 experts .*load the run folder"):  # not transformer's alone, silently
+        high_only.load_lora(run / "lora")
+    from branchdiff.explore.quant import is_skipped  # a quantised explorer keeps each expert's embedders and output layers
+
+    assert all(is_skipped(f"{name}.proj_out", adapter.quant_skip_modules) for name in ("transformer", "transformer_2"))
     with pytest.raises(ConfigError, match="'model.expert' = 'both' trains LoRA on Wan 2.2's two experts; full fine-tuning trains one"):
         load_config("tiny-chain", ["model.family=wan", f"model.path={saved['two']}", "model.expert=both", "model.finetune=full"])
-    with pytest.raises(ValueError, match="model.expert=both trains Wan 2.2's low-noise expert .*this model has one transformer"):
+    with pytest.raises(ValueError, match="model.expert=both trains Wan 2.2's low-noise expert \\(transformer_2\\) too, and this model has one transformer"):
         WanAdapter.from_pretrained(str(saved["one"]), size=SIZE, frames=5, expert="both")

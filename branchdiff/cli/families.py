@@ -12,9 +12,13 @@ def family_rows() -> list[dict[str, str]]:
     from branchdiff.models.families import BUILT_IN, FAMILIES, REFUSED_PLUGINS, image_size
     from branchdiff.models.pipeline_adapter import PipelineAdapter
 
-    rows = []
+    rows, unusable = [], dict(REFUSED_PLUGINS)
     for name, spec in FAMILIES.items():
-        adapter = adapter_class(name)
+        try:
+            adapter = adapter_class(name)
+        except Exception as error:  # an installed family whose adapter does not import: listed as not used
+            unusable[name] = f"{spec.adapter}: could not be imported ({type(error).__name__}: {error})"
+            continue
         height, width = image_size(None, spec.resolution)
         guidance = adapter.default_guidance
         rows.append({
@@ -27,7 +31,7 @@ def family_rows() -> list[dict[str, str]]:
             "frames": str(spec.frames) if spec.video else "-",
             "source": "built-in" if name in BUILT_IN else f"entry point {spec.adapter}",
         })
-    for name, why in REFUSED_PLUGINS.items():
+    for name, why in unusable.items():
         rows.append({"family": name, "pipeline": "-", "steps": "-", "guidance": "-", "size": "-", "sizes": "-", "frames": "-",
                      "source": f"not used: entry point {why}"})
     return rows

@@ -23,7 +23,8 @@ holds transformer's LoRA, and RUN/lora/transformer_2/ transformer_2's, which loa
 
 Under FSDP every process must call a sharded expert as often as the others (`lockstep`): an expert
 with no rows in a batch then runs one row, whose output enters the result times 0, so its gathers
-and its gradient's reduction happen on every process alike.
+and its gradient's reduction happen on every process alike. With `both`, the rows are routed inside
+one call of the trained module (`WanExperts`), so DDP sees one forward per prediction.
 
 Wan 2.2 TI2V-5B (`expand_timesteps` in its pipeline's config) is given one timestep per token by its
 pipeline; in text-to-video they all equal the row's, which the transformer's one-timestep path computes
@@ -54,10 +55,10 @@ LOW_NOISE_LORA = "transformer_2"  # with model.expert=both: the folder of transf
 
 
 class WanExperts(torch.nn.Module):
-    """Wan 2.2's two experts as one trained module (`model.expert: both`): `forward(expert, **inputs)`
-    calls `transformer` or `transformer_2`, so a (DDP-)wrapper sees every call; LoRA, gradient
-    checkpointing and the adapter switch reach both. `denoisers` names them for FSDP's wrap
-    (branchdiff/runtime/sharding.py: each expert's blocks are units)."""
+    """Wan 2.2's two experts as one trained module (`model.expert: both`): one call routes the rows
+    (`route`), so a DDP wrapper sees one forward per prediction; LoRA, gradient checkpointing and the
+    adapter switch reach both experts. `denoisers` names them for FSDP's wrap (branchdiff/runtime/sharding.py:
+    each expert's blocks are units)."""
 
     denoisers = ("transformer", "transformer_2")
 
@@ -65,20 +66,10 @@ class WanExperts(torch.nn.Module):
         super().__init__()
         self.transformer, self.transformer_2 = transformer, transformer_2
 
-    def forward(self, expert: str, **inputs: object) -> object:
-        return getattr(self, expert)(**inputs)
-
-    @property
-    def config(self):
-        return self.transformer.config
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.transformer.dtype
-
-    @property
-    def peft_config(self) -> dict:
-        return self.transformer.peft_config
+    def forward(self, high: torch.Tensor, latents: torch.Tensor, times: torch.Tensor, text: torch.Tensor, dtype: torch.dtype,
+                lockstep: bool) -> torch.Tensor:
+        return route(high, latents, times, text, dtype, {name: getattr(self, name) for name in self.denoisers},
+                     self.denoisers if lockstep else ())
 
     def add_adapter(self, config) -> None:
         for expert in (self.transformer, self.transformer_2):
@@ -95,6 +86,24 @@ class WanExperts(torch.nn.Module):
     def enable_gradient_checkpointing(self) -> None:
         self.transformer.enable_gradient_checkpointing()
         self.transformer_2.enable_gradient_checkpointing()
+
+
+def route(high: torch.Tensor, latents: torch.Tensor, times: torch.Tensor, text: torch.Tensor, dtype: torch.dtype,
+          experts: dict[str, torch.nn.Module | None], padded: tuple[str, ...]) -> torch.Tensor:
+    """The prediction (B, ...) of rows `high` (B,) by `transformer`, the others by `transformer_2`; an expert
+    of `padded` (sharded: module doc) without rows runs the first row, whose output enters times 0."""
+    out, idle = torch.empty_like(latents, dtype=dtype), None
+    for name, rows in (("transformer", high), ("transformer_2", ~high)):
+        if bool(rows.any()):
+            out[rows] = call_expert(experts[name], latents[rows], times[rows], text[rows], dtype)
+        elif name in padded:
+            unused = call_expert(experts[name], latents[:1], times[:1], text[:1], dtype).sum() * 0  # the other processes' gathers
+            idle = unused if idle is None else idle + unused
+    return out if idle is None else out + idle
+
+
+def call_expert(expert: torch.nn.Module | None, latents: torch.Tensor, times: torch.Tensor, text: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return expert(hidden_states=latents.to(dtype), timestep=times, encoder_hidden_states=text.to(dtype), return_dict=False)[0]
 
 
 class WanAdapter(PipelineAdapter):
@@ -116,8 +125,8 @@ class WanAdapter(PipelineAdapter):
         if expert not in EXPERTS:
             raise ValueError(f"model.expert={expert!r}; allowed: {', '.join(EXPERTS)}")
         if expert != "high" and pipe.transformer_2 is None:
-            raise ValueError(f"model.expert={expert} trains Wan 2.2's low-noise expert (transformer_2), and this model has one transformer; "
-                             "use model.expert=high")
+            raise ValueError(f"model.expert={expert} trains Wan 2.2's low-noise expert (transformer_2){' too' if expert == 'both' else ''}, "
+                             "and this model has one transformer; use model.expert=high")
         if guidance_2 is not None and pipe.transformer_2 is None:
             raise ValueError(f"model.guidance_2={guidance_2} is the guidance of Wan 2.2's low-noise expert (transformer_2), and this model "
                              "has one transformer; leave model.guidance_2 unset")
@@ -129,6 +138,7 @@ class WanAdapter(PipelineAdapter):
             self.second.requires_grad_(False).eval().to(self.device)
         if expert == "both":
             self.denoiser = WanExperts(pipe.transformer, pipe.transformer_2.to(self.device))
+            self.quant_skip_modules = tuple(f"{name}.{pattern}" for name in WanExperts.denoisers for pattern in WanAdapter.quant_skip_modules)
         ratio = pipe.config.boundary_ratio
         self.boundary = None if ratio is None else ratio * pipe.scheduler.config.num_train_timesteps  # timesteps below it: transformer_2
 
@@ -189,28 +199,12 @@ class WanAdapter(PipelineAdapter):
     def forward(self, latents: torch.Tensor, times: torch.Tensor, embeds: dict[str, torch.Tensor], guidance: float) -> torch.Tensor:
         """Rows at timesteps ≥ the boundary through `transformer`, the others through `transformer_2`
         (under FSDP a sharded expert without rows runs one: module doc)."""
-        high, text = self.high_noise(times), embeds["encoder_hidden_states"]
-        if bool(high.all()) and self.lockstep is None:
-            return self._expert(self._network("transformer"), latents, times, text)
-        out, idle = torch.empty_like(latents, dtype=self.dtype), None
-        for name, rows in (("transformer", high), ("transformer_2", ~high)):
-            expert = self._network(name)
-            if bool(rows.any()):
-                out[rows] = self._expert(expert, latents[rows], times[rows], text[rows])
-            elif self.lockstep is not None and name in self.trained_experts():
-                unused = self._expert(expert, latents[:1], times[:1], text[:1]).sum() * 0  # the gathers and gradient reduction of the others
-                idle = unused if idle is None else idle + unused
-        return out if idle is None else out + idle
-
-    def trained_experts(self) -> tuple[str, ...]:
-        return {"high": ("transformer",), "low": ("transformer_2",), "both": WanExperts.denoisers}[self.expert]
-
-    def _network(self, name: str):
-        """What predicts for the pipeline component `name`: the trained (possibly wrapped) denoiser, an
-        expert of it (`both`), or the frozen expert."""
+        high, text, sharded = self.high_noise(times), embeds["encoder_hidden_states"], self.lockstep is not None
         if self.expert == "both":
-            return lambda **inputs: self.denoiser(name, **inputs)
-        return self.denoiser if name in self.trained_experts() else self.second
+            return self.denoiser(high, latents, times, text, self.dtype, sharded)
+        trained = "transformer" if self.expert == "high" else "transformer_2"
+        experts = {trained: self.denoiser, ("transformer_2" if self.expert == "high" else "transformer"): self.second}
+        return route(high, latents, times, text, self.dtype, experts, (trained,) if sharded else ())
 
     @staticmethod
     def _lora_parts(directory: Path) -> list[tuple[str, Path]]:
@@ -227,22 +221,20 @@ class WanAdapter(PipelineAdapter):
         return directory / lora.LORA_FILE
 
     def load_lora(self, path: str | Path) -> None:
+        folder = Path(path) if Path(path).is_dir() else Path(path).parent  # a LoRA file: its folder
         if self.expert != "both":
+            if (folder / LOW_NOISE_LORA / lora.LORA_FILE).is_file():
+                raise ValueError(f"{path} holds LoRAs of both Wan 2.2 experts (model.expert=both); load the run folder, whose config "
+                                 "says so, or use model.expert=both")
             return super().load_lora(path)
-        if not Path(path).is_dir():
-            raise FileNotFoundError(f"model.expert=both loads a LoRA folder holding both experts' (RUN/lora, with {LOW_NOISE_LORA}/ inside); "
-                                    f"got {path}")
-        for name, folder in self._lora_parts(Path(path)):
-            lora.load_lora(getattr(self.denoiser, name), folder, self.pipeline_class_name, self.lora_prefix)
+        for name, part in self._lora_parts(folder):
+            lora.load_lora(getattr(self.denoiser, name), part, self.pipeline_class_name, self.lora_prefix)
 
     def load_lora_state(self, directory: Path) -> None:
         if self.expert != "both":
             return super().load_lora_state(directory)
         for name, folder in self._lora_parts(directory):
             lora.load_lora_state(getattr(self.denoiser, name), folder, self.lora_prefix)
-
-    def _expert(self, expert: torch.nn.Module, latents: torch.Tensor, times: torch.Tensor, text: torch.Tensor) -> torch.Tensor:
-        return expert(hidden_states=latents.to(self.dtype), timestep=times, encoder_hidden_states=text.to(self.dtype), return_dict=False)[0]
 
     def vae_input(self, latents: torch.Tensor) -> torch.Tensor:
         config = self.pipe.vae.config

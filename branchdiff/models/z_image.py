@@ -102,7 +102,7 @@ class ZImageAdapter(PipelineAdapter):
         dtype = self.dtype
         images = list(latents.to(dtype).unsqueeze(2).unbind(0))  # B × (C, 1, h, w): one frame each
         texts = [states[mask].to(dtype) for states, mask in zip(embeds["encoder_hidden_states"], embeds["encoder_attention_mask"])]
-        output = self.denoiser(images, times.to(dtype), texts, return_dict=False)[0]  # B × (C, 1, h, w)
+        output = self.denoiser(images, times.float(), texts, return_dict=False)[0]  # B × (C, 1, h, w); float32 times, as the pipeline's
         return -torch.stack(output).squeeze(2)  # (B, C, h, w): the velocity
 
     def vae_input(self, latents: torch.Tensor) -> torch.Tensor:
