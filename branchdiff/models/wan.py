@@ -92,6 +92,8 @@ def route(high: torch.Tensor, latents: torch.Tensor, times: torch.Tensor, text: 
           experts: dict[str, torch.nn.Module | None], padded: tuple[str, ...]) -> torch.Tensor:
     """The prediction (B, ...) of rows `high` (B,) by `transformer`, the others by `transformer_2`; an expert
     of `padded` (sharded: module doc) without rows runs the first row, whose output enters times 0."""
+    if bool(high.all()) and "transformer_2" not in padded:  # one expert takes every row (Wan 2.1 always): no gather, no scatter
+        return call_expert(experts["transformer"], latents, times, text, dtype)
     out, idle = torch.empty_like(latents, dtype=dtype), None
     for name, rows in (("transformer", high), ("transformer_2", ~high)):
         if bool(rows.any()):

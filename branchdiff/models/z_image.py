@@ -45,11 +45,7 @@ class ZImageAdapter(PipelineAdapter):
 
     @classmethod
     def multiple_of(cls, vae_scale_factor: int, patch_size: int) -> int:
-        return vae_scale_factor * PATCH
-
-    @classmethod
-    def multiple_from_configs(cls, vae: dict, denoiser: dict) -> int:
-        return cls.multiple_of(2 ** (len(vae.get("block_out_channels", [])) - 1), PATCH)
+        return vae_scale_factor * PATCH  # its config names the patch `all_patch_size`: the pipeline's fixed 2
 
     @property
     def latent_shape(self) -> tuple[int, ...]:

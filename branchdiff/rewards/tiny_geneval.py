@@ -142,22 +142,46 @@ def score_image(image: np.ndarray, prompt: TinyPrompt) -> dict[str, float]:
     return scores
 
 
-class TinyGenEval:
-    """Reward `(images, prompts, metadata) -> tensor[B]` in [0, 1]: partial credit, or with
-    `strict_weight` w > 0 the blend (1 - w)·partial + w·strict (module doc)."""
+class PartialCreditVerifier:
+    """What the built-in tasks' verifiers share: the reward `(pixels, prompts, metadata) -> tensor[B]` in
+    [0, 1] is `partial`, or with `strict_weight` w > 0 the blend (1 - w)·partial + w·strict (module doc);
+    `score` returns every key of `score_keys`. A subclass names itself, its `attributes` and `scale`,
+    and scores a batch's rows (`scores_of`)."""
 
-    name = "tiny-geneval"
-    scale = "partial credit in [0, 1]: mean of count, colour, shape and position scores, missing and extra objects counted against each"
+    name: str
+    scale: str
+    attributes: tuple[str, ...]
 
     def __init__(self, device: str | torch.device = "cpu", strict_weight: float = 0.0) -> None:
         if not 0.0 <= strict_weight <= 1.0:  # also refuses NaN
-            raise ValueError(f"tiny-geneval's strict_weight must be in [0, 1] (the blend (1 - w)·partial + w·strict); got {strict_weight}")
+            raise ValueError(f"{self.name}'s strict_weight must be in [0, 1] (the blend (1 - w)·partial + w·strict); got {strict_weight}")
         self.device = torch.device(device)
         self.strict_weight = float(strict_weight)
         self.reward_key = "blended" if self.strict_weight else "partial"  # the key of `score` that is the reward
-        self.score_keys = ("strict", "partial", *ATTRIBUTES, *(("blended",) if self.strict_weight else ()))  # every key `score` returns
+        self.score_keys = ("strict", "partial", *self.attributes, *(("blended",) if self.strict_weight else ()))  # every key `score` returns
         if self.strict_weight:
             self.scale = f"{1 - self.strict_weight:g}·partial + {self.strict_weight:g}·strict, in [0, 1]"
+
+    def scores_of(self, rows: list[dict[str, float]]) -> dict[str, torch.Tensor]:
+        """The rows' scores as tensors (B,) by key, and the blend when `strict_weight` > 0."""
+        scores = {key: torch.tensor([row[key] for row in rows]) for key in rows[0]} if rows else {}
+        if self.strict_weight and scores:
+            scores["blended"] = (1 - self.strict_weight) * scores["partial"] + self.strict_weight * scores["strict"]  # (B,)
+        return scores
+
+    def score(self, pixels: torch.Tensor, prompts: list[str]) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def __call__(self, pixels: torch.Tensor, prompts: list[str], metadata: list[dict] | None = None) -> torch.Tensor:
+        return self.score(pixels, prompts)[self.reward_key]
+
+
+class TinyGenEval(PartialCreditVerifier):
+    """The built-in image task's verifier (module doc)."""
+
+    name = "tiny-geneval"
+    scale = "partial credit in [0, 1]: mean of count, colour, shape and position scores, missing and extra objects counted against each"
+    attributes = ATTRIBUTES
 
     @staticmethod
     def check_prompts(prompts: list[str]) -> None:
@@ -170,11 +194,4 @@ class TinyGenEval:
         if images.shape[0] != len(prompts):
             raise ValueError(f"got {images.shape[0]} images for {len(prompts)} prompts")
         pixels = images.detach().float().clamp(0, 1).cpu().numpy()
-        rows = [score_image(image, parse_prompt(text)) for image, text in zip(pixels, prompts)]
-        scores = {key: torch.tensor([row[key] for row in rows]) for key in rows[0]} if rows else {}
-        if self.strict_weight and scores:
-            scores["blended"] = (1 - self.strict_weight) * scores["partial"] + self.strict_weight * scores["strict"]  # (B,)
-        return scores
-
-    def __call__(self, images: torch.Tensor, prompts: list[str], metadata: dict | None = None) -> torch.Tensor:
-        return self.score(images, prompts)[self.reward_key]
+        return self.scores_of([score_image(image, parse_prompt(text)) for image, text in zip(pixels, prompts)])

@@ -38,7 +38,7 @@ import torch
 
 from branchdiff.data.tiny_task import check_grammar
 from branchdiff.data.tiny_video_task import DIRECTIONS, TinyClipPrompt, parse_prompt
-from branchdiff.rewards.tiny_geneval import DetectedObject, detect_objects, shape_by_corners
+from branchdiff.rewards.tiny_geneval import DetectedObject, PartialCreditVerifier, detect_objects, shape_by_corners
 
 ATTRIBUTES = ("count", "color", "shape", "direction")
 MIN_TRAVEL = 8.0  # px over the clip: half the ground truth's shortest travel; less is a still clip
@@ -92,23 +92,13 @@ def score_clip(clip: np.ndarray, prompt: TinyClipPrompt) -> dict[str, float]:
     return scores
 
 
-class TinyVideoVerifier:
-    """Reward `(videos, prompts, metadata) -> tensor[B]` in [0, 1]: partial credit, or with
-    `strict_weight` w > 0 the blend (1 - w)·partial + w·strict (module doc)."""
+class TinyVideoVerifier(PartialCreditVerifier):
+    """The built-in video task's verifier (module doc)."""
 
     name = "tiny-video"
     scale = "partial credit in [0, 1]: mean of count, colour, shape (averaged over frames) and direction-of-motion scores"
+    attributes = ATTRIBUTES
     video = True
-
-    def __init__(self, device: str | torch.device = "cpu", strict_weight: float = 0.0) -> None:
-        if not 0.0 <= strict_weight <= 1.0:  # also refuses NaN
-            raise ValueError(f"tiny-video's strict_weight must be in [0, 1] (the blend (1 - w)·partial + w·strict); got {strict_weight}")
-        self.device = torch.device(device)
-        self.strict_weight = float(strict_weight)
-        self.reward_key = "blended" if self.strict_weight else "partial"  # the key of `score` that is the reward
-        self.score_keys = ("strict", "partial", *ATTRIBUTES, *(("blended",) if self.strict_weight else ()))  # every key `score` returns
-        if self.strict_weight:
-            self.scale = f"{1 - self.strict_weight:g}·partial + {self.strict_weight:g}·strict, in [0, 1]"
 
     @staticmethod
     def check_prompts(prompts: list[str]) -> None:
@@ -122,11 +112,4 @@ class TinyVideoVerifier:
         if videos.shape[0] != len(prompts):
             raise ValueError(f"got {videos.shape[0]} videos for {len(prompts)} prompts")
         pixels = videos.detach().float().clamp(0, 1).cpu().numpy()
-        rows = [score_clip(clip, parse_prompt(text)) for clip, text in zip(pixels, prompts)]
-        scores = {key: torch.tensor([row[key] for row in rows]) for key in rows[0]} if rows else {}
-        if self.strict_weight and scores:
-            scores["blended"] = (1 - self.strict_weight) * scores["partial"] + self.strict_weight * scores["strict"]  # (B,)
-        return scores
-
-    def __call__(self, videos: torch.Tensor, prompts: list[str], metadata: list[dict] | None = None) -> torch.Tensor:
-        return self.score(videos, prompts)[self.reward_key]
+        return self.scores_of([score_clip(clip, parse_prompt(text)) for clip, text in zip(pixels, prompts)])
