@@ -81,7 +81,8 @@ def _pipeline_samples(pipe, adapter: ModelAdapter, initial: torch.Tensor, steps:
     video = FAMILIES[adapter.family].video
     arguments = {"num_frames": adapter.frames} if video else {}
     output = pipe(prompt=list(PROMPTS), num_inference_steps=steps, height=adapter.height, width=adapter.width,
-                  guidance_scale=adapter.default_guidance, latents=initial.clone(), output_type="pt", **arguments, **call_kwargs)
+                  latents=initial.clone(), output_type="pt", **adapter.pipeline_call_arguments(adapter.default_guidance), **arguments,
+                  **call_kwargs)
     return output.frames if video else output.images
 
 

@@ -46,9 +46,27 @@ def test_each_named_target_set_wraps_more_than_the_one_before(saved, family):
     assert sets["attention"] < sets["attention+ff"] <= sets["all-linear"] or family == "sana"  # sana's FF is convolutions
     assert all(re.search(r"(attn\d?|attention)\.(to_|add_)", name) for name in sets["attention"])
     added = sets["attention+ff"] - sets["attention"]
-    assert added and all(re.search(r"\.(ff|ff_context|feed_forward)\.|proj_mlp", name) for name in added)
+    assert added and all(re.search(r"\.(ff|ff_context|feed_forward|img_mlp|txt_mlp)\.|proj_mlp", name) for name in added)
     if family != "sana":
         assert sets["attention+ff"] < sets["all-linear"]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_trained_parameter_gets_a_gradient(saved, family):
+    """DDP waits for a gradient of every parameter that requires one: with LoRA on every Linear layer and
+    with full fine-tuning, one guided prediction's backward reaches all of them (Qwen-Image's last block's
+    text output reaches nothing: its adapter leaves those modules untrained)."""
+    from branchdiff.models.finetune import FullFinetune, LoraFinetune
+
+    for mode in ("all-linear", "full"):
+        adapter = load_adapter(family, str(saved[family]), resolution=RESOLUTION[family])
+        finetune = FullFinetune(adapter, keep_base=False) if mode == "full" else LoraFinetune(adapter, mode, rank=2, alpha=2.0, seed=0)
+        embeds = adapter.encode_prompts(["a red circle", "two blue squares on the left"])
+        latents = torch.randn(2, *adapter.latent_shape, generator=torch.Generator().manual_seed(0))
+        schedule = adapter.schedule(STEPS)
+        adapter.predict(latents, schedule.model_times[1].expand(2), embeds, 2.0 if family != "flux" else None).square().mean().backward()
+        missing = [name for name, parameter in adapter.denoiser.named_parameters() if parameter.requires_grad and parameter.grad is None]
+        assert not missing and len(finetune.params) > 0, (mode, missing[:4])
 
 
 def test_a_list_of_patterns_is_used_as_it_is(tiny_model_dir):
@@ -83,7 +101,8 @@ def _exported(run, mode: str, family: str) -> dict[str, torch.Tensor]:
     return {k: v for file in sorted(folder.glob("*.safetensors")) for k, v in load_file(file).items()}
 
 
-@pytest.mark.parametrize(("family", "mode"), [*((family, mode) for family in ("tiny", "sd3") for mode in MODES), ("z-image", "full")])
+@pytest.mark.parametrize(("family", "mode"), [*((family, mode) for family in ("tiny", "sd3") for mode in MODES), ("z-image", "full"),
+                                              ("qwen-image", "full")])
 def test_each_mode_trains_resumes_bit_for_bit_and_exports_what_diffusers_loads(saved, tiny_model_dir, family, mode, tmp_path):
     folder = tiny_model_dir if family == "tiny" else saved[family]
     run = tmp_path / "run"

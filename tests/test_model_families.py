@@ -12,7 +12,7 @@ import torch
 from branchdiff.core.rollout import NoiseAddress, SamplerSettings, grow
 from branchdiff.core.tree import TreeSpec, build_tree
 from branchdiff.models import load_adapter
-from tiny_pipelines import CALL_KWARGS, FAMILIES, RESOLUTION, load_pipeline, save_pipeline
+from tiny_pipelines import CALL_KWARGS, FAMILIES, GUIDANCE_ARGUMENT, RESOLUTION, load_pipeline, save_pipeline
 
 PROMPTS = ["a red circle on the left", "two blue squares at the top"]
 STEPS = 4
@@ -38,8 +38,8 @@ def _pipeline_images(pipe, family: str, latents: torch.Tensor, num_steps: int, g
                      size: tuple[int, int] | None = None, prompts: list[str] = PROMPTS) -> torch.Tensor:
     height, width = size or (RESOLUTION[family], RESOLUTION[family])
     # a copy: ZImagePipeline writes its chat-templated prompts into the list it is given
-    return pipe(prompt=list(prompts), num_inference_steps=num_steps, height=height, width=width, guidance_scale=guidance,
-                latents=latents.clone(), output_type="pt", **CALL_KWARGS[family]).images
+    return pipe(prompt=list(prompts), num_inference_steps=num_steps, height=height, width=width, latents=latents.clone(), output_type="pt",
+                **{GUIDANCE_ARGUMENT.get(family, "guidance_scale"): guidance}, **CALL_KWARGS[family]).images
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -245,7 +245,7 @@ def test_sample_search_runs_for_every_family_and_its_winner_regrows(saved, famil
     assert (tmp_path / "again" / image).read_bytes() == (tmp_path / "search" / image).read_bytes()
 
 
-NON_SQUARE = {"sd3": (32, 16), "flux": (32, 16), "sana": (32, 64), "sd15": (16, 32), "z-image": (16, 32)}  # (height, width): multiples of each family's step
+NON_SQUARE = {"sd3": (32, 16), "flux": (32, 16), "sana": (32, 64), "sd15": (16, 32), "z-image": (16, 32), "qwen-image": (16, 48)}  # (height, width): multiples of each family's step
 
 
 @pytest.mark.parametrize("family", FAMILIES)

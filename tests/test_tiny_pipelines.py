@@ -57,7 +57,7 @@ def generate(pipe, family: str, **kwargs) -> torch.Tensor:
     r = tp.RESOLUTION[family]
     return pipe(
         prompt=PROMPTS, num_inference_steps=3, height=r, width=r, output_type="pt",
-        generator=torch.Generator().manual_seed(0), guidance_scale=tp.GUIDANCE_SCALE[family],
+        generator=torch.Generator().manual_seed(0), **{tp.GUIDANCE_ARGUMENT.get(family, "guidance_scale"): tp.GUIDANCE_SCALE[family]},
         **tp.CALL_KWARGS[family], **kwargs,
     ).images
 
@@ -101,7 +101,8 @@ def test_save_reload_is_lossless(family, saved, loaded):
 @pytest.mark.parametrize("family", tp.FAMILIES)
 def test_explicit_latents(family, loaded):
     shape = tp.latent_shape(family, batch_size=2)
-    expected = {"sd3": (2, 16, 16, 16), "flux": (2, 64, 64), "sana": (2, 32, 8, 8), "sd15": (2, 4, 16, 16), "z-image": (2, 16, 16, 16)}
+    expected = {"sd3": (2, 16, 16, 16), "flux": (2, 64, 64), "sana": (2, 32, 8, 8), "sd15": (2, 4, 16, 16), "z-image": (2, 16, 16, 16),
+                "qwen-image": (2, 64, 16)}
     assert shape == expected[family]  # as documented in tiny_pipelines' docstring
     latents = torch.randn(shape, generator=torch.Generator().manual_seed(1))
     images = generate(loaded[family], family, latents=latents)

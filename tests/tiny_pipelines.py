@@ -27,6 +27,9 @@ read from the pipelines' `prepare_latents`, see `latent_shape`):
   the VAE). The pipeline multiplies passed latents by `scheduler.init_noise_sigma` (1.0 for DDIM).
 - z-image (ZImagePipeline, 32 px): (B, 16, 16, 16) — unpacked (B, C, H/f, W/f); f = 2, 16 latent
   channels (FLUX.1's VAE, as Z-Image); the transformer patchifies 2×2 itself and takes lists.
+- qwen-image (QwenImagePipeline, 32 px): (B, 64, 16) — packed as FLUX.1's, from 4 latent channels of
+  a one-level causal video VAE (f = 2^len(temperal_downsample) = 2); a Qwen2.5-VL text encoder with a
+  one-block vision tower the pipeline never calls. Guidance is `true_cfg_scale` with a negative prompt.
 
 Pitfalls handled here:
 - open_clip-derived CLIP tokenizers have `model_max_length` ≈ 1e30; SD3/FLUX/SD15 pad CLIP prompts to
@@ -67,11 +70,14 @@ import torch
 from diffusers import (
     AutoencoderDC,
     AutoencoderKL,
+    AutoencoderKLQwenImage,
     DDIMScheduler,
     DiffusionPipeline,
     FlowMatchEulerDiscreteScheduler,
     FluxPipeline,
     FluxTransformer2DModel,
+    QwenImagePipeline,
+    QwenImageTransformer2DModel,
     SanaPipeline,
     SanaTransformer2DModel,
     SD3Transformer2DModel,
@@ -91,6 +97,8 @@ from transformers import (
     Gemma2Config,
     Gemma2Model,
     PreTrainedTokenizerFast,
+    Qwen2_5_VLConfig,
+    Qwen2_5_VLForConditionalGeneration,
     Qwen3Config,
     Qwen3Model,
     T5Config,
@@ -99,24 +107,28 @@ from transformers import (
 
 from branchdiff.models.tiny import build_tokenizer as build_clip_tokenizer
 
-FAMILIES = ("sd3", "flux", "sana", "sd15", "z-image")
-RESOLUTION: dict[str, int] = {"sd3": 32, "flux": 32, "sana": 32, "sd15": 32, "z-image": 32}
+FAMILIES = ("sd3", "flux", "sana", "sd15", "z-image", "qwen-image")
+RESOLUTION: dict[str, int] = {"sd3": 32, "flux": 32, "sana": 32, "sd15": 32, "z-image": 32, "qwen-image": 32}
 PIPELINE_CLASS: dict[str, type[DiffusionPipeline]] = {
     "sd3": StableDiffusion3Pipeline,
     "flux": FluxPipeline,
     "sana": SanaPipeline,
     "sd15": StableDiffusionPipeline,
     "z-image": ZImagePipeline,
+    "qwen-image": QwenImagePipeline,
 }
 # Extra `__call__` keyword arguments a family needs at RESOLUTION (see the module docstring).
-CALL_KWARGS: dict[str, dict[str, Any]] = {"sd3": {}, "flux": {}, "sana": {"use_resolution_binning": False}, "sd15": {}, "z-image": {}}
+CALL_KWARGS: dict[str, dict[str, Any]] = {"sd3": {}, "flux": {}, "sana": {"use_resolution_binning": False}, "sd15": {}, "z-image": {},
+                                          "qwen-image": {"negative_prompt": " "}}  # Qwen-Image guides only with a negative prompt (its card's " ")
+# The `__call__` argument that takes the guidance scale, where it is not `guidance_scale` (Qwen-Image's is for guidance-distilled models).
+GUIDANCE_ARGUMENT: dict[str, str] = {"qwen-image": "true_cfg_scale"}
 # Guidance scale per family for tests: > 1 runs classifier-free guidance (sd3, sana, sd15);
 # FLUX.1-dev is guidance-distilled, its guidance scale is an embedding input (3.5 as released).
-GUIDANCE_SCALE: dict[str, float] = {"sd3": 4.5, "flux": 3.5, "sana": 4.5, "sd15": 4.5, "z-image": 5.0}
+GUIDANCE_SCALE: dict[str, float] = {"sd3": 4.5, "flux": 3.5, "sana": 4.5, "sd15": 4.5, "z-image": 5.0, "qwen-image": 4.0}
 
 CLIP_MAX_LENGTH = 77
-VAE_SCALE_FACTOR: dict[str, int] = {"sd3": 2, "flux": 2, "sana": 4, "sd15": 2, "z-image": 2}
-LATENT_CHANNELS: dict[str, int] = {"sd3": 16, "flux": 16, "sana": 32, "sd15": 4, "z-image": 16}
+VAE_SCALE_FACTOR: dict[str, int] = {"sd3": 2, "flux": 2, "sana": 4, "sd15": 2, "z-image": 2, "qwen-image": 2}
+LATENT_CHANNELS: dict[str, int] = {"sd3": 16, "flux": 16, "sana": 32, "sd15": 4, "z-image": 16, "qwen-image": 4}
 
 # A few hundred words for the T5 / Gemma WordPiece vocabularies; anything else falls back to
 # single characters (`##x` continuations), so ASCII text never maps to <unk>.
@@ -340,7 +352,30 @@ def _build_z_image(res: int) -> ZImagePipeline:
     return ZImagePipeline(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, transformer=transformer)
 
 
-_BUILDERS = {"sd3": _build_sd3, "flux": _build_flux, "sana": _build_sana, "sd15": _build_sd15, "z-image": _build_z_image}
+def _build_qwen_image(res: int) -> QwenImagePipeline:
+    tokenizer = build_qwen_tokenizer()
+    text_encoder = Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(  # the pipeline reads the last hidden states of the language model
+        text_config={"vocab_size": len(tokenizer), "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
+                     "num_key_value_heads": 1, "max_position_embeddings": 2048, "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]},
+                     "pad_token_id": tokenizer.pad_token_id, "bos_token_id": None, "eos_token_id": tokenizer.eos_token_id},
+        vision_config={"depth": 1, "hidden_size": 16, "intermediate_size": 32, "num_heads": 2, "out_hidden_size": 32, "fullatt_block_indexes": [0]},
+        vocab_size=len(tokenizer), hidden_size=32, bos_token_id=None, eos_token_id=tokenizer.eos_token_id,
+    )).eval()
+    transformer = QwenImageTransformer2DModel(  # rope axes (frame, row, column) sum to the head size 16
+        patch_size=2, in_channels=4 * LATENT_CHANNELS["qwen-image"], out_channels=LATENT_CHANNELS["qwen-image"], num_layers=2,
+        attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32, axes_dims_rope=(4, 6, 6),
+    )
+    vae = AutoencoderKLQwenImage(base_dim=8, z_dim=LATENT_CHANNELS["qwen-image"], dim_mult=[1, 2], num_res_blocks=1, temperal_downsample=[False],
+                                 latents_mean=[0.1, -0.2, 0.3, 0.0], latents_std=[1.5, 0.8, 1.2, 2.0])
+    scheduler = FlowMatchEulerDiscreteScheduler(  # Qwen-Image's scheduler config: exponential dynamic shift stretched to σ 0.02
+        num_train_timesteps=1000, shift=1.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=0.9, base_image_seq_len=256,
+        max_image_seq_len=8192, time_shift_type="exponential", shift_terminal=0.02,
+    )
+    return QwenImagePipeline(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, transformer=transformer)
+
+
+_BUILDERS = {"sd3": _build_sd3, "flux": _build_flux, "sana": _build_sana, "sd15": _build_sd15, "z-image": _build_z_image,
+             "qwen-image": _build_qwen_image}
 
 
 def _check(family: str) -> None:
@@ -383,7 +418,7 @@ def latent_shape(family: str, batch_size: int, resolution: int | None = None) ->
     _check(family)
     side = (resolution or RESOLUTION[family]) // VAE_SCALE_FACTOR[family]
     channels = LATENT_CHANNELS[family]
-    if family == "flux":
+    if family in ("flux", "qwen-image"):
         return (batch_size, (side // 2) ** 2, 4 * channels)
     return (batch_size, channels, side, side)
 

@@ -111,7 +111,23 @@ class ModelAdapter(ABC):
         both = cat_embeds([unconditional, conditional])
         output = self.forward(torch.cat([latents, latents]), torch.cat([times, times]), both, guidance)
         uncond, cond = output.chunk(2)
+        return self.guide(uncond, cond, times, guidance)
+
+    def guide(self, uncond: torch.Tensor, cond: torch.Tensor, times: torch.Tensor, guidance: float) -> torch.Tensor:
+        """The CFG prediction from the unconditional and conditional outputs (B, ...): u + g·(c − u)
+        with g = `guidance_scale` (Qwen-Image rescales it to the conditional output's norm)."""
         return uncond + self.guidance_scale(times, guidance) * (cond - uncond)
+
+    def pipeline_call_arguments(self, guidance: float) -> dict:
+        """The arguments that make the family's pipeline `__call__` guide as `predict` does at `guidance`
+        (tests and `branchdiff.testing` compare the two)."""
+        return {"guidance_scale": guidance}
+
+    def unused_modules(self) -> list[str]:
+        """Names of the denoiser's modules whose output never reaches its prediction (Qwen-Image's last
+        block's text-stream output): no gradient reaches them, so LoRA leaves them out and full fine-tuning
+        freezes them (DDP would otherwise wait for their gradients). None for most families."""
+        return []
 
     def trains_at(self, times: torch.Tensor) -> torch.Tensor:
         """(B,) True where the trained denoiser makes the prediction at model times `times` (B,): every

@@ -40,7 +40,7 @@ class LoraFinetune:
 
     def __init__(self, adapter: ModelAdapter, targets: str | list[str], rank: int, alpha: float, seed: int) -> None:
         self.adapter = adapter
-        self.params = add_lora(adapter.denoiser, adapter.lora_targets(targets), rank, alpha, seed)
+        self.params = add_lora(adapter.denoiser, adapter.lora_targets(targets), rank, alpha, seed, adapter.unused_modules())
         self.export_name = "lora"
 
     def shard(self, settings: ShardingSettings, lockstep: Lockstep) -> None:
@@ -81,6 +81,8 @@ class FullFinetune:
     def __init__(self, adapter: ModelAdapter, keep_base: bool) -> None:
         self.adapter = adapter
         adapter.denoiser.requires_grad_(True)
+        for name in adapter.unused_modules():  # no gradient ever reaches them
+            adapter.denoiser.get_submodule(name).requires_grad_(False)
         self.params = list(adapter.denoiser.parameters())
         self.export_name = adapter.denoiser_name
         self._base = None

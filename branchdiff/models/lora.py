@@ -24,17 +24,26 @@ def pipeline_class(name: str) -> type:
     return getattr(diffusers, name)
 
 
-def add_lora(denoiser: torch.nn.Module, target_modules: list[str], rank: int, alpha: float, seed: int) -> list[torch.nn.Parameter]:
+def add_lora(denoiser: torch.nn.Module, target_modules: list[str] | str, rank: int, alpha: float, seed: int,
+             unused: list[str] = ()) -> list[torch.nn.Parameter]:
     """Attach a trainable LoRA adapter (B = 0, so the model is unchanged at first) and freeze the
-    rest. The LoRA parameters are float32 whatever the base weights' dtype. Returns them."""
+    rest; modules named in `unused` (their output never reaches the prediction) get none. The LoRA
+    parameters are float32 whatever the base weights' dtype. Returns them."""
     denoiser.requires_grad_(False)
     torch.manual_seed(seed)
-    denoiser.add_adapter(LoraConfig(r=rank, lora_alpha=alpha, init_lora_weights="gaussian", target_modules=target_modules))
+    excluded = [name for name in unused if _targeted(name, target_modules)]
+    denoiser.add_adapter(LoraConfig(r=rank, lora_alpha=alpha, init_lora_weights="gaussian", target_modules=target_modules,
+                                    **({"exclude_modules": excluded} if excluded else {})))
     params = [p for n, p in denoiser.named_parameters() if "lora_" in n]
     for p in params:
         p.data = p.data.float()
         p.requires_grad_(True)
     return params
+
+
+def _targeted(name: str, target_modules: list[str] | str) -> bool:
+    """Whether peft wraps the Linear `name` for `target_modules` (a list matches a name or its end after a dot)."""
+    return target_modules == "all-linear" or any(name == target or name.endswith(f".{target}") for target in target_modules)
 
 
 def save_lora(denoiser: torch.nn.Module, directory: Path, pipeline_class_name: str, prefix: str,

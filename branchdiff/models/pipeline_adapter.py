@@ -132,9 +132,13 @@ class PipelineAdapter(ModelAdapter):
         images = []
         with self.modules_on_device(vae):
             for chunk in latents.split(self.decode_batch):
-                decoded = vae.decode(self.vae_input(chunk.to(self.device)).to(vae.dtype), return_dict=False)[0]
+                decoded = self.vae_output(vae.decode(self.vae_input(chunk.to(self.device)).to(vae.dtype), return_dict=False)[0])
                 images.append(self.pipe.image_processor.postprocess(decoded, output_type="pt").float())
         return torch.cat(images)
+
+    def vae_output(self, decoded: torch.Tensor) -> torch.Tensor:
+        """The VAE's output as images (B, 3, H, W) (a video VAE's single frame taken out)."""
+        return decoded
 
     # ---------------------------------------------------------------- flow schedules
     time_scale = 1000.0  # the denoiser's timestep per unit σ under the anchors' shifted schedule

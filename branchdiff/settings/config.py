@@ -63,7 +63,7 @@ class SamplingConfig:
     shift: float | None = positive(None)  # σ = s·t / (1 + (s-1)·t) (the anchors'); None = the family's own schedule (tiny: s = 1)
     sde: str = choice("flow", "dance", "flow", "cps", "ddim", "ode")  # SDE (branchdiff/schedulers/flow.py, branchdiff/schedulers/ddim.py): dance | flow | cps for flow families, ddim for sd15; ode: deterministic chains (train.loss=nft only)
     noise_level: float = positive(0.7)  # η for dance and ddim, a for flow and cps (> 0: an SDE needs noise; cps: a in [0.01, 1])
-    guidance: float | None = non_negative(None)  # CFG scale (sd3, sana, sd15, wan: > 1 guides; z-image: > 0, as its pipeline) or guidance embedding (flux) of rollouts and training; None = family default
+    guidance: float | None = non_negative(None)  # CFG scale (sd3, sana, sd15, wan, qwen-image: > 1 guides; z-image: > 0, as its pipeline) or guidance embedding (flux) of rollouts and training; None = family default
     max_batch: int = positive(64)  # network rows per model forward in rollouts (a CFG prediction takes 2)
     exact: bool = False  # pad rollout forwards to max_batch rows: bit-exact regeneration, slower narrow levels
 
