@@ -46,7 +46,7 @@ def test_each_named_target_set_wraps_more_than_the_one_before(saved, family):
     assert sets["attention"] < sets["attention+ff"] <= sets["all-linear"] or family == "sana"  # sana's FF is convolutions
     assert all(re.search(r"(attn\d?|attention)\.(to_|add_)", name) for name in sets["attention"])
     added = sets["attention+ff"] - sets["attention"]
-    assert added and all(re.search(r"\.(ff|ff_context|feed_forward|img_mlp|txt_mlp)\.|proj_mlp", name) for name in added)
+    assert added and all(re.search(r"\.(ff|ff_context|feed_forward|img_mlp|txt_mlp)\.|proj_mlp|single_transformer_blocks\.N\.attn\.to_out$", name) for name in added)
     if family != "sana":
         assert sets["attention+ff"] < sets["all-linear"]
 
@@ -102,7 +102,7 @@ def _exported(run, mode: str, family: str) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize(("family", "mode"), [*((family, mode) for family in ("tiny", "sd3") for mode in MODES), ("z-image", "full"),
-                                              ("qwen-image", "full")])
+                                              ("qwen-image", "full"), ("flux2-klein", "full")])
 def test_each_mode_trains_resumes_bit_for_bit_and_exports_what_diffusers_loads(saved, tiny_model_dir, family, mode, tmp_path):
     folder = tiny_model_dir if family == "tiny" else saved[family]
     run = tmp_path / "run"

@@ -88,6 +88,20 @@ def test_z_image_guides_as_its_pipeline_does(saved):
         assert adapter.rows_per_sample(guidance) == rows and (ours - theirs).abs().max().item() <= TOLERANCE
 
 
+def test_a_step_distilled_flux2_klein_samples_unguided_as_its_pipeline(saved, tmp_path):
+    """FLUX.2 [klein]'s distilled models (`is_distilled` in the pipeline's config) ignore the guidance
+    scale: one network row per sample, and the images equal `pipe(guidance_scale=4)`; the base guides."""
+    pipe = load_pipeline("flux2-klein", saved["flux2-klein"])
+    pipe.register_to_config(is_distilled=True)
+    pipe.save_pretrained(tmp_path, safe_serialization=True)
+    adapter = load_adapter("flux2-klein", str(tmp_path), resolution=RESOLUTION["flux2-klein"])
+    initial, ours = _ode_images(adapter, STEPS, guidance=4.0)
+    theirs = _pipeline_images(load_pipeline("flux2-klein", tmp_path), "flux2-klein", initial, STEPS, 4.0)
+    assert adapter.rows_per_sample(4.0) == 1 and (ours - theirs).abs().max().item() <= TOLERANCE
+    base = load_adapter("flux2-klein", str(saved["flux2-klein"]), resolution=RESOLUTION["flux2-klein"])
+    assert base.rows_per_sample(4.0) == 2 and (_ode_images(base, STEPS, guidance=4.0)[1] - ours).abs().max().item() > 1e-3
+
+
 def _train_overrides(family: str, folder, run_dir, *extra: str) -> list[str]:
     sde = ["sampling.sde=ddim", "sampling.noise_level=1.0"] if family == "sd15" else ["sampling.sde=flow", "sampling.noise_level=0.7"]
     return [f"model.family={family}", f"model.path={folder}", f"model.resolution={RESOLUTION[family]}", f"output_dir={run_dir}",
@@ -245,7 +259,7 @@ def test_sample_search_runs_for_every_family_and_its_winner_regrows(saved, famil
     assert (tmp_path / "again" / image).read_bytes() == (tmp_path / "search" / image).read_bytes()
 
 
-NON_SQUARE = {"sd3": (32, 16), "flux": (32, 16), "sana": (32, 64), "sd15": (16, 32), "z-image": (16, 32), "qwen-image": (16, 48)}  # (height, width): multiples of each family's step
+NON_SQUARE = {"sd3": (32, 16), "flux": (32, 16), "sana": (32, 64), "sd15": (16, 32), "z-image": (16, 32), "qwen-image": (16, 48), "flux2-klein": (48, 16)}  # (height, width): multiples of each family's step
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -28,7 +28,7 @@ RELEASE_SCHEDULERS = {  # the schedulers of the released folders (their schedule
 }
 
 
-FAMILIES = ("sd3", "flux", "sana", "sd15", "z-image", "qwen-image")  # sd3, flux, z-image and qwen-image ship the flow-matching Euler scheduler branchdiff steps with
+FAMILIES = ("sd3", "flux", "sana", "sd15", "z-image", "qwen-image", "flux2-klein")  # all but sana and sd15 ship the flow-matching Euler scheduler branchdiff steps with
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +54,7 @@ def _initial_latents(adapter, prompts: int) -> torch.Tensor:
 @pytest.mark.parametrize("family", FAMILIES)
 def test_the_release_solver_reproduces_the_pipelines_own_images(released, family):
     """SANA's DPM-Solver++ and SD 1.5's PNDM give other images than branchdiff's steps; where the
-    folder ships the flow-matching Euler scheduler (sd3, flux, z-image, qwen-image), both solvers are the pipeline's."""
+    folder ships the flow-matching Euler scheduler (all other families), both solvers are the pipeline's."""
     torch.set_num_threads(1)
     adapter = load_adapter(family, str(released[family]), resolution=RESOLUTION[family])
     ours, _ = sample_ode(adapter, PROMPTS, 1, STEPS, solver="release")
