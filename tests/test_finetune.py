@@ -102,7 +102,7 @@ def _exported(run, mode: str, family: str) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize(("family", "mode"), [*((family, mode) for family in ("tiny", "sd3") for mode in MODES), ("z-image", "full"),
-                                              ("qwen-image", "full"), ("flux2-klein", "full")])
+                                              ("qwen-image", "full"), ("flux2", "full"), ("flux2-klein", "full")])
 def test_each_mode_trains_resumes_bit_for_bit_and_exports_what_diffusers_loads(saved, tiny_model_dir, family, mode, tmp_path):
     folder = tiny_model_dir if family == "tiny" else saved[family]
     run = tmp_path / "run"

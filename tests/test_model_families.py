@@ -259,7 +259,7 @@ def test_sample_search_runs_for_every_family_and_its_winner_regrows(saved, famil
     assert (tmp_path / "again" / image).read_bytes() == (tmp_path / "search" / image).read_bytes()
 
 
-NON_SQUARE = {"sd3": (32, 16), "flux": (32, 16), "sana": (32, 64), "sd15": (16, 32), "z-image": (16, 32), "qwen-image": (16, 48), "flux2-klein": (48, 16)}  # (height, width): multiples of each family's step
+NON_SQUARE = {"sd3": (32, 16), "flux": (32, 16), "sana": (32, 64), "sd15": (16, 32), "z-image": (16, 32), "qwen-image": (16, 48), "flux2": (16, 32), "flux2-klein": (48, 16)}  # (height, width): multiples of each family's step
 
 
 @pytest.mark.parametrize("family", FAMILIES)

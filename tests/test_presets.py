@@ -13,7 +13,8 @@ from branchdiff.settings.trees import tree_spec
 
 FAMILY_PRESETS = {"sd35-pickscore": "sd3", "flux-hps-branch": "flux", "flux-hps-mix": "flux", "sana-pickscore": "sana", "sd15-hps": "sd15",
                   "wan-mq-branch": "wan", "z-image-pickscore": "z-image",
-                  "qwen-image-pickscore": "qwen-image", "flux2-klein-pickscore": "flux2-klein"}
+                  "qwen-image-pickscore": "qwen-image", "flux2-klein-pickscore": "flux2-klein",
+                  "flux2-pickscore": "flux2"}
 
 
 @pytest.mark.parametrize("name", sorted(FAMILY_PRESETS))
@@ -26,7 +27,8 @@ def test_family_preset_and_its_explore_variant(name):
 
 SOL_PRESETS = {"sd35-pickscore-sol": ("sd3", "seeds"), "sana-pickscore-sol": ("sana", "seeds"), "flux-hps-branch-sol": ("flux", "tree"),
                "flux-hps-mix-sol": ("flux", "tree"), "wan-mq-branch-sol": ("wan", "tree"), "z-image-pickscore-sol": ("z-image", "seeds"),
-               "qwen-image-pickscore-sol": ("qwen-image", "seeds"), "flux2-klein-pickscore-sol": ("flux2-klein", "seeds")}  # sd15-hps has none: DiffusionNFT trains flow-matching families
+               "qwen-image-pickscore-sol": ("qwen-image", "seeds"), "flux2-klein-pickscore-sol": ("flux2-klein", "seeds"),
+               "flux2-pickscore-sol": ("flux2", "seeds")}  # sd15-hps has none: DiffusionNFT trains flow-matching families
 
 
 @pytest.mark.parametrize("name", sorted(SOL_PRESETS))
@@ -39,8 +41,9 @@ def test_sol_presets_are_their_base_trained_with_nft_on_an_explored_pool(name):
     assert config.train.loss == "nft" and config.train.kl_beta == 1e-4 and (config.explore.mode, config.explore.selection) == (mode, "best_worst")
     if mode == "seeds":
         assert (config.explore.pool, config.explore.keep, config.explore.preview_steps, config.explore.preview_sampler) == (96, 24, 6, "ode")
-        unguided = 0.0 if family == "z-image" else 1.0  # no CFG: Z-Image's pipeline guides at any scale > 0
-        steps = base.sampling.num_steps  # 10 (SD3.5, SANA, Qwen-Image), Z-Image-Turbo's 9, FLUX.2 [klein]'s 8
+        # no CFG: Z-Image's pipeline guides at any scale > 0; FLUX.2 [dev] embeds its scale (one row, CFG-free already)
+        unguided = {"z-image": 0.0, "flux2": base.sampling.guidance}.get(family, 1.0)
+        steps = base.sampling.num_steps  # 10 (SD3.5, SANA, Qwen-Image), Z-Image-Turbo's 9, FLUX.2's 8
         assert (config.sampling.sde, config.sampling.guidance, config.prompts.eval_guidance, config.sampling.num_steps) == ("ode", unguided, unguided, steps)
     else:
         assert config.explore.keep == 8 and config.tree == base.tree and config.sampling == base.sampling

@@ -28,7 +28,7 @@ RELEASE_SCHEDULERS = {  # the schedulers of the released folders (their schedule
 }
 
 
-FAMILIES = ("sd3", "flux", "sana", "sd15", "z-image", "qwen-image", "flux2-klein")  # all but sana and sd15 ship the flow-matching Euler scheduler branchdiff steps with
+FAMILIES = ("sd3", "flux", "sana", "sd15", "z-image", "qwen-image", "flux2", "flux2-klein")  # all but sana and sd15 ship the flow-matching Euler scheduler branchdiff steps with
 
 
 @pytest.fixture(scope="module")

@@ -70,8 +70,8 @@ def runs(tmp_path_factory):
     plan += [[mode, [*_arguments(model, base / f"{mode}-z-image", "lora"), f"model.path={z_image}", "model.family=z-image"]]
              for mode in ("ddp", "fsdp")]
     # Qwen-Image: masked prompts cut to the batch's longest, true CFG with its norm rescale, dual-stream blocks sharded
-    # FLUX.2 [klein]: 4-D position ids, double and single blocks sharded
-    for family in ("qwen-image", "flux2-klein"):
+    # FLUX.2 [dev] and [klein]: 4-D position ids, double and single blocks sharded
+    for family in ("qwen-image", "flux2", "flux2-klein"):
         folder = save_pipeline(family, base / family)
         plan += [[mode, [*_arguments(model, base / f"{mode}-{family}", "lora"), f"model.path={folder}", f"model.family={family}"]]
                  for mode in ("ddp", "fsdp")]
@@ -139,9 +139,9 @@ def test_wan_22s_two_experts_train_together_sharded_like_ddp(runs):
         assert difference <= 1e-4 and moved > 100 * difference, (part, difference, moved)
 
 
-@pytest.mark.parametrize("family", ["z-image", "qwen-image", "flux2-klein"])
+@pytest.mark.parametrize("family", ["z-image", "qwen-image", "flux2", "flux2-klein"])
 def test_the_newer_image_families_train_on_two_processes_sharded_like_ddp(runs, family):
-    """Z-Image, Qwen-Image and FLUX.2 [klein] under DDP and FSDP2 on two processes: the LoRAs agree within 1e-4 and moved
+    """Z-Image, Qwen-Image, FLUX.2 [dev] and [klein] under DDP and FSDP2 on two processes: the LoRAs agree within 1e-4 and moved
     100× more (Z-Image measured 1.2e-5: as for Wan above, a few weights see gradients near Adam's ε)."""
     ddp, fsdp = (_export(runs["base"] / f"{mode}-{family}", "lora") for mode in ("ddp", "fsdp"))
     assert ddp.keys() == fsdp.keys() and len(ddp) > 0

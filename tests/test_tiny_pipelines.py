@@ -81,7 +81,7 @@ def test_reloaded_pipeline_generates(family, saved, loaded):
         return tensors
 
     check_images(generate(pipe, family, callback_on_step_end=record_latents), family)
-    packed = {"flux2-klein": (2, 64, 16)}  # FLUX.2 takes (B, C, h, w) and packs them into tokens inside its loop
+    packed = {"flux2": (2, 64, 16), "flux2-klein": (2, 64, 16)}  # FLUX.2 takes (B, C, h, w) and packs them into tokens inside its loop
     assert drawn == [packed.get(family, tp.latent_shape(family, batch_size=2))] * 3  # the pipeline's own latents
 
 
@@ -103,7 +103,7 @@ def test_save_reload_is_lossless(family, saved, loaded):
 def test_explicit_latents(family, loaded):
     shape = tp.latent_shape(family, batch_size=2)
     expected = {"sd3": (2, 16, 16, 16), "flux": (2, 64, 64), "sana": (2, 32, 8, 8), "sd15": (2, 4, 16, 16), "z-image": (2, 16, 16, 16),
-                "qwen-image": (2, 64, 16), "flux2-klein": (2, 16, 8, 8)}
+                "qwen-image": (2, 64, 16), "flux2": (2, 16, 8, 8), "flux2-klein": (2, 16, 8, 8)}
     assert shape == expected[family]  # as documented in tiny_pipelines' docstring
     latents = torch.randn(shape, generator=torch.Generator().manual_seed(1))
     images = generate(loaded[family], family, latents=latents)

@@ -30,9 +30,12 @@ read from the pipelines' `prepare_latents`, see `latent_shape`):
 - qwen-image (QwenImagePipeline, 32 px): (B, 64, 16) — packed as FLUX.1's, from 4 latent channels of
   a one-level causal video VAE (f = 2^len(temperal_downsample) = 2); a Qwen2.5-VL text encoder with a
   one-block vision tower the pipeline never calls. Guidance is `true_cfg_scale` with a negative prompt.
-- flux2-klein (Flux2KleinPipeline, 32 px): (B, 16, 8, 8) — the VAE's 4 latent channels patchified 2×2 (f = 2),
+- flux2 and flux2-klein (Flux2Pipeline, Flux2KleinPipeline, 32 px): (B, 16, 8, 8) — the VAE's 4 latent channels patchified 2×2 (f = 2),
   as the pipeline's `latents=` takes them (it packs them into 64 tokens itself). Its Qwen3 encoder has 27
   layers of width 16: the pipeline concatenates the hidden states of layers 9, 18 and 27 (joint width 48).
+  FLUX.2 [dev]'s Mistral 3 encoder (a 30-layer Mistral of width 16 and a one-layer Pixtral vision tower the
+  pipeline never calls) is read at layers 10, 20 and 30; its tokenizer is a PixtralProcessor whose chat
+  template renders the system message and the prompt; its transformer embeds the guidance scale.
 
 Pitfalls handled here:
 - open_clip-derived CLIP tokenizers have `model_max_length` ≈ 1e30; SD3/FLUX/SD15 pad CLIP prompts to
@@ -79,6 +82,7 @@ from diffusers import (
     DiffusionPipeline,
     FlowMatchEulerDiscreteScheduler,
     Flux2KleinPipeline,
+    Flux2Pipeline,
     Flux2Transformer2DModel,
     FluxPipeline,
     FluxTransformer2DModel,
@@ -102,6 +106,10 @@ from transformers import (
     CLIPTokenizer,
     Gemma2Config,
     Gemma2Model,
+    Mistral3Config,
+    Mistral3ForConditionalGeneration,
+    PixtralImageProcessor,
+    PixtralProcessor,
     PreTrainedTokenizerFast,
     Qwen2_5_VLConfig,
     Qwen2_5_VLForConditionalGeneration,
@@ -114,8 +122,8 @@ from transformers import (
 
 from branchdiff.models.tiny import build_tokenizer as build_clip_tokenizer
 
-FAMILIES = ("sd3", "flux", "sana", "sd15", "z-image", "qwen-image", "flux2-klein")
-RESOLUTION: dict[str, int] = {"sd3": 32, "flux": 32, "sana": 32, "sd15": 32, "z-image": 32, "qwen-image": 32, "flux2-klein": 32}
+FAMILIES = ("sd3", "flux", "sana", "sd15", "z-image", "qwen-image", "flux2", "flux2-klein")
+RESOLUTION: dict[str, int] = {"sd3": 32, "flux": 32, "sana": 32, "sd15": 32, "z-image": 32, "qwen-image": 32, "flux2": 32, "flux2-klein": 32}
 PIPELINE_CLASS: dict[str, type[DiffusionPipeline]] = {
     "sd3": StableDiffusion3Pipeline,
     "flux": FluxPipeline,
@@ -123,20 +131,21 @@ PIPELINE_CLASS: dict[str, type[DiffusionPipeline]] = {
     "sd15": StableDiffusionPipeline,
     "z-image": ZImagePipeline,
     "qwen-image": QwenImagePipeline,
+    "flux2": Flux2Pipeline,
     "flux2-klein": Flux2KleinPipeline,
 }
 # Extra `__call__` keyword arguments a family needs at RESOLUTION (see the module docstring).
 CALL_KWARGS: dict[str, dict[str, Any]] = {"sd3": {}, "flux": {}, "sana": {"use_resolution_binning": False}, "sd15": {}, "z-image": {},
-                                          "qwen-image": {"negative_prompt": " "}, "flux2-klein": {}}  # Qwen-Image guides only with a negative prompt (its card's " ")
+                                          "qwen-image": {"negative_prompt": " "}, "flux2": {}, "flux2-klein": {}}  # Qwen-Image guides only with a negative prompt (its card's " ")
 # The `__call__` argument that takes the guidance scale, where it is not `guidance_scale` (Qwen-Image's is for guidance-distilled models).
 GUIDANCE_ARGUMENT: dict[str, str] = {"qwen-image": "true_cfg_scale"}
 # Guidance scale per family for tests: > 1 runs classifier-free guidance (sd3, sana, sd15);
 # FLUX.1-dev is guidance-distilled, its guidance scale is an embedding input (3.5 as released).
-GUIDANCE_SCALE: dict[str, float] = {"sd3": 4.5, "flux": 3.5, "sana": 4.5, "sd15": 4.5, "z-image": 5.0, "qwen-image": 4.0, "flux2-klein": 4.0}
+GUIDANCE_SCALE: dict[str, float] = {"sd3": 4.5, "flux": 3.5, "sana": 4.5, "sd15": 4.5, "z-image": 5.0, "qwen-image": 4.0, "flux2": 4.0, "flux2-klein": 4.0}
 
 CLIP_MAX_LENGTH = 77
-VAE_SCALE_FACTOR: dict[str, int] = {"sd3": 2, "flux": 2, "sana": 4, "sd15": 2, "z-image": 2, "qwen-image": 2, "flux2-klein": 2}
-LATENT_CHANNELS: dict[str, int] = {"sd3": 16, "flux": 16, "sana": 32, "sd15": 4, "z-image": 16, "qwen-image": 4, "flux2-klein": 4}
+VAE_SCALE_FACTOR: dict[str, int] = {"sd3": 2, "flux": 2, "sana": 4, "sd15": 2, "z-image": 2, "qwen-image": 2, "flux2": 2, "flux2-klein": 2}
+LATENT_CHANNELS: dict[str, int] = {"sd3": 16, "flux": 16, "sana": 32, "sd15": 4, "z-image": 16, "qwen-image": 4, "flux2": 4, "flux2-klein": 4}
 
 # A few hundred words for the T5 / Gemma WordPiece vocabularies; anything else falls back to
 # single characters (`##x` continuations), so ASCII text never maps to <unk>.
@@ -382,27 +391,55 @@ def _build_qwen_image(res: int) -> QwenImagePipeline:
     return QwenImagePipeline(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, transformer=transformer)
 
 
+MISTRAL_CHAT_TEMPLATE = (  # as much of Mistral 3's chat markup as FLUX.2 [dev]'s pipeline renders (a system message, user turns of text)
+    "{% for message in messages %}{% if message['role'] == 'system' %}[SYSTEM_PROMPT]{{ message['content'][0]['text'] }}[/SYSTEM_PROMPT]"
+    "{% else %}[INST]{{ message['content'][0]['text'] }}[/INST]{% endif %}{% endfor %}"
+)
+
+
+def _flux2_parts(res: int, guidance_embeds: bool, text_width: int) -> dict[str, Any]:
+    """FLUX.2's transformer, VAE and scheduler, shared by [dev] and [klein]."""
+    transformer = Flux2Transformer2DModel(  # rope axes (time, row, column, layer) sum to the head size 16
+        patch_size=1, in_channels=4 * LATENT_CHANNELS["flux2"], num_layers=1, num_single_layers=1, attention_head_dim=16,
+        num_attention_heads=2, joint_attention_dim=3 * text_width, timestep_guidance_channels=32, axes_dims_rope=(4, 4, 4, 4),
+        guidance_embeds=guidance_embeds,
+    )
+    vae = AutoencoderKLFlux2(block_out_channels=(16, 32), down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
+                             latent_channels=LATENT_CHANNELS["flux2"], norm_num_groups=8, layers_per_block=1, sample_size=res)
+    with torch.no_grad():  # batch-norm statistics other than 0 and 1, so that decoding must apply them
+        vae.bn.running_mean.copy_(0.1 * torch.randn(vae.bn.running_mean.shape))
+        vae.bn.running_var.copy_(0.5 + torch.rand(vae.bn.running_var.shape))
+    scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=True)  # FLUX.2's config
+    return {"transformer": transformer, "vae": vae, "scheduler": scheduler}
+
+
+def _build_flux2(res: int) -> Flux2Pipeline:
+    specials = {"pad_token": "<pad>", "eos_token": "</s>", "bos_token": "<s>", "unk_token": "<unk>"}
+    tokenizer = _wordpiece_tokenizer(specials, "<s> $A", model_max_length=131072)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["[IMG]", "[IMG_BREAK]", "[IMG_END]"]})  # what Pixtral's processor looks up
+    processor = PixtralProcessor(image_processor=PixtralImageProcessor(), tokenizer=tokenizer, chat_template=MISTRAL_CHAT_TEMPLATE,
+                                 patch_size=16, spatial_merge_size=2)
+    text_encoder = Mistral3ForConditionalGeneration(Mistral3Config(  # 30 layers: the pipeline reads layers 10, 20 and 30
+        text_config={"model_type": "mistral", "vocab_size": len(tokenizer), "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 30,
+                     "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 8, "max_position_embeddings": 1024,
+                     "pad_token_id": tokenizer.pad_token_id},
+        vision_config={"model_type": "pixtral", "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
+                       "head_dim": 8, "patch_size": 16, "image_size": 64},
+        image_token_index=tokenizer.convert_tokens_to_ids("[IMG]"), spatial_merge_size=2,
+    )).eval()
+    return Flux2Pipeline(text_encoder=text_encoder, tokenizer=processor, **_flux2_parts(res, guidance_embeds=True, text_width=16))
+
+
 def _build_flux2_klein(res: int) -> Flux2KleinPipeline:
     tokenizer = build_qwen_tokenizer()
     text_encoder = Qwen3ForCausalLM(Qwen3Config(  # 27 layers: the pipeline reads layers 9, 18 and 27
         vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=27, num_attention_heads=2,
         num_key_value_heads=1, head_dim=8, max_position_embeddings=1024, pad_token_id=tokenizer.pad_token_id,
     )).eval()
-    transformer = Flux2Transformer2DModel(  # rope axes (time, row, column, layer) sum to the head size 16
-        patch_size=1, in_channels=4 * LATENT_CHANNELS["flux2-klein"], num_layers=1, num_single_layers=1, attention_head_dim=16,
-        num_attention_heads=2, joint_attention_dim=48, timestep_guidance_channels=32, axes_dims_rope=(4, 4, 4, 4), guidance_embeds=False,
-    )
-    vae = AutoencoderKLFlux2(block_out_channels=(16, 32), down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
-                             latent_channels=LATENT_CHANNELS["flux2-klein"], norm_num_groups=8, layers_per_block=1, sample_size=res)
-    with torch.no_grad():  # batch-norm statistics other than 0 and 1, so that decoding must apply them
-        vae.bn.running_mean.copy_(0.1 * torch.randn(vae.bn.running_mean.shape))
-        vae.bn.running_var.copy_(0.5 + torch.rand(vae.bn.running_var.shape))
-    scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=True)  # FLUX.2 [klein]'s config
-    return Flux2KleinPipeline(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, transformer=transformer)
-
+    return Flux2KleinPipeline(text_encoder=text_encoder, tokenizer=tokenizer, **_flux2_parts(res, guidance_embeds=False, text_width=16))
 
 _BUILDERS = {"sd3": _build_sd3, "flux": _build_flux, "sana": _build_sana, "sd15": _build_sd15, "z-image": _build_z_image,
-             "qwen-image": _build_qwen_image, "flux2-klein": _build_flux2_klein}
+             "qwen-image": _build_qwen_image, "flux2": _build_flux2, "flux2-klein": _build_flux2_klein}
 
 
 def _check(family: str) -> None:
@@ -447,7 +484,7 @@ def latent_shape(family: str, batch_size: int, resolution: int | None = None) ->
     channels = LATENT_CHANNELS[family]
     if family in ("flux", "qwen-image"):
         return (batch_size, (side // 2) ** 2, 4 * channels)
-    if family == "flux2-klein":
+    if family in ("flux2", "flux2-klein"):
         return (batch_size, 4 * channels, side // 2, side // 2)
     return (batch_size, channels, side, side)
 
