@@ -494,6 +494,17 @@ def sana_default_instruction() -> list[str]:
     return inspect.signature(SanaPipeline.__call__).parameters["complex_human_instruction"].default
 
 
+def build_flux_kontext(seed: int = 0) -> DiffusionPipeline:
+    """A tiny FLUX.1 Kontext pipeline (not in FAMILIES, whose shared tests make images from text alone;
+    tests/test_editing.py): the tiny FLUX.1's components in `FluxKontextPipeline`."""
+    from diffusers import FluxKontextPipeline
+
+    torch.manual_seed(seed)
+    pipe = FluxKontextPipeline(**_build_flux(RESOLUTION["flux"]).components)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
 def build_wan(two_experts: bool = False, release: bool = False, seed: int = 0, ti2v: bool = False) -> DiffusionPipeline:
     """A tiny Wan text-to-video pipeline (not in this module's FAMILIES, whose shared tests take images; tests/test_wan.py).
     UMT5 text encoder, a 2-level causal 3-D VAE (spatial and temporal factor 2: F = 2k + 1 frames,

@@ -78,6 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
                               "folder ships (e.g. SANA's DPM-Solver++, SD 1.5's PNDM)")
         if name == "sample":
             sub.add_argument("--prompt", action="append", help="prompt (repeatable; required unless --from-trace)")
+            sub.add_argument("--image", action="append", type=Path, default=None,
+                             help="an editing family's source image: once for every prompt, or once per --prompt (docs/editing.md)")
             sub.add_argument("--out", type=Path, required=True, help="output directory")
             sub.add_argument("--seed", type=at_least(0), default=None, help="noise seed (default: 1234)")
             search = sub.add_argument_group("search (docs/search.md): the best images of a search over each prompt's denoising tree")

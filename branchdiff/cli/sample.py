@@ -1,10 +1,11 @@
 """`branchdiff sample`: ODE samples of each prompt as PNGs (a video family's: a frame strip PNG and
-an MP4 each); with `--search`, the best images of an
+an MP4 each; an editing family's edits of `--image`); with `--search`, the best images of an
 inference-time search (branchdiff/cli/search.py); with `--from-trace`, a search's best images regrown."""
 
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from branchdiff.cli.common import file_name, load_model, sampling_settings
 
@@ -20,6 +21,8 @@ def cmd_sample(args: argparse.Namespace) -> None:
     if (args.search or args.from_trace is not None) and args.solver == "release":
         raise ValueError("--solver release samples the model's own ODE; a search grows SDE trees with branchdiff's steps: "
                          "leave --solver unset with --search or --from-trace")
+    if args.image and (args.search or args.from_trace is not None):
+        raise ValueError("--image samples an editing family's ODE edits; searches and their traces take text prompts only: drop --search / --from-trace")
     if args.search and args.budget is None:
         raise ValueError(f"--search {args.search} needs --budget: the network rows to spend per prompt (a {args.steps or 10}-step image costs "
                          f"{args.steps or 10}, twice that under CFG)")
@@ -39,9 +42,22 @@ def cmd_sample(args: argparse.Namespace) -> None:
         return
     from branchdiff.evaluation.evaluate import sample_ode
 
+    metadata = source_metadata(args.image, len(args.prompt))
     images, prompts = sample_ode(load_model(settings, args.weights), args.prompt, settings.images_per_prompt, settings.steps, settings.shift,
-                                 seed=seed, guidance=settings.guidance, solver=settings.solver)
+                                 seed=seed, guidance=settings.guidance, solver=settings.solver, metadata=metadata)
     args.out.mkdir(parents=True, exist_ok=True)  # only once there are images to write
     for index, (image, prompt) in enumerate(zip(images, prompts)):
         for path in save_sample(image, args.out / file_name(index, prompt)):  # a video: its strip PNG and its MP4
             print(path)
+
+
+def source_metadata(images: list[Path] | None, prompts: int) -> list[dict] | None:
+    """Each prompt's metadata naming its source image (`--image`: one for every prompt, or one per prompt), checked now."""
+    if not images:
+        return None
+    if len(images) not in (1, prompts):
+        raise ValueError(f"--image was given {len(images)} times for {prompts} prompts: give it once (every prompt edits that image) or once per --prompt")
+    from branchdiff.data.sources import SOURCES, resolve_sources
+
+    paths = [resolve_sources(str(image), Path.cwd(), "--image") for image in images]
+    return [{SOURCES: paths[index if len(paths) > 1 else 0]} for index in range(prompts)]

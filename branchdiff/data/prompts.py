@@ -9,7 +9,8 @@ A source is a named set or a file:
   (`benchmark/<style>.json`, a JSON list of prompts) when online and cached there;
 - a `.txt` file (one prompt a line), a `.jsonl` file (one object a line with a "prompt" field; the
   other fields are the prompt's metadata), or a `.csv` file (a "prompt" column; the other columns
-  are metadata).
+  are metadata). An "image" field or column names the prompt's source images for instruction
+  editing (`branchdiff.data.sources`: checked when the file is read, kept as `sources` paths).
 Every prompt carries a metadata dict (`style` for hpdv2), which rewards receive and evaluation
 groups its tables by.
 """
@@ -28,6 +29,7 @@ from pathlib import Path
 import torch
 
 from branchdiff.data import tiny_task, tiny_video_task
+from branchdiff.data.sources import MASK, SOURCES, resolve_sources
 from branchdiff.errors import quote, read_utf8
 
 
@@ -100,17 +102,28 @@ def load_prompt_set(source: str) -> PromptSet:
                 raise ValueError(f"{path}:{number}: expected a JSON object with a \"prompt\" field, got {quote(line)}") from None
             if not isinstance(record, dict) or "prompt" not in record:
                 raise ValueError(f"{path}:{number}: expected a JSON object with a \"prompt\" field")
-            rows.append((_prompt_text(record.pop("prompt"), path, number), record))
+            rows.append((_prompt_text(record.pop("prompt"), path, number), _with_sources(record, path, f"{path}:{number}")))
     elif path.suffix == ".csv":
         reader = csv.DictReader(io.StringIO(text, newline=""))
         if "prompt" not in (reader.fieldnames or []):
             raise ValueError(f"{path}:1: no \"prompt\" column (columns: {', '.join(reader.fieldnames or [])})")
-        rows = [(_prompt_text(row.pop("prompt"), path, reader.line_num), row) for row in reader]
+        rows = [(_prompt_text(row.pop("prompt"), path, reader.line_num), _with_sources(row, path, f"{path}:{reader.line_num}")) for row in reader]
     else:
         rows = [(line.strip(), {}) for line in lines if line.strip()]
     if not rows:
         raise ValueError(f"prompt source {quote(source, 80)} holds no prompts")
     return PromptSet(source, [p for p, _ in rows], [m for _, m in rows])
+
+
+def _with_sources(record: dict, path: Path, where: str) -> dict:
+    """A row's metadata with its "image" field, if any, checked and kept as absolute `sources` paths,
+    and its "mask" as an absolute `mask` path."""
+    metadata = {k: v for k, v in record.items() if k not in ("image", MASK)}
+    if "image" in record:
+        metadata[SOURCES] = resolve_sources(record["image"], path.parent, where)
+    if MASK in record:
+        metadata[MASK] = resolve_sources(record[MASK], path.parent, where)[0]
+    return metadata
 
 
 def _prompt_text(value: object, path: Path, line: int) -> str:

@@ -28,7 +28,8 @@ from branchdiff.core.engine import initial_noise, rows_per_latent
 from branchdiff.core.rollout import NoiseAddress, SamplerSettings, grow
 from branchdiff.core.tree import TreeSpec, build_tree
 from branchdiff.data.prompts import PromptSet
-from branchdiff.models.base import ModelAdapter, select_embeds
+from branchdiff.data.sources import source_tensors
+from branchdiff.models.base import ModelAdapter, encode_for, select_embeds
 from branchdiff.report.figures import save_grid
 from branchdiff.report.video import frame_strip, write_mp4
 from branchdiff.rewards.base import to_uint8
@@ -41,19 +42,21 @@ from branchdiff.settings.evaluation import EVAL_RUN_SEED, SOLVERS
 def sample_ode(
     adapter: ModelAdapter, prompts: list[str], num_seeds: int, num_steps: int, shift: float | None = None,
     seed: int = EVAL_RUN_SEED, prompt_keys: list[int] | None = None, guidance: float | None = None, solver: str = "training",
+    metadata: list[dict] | None = None,
 ) -> tuple[torch.Tensor, list[str]]:
     """ODE samples of every prompt × seed on the adapter's schedule (`shift` None: the family's
     own) with `guidance` (None: the family's default): images (P·S, 3, H, W) in [0, 1],
     prompt-major, and the prompt of each image. `prompt_keys[p]` addresses prompt p's noise
     (default: its position). `solver` "release": from the same initial noise, the sampler the
-    model folder ships (`ModelAdapter.release_denoise`), in batches of a fixed size."""
+    model folder ships (`ModelAdapter.release_denoise`), in batches of a fixed size. `metadata`: the
+    prompts' (an editing family finds their source images there)."""
     if solver not in SOLVERS:
         raise ValueError(f"solver={solver!r} is not one of {', '.join(SOLVERS)}")
     tree = build_tree(TreeSpec(num_steps, roots=num_seeds, sde_steps=frozenset()), len(prompts))
     address = NoiseAddress(seed, -1, tuple(prompt_keys if prompt_keys is not None else range(len(prompts))))
     settings = SamplerSettings(max_batch=adapter.eval_batch, exact=True, guidance=guidance)  # fixed per family
     # one prompt per text-encoder call: an encoder's output, too, depends on its batch size
-    encoded = [adapter.encode_prompts([prompt]) for prompt in prompts]
+    encoded = [encode_for(adapter, [prompt], [row]) for prompt, row in zip(prompts, metadata or [{}] * len(prompts))]
     embeds = {key: torch.cat([e[key] for e in encoded]) for key in encoded[0]}
     if solver == "release":
         latents = _release_latents(adapter, tree, embeds, address, num_steps, settings)
@@ -155,7 +158,8 @@ def evaluate(
         for start in range(0, len(sampled), chunk):
             keys = sampled[start : start + chunk]
             prompts = [prompt_set.prompts[k] for k in keys]
-            images, image_prompts = sample_ode(adapter, prompts, images_per_prompt, num_steps, shift, seed, keys, guidance, solver)
+            images, image_prompts = sample_ode(adapter, prompts, images_per_prompt, num_steps, shift, seed, keys, guidance, solver,
+                                               [prompt_set.metadata[k] for k in keys])
             keys = keys[: max(0, len(mine) - start)]  # the padding's images are dropped
             images, image_prompts = images[: len(keys) * images_per_prompt], image_prompts[: len(keys) * images_per_prompt]
             if not keys:
@@ -227,6 +231,20 @@ def format_summary(summary: dict, label: str = "score") -> str:
     return "\n".join(lines)
 
 
+def beside_sources(images: torch.Tensor, metadata: list[dict], per_prompt: int) -> torch.Tensor:
+    """Images (P·N, 3, H, W), prompt-major, with each editing prompt's (first) source image, resized to
+    H × W, before its N results: (P·(N + 1), 3, H, W) for a grid whose rows read source, then edits.
+    Prompts without sources: the images as they are."""
+    sources = source_tensors(metadata)
+    if sources is None:
+        return images
+    rows = []
+    for prompt, chosen in enumerate(images.split(per_prompt)):
+        source = torch.nn.functional.interpolate(sources[prompt][0][None], size=chosen.shape[-2:], mode="bilinear", antialias=True)
+        rows.append(torch.cat([source.clamp(0, 1).to(chosen), chosen]))
+    return torch.cat(rows)
+
+
 def write_outputs(result: EvalResult, out_dir: Path, scales: dict[str, str], extra: dict) -> dict:
     """scores.csv, grid.png (from the images `evaluate` wrote) and summary.json under `out_dir`
     (module doc); returns the summary JSON. `scales`: each reward's scale note; `extra`: run facts."""
@@ -242,9 +260,12 @@ def write_outputs(result: EvalResult, out_dir: Path, scales: dict[str, str], ext
         writer = csv.DictWriter(handle, fieldnames=list(rows[0]) if rows else ["prompt_index"])
         writer.writeheader()
         writer.writerows(rows)
-    shown = [row["image"] for row in rows[: min(8, len(prompts)) * result.images_per_prompt]]
+    shown = rows[: min(8, len(prompts)) * result.images_per_prompt]
     if shown:
-        save_grid(torch.stack([read_image(str(out_dir / path)).float() / 255 for path in shown]), out_dir / "grid.png", nrow=result.images_per_prompt)
+        images = torch.stack([read_image(str(out_dir / row["image"])).float() / 255 for row in shown])
+        sources = [metadata[row["prompt_index"]] for row in shown[:: result.images_per_prompt]]  # an editing set: each row starts with its source
+        beside = beside_sources(images, sources, result.images_per_prompt)
+        save_grid(beside, out_dir / "grid.png", nrow=len(beside) // len(sources))
     summary = {"prompts": result.prompt_set.name, "images_per_prompt": result.images_per_prompt, "scales": scales,
                **extra, "summary": summarize(result)}
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))

@@ -8,7 +8,8 @@ the rollout, the trainer, explore and evaluation need to know about its family:
   each step and the SDE/ODE transition with its log-prob;
 - `latent_shape`: per-sample latent shape at the adapter's image size `height` × `width` (packed for FLUX);
 - `encode_prompts`: conditioning rows, one per prompt, every tensor batched on dim 0; families
-  with classifier-free guidance add the unconditional rows under `negative_<key>`;
+  with classifier-free guidance add the unconditional rows under `negative_<key>`; an editing
+  family's (`edits`) include its encoded source images;
 - `forward`: the raw network output for a batch of latents (one row each); `predict` applies
   guidance around it: CFG (`uses_cfg`: one forward of [unconditional; conditional] rows,
   u + g·(c − u), so it costs `rows_per_sample(g)` = 2 rows per latent, counted in NFE and
@@ -34,6 +35,7 @@ from pathlib import Path
 
 import torch
 
+from branchdiff.data.sources import source_images
 from branchdiff.models import lora
 from branchdiff.schedulers.schedule import Schedule
 
@@ -63,6 +65,7 @@ class ModelAdapter(ABC):
     pipeline_class_name: str  # the diffusers pipeline class whose `load_lora_weights` reads the export
     quant_skip_modules: tuple[str, ...] = ()  # module-name patterns a quantised explorer keeps in high precision
     uses_cfg: bool = False  # guidance as classifier-free guidance rows (else embedded, or none)
+    edits: bool = False  # an instruction-editing family: each prompt comes with its source image(s) (docs/editing.md)
     default_guidance: float = 1.0  # the family's guidance when the config leaves it unset (1: none)
     decode_batch: int = 8  # images per VAE decode call
     eval_batch: int = 32  # network rows per evaluation forward: fixed per family, so a sample is the same whatever else shares its batch
@@ -81,8 +84,18 @@ class ModelAdapter(ABC):
         anchors' σ = s·t / (1 + (s-1)·t) (flow families), None keeps the family's."""
 
     @abstractmethod
-    def encode_prompts(self, prompts: list[str]) -> PromptEmbeds:
-        """Conditioning for each prompt, without gradients (encoders stay frozen)."""
+    def encode_prompts(self, prompts: list[str], sources: list[list] | None = None) -> PromptEmbeds:
+        """Conditioning for each prompt, without gradients (encoders stay frozen); an editing family's
+        (`edits`) includes its source images, `sources` holding each prompt's as RGB PIL images."""
+
+    def check_sources(self, prompts: list[str], sources: list[list] | None) -> None:
+        """Refuse prompts without source images for an editing family, and source images for a text-to-image one."""
+        if self.edits and (sources is None or len(sources) != len(prompts) or not all(sources)):
+            raise ValueError(f"model.family={self.family} edits images: every prompt needs its source image; give prompts from a "
+                             "JSONL or CSV file with an \"image\" field (docs/editing.md)")
+        if not self.edits and sources is not None:
+            raise ValueError(f"the prompts come with source images (an \"image\" field) and model.family={self.family} makes images "
+                             "from text alone; train an editing family (flux-kontext), or drop the field (docs/editing.md)")
 
     @abstractmethod
     def forward(self, latents: torch.Tensor, times: torch.Tensor, embeds: PromptEmbeds, guidance: float) -> torch.Tensor:
@@ -193,3 +206,9 @@ class ModelAdapter(ABC):
         finally:
             for module in present:
                 module.to("cpu")
+
+
+def encode_for(adapter: ModelAdapter, prompts: list[str], metadata: list[dict]) -> PromptEmbeds:
+    """`adapter.encode_prompts` with the prompts' source images where their metadata names any (an editing prompt set)."""
+    sources = source_images(metadata)
+    return adapter.encode_prompts(prompts) if sources is None else adapter.encode_prompts(prompts, sources)

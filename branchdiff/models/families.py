@@ -39,6 +39,7 @@ BUILT_IN: dict[str, Family] = {
     "tiny-video": Family("branchdiff.models.tiny_video:TinyVideoAdapter", "flow", 32, fixed_resolution=True, frames=5),  # the built-in video task's model
     "sd3": Family("branchdiff.models.sd3:SD3Adapter", "flow", 1024, side_multiple=16),
     "flux": Family("branchdiff.models.flux:FluxAdapter", "flow", 1024, side_multiple=16),
+    "flux-kontext": Family("branchdiff.models.flux_kontext:FluxKontextAdapter", "flow", 1024, side_multiple=16),  # FLUX.1 Kontext: edits a source image
     "sana": Family("branchdiff.models.sana:SanaAdapter", "flow", 1024, instruction=True, side_multiple=32),
     "sd15": Family("branchdiff.models.sd15:SD15Adapter", "ddim", 512),
     "z-image": Family("branchdiff.models.z_image:ZImageAdapter", "flow", 1024, side_multiple=16),  # Z-Image(-Turbo), Qwen3 prompts

@@ -63,12 +63,17 @@ class FluxAdapter(PipelineAdapter):
         return {"encoder_hidden_states": embeds, "pooled_projections": pooled}
 
     def forward(self, latents: torch.Tensor, times: torch.Tensor, embeds: dict[str, torch.Tensor], guidance: float) -> torch.Tensor:
-        dtype, batch = self.dtype, latents.shape[0]
+        img_ids = self.pipe._prepare_latent_image_ids(len(latents), *self.token_grid(), latents.device, self.dtype)  # (rows · columns, 3)
+        return self.transformer_output(latents, img_ids, times, embeds, guidance)
+
+    def transformer_output(self, tokens: torch.Tensor, img_ids: torch.Tensor, times: torch.Tensor, embeds: dict[str, torch.Tensor],
+                           guidance: float) -> torch.Tensor:
+        """The transformer on image tokens (B, N, 64) with their ids (N, 3), conditioned on the prompts' embeddings."""
+        dtype, batch = self.dtype, tokens.shape[0]
         text = embeds["encoder_hidden_states"]  # (B, S, D)
-        img_ids = self.pipe._prepare_latent_image_ids(batch, *self.token_grid(), latents.device, dtype)  # (rows · columns, 3)
-        txt_ids = torch.zeros(text.shape[1], 3, device=latents.device, dtype=dtype)
-        embedded = torch.full((batch,), guidance, device=latents.device, dtype=torch.float32) if self.config.guidance_embeds else None
-        return self.denoiser(hidden_states=latents.to(dtype), timestep=times.to(dtype), guidance=embedded,
+        txt_ids = torch.zeros(text.shape[1], 3, device=tokens.device, dtype=dtype)
+        embedded = torch.full((batch,), guidance, device=tokens.device, dtype=torch.float32) if self.config.guidance_embeds else None
+        return self.denoiser(hidden_states=tokens.to(dtype), timestep=times.to(dtype), guidance=embedded,
                              pooled_projections=embeds["pooled_projections"].to(dtype), encoder_hidden_states=text.to(dtype),
                              txt_ids=txt_ids, img_ids=img_ids, return_dict=False)[0]
 

@@ -111,13 +111,19 @@ class PipelineAdapter(ModelAdapter):
         """Latent (height, width) at the image size."""
         return self.height // self.vae_scale_factor, self.width // self.vae_scale_factor
 
-    def encode_prompts(self, prompts: list[str]) -> dict[str, torch.Tensor]:
-        with torch.no_grad(), self.modules_on_device(*self.text_encoders):
-            embeds = self.encode(prompts)
+    def encode_prompts(self, prompts: list[str], sources: list[list] | None = None) -> dict[str, torch.Tensor]:
+        self.check_sources(prompts, sources)
+        encoders = [*self.text_encoders, self.pipe.vae] if self.edits else self.text_encoders  # an editing family encodes its sources too
+        with torch.no_grad(), self.modules_on_device(*encoders):
+            embeds = self.encode_edits(prompts, sources) if self.edits else self.encode(prompts)
         return {key: value.to(self.device) for key, value in embeds.items()}
 
     def encode(self, prompts: list[str]) -> dict[str, torch.Tensor]:
         """Family part of `encode_prompts` (text encoders are on the device)."""
+        raise NotImplementedError
+
+    def encode_edits(self, prompts: list[str], sources: list[list]) -> dict[str, torch.Tensor]:
+        """An editing family's part of `encode_prompts`: the prompts and their source images (encoders and VAE on the device)."""
         raise NotImplementedError
 
     def vae_input(self, latents: torch.Tensor) -> torch.Tensor:

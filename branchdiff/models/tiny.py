@@ -134,7 +134,8 @@ class TinyAdapter(ModelAdapter):
         out = self.text_encoder(**tokens)
         return {"encoder_hidden_states": out.last_hidden_state, "pooled_projections": out.text_embeds}
 
-    def encode_prompts(self, prompts: list[str]) -> PromptEmbeds:
+    def encode_prompts(self, prompts: list[str], sources: list[list] | None = None) -> PromptEmbeds:
+        self.check_sources(prompts, sources)
         with torch.no_grad():
             return self.text_features(prompts)
 

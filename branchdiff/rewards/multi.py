@@ -11,12 +11,14 @@ the signal with its weight negated.
 
 from __future__ import annotations
 
+import inspect
 import re
 import warnings
 from dataclasses import dataclass
 
 import torch
 
+from branchdiff.data.sources import source_tensors
 from branchdiff.errors import one_line, quote
 from branchdiff.rewards.base import check_scores
 from branchdiff.rewards.combine import RewardSpec, combine
@@ -34,6 +36,14 @@ def extra_keys(reward: object) -> tuple[str, ...]:
     return tuple(k for k in getattr(reward, "score_keys", ()) if k != key)
 
 
+def takes_sources(reward: object) -> bool:
+    """Whether a reward's call takes `sources=`: each image's source images (editing; docs/editing.md)."""
+    try:
+        return "sources" in inspect.signature(reward).parameters  # type: ignore[arg-type]
+    except (TypeError, ValueError):  # a callable without a signature
+        return False
+
+
 def score_component(reward: object, label: str, images: torch.Tensor, prompts: list[str], metadata: list[dict],
                     required: bool = True, frames: FrameAggregation | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor], bool]:
     """The boundary every reward call goes through (training, evaluation, `rewards check`): the
@@ -42,7 +52,9 @@ def score_component(reward: object, label: str, images: torch.Tensor, prompts: l
     this batch (with a warning); a wrong shape always stops (it is a bug in the reward, not a bad
     batch); non-finite scores are returned as they are, for the caller to count. Videos
     (B, F, 3, H, W) go whole to a reward that declares `video = True`; a reward of images scores
-    them through `frames` (every N-th frame, reduced per video), and without it stops with one line."""
+    them through `frames` (every N-th frame, reduced per video), and without it stops with one line.
+    A reward whose call takes `sources=` also receives each image's source images (tensors (3, h, w)
+    in [0, 1]; None when the prompts have none)."""
     count = len(prompts)
     videos = images.dim() == 5 and not getattr(reward, "video", False)
     if videos:
@@ -54,6 +66,8 @@ def score_component(reward: object, label: str, images: torch.Tensor, prompts: l
         if hasattr(reward, "score"):  # a reward that reports more than its score (tiny-geneval)
             every = reward.score(images, prompts)
             raw, more = every[reward_key(reward)], {k: every[k] for k in extra_keys(reward)}
+        elif takes_sources(reward):  # an editing reward: each image's source images as well
+            raw, more = reward(images, prompts, metadata, sources=source_tensors(metadata)), {}
         else:
             raw, more = reward(images, prompts, metadata), {}
     except Exception as error:  # a reward is user code: any failure is reported at this boundary

@@ -41,6 +41,7 @@ REGISTRY: dict[str, Registered] = {
     "tiny-video": Registered("branchdiff.rewards.tiny_video:TinyVideoVerifier"),  # clips of the built-in video task
     "videoalign": Registered("branchdiff.rewards.videoalign:VideoAlignReward"),  # videos: a Qwen2-VL reward model from a local folder (VQ, MQ, TA)
     "flicker": Registered("branchdiff.rewards.flicker:Flicker"),  # videos: frame-to-frame change
+    "edit-consistency": Registered("branchdiff.rewards.edit_consistency:EditConsistency"),  # editing: the source kept outside the edit
     "clip-consistency": Registered("branchdiff.rewards.clip_consistency:CLIPConsistencyReward",  # videos: adjacent frames' CLIP similarity
                                    weights=(("model", "openai/clip-vit-large-patch14", "config.json"),)),
     "hpsv2": Registered("branchdiff.rewards.hps:hpsv2", weights=(("checkpoint", "xswu/HPSv2", "HPS_v2_compressed.pt"),)),

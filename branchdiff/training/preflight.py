@@ -4,7 +4,8 @@ training and evaluation reward resolves (its name imported, its keyword argument
 evaluation rewards even when the run does not evaluate), every prompt source the run reads decodes
 (a problem is named with its file and line), no prompt is longer than the family's text encoders
 can read (`max_prompt_characters`), every reward that can check prompts (`check_prompts`, e.g.
-tiny-geneval's grammar) accepts them, the image size (and a video's frame count) fits the model
+tiny-geneval's grammar) accepts them, an editing family's prompts name their source images (and a
+text family's none), the image size (and a video's frame count) fits the model
 folder's config files, and on a video family every reward scores videos or names its frames.
 The run directory is then claimed (branchdiff/runtime/run_dir.py) and the checkpoint to resume chosen
 (`Trainer.select_checkpoint`), still before the model loads.
@@ -13,6 +14,7 @@ The run directory is then claimed (branchdiff/runtime/run_dir.py) and the checkp
 from __future__ import annotations
 
 from branchdiff.data.prompts import PromptSet, load_prompt_set
+from branchdiff.data.sources import SOURCES
 from branchdiff.errors import quote
 from branchdiff.models import adapter_class, check_frames, check_size
 from branchdiff.models.families import FAMILIES
@@ -68,6 +70,7 @@ def _scores_videos(spec: RewardSpec, factories: dict) -> bool:
 
 
 def _check_prompts(prompt_set: PromptSet, specs: list[RewardSpec], factories: dict, family: str) -> None:
+    check_sources(prompt_set, family)
     limit = max_prompt_characters(family)
     for number, prompt in enumerate(prompt_set.prompts, start=1):
         if len(prompt) > limit:
@@ -81,3 +84,15 @@ def _check_prompts(prompt_set: PromptSet, specs: list[RewardSpec], factories: di
                 check(prompt_set.prompts)
             except ValueError as error:
                 raise ValueError(f"reward {spec.label!r} cannot score {quote(prompt_set.name, 80)}: {error}") from None
+
+
+def check_sources(prompt_set: PromptSet, family: str) -> None:
+    """An editing family's prompts each name their source image(s); a text-to-image family's name none (docs/editing.md)."""
+    edits = adapter_class(family).edits
+    for number, metadata in enumerate(prompt_set.metadata, start=1):
+        if edits and not metadata.get(SOURCES):
+            raise ValueError(f"prompt {number} of {quote(prompt_set.name, 80)} has no source image and model.family={family} edits images: "
+                             "give every prompt its \"image\" (a JSONL field or a CSV column, paths relative to the file; docs/editing.md)")
+        if not edits and SOURCES in metadata:
+            raise ValueError(f"prompt {number} of {quote(prompt_set.name, 80)} comes with a source image (\"image\") and model.family={family} "
+                             "makes images from text alone: train an editing family (flux-kontext), or drop the field (docs/editing.md)")

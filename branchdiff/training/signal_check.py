@@ -20,7 +20,7 @@ import torch
 
 from branchdiff.core.rollout import NoiseAddress, SamplerSettings, grow
 from branchdiff.core.tree import TreeSpec, build_tree
-from branchdiff.models.base import ModelAdapter
+from branchdiff.models.base import ModelAdapter, encode_for
 from branchdiff.rewards.frames import FrameAggregation
 from branchdiff.rewards.multi import RewardError, score_component
 from branchdiff.training.metrics import ZERO_SPREAD
@@ -52,7 +52,7 @@ def check_reward(
     tree = build_tree(TreeSpec(num_steps, roots=group_size), len(prompts))
     settings = SamplerSettings(sde=sde, noise_level=noise_level, guidance=guidance)
     address = NoiseAddress(CHECK_RUN_SEED, 0, tuple(range(len(prompts))))
-    rollout = grow(adapter, tree, adapter.encode_prompts(prompts), adapter.schedule(num_steps, shift), settings, address)
+    rollout = grow(adapter, tree, encode_for(adapter, prompts, metadata), adapter.schedule(num_steps, shift), settings, address)
     images = adapter.decode(rollout.leaf_latents)  # (P·G, 3, H, W) or videos (P·G, F, 3, H, W), prompt-major
     image_prompts = [prompts[p] for p in tree.prompt[tree.leaf_index].tolist()]
     start = time.perf_counter()

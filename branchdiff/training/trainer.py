@@ -36,11 +36,11 @@ from branchdiff.core.rollout import NoiseAddress, Rollout, SamplerSettings, grow
 from branchdiff.core.tree import build_tree
 from branchdiff.data.prompts import draw_prompts, load_prompt_set
 from branchdiff.errors import ConfigError, UserError
-from branchdiff.evaluation.evaluate import EvalResult, evaluate, gather_results, sample_ode, score_names, summarize
+from branchdiff.evaluation.evaluate import EvalResult, beside_sources, evaluate, gather_results, sample_ode, score_names, summarize
 from branchdiff.explore.pool import ExploreResult, explore_search, explore_seeds, explore_tree, latent_difference, pool_under_policy, selection_generators
 from branchdiff.explore.quant import QuantConfig, make_quantized_copy, refresh_quantized_copy
 from branchdiff.models import load_adapter
-from branchdiff.models.base import ModelAdapter
+from branchdiff.models.base import ModelAdapter, encode_for
 from branchdiff.models.ema import WeightAverage
 from branchdiff.models.finetune import make_finetune
 from branchdiff.objectives import make_objective
@@ -217,7 +217,7 @@ class Trainer(TrainerCheckpoints):
         indices, keys = self.iteration_draw(iteration)
         prompts, metadata = [self.prompts[i] for i in indices], [self.prompt_set.metadata[i] for i in indices]
         spec = tree_spec(self.config, iteration)
-        embeds = self.adapter.encode_prompts(prompts)
+        embeds = encode_for(self.adapter, prompts, metadata)
         address = NoiseAddress(self.config.seed, iteration, keys)
         info: dict = {"embeds": embeds, "prompts": prompts, "address": address, "memory": {}}
         start = time.perf_counter()
@@ -357,13 +357,14 @@ class Trainer(TrainerCheckpoints):
     def fixed_samples(self, prompts: int = 4, images_per_prompt: int = 4) -> tuple[torch.Tensor, list[str]]:
         """The policy's ODE samples (prompts · images_per_prompt, 3, H, W) of the first eval prompts
         with fixed seeds, and those prompts: the same noise at every call, so grids compare across
-        iterations. On a sharded denoiser every process calls it."""
+        iterations; an editing set's rows start with their source image. On a sharded denoiser every process calls it."""
         config = self.config
-        chosen = load_prompt_set(config.prompts.eval).prompts[:prompts]
+        prompt_set = load_prompt_set(config.prompts.eval)
+        chosen, metadata = prompt_set.prompts[:prompts], prompt_set.metadata[:prompts]
         with self.evaluated_weights():
             images = sample_ode(self.adapter, chosen, images_per_prompt, config.sampling.num_steps, config.sampling.shift,
-                                guidance=config.prompts.eval_guidance)[0]
-        return images, chosen
+                                guidance=config.prompts.eval_guidance, metadata=metadata)[0]
+        return beside_sources(images, metadata, images_per_prompt), chosen
 
     def final_evaluation(self) -> dict[str, dict[str, float]]:
         """Base (adapter disabled) vs trained on the eval prompts with the eval rewards and the same

@@ -1,0 +1,81 @@
+"""Source images of instruction-editing prompts (docs/editing.md).
+
+A prompt set's row may name the image(s) its prompt edits: a JSONL row's "image" field (a path or a
+list of paths), a CSV row's "image" column (paths separated by "|"). Relative paths are resolved
+against the prompt file's folder. `resolve_sources` checks, when the set is read, that every image
+exists and decodes, and refuses the first that does not with its file and row; the absolute paths
+are kept in the prompt's metadata under `SOURCES`, where editing families, rewards that take
+`sources=` and evaluation grids find them. A "mask" field or column (one image, white where the
+edit may change the source) is checked the same way and kept, absolute, under `MASK`
+(`edit-consistency` compares source and result outside it).
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+from branchdiff.errors import quote
+
+SOURCES = "sources"  # metadata key: the absolute paths of a prompt's source images
+MASK = "mask"  # metadata key: the absolute path of a prompt's edit mask (white where the edit may change the source)
+SEPARATOR = "|"  # between paths in a CSV cell
+
+
+def resolve_sources(value: object, folder: Path, where: str) -> list[str]:
+    """Absolute paths of a row's source images: `value` is a path, a list of paths, or (CSV) paths
+    joined by "|"; each must name a readable image. Raises ValueError naming `where` (file:row)."""
+    if isinstance(value, str):
+        paths = [part.strip() for part in value.split(SEPARATOR)] if SEPARATOR in value else [value.strip()]
+    elif isinstance(value, list) and value and all(isinstance(part, str) for part in value):
+        paths = [part.strip() for part in value]
+    else:
+        raise ValueError(f"{where}: \"image\" must be a path or a list of paths to source images, got {quote(repr(value))}")
+    resolved = []
+    for path in paths:
+        if not path:
+            raise ValueError(f"{where}: \"image\" holds an empty path; give the source image's path (relative to {folder})")
+        full = (folder / path).resolve()
+        if not full.is_file():
+            raise ValueError(f"{where}: source image {quote(path)} not found (looked for {full}); fix the path, relative to the prompt file's folder")
+        try:
+            _decode(str(full))
+        except OSError as error:
+            raise ValueError(f"{where}: source image {quote(path)} could not be read as an image ({type(error).__name__}: {error})") from None
+        resolved.append(str(full))
+    return resolved
+
+
+@lru_cache(maxsize=256)
+def _decode(path: str):
+    """The image at `path` as an RGB PIL image (cached: a prompt's sources are read every iteration)."""
+    from PIL import Image
+
+    with Image.open(path) as image:
+        return image.convert("RGB")
+
+
+def source_images(metadata: list[dict]) -> list[list] | None:
+    """Each prompt's source images as RGB PIL images, or None when no prompt has any."""
+    if not any(SOURCES in row for row in metadata):
+        return None
+    return [[_decode(path) for path in row.get(SOURCES, [])] for row in metadata]
+
+
+def source_tensors(metadata: list[dict]) -> list[list[torch.Tensor]] | None:
+    """Each prompt's source images as float tensors (3, h, w) in [0, 1], or None when no prompt has any."""
+    images = source_images(metadata)
+    if images is None:
+        return None
+    import numpy as np
+
+    return [[torch.from_numpy(np.asarray(image, dtype=np.float32) / 255).permute(2, 0, 1) for image in row] for row in images]
+
+
+def mask_tensor(path: str) -> torch.Tensor:
+    """An edit mask (1, h, w) in [0, 1] from its image's luminance: 1 where the edit may change the source."""
+    import numpy as np
+
+    return torch.from_numpy(np.asarray(_decode(path).convert("L"), dtype=np.float32) / 255)[None]

@@ -1,0 +1,205 @@
+"""Instruction editing (docs/editing.md): prompt sets whose rows name source images, the flux-kontext
+family against `FluxKontextPipeline`'s own edits, a run that trains from such a set and exports a LoRA
+the pipeline loads to the same edits, rewards that take `sources=`, `sample --image`, and grids that
+put each source before its edits. Bad rows are refused when the set is read, naming file and row."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from branchdiff.cli import main
+from branchdiff.core.rollout import NoiseAddress, SamplerSettings, grow
+from branchdiff.core.tree import TreeSpec, build_tree
+from branchdiff.data.prompts import load_prompt_set
+from branchdiff.data.sources import MASK, SOURCES, source_images
+from branchdiff.evaluation.evaluate import beside_sources
+from branchdiff.models import load_adapter
+from branchdiff.models.base import encode_for
+from branchdiff.models.finetune import load_weights
+from branchdiff.rewards.edit_consistency import EditConsistency
+from branchdiff.rewards.multi import score_component
+from test_cli_errors import PREFIX, error_line
+from test_model_families import _train_overrides
+from tiny_pipelines import build_flux_kontext, save_pipeline
+
+PROMPTS = ["make the circle blue", "add a red square on the left"]
+STEPS = 4
+TOLERANCE = 1e-4
+
+
+def _source(path, size: tuple[int, int], seed: int) -> None:
+    """A small RGB image (height, width): a coloured background with a brighter block."""
+    rng = np.random.default_rng(seed)
+    pixels = np.broadcast_to(rng.integers(0, 256, 3, dtype=np.uint8), (*size, 3)).copy()
+    pixels[size[0] // 4 : size[0] // 2, size[1] // 4 : size[1] // 2] = rng.integers(128, 256, 3, dtype=np.uint8)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.fromarray(pixels).save(path)
+
+
+@pytest.fixture(scope="module")
+def kontext(tmp_path_factory):
+    root = tmp_path_factory.mktemp("editing")
+    build_flux_kontext().save_pretrained(root / "kontext", safe_serialization=True)
+    for index in range(2):
+        _source(root / "data" / "images" / f"square-{index}.png", (32, 32), index)
+        _source(root / "data" / "images" / f"tall-{index}.png", (32, 16), 10 + index)
+    rows = [{"prompt": prompt, "image": f"images/square-{index}.png"} for index, prompt in enumerate(PROMPTS)]
+    (root / "data" / "edits.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return root
+
+
+def _load_kontext(root):
+    """The saved tiny pipeline through `from_pretrained`, as the adapter loads it (its tokenizers reloaded alike)."""
+    from diffusers import FluxKontextPipeline
+
+    pipe = FluxKontextPipeline.from_pretrained(str(root / "kontext"), dtype=torch.float32)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def _kontext_edits(adapter, metadata: list[dict], guidance: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """branchdiff's ODE edits, one per prompt: (initial latents, images)."""
+    tree = build_tree(TreeSpec(STEPS, roots=1, sde_steps=frozenset()), len(PROMPTS))
+    rollout = grow(adapter, tree, encode_for(adapter, PROMPTS, metadata), adapter.schedule(STEPS), SamplerSettings(guidance=guidance),
+                   NoiseAddress(3, 0, (0, 1)))
+    roots = torch.arange(tree.level_start[0], tree.level_start[1])
+    return rollout.latents[roots], adapter.decode(rollout.leaf_latents)
+
+
+def _pipeline_edits(pipe, metadata: list[dict], initial: torch.Tensor, size: tuple[int, int], guidance: float) -> torch.Tensor:
+    """`FluxKontextPipeline` on the same sources and initial latents: `max_area` the output's (its default
+    rescales any size to a megapixel), and the sources at the output size, so `_auto_resize=False` encodes
+    them there, as branchdiff does."""
+    images = [image[0] for image in source_images(metadata)]
+    return pipe(prompt=list(PROMPTS), image=images, height=size[0], width=size[1], num_inference_steps=STEPS, guidance_scale=guidance,
+                latents=initial.clone(), output_type="pt", max_area=size[0] * size[1], _auto_resize=False).images
+
+
+@pytest.mark.parametrize("size", [(32, 32), (32, 16)])
+def test_kontext_edits_equal_the_pipelines(kontext, size):
+    adapter = load_adapter("flux-kontext", str(kontext / "kontext"), resolution=list(size))
+    kind = "square" if size == (32, 32) else "tall"
+    metadata = [{SOURCES: [str(kontext / "data" / "images" / f"{kind}-{index}.png")]} for index in range(2)]
+    initial, ours = _kontext_edits(adapter, metadata)
+    theirs = _pipeline_edits(_load_kontext(kontext), metadata, initial, size, adapter.default_guidance)
+    assert ours.shape == theirs.shape == (2, 3, *size) and ours.std() > 1e-3
+    assert (ours - theirs).abs().max().item() <= TOLERANCE
+    other = [{SOURCES: [row[SOURCES][0]]} for row in reversed(metadata)]  # the sources swapped: the edits follow them
+    assert (_kontext_edits(adapter, other)[1] - ours).abs().max().item() > 5 * TOLERANCE  # 9e-4 measured: the tiny model reads its source weakly
+
+
+def test_a_run_trains_from_a_jsonl_of_edits_and_its_lora_loads_into_the_pipeline(kontext, tmp_path):
+    """One iteration from the JSONL (an edit-consistency term beside a preference-like reward), then the
+    exported LoRA: the pipeline with it makes branchdiff's edits; the evaluation grid starts each row with its source."""
+    folder, edits, run = kontext / "kontext", kontext / "data" / "edits.jsonl", tmp_path / "run"
+    reward = "reward=[{name: rewards_for_tests:Redness}, {name: edit-consistency, weight: 0.5}]"
+    overrides = _train_overrides("flux-kontext", folder, run, f"prompts.train={edits}", f"prompts.eval={edits}", reward, "model.finetune=lora",
+                                 "train.optimizer_every=0")
+    assert main(["train", "tiny-chain", *overrides]) == 0
+    metrics = json.loads((run / "metrics.jsonl").read_text().splitlines()[0])
+    assert np.isfinite(metrics["reward_edit-consistency"]) and 0 < metrics["reward_edit-consistency"] <= 1
+    adapter = load_adapter("flux-kontext", str(folder), resolution=32)
+    metadata = load_prompt_set(str(edits)).metadata
+    base = _kontext_edits(adapter, metadata)[1]
+    load_weights(adapter, run)
+    initial, ours = _kontext_edits(adapter, metadata)
+    assert (ours - base).abs().max().item() > 1e-3  # training moved the model
+    pipe = _load_kontext(kontext)
+    pipe.load_lora_weights(str(run / "lora"))
+    assert (_pipeline_edits(pipe, metadata, initial, (32, 32), adapter.default_guidance) - ours).abs().max().item() <= TOLERANCE
+
+    out = tmp_path / "eval"
+    assert main(["eval", "--weights", str(run), "--prompts", str(edits), "--images-per-prompt", "2", "--steps", "2", "--rewards",
+                 "edit-consistency", "--out", str(out)]) == 0
+    from torchvision.io import read_image
+
+    from branchdiff.report.figures import save_grid
+
+    expected = save_grid(torch.zeros(2 * 3, 3, 32, 32), tmp_path / "expected.png", nrow=3)  # two rows: the source, then two edits
+    assert read_image(str(out / "grid.png")).shape[-2:] == expected.shape[-2:]
+
+
+def test_sample_edits_the_image_given(kontext, tmp_path, capsys):
+    source = kontext / "data" / "images" / "square-0.png"
+    out = tmp_path / "out"
+    assert main(["sample", "--family", "flux-kontext", "--model", str(kontext / "kontext"), "--resolution", "32", "--prompt", PROMPTS[0],
+                 "--image", str(source), "--steps", str(STEPS), "--images-per-prompt", "1", "--out", str(out)]) == 0
+    written = sorted(out.glob("*.png"))
+    assert len(written) == 1
+    adapter = load_adapter("flux-kontext", str(kontext / "kontext"), resolution=32)
+    from branchdiff.evaluation.evaluate import sample_ode
+
+    expected, _ = sample_ode(adapter, [PROMPTS[0]], 1, STEPS, metadata=[{SOURCES: [str(source)]}])
+    saved = torch.from_numpy(np.asarray(Image.open(written[0]), dtype=np.float32) / 255).permute(2, 0, 1)
+    assert (saved - expected[0]).abs().max().item() <= 1 / 255 + 1e-6
+    capsys.readouterr()
+    assert main(["sample", "--family", "flux-kontext", "--model", str(kontext / "kontext"), "--prompt", "a", "--prompt", "b",
+                 "--image", str(source), "--image", str(source), "--image", str(source), "--out", str(tmp_path / "none")]) == 2
+    assert "--image was given 3 times for 2 prompts" in error_line(capsys) and not (tmp_path / "none").exists()
+
+
+@pytest.mark.parametrize("row, message", [
+    ({"prompt": "x", "image": "images/missing.png"}, "edits.jsonl:2: source image 'images/missing.png' not found"),
+    ({"prompt": "x", "image": "notes.png"}, "edits.jsonl:2: source image 'notes.png' could not be read as an image"),
+    ({"prompt": "x", "image": 3}, "edits.jsonl:2: \"image\" must be a path or a list of paths to source images, got '3'"),
+    ({"prompt": "x", "image": "images/square-0.png", "mask": "images/missing.png"}, "edits.jsonl:2: source image 'images/missing.png' not found"),
+])
+def test_bad_rows_are_refused_when_the_set_is_read_naming_the_row(kontext, tmp_path, capsys, row, message):
+    data = tmp_path / "data"
+    (data / "images").mkdir(parents=True)
+    (data / "images" / "square-0.png").write_bytes((kontext / "data" / "images" / "square-0.png").read_bytes())
+    (data / "notes.png").write_text("not an image")
+    (data / "edits.jsonl").write_text(json.dumps({"prompt": "fine", "image": "images/square-0.png"}) + "\n" + json.dumps(row) + "\n")
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        load_prompt_set(str(data / "edits.jsonl"))
+    overrides = _train_overrides("flux-kontext", kontext / "kontext", tmp_path / "run", f"prompts.train={data / 'edits.jsonl'}")
+    assert main(["train", "tiny-chain", *overrides]) == 2
+    assert message in error_line(capsys) and not (tmp_path / "run").exists()
+
+
+def test_a_csv_row_names_several_sources_and_a_text_family_refuses_them(kontext, tmp_path, capsys):
+    csv = kontext / "data" / "edits.csv"
+    csv.write_text('prompt,image,mask\n"make it blue",images/square-0.png|images/square-1.png,images/tall-0.png\n')
+    prompt_set = load_prompt_set(str(csv))
+    images = kontext / "data" / "images"
+    assert prompt_set.metadata == [{SOURCES: [str(images / "square-0.png"), str(images / "square-1.png")], MASK: str(images / "tall-0.png")}]
+    sd3 = save_pipeline("sd3", tmp_path / "sd3")
+    assert main(["train", "tiny-chain", *_train_overrides("sd3", sd3, tmp_path / "run", f"prompts.train={csv}")]) == 2
+    assert "comes with a source image" in error_line(capsys) and not (tmp_path / "run").exists()
+    text = tmp_path / "prompts.txt"
+    text.write_text("make it blue\n")
+    assert main(["train", "tiny-chain", *_train_overrides("flux-kontext", kontext / "kontext", tmp_path / "run", f"prompts.train={text}")]) == 2
+    assert "has no source image and model.family=flux-kontext edits images" in error_line(capsys)
+
+
+def test_edit_consistency_scores_the_source_kept_outside_the_mask(tmp_path):
+    """A result equal to its source except +0.2 on the left half: 1 − 0.1 without a mask, 1 with the left half
+    masked as the edited region; a reward taking `sources=` gets each image's sources through the scoring boundary."""
+    source = torch.rand(3, 8, 8, generator=torch.Generator().manual_seed(0)) * 0.5
+    result = source.clone()
+    result[:, :, :4] += 0.2
+    mask = np.zeros((8, 8), dtype=np.uint8)
+    mask[:, :4] = 255
+    Image.fromarray(mask).save(tmp_path / "mask.png")
+    Image.fromarray((source.permute(1, 2, 0).numpy() * 255).round().astype(np.uint8)).save(tmp_path / "source.png")
+    kept = torch.from_numpy(np.asarray(Image.open(tmp_path / "source.png"), dtype=np.float32) / 255).permute(2, 0, 1)
+    result = kept.clone()
+    result[:, :, :4] += 0.2
+    metadata = [{SOURCES: [str(tmp_path / "source.png")]}, {SOURCES: [str(tmp_path / "source.png")], MASK: str(tmp_path / "mask.png")}]
+    scores, _, failed = score_component(EditConsistency(), "edit-consistency", torch.stack([result, result]), ["a", "b"], metadata)
+    assert not failed and torch.allclose(scores, torch.tensor([0.9, 1.0]), atol=1e-5)
+
+    class Recorder:
+        def __call__(self, images, prompts, metadata, sources=None):
+            self.sources = sources
+            return torch.zeros(len(images))
+
+    recorder = Recorder()
+    score_component(recorder, "recorder", torch.stack([result, result]), ["a", "b"], metadata)
+    assert [len(row) for row in recorder.sources] == [1, 1] and torch.equal(recorder.sources[0][0], kept)
+    assert beside_sources(torch.stack([result, result]), metadata[:1], 2).shape == (3, 3, 8, 8)
