@@ -23,7 +23,7 @@ from branchdiff.models.base import encode_for
 from branchdiff.models.finetune import load_weights
 from branchdiff.rewards.edit_consistency import EditConsistency
 from branchdiff.rewards.multi import score_component
-from test_cli_errors import PREFIX, error_line
+from test_cli_errors import error_line
 from test_model_families import _train_overrides
 from tiny_pipelines import build_flux_kontext, save_pipeline
 
