@@ -63,6 +63,13 @@ def _write(name: str, text: str) -> Callable[[Env], None]:
     return lambda env: (env.tmp / name).write_text(text)
 
 
+def _image(path: Path) -> None:
+    """A small valid PNG at `path`."""
+    from PIL import Image
+
+    Image.new("RGB", (8, 8), (200, 30, 30)).save(path)
+
+
 def _damage(file: str, how: str) -> Callable[[Env], None]:
     def setup(env: Env) -> None:
         path = env.run / "checkpoints" / "iter-000001" / file
@@ -184,6 +191,15 @@ CASES = [
          _write("p.jsonl", '{"prompt": "one red circle on the left"}\n{"text": "two blue squares"}\n')),
     Case("prompt-jsonl-not-a-string", lambda e: e.fresh(f"prompts.train={e.tmp / 'p.jsonl'}"), r".*p.jsonl:2: \"prompt\" must be a non-empty string, got '3'",
          _write("p.jsonl", '{"prompt": "one red circle on the left"}\n{"prompt": 3}\n')),
+    Case("prompt-source-image-missing", lambda e: e.fresh(f"prompts.train={e.tmp / 'e.jsonl'}"),
+         r".*e.jsonl:2: source image 'images/gone.png' not found \(looked for .*gone.png\); fix the path, relative to the prompt file's folder",
+         _write("e.jsonl", '{"prompt": "one red circle on the left"}\n{"prompt": "make it blue", "image": "images/gone.png"}\n')),
+    Case("prompt-source-image-unreadable", lambda e: e.fresh(f"prompts.train={e.tmp / 'e.jsonl'}"),
+         r".*e.jsonl:1: source image 'notes.png' could not be read as an image",
+         lambda e: ((e.tmp / "notes.png").write_text("not an image"), (e.tmp / "e.jsonl").write_text('{"prompt": "make it blue", "image": "notes.png"}\n'))),
+    Case("prompt-source-on-a-text-family", lambda e: e.fresh(f"prompts.train={e.tmp / 'e.csv'}"),
+         r"prompt 1 of '.*e.csv' comes with a source image \(\"image\"\) and model.family=tiny makes images from text alone: train an editing family",
+         lambda e: (_image(e.tmp / "red.png"), (e.tmp / "e.csv").write_text("prompt,image\nmake it blue,red.png\n"))),
     Case("prompt-csv-no-column", lambda e: e.fresh(f"prompts.train={e.tmp / 'p.csv'}"), r".*p.csv:1: no \"prompt\" column \(columns: text, style\)",
          _write("p.csv", "text,style\ntwo red circles,anime\n")),
     Case("prompt-csv-empty-prompt", lambda e: e.fresh(f"prompts.train={e.tmp / 'p.csv'}"), r".*p.csv:3: \"prompt\" must be a non-empty string, got '\"\"'",
@@ -354,6 +370,7 @@ def test_bad_input_gives_one_line_exit_2_and_loses_nothing(case, env, capsys):
 
 # cases tested outside the parametrised test above: the tests that run them, "module::name" or a name in this module
 TESTED_ELSEWHERE = {
+    "prompt-without-source-on-an-editing-family": ["test_editing::test_a_csv_row_names_several_sources_and_a_text_family_refuses_them"],
     "non-finite-gradients": ["test_non_finite_gradients_skip_steps_then_stop_after_a_checkpoint"],
     "out-of-memory": ["test_out_of_memory_is_one_line_naming_what_to_lower", "test_a_failed_cpu_allocation_is_recognised"],
     "full-disk": ["test_full_disk_during_a_checkpoint_keeps_the_previous_one", "test_full_disk_on_one_file_of_a_checkpoint_names_the_whole_checkpoint",
