@@ -1,7 +1,7 @@
-"""Instruction editing (docs/editing.md): prompt sets whose rows name source images, the flux-kontext
-family against `FluxKontextPipeline`'s own edits, a run that trains from such a set and exports a LoRA
-the pipeline loads to the same edits, rewards that take `sources=`, `sample --image`, and grids that
-put each source before its edits. Bad rows are refused when the set is read, naming file and row."""
+"""Instruction editing (docs/editing.md): prompt sets whose rows name source images, the flux-kontext and
+qwen-image-edit families against their pipelines' own edits, a run that trains from such a set and
+exports a LoRA the pipeline loads to the same edits, rewards that take `sources=`, `sample --image`, and
+grids that put each source before its edits. Bad rows are refused when the set is read, naming file and row."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from branchdiff.rewards.edit_consistency import EditConsistency
 from branchdiff.rewards.multi import score_component
 from test_cli_errors import error_line
 from test_model_families import _train_overrides
-from tiny_pipelines import build_flux_kontext, save_pipeline
+from tiny_pipelines import SMALL_EDIT_AREAS, build_flux_kontext, build_qwen_image_edit, save_pipeline
 
 PROMPTS = ["make the circle blue", "add a red square on the left"]
 STEPS = 4
@@ -41,28 +41,47 @@ def _source(path, size: tuple[int, int], seed: int) -> None:
     Image.fromarray(pixels).save(path)
 
 
+EDITING = ("flux-kontext", "qwen-image-edit")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def small_edit_areas():
+    """The tiny Qwen-Image-Edit's source areas, in the pipeline's module, which the adapter reads too."""
+    from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit_plus as release
+
+    before = {name: getattr(release, name) for name in SMALL_EDIT_AREAS}
+    for name, value in SMALL_EDIT_AREAS.items():
+        setattr(release, name, value)
+    yield
+    for name, value in before.items():
+        setattr(release, name, value)
+
+
 @pytest.fixture(scope="module")
 def kontext(tmp_path_factory):
     root = tmp_path_factory.mktemp("editing")
-    build_flux_kontext().save_pretrained(root / "kontext", safe_serialization=True)
+    build_flux_kontext().save_pretrained(root / "flux-kontext", safe_serialization=True)
+    build_qwen_image_edit().save_pretrained(root / "qwen-image-edit", safe_serialization=True)
     for index in range(2):
         _source(root / "data" / "images" / f"square-{index}.png", (32, 32), index)
         _source(root / "data" / "images" / f"tall-{index}.png", (32, 16), 10 + index)
+    _source(root / "data" / "images" / "wide.png", (32, 96), 20)
     rows = [{"prompt": prompt, "image": f"images/square-{index}.png"} for index, prompt in enumerate(PROMPTS)]
     (root / "data" / "edits.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
     return root
 
 
-def _load_kontext(root):
+def _load(root, family: str):
     """The saved tiny pipeline through `from_pretrained`, as the adapter loads it (its tokenizers reloaded alike)."""
-    from diffusers import FluxKontextPipeline
+    from diffusers import FluxKontextPipeline, QwenImageEditPlusPipeline
 
-    pipe = FluxKontextPipeline.from_pretrained(str(root / "kontext"), dtype=torch.float32)
+    pipeline = {"flux-kontext": FluxKontextPipeline, "qwen-image-edit": QwenImageEditPlusPipeline}[family]
+    pipe = pipeline.from_pretrained(str(root / family), dtype=torch.float32)
     pipe.set_progress_bar_config(disable=True)
     return pipe
 
 
-def _kontext_edits(adapter, metadata: list[dict], guidance: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def _edits(adapter, metadata: list[dict], guidance: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """branchdiff's ODE edits, one per prompt: (initial latents, images)."""
     tree = build_tree(TreeSpec(STEPS, roots=1, sde_steps=frozenset()), len(PROMPTS))
     rollout = grow(adapter, tree, encode_for(adapter, PROMPTS, metadata), adapter.schedule(STEPS), SamplerSettings(guidance=guidance),
@@ -71,48 +90,63 @@ def _kontext_edits(adapter, metadata: list[dict], guidance: float | None = None)
     return rollout.latents[roots], adapter.decode(rollout.leaf_latents)
 
 
-def _pipeline_edits(pipe, metadata: list[dict], initial: torch.Tensor, size: tuple[int, int], guidance: float) -> torch.Tensor:
-    """`FluxKontextPipeline` on the same sources and initial latents: `max_area` the output's (its default
-    rescales any size to a megapixel), and the sources at the output size, so `_auto_resize=False` encodes
-    them there, as branchdiff does."""
+def _pipeline_edits(pipe, family: str, metadata: list[dict], initial: torch.Tensor, size: tuple[int, int], guidance: float) -> torch.Tensor:
+    """The pipeline's edits of the same sources from the same initial latents. Kontext: `max_area` the output's
+    (its default rescales any size to a megapixel) and the sources at the output size, so `_auto_resize=False`
+    encodes them there, as branchdiff does. Qwen-Image-Edit: one prompt per call (its pipeline's limit), true CFG
+    against " "."""
     images = [image[0] for image in source_images(metadata)]
-    return pipe(prompt=list(PROMPTS), image=images, height=size[0], width=size[1], num_inference_steps=STEPS, guidance_scale=guidance,
-                latents=initial.clone(), output_type="pt", max_area=size[0] * size[1], _auto_resize=False).images
+    common = {"height": size[0], "width": size[1], "num_inference_steps": STEPS, "output_type": "pt"}
+    if family == "flux-kontext":
+        return pipe(prompt=list(PROMPTS), image=images, guidance_scale=guidance, latents=initial.clone(), max_area=size[0] * size[1],
+                    _auto_resize=False, **common).images
+    return torch.cat([pipe(prompt=prompt, image=[image], negative_prompt=" ", true_cfg_scale=guidance, latents=initial[row : row + 1].clone(),
+                           **common).images for row, (prompt, image) in enumerate(zip(PROMPTS, images))])
 
 
+@pytest.mark.parametrize("family", EDITING)
 @pytest.mark.parametrize("size", [(32, 32), (32, 16)])
-def test_kontext_edits_equal_the_pipelines(kontext, size):
-    adapter = load_adapter("flux-kontext", str(kontext / "kontext"), resolution=list(size))
+def test_edits_equal_the_pipelines(kontext, family, size):
+    adapter = load_adapter(family, str(kontext / family), resolution=list(size))
     kind = "square" if size == (32, 32) else "tall"
     metadata = [{SOURCES: [str(kontext / "data" / "images" / f"{kind}-{index}.png")]} for index in range(2)]
-    initial, ours = _kontext_edits(adapter, metadata)
-    theirs = _pipeline_edits(_load_kontext(kontext), metadata, initial, size, adapter.default_guidance)
+    initial, ours = _edits(adapter, metadata)
+    theirs = _pipeline_edits(_load(kontext, family), family, metadata, initial, size, adapter.default_guidance)
     assert ours.shape == theirs.shape == (2, 3, *size) and ours.std() > 1e-3
     assert (ours - theirs).abs().max().item() <= TOLERANCE
     other = [{SOURCES: [row[SOURCES][0]]} for row in reversed(metadata)]  # the sources swapped: the edits follow them
-    assert (_kontext_edits(adapter, other)[1] - ours).abs().max().item() > 5 * TOLERANCE  # 9e-4 measured: the tiny model reads its source weakly
+    assert (_edits(adapter, other)[1] - ours).abs().max().item() > 5 * TOLERANCE  # 9e-4 measured on Kontext: the tiny model reads its source weakly
 
 
-def test_a_run_trains_from_a_jsonl_of_edits_and_its_lora_loads_into_the_pipeline(kontext, tmp_path):
+def test_qwen_image_edit_refuses_a_batch_of_sources_that_make_other_grids(kontext):
+    adapter = load_adapter("qwen-image-edit", str(kontext / "qwen-image-edit"), resolution=32)
+    images = kontext / "data" / "images"
+    with pytest.raises(ValueError, match=r"qwen-image-edit batches prompts whose sources make the same token grids"):
+        encode_for(adapter, PROMPTS, [{SOURCES: [str(images / "square-0.png")]}, {SOURCES: [str(images / "wide.png")]}])
+
+
+@pytest.mark.parametrize("family", EDITING)
+def test_a_run_trains_from_a_jsonl_of_edits_and_its_lora_loads_into_the_pipeline(kontext, family, tmp_path):
     """One iteration from the JSONL (an edit-consistency term beside a preference-like reward), then the
     exported LoRA: the pipeline with it makes branchdiff's edits; the evaluation grid starts each row with its source."""
-    folder, edits, run = kontext / "kontext", kontext / "data" / "edits.jsonl", tmp_path / "run"
+    folder, edits, run = kontext / family, kontext / "data" / "edits.jsonl", tmp_path / "run"
     reward = "reward=[{name: rewards_for_tests:Redness}, {name: edit-consistency, weight: 0.5}]"
-    overrides = _train_overrides("flux-kontext", folder, run, f"prompts.train={edits}", f"prompts.eval={edits}", reward, "model.finetune=lora",
+    overrides = _train_overrides(family, folder, run, f"prompts.train={edits}", f"prompts.eval={edits}", reward, "model.finetune=lora",
                                  "train.optimizer_every=0")
     assert main(["train", "tiny-chain", *overrides]) == 0
     metrics = json.loads((run / "metrics.jsonl").read_text().splitlines()[0])
     assert np.isfinite(metrics["reward_edit-consistency"]) and 0 < metrics["reward_edit-consistency"] <= 1
-    adapter = load_adapter("flux-kontext", str(folder), resolution=32)
+    adapter = load_adapter(family, str(folder), resolution=32)
     metadata = load_prompt_set(str(edits)).metadata
-    base = _kontext_edits(adapter, metadata)[1]
+    base = _edits(adapter, metadata)[1]
     load_weights(adapter, run)
-    initial, ours = _kontext_edits(adapter, metadata)
+    initial, ours = _edits(adapter, metadata)
     assert (ours - base).abs().max().item() > 1e-3  # training moved the model
-    pipe = _load_kontext(kontext)
+    pipe = _load(kontext, family)
     pipe.load_lora_weights(str(run / "lora"))
-    assert (_pipeline_edits(pipe, metadata, initial, (32, 32), adapter.default_guidance) - ours).abs().max().item() <= TOLERANCE
-
+    assert (_pipeline_edits(pipe, family, metadata, initial, (32, 32), adapter.default_guidance) - ours).abs().max().item() <= TOLERANCE
+    if family != "flux-kontext":
+        return
     out = tmp_path / "eval"
     assert main(["eval", "--weights", str(run), "--prompts", str(edits), "--images-per-prompt", "2", "--steps", "2", "--rewards",
                  "edit-consistency", "--out", str(out)]) == 0
@@ -127,18 +161,18 @@ def test_a_run_trains_from_a_jsonl_of_edits_and_its_lora_loads_into_the_pipeline
 def test_sample_edits_the_image_given(kontext, tmp_path, capsys):
     source = kontext / "data" / "images" / "square-0.png"
     out = tmp_path / "out"
-    assert main(["sample", "--family", "flux-kontext", "--model", str(kontext / "kontext"), "--resolution", "32", "--prompt", PROMPTS[0],
+    assert main(["sample", "--family", "flux-kontext", "--model", str(kontext / "flux-kontext"), "--resolution", "32", "--prompt", PROMPTS[0],
                  "--image", str(source), "--steps", str(STEPS), "--images-per-prompt", "1", "--out", str(out)]) == 0
     written = sorted(out.glob("*.png"))
     assert len(written) == 1
-    adapter = load_adapter("flux-kontext", str(kontext / "kontext"), resolution=32)
+    adapter = load_adapter("flux-kontext", str(kontext / "flux-kontext"), resolution=32)
     from branchdiff.evaluation.evaluate import sample_ode
 
     expected, _ = sample_ode(adapter, [PROMPTS[0]], 1, STEPS, metadata=[{SOURCES: [str(source)]}])
     saved = torch.from_numpy(np.asarray(Image.open(written[0]), dtype=np.float32) / 255).permute(2, 0, 1)
     assert (saved - expected[0]).abs().max().item() <= 1 / 255 + 1e-6
     capsys.readouterr()
-    assert main(["sample", "--family", "flux-kontext", "--model", str(kontext / "kontext"), "--prompt", "a", "--prompt", "b",
+    assert main(["sample", "--family", "flux-kontext", "--model", str(kontext / "flux-kontext"), "--prompt", "a", "--prompt", "b",
                  "--image", str(source), "--image", str(source), "--image", str(source), "--out", str(tmp_path / "none")]) == 2
     assert "--image was given 3 times for 2 prompts" in error_line(capsys) and not (tmp_path / "none").exists()
 
@@ -157,7 +191,7 @@ def test_bad_rows_are_refused_when_the_set_is_read_naming_the_row(kontext, tmp_p
     (data / "edits.jsonl").write_text(json.dumps({"prompt": "fine", "image": "images/square-0.png"}) + "\n" + json.dumps(row) + "\n")
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
         load_prompt_set(str(data / "edits.jsonl"))
-    overrides = _train_overrides("flux-kontext", kontext / "kontext", tmp_path / "run", f"prompts.train={data / 'edits.jsonl'}")
+    overrides = _train_overrides("flux-kontext", kontext / "flux-kontext", tmp_path / "run", f"prompts.train={data / 'edits.jsonl'}")
     assert main(["train", "tiny-chain", *overrides]) == 2
     assert message in error_line(capsys) and not (tmp_path / "run").exists()
 
@@ -173,7 +207,7 @@ def test_a_csv_row_names_several_sources_and_a_text_family_refuses_them(kontext,
     assert "comes with a source image" in error_line(capsys) and not (tmp_path / "run").exists()
     text = tmp_path / "prompts.txt"
     text.write_text("make it blue\n")
-    assert main(["train", "tiny-chain", *_train_overrides("flux-kontext", kontext / "kontext", tmp_path / "run", f"prompts.train={text}")]) == 2
+    assert main(["train", "tiny-chain", *_train_overrides("flux-kontext", kontext / "flux-kontext", tmp_path / "run", f"prompts.train={text}")]) == 2
     assert "has no source image and model.family=flux-kontext edits images" in error_line(capsys)
 
 

@@ -101,3 +101,13 @@ def test_accelerate_configs_are_found_and_parse(capsys):
             assert parsed.fsdp_config["fsdp_offload_params"] == (name == "fsdp-offload")
     assert main(["accelerate-config", "fsdp-typo"]) == 2
     assert "available: fsdp, fsdp-offload, multi-gpu, multi-node, single-gpu" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("name", "family"), [("flux-kontext-pickscore", "flux-kontext"), ("qwen-image-edit-pickscore", "qwen-image-edit")])
+def test_the_editing_presets_read_prompt_sets_with_sources(name, family):
+    """The editing presets (Flow-Factory's examples) train an editing family from JSONL prompt sets (rows with an
+    "image"); their evaluation scores what the edit kept of the source beside the preference reward."""
+    config = load_config(name)
+    assert config.model.family == family and config.prompts.train.endswith(".jsonl") and config.prompts.eval.endswith(".jsonl")
+    assert "edit-consistency" in config.eval_rewards and config.model.dtype == "bfloat16" and config.model.path
+    assert (config.sampling.num_steps, config.tree.roots, config.tree.mix_window, config.tree.mix_start) == (10, 16, 3, 1)

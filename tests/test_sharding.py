@@ -75,6 +75,18 @@ def runs(tmp_path_factory):
         folder = save_pipeline(family, base / family)
         plan += [[mode, [*_arguments(model, base / f"{mode}-{family}", "lora"), f"model.path={folder}", f"model.family={family}"]]
                  for mode in ("ddp", "fsdp")]
+    # instruction editing: FLUX.1 Kontext from a JSONL of prompts with source images, the sources' tokens beside the image's
+    from test_editing import PROMPTS as EDITS, _source
+    from tiny_pipelines import build_flux_kontext
+
+    build_flux_kontext().save_pretrained(base / "flux-kontext", safe_serialization=True)
+    for index in range(2):
+        _source(base / "edits" / f"source-{index}.png", (32, 32), index)
+    (base / "edits" / "edits.jsonl").write_text("".join(json.dumps({"prompt": prompt, "image": f"source-{index}.png"}) + "\n"
+                                                         for index, prompt in enumerate(EDITS)))
+    editing = [f"model.path={base / 'flux-kontext'}", "model.family=flux-kontext", f"prompts.train={base / 'edits' / 'edits.jsonl'}",
+               f"prompts.eval={base / 'edits' / 'edits.jsonl'}"]
+    plan += [[mode, [*_arguments(model, base / f"{mode}-flux-kontext", "lora"), *editing]] for mode in ("ddp", "fsdp")]
     (base / "runs.json").write_text(json.dumps(plan))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]), "OMP_NUM_THREADS": "1",
            "HF_HUB_OFFLINE": "1", "ACCELERATE_USE_CPU": "true"}
@@ -139,9 +151,9 @@ def test_wan_22s_two_experts_train_together_sharded_like_ddp(runs):
         assert difference <= 1e-4 and moved > 100 * difference, (part, difference, moved)
 
 
-@pytest.mark.parametrize("family", ["z-image", "qwen-image", "flux2", "flux2-klein"])
+@pytest.mark.parametrize("family", ["z-image", "qwen-image", "flux2", "flux2-klein", "flux-kontext"])
 def test_the_newer_image_families_train_on_two_processes_sharded_like_ddp(runs, family):
-    """Z-Image, Qwen-Image, FLUX.2 [dev] and [klein] under DDP and FSDP2 on two processes: the LoRAs agree within 1e-4 and moved
+    """Z-Image, Qwen-Image, FLUX.2 [dev] and [klein], and FLUX.1 Kontext editing from a JSONL of sources, under DDP and FSDP2 on two processes: the LoRAs agree within 1e-4 and moved
     100× more (Z-Image measured 1.2e-5: as for Wan above, a few weights see gradients near Adam's ε)."""
     ddp, fsdp = (_export(runs["base"] / f"{mode}-{family}", "lora") for mode in ("ddp", "fsdp"))
     assert ddp.keys() == fsdp.keys() and len(ddp) > 0

@@ -505,6 +505,41 @@ def build_flux_kontext(seed: int = 0) -> DiffusionPipeline:
     return pipe
 
 
+def build_qwen_image_edit(seed: int = 0) -> DiffusionPipeline:
+    """A tiny Qwen-Image-Edit (2509/2511) pipeline (not in FAMILIES; tests/test_editing.py): the tiny Qwen-Image's
+    transformer, VAE and scheduler, and a Qwen2.5-VL whose one-block vision tower reads the sources through a
+    Qwen2VLProcessor (14-pixel patches merged 2×2). At these sizes the pipeline's fixed source areas
+    (CONDITION_IMAGE_SIZE 384², VAE_IMAGE_SIZE 1024²) would be far too large: tests set them with
+    `small_edit_areas`."""
+    from diffusers import QwenImageEditPlusPipeline
+    from transformers import Qwen2VLImageProcessor, Qwen2VLProcessor, Qwen2VLVideoProcessor
+
+    torch.manual_seed(seed)
+    base = _build_qwen_image(RESOLUTION["qwen-image"])
+    tokenizer = build_qwen_tokenizer()
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>"]})
+    processor = Qwen2VLProcessor(image_processor=Qwen2VLImageProcessor(min_pixels=56 * 56, max_pixels=112 * 112, patch_size=14, merge_size=2,
+                                                                       temporal_patch_size=2),
+                                 tokenizer=tokenizer, video_processor=Qwen2VLVideoProcessor(), chat_template=QWEN_CHAT_TEMPLATE)
+    token = tokenizer.convert_tokens_to_ids
+    text_encoder = Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(
+        text_config={"vocab_size": len(tokenizer), "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
+                     "num_key_value_heads": 1, "max_position_embeddings": 2048, "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]},
+                     "pad_token_id": tokenizer.pad_token_id, "bos_token_id": None, "eos_token_id": tokenizer.eos_token_id},
+        vision_config={"depth": 1, "hidden_size": 16, "intermediate_size": 32, "num_heads": 2, "out_hidden_size": 32, "fullatt_block_indexes": [0],
+                       "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2},
+        vocab_size=len(tokenizer), hidden_size=32, bos_token_id=None, eos_token_id=tokenizer.eos_token_id, image_token_id=token("<|image_pad|>"),
+        video_token_id=token("<|video_pad|>"), vision_start_token_id=token("<|vision_start|>"), vision_end_token_id=token("<|vision_end|>"),
+    )).eval()
+    pipe = QwenImageEditPlusPipeline(scheduler=base.scheduler, vae=base.vae, text_encoder=text_encoder, tokenizer=tokenizer, processor=processor,
+                                     transformer=base.transformer)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+SMALL_EDIT_AREAS = {"CONDITION_IMAGE_SIZE": 56 * 56, "VAE_IMAGE_SIZE": 32 * 32}  # the tiny Qwen-Image-Edit's source areas (pixels)
+
+
 def build_wan(two_experts: bool = False, release: bool = False, seed: int = 0, ti2v: bool = False) -> DiffusionPipeline:
     """A tiny Wan text-to-video pipeline (not in this module's FAMILIES, whose shared tests take images; tests/test_wan.py).
     UMT5 text encoder, a 2-level causal 3-D VAE (spatial and temporal factor 2: F = 2k + 1 frames,

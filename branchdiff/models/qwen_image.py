@@ -92,19 +92,30 @@ class QwenImageAdapter(PipelineAdapter):
         rows = {}
         for prefix, texts in (("", prompts), ("negative_", [NEGATIVE_PROMPT] * len(prompts))):
             states, mask = self.pipe.encode_prompt(prompt=texts, device=self.device, max_sequence_length=self.max_sequence_length)
-            mask = torch.ones(states.shape[:2], dtype=torch.long, device=states.device) if mask is None else mask  # None: no padding
-            padding = self.max_sequence_length - states.shape[1]
-            rows[f"{prefix}encoder_hidden_states"] = torch.nn.functional.pad(states, (0, 0, 0, padding))  # (B, S, D)
-            rows[f"{prefix}encoder_attention_mask"] = torch.nn.functional.pad(mask, (0, padding)).bool()  # (B, S)
+            rows.update(self.padded_text(states, mask, prefix))
         return rows
 
+    def padded_text(self, states: torch.Tensor, mask: torch.Tensor | None, prefix: str = "") -> dict[str, torch.Tensor]:
+        """Prompt states (B, L, D) and their mask (None: no padding) zero-padded to `max_sequence_length`."""
+        if states.shape[1] > self.max_sequence_length:
+            raise ValueError(f"a prompt of {states.shape[1]} tokens is longer than {self.family} reads ({self.max_sequence_length}); shorten it")
+        mask = torch.ones(states.shape[:2], dtype=torch.long, device=states.device) if mask is None else mask
+        padding = self.max_sequence_length - states.shape[1]
+        return {f"{prefix}encoder_hidden_states": torch.nn.functional.pad(states, (0, 0, 0, padding)),  # (B, S, D)
+                f"{prefix}encoder_attention_mask": torch.nn.functional.pad(mask, (0, padding)).bool()}  # (B, S)
+
     def forward(self, latents: torch.Tensor, times: torch.Tensor, embeds: dict[str, torch.Tensor], guidance: float) -> torch.Tensor:
-        dtype, batch = self.dtype, latents.shape[0]
+        return self.transformer_output(latents, [(1, *self.token_grid())], times, embeds)
+
+    def transformer_output(self, tokens: torch.Tensor, grids: list[tuple[int, int, int]], times: torch.Tensor,
+                           embeds: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The transformer on image tokens (B, N, 64) made of the (frames, rows, columns) `grids`, in order, of every row."""
+        dtype, batch = self.dtype, tokens.shape[0]
         mask = embeds["encoder_attention_mask"]
         length = int(mask.sum(dim=1).max())  # the batch's longest prompt: its padding, as the pipeline pads
         text, mask = embeds["encoder_hidden_states"][:, :length].to(dtype), mask[:, :length]
-        return self.denoiser(hidden_states=latents.to(dtype), timestep=times.to(dtype), encoder_hidden_states=text,
-                             encoder_hidden_states_mask=None if mask.all() else mask, img_shapes=[[(1, *self.token_grid())]] * batch,
+        return self.denoiser(hidden_states=tokens.to(dtype), timestep=times.to(dtype), encoder_hidden_states=text,
+                             encoder_hidden_states_mask=None if mask.all() else mask, img_shapes=[list(grids)] * batch,
                              return_dict=False)[0]
 
     def vae_input(self, latents: torch.Tensor) -> torch.Tensor:
