@@ -44,7 +44,7 @@ BUILT_IN: dict[str, Family] = {
     "sd15": Family("branchdiff.models.sd15:SD15Adapter", "ddim", 512),
     "z-image": Family("branchdiff.models.z_image:ZImageAdapter", "flow", 1024, side_multiple=16),  # Z-Image(-Turbo), Qwen3 prompts
     "qwen-image": Family("branchdiff.models.qwen_image:QwenImageAdapter", "flow", 1024, side_multiple=16),  # Qwen-Image, Qwen2.5-VL prompts
-    "qwen-image-edit": Family("branchdiff.models.qwen_image_edit:QwenImageEditAdapter", "flow", 1024, side_multiple=16),  # Qwen-Image-Edit 2509/2511: edits source images
+    "qwen-image-edit": Family("branchdiff.models.qwen_image_edit:QwenImageEditAdapter", "flow", 1024, side_multiple=16),  # edits source images
     "flux2": Family("branchdiff.models.flux2:Flux2Adapter", "flow", 1024, side_multiple=16),  # FLUX.2 [dev], Mistral 3 prompts
     "flux2-klein": Family("branchdiff.models.flux2:Flux2KleinAdapter", "flow", 1024, side_multiple=16),  # FLUX.2 [klein] 4B / 9B, Qwen3 prompts
     "wan": Family("branchdiff.models.wan:WanAdapter", "flow", (480, 832), frames=81, side_multiple=16),  # Wan 2.1 / 2.2 text-to-video at 480p
