@@ -76,7 +76,8 @@ def runs(tmp_path_factory):
         plan += [[mode, [*_arguments(model, base / f"{mode}-{family}", "lora"), f"model.path={folder}", f"model.family={family}"]]
                  for mode in ("ddp", "fsdp")]
     # instruction editing: FLUX.1 Kontext from a JSONL of prompts with source images, the sources' tokens beside the image's
-    from test_editing import PROMPTS as EDITS, _source
+    from test_editing import PROMPTS as EDITS
+    from test_editing import _source
     from tiny_pipelines import build_flux_kontext
 
     build_flux_kontext().save_pretrained(base / "flux-kontext", safe_serialization=True)
