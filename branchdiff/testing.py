@@ -23,7 +23,7 @@ import torch
 
 from branchdiff.core.rollout import NoiseAddress, SamplerSettings, grow
 from branchdiff.core.tree import TreeSpec, build_tree
-from branchdiff.models import load_adapter
+from branchdiff.models import adapter_class, load_adapter
 from branchdiff.models.base import ModelAdapter
 from branchdiff.models.families import FAMILIES
 from branchdiff.models.finetune import LoraFinetune
@@ -37,6 +37,10 @@ def check_family(family: str, folder: str | Path, sizes: tuple[tuple[int, int], 
                  tolerance: float = 1e-4, call_kwargs: dict | None = None) -> dict[str, float]:
     """Both checks (module doc) at every (height, width) of `sizes`; `call_kwargs` go to the pipeline's
     `__call__` (e.g. SANA's `use_resolution_binning=False`). Returns {"<check> <h>x<w>": max difference}."""
+    if adapter_class(family).edits:
+        raise ValueError(f"check_family compares families that make images from text with their pipelines; {family} edits source images, "
+                         "whose pipelines take them in their own ways: compare its edits with its pipeline's in a test of your own "
+                         "(branchdiff's tests/test_editing.py shows how)")
     measured = {}
     for height, width in sizes:
         adapter = load_adapter(family, str(folder), resolution=[height, width])

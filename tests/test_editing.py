@@ -62,6 +62,7 @@ def kontext(tmp_path_factory):
     root = tmp_path_factory.mktemp("editing")
     build_flux_kontext().save_pretrained(root / "flux-kontext", safe_serialization=True)
     build_qwen_image_edit().save_pretrained(root / "qwen-image-edit", safe_serialization=True)
+    build_qwen_image_edit(zero_cond_t=True).save_pretrained(root / "qwen-image-edit-2511", safe_serialization=True)
     for index in range(2):
         _source(root / "data" / "images" / f"square-{index}.png", (32, 32), index)
         _source(root / "data" / "images" / f"tall-{index}.png", (32, 16), 10 + index)
@@ -75,7 +76,7 @@ def _load(root, family: str):
     """The saved tiny pipeline through `from_pretrained`, as the adapter loads it (its tokenizers reloaded alike)."""
     from diffusers import FluxKontextPipeline, QwenImageEditPlusPipeline
 
-    pipeline = {"flux-kontext": FluxKontextPipeline, "qwen-image-edit": QwenImageEditPlusPipeline}[family]
+    pipeline = FluxKontextPipeline if family == "flux-kontext" else QwenImageEditPlusPipeline
     pipe = pipeline.from_pretrained(str(root / family), dtype=torch.float32)
     pipe.set_progress_bar_config(disable=True)
     return pipe
@@ -95,19 +96,22 @@ def _pipeline_edits(pipe, family: str, metadata: list[dict], initial: torch.Tens
     (its default rescales any size to a megapixel) and the sources at the output size, so `_auto_resize=False`
     encodes them there, as branchdiff does. Qwen-Image-Edit: one prompt per call (its pipeline's limit), true CFG
     against " "."""
-    images = [image[0] for image in source_images(metadata)]
+    images = source_images(metadata)
     common = {"height": size[0], "width": size[1], "num_inference_steps": STEPS, "output_type": "pt"}
     if family == "flux-kontext":
-        return pipe(prompt=list(PROMPTS), image=images, guidance_scale=guidance, latents=initial.clone(), max_area=size[0] * size[1],
-                    _auto_resize=False, **common).images
-    return torch.cat([pipe(prompt=prompt, image=[image], negative_prompt=" ", true_cfg_scale=guidance, latents=initial[row : row + 1].clone(),
-                           **common).images for row, (prompt, image) in enumerate(zip(PROMPTS, images))])
+        return pipe(prompt=list(PROMPTS), image=[row[0] for row in images], guidance_scale=guidance, latents=initial.clone(),
+                    max_area=size[0] * size[1], _auto_resize=False, **common).images
+    return torch.cat([pipe(prompt=prompt, image=row, negative_prompt=" ", true_cfg_scale=guidance, latents=initial[index : index + 1].clone(),
+                           **common).images for index, (prompt, row) in enumerate(zip(PROMPTS, images))])
 
 
-@pytest.mark.parametrize("family", EDITING)
+@pytest.mark.parametrize("family", [*EDITING, "qwen-image-edit-2511"])
 @pytest.mark.parametrize("size", [(32, 32), (32, 16)])
 def test_edits_equal_the_pipelines(kontext, family, size):
-    adapter = load_adapter(family, str(kontext / family), resolution=list(size))
+    """Both solvers: branchdiff's steps and `--solver release` (the folder's own scheduler, the same here)."""
+    from branchdiff.evaluation.evaluate import sample_ode
+
+    adapter = load_adapter(family.removesuffix("-2511"), str(kontext / family), resolution=list(size))
     kind = "square" if size == (32, 32) else "tall"
     metadata = [{SOURCES: [str(kontext / "data" / "images" / f"{kind}-{index}.png")]} for index in range(2)]
     initial, ours = _edits(adapter, metadata)
@@ -116,23 +120,58 @@ def test_edits_equal_the_pipelines(kontext, family, size):
     assert (ours - theirs).abs().max().item() <= TOLERANCE
     other = [{SOURCES: [row[SOURCES][0]]} for row in reversed(metadata)]  # the sources swapped: the edits follow them
     assert (_edits(adapter, other)[1] - ours).abs().max().item() > 5 * TOLERANCE  # 9e-4 measured on Kontext: the tiny model reads its source weakly
+    release, _ = sample_ode(adapter, PROMPTS, 1, STEPS, solver="release", metadata=metadata)
+    stepped, _ = sample_ode(adapter, PROMPTS, 1, STEPS, metadata=metadata)
+    assert (release - stepped).abs().max().item() <= TOLERANCE
 
 
-def test_qwen_image_edit_refuses_a_batch_of_sources_that_make_other_grids(kontext):
+def test_qwen_image_edit_takes_several_sources_as_its_pipeline(kontext):
     adapter = load_adapter("qwen-image-edit", str(kontext / "qwen-image-edit"), resolution=32)
     images = kontext / "data" / "images"
-    with pytest.raises(ValueError, match=r"qwen-image-edit batches prompts whose sources make the same token grids"):
-        encode_for(adapter, PROMPTS, [{SOURCES: [str(images / "square-0.png")]}, {SOURCES: [str(images / "wide.png")]}])
+    metadata = [{SOURCES: [str(images / "square-0.png"), str(images / "square-1.png")]},
+                {SOURCES: [str(images / "square-1.png"), str(images / "square-0.png")]}]
+    initial, ours = _edits(adapter, metadata)
+    theirs = _pipeline_edits(_load(kontext, "qwen-image-edit"), "qwen-image-edit", metadata, initial, (32, 32), adapter.default_guidance)
+    assert (ours - theirs).abs().max().item() <= TOLERANCE
+    assert (_edits(adapter, [{SOURCES: row[SOURCES][:1]} for row in metadata])[1] - ours).abs().max().item() > 5 * TOLERANCE
 
 
 @pytest.mark.parametrize("family", EDITING)
-def test_a_run_trains_from_a_jsonl_of_edits_and_its_lora_loads_into_the_pipeline(kontext, family, tmp_path):
+def test_sources_of_another_shape_or_number_are_refused(kontext, family):
+    """A source of another aspect ratio than the edits would be stretched (Kontext) or make other token grids
+    than its batch's (Qwen-Image-Edit); prompts of one batch carry as many sources (Kontext: one)."""
+    adapter = load_adapter(family, str(kontext / family), resolution=32)
+    images = kontext / "data" / "images"
+    with pytest.raises(ValueError, match=r"a source image is 96×32 \(width × height\) and the edits 32×32: crop or pad the source"):
+        encode_for(adapter, PROMPTS, [{SOURCES: [str(images / "square-0.png")]}, {SOURCES: [str(images / "wide.png")]}])
+    with pytest.raises(ValueError, match=rf"{family} takes the same number of source images with every prompt"):
+        encode_for(adapter, PROMPTS, [{SOURCES: [str(images / "square-0.png")]}, {SOURCES: [str(images / "square-0.png")] * 2}])
+
+
+@pytest.mark.parametrize("family", EDITING)
+def test_every_trained_parameter_of_an_editing_family_gets_a_gradient(kontext, family):
+    from branchdiff.models.finetune import FullFinetune, LoraFinetune
+
+    metadata = load_prompt_set(str(kontext / "data" / "edits.jsonl")).metadata
+    for mode in ("all-linear", "full"):
+        adapter = load_adapter(family, str(kontext / family), resolution=32)
+        finetune = FullFinetune(adapter, keep_base=False) if mode == "full" else LoraFinetune(adapter, mode, rank=2, alpha=2.0, seed=0)
+        latents = torch.randn(2, *adapter.latent_shape, generator=torch.Generator().manual_seed(0))
+        adapter.predict(latents, adapter.schedule(STEPS).model_times[1].expand(2), encode_for(adapter, PROMPTS, metadata)).square().mean().backward()
+        missing = [name for name, parameter in adapter.denoiser.named_parameters() if parameter.requires_grad and parameter.grad is None]
+        assert not missing and len(finetune.params) > 0, (mode, missing[:4])
+
+
+@pytest.mark.parametrize(("family", "finetune"), [(family, finetune) for family in EDITING for finetune in ("lora", "full")])
+def test_a_run_trains_from_a_jsonl_of_edits_and_its_export_loads_into_the_pipeline(kontext, family, finetune, tmp_path):
     """One iteration from the JSONL (an edit-consistency term beside a preference-like reward), then the
-    exported LoRA: the pipeline with it makes branchdiff's edits; the evaluation grid starts each row with its source."""
+    export (a LoRA, or the whole transformer): the pipeline with it makes branchdiff's edits; the evaluation
+    grid starts each row with its source."""
     folder, edits, run = kontext / family, kontext / "data" / "edits.jsonl", tmp_path / "run"
     reward = "reward=[{name: rewards_for_tests:Redness}, {name: edit-consistency, weight: 0.5}]"
-    overrides = _train_overrides(family, folder, run, f"prompts.train={edits}", f"prompts.eval={edits}", reward, "model.finetune=lora",
-                                 "train.optimizer_every=0")
+    rate = ["train.learning_rate=1e-3"] if finetune == "full" else []
+    overrides = _train_overrides(family, folder, run, f"prompts.train={edits}", f"prompts.eval={edits}", reward, f"model.finetune={finetune}",
+                                 "train.optimizer_every=0", *rate)
     assert main(["train", "tiny-chain", *overrides]) == 0
     metrics = json.loads((run / "metrics.jsonl").read_text().splitlines()[0])
     assert np.isfinite(metrics["reward_edit-consistency"]) and 0 < metrics["reward_edit-consistency"] <= 1
@@ -143,9 +182,12 @@ def test_a_run_trains_from_a_jsonl_of_edits_and_its_lora_loads_into_the_pipeline
     initial, ours = _edits(adapter, metadata)
     assert (ours - base).abs().max().item() > 1e-3  # training moved the model
     pipe = _load(kontext, family)
-    pipe.load_lora_weights(str(run / "lora"))
+    if finetune == "full":
+        pipe.transformer = type(pipe.transformer).from_pretrained(str(run / "transformer"))
+    else:
+        pipe.load_lora_weights(str(run / "lora"))
     assert (_pipeline_edits(pipe, family, metadata, initial, (32, 32), adapter.default_guidance) - ours).abs().max().item() <= TOLERANCE
-    if family != "flux-kontext":
+    if (family, finetune) != ("flux-kontext", "lora"):
         return
     out = tmp_path / "eval"
     assert main(["eval", "--weights", str(run), "--prompts", str(edits), "--images-per-prompt", "2", "--steps", "2", "--rewards",
@@ -156,6 +198,9 @@ def test_a_run_trains_from_a_jsonl_of_edits_and_its_lora_loads_into_the_pipeline
 
     expected = save_grid(torch.zeros(2 * 3, 3, 32, 32), tmp_path / "expected.png", nrow=3)  # two rows: the source, then two edits
     assert read_image(str(out / "grid.png")).shape[-2:] == expected.shape[-2:]
+    shown = beside_sources(torch.rand(4, 3, 32, 32), metadata, 2)  # what the grid shows: each row's source first
+    source = torch.from_numpy(np.asarray(source_images(metadata)[1][0], dtype=np.float32) / 255).permute(2, 0, 1)
+    assert shown.shape == (6, 3, 32, 32) and (shown[3] - source).abs().max().item() <= 1e-5
 
 
 def test_sample_edits_the_image_given(kontext, tmp_path, capsys):
@@ -209,14 +254,16 @@ def test_a_csv_row_names_several_sources_and_a_text_family_refuses_them(kontext,
     text.write_text("make it blue\n")
     assert main(["train", "tiny-chain", *_train_overrides("flux-kontext", kontext / "flux-kontext", tmp_path / "run", f"prompts.train={text}")]) == 2
     assert "has no source image and model.family=flux-kontext edits images" in error_line(capsys)
+    wide = kontext / "data" / "wide.jsonl"  # a source of another shape than the edits: refused up front, naming the prompt
+    wide.write_text(json.dumps({"prompt": "a", "image": "images/square-0.png"}) + "\n" + json.dumps({"prompt": "b", "image": "images/wide.png"}) + "\n")
+    assert main(["train", "tiny-chain", *_train_overrides("flux-kontext", kontext / "flux-kontext", tmp_path / "run", f"prompts.train={wide}")]) == 2
+    assert "prompt 2 of " in (line := error_line(capsys)) and "wide.png' is 96×32 (width × height) and the edits 32×32" in line
 
 
 def test_edit_consistency_scores_the_source_kept_outside_the_mask(tmp_path):
     """A result equal to its source except +0.2 on the left half: 1 − 0.1 without a mask, 1 with the left half
     masked as the edited region; a reward taking `sources=` gets each image's sources through the scoring boundary."""
     source = torch.rand(3, 8, 8, generator=torch.Generator().manual_seed(0)) * 0.5
-    result = source.clone()
-    result[:, :, :4] += 0.2
     mask = np.zeros((8, 8), dtype=np.uint8)
     mask[:, :4] = 255
     Image.fromarray(mask).save(tmp_path / "mask.png")

@@ -505,12 +505,13 @@ def build_flux_kontext(seed: int = 0) -> DiffusionPipeline:
     return pipe
 
 
-def build_qwen_image_edit(seed: int = 0) -> DiffusionPipeline:
+def build_qwen_image_edit(seed: int = 0, zero_cond_t: bool = False) -> DiffusionPipeline:
     """A tiny Qwen-Image-Edit (2509/2511) pipeline (not in FAMILIES; tests/test_editing.py): the tiny Qwen-Image's
     transformer, VAE and scheduler, and a Qwen2.5-VL whose one-block vision tower reads the sources through a
     Qwen2VLProcessor (14-pixel patches merged 2×2). At these sizes the pipeline's fixed source areas
     (CONDITION_IMAGE_SIZE 384², VAE_IMAGE_SIZE 1024²) would be far too large: tests set them with
-    `small_edit_areas`."""
+    `SMALL_EDIT_AREAS`. `zero_cond_t`: the transformer conditions the sources' tokens on time 0 (a layout
+    Qwen-Image-Edit-2511's transformer config can set)."""
     from diffusers import QwenImageEditPlusPipeline
     from transformers import Qwen2VLImageProcessor, Qwen2VLProcessor, Qwen2VLVideoProcessor
 
@@ -531,13 +532,17 @@ def build_qwen_image_edit(seed: int = 0) -> DiffusionPipeline:
         vocab_size=len(tokenizer), hidden_size=32, bos_token_id=None, eos_token_id=tokenizer.eos_token_id, image_token_id=token("<|image_pad|>"),
         video_token_id=token("<|video_pad|>"), vision_start_token_id=token("<|vision_start|>"), vision_end_token_id=token("<|vision_end|>"),
     )).eval()
+    transformer = base.transformer
+    if zero_cond_t:
+        transformer = QwenImageTransformer2DModel.from_config({**transformer.config, "zero_cond_t": True})
+        transformer.load_state_dict(base.transformer.state_dict())
     pipe = QwenImageEditPlusPipeline(scheduler=base.scheduler, vae=base.vae, text_encoder=text_encoder, tokenizer=tokenizer, processor=processor,
-                                     transformer=base.transformer)
+                                     transformer=transformer)
     pipe.set_progress_bar_config(disable=True)
     return pipe
 
 
-SMALL_EDIT_AREAS = {"CONDITION_IMAGE_SIZE": 56 * 56, "VAE_IMAGE_SIZE": 32 * 32}  # the tiny Qwen-Image-Edit's source areas (pixels)
+SMALL_EDIT_AREAS = {"CONDITION_IMAGE_SIZE": 56 * 56, "VAE_IMAGE_SIZE": 48 * 48}  # the tiny Qwen-Image-Edit's source areas (pixels)
 
 
 def build_wan(two_experts: bool = False, release: bool = False, seed: int = 0, ti2v: bool = False) -> DiffusionPipeline:

@@ -165,8 +165,10 @@ def build_parser() -> argparse.ArgumentParser:
 def _presets_help() -> str:
     """`train --help`'s epilog: the packaged presets, each with the summary on the first line of its comment (whole)."""
     lines = ["presets (branchdiff/configs/; print one with `branchdiff config NAME`):"]
-    for path in sorted((Path(__file__).parents[1] / "configs").glob("*.yaml")):
-        lines.append(f"  {path.stem:<26}{path.read_text().splitlines()[0].lstrip('# ').strip()}")
+    paths = sorted((Path(__file__).parents[1] / "configs").glob("*.yaml"))
+    width = max(len(path.stem) for path in paths) + 1  # the names' column, one space past the longest
+    for path in paths:
+        lines.append(f"  {path.stem:<{width}}{path.read_text().splitlines()[0].lstrip('# ').strip()}")
     lines += ["", "the tiny presets fine-tune every weight of the built-in model (exported to RUN/transformer/); the real-model presets",
               "train LoRA adapters (RUN/lora/, for pipe.load_lora_weights); model.finetune=lora|full chooses.", "",
               "every key, its type, default and meaning: branchdiff/settings/config.py; bad input ends with one line and exit 2",

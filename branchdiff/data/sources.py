@@ -41,16 +41,40 @@ def resolve_sources(value: object, folder: Path, where: str) -> list[str]:
         if not full.is_file():
             raise ValueError(f"{where}: source image {quote(path)} not found (looked for {full}); fix the path, relative to the prompt file's folder")
         try:
-            _decode(str(full))
-        except OSError as error:
+            _verify(full)
+        except (OSError, SyntaxError) as error:  # PIL reports a damaged file as either
             raise ValueError(f"{where}: source image {quote(path)} could not be read as an image ({type(error).__name__}: {error})") from None
         resolved.append(str(full))
     return resolved
 
 
-@lru_cache(maxsize=256)
+def _verify(path: Path) -> None:
+    """Check that a file is an image PIL reads, from its header and structure, without decoding its pixels."""
+    from PIL import Image
+
+    with Image.open(path) as image:
+        image.verify()
+
+
+def image_size(path: str) -> tuple[int, int]:
+    """(width, height) of an image file, from its header."""
+    from PIL import Image
+
+    with Image.open(path) as image:
+        return image.size
+
+
+def check_aspect(size: tuple[int, int], height: int, width: int, what: str) -> None:
+    """Refuse a source of (width, height) `size` whose aspect ratio differs from the edits' (`height` × `width`)
+    by more than 1 %: it would be stretched (or, for some families, edited at another shape than it is scored at)."""
+    if abs(size[0] / size[1] - width / height) > 0.01 * width / height:
+        raise ValueError(f"{what} is {size[0]}×{size[1]} (width × height) and the edits {width}×{height}: crop or pad the source to the "
+                         f"aspect ratio {width}:{height}, or set model.resolution to the sources' shape (docs/editing.md)")
+
+
+@lru_cache(maxsize=16)
 def _decode(path: str):
-    """The image at `path` as an RGB PIL image (cached: a prompt's sources are read every iteration)."""
+    """The image at `path` as an RGB PIL image (a few cached: a prompt's sources are read at every iteration that draws it)."""
     from PIL import Image
 
     with Image.open(path) as image:

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from branchdiff.data.sources import source_images
+from branchdiff.data.sources import check_aspect, source_images
 from branchdiff.models import lora
 from branchdiff.schedulers.schedule import Schedule
 
@@ -66,6 +66,7 @@ class ModelAdapter(ABC):
     quant_skip_modules: tuple[str, ...] = ()  # module-name patterns a quantised explorer keeps in high precision
     uses_cfg: bool = False  # guidance as classifier-free guidance rows (else embedded, or none)
     edits: bool = False  # an instruction-editing family: each prompt comes with its source image(s) (docs/editing.md)
+    max_sources: int = 0  # an editing family's most source images per prompt (0: any number)
     default_guidance: float = 1.0  # the family's guidance when the config leaves it unset (1: none)
     decode_batch: int = 8  # images per VAE decode call
     eval_batch: int = 32  # network rows per evaluation forward: fixed per family, so a sample is the same whatever else shares its batch
@@ -89,13 +90,22 @@ class ModelAdapter(ABC):
         (`edits`) includes its source images, `sources` holding each prompt's as RGB PIL images."""
 
     def check_sources(self, prompts: list[str], sources: list[list] | None) -> None:
-        """Refuse prompts without source images for an editing family, and source images for a text-to-image one."""
+        """Refuse prompts without source images for an editing family, and source images for a text-to-image one; an
+        editing family's prompts all carry as many sources (at most `max_sources`), each of the edits' aspect ratio."""
         if self.edits and (sources is None or len(sources) != len(prompts) or not all(sources)):
-            raise ValueError(f"model.family={self.family} edits images: every prompt needs its source image; give prompts from a "
-                             "JSONL or CSV file with an \"image\" field (docs/editing.md)")
+            raise ValueError(f"model.family={self.family} edits images: every prompt needs its source image (sample --image, or an "
+                             "\"image\" field in a JSONL or CSV prompt set; docs/editing.md)")
         if not self.edits and sources is not None:
             raise ValueError(f"the prompts come with source images (an \"image\" field) and model.family={self.family} makes images "
                              "from text alone; train an editing family (flux-kontext), or drop the field (docs/editing.md)")
+        if self.edits and sources is not None:
+            counts = sorted({len(images) for images in sources})
+            if (self.max_sources and counts[-1] > self.max_sources) or len(counts) > 1:
+                raise ValueError(f"{self.family} takes the same number of source images with every prompt (at most {self.max_sources or 'any'}); "
+                                 f"these prompts come with {', '.join(map(str, counts))}")
+            for images in sources:
+                for image in images:
+                    check_aspect(image.size, self.height, self.width, "a source image")
 
     @abstractmethod
     def forward(self, latents: torch.Tensor, times: torch.Tensor, embeds: PromptEmbeds, guidance: float) -> torch.Tensor:

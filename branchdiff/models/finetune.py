@@ -76,14 +76,15 @@ class LoraFinetune:
 
 
 class FullFinetune:
-    """Every parameter of the denoiser is trained; the base model is a frozen copy (when needed)."""
+    """Every parameter of the denoiser is trained (but those of `unused_modules`, which no gradient reaches); the
+    base model is a frozen copy (when needed)."""
 
     def __init__(self, adapter: ModelAdapter, keep_base: bool) -> None:
         self.adapter = adapter
         adapter.denoiser.requires_grad_(True)
         for name in adapter.unused_modules():  # no gradient ever reaches them
             adapter.denoiser.get_submodule(name).requires_grad_(False)
-        self.params = list(adapter.denoiser.parameters())
+        self.params = [p for p in adapter.denoiser.parameters() if p.requires_grad]
         self.export_name = adapter.denoiser_name
         self._base = None
         if keep_base:  # taken before any update (and before a checkpoint is loaded)
@@ -98,7 +99,7 @@ class FullFinetune:
         if self._base is not None:
             sharding.shard(self._base.denoiser, settings)
             self._base.lockstep = lockstep
-        self.params = list(self.adapter.denoiser.parameters())
+        self.params = [p for p in self.adapter.denoiser.parameters() if p.requires_grad]
 
     @contextmanager
     def base(self) -> Iterator[ModelAdapter]:

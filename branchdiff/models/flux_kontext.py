@@ -8,7 +8,8 @@ Edits are made at the run's image size (`model.resolution`) and the source is en
 resized with the pipeline's own image processor: `pipe(image=..., height=H, width=W, max_area=H·W,
 _auto_resize=False)` for a source of that size. The pipeline's defaults instead rescale the output to
 about one megapixel (`max_area`) and the source to the nearest of Kontext's preferred resolutions;
-training at the run's size keeps a step's token count at twice the image's. One source image per prompt.
+training at the run's size keeps a step's token count at twice the image's. One source image per prompt,
+of the edits' aspect ratio (`check_sources`: it is resized, never stretched).
 tests/test_editing.py checks sampling against the pipeline's edits and the LoRA export (docs/editing.md).
 """
 
@@ -25,6 +26,7 @@ class FluxKontextAdapter(FluxAdapter):
     family = "flux-kontext"
     pipeline_class_name = "FluxKontextPipeline"
     edits = True
+    max_sources = 1
     default_guidance = 2.5  # the model card's guidance_scale for Kontext [dev]
     example_hub_id = "black-forest-labs/FLUX.1-Kontext-dev"
 
@@ -32,9 +34,7 @@ class FluxKontextAdapter(FluxAdapter):
         return {**self.encode(prompts), SOURCE_LATENTS: torch.cat([self.source_latents(images) for images in sources])}
 
     def source_latents(self, images: list) -> torch.Tensor:
-        """One prompt's source (an RGB PIL image) at the run's size as the pipeline encodes it: (1, N, 64)."""
-        if len(images) != 1:
-            raise ValueError(f"{self.family} edits one source image per prompt; a prompt came with {len(images)} (give one \"image\" path)")
+        """One prompt's source (an RGB PIL image of the edits' aspect ratio) at the run's size as the pipeline encodes it: (1, N, 64)."""
         processor, vae = self.pipe.image_processor, self.pipe.vae
         pixels = processor.preprocess(processor.resize(images[0], self.height, self.width), self.height, self.width)  # (1, 3, H, W) in [-1, 1]
         latents = vae.encode(pixels.to(self.device, vae.dtype)).latent_dist.mode()  # the pipeline's sample_mode="argmax"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import struct
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -25,7 +26,7 @@ def pipeline_class(name: str) -> type:
 
 
 def add_lora(denoiser: torch.nn.Module, target_modules: list[str] | str, rank: int, alpha: float, seed: int,
-             unused: list[str] = ()) -> list[torch.nn.Parameter]:
+             unused: Sequence[str] = ()) -> list[torch.nn.Parameter]:
     """Attach a trainable LoRA adapter (B = 0, so the model is unchanged at first) and freeze the
     rest; modules named in `unused` (their output never reaches the prediction) get none. The LoRA
     parameters are float32 whatever the base weights' dtype. Returns them."""

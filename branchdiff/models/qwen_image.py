@@ -9,8 +9,10 @@ Two conventions are the pipeline's own:
   for guidance g > 1, and rescaled: c̃ = u + g·(c − u), then c̃ · ‖c‖ / ‖c̃‖ per token (the norm over
   the packed features), so the guided prediction keeps the conditional one's norm (`guide`);
 - prompts have different token counts: embeddings are kept zero-padded to `max_sequence_length` with
-  their attention mask (rows of one batch, as every family's) and cut to the batch's longest prompt
-  before the transformer, which then computes what the pipeline computes on its own padding.
+  their attention mask, and the transformer always sees that length with the mask, so a row's output
+  does not depend on the other prompts of its batch (the pipeline pads to its batch's longest prompt;
+  the masked padding changes its result only by rounding). Prompts longer than `max_sequence_length`
+  tokens are cut, as the pipeline cuts them.
 
 The transformer is conditioned on σ (the pipeline's timestep / 1000) and takes each row's token grid
 (`img_shapes`). Decoding: latents · std + mean per channel (the VAE's `latents_std`, `latents_mean`),
@@ -84,8 +86,8 @@ class QwenImageAdapter(PipelineAdapter):
         return {"true_cfg_scale": guidance, "negative_prompt": NEGATIVE_PROMPT}
 
     def guide(self, uncond: torch.Tensor, cond: torch.Tensor, times: torch.Tensor, guidance: float) -> torch.Tensor:
-        """u + g·(c − u), rescaled per token (B, N, ·) to the conditional output's norm."""
-        combined = uncond + guidance * (cond - uncond)
+        """u + g·(c − u) with g = `guidance_scale`, rescaled per token (B, N, ·) to the conditional output's norm."""
+        combined = uncond + self.guidance_scale(times, guidance) * (cond - uncond)
         return combined * (cond.norm(dim=-1, keepdim=True) / combined.norm(dim=-1, keepdim=True))
 
     def encode(self, prompts: list[str]) -> dict[str, torch.Tensor]:
@@ -97,8 +99,9 @@ class QwenImageAdapter(PipelineAdapter):
 
     def padded_text(self, states: torch.Tensor, mask: torch.Tensor | None, prefix: str = "") -> dict[str, torch.Tensor]:
         """Prompt states (B, L, D) and their mask (None: no padding) zero-padded to `max_sequence_length`."""
-        if states.shape[1] > self.max_sequence_length:
-            raise ValueError(f"a prompt of {states.shape[1]} tokens is longer than {self.family} reads ({self.max_sequence_length}); shorten it")
+        if states.shape[1] > self.max_sequence_length:  # Qwen-Image-Edit's pipeline does not cut its prompts: a longer one is an error
+            raise ValueError(f"a prompt of {states.shape[1]} tokens (with its sources' image tokens) is longer than {self.family} reads "
+                             f"({self.max_sequence_length}); shorten the prompt or use fewer sources")
         mask = torch.ones(states.shape[:2], dtype=torch.long, device=states.device) if mask is None else mask
         padding = self.max_sequence_length - states.shape[1]
         return {f"{prefix}encoder_hidden_states": torch.nn.functional.pad(states, (0, 0, 0, padding)),  # (B, S, D)
@@ -111,12 +114,8 @@ class QwenImageAdapter(PipelineAdapter):
                            embeds: dict[str, torch.Tensor]) -> torch.Tensor:
         """The transformer on image tokens (B, N, 64) made of the (frames, rows, columns) `grids`, in order, of every row."""
         dtype, batch = self.dtype, tokens.shape[0]
-        mask = embeds["encoder_attention_mask"]
-        length = int(mask.sum(dim=1).max())  # the batch's longest prompt: its padding, as the pipeline pads
-        text, mask = embeds["encoder_hidden_states"][:, :length].to(dtype), mask[:, :length]
-        return self.denoiser(hidden_states=tokens.to(dtype), timestep=times.to(dtype), encoder_hidden_states=text,
-                             encoder_hidden_states_mask=None if mask.all() else mask, img_shapes=[list(grids)] * batch,
-                             return_dict=False)[0]
+        return self.denoiser(hidden_states=tokens.to(dtype), timestep=times.to(dtype), encoder_hidden_states=embeds["encoder_hidden_states"].to(dtype),
+                             encoder_hidden_states_mask=embeds["encoder_attention_mask"], img_shapes=[list(grids)] * batch, return_dict=False)[0]
 
     def vae_input(self, latents: torch.Tensor) -> torch.Tensor:
         config = self.pipe.vae.config

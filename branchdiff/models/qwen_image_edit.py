@@ -10,8 +10,9 @@
   1024², at its aspect ratio), with its own token grid in the transformer's `img_shapes`.
 
 The pipeline edits one prompt per call; branchdiff encodes each prompt alone too, and batches the
-rows. The sources of one batch must therefore make the same grids: the same number of sources, of
-the same aspect ratio (one line says so otherwise). Edits are made at the run's size
+rows. The sources of one batch must therefore make the same grids: every prompt of a set carries as
+many sources, each of the edits' aspect ratio (`check_sources`, and the run's preflight, say so
+otherwise, naming the prompt). Edits are made at the run's size
 (`model.resolution`), with the sources at the pipeline's areas whatever that size: a step's tokens
 are the image's plus about 4,096 per source at the released areas.
 tests/test_editing.py checks sampling against the pipeline's edits and the LoRA export (docs/editing.md).
@@ -36,10 +37,6 @@ class QwenImageEditAdapter(QwenImageAdapter):
 
     def encode_edits(self, prompts: list[str], sources: list[list]) -> dict[str, torch.Tensor]:
         rows = [self.encode_edit(prompt, images) for prompt, images in zip(prompts, sources)]
-        grids = {tuple(map(tuple, row[SOURCE_GRIDS][0].tolist())) for row in rows}
-        if len(grids) > 1:
-            raise ValueError(f"{self.family} batches prompts whose sources make the same token grids (the same number of sources, of the "
-                             f"same aspect ratio); these make {sorted(grids)}: resize the sources to one aspect ratio (docs/editing.md)")
         return {key: torch.cat([row[key] for row in rows]) for key in rows[0]}
 
     def encode_edit(self, prompt: str, images: list) -> dict[str, torch.Tensor]:
@@ -65,6 +62,10 @@ class QwenImageEditAdapter(QwenImageAdapter):
         return embeds
 
     def forward(self, latents: torch.Tensor, times: torch.Tensor, embeds: dict[str, torch.Tensor], guidance: float) -> torch.Tensor:
-        grids = [(1, *self.token_grid()), *map(tuple, embeds[SOURCE_GRIDS][0].tolist())]
+        sources = embeds[SOURCE_GRIDS]  # (B, K, 3)
+        if not torch.equal(sources, sources[:1].expand_as(sources)):  # the transformer takes one layout of tokens per call
+            raise ValueError(f"{self.family} got a batch of prompts whose sources make different token grids "
+                             f"({sorted({tuple(map(tuple, row)) for row in sources.tolist()})}); give every source the edits' aspect ratio")
+        grids = [(1, *self.token_grid()), *map(tuple, sources[0].tolist())]
         tokens = torch.cat([latents, embeds[SOURCE_LATENTS].to(latents.dtype)], dim=1)  # (B, N + N_sources, 64)
         return self.transformer_output(tokens, grids, times, embeds)[:, : latents.shape[1]]

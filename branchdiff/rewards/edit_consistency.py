@@ -31,12 +31,13 @@ class EditConsistency:
             raise ValueError("reward 'edit-consistency' compares each result with its source image: the prompts need an \"image\" "
                              "(an editing prompt set, docs/editing.md)")
         scores = []
-        for image, row, own in zip(images.to(torch.float32), metadata, sources):
+        for image, row, own in zip(images.to(self.device, torch.float32), metadata, sources):
             size = image.shape[-2:]
-            source = F.interpolate(own[0][None].float(), size=size, mode="bilinear", antialias=True)[0].clamp(0, 1)  # (3, H, W)
-            weight = torch.ones(1, *size)
+            source = F.interpolate(own[0][None].to(self.device, torch.float32), size=size, mode="bilinear", antialias=True)[0].clamp(0, 1)
+            weight = torch.ones(1, *size, device=self.device)  # (1, H, W)
             if row.get(MASK):
-                weight = 1 - F.interpolate(mask_tensor(row[MASK])[None], size=size, mode="bilinear", antialias=True)[0].clamp(0, 1)
-            difference = ((image.cpu() - source).abs() * weight).sum() / (3 * weight.sum().clamp_min(1e-8))
+                mask = mask_tensor(row[MASK])[None].to(self.device)
+                weight = 1 - F.interpolate(mask, size=size, mode="bilinear", antialias=True)[0].clamp(0, 1)
+            difference = ((image - source).abs() * weight).sum() / (3 * weight.sum().clamp_min(1e-8))
             scores.append(1 - difference)
-        return torch.stack(scores)  # (B,)
+        return torch.stack(scores).cpu()  # (B,)

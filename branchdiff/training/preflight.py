@@ -14,10 +14,11 @@ The run directory is then claimed (branchdiff/runtime/run_dir.py) and the checkp
 from __future__ import annotations
 
 from branchdiff.data.prompts import PromptSet, load_prompt_set
-from branchdiff.data.sources import SOURCES
+from branchdiff.data.sources import SOURCES, check_aspect
+from branchdiff.data.sources import image_size as source_size
 from branchdiff.errors import quote
 from branchdiff.models import adapter_class, check_frames, check_size
-from branchdiff.models.families import FAMILIES
+from branchdiff.models.families import FAMILIES, image_size
 from branchdiff.rewards.combine import RewardSpec, parse_reward_specs
 from branchdiff.rewards.registry import check_reward_kwargs, resolve_reward
 from branchdiff.settings.config import TrainConfig
@@ -47,9 +48,11 @@ def check_inputs(config: TrainConfig) -> None:
     if FAMILIES[config.model.family].video:
         for key, specs in (("reward", train_specs), *((("eval_rewards", eval_specs),) if evaluates else ())):
             check_video_rewards(key, specs, factories)
-    _check_prompts(load_prompt_set(config.prompts.train), train_specs, factories, config.model.family)
-    if evaluates:
-        _check_prompts(load_prompt_set(config.prompts.eval), eval_specs, factories, config.model.family)
+    size = image_size(config.model.resolution, FAMILIES[config.model.family].resolution)
+    for source, specs in (("train", train_specs), *((("eval", eval_specs),) if evaluates else ())):
+        prompt_set = load_prompt_set(getattr(config.prompts, source))
+        check_sources(prompt_set, config.model.family, size)
+        _check_prompts(prompt_set, specs, factories, config.model.family)
 
 
 def check_video_rewards(key: str, specs: list[RewardSpec], factories: dict) -> None:
@@ -70,7 +73,6 @@ def _scores_videos(spec: RewardSpec, factories: dict) -> bool:
 
 
 def _check_prompts(prompt_set: PromptSet, specs: list[RewardSpec], factories: dict, family: str) -> None:
-    check_sources(prompt_set, family)
     limit = max_prompt_characters(family)
     for number, prompt in enumerate(prompt_set.prompts, start=1):
         if len(prompt) > limit:
@@ -86,13 +88,24 @@ def _check_prompts(prompt_set: PromptSet, specs: list[RewardSpec], factories: di
                 raise ValueError(f"reward {spec.label!r} cannot score {quote(prompt_set.name, 80)}: {error}") from None
 
 
-def check_sources(prompt_set: PromptSet, family: str) -> None:
-    """An editing family's prompts each name their source image(s); a text-to-image family's name none (docs/editing.md)."""
-    edits = adapter_class(family).edits
+def check_sources(prompt_set: PromptSet, family: str, size: tuple[int, int]) -> None:
+    """An editing family's prompts each name their source image(s), as many as the first prompt (at most the
+    family's `max_sources`), each of the edits' aspect ratio (`size`: height, width); a text-to-image family's
+    name none (docs/editing.md)."""
+    adapter = adapter_class(family)
+    counts = [len(metadata.get(SOURCES, ())) for metadata in prompt_set.metadata]
     for number, metadata in enumerate(prompt_set.metadata, start=1):
-        if edits and not metadata.get(SOURCES):
+        where = f"prompt {number} of {quote(prompt_set.name, 80)}"
+        if adapter.edits and metadata.get(SOURCES):
+            if counts[number - 1] != counts[0] or (adapter.max_sources and counts[number - 1] > adapter.max_sources):
+                raise ValueError(f"{where} has {counts[number - 1]} source images and model.family={family} takes the same number with every "
+                                 f"prompt ({counts[0]}, as prompt 1{f', at most {adapter.max_sources}' if adapter.max_sources else ''}); "
+                                 "split the set by number of sources (docs/editing.md)")
+            for path in metadata[SOURCES]:
+                check_aspect(source_size(path), *size, f"{where}: source image {quote(path, 80)}")
+        if adapter.edits and not metadata.get(SOURCES):
             raise ValueError(f"prompt {number} of {quote(prompt_set.name, 80)} has no source image and model.family={family} edits images: "
                              "give every prompt its \"image\" (a JSONL field or a CSV column, paths relative to the file; docs/editing.md)")
-        if not edits and SOURCES in metadata:
+        if not adapter.edits and SOURCES in metadata:
             raise ValueError(f"prompt {number} of {quote(prompt_set.name, 80)} comes with a source image (\"image\") and model.family={family} "
                              "makes images from text alone: train an editing family (flux-kontext), or drop the field (docs/editing.md)")
