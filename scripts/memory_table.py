@@ -137,6 +137,37 @@ QWEN2_VL_2B = dict(
     tie_word_embeddings=True, vocab_size=151936,
 )
 
+# Qwen/Qwen-Image transformer/config.json (60 dual-stream blocks of width 3072 = 24 × 128, 2×2 patches,
+# joint attention with Qwen2.5-VL-7B's 3584-wide states); its VAE is AutoencoderKLQwenImage's defaults
+# (base 96, 16 latent channels, 3 spatial downsamplings); its text encoder Qwen/Qwen2.5-VL-7B-Instruct.
+QWEN_IMAGE_TRANSFORMER = dict(patch_size=2, in_channels=64, out_channels=16, num_layers=60, attention_head_dim=128, num_attention_heads=24,
+                              joint_attention_dim=3584, guidance_embeds=False, axes_dims_rope=(16, 56, 56))
+QWEN25_VL_7B = dict(
+    text_config=dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
+                     vocab_size=152064, rope_scaling={"type": "mrope", "mrope_section": [16, 24, 24]}),
+    vision_config=dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, out_hidden_size=3584, patch_size=14,
+                       spatial_merge_size=2, temporal_patch_size=2, window_size=112, fullatt_block_indexes=[7, 15, 23, 31]),
+    vocab_size=152064, hidden_size=3584,
+)
+# black-forest-labs/FLUX.2-dev: Flux2Transformer2DModel's defaults are its transformer/config.json (8 double + 48 single
+# blocks of width 6144 = 48 × 128, MLP ratio 3, 128 latent channels, embedded guidance, text of 3 × 5120); its VAE
+# AutoencoderKLFlux2's defaults (32 latent channels); its text encoder Mistral-Small-3.1-24B (Mistral3ForConditionalGeneration).
+FLUX2_DEV_TRANSFORMER: dict = {}
+MISTRAL_SMALL_31_24B = dict(
+    text_config=dict(model_type="mistral", hidden_size=5120, intermediate_size=32768, num_hidden_layers=40, num_attention_heads=32,
+                     num_key_value_heads=8, head_dim=128, vocab_size=131072),
+    vision_config=dict(model_type="pixtral", hidden_size=1024, intermediate_size=4096, num_hidden_layers=24, num_attention_heads=16,
+                       head_dim=64, patch_size=14, image_size=1540),
+)
+# black-forest-labs/FLUX.2-klein-base-4B: 5 double + 20 single blocks of width 3072 = 24 × 128, text of 3 × 2560
+# (Qwen/Qwen3-4B's hidden states), no guidance embedding; the public re-implementations' configs (e.g.
+# ServeurpersoCom/flux2.c's README: 5 double, 20 single blocks, Qwen3-4B of width 2560 and 36 layers). The 9B's
+# config is not reproduced here.
+FLUX2_KLEIN_4B_TRANSFORMER = dict(num_layers=5, num_single_layers=20, num_attention_heads=24, attention_head_dim=128, joint_attention_dim=7680,
+                                  guidance_embeds=False)
+QWEN3_4B = dict(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                vocab_size=151936, tie_word_embeddings=True)
+
 # The GPU each preset targets (the presets' headers; one DDP process per GPU). Capacity as
 # nvidia-smi reports it: H100 80GB SXM 81559 MiB (A100 80GB: 81920), a 24 GB card (RTX 4090,
 # A10, L4): 24564 MiB.
@@ -176,6 +207,12 @@ def _text_models():
         CLIPTextModelWithProjection,
         Gemma2Config,
         Gemma2Model,
+        Mistral3Config,
+        Mistral3ForConditionalGeneration,
+        Qwen2_5_VLConfig,
+        Qwen2_5_VLForConditionalGeneration,
+        Qwen3Config,
+        Qwen3ForCausalLM,
         T5Config,
         T5EncoderModel,
         UMT5Config,
@@ -189,6 +226,9 @@ def _text_models():
         "T5-XXL enc": lambda: T5EncoderModel(T5Config(**T5_XXL)),
         "Gemma-2-2B": lambda: Gemma2Model(Gemma2Config(**GEMMA2_2B)),
         "UMT5-XXL enc": lambda: UMT5EncoderModel(UMT5Config(**UMT5_XXL)),
+        "Qwen2.5-VL-7B": lambda: Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(**QWEN25_VL_7B)),
+        "Mistral-Small-3.1-24B": lambda: Mistral3ForConditionalGeneration(Mistral3Config(**MISTRAL_SMALL_31_24B)),
+        "Qwen3-4B": lambda: Qwen3ForCausalLM(Qwen3Config(**QWEN3_4B)),
     }
 
 
@@ -231,6 +271,36 @@ def _wan_inputs(rows: int, size: Size, dtype: torch.dtype, text: int) -> dict:
                 encoder_hidden_states=e(rows, text, 4096), return_dict=False)
 
 
+def _qwen_image_inputs(rows: int, size: Size, dtype: torch.dtype, text: int) -> dict:
+    grid = (size[1] // 16, size[2] // 16)  # VAE /8, then 2×2 packing
+    e = lambda *shape, dt=dtype: torch.empty(*shape, device="cuda", dtype=dt)  # noqa: E731
+    return dict(hidden_states=e(rows, grid[0] * grid[1], 64), encoder_hidden_states=e(rows, text, 3584),
+                encoder_hidden_states_mask=e(rows, text, dt=torch.bool), timestep=e(rows), img_shapes=[[(1, *grid)]] * rows, return_dict=False)
+
+
+def _flux2_inputs(text_width: int, guidance: bool) -> Callable[[int, Size, torch.dtype, int], dict]:
+    def inputs(rows: int, size: Size, dtype: torch.dtype, text: int) -> dict:
+        tokens = (size[1] // 16) * (size[2] // 16)  # VAE /8, then the 2×2 patchify
+        e = lambda *shape, dt=dtype: torch.empty(*shape, device="cuda", dtype=dt)  # noqa: E731
+        return dict(hidden_states=e(rows, tokens, 128), encoder_hidden_states=e(rows, text, 3 * text_width), timestep=e(rows),
+                    img_ids=e(rows, tokens, 4, dt=torch.int64), txt_ids=e(rows, text, 4, dt=torch.int64),
+                    guidance=e(rows, dt=torch.float32) if guidance else None, return_dict=False)
+
+    return inputs
+
+
+def _flux2_family(name: str, label: str, config: dict, text: tuple[str, Callable[[], torch.nn.Module]], text_width: int, guidance: bool) -> Family:
+    from branchdiff.models.flux2 import Flux2Adapter, Flux2KleinAdapter
+
+    adapter = Flux2Adapter if guidance else Flux2KleinAdapter
+    return Family(
+        name, label, adapter, "Flux2Transformer2DModel", config, ("transformer_blocks", "single_transformer_blocks"),
+        dict(num_layers=1, num_single_layers=1), lambda block_name, block: type(block).__name__, _flux2_inputs(text_width, guidance),
+        adapter.max_sequence_length, lambda s: f"{(s[1] // 16) * (s[2] // 16)} image + {adapter.max_sequence_length} text", [text],
+        ("AutoencoderKLFlux2", {}), lambda s: (32, s[1] // 8, s[2] // 8), lambda s: (128, s[1] // 16, s[2] // 16), "80",
+    )
+
+
 def _wan_latent(size: Size) -> tuple[int, int, int, int]:
     """Wan's latent of a video of F frames at H×W: (16, (F − 1)/4 + 1, H/8, W/8)."""
     return (16, (size[0] - 1) // 4 + 1, size[1] // 8, size[2] // 8)
@@ -249,6 +319,7 @@ def _wan_family(name: str, label: str, config: dict, text: dict) -> Family:
 
 def families() -> dict[str, Family]:
     from branchdiff.models.flux import FluxAdapter
+    from branchdiff.models.qwen_image import QwenImageAdapter
     from branchdiff.models.sana import SanaAdapter
     from branchdiff.models.sd3 import SD3Adapter
     from branchdiff.models.sd15 import SD15Adapter
@@ -287,13 +358,28 @@ def families() -> dict[str, Family]:
         ),
         "wan": _wan_family("wan", "Wan 2.1 T2V 1.3B", WAN_T2V_1_3B_TRANSFORMER, text),
         "wan-14b": _wan_family("wan-14b", "Wan 2.1 T2V 14B", WAN_T2V_14B_TRANSFORMER, text),
+        "qwen-image": Family(
+            "qwen-image", "Qwen-Image", QwenImageAdapter, "QwenImageTransformer2DModel", QWEN_IMAGE_TRANSFORMER,
+            ("transformer_blocks",), dict(num_layers=1), lambda name, block: type(block).__name__, _qwen_image_inputs,
+            QwenImageAdapter.max_sequence_length, lambda s: f"{(s[1] // 16) * (s[2] // 16)} image + {QwenImageAdapter.max_sequence_length} text",
+            [("Qwen2.5-VL-7B", text["Qwen2.5-VL-7B"])], ("AutoencoderKLQwenImage", {}),
+            lambda s: (16, 1, s[1] // 8, s[2] // 8), lambda s: ((s[1] // 16) * (s[2] // 16), 64), "80",
+        ),
+        "flux2": _flux2_family("flux2", "FLUX.2 [dev]", FLUX2_DEV_TRANSFORMER, ("Mistral-Small-3.1-24B", text["Mistral-Small-3.1-24B"]), 5120, True),
+        "flux2-klein-4b": _flux2_family("flux2-klein-4b", "FLUX.2 [klein] base 4B", FLUX2_KLEIN_4B_TRANSFORMER, ("Qwen3-4B", text["Qwen3-4B"]),
+                                        2560, False),
     }
 
 
 def family_key(config) -> str:
-    """The `families()` entry of a run's model: its family, Wan's 14B where the model path names it."""
+    """The `families()` entry of a run's model: its family, Wan's 14B where the model path names it, FLUX.2 [klein]'s
+    4B (the only [klein] whose config is reproduced here)."""
     if config.model.family == "wan" and "14b" in str(config.model.path).lower():
         return "wan-14b"
+    if config.model.family == "flux2-klein":
+        if "4b" not in str(config.model.path).lower():
+            raise ValueError(f"{config.model.path}: only FLUX.2 [klein] 4B's config is reproduced here; estimate with {KLEIN_4B}")
+        return "flux2-klein-4b"
     return config.model.family
 
 
@@ -593,6 +679,7 @@ class Measured:
     encoders: dict[str, int]  # params
     vae_params: int
     counts: dict[str, int]  # blocks of each kind in the real denoiser
+    block_params: int  # the largest block's parameters: what FSDP2 gathers per unit
     plain: Trace  # training forward, no checkpointing
     ckpt: Trace  # training forward, gradient checkpointing
     nograd: Trace  # rollout forward
@@ -633,6 +720,7 @@ def measure(family: Family, dtype: torch.dtype, rank: int, alpha: float, size: S
     for name, module in units(full, family):
         kind = family.block_kind(name, module)
         counts[kind] = counts.get(kind, 0) + 1
+    block_params = max((numel(module) for _, module in units(full, family)), default=0)
     copy_bytes, quantised = explore_copy_bytes(full, tuple(family.adapter.quant_skip_modules), dbytes)
 
     encoders = {}
@@ -661,7 +749,8 @@ def measure(family: Family, dtype: torch.dtype, rank: int, alpha: float, size: S
         ckpt = trace(model, family, size, True, autocast)
         vae.to_empty(device="cuda")
         decode_image = trace_vae_decode(vae, family.vae_latent(size))
-    return Measured(params, buffers, lora, lora_base, copy_bytes, quantised, encoders, vae_params, counts, plain, ckpt, nograd, decode_image)
+    return Measured(params, buffers, lora, lora_base, copy_bytes, quantised, encoders, vae_params, counts, block_params, plain, ckpt, nograd,
+                    decode_image)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -669,9 +758,11 @@ def measure(family: Family, dtype: torch.dtype, rank: int, alpha: float, size: S
 # ------------------------------------------------------------------------------------------------
 
 WAN_14B = "model.path=Wan-AI/Wan2.1-T2V-14B-Diffusers"
+KLEIN_4B = "model.path=black-forest-labs/FLUX.2-klein-base-4B"
 # (preset, its overrides): each row's preset and -explore variant; Wan 14B is wan-mq-branch on the 14B model
 PRESETS = [("sd35-pickscore", ()), ("flux-hps-branch", ()), ("flux-hps-mix", ()), ("sana-pickscore", ()), ("sd15-hps", ()),
-           ("wan-mq-branch", ()), ("wan-mq-branch", (WAN_14B,))]
+           ("wan-mq-branch", ()), ("wan-mq-branch", (WAN_14B,)), ("qwen-image-pickscore", ()), ("flux2-pickscore", ()),
+           ("flux2-klein-pickscore", (KLEIN_4B,))]
 EVAL_CHUNK = 16  # prompts per evaluate() chunk (its default)
 RESERVE = 2 * GIB  # a suggested setting must leave this free: CUDA context (~1 GiB) and allocator slack
 REWARD_PARAMS: dict[str, int] = {}
@@ -839,7 +930,24 @@ def fits(row: Row, fams: dict[str, Family], cache: dict, key: str = "total") -> 
     options = [o for o in options if o]
     if not options and not config.train.gradient_checkpointing:
         options = [largest("train.minibatch", config.train.minibatch, "train.gradient_checkpointing=true")]
-    return "; or ".join(o for o in options if o) or "no setting tried (minibatch, max_batch, checkpointing, offload) is enough"
+    if not options and key == "total":
+        for processes in (2, 4, 8):
+            if (p := sharded_total(v, processes)) <= limit:
+                options.append(f"FSDP2 over {processes} GPUs (accelerate launch --config_file $(branchdiff accelerate-config fsdp) "
+                               f"--num_processes {processes}; docs/sharding.md) (→ {g(p)} GiB)")
+                break
+    tried = "minibatch, max_batch, checkpointing, offload, FSDP2 over 2-8 GPUs" if key == "total" else "minibatch, max_batch, checkpointing, offload"
+    return "; or ".join(o for o in options if o) or f"no setting tried ({tried}) is enough"
+
+
+def sharded_total(v: dict, processes: int) -> float:
+    """The peak under FSDP2 over `processes` GPUs: the denoiser's weights, the LoRA and its gradients and AdamW
+    moments divided among them (no DDP bucket), plus two blocks gathered at a time (the one computing and the
+    next, prefetched); the rest as under DDP."""
+    m, dbytes = v["m"], torch.finfo(DTYPES[v["dtype"]]).bits // 8
+    moments = 2 if v["config"].train.optimizer == "adamw8bit" else 8
+    lora = m.lora_params * (4 + 4 + moments)
+    return v["total"] - m.lora_params * 4 - (1 - 1 / processes) * (v["denoiser"] + lora) + 2 * m.block_params * dbytes
 
 
 def _table(head: list[str], lines: list[list[str]]) -> str:
