@@ -15,6 +15,13 @@ from accelerate.state import AcceleratorState
 
 from branchdiff.cli import main
 
+if os.environ.get("BRANCHDIFF_TEST_SMALL_EDIT_AREAS"):  # the tiny Qwen-Image-Edit's source areas (tests/tiny_pipelines.py)
+    from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit_plus
+    from tiny_pipelines import SMALL_EDIT_AREAS
+
+    for name, value in SMALL_EDIT_AREAS.items():
+        setattr(pipeline_qwenimage_edit_plus, name, value)
+
 
 def finish_trackers(self: Accelerator) -> None:
     for tracker in self.trackers:

@@ -105,8 +105,9 @@ def _pipeline_edits(pipe, family: str, metadata: list[dict], initial: torch.Tens
                            **common).images for index, (prompt, row) in enumerate(zip(PROMPTS, images))])
 
 
-@pytest.mark.parametrize("family", [*EDITING, "qwen-image-edit-2511"])
-@pytest.mark.parametrize("size", [(32, 32), (32, 16)])
+@pytest.mark.parametrize(("family", "size"), [*((family, size) for family in EDITING for size in ((32, 32), (32, 16))),
+                                             ("qwen-image-edit-2511", (32, 32)),
+                                             pytest.param("qwen-image-edit-2511", (32, 16), marks=pytest.mark.slow)])
 def test_edits_equal_the_pipelines(kontext, family, size):
     """Both solvers: branchdiff's steps and `--solver release` (the folder's own scheduler, the same here)."""
     from branchdiff.evaluation.evaluate import sample_ode
@@ -162,7 +163,8 @@ def test_every_trained_parameter_of_an_editing_family_gets_a_gradient(kontext, f
         assert not missing and len(finetune.params) > 0, (mode, missing[:4])
 
 
-@pytest.mark.parametrize(("family", "finetune"), [(family, finetune) for family in EDITING for finetune in ("lora", "full")])
+@pytest.mark.parametrize(("family", "finetune"), [*((family, "lora") for family in EDITING),
+                                                   *(pytest.param(family, "full", marks=pytest.mark.slow) for family in EDITING)])
 def test_a_run_trains_from_a_jsonl_of_edits_and_its_export_loads_into_the_pipeline(kontext, family, finetune, tmp_path):
     """One iteration from the JSONL (an edit-consistency term beside a preference-like reward), then the
     export (a LoRA, or the whole transformer): the pipeline with it makes branchdiff's edits; the evaluation

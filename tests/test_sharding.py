@@ -69,28 +69,31 @@ def runs(tmp_path_factory):
     z_image = save_pipeline("z-image", base / "z-image")
     plan += [[mode, [*_arguments(model, base / f"{mode}-z-image", "lora"), f"model.path={z_image}", "model.family=z-image"]]
              for mode in ("ddp", "fsdp")]
-    # Qwen-Image: masked prompts cut to the batch's longest, true CFG with its norm rescale, dual-stream blocks sharded
-    # FLUX.2 [dev] and [klein]: 4-D position ids, double and single blocks sharded
+    # the newer families, one iteration each: Qwen-Image (masked prompts, true CFG with its norm rescale, dual-stream blocks
+    # sharded), FLUX.2 [dev] and [klein] (4-D position ids, double and single blocks sharded)
+    once = ["iterations=1"]
     for family in ("qwen-image", "flux2", "flux2-klein"):
         folder = save_pipeline(family, base / family)
-        plan += [[mode, [*_arguments(model, base / f"{mode}-{family}", "lora"), f"model.path={folder}", f"model.family={family}"]]
+        plan += [[mode, [*_arguments(model, base / f"{mode}-{family}", "lora"), f"model.path={folder}", f"model.family={family}", *once]]
                  for mode in ("ddp", "fsdp")]
     # instruction editing: FLUX.1 Kontext from a JSONL of prompts with source images, the sources' tokens beside the image's
     from test_editing import PROMPTS as EDITS
     from test_editing import _source
-    from tiny_pipelines import build_flux_kontext
+    from tiny_pipelines import build_flux_kontext, build_qwen_image_edit
 
     build_flux_kontext().save_pretrained(base / "flux-kontext", safe_serialization=True)
+    build_qwen_image_edit().save_pretrained(base / "qwen-image-edit", safe_serialization=True)  # its sources' areas made small (env below)
     for index in range(2):
         _source(base / "edits" / f"source-{index}.png", (32, 32), index)
     (base / "edits" / "edits.jsonl").write_text("".join(json.dumps({"prompt": prompt, "image": f"source-{index}.png"}) + "\n"
                                                          for index, prompt in enumerate(EDITS)))
-    editing = [f"model.path={base / 'flux-kontext'}", "model.family=flux-kontext", f"prompts.train={base / 'edits' / 'edits.jsonl'}",
-               f"prompts.eval={base / 'edits' / 'edits.jsonl'}"]
-    plan += [[mode, [*_arguments(model, base / f"{mode}-flux-kontext", "lora"), *editing]] for mode in ("ddp", "fsdp")]
+    for family in ("flux-kontext", "qwen-image-edit"):
+        editing = [f"model.path={base / family}", f"model.family={family}", f"prompts.train={base / 'edits' / 'edits.jsonl'}",
+                   f"prompts.eval={base / 'edits' / 'edits.jsonl'}"]
+        plan += [[mode, [*_arguments(model, base / f"{mode}-{family}", "lora"), *editing, *once]] for mode in ("ddp", "fsdp")]
     (base / "runs.json").write_text(json.dumps(plan))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]), "OMP_NUM_THREADS": "1",
-           "HF_HUB_OFFLINE": "1", "ACCELERATE_USE_CPU": "true"}
+           "HF_HUB_OFFLINE": "1", "ACCELERATE_USE_CPU": "true", "BRANCHDIFF_TEST_SMALL_EDIT_AREAS": "1"}
     command = [str(Path(sys.executable).parent / "accelerate"), "launch", "--config_file", str(ACCELERATE_DIR / "fsdp.yaml"),
                "--num_processes", "2", "--main_process_ip", "127.0.0.1", "--main_process_port", str(_free_port()),
                "--mixed_precision", "no", str(TESTS / "sharded_runs.py"), str(base / "runs.json")]
@@ -152,10 +155,11 @@ def test_wan_22s_two_experts_train_together_sharded_like_ddp(runs):
         assert difference <= 1e-4 and moved > 100 * difference, (part, difference, moved)
 
 
-@pytest.mark.parametrize("family", ["z-image", "qwen-image", "flux2", "flux2-klein", "flux-kontext"])
+@pytest.mark.parametrize("family", ["z-image", "qwen-image", "flux2", "flux2-klein", "flux-kontext", "qwen-image-edit"])
 def test_the_newer_image_families_train_on_two_processes_sharded_like_ddp(runs, family):
-    """Z-Image, Qwen-Image, FLUX.2 [dev] and [klein], and FLUX.1 Kontext editing from a JSONL of sources, under DDP and FSDP2 on two processes: the LoRAs agree within 1e-4 and moved
-    100× more (Z-Image measured 1.2e-5: as for Wan above, a few weights see gradients near Adam's ε)."""
+    """Z-Image (two iterations), Qwen-Image, FLUX.2 [dev] and [klein], and FLUX.1 Kontext and Qwen-Image-Edit editing
+    from a JSONL of sources (one iteration each), under DDP and FSDP2 on two processes: the LoRAs agree within 1e-4
+    and moved 100× more (Z-Image measured 1.2e-5: as for Wan above, a few weights see gradients near Adam's ε)."""
     ddp, fsdp = (_export(runs["base"] / f"{mode}-{family}", "lora") for mode in ("ddp", "fsdp"))
     assert ddp.keys() == fsdp.keys() and len(ddp) > 0
     moved = max(v.abs().max().item() for k, v in ddp.items() if "lora_B" in k)
