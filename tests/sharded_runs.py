@@ -17,6 +17,7 @@ from branchdiff.cli import main
 
 if os.environ.get("BRANCHDIFF_TEST_SMALL_EDIT_AREAS"):  # the tiny Qwen-Image-Edit's source areas (tests/tiny_pipelines.py)
     from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit_plus
+
     from tiny_pipelines import SMALL_EDIT_AREAS
 
     for name, value in SMALL_EDIT_AREAS.items():
