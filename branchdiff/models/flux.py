@@ -13,13 +13,13 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from branchdiff.models.pipeline_adapter import PipelineAdapter
+from branchdiff.models.pipeline_adapter import PackedLatentsAdapter
 
 FLUX_ATTENTION = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"]
 FLUX_FEED_FORWARD = ["ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2", "proj_mlp"]  # double and single blocks
 
 
-class FluxAdapter(PipelineAdapter):
+class FluxAdapter(PackedLatentsAdapter):
     family = "flux"
     pipeline_class_name = "FluxPipeline"
     helper_names = ("text_encoder", "text_encoder_2", "vae")
@@ -29,20 +29,6 @@ class FluxAdapter(PipelineAdapter):
     example_hub_id = "black-forest-labs/FLUX.1-dev"
     max_sequence_length = 512  # T5 tokens (the pipeline's default)
     time_scale = 1.0  # the transformer takes σ itself
-
-    @classmethod
-    def multiple_of(cls, vae_scale_factor: int, patch_size: int) -> int:
-        return vae_scale_factor * 2  # 2×2 packing
-
-    @property
-    def latent_shape(self) -> tuple[int, ...]:
-        rows, columns = self.token_grid()
-        return (rows * columns, self.config.in_channels)  # in_channels = 4 × the VAE's latent channels
-
-    def token_grid(self) -> tuple[int, int]:
-        """The packed latent's (rows, columns) of 2×2 patches: the image ids' grid."""
-        height, width = self.latent_grid()
-        return height // 2, width // 2
 
     def scheduler_arguments(self, num_steps: int) -> dict:
         """The pipeline's σ grid linspace(1, 1/T, T) and μ from the packed sequence length."""

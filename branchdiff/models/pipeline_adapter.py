@@ -198,6 +198,25 @@ class PipelineAdapter(ModelAdapter):
         return timesteps
 
 
+class PackedLatentsAdapter(PipelineAdapter):
+    """A family whose pipeline packs the VAE latent's 2×2 patches into tokens of 4·C features, row by row
+    (FLUX.1, Qwen-Image): latents (rows · columns, in_channels) on the latent grid's (H/2f, W/2f) patches."""
+
+    @classmethod
+    def multiple_of(cls, vae_scale_factor: int, patch_size: int) -> int:
+        return vae_scale_factor * 2  # 2×2 packing
+
+    @property
+    def latent_shape(self) -> tuple[int, ...]:
+        rows, columns = self.token_grid()
+        return (rows * columns, self.config.in_channels)  # in_channels = 4 × the VAE's latent channels
+
+    def token_grid(self) -> tuple[int, int]:
+        """The packed latent's (rows, columns) of 2×2 patches: the image ids' grid."""
+        height, width = self.latent_grid()
+        return height // 2, width // 2
+
+
 def check_multiple(size: tuple[int, int], multiple: int, family: str) -> None:
     """Refuse an image size whose sides are not multiples of `multiple`, naming the nearest that are."""
     if size[0] % multiple or size[1] % multiple:

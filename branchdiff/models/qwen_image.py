@@ -25,7 +25,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from branchdiff.models.pipeline_adapter import PipelineAdapter
+from branchdiff.models.pipeline_adapter import PackedLatentsAdapter
 
 QWEN_IMAGE_ATTENTION = ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj",
                         "attn.to_add_out"]  # both streams
@@ -33,7 +33,7 @@ QWEN_IMAGE_FEED_FORWARD = ["img_mlp.net.0.proj", "img_mlp.net.2", "txt_mlp.net.0
 NEGATIVE_PROMPT = " "  # the model card's negative prompt when there is nothing to steer away from
 
 
-class QwenImageAdapter(PipelineAdapter):
+class QwenImageAdapter(PackedLatentsAdapter):
     family = "qwen-image"
     pipeline_class_name = "QwenImagePipeline"
     helper_names = ("text_encoder", "vae")
@@ -47,22 +47,8 @@ class QwenImageAdapter(PipelineAdapter):
     time_scale = 1.0  # the transformer takes σ itself
 
     @classmethod
-    def multiple_of(cls, vae_scale_factor: int, patch_size: int) -> int:
-        return vae_scale_factor * 2  # 2×2 packing
-
-    @classmethod
     def multiple_from_configs(cls, vae: dict, denoiser: dict) -> int:
         return cls.multiple_of(2 ** len(vae.get("temperal_downsample", [])), 2)  # the pipeline's VAE factor
-
-    @property
-    def latent_shape(self) -> tuple[int, ...]:
-        rows, columns = self.token_grid()
-        return (rows * columns, self.config.in_channels)  # in_channels = 4 × the VAE's latent channels
-
-    def token_grid(self) -> tuple[int, int]:
-        """The packed latent's (rows, columns) of 2×2 patches."""
-        height, width = self.latent_grid()
-        return height // 2, width // 2
 
     def unused_modules(self) -> list[str]:
         """The last block's text-stream output (its attention's text projection and text MLP): only the
