@@ -184,3 +184,46 @@ def test_sample_search_without_a_budget_or_with_a_bad_trace_is_one_line(tiny_mod
     (tmp_path / "bad.json").write_text("{}")
     assert main(["sample", "--model", str(tiny_model_dir), "--from-trace", str(tmp_path / "bad.json"), "--out", str(tmp_path / "b")]) == 2
     assert "not a search trace written by 'branchdiff sample --search'" in capsys.readouterr().err
+
+
+def test_a_budget_below_one_image_is_refused_in_one_line(tiny_model_dir, tiny_adapter, tmp_path, capsys):
+    """`sample --search dts --budget 5` ended in an IndexError traceback: no prompt finished an image. Below the
+    steps it is refused before the model loads; below a prompt's first round (a fixed tree's, or CFG's two rows)
+    before anything runs (the tree search's binary 4-step tree: 1 + 2 + 4 + 8 = 15 rows)."""
+    from branchdiff.cli import main
+
+    assert main(["sample", "--model", str(tiny_model_dir), "--prompt", PROMPTS[0], "--search", "dts", "--budget", "5", "--out", str(tmp_path / "a")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--budget 5 network rows cannot make one image: a 10-step image costs at least 10" in err
+    assert not (tmp_path / "a").exists()
+    with pytest.raises(ValueError, match=r"--budget 5 network rows cannot make one image: a prompt's first tree round costs 15 .*--budget ≥ 15"):
+        search_prompts(tiny_adapter, PROMPTS, SearchSettings("tree", 5, steps=STEPS), _brightness)
+
+
+@pytest.mark.parametrize("name", ["dts", "dts-star", "best-of-n"])
+def test_non_finite_rewards_never_stop_a_search_and_are_reported(tiny_adapter, name):
+    """DTS drew its next child from softmax(λ·v) over children whose values were all −inf (every reward NaN)
+    and raised; now a non-finite reward is the worst value, children with nothing else are drawn uniformly,
+    and the trace counts them. Half the prompts' images score NaN here, one prompt's all of them."""
+    calls = []
+
+    def sometimes_nan(images: torch.Tensor, prompt_index: list[int]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        calls.append(len(prompt_index))
+        rewards = images.mean(dim=(1, 2, 3))
+        nan = torch.tensor([p == 0 or (p == 1 and len(calls) % 2 == 0) for p in prompt_index])
+        return torch.where(nan, torch.full_like(rewards, math.nan), rewards), {}
+
+    search = make_search(name, **({"temperature": 10.0, "max_children": 2} if name.startswith("dts") else {}))
+    result = run_search(_forest(tiny_adapter), search, 8 * STEPS, sometimes_nan)
+    assert all(reward == -math.inf for reward in result.rewards[0]) and result.trace[0][-1]["best"] == -math.inf
+    assert result.trace[0][-1]["nonfinite"] == result.trace[0][-1]["images"] >= 2
+    assert 0 < result.trace[1][-1]["nonfinite"] < result.trace[1][-1]["images"] and math.isfinite(result.trace[1][-1]["mean"])
+    assert result.trace[2][-1]["nonfinite"] == 0 and all(math.isfinite(r) for r in result.rewards[2])
+
+
+def test_explore_search_refuses_a_budget_below_one_image():
+    from branchdiff.errors import ConfigError
+    from branchdiff.settings.load import load_config
+
+    with pytest.raises(ConfigError, match=r"'explore.search_budget' = 5 network rows cannot make one image: a 10-step image costs at least 10"):
+        load_config("tiny-sol", ["explore.mode=search", "explore.search_budget=5", "sampling.sde=flow", "sampling.num_steps=10"])

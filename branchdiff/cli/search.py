@@ -56,8 +56,9 @@ def search_and_write(adapter: ModelAdapter, args: argparse.Namespace, settings: 
             index += 1
             yield from save_sample(image[0], args.out / best["image"])
         rounds = entry["rounds"]
+        unscored = f"; {rounds[-1]['nonfinite']} scored NaN or ±inf, counted as the worst" if rounds[-1]["nonfinite"] else ""
         print(f"{entry['prompt']!r}: best {label} {entry['best'][0]['reward']:.4f} (mean {rounds[-1]['mean']:.4f} over "
-              f"{rounds[-1]['images']} images) with {entry['nfe']} of {search.budget} network rows ({args.search})", file=sys.stderr)
+              f"{rounds[-1]['images']} images{unscored}) with {entry['nfe']} of {search.budget} network rows ({args.search})", file=sys.stderr)
     storage.write_text(args.out / "search.json", json.dumps(recorded, indent=1))
     yield args.out / "search.json"
 

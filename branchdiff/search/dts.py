@@ -11,7 +11,8 @@ the child of highest value (DTS*, `greedy`: a search for the maximum). A node wh
 to the leaves is exhausted and never picked again; a prompt whose tree is exhausted stops.
 
 Choices of this implementation (the paper leaves them to the user): the same cap for every node,
-the virtual root included; ties of DTS* go to the first child.
+the virtual root included; ties of DTS* go to the first child. A non-finite reward counts as −inf
+(the worst); children that have nothing else are drawn uniformly (`selection_weights`).
 """
 
 from __future__ import annotations
@@ -56,9 +57,16 @@ class DTS:
             if self.greedy:
                 node = open_children[int(torch.argmax(values))]
             else:
-                weights = torch.softmax(self.temperature * values, 0)
-                node = open_children[int(torch.multinomial(weights, 1, generator=generator))]
+                node = open_children[int(torch.multinomial(selection_weights(values, self.temperature), 1, generator=generator))]
         return None
 
     def branching(self, forest: SearchForest) -> list[int] | None:
         return None
+
+
+def selection_weights(values: torch.Tensor, temperature: float) -> torch.Tensor:
+    """DTS's selection probabilities softmax(λ·v) over children values (K,); a child whose rewards were all
+    non-finite has the value −inf (weight 0), and when every child has, they are drawn uniformly."""
+    if not torch.isfinite(values).any():
+        return torch.full_like(values, 1 / len(values))
+    return torch.softmax(temperature * values, 0)

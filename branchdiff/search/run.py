@@ -5,7 +5,8 @@ exhausted).
 
 A round's cost is known before it runs (`SearchForest.cost_of_child`), so no prompt passes its
 budget. The trace records, after every round of a prompt, its network rows spent, the best reward
-found and the mean reward of its images so far; the result names each prompt's best images by
+found, the mean reward of its images so far (over the finite ones) and how many scored non-finite (NaN
+or infinite rewards count as −inf, the worst, and never stop a search); the result names each prompt's best images by
 their noise paths (`SearchForest.path`), which `regenerate_path` turns back into the same latents.
 """
 
@@ -37,9 +38,9 @@ class Search(Protocol):
 @dataclass
 class SearchResult:
     leaves: list[list[int]]  # per prompt: its leaves (node indices), in the order made
-    rewards: list[list[float]]  # per prompt: each leaf's reward
+    rewards: list[list[float]]  # per prompt: each leaf's reward (−inf where it was not finite)
     extras: list[list[dict[str, float]]]  # per prompt: each leaf's other scores
-    trace: list[list[dict]] = field(default_factory=list)  # per prompt: {"nfe", "best", "mean", "images"} after each round
+    trace: list[list[dict]] = field(default_factory=list)  # per prompt: {"nfe", "best", "mean", "images", "nonfinite"} after each round
 
     def best(self, prompt: int, count: int = 1) -> list[int]:
         """The prompt's `count` best leaves (first made first among equal rewards)."""
@@ -69,12 +70,14 @@ def run_search(forest: SearchForest, search: Search, budget: int, score: Score, 
         rewards, extras = score(forest.adapter.decode(forest.leaf_latents(leaves)), [forest.prompt[n] for n in leaves])  # (L,), {name: (L,)}
         for row, (leaf, reward) in enumerate(zip(leaves, rewards.tolist())):
             prompt = forest.prompt[leaf]
-            forest.value[leaf] = reward if math.isfinite(reward) else -math.inf
+            forest.value[leaf] = reward if math.isfinite(reward) else -math.inf  # a NaN or infinite reward is the worst
             backup_path(forest.parent, forest.children, forest.value, leaf, search.backup, search.temperature)
             result.leaves[prompt].append(leaf)
-            result.rewards[prompt].append(reward)
+            result.rewards[prompt].append(forest.value[leaf])
             result.extras[prompt].append({name: float(values[row]) for name, values in extras.items()})
         for prompt in active:
             seen = result.rewards[prompt]
-            result.trace[prompt].append({"nfe": forest.nfe[prompt], "best": max(seen), "mean": sum(seen) / len(seen), "images": len(seen)})
+            finite = [reward for reward in seen if math.isfinite(reward)]
+            result.trace[prompt].append({"nfe": forest.nfe[prompt], "best": max(seen), "mean": sum(finite) / len(finite) if finite else -math.inf,
+                                         "images": len(seen), "nonfinite": len(seen) - len(finite)})
     return result

@@ -47,6 +47,9 @@ class SearchSettings:
             raise ValueError(f"unknown search {self.search!r}; allowed: {', '.join(SEARCHES)}")
         if self.budget < 1 or self.steps < 1 or self.max_batch < 1 or self.keep < 1:
             raise ValueError(f"--budget, --steps, --max-batch and --keep must be ≥ 1; got {self.budget}, {self.steps}, {self.max_batch}, {self.keep}")
+        if self.budget < self.steps:
+            raise ValueError(f"--budget {self.budget} network rows cannot make one image: a {self.steps}-step image costs at least "
+                             f"{self.steps} (twice under CFG); give --budget ≥ {self.steps}, or fewer --steps")
 
 
 def sampler(adapter: ModelAdapter, settings: SearchSettings) -> SamplerSettings:
@@ -76,7 +79,12 @@ def search_prompts(adapter: ModelAdapter, prompts: list[str], settings: SearchSe
     settings.validate()
     forest = SearchForest(adapter, TreeSpec(settings.steps), adapter.schedule(settings.steps, settings.shift), sampler(adapter, settings),
                           NoiseAddress(settings.seed, SEARCH_ITERATION, tuple(range(len(prompts)))), encode_each(adapter, prompts))
-    return forest, run_search(forest, search_of(settings), settings.budget, score, settings.seed)
+    search = search_of(settings)
+    first = forest.cost_of_child(0, search.branching(forest))  # a prompt's first round: its whole path (or fixed tree) from the virtual root
+    if settings.budget < first:
+        raise ValueError(f"--budget {settings.budget} network rows cannot make one image: a prompt's first {settings.search} round costs {first} "
+                         f"({forest.rows_per_node()} row(s) per prediction); give --budget ≥ {first}")
+    return forest, run_search(forest, search, settings.budget, score, settings.seed)
 
 
 def trace(forest: SearchForest, result: SearchResult, prompts: list[str], settings: SearchSettings, extras: dict) -> dict:

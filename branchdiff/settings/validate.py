@@ -103,6 +103,10 @@ def _validate_explore(config: TrainConfig) -> None:
                           f"train.loss=nft (DiffusionNFT), not {config.train.loss!r}")
     if explore.mode == "search" and config.sampling.sde == "ode":
         raise ConfigError("'explore.mode' = 'search' searches SDE trees: set sampling.sde to an SDE (flow, dance or cps), not ode")
+    if explore.mode == "search" and explore.search_budget < config.sampling.num_steps:
+        raise ConfigError(f"'explore.search_budget' = {explore.search_budget} network rows cannot make one image: a {config.sampling.num_steps}-step "
+                          f"image costs at least {config.sampling.num_steps} (twice under CFG); use explore.search_budget ≥ "
+                          f"{explore.keep * config.sampling.num_steps} for explore.keep={explore.keep} images")
     if explore.mode == "seeds" and explore.keep > explore.pool:
         raise ConfigError(f"'explore.keep' = {explore.keep} exceeds 'explore.pool' = {explore.pool}")
     if explore.mode == "tree":
