@@ -197,7 +197,7 @@ def test_a_budget_below_one_image_is_refused_in_one_line(tiny_model_dir, tiny_ad
     assert err.count("\n") == 1 and "--budget 5 network rows cannot make one image: a 10-step image costs at least 10" in err
     assert not (tmp_path / "a").exists()
     with pytest.raises(ValueError, match=r"--budget 5 network rows cannot make one image: a prompt's first tree round costs 15 .*--budget ≥ 15"):
-        search_prompts(tiny_adapter, PROMPTS, SearchSettings("tree", 5, steps=STEPS), _brightness)
+        search_prompts(tiny_adapter, PROMPTS, SearchSettings("tree", 5, steps=STEPS), _brightness, first_round=True)
 
 
 @pytest.mark.parametrize("name", ["dts", "dts-star", "best-of-n"])

@@ -74,14 +74,17 @@ def search_of(settings: SearchSettings) -> object:
 
 
 @torch.no_grad()
-def search_prompts(adapter: ModelAdapter, prompts: list[str], settings: SearchSettings, score) -> tuple[SearchForest, SearchResult]:
-    """Search every prompt (its key: its position) within the budget; `score(images, prompt indices) → (L,)`."""
+def search_prompts(adapter: ModelAdapter, prompts: list[str], settings: SearchSettings, score,
+                   first_round: bool = False) -> tuple[SearchForest, SearchResult]:
+    """Search every prompt (its key: its position) within the budget; `score(images, prompt indices) → (L,)`.
+    `first_round`: refuse a budget that cannot pay for a prompt's first round (`sample --search`; a benchmark's
+    grid of budgets may hold some that leave a search without images)."""
     settings.validate()
     forest = SearchForest(adapter, TreeSpec(settings.steps), adapter.schedule(settings.steps, settings.shift), sampler(adapter, settings),
                           NoiseAddress(settings.seed, SEARCH_ITERATION, tuple(range(len(prompts)))), encode_each(adapter, prompts))
     search = search_of(settings)
     first = forest.cost_of_child(0, search.branching(forest))  # a prompt's first round: its whole path (or fixed tree) from the virtual root
-    if settings.budget < first:
+    if first_round and settings.budget < first:
         raise ValueError(f"--budget {settings.budget} network rows cannot make one image: a prompt's first {settings.search} round costs {first} "
                          f"({forest.rows_per_node()} row(s) per prediction); give --budget ≥ {first}")
     return forest, run_search(forest, search, settings.budget, score, settings.seed)
