@@ -28,7 +28,7 @@ def resolve_sources(value: object, folder: Path, where: str) -> list[str]:
     """Absolute paths of a row's source images: `value` is a path, a list of paths, or (CSV) paths
     joined by "|"; each must name a readable image. Raises ValueError naming `where` (file:row)."""
     if isinstance(value, str):
-        paths = [part.strip() for part in value.split(SEPARATOR)] if SEPARATOR in value else [value.strip()]
+        paths = [part.strip() for part in value.split(SEPARATOR)]
     elif isinstance(value, list) and value and all(isinstance(part, str) for part in value):
         paths = [part.strip() for part in value]
     else:

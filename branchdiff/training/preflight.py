@@ -104,8 +104,8 @@ def check_sources(prompt_set: PromptSet, family: str, size: tuple[int, int]) -> 
             for path in metadata[SOURCES]:
                 check_aspect(source_size(path), *size, f"{where}: source image {quote(path, 80)}")
         if adapter.edits and not metadata.get(SOURCES):
-            raise ValueError(f"prompt {number} of {quote(prompt_set.name, 80)} has no source image and model.family={family} edits images: "
+            raise ValueError(f"{where} has no source image and model.family={family} edits images: "
                              "give every prompt its \"image\" (a JSONL field or a CSV column, paths relative to the file; docs/editing.md)")
         if not adapter.edits and SOURCES in metadata:
-            raise ValueError(f"prompt {number} of {quote(prompt_set.name, 80)} comes with a source image (\"image\") and model.family={family} "
+            raise ValueError(f"{where} comes with a source image (\"image\") and model.family={family} "
                              "makes images from text alone: train an editing family (flux-kontext), or drop the field (docs/editing.md)")
