@@ -107,6 +107,7 @@ def _cli(*args: str, env: dict | None = None) -> subprocess.Popen:
                             stderr=subprocess.PIPE, text=True)
 
 
+@pytest.mark.slow  # a release check (~20–45 s of subprocesses); python -m pytest -m slow
 def test_two_runs_started_at_once_on_one_output_dir_one_trains_the_other_stops(tiny_model_dir, tmp_path):
     run = tmp_path / "run"
     runs = [_cli(*train_args(tiny_model_dir, run, 3, f"seed={seed}")) for seed in (11, 12)]
@@ -141,6 +142,7 @@ def test_a_lock_left_by_a_dead_run_is_taken_over(tiny_model_dir, tmp_path):
 
 
 # ---------------------------------------------------------------- deterministic files
+@pytest.mark.slow  # a release check (~20–45 s of subprocesses); python -m pytest -m slow
 def test_exported_files_are_byte_identical_whatever_pythonhashseed(tiny_model_dir, tmp_path):
     """The LoRA export listed target_modules in set order, which depends on PYTHONHASHSEED."""
     outputs = []

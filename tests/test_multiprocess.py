@@ -204,6 +204,7 @@ def test_ctrl_c_on_one_process_stops_both_after_the_same_iteration(tiny_model_di
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["iter-000000"]
 
 
+@pytest.mark.slow  # a release check (~20–45 s of subprocesses); python -m pytest -m slow
 def test_a_frozen_rank_ends_the_job_with_one_line_naming_it_and_the_run_resumes_exactly(two_process_run, tmp_path):
     """Rank 1 stops itself (SIGSTOP) at the start of iteration 2: rank 0's heartbeat watch names it
     after collective_timeout, ends it and exits 2; the launch ends well before accelerate's own

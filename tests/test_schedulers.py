@@ -341,3 +341,17 @@ def test_flow_first_step_without_sigma_1_raises():
     x = torch.zeros(2, 3)
     with pytest.raises(ValueError, match="sigma_for_noise_level"):
         step("flow", x, x, 1.0, 0.9, torch.zeros_like(x), 0.7)
+
+
+def test_predicted_x0_inverts_the_forward_process_of_both_kinds():
+    """x = (1 − σ)·x0 + σ·ε with the velocity ε − x0 (flow), x = √ᾱ·x0 + √(1 − ᾱ)·ε with ε itself (DDIM): x̂0 = x0."""
+    from branchdiff.schedulers.schedule import DDIMSchedule, FlowSchedule
+
+    x0, eps, index = torch.randn(3, 4, 2), torch.randn(3, 4, 2), torch.tensor([0, 2, 4])
+    flow = FlowSchedule.shifted(5, 3.0, 1000.0)
+    sigma = flow.sigmas[index].reshape(-1, 1, 1)
+    assert torch.allclose(flow.predicted_x0((1 - sigma) * x0 + sigma * eps, eps - x0, index), x0, atol=1e-5)
+    alpha_bars = torch.linspace(0.05, 0.99, 6, dtype=torch.float64)
+    ddim = DDIMSchedule(alpha_bars, torch.arange(5))
+    a = alpha_bars[index].reshape(-1, 1, 1).float()
+    assert torch.allclose(ddim.predicted_x0(a.sqrt() * x0 + (1 - a).sqrt() * eps, eps, index), x0, atol=1e-5)

@@ -51,3 +51,11 @@ def positive(text: str) -> float:
     if value <= 0:
         raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
     return value
+
+
+def non_negative(text: str) -> float:
+    """argparse type: a finite number ≥ 0."""
+    value = finite(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be ≥ 0, got {text}")
+    return value

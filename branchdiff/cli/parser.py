@@ -7,7 +7,7 @@ import argparse
 from pathlib import Path
 from typing import NoReturn
 
-from branchdiff.cli.arguments import at_least, finite, image_size, positive
+from branchdiff.cli.arguments import at_least, finite, image_size, non_negative, positive
 from branchdiff.search import SEARCHES
 from branchdiff.settings.config import DEFAULT_PRESET
 from branchdiff.settings.evaluation import SOLVERS
@@ -94,6 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
             search.add_argument("--max-batch", type=at_least(1), default=16, help="network rows per forward (every forward is padded to it)")
             search.add_argument("--temperature", type=positive, default=10.0, help="dts, dts-star: λ of selection and soft backup")
             search.add_argument("--max-children", type=at_least(1), default=4, help="dts, dts-star: children per node")
+            search.add_argument("--root-children", type=at_least(1), default=None, help="dts, dts-star: initial noises per prompt (default: --max-children)")
+            search.add_argument("--widening", type=non_negative, default=0.0,
+                                help="dts, dts-star: progressive widening, ⌈w·√visits⌉ children per node when above the cap (default 0: off)")
             search.add_argument("--from-trace", type=Path, default=None, help="regrow the best images of a search.json from their noise paths")
         else:
             sub.add_argument("--prompts", default=None, help="tiny:held_out, hpdv2[:style], or a .txt / .jsonl / .csv file (default: the run's prompts.eval)")
@@ -140,11 +143,14 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--seeds", type=at_least(1), default=3, help="curves, search: seeds of each variant")
     bench.add_argument("--out", type=Path, default=Path("docs"), help="curves, search: folder of the plot and the table")
     bench.add_argument("--images", type=at_least(1), default=32, help="search: the largest budget, in images' worth of network rows per prompt")
+    bench.add_argument("--sampler", action="store_true", help="search: measure the searches as samplers of the reward-tilted target "
+                                                              "(distance to p* on Gaussian-mixture flows) instead of the best reward on the tiny task")
+    bench.add_argument("--temperature", type=positive, default=4.0, help="search --sampler: λ of the target p·exp(λ·r)")
     bench.add_argument("--variants", default=None, help="tree, curves, search: comma-separated variants (default: all; tree: chain, tree, "
                                                          "tree_depth_pruned, tree_width_pruned, mix, best; curves: chain, branch, "
                                                          "branch_pruned, mix, explore_seeds, explore_tree, and the objectives guard, "
                                                          "layertuning, nft_tree, nft_tree_depthwise, nft_chain, sol when named; "
-                                                         "search: best-of-n, tree, dts, dts-star)")
+                                                         "search: best-of-n, tree, dts, dts-star; search --sampler: dts, dts-unguided, best-of-n-is, smc)")
     bench.add_argument("--reference", default="chain", help="curves: the variant whose final accuracy the others' times are measured "
                                                             "against (time_to_<reference>_final; e.g. mix to compare objectives with GRPO)")
     bench.add_argument("--task", choices=["tiny", "tiny-video"], default="tiny", help="curves: the built-in task, images (tiny) or clips (tiny-video)")

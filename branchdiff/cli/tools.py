@@ -30,6 +30,10 @@ def cmd_bench(args: argparse.Namespace) -> None:
         bench_tree(args.json, args.repeats, args.overrides, variants)
     elif args.which == "explore":
         bench_explore(args.json, extra_overrides=args.overrides)
+    elif args.which == "search" and args.sampler:
+        from branchdiff.bench.sampler import bench_sampler
+
+        bench_sampler(args.images, args.seeds, args.json, args.out, args.temperature, samplers=variants)
     elif args.which == "search":
         from branchdiff.bench.search import bench_search
 

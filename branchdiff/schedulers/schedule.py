@@ -3,7 +3,8 @@
 An adapter builds one `Schedule` per step count (`ModelAdapter.schedule`); the rollout, the
 training recomputation, explore and evaluation only ever ask it two things: what the denoiser is
 conditioned on at step i (`model_times[i]`) and the transition x_i → x_{i+1} given the model's
-output there (`step`). Step i is always the edge from depth i to depth i + 1 of a tree.
+output there (`step`); searches also ask the clean sample that output points to (`predicted_x0`).
+Step i is always the edge from depth i to depth i + 1 of a tree.
 
 - `FlowSchedule` (rectified flow; the model output is a velocity): σ_0 = 1 > … > σ_T = 0 and the
   steps of `schedulers.flow` (`ode`, `dance`, `flow`, `cps`).
@@ -51,6 +52,11 @@ class FlowSchedule:
         index = index.to(self.sigmas.device)
         return step(kind, x, output, self.sigmas[index], self.sigmas[index + 1], noise, noise_level, self.sigmas[1])
 
+    def predicted_x0(self, x: torch.Tensor, output: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        """The clean sample the velocity `output` (B, ...) points to from x (B, ...) at steps `index` (B,): x̂0 = x − σ·v."""
+        sigma = self.sigmas[index.to(self.sigmas.device)].reshape(-1, *[1] * (x.dim() - 1))
+        return x.float() - sigma * output.float()
+
 
 @dataclass(frozen=True)
 class DDIMSchedule:
@@ -77,6 +83,12 @@ class DDIMSchedule:
         index = index.to(self.alpha_bars.device)
         eta = 0.0 if kind == "ode" else noise_level
         return ddim_step(x, output, self.alpha_bars[index], self.alpha_bars[index + 1], noise, eta)
+
+    def predicted_x0(self, x: torch.Tensor, output: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        """The clean sample the predicted noise `output` (B, ...) points to from x (B, ...) at steps `index` (B,):
+        x̂0 = (x − √(1−ᾱ)·ε̂) / √ᾱ."""
+        alpha_bar = self.alpha_bars[index.to(self.alpha_bars.device)].reshape(-1, *[1] * (x.dim() - 1))
+        return ((x.double() - torch.sqrt(1 - alpha_bar) * output.double()) / torch.sqrt(alpha_bar)).float()
 
 
 Schedule = FlowSchedule | DDIMSchedule

@@ -2,7 +2,9 @@
 search`, `explore.mode=search`): a search is one file with `select` (which node gets a new child) and
 `branching` (how a new child is completed to images), and one line in `SEARCHES` here. The registry
 is names only (a search's module is imported when it is built), so the settings and the command line
-read it without loading torch.
+read it without loading torch. `smc` (sequential Monte Carlo over the same forest) and
+`dts.draw_leaf` (a sample of DTS's target from its tree) are the samplers `bench search --sampler`
+measures against the reward-tilted target.
 
 May import: core, models, schedulers, runtime, data, errors.
 """
@@ -20,6 +22,6 @@ SEARCHES = {  # name → "module:factory" taking the search's keyword arguments
 
 
 def make_search(name: str, **settings: object) -> object:
-    """The search `name` with its keyword arguments (DTS and DTS*: temperature, max_children)."""
+    """The search `name` with its keyword arguments (DTS and DTS*: temperature, max_children, root_children, widening)."""
     module, _, attribute = SEARCHES[name].partition(":")
     return getattr(importlib.import_module(module), attribute)(**settings)

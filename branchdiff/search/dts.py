@@ -10,13 +10,23 @@ picks a child with probability ∝ exp(λ·V(c)) (DTS: a sampler of p_θ(x)·exp
 the child of highest value (DTS*, `greedy`: a search for the maximum). A node whose subtree is full
 to the leaves is exhausted and never picked again; a prompt whose tree is exhausted stops.
 
-Choices of this implementation (the paper leaves them to the user): the same cap for every node,
-the virtual root included; ties of DTS* go to the first child. A non-finite reward counts as −inf
-(the worst); children that have nothing else are drawn uniformly (`selection_weights`).
+Choices of this implementation (the paper leaves them to the user): by default the same cap for
+every node, the virtual root included; ties of DTS* go to the first child. A non-finite reward counts
+as −inf (the worst); children that have nothing else are drawn uniformly (`selection_weights`).
+Levers, off by default: `root_children` (a cap of its own for the virtual root, i.e. the number of
+initial noises), `widening` (progressive widening: a node may have ⌈widening·√visits⌉ children, so
+much-visited nodes keep branching) and `guided=False` (the growing descent ignores values: the tree
+is then an unbiased sample of p_θ, reweighted only when a sample is drawn).
+
+As a sampler, DTS's output is `draw_leaf`: one descent of the finished tree by the same Boltzmann
+rule, i.e. its leaves resampled by exp(λ·r) times their share of the tree's mass. The descent that
+grows the tree chooses where children are added from the values seen so far, and that choice biases
+the mass a finite tree gives each region (branchdiff/bench/sampler.py and docs/search.md measure it).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -34,34 +44,64 @@ class DTS:
     greedy: bool = False  # DTS* (argmax) instead of DTS (Boltzmann)
     temperature: float = 10.0  # λ of the selection and of the soft backup (rewards × λ are log-weights)
     max_children: int = 4  # children per node
+    root_children: int | None = None  # children of the virtual root (initial noises); None: max_children
+    widening: float = 0.0  # progressive widening: a node may have ⌈widening·√visits⌉ children when that is more than its cap (0: off)
+    guided: bool = True  # the descent weighs children by value; False: uniformly (the tree then grows as an unbiased sample of p_θ)
     backup: str = "soft"
     exhausted: set[int] = field(default_factory=set)
 
     def __post_init__(self) -> None:
-        if self.temperature <= 0 or self.max_children < 1:
-            raise ValueError(f"DTS needs a temperature λ > 0 and max_children ≥ 1; got {self.temperature} and {self.max_children}")
+        if self.temperature <= 0 or self.max_children < 1 or (self.root_children is not None and self.root_children < 1) or self.widening < 0:
+            raise ValueError(f"DTS needs a temperature λ > 0, max_children ≥ 1, root_children ≥ 1 (or unset) and widening ≥ 0; got "
+                             f"{self.temperature}, {self.max_children}, {self.root_children} and {self.widening}")
+
+    def cap(self, forest: SearchForest, node: int) -> int:
+        """Children `node` may have now: its cap (the root's own, if set), raised by progressive widening to
+        ⌈widening·√visits⌉, except where the step allows none or one (`SearchForest.child_cap`)."""
+        own = self.root_children if forest.depth[node] < 0 and self.root_children is not None else self.max_children
+        if self.widening > 0:
+            own = max(own, math.ceil(self.widening * math.sqrt(forest.visits[node])))
+        return forest.child_cap(node, own)
 
     def select(self, forest: SearchForest, prompt: int, generator: torch.Generator) -> int | None:
         """The node to add a child to (module doc), or None when the prompt's tree is exhausted."""
         node = prompt
         while prompt not in self.exhausted:
-            cap = forest.child_cap(node, self.max_children)
-            if len(forest.children[node]) < cap:
+            if len(forest.children[node]) < self.cap(forest, node):
                 return node
             open_children = [c for c in forest.children[node] if c not in self.exhausted]
-            if not open_children:  # a full node (or a leaf) with nothing left below: never again
-                self.exhausted.add(node)
+            if not open_children:
+                if self.widening > 0 and forest.child_cap(node, 2) > 1:  # widening: a node with nothing left below grows a child instead
+                    return node
+                self.exhausted.add(node)  # a full node (or a leaf) with nothing left below: never again
                 node = prompt
                 continue
             values = torch.tensor([forest.value[c] for c in open_children], dtype=torch.float64)  # (K,)
             if self.greedy:
                 node = open_children[int(torch.argmax(values))]
+            elif not self.guided:
+                node = open_children[int(torch.randint(len(open_children), (), generator=generator))]
             else:
                 node = open_children[int(torch.multinomial(selection_weights(values, self.temperature), 1, generator=generator))]
         return None
 
     def branching(self, forest: SearchForest) -> list[int] | None:
         return None
+
+
+def draw_leaf(forest: SearchForest, prompt: int, temperature: float, generator: torch.Generator) -> int:
+    """One sample of DTS's target from the prompt's tree: descend from the virtual root, drawing each
+    child with probability ∝ exp(λ·V(child)) (`selection_weights`) until a leaf. With the soft backup,
+    V(n) = (1/λ)·log mean_c exp(λ·V(c)), the product of the choices telescopes: a leaf is drawn with
+    probability ∝ exp(λ·r(leaf)) / Π K(n) over the nodes n above it (K: their children), its reward
+    weight times its share of the tree's mass under p_θ, i.e. self-normalised importance resampling of
+    the tree's leaves towards p_θ(x)·exp(λ·r(x))."""
+    node = prompt
+    while forest.children[node]:
+        children = [c for c in forest.children[node] if not math.isnan(forest.value[c])]
+        values = torch.tensor([forest.value[c] for c in children], dtype=torch.float64)  # (K,)
+        node = children[int(torch.multinomial(selection_weights(values, temperature), 1, generator=generator))]
+    return node
 
 
 def selection_weights(values: torch.Tensor, temperature: float) -> torch.Tensor:

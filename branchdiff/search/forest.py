@@ -42,6 +42,7 @@ class SearchForest:
     latent: list[torch.Tensor | None] = field(default_factory=list)  # (*latent_shape) per node; None for virtual roots
     output: list[torch.Tensor | None] = field(default_factory=list)  # the node's model output, once computed
     value: list[float] = field(default_factory=list)  # backed-up value (NaN: none yet)
+    visits: list[int] = field(default_factory=list)  # images scored below the node (itself included, for a leaf)
     nfe: list[int] = field(default_factory=list)  # network rows spent per prompt
 
     def __post_init__(self) -> None:
@@ -69,6 +70,7 @@ class SearchForest:
         self.latent.append(latent)
         self.output.append(None)
         self.value.append(math.nan)
+        self.visits.append(0)
         if parent >= 0:
             self.children[parent].append(node)
         return node
@@ -97,9 +99,9 @@ class SearchForest:
             width *= 1 if branching is None else branching[depth]
         return rows * self.rows_per_node()
 
-    def _predict(self, nodes: list[int]) -> None:
+    def predict_nodes(self, nodes: list[int]) -> None:
         """Compute and keep the model output of the nodes that have none, charging their prompts."""
-        todo = [n for n in nodes if self.output[n] is None]
+        todo = [n for n in dict.fromkeys(nodes) if self.output[n] is None]
         if not todo:
             return
         rows = torch.tensor([self.prompt[n] for n in todo])
@@ -112,7 +114,7 @@ class SearchForest:
     def add_children(self, parents: list[int]) -> list[int]:
         """One new child of each of `parents` (a parent may repeat: one child per mention), in order:
         initial noise under a virtual root, else one step from the parent's (kept) model output."""
-        self._predict(list(dict.fromkeys(p for p in parents if self.depth[p] >= 0)))
+        self.predict_nodes([p for p in parents if self.depth[p] >= 0])
         paths, taken = [], {}
         for p in parents:  # the child index: the parent's children so far, and this call's earlier ones
             taken[p] = taken.get(p, len(self.children[p])) + 1
@@ -150,6 +152,13 @@ class SearchForest:
 
     def leaf_latents(self, leaves: list[int]) -> torch.Tensor:
         return torch.stack([self.latent[n] for n in leaves])  # (L, *latent_shape)
+
+    def predicted_x0(self, nodes: list[int]) -> torch.Tensor:
+        """The clean samples the nodes' model outputs point to (N, *latent_shape), predicting the nodes that have none
+        (charged as any prediction; a node's own step needs it anyway)."""
+        self.predict_nodes(nodes)
+        depths = torch.tensor([self.depth[n] for n in nodes])
+        return self.schedule.predicted_x0(self.leaf_latents(nodes), torch.stack([self.output[n] for n in nodes]), depths)
 
 
 @torch.no_grad()

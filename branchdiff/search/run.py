@@ -71,7 +71,8 @@ def run_search(forest: SearchForest, search: Search, budget: int, score: Score, 
         for row, (leaf, reward) in enumerate(zip(leaves, rewards.tolist())):
             prompt = forest.prompt[leaf]
             forest.value[leaf] = reward if math.isfinite(reward) else -math.inf  # a NaN or infinite reward is the worst
-            backup_path(forest.parent, forest.children, forest.value, leaf, search.backup, search.temperature)
+            for node in backup_path(forest.parent, forest.children, forest.value, leaf, search.backup, search.temperature):
+                forest.visits[node] += 1
             result.leaves[prompt].append(leaf)
             result.rewards[prompt].append(forest.value[leaf])
             result.extras[prompt].append({name: float(values[row]) for name, values in extras.items()})

@@ -41,10 +41,14 @@ class SearchSettings:
     temperature: float = 10.0  # DTS / DTS*: λ of selection and soft backup
     max_children: int = 4  # DTS / DTS*: children per node
     keep: int = 1  # best images written per prompt
+    root_children: int | None = None  # DTS / DTS*: initial noises per prompt (None: max_children)
+    widening: float = 0.0  # DTS / DTS*: progressive widening, ⌈widening·√visits⌉ children per node when above the cap (0: off)
 
     def validate(self) -> None:
         if self.search not in SEARCHES:
             raise ValueError(f"unknown search {self.search!r}; allowed: {', '.join(SEARCHES)}")
+        if self.root_children is not None and self.root_children < 1 or self.widening < 0:
+            raise ValueError(f"--root-children must be ≥ 1 and --widening ≥ 0; got {self.root_children} and {self.widening}")
         if self.budget < 1 or self.steps < 1 or self.max_batch < 1 or self.keep < 1:
             raise ValueError(f"--budget, --steps, --max-batch and --keep must be ≥ 1; got {self.budget}, {self.steps}, {self.max_batch}, {self.keep}")
         if self.budget < self.steps:
@@ -69,8 +73,15 @@ def encode_each(adapter: ModelAdapter, prompts: list[str]) -> PromptEmbeds:
 def search_of(settings: SearchSettings) -> object:
     """The search the settings name, with DTS's temperature and child cap where it takes them."""
     if settings.search in ("dts", "dts-star"):
-        return make_search(settings.search, temperature=settings.temperature, max_children=settings.max_children)
+        return make_search(settings.search, temperature=settings.temperature, max_children=settings.max_children,
+                           root_children=settings.root_children, widening=settings.widening)
     return make_search(settings.search)
+
+
+def new_forest(adapter: ModelAdapter, prompts: list[str], settings: SearchSettings) -> SearchForest:
+    """An empty forest for the prompts (each keyed by its position) under the settings' steps, schedule, SDE and noise seed."""
+    return SearchForest(adapter, TreeSpec(settings.steps), adapter.schedule(settings.steps, settings.shift), sampler(adapter, settings),
+                        NoiseAddress(settings.seed, SEARCH_ITERATION, tuple(range(len(prompts)))), encode_each(adapter, prompts))
 
 
 @torch.no_grad()
@@ -80,8 +91,7 @@ def search_prompts(adapter: ModelAdapter, prompts: list[str], settings: SearchSe
     `first_round`: refuse a budget that cannot pay for a prompt's first round (`sample --search`; a benchmark's
     grid of budgets may hold some that leave a search without images)."""
     settings.validate()
-    forest = SearchForest(adapter, TreeSpec(settings.steps), adapter.schedule(settings.steps, settings.shift), sampler(adapter, settings),
-                          NoiseAddress(settings.seed, SEARCH_ITERATION, tuple(range(len(prompts)))), encode_each(adapter, prompts))
+    forest = new_forest(adapter, prompts, settings)
     search = search_of(settings)
     first = forest.cost_of_child(0, search.branching(forest))  # a prompt's first round: its whole path (or fixed tree) from the virtual root
     if first_round and settings.budget < first:
