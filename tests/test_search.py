@@ -21,7 +21,7 @@ from branchdiff.search import SEARCHES, make_search
 from branchdiff.search.backup import aggregate, backup_path
 from branchdiff.search.fixed_tree import FixedTree
 from branchdiff.search.forest import SearchForest, regenerate_path
-from branchdiff.search.run import run_search
+from branchdiff.search.run import prompt_generators, run_search
 from branchdiff.search.sample import SEARCH_ITERATION, SearchSettings, encode_each, search_prompts
 
 PROMPTS = ["two red circles on the left", "one blue square at the top", "three green triangles at the bottom"]
@@ -113,6 +113,45 @@ def test_every_search_stays_in_budget_counts_its_rows_and_its_winner_regrows_exa
         again = regenerate_path(tiny_adapter, forest.spec, forest.schedule, forest.settings, 5, SEARCH_ITERATION, p,
                                 encode_each(tiny_adapter, [PROMPTS[p]]), forest.path[best])
         assert torch.equal(again, forest.latent[best]) and len(forest.path[best]) == STEPS + 1
+
+
+@pytest.mark.parametrize("name", ["dts", "dts-star", "best-of-n"])
+def test_one_selection_in_flight_is_the_sequential_search_image_for_image(tiny_adapter, name):
+    """The continuously batched loop with one selection in flight per prompt (three prompts sharing forwards of 8 rows)
+    against each prompt searched alone by the plain sequential algorithm (select, one child, roll out, score, back up),
+    written out here: the same images in the same order, bit for bit, the same rewards and rows."""
+    budget = 9 * STEPS
+    batched = _forest(tiny_adapter)
+    result = run_search(batched, make_search(name, max_children=2) if name != "best-of-n" else make_search(name), budget, _brightness, seed=4)
+    for p in range(3):
+        alone, search = _forest(tiny_adapter), make_search(name, max_children=2) if name != "best-of-n" else make_search(name)
+        generator, latents, rewards = prompt_generators(4, 3)[p], [], []
+        while (node := search.select(alone, p, generator)) is not None and alone.nfe[p] + alone.cost_of_child(node) <= budget:
+            leaf = alone.add_children([node])[0]
+            while alone.depth[leaf] < STEPS:
+                leaf = alone.add_children([leaf])[0]
+            alone.value[leaf] = float(_brightness(tiny_adapter.decode(alone.latent[leaf][None]), [p])[0][0])
+            backup_path(alone.parent, alone.children, alone.value, leaf, search.backup, search.temperature)
+            latents.append(alone.latent[leaf])
+            rewards.append(alone.value[leaf])
+        assert len(latents) == len(result.leaves[p]) > 4 and batched.nfe[p] == alone.nfe[p]
+        assert all(torch.equal(a, batched.latent[leaf]) for a, leaf in zip(latents, result.leaves[p]))
+        assert rewards == result.rewards[p]
+
+
+def test_selections_in_flight_fill_the_forwards_and_respect_every_cap(tiny_adapter):
+    """Four selections in flight per prompt (12 rollouts for forwards of 8 rows): at least 90% of the rows computed are
+    real, every prompt within its budget; the pending children keep every node within its cap (without them the four
+    first selections would all add an initial noise under a virtual root capped at 3)."""
+    forest = _forest(tiny_adapter)
+    result = run_search(forest, make_search("dts-star", max_children=3), 12 * STEPS, _brightness, parallel=4)
+    assert sum(forest.nfe) / forest.rows_computed >= 0.9 and forest.forwards * 8 == forest.rows_computed
+    assert all(n <= 12 * STEPS for n in forest.nfe) and all(len(result.leaves[p]) >= 12 for p in range(3))
+    assert max(len(children) for children in forest.children) <= 3 and all(len(forest.children[p]) == 3 for p in range(3))
+    assert forest.pending == [0] * len(forest.parent) and forest.inflight == [0] * len(forest.parent)
+    sequential = _forest(tiny_adapter)
+    run_search(sequential, make_search("dts-star", max_children=3), 12 * STEPS, _brightness)
+    assert sum(sequential.nfe) / sequential.rows_computed < 0.5  # one rollout per prompt: 3 rows of 8 at best
 
 
 def test_dts_star_branches_below_its_best_root_once_the_virtual_root_is_full(tiny_adapter):

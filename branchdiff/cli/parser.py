@@ -92,6 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
                                 help="the stochastic step (default: flow for flow-matching families, ddim for SD 1.5)")
             search.add_argument("--noise-level", type=positive, default=None, help="its noise level (default: 0.7 flow, 1.0 ddim)")
             search.add_argument("--max-batch", type=at_least(1), default=16, help="network rows per forward (every forward is padded to it)")
+            search.add_argument("--parallel", type=at_least(1), default=1, help="selections in flight per prompt: more fill each forward "
+                                                                                "(--max-batch rows) when the prompts are few; 1 is the sequential search")
             search.add_argument("--temperature", type=positive, default=10.0, help="dts, dts-star: λ of selection and soft backup")
             search.add_argument("--max-children", type=at_least(1), default=4, help="dts, dts-star: children per node")
             search.add_argument("--root-children", type=at_least(1), default=None, help="dts, dts-star: initial noises per prompt (default: --max-children)")

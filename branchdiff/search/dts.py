@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from branchdiff.search.forest import SearchForest
+from branchdiff.search.forest import WAIT, SearchForest
 
 
 def dts_star(**settings: object) -> DTS:
@@ -64,29 +64,44 @@ class DTS:
         return forest.child_cap(node, own)
 
     def select(self, forest: SearchForest, prompt: int, generator: torch.Generator) -> int | None:
-        """The node to add a child to (module doc), or None when the prompt's tree is exhausted."""
+        """The node to add a child to (module doc), None when the prompt's tree is exhausted, `WAIT` when what is left
+        waits on children that selections in flight will add."""
         node = prompt
         while prompt not in self.exhausted:
-            if len(forest.children[node]) < self.cap(forest, node):
+            if len(forest.children[node]) + forest.pending[node] < self.cap(forest, node):
                 return node
             open_children = [c for c in forest.children[node] if c not in self.exhausted]
             if not open_children:
+                if forest.pending[node] > 0:  # its last children are still to be added by selections in flight
+                    return WAIT
                 if self.widening > 0 and forest.child_cap(node, 2) > 1:  # widening: a node with nothing left below grows a child instead
                     return node
                 self.exhausted.add(node)  # a full node (or a leaf) with nothing left below: never again
                 node = prompt
                 continue
             values = torch.tensor([forest.value[c] for c in open_children], dtype=torch.float64)  # (K,)
+            pending = torch.tensor([forest.inflight[c] for c in open_children], dtype=torch.float64)  # (K,) selections in flight below
+            if not self.guided:
+                node = open_children[int(torch.randint(len(open_children), (), generator=generator))]
+                continue
+            if bool(pending.any()) or bool(values.isnan().any()):  # selections in flight: unvalued children take their parent's value, pending visits count
+                values = torch.where(values.isnan(), _known_value(forest, node), values) - torch.log1p(pending) / self.temperature
             if self.greedy:
                 node = open_children[int(torch.argmax(values))]
-            elif not self.guided:
-                node = open_children[int(torch.randint(len(open_children), (), generator=generator))]
             else:
                 node = open_children[int(torch.multinomial(selection_weights(values, self.temperature), 1, generator=generator))]
         return None
 
     def branching(self, forest: SearchForest) -> list[int] | None:
         return None
+
+
+def _known_value(forest: SearchForest, node: int) -> float:
+    """The value of `node`, else of its nearest valued ancestor (0 where none has one): what a child whose
+    rollout is still in flight is worth to a selection."""
+    while node >= 0 and math.isnan(forest.value[node]):
+        node = forest.parent[node]
+    return 0.0 if node < 0 else forest.value[node]
 
 
 def draw_leaf(forest: SearchForest, prompt: int, temperature: float, generator: torch.Generator) -> int:

@@ -25,6 +25,8 @@ from branchdiff.core.tree import TreeSpec
 from branchdiff.models.base import ModelAdapter, PromptEmbeds, select_embeds
 from branchdiff.schedulers.schedule import Schedule
 
+WAIT = -1  # a selection rule's answer when every node it could pick waits on children still in flight (try again after a forward)
+
 
 @dataclass
 class SearchForest:
@@ -43,7 +45,11 @@ class SearchForest:
     output: list[torch.Tensor | None] = field(default_factory=list)  # the node's model output, once computed
     value: list[float] = field(default_factory=list)  # backed-up value (NaN: none yet)
     visits: list[int] = field(default_factory=list)  # images scored below the node (itself included, for a leaf)
+    pending: list[int] = field(default_factory=list)  # children selections in flight will add to the node
+    inflight: list[int] = field(default_factory=list)  # selections in flight at or below the node
     nfe: list[int] = field(default_factory=list)  # network rows spent per prompt
+    rows_computed: int = 0  # network rows the forwards computed, padding included (fill: sum(nfe) / rows_computed)
+    forwards: int = 0  # forward calls made
 
     def __post_init__(self) -> None:
         self.settings = replace(self.settings, exact=True)
@@ -71,6 +77,8 @@ class SearchForest:
         self.output.append(None)
         self.value.append(math.nan)
         self.visits.append(0)
+        self.pending.append(0)
+        self.inflight.append(0)
         if parent >= 0:
             self.children[parent].append(node)
         return node
@@ -105,8 +113,10 @@ class SearchForest:
         if not todo:
             return
         rows = torch.tensor([self.prompt[n] for n in todo])
-        output, _, _ = predict(self.adapter, torch.stack([self.latent[n] for n in todo]), torch.tensor([self.depth[n] for n in todo]),
-                               select_embeds(self.embeds, rows), self.schedule, self.settings)
+        output, _, computed = predict(self.adapter, torch.stack([self.latent[n] for n in todo]), torch.tensor([self.depth[n] for n in todo]),
+                                      select_embeds(self.embeds, rows), self.schedule, self.settings)
+        self.rows_computed += computed
+        self.forwards += -(-len(todo) // max(1, self.settings.max_batch // self.rows_per_node()))  # forward_chunked's chunks
         for row, node in enumerate(todo):
             self.output[node] = output[row]
             self.nfe[self.prompt[node]] += self.rows_per_node()
@@ -136,19 +146,14 @@ class SearchForest:
                 latents[i] = made[row]
         return [self._append(p, self.depth[p] + 1, self.prompt[p], paths[i], latents[i]) for i, p in enumerate(parents)]
 
-    def complete(self, nodes: list[int], branching: list[int] | None = None) -> list[int]:
-        """Grow every node of `nodes` down to the last depth, `branching[d]` children per node at depth
-        d (None: one, a roll-out), all prompts' frontiers batched per step; returns the new leaves
-        (the nodes themselves where they are leaves already), in order."""
-        frontier, leaves = list(nodes), []
-        while frontier:
-            leaves += [n for n in frontier if self.depth[n] == self.num_steps]
-            frontier = [n for n in frontier if self.depth[n] < self.num_steps]
-            if not frontier:
-                break
-            parents = [n for n in frontier for _ in range(1 if branching is None else branching[self.depth[n]])]
-            frontier = self.add_children(parents)
-        return leaves
+    def reserve(self, node: int, count: int, child: bool = True) -> None:
+        """Count `count` selections in flight at `node` (negative: finished): a pending visit on it and every
+        node above it, and (`child`) a child it will get."""
+        if child:
+            self.pending[node] += count
+        while node >= 0:
+            self.inflight[node] += count
+            node = self.parent[node]
 
     def leaf_latents(self, leaves: list[int]) -> torch.Tensor:
         return torch.stack([self.latent[n] for n in leaves])  # (L, *latent_shape)

@@ -1,13 +1,25 @@
-"""The search loop shared by every search: rounds of select → add a child → complete it to images
-→ score → back up, for all prompts at once (their forwards batched), until each prompt's budget of
-network rows is spent (a prompt stops when its next round would pass its budget, or its tree is
-exhausted).
+"""The search loop shared by every search: select → add a child → roll it out to images → score →
+back up, for every prompt, until each prompt's budget of network rows is spent (a prompt stops when
+its next selection would pass its budget, or its tree is exhausted).
 
-A round's cost is known before it runs (`SearchForest.cost_of_child`), so no prompt passes its
-budget. The trace records, after every round of a prompt, its network rows spent, the best reward
-found, the mean reward of its images so far (over the finite ones) and how many scored non-finite (NaN
-or infinite rewards count as −inf, the worst, and never stop a search); the result names each prompt's best images by
-their noise paths (`SearchForest.path`), which `regenerate_path` turns back into the same latents.
+The loop is continuously batched: a prompt may have up to `parallel` selections in flight. Rollouts
+that can step without a forward (from a new initial noise, or a node whose output is kept) step first;
+a rollout that reaches the last depth is scored and backed up at once, and its prompt selects again;
+only when every rollout waits on a prediction does a forward run, on the oldest in-flight nodes, up to
+`max_batch` rows, whatever their prompt and depth. Selections made while others are in flight reserve what they take
+(`SearchForest.reserve`): the child they will add counts against its node's cap, and the nodes above
+carry a pending visit that the selection rule may weigh (DTS: each lowers a child's log-weight by
+log(1 + pending)). Every latent is the same whatever shares its forward (the forest pads each
+forward), and each prompt draws its selections from its own generator, so with one selection in flight
+per prompt every prompt's search is exactly the sequential algorithm, image for image.
+
+A selection is made only if the rows its prompt has spent, plus what its rollouts in flight and the new
+one still need (`_rows_left`; a prediction two of them share counted once), fit in the budget, so no
+prompt passes it; with nothing in flight that is the selection's own cost (`SearchForest.cost_of_child`). The trace records,
+after every selection of a prompt is finished, its network rows spent, the best reward found, the mean
+reward of its images so far (over the finite ones) and how many scored non-finite (NaN or infinite
+rewards count as −inf, the worst, and never stop a search); the result names each prompt's best images
+by their noise paths (`SearchForest.path`), which `regenerate_path` turns back into the same latents.
 """
 
 from __future__ import annotations
@@ -20,7 +32,7 @@ from typing import Protocol
 import torch
 
 from branchdiff.search.backup import backup_path
-from branchdiff.search.forest import SearchForest
+from branchdiff.search.forest import WAIT, SearchForest
 
 # (images (L, 3, H, W), their prompts) → rewards (L,) and other scores by name, (L,) each (tiny-geneval's strict, ...)
 Score = Callable[[torch.Tensor, list[int]], tuple[torch.Tensor, dict[str, torch.Tensor]]]
@@ -48,37 +60,106 @@ class SearchResult:
         return [self.leaves[prompt][i] for i in order[:count]]
 
 
+def prompt_generators(seed: int, prompts: int) -> list[torch.Generator]:
+    """One generator per prompt for the selections' draws, seeded from (seed, prompt)."""
+    return [torch.Generator().manual_seed((seed + 0x9E3779B97F4A7C15 * (p + 1)) % 2**63) for p in range(prompts)]
+
+
+@dataclass
+class _Rollout:
+    prompt: int
+    selection: int  # the selection it grows (a fixed tree's branches share one)
+    node: int  # the selected node until its child is added, then the newest node of its path
+    fresh: bool  # `node` is the selected node: it gets one child (else the rollout's `branching`)
+
+
 @torch.no_grad()
-def run_search(forest: SearchForest, search: Search, budget: int, score: Score, seed: int = 0) -> SearchResult:
-    """Search every prompt of `forest` within `budget` network rows each (module doc); `score`
-    rewards decoded images; `seed` seeds the selection's draws."""
-    generator = torch.Generator().manual_seed(seed)
+def run_search(forest: SearchForest, search: Search, budget: int, score: Score, seed: int = 0, parallel: int = 1) -> SearchResult:
+    """Search every prompt of `forest` within `budget` network rows each (module doc), with up to
+    `parallel` selections in flight per prompt; `score` rewards decoded images; `seed` seeds the
+    selections' draws."""
+    if parallel < 1:
+        raise ValueError(f"a search needs at least one selection in flight per prompt; got parallel={parallel}")
+    generators = prompt_generators(seed, forest.num_prompts)
     branching = search.branching(forest)
     result = SearchResult(*([[] for _ in range(forest.num_prompts)] for _ in range(4)))
-    active = list(range(forest.num_prompts))
-    while active:
-        picks = {}
-        for prompt in active:
-            node = search.select(forest, prompt, generator)
-            if node is not None and forest.nfe[prompt] + forest.cost_of_child(node, branching) <= budget:
-                picks[prompt] = node
-        active = sorted(picks)
-        if not active:
-            break
-        new = forest.add_children([picks[p] for p in active])
-        leaves = forest.complete(new, branching)
-        rewards, extras = score(forest.adapter.decode(forest.leaf_latents(leaves)), [forest.prompt[n] for n in leaves])  # (L,), {name: (L,)}
-        for row, (leaf, reward) in enumerate(zip(leaves, rewards.tolist())):
-            prompt = forest.prompt[leaf]
-            forest.value[leaf] = reward if math.isfinite(reward) else -math.inf  # a NaN or infinite reward is the worst
-            for node in backup_path(forest.parent, forest.children, forest.value, leaf, search.backup, search.temperature):
-                forest.visits[node] += 1
-            result.leaves[prompt].append(leaf)
-            result.rewards[prompt].append(forest.value[leaf])
-            result.extras[prompt].append({name: float(values[row]) for name, values in extras.items()})
-        for prompt in active:
-            seen = result.rewards[prompt]
-            finite = [reward for reward in seen if math.isfinite(reward)]
-            result.trace[prompt].append({"nfe": forest.nfe[prompt], "best": max(seen), "mean": sum(finite) / len(finite) if finite else -math.inf,
-                                         "images": len(seen), "nonfinite": len(seen) - len(finite)})
-    return result
+    in_flight = [0] * forest.num_prompts
+    selecting = set(range(forest.num_prompts))
+    selected: dict[int, tuple[int, int]] = {}  # selection → (its node, its rollouts not yet finished)
+    rollouts: list[_Rollout] = []  # oldest first
+    per_forward = max(1, forest.settings.max_batch // forest.rows_per_node())  # latents per forward
+    while True:
+        for prompt in sorted(selecting):
+            while prompt in selecting and in_flight[prompt] < parallel:
+                node = search.select(forest, prompt, generators[prompt])
+                if node == WAIT:
+                    break
+                candidate = _Rollout(prompt, len(selected), node, True) if node is not None else None
+                if candidate is None or forest.nfe[prompt] + _rows_left(forest, [r for r in rollouts if r.prompt == prompt] + [candidate],
+                                                                        branching) > budget:
+                    selecting.discard(prompt)
+                    break
+                in_flight[prompt] += 1
+                forest.reserve(node, +1)
+                selected[len(selected)] = (node, 1)
+                rollouts.append(candidate)
+        if not rollouts:
+            return result
+        ready = [r for r in rollouts if forest.depth[r.node] < 0 or forest.output[r.node] is not None]
+        if not ready:  # every rollout waits on a prediction: one forward for the oldest
+            forest.predict_nodes(list(dict.fromkeys(r.node for r in rollouts))[:per_forward])
+            ready = [r for r in rollouts if forest.output[r.node] is not None]
+        widths = [1 if r.fresh or branching is None else branching[forest.depth[r.node]] for r in ready]
+        children = iter(forest.add_children([r.node for r, width in zip(ready, widths) for _ in range(width)]))
+        grown = {id(r): [_Rollout(r.prompt, r.selection, next(children), False) for _ in range(width)] for r, width in zip(ready, widths)}
+        for r in ready:
+            if r.fresh:
+                forest.pending[r.node] -= 1
+            node, open_rollouts = selected[r.selection]
+            selected[r.selection] = (node, open_rollouts + len(grown[id(r)]) - 1)
+        rollouts = [new for r in rollouts for new in grown.get(id(r), [r])]
+        leaves = [r for r in rollouts if forest.depth[r.node] == forest.num_steps]
+        if leaves:
+            rollouts = [r for r in rollouts if forest.depth[r.node] < forest.num_steps]
+            _score_and_back_up(forest, search, score, [r.node for r in leaves], result)
+            for r in leaves:
+                node, open_rollouts = selected[r.selection]
+                selected[r.selection] = (node, open_rollouts - 1)
+                if open_rollouts == 1:  # the selection's last image: it is finished
+                    forest.reserve(node, -1, child=False)
+                    in_flight[r.prompt] -= 1
+                    _record(result, r.prompt, forest.nfe[r.prompt])
+
+
+def _rows_left(forest: SearchForest, rollouts: list[_Rollout], branching: list[int] | None) -> int:
+    """Network rows the rollouts still need to reach the last depth: the prediction of every node they will
+    step from that has none (once, however many share it), and one per node they will make below it but the last."""
+    to_predict, rows = set(), 0
+    for r in rollouts:
+        depth = forest.depth[r.node]
+        if depth >= 0 and forest.output[r.node] is None:
+            to_predict.add(r.node)
+        width = 1 if r.fresh or branching is None else branching[depth]
+        for below in range(depth + 1, forest.num_steps):
+            rows += width
+            width *= 1 if branching is None else branching[below]
+    return (rows + len(to_predict)) * forest.rows_per_node()
+
+
+def _score_and_back_up(forest: SearchForest, search: Search, score: Score, leaves: list[int], result: SearchResult) -> None:
+    rewards, extras = score(forest.adapter.decode(forest.leaf_latents(leaves)), [forest.prompt[n] for n in leaves])  # (L,), {name: (L,)}
+    for row, (leaf, reward) in enumerate(zip(leaves, rewards.tolist())):
+        prompt = forest.prompt[leaf]
+        forest.value[leaf] = reward if math.isfinite(reward) else -math.inf  # a NaN or infinite reward is the worst
+        for node in backup_path(forest.parent, forest.children, forest.value, leaf, search.backup, search.temperature):
+            forest.visits[node] += 1
+        result.leaves[prompt].append(leaf)
+        result.rewards[prompt].append(forest.value[leaf])
+        result.extras[prompt].append({name: float(values[row]) for name, values in extras.items()})
+
+
+def _record(result: SearchResult, prompt: int, nfe: int) -> None:
+    seen = result.rewards[prompt]
+    finite = [reward for reward in seen if math.isfinite(reward)]
+    result.trace[prompt].append({"nfe": nfe, "best": max(seen), "mean": sum(finite) / len(finite) if finite else -math.inf,
+                                 "images": len(seen), "nonfinite": len(seen) - len(finite)})

@@ -43,12 +43,13 @@ class SearchSettings:
     keep: int = 1  # best images written per prompt
     root_children: int | None = None  # DTS / DTS*: initial noises per prompt (None: max_children)
     widening: float = 0.0  # DTS / DTS*: progressive widening, ⌈widening·√visits⌉ children per node when above the cap (0: off)
+    parallel: int = 1  # selections in flight per prompt (branchdiff/search/run.py); 1: the sequential algorithm
 
     def validate(self) -> None:
         if self.search not in SEARCHES:
             raise ValueError(f"unknown search {self.search!r}; allowed: {', '.join(SEARCHES)}")
-        if self.root_children is not None and self.root_children < 1 or self.widening < 0:
-            raise ValueError(f"--root-children must be ≥ 1 and --widening ≥ 0; got {self.root_children} and {self.widening}")
+        if self.root_children is not None and self.root_children < 1 or self.widening < 0 or self.parallel < 1:
+            raise ValueError(f"--root-children and --parallel must be ≥ 1 and --widening ≥ 0; got {self.root_children}, {self.parallel} and {self.widening}")
         if self.budget < 1 or self.steps < 1 or self.max_batch < 1 or self.keep < 1:
             raise ValueError(f"--budget, --steps, --max-batch and --keep must be ≥ 1; got {self.budget}, {self.steps}, {self.max_batch}, {self.keep}")
         if self.budget < self.steps:
@@ -97,7 +98,7 @@ def search_prompts(adapter: ModelAdapter, prompts: list[str], settings: SearchSe
     if first_round and settings.budget < first:
         raise ValueError(f"--budget {settings.budget} network rows cannot make one image: a prompt's first {settings.search} round costs {first} "
                          f"({forest.rows_per_node()} row(s) per prediction); give --budget ≥ {first}")
-    return forest, run_search(forest, search, settings.budget, score, settings.seed)
+    return forest, run_search(forest, search, settings.budget, score, settings.seed, settings.parallel)
 
 
 def trace(forest: SearchForest, result: SearchResult, prompts: list[str], settings: SearchSettings, extras: dict) -> dict:
