@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from branchdiff.bench.search import _curves, bench_search, nfe_ratio
+from branchdiff.bench.search import _curves, bench_search, nfe_ratio, parse_variant
 from branchdiff.search.run import SearchResult
 
 
@@ -48,5 +48,13 @@ def test_a_small_bench_writes_its_table_plot_and_ratio(tmp_path, capsys):
     # with two images' rows and a cap of four children DTS* draws two new noises, as best-of-N does
     assert result["searches"]["dts-star"]["best_reward"] == result["searches"]["best-of-n"]["best_reward"]
     assert result["ratios"]["nfe_best_of_n_over_dts_star"] == pytest.approx(1.0)
-    with pytest.raises(ValueError, match="known searches"):
+    assert all(0 < entry["fill"] <= 1 for entry in result["searches"].values()) and "rows per forward" in (tmp_path / "search.md").read_text()
+    with pytest.raises(ValueError, match="unknown search 'beam'"):
         bench_search(2, 1, None, tmp_path, ["beam"])
+
+
+def test_a_variant_is_a_search_with_settings_and_bad_ones_are_named():
+    assert parse_variant("dts-star:root_children=8:widening=1.5") == ("dts-star", {"root_children": 8, "widening": 1.5})
+    assert parse_variant("best-of-n") == ("best-of-n", {})
+    with pytest.raises(ValueError, match="'depth=3' in 'dts:depth=3' is not key=value with a key of max_children"):
+        parse_variant("dts:depth=3")

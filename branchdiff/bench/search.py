@@ -13,6 +13,11 @@ a 95% Student-t interval over seeds (branchdiff/bench/stats.py).
 `ratios.nfe_best_of_n_over_dts_star`: at best-of-N's mean best reward at the top of the grid, the
 rows best-of-N needs to first reach it over the rows DTS* needs (each linear between grid points),
 with a bootstrap interval over seeds; the paper behind DTS* reports up to 5× on SD 1.5 (arXiv 2506.20701).
+A variant is a search with settings, `dts-star:root_children=2:widening=1` (`parse_variant`), and
+every DTS* variant gets its ratio. Each prompt has one selection in flight (a variant may set `parallel`),
+so every search is the sequential algorithm and the anytime reading is exact; the 36 prompts' rollouts
+share forwards of MAX_BATCH rows (branchdiff/search/run.py), and `fill` is the share of the rows
+computed that were real, not padding.
 """
 
 from __future__ import annotations
@@ -35,6 +40,8 @@ from branchdiff.search import SEARCHES
 from branchdiff.search.sample import SearchSettings, search_prompts
 
 STEPS = 10
+MAX_BATCH = 32  # network rows per forward: fewer than the 36 prompts' rollouts, so forwards fill with one selection in flight each
+VARIANT_KEYS = {"max_children": int, "root_children": int, "widening": float, "exploration": float, "temperature": float, "parallel": int}
 REWARD = "tiny-geneval"
 STRICT = "strict"
 
@@ -64,9 +71,9 @@ def bench_search(images: int, seeds: int, json_path: Path | None, out_dir: Path,
     from branchdiff.models import load_adapter
 
     names = list(SEARCHES) if searches is None else searches
-    unknown = [n for n in names if n not in SEARCHES]
-    if unknown or images < 1 or seeds < 1:
-        raise ValueError(f"bench search needs known searches ({', '.join(SEARCHES)}), images ≥ 1 and seeds ≥ 1; got {names}, {images}, {seeds}")
+    variants = {name: parse_variant(name) for name in names}
+    if images < 1 or seeds < 1:
+        raise ValueError(f"bench search needs images ≥ 1 and seeds ≥ 1; got {images}, {seeds}")
     prompt_set = load_prompt_set("tiny:held_out")
     texts = prompt_set.prompts[:prompts] if prompts else prompt_set.prompts
     adapter = load_adapter("tiny", None)
@@ -82,12 +89,14 @@ def bench_search(images: int, seeds: int, json_path: Path | None, out_dir: Path,
     runs: dict[str, list[dict]] = {name: [] for name in names}
     for seed in range(seeds):
         for name in names:
-            settings = SearchSettings(name, STEPS * images, STEPS, seed=seed, max_batch=64)
+            search, options = variants[name]
+            settings = SearchSettings(search, STEPS * images, STEPS, seed=seed, max_batch=MAX_BATCH, **options)
             forest, result = search_prompts(adapter, texts, settings, score)
             best, strict = _curves(result, grid)
-            runs[name].append({"best_reward": best, "strict": strict, "nfe": [forest.nfe[p] for p in range(len(texts))]})
-            print(f"seed {seed} {name}: best reward " + " ".join(f"{v:.3f}" for v in best) + " | strict " + " ".join(f"{v:.3f}" for v in strict),
-                  flush=True)
+            fill = sum(forest.nfe) / forest.rows_computed if forest.rows_computed else math.nan  # NaN: no forward (nothing fit the budget)
+            runs[name].append({"best_reward": best, "strict": strict, "nfe": [forest.nfe[p] for p in range(len(texts))], "fill": fill})
+            print(f"seed {seed} {name}: best reward " + " ".join(f"{v:.3f}" for v in best) + " | strict " + " ".join(f"{v:.3f}" for v in strict)
+                  + f" | rows per forward {fill:.1%} of {MAX_BATCH}".replace("nan%", "—"), flush=True)
     result = _result(runs, grid, seeds, len(texts))
     print(format_table(result))
     print(format_ratio(result))
@@ -115,13 +124,31 @@ def _result(runs: dict[str, list[dict]], grid: list[int], seeds: int, prompts: i
                           "mean": [statistics.mean(v) if all(map(math.isfinite, v)) else math.nan for v in per_point],
                           "ci": [list(t_interval(v)) if all(map(math.isfinite, v)) else [math.nan, math.nan] for v in per_point]}
         entry["nfe_mean"] = statistics.mean(n for r in seed_runs for n in r["nfe"])
+        entry["fill"] = statistics.mean(r["fill"] for r in seed_runs)
         searches[name] = entry
     ratios = {}
-    if "best-of-n" in searches and "dts-star" in searches:
-        reference, variant = searches["best-of-n"]["best_reward"], searches["dts-star"]["best_reward"]
-        ratios["nfe_best_of_n_over_dts_star"] = nfe_ratio(reference["mean"], variant["mean"], grid)
-        ratios["nfe_best_of_n_over_dts_star_ci"] = nfe_ratio_interval(reference["seeds"], variant["seeds"], grid)
+    for name in searches:
+        if name.startswith("dts-star") and "best-of-n" in searches:
+            reference, variant = searches["best-of-n"]["best_reward"], searches[name]["best_reward"]
+            key = "nfe_best_of_n_over_" + name.replace("-", "_")
+            ratios[key] = nfe_ratio(reference["mean"], variant["mean"], grid)
+            ratios[key + "_ci"] = nfe_ratio_interval(reference["seeds"], variant["seeds"], grid)
     return {"grid_nfe": grid, "seeds": seeds, "prompts": prompts, "steps": STEPS, "reward": REWARD, "searches": searches, "ratios": ratios}
+
+
+def parse_variant(variant: str) -> tuple[str, dict[str, float | int]]:
+    """A search and its settings from `name[:key=value...]`, e.g. `dts-star:root_children=8:widening=1` (keys: VARIANT_KEYS)."""
+    name, *options = variant.split(":")
+    if name not in SEARCHES:
+        raise ValueError(f"bench search: unknown search {name!r} in {variant!r}; allowed: {', '.join(SEARCHES)}, each optionally with "
+                         f":key=value settings ({', '.join(VARIANT_KEYS)})")
+    settings: dict[str, float | int] = {}
+    for option in options:
+        key, _, value = option.partition("=")
+        if key not in VARIANT_KEYS or not value:
+            raise ValueError(f"bench search: {option!r} in {variant!r} is not key=value with a key of {', '.join(VARIANT_KEYS)}")
+        settings[key] = VARIANT_KEYS[key](value)
+    return name, settings
 
 
 def nfe_ratio(reference: list[float], variant: list[float], grid: list[int]) -> float | None:
@@ -163,14 +190,20 @@ def format_table(result: dict, markdown: bool = False) -> str:
 
 
 def format_ratio(result: dict) -> str:
-    ratio = result["ratios"].get("nfe_best_of_n_over_dts_star", "absent")
-    if ratio == "absent":
-        return "nfe_best_of_n_over_dts_star: needs both best-of-n and dts-star"
-    low, high = result["ratios"]["nfe_best_of_n_over_dts_star_ci"]
+    """One line per DTS* variant: the rows best-of-N needs over the rows it needs, with the interval; and rows per forward."""
     top = result["grid_nfe"][-1]
-    value = "DTS* never reaches it within the budget" if ratio is None else f"{ratio:.2f}× fewer rows"
-    return (f"nfe_best_of_n_over_dts_star (rows best-of-N needs to first reach its mean best reward at {top} rows, over the rows DTS* "
-            f"needs): {value} [95% bootstrap interval over seeds {low:.2f}, {high:.2f}]")
+    lines = []
+    for key, ratio in result["ratios"].items():
+        if key.endswith("_ci"):
+            continue
+        low, high = result["ratios"][key + "_ci"]
+        value = "never reaches it within the budget" if ratio is None else f"{ratio:.2f}× fewer rows"
+        lines.append(f"{key} (rows best-of-N needs to first reach its mean best reward at {top} rows, over the rows the variant needs): "
+                     f"{value} [95% bootstrap interval over seeds {low:.2f}, {high:.2f}]")
+    if not lines:
+        lines.append("nfe_best_of_n_over_dts_star: needs both best-of-n and dts-star")
+    fills = ", ".join(f"{name} {entry['fill']:.1%}".replace("nan%", "—") for name, entry in result["searches"].items())
+    return "\n".join(lines + [f"rows per forward, share of {MAX_BATCH}: {fills}"])
 
 
 def plot_search(result: dict, path: Path) -> None:

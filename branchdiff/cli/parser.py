@@ -99,6 +99,8 @@ def build_parser() -> argparse.ArgumentParser:
             search.add_argument("--root-children", type=at_least(1), default=None, help="dts, dts-star: initial noises per prompt (default: --max-children)")
             search.add_argument("--widening", type=non_negative, default=0.0,
                                 help="dts, dts-star: progressive widening, ⌈w·√visits⌉ children per node when above the cap (default 0: off)")
+            search.add_argument("--exploration", type=non_negative, default=0.0,
+                                help="dts-star: c of a visit-count bonus c·√(ln N(node)/N(child)) on children's values (default 0: off)")
             search.add_argument("--from-trace", type=Path, default=None, help="regrow the best images of a search.json from their noise paths")
         else:
             sub.add_argument("--prompts", default=None, help="tiny:held_out, hpdv2[:style], or a .txt / .jsonl / .csv file (default: the run's prompts.eval)")

@@ -15,8 +15,9 @@ every node, the virtual root included; ties of DTS* go to the first child. A non
 as −inf (the worst); children that have nothing else are drawn uniformly (`selection_weights`).
 Levers, off by default: `root_children` (a cap of its own for the virtual root, i.e. the number of
 initial noises), `widening` (progressive widening: a node may have ⌈widening·√visits⌉ children, so
-much-visited nodes keep branching) and `guided=False` (the growing descent ignores values: the tree
-is then an unbiased sample of p_θ, reweighted only when a sample is drawn).
+much-visited nodes keep branching), `exploration` (DTS*: a UCT bonus c·√(ln N(node)/N(child)) on
+the children's values, N the images below each) and `guided=False` (the growing descent ignores
+values: the tree is then an unbiased sample of p_θ, reweighted only when a sample is drawn).
 
 As a sampler, DTS's output is `draw_leaf`: one descent of the finished tree by the same Boltzmann
 rule, i.e. its leaves resampled by exp(λ·r) times their share of the tree's mass. The descent that
@@ -47,13 +48,15 @@ class DTS:
     root_children: int | None = None  # children of the virtual root (initial noises); None: max_children
     widening: float = 0.0  # progressive widening: a node may have ⌈widening·√visits⌉ children when that is more than its cap (0: off)
     guided: bool = True  # the descent weighs children by value; False: uniformly (the tree then grows as an unbiased sample of p_θ)
+    exploration: float = 0.0  # DTS*: c of a visit-count bonus, argmax V(c) + c·√(ln N(node) / N(c)) (UCT; 0: plain argmax)
     backup: str = "soft"
     exhausted: set[int] = field(default_factory=set)
 
     def __post_init__(self) -> None:
-        if self.temperature <= 0 or self.max_children < 1 or (self.root_children is not None and self.root_children < 1) or self.widening < 0:
-            raise ValueError(f"DTS needs a temperature λ > 0, max_children ≥ 1, root_children ≥ 1 (or unset) and widening ≥ 0; got "
-                             f"{self.temperature}, {self.max_children}, {self.root_children} and {self.widening}")
+        if (self.temperature <= 0 or self.max_children < 1 or (self.root_children is not None and self.root_children < 1) or self.widening < 0
+                or self.exploration < 0):
+            raise ValueError(f"DTS needs a temperature λ > 0, max_children ≥ 1, root_children ≥ 1 (or unset), widening ≥ 0 and exploration ≥ 0; "
+                             f"got {self.temperature}, {self.max_children}, {self.root_children}, {self.widening} and {self.exploration}")
 
     def cap(self, forest: SearchForest, node: int) -> int:
         """Children `node` may have now: its cap (the root's own, if set), raised by progressive widening to
@@ -86,7 +89,10 @@ class DTS:
                 continue
             if bool(pending.any()) or bool(values.isnan().any()):  # selections in flight: unvalued children take their parent's value, pending visits count
                 values = torch.where(values.isnan(), _known_value(forest, node), values) - torch.log1p(pending) / self.temperature
-            if self.greedy:
+            if self.greedy and self.exploration > 0:
+                visits = torch.tensor([max(forest.visits[c], 1) for c in open_children], dtype=torch.float64)  # (K,)
+                node = open_children[int(torch.argmax(values + self.exploration * torch.sqrt(math.log(max(forest.visits[node], 1)) / visits)))]
+            elif self.greedy:
                 node = open_children[int(torch.argmax(values))]
             else:
                 node = open_children[int(torch.multinomial(selection_weights(values, self.temperature), 1, generator=generator))]

@@ -43,13 +43,15 @@ class SearchSettings:
     keep: int = 1  # best images written per prompt
     root_children: int | None = None  # DTS / DTS*: initial noises per prompt (None: max_children)
     widening: float = 0.0  # DTS / DTS*: progressive widening, ⌈widening·√visits⌉ children per node when above the cap (0: off)
+    exploration: float = 0.0  # DTS*: c of the visit-count (UCT) bonus on children's values (0: off)
     parallel: int = 1  # selections in flight per prompt (branchdiff/search/run.py); 1: the sequential algorithm
 
     def validate(self) -> None:
         if self.search not in SEARCHES:
             raise ValueError(f"unknown search {self.search!r}; allowed: {', '.join(SEARCHES)}")
-        if self.root_children is not None and self.root_children < 1 or self.widening < 0 or self.parallel < 1:
-            raise ValueError(f"--root-children and --parallel must be ≥ 1 and --widening ≥ 0; got {self.root_children}, {self.parallel} and {self.widening}")
+        if self.root_children is not None and self.root_children < 1 or self.widening < 0 or self.parallel < 1 or self.exploration < 0:
+            raise ValueError(f"--root-children and --parallel must be ≥ 1, --widening and --exploration ≥ 0; got {self.root_children}, "
+                             f"{self.parallel}, {self.widening} and {self.exploration}")
         if self.budget < 1 or self.steps < 1 or self.max_batch < 1 or self.keep < 1:
             raise ValueError(f"--budget, --steps, --max-batch and --keep must be ≥ 1; got {self.budget}, {self.steps}, {self.max_batch}, {self.keep}")
         if self.budget < self.steps:
@@ -75,7 +77,7 @@ def search_of(settings: SearchSettings) -> object:
     """The search the settings name, with DTS's temperature and child cap where it takes them."""
     if settings.search in ("dts", "dts-star"):
         return make_search(settings.search, temperature=settings.temperature, max_children=settings.max_children,
-                           root_children=settings.root_children, widening=settings.widening)
+                           root_children=settings.root_children, widening=settings.widening, exploration=settings.exploration)
     return make_search(settings.search)
 
 
