@@ -5,8 +5,9 @@ its next selection would pass its budget, or its tree is exhausted).
 The loop is continuously batched: a prompt may have up to `parallel` selections in flight. Rollouts
 that can step without a forward (from a new initial noise, or a node whose output is kept) step first;
 a rollout that reaches the last depth is scored and backed up at once, and its prompt selects again;
-only when every rollout waits on a prediction does a forward run, on the oldest in-flight nodes, up to
-`max_batch` rows, whatever their prompt and depth. Selections made while others are in flight reserve what they take
+only when every rollout waits on a prediction does a forward run, on the nodes of the rollouts that
+waited longest, up to `max_batch` rows, whatever their prompt and depth (so no prompt lags behind and
+leaves a tail of part-empty forwards). Selections made while others are in flight reserve what they take
 (`SearchForest.reserve`): the child they will add counts against its node's cap, and the nodes above
 carry a pending visit that the selection rule may weigh (DTS: each lowers a child's log-weight by
 log(1 + pending)). Every latent is the same whatever shares its forward (the forest pads each
@@ -71,6 +72,7 @@ class _Rollout:
     selection: int  # the selection it grows (a fixed tree's branches share one)
     node: int  # the selected node until its child is added, then the newest node of its path
     fresh: bool  # `node` is the selected node: it gets one child (else the rollout's `branching`)
+    since: int  # the forward count when it last stepped: who waited longest steps first
 
 
 @torch.no_grad()
@@ -94,7 +96,7 @@ def run_search(forest: SearchForest, search: Search, budget: int, score: Score, 
                 node = search.select(forest, prompt, generators[prompt])
                 if node == WAIT:
                     break
-                candidate = _Rollout(prompt, len(selected), node, True) if node is not None else None
+                candidate = _Rollout(prompt, len(selected), node, True, forest.forwards) if node is not None else None
                 if candidate is None or forest.nfe[prompt] + _rows_left(forest, [r for r in rollouts if r.prompt == prompt] + [candidate],
                                                                         branching) > budget:
                     selecting.discard(prompt)
@@ -106,12 +108,14 @@ def run_search(forest: SearchForest, search: Search, budget: int, score: Score, 
         if not rollouts:
             return result
         ready = [r for r in rollouts if forest.depth[r.node] < 0 or forest.output[r.node] is not None]
-        if not ready:  # every rollout waits on a prediction: one forward for the oldest
-            forest.predict_nodes(list(dict.fromkeys(r.node for r in rollouts))[:per_forward])
+        if not ready:  # every rollout waits on a prediction: one forward for those that waited longest
+            longest = sorted(range(len(rollouts)), key=lambda i: (rollouts[i].since, i))
+            forest.predict_nodes(list(dict.fromkeys(rollouts[i].node for i in longest))[:per_forward])
             ready = [r for r in rollouts if forest.output[r.node] is not None]
         widths = [1 if r.fresh or branching is None else branching[forest.depth[r.node]] for r in ready]
         children = iter(forest.add_children([r.node for r, width in zip(ready, widths) for _ in range(width)]))
-        grown = {id(r): [_Rollout(r.prompt, r.selection, next(children), False) for _ in range(width)] for r, width in zip(ready, widths)}
+        grown = {id(r): [_Rollout(r.prompt, r.selection, next(children), False, forest.forwards) for _ in range(width)]
+                 for r, width in zip(ready, widths)}
         for r in ready:
             if r.fresh:
                 forest.pending[r.node] -= 1
