@@ -5,22 +5,24 @@ its next selection would pass its budget, or its tree is exhausted).
 The loop is continuously batched: a prompt may have up to `parallel` selections in flight. Rollouts
 that can step without a forward (from a new initial noise, or a node whose output is kept) step first;
 a rollout that reaches the last depth is scored and backed up at once, and its prompt selects again;
-only when every rollout waits on a prediction does a forward run, on the nodes of the rollouts that
-waited longest, up to `max_batch` rows, whatever their prompt and depth (so no prompt lags behind and
-leaves a tail of part-empty forwards). Selections made while others are in flight reserve what they take
-(`SearchForest.reserve`): the child they will add counts against its node's cap, and the nodes above
-carry a pending visit that the selection rule may weigh (DTS: each lowers a child's log-weight by
-log(1 + pending)). Every latent is the same whatever shares its forward (the forest pads each
-forward), and each prompt draws its selections from its own generator, so with one selection in flight
-per prompt every prompt's search is exactly the sequential algorithm, image for image.
+only when every rollout waits on a prediction does a forward run, up to `max_batch` rows, whatever
+their prompt and depth: the rollouts of the prompts that have spent least first, then those that waited
+longest (so the prompts spend their budgets together and no laggard leaves a tail of part-empty
+forwards). Selections made while others are in flight reserve what they take (`SearchForest.reserve`):
+the child they will add counts against its node's cap, and the nodes above carry a pending visit that
+the selection rule may weigh (DTS: each lowers a child's log-weight by log(1 + pending)). Every latent
+is the same whatever shares its forward (the forest pads each forward), and each prompt draws its
+selections from its own generator, so with one selection in flight per prompt every prompt's search is
+exactly the sequential algorithm, image for image.
 
 A selection is made only if the rows its prompt has spent, plus what its rollouts in flight and the new
 one still need (`_rows_left`; a prediction two of them share counted once), fit in the budget, so no
-prompt passes it; with nothing in flight that is the selection's own cost (`SearchForest.cost_of_child`). The trace records,
-after every selection of a prompt is finished, its network rows spent, the best reward found, the mean
-reward of its images so far (over the finite ones) and how many scored non-finite (NaN or infinite
-rewards count as −inf, the worst, and never stop a search); the result names each prompt's best images
-by their noise paths (`SearchForest.path`), which `regenerate_path` turns back into the same latents.
+prompt passes it; with nothing in flight that is the selection's own cost
+(`SearchForest.cost_of_child`). The trace records, after every selection of a prompt is finished, its
+network rows spent, the best reward found, the mean reward of its images so far (over the finite ones)
+and how many scored non-finite (NaN or infinite rewards count as −inf, the worst, and never stop a
+search); the result names each prompt's best images by their noise paths (`SearchForest.path`), which
+`regenerate_path` turns back into the same latents.
 """
 
 from __future__ import annotations
@@ -108,9 +110,9 @@ def run_search(forest: SearchForest, search: Search, budget: int, score: Score, 
         if not rollouts:
             return result
         ready = [r for r in rollouts if forest.depth[r.node] < 0 or forest.output[r.node] is not None]
-        if not ready:  # every rollout waits on a prediction: one forward for those that waited longest
-            longest = sorted(range(len(rollouts)), key=lambda i: (rollouts[i].since, i))
-            forest.predict_nodes(list(dict.fromkeys(rollouts[i].node for i in longest))[:per_forward])
+        if not ready:  # every rollout waits on a prediction: one forward, the prompts that spent least first
+            first = sorted(range(len(rollouts)), key=lambda i: (forest.nfe[rollouts[i].prompt], rollouts[i].since, i))
+            forest.predict_nodes(list(dict.fromkeys(rollouts[i].node for i in first))[:per_forward])
             ready = [r for r in rollouts if forest.output[r.node] is not None]
         widths = [1 if r.fresh or branching is None else branching[forest.depth[r.node]] for r in ready]
         children = iter(forest.add_children([r.node for r, width in zip(ready, widths) for _ in range(width)]))
