@@ -200,9 +200,10 @@ def test_sample_search_writes_the_best_images_and_a_trace_that_regrows_them(tiny
     model = ["--model", str(tiny_model_dir), "--steps", str(STEPS)]
     out = tmp_path / "search"
     assert main(["sample", *model, "--prompt", PROMPTS[0], "--prompt", PROMPTS[1], "--search", "dts-star", "--budget", str(5 * STEPS),
-                 "--keep", "2", "--max-children", "2", "--out", str(out)]) == 0
+                 "--keep", "2", "--max-children", "2", "--root-children", "3", "--exploration", "0.1", "--parallel", "2", "--out", str(out)]) == 0
     recorded = json.loads((out / "search.json").read_text())
     assert recorded["settings"]["search"] == "dts-star" and [e["prompt"] for e in recorded["prompts"]] == PROMPTS[:2]
+    assert {key: recorded["settings"][key] for key in ("root_children", "exploration", "parallel")} == {"root_children": 3, "exploration": 0.1, "parallel": 2}
     for entry in recorded["prompts"]:
         assert entry["nfe"] <= 5 * STEPS and entry["rounds"][-1]["nfe"] == entry["nfe"]
         assert [b["reward"] for b in entry["best"]] == sorted((b["reward"] for b in entry["best"]), reverse=True) and len(entry["best"]) == 2

@@ -17,9 +17,6 @@ distance is best-of-N's at one image (N = 1: no tilt).
 
 from __future__ import annotations
 
-import datetime
-import json
-import os
 import statistics
 from pathlib import Path
 
@@ -27,6 +24,7 @@ import torch
 
 from branchdiff.bench.gmm import MIXTURES, GaussianMixture, GaussianMixtureAdapter, make_reward, mmd2_to, target_samples
 from branchdiff.bench.stats import t_interval
+from branchdiff.bench.tables import table, write_outputs
 from branchdiff.search.best_of_n import BestOfN
 from branchdiff.search.dts import DTS, draw_leaf
 from branchdiff.search.run import run_search
@@ -95,17 +93,10 @@ def bench_sampler(images: int, seeds: int, json_path: Path | None, out_dir: Path
             sampler: {"seeds": rows, "mean": [statistics.mean(v) for v in zip(*rows)], "ci": [list(t_interval(list(v))) for v in zip(*rows)]}
             for sampler, rows in distances.items()}
     print(format_table(result))
-    out_dir.mkdir(parents=True, exist_ok=True)
-    plot_sampler(result, out_dir / "sampler.png")
     command = f"branchdiff bench search --sampler --images {images} --seeds {seeds}" + (f" --json {json_path}" if json_path else "") + f" --out {out_dir}"
-    (out_dir / "sampler.md").write_text(
-        f"# Distance to the reward-tilted target against network rows, Gaussian-mixture flows\n\n`{command}` (λ = {temperature}, {runs} samples per "
-        f"point, {STEPS} flow SDE steps)\n\n{datetime.datetime.now().isoformat(timespec='minutes')}, {len(os.sched_getaffinity(0))} CPU cores\n\n"
-        f"![sampler](sampler.png)\n\n{format_table(result, markdown=True)}\n")
-    if json_path:
-        json_path.parent.mkdir(parents=True, exist_ok=True)
-        json_path.write_text(json.dumps(result, indent=1))
-    print(f"wrote {out_dir / 'sampler.md'}, {out_dir / 'sampler.png'}" + (f", {json_path}" if json_path else ""))
+    write_outputs(out_dir, "sampler", "Distance to the reward-tilted target against network rows, Gaussian-mixture flows",
+                  f"`{command}` (λ = {temperature}, {runs} samples per point, {STEPS} flow SDE steps)", format_table(result, markdown=True),
+                  lambda path: plot_sampler(result, path), result, json_path)
     return result
 
 
@@ -114,10 +105,7 @@ def format_table(result: dict, markdown: bool = False) -> str:
     header = ["testbed", "sampler", *(f"{n} rows" for n in result["grid_nfe"])]
     rows = [[testbed, sampler, *(f"{m:.4f} [{lo:.4f}, {hi:.4f}]" for m, (lo, hi) in zip(entry["mean"], entry["ci"]))]
             for testbed, samplers in result["testbeds"].items() for sampler, entry in samplers.items()]
-    if markdown:
-        return "\n".join("| " + " | ".join(row) + " |" for row in [header, ["---"] * len(header), *rows])
-    widths = [max(len(row[i]) for row in [header, *rows]) + 2 for i in range(len(header))]
-    return "\n".join("".join(c.ljust(w) for c, w in zip(row, widths)) for row in [header, *rows])
+    return table(header, rows, markdown)
 
 
 def plot_sampler(result: dict, path: Path) -> None:

@@ -22,10 +22,7 @@ computed that were real, not padding.
 
 from __future__ import annotations
 
-import datetime
-import json
 import math
-import os
 import statistics
 from pathlib import Path
 
@@ -33,6 +30,7 @@ import numpy as np
 import torch
 
 from branchdiff.bench.stats import first_time_reaching, t_interval
+from branchdiff.bench.tables import table, write_outputs
 from branchdiff.data.prompts import load_prompt_set
 from branchdiff.rewards.combine import parse_reward_specs
 from branchdiff.rewards.multi import build_component, score_component
@@ -100,17 +98,9 @@ def bench_search(images: int, seeds: int, json_path: Path | None, out_dir: Path,
     result = _result(runs, grid, seeds, len(texts))
     print(format_table(result))
     print(format_ratio(result))
-    out_dir.mkdir(parents=True, exist_ok=True)
-    plot_search(result, out_dir / "search.png")
     command = f"branchdiff bench search --images {images} --seeds {seeds}" + (f" --json {json_path}" if json_path else "") + f" --out {out_dir}"
-    (out_dir / "search.md").write_text(
-        f"# Best reward against network rows per prompt, tiny task\n\n`{command}` (searches={names}, prompts={len(texts)})\n\n"
-        f"{datetime.datetime.now().isoformat(timespec='minutes')}, {len(os.sched_getaffinity(0))} CPU cores\n\n![search](search.png)\n\n"
-        f"{format_table(result, markdown=True)}\n\n{format_ratio(result)}\n")
-    if json_path:
-        json_path.parent.mkdir(parents=True, exist_ok=True)
-        json_path.write_text(json.dumps(result, indent=1).replace("NaN", "null"))  # strict JSON: no image yet within a budget
-    print(f"wrote {out_dir / 'search.md'}, {out_dir / 'search.png'}" + (f", {json_path}" if json_path else ""))
+    write_outputs(out_dir, "search", "Best reward against network rows per prompt, tiny task", f"`{command}` (searches={names}, prompts={len(texts)})",
+                  f"{format_table(result, markdown=True)}\n\n{format_ratio(result)}", lambda path: plot_search(result, path), result, json_path)
     return result
 
 
@@ -183,10 +173,7 @@ def format_table(result: dict, markdown: bool = False) -> str:
         for key, label in (("best_reward", f"best {REWARD}"), ("strict", "winner strict")):
             cells = ("—" if math.isnan(m) else f"{m:.3f} [{lo:.3f}, {hi:.3f}]" for m, (lo, hi) in zip(entry[key]["mean"], entry[key]["ci"]))
             rows.append([name, label, *cells])
-    if markdown:
-        return "\n".join("| " + " | ".join(row) + " |" for row in [header, ["---"] * len(header), *rows])
-    widths = [max(len(row[i]) for row in [header, *rows]) + 2 for i in range(len(header))]
-    return "\n".join("".join(c.ljust(w) for c, w in zip(row, widths)) for row in [header, *rows])
+    return table(header, rows, markdown)
 
 
 def format_ratio(result: dict) -> str:

@@ -1,0 +1,33 @@
+"""What the benchmarks share to show their results: a table, aligned for the terminal or in Markdown,
+and the files a benchmark writes (its plot, a Markdown page, the JSON)."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+
+def table(header: list[str], rows: list[list[str]], markdown: bool = False) -> str:
+    """`rows` under `header`: a Markdown table, or columns padded to their widest cell."""
+    if markdown:
+        return "\n".join("| " + " | ".join(row) + " |" for row in [header, ["---"] * len(header), *rows])
+    widths = [max(len(row[i]) for row in [header, *rows]) + 2 for i in range(len(header))]
+    return "\n".join("".join(cell.ljust(width) for cell, width in zip(row, widths)) for row in [header, *rows])
+
+
+def write_outputs(out_dir: Path, stem: str, heading: str, command: str, body: str, plot: Callable[[Path], None], result: dict,
+                  json_path: Path | None) -> None:
+    """out_dir/<stem>.png (drawn by `plot`) and out_dir/<stem>.md (heading, the command, date and cores, the
+    plot, `body`); `result` as strict JSON (NaN written as null) to `json_path` if given; prints where it wrote."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    plot(out_dir / f"{stem}.png")
+    (out_dir / f"{stem}.md").write_text(
+        f"# {heading}\n\n{command}\n\n{datetime.datetime.now().isoformat(timespec='minutes')}, {len(os.sched_getaffinity(0))} CPU cores\n\n"
+        f"![{stem}]({stem}.png)\n\n{body}\n")
+    if json_path:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps(result, indent=1).replace("NaN", "null"))
+    print(f"wrote {out_dir / f'{stem}.md'}, {out_dir / f'{stem}.png'}" + (f", {json_path}" if json_path else ""))
