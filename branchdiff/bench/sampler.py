@@ -93,7 +93,8 @@ def bench_sampler(images: int, seeds: int, json_path: Path | None, out_dir: Path
             sampler: {"seeds": rows, "mean": [statistics.mean(v) for v in zip(*rows)], "ci": [list(t_interval(list(v))) for v in zip(*rows)]}
             for sampler, rows in distances.items()}
     print(format_table(result))
-    command = f"branchdiff bench search --sampler --images {images} --seeds {seeds}" + (f" --json {json_path}" if json_path else "") + f" --out {out_dir}"
+    command = (f"branchdiff bench search --sampler --images {images} --seeds {seeds} --temperature {temperature}"
+               + (f" --variants {','.join(names)}" if samplers else "") + (f" --json {json_path}" if json_path else "") + f" --out {out_dir}")
     write_outputs(out_dir, "sampler", "Distance to the reward-tilted target against network rows, Gaussian-mixture flows",
                   f"`{command}` (λ = {temperature}, {runs} samples per point, {STEPS} flow SDE steps)", format_table(result, markdown=True),
                   lambda path: plot_sampler(result, path), result, json_path)

@@ -98,7 +98,8 @@ def bench_search(images: int, seeds: int, json_path: Path | None, out_dir: Path,
     result = _result(runs, grid, seeds, len(texts))
     print(format_table(result))
     print(format_ratio(result))
-    command = f"branchdiff bench search --images {images} --seeds {seeds}" + (f" --json {json_path}" if json_path else "") + f" --out {out_dir}"
+    command = (f"branchdiff bench search --images {images} --seeds {seeds}" + (f" --variants {','.join(names)}" if searches else "")
+               + (f" --json {json_path}" if json_path else "") + f" --out {out_dir}")
     write_outputs(out_dir, "search", "Best reward against network rows per prompt, tiny task", f"`{command}` (searches={names}, prompts={len(texts)})",
                   f"{format_table(result, markdown=True)}\n\n{format_ratio(result)}", lambda path: plot_search(result, path), result, json_path)
     return result
