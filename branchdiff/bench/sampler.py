@@ -24,7 +24,7 @@ import torch
 
 from branchdiff.bench.gmm import MIXTURES, GaussianMixture, GaussianMixtureAdapter, make_reward, mmd2_to, target_samples
 from branchdiff.bench.stats import t_interval
-from branchdiff.bench.tables import table, write_outputs
+from branchdiff.bench.tables import band, table, write_outputs
 from branchdiff.search.best_of_n import BestOfN
 from branchdiff.search.dts import DTS, draw_leaf
 from branchdiff.search.run import run_search
@@ -120,13 +120,8 @@ def plot_sampler(result: dict, path: Path) -> None:
         axes = figure.add_subplot(1, len(testbeds), column + 1)
         for sampler, entry in samplers.items():
             style = {"linestyle": "--", "color": "grey"} if sampler == "exact" else {"marker": "o", "markersize": 3}
-            line, = axes.plot(grid, entry["mean"], label=sampler, **style)
-            axes.fill_between(grid, [lo for lo, _ in entry["ci"]], [hi for _, hi in entry["ci"]], color=line.get_color(), alpha=0.12)
-        axes.set_xscale("log", base=2)
-        axes.set_xlabel(f"network rows per sample ({result['steps']} per image)")
-        axes.set_ylabel("squared MMD to p*")
+            band(axes, grid, entry, sampler, f"network rows per sample ({result['steps']} per image)", "squared MMD to p*", **style)
         axes.set_title(testbed)
-        axes.grid(alpha=0.3)
         axes.legend(fontsize=8)
     figure.suptitle(f"λ = {result['temperature']}, {result['runs']} samples per point, {result['seeds']} seed(s): mean and 95% interval")
     figure.tight_layout()

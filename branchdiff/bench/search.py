@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from branchdiff.bench.stats import first_time_reaching, t_interval
-from branchdiff.bench.tables import table, write_outputs
+from branchdiff.bench.tables import band, table, write_outputs
 from branchdiff.data.prompts import load_prompt_set
 from branchdiff.rewards.combine import parse_reward_specs
 from branchdiff.rewards.multi import build_component, score_component
@@ -203,12 +203,7 @@ def plot_search(result: dict, path: Path) -> None:
     for column, (key, label) in enumerate((("best_reward", f"best {REWARD} (searched)"), ("strict", "winners' held-out strict accuracy"))):
         axes = figure.add_subplot(1, 2, column + 1)
         for name, entry in result["searches"].items():
-            line, = axes.plot(grid, entry[key]["mean"], marker="o", markersize=3, label=name)
-            axes.fill_between(grid, [lo for lo, _ in entry[key]["ci"]], [hi for _, hi in entry[key]["ci"]], color=line.get_color(), alpha=0.12)
-        axes.set_xscale("log", base=2)
-        axes.set_xlabel("network rows per prompt (10 per image)")
-        axes.set_ylabel(label)
-        axes.grid(alpha=0.3)
+            band(axes, grid, entry[key], name, "network rows per prompt (10 per image)", label, marker="o", markersize=3)
         axes.legend(fontsize=8)
     figure.suptitle(f"tiny task, {result['prompts']} prompts, {result['seeds']} seed(s): mean and 95% interval")
     figure.tight_layout()

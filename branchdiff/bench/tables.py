@@ -1,5 +1,6 @@
 """What the benchmarks share to show their results: a table, aligned for the terminal or in Markdown,
-and the files a benchmark writes (its plot, a Markdown page, the JSON)."""
+a curve with its interval band on a log-2 axis, and the files a benchmark writes (its plot, a Markdown
+page, the JSON)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,16 @@ def table(header: list[str], rows: list[list[str]], markdown: bool = False) -> s
         return "\n".join("| " + " | ".join(row) + " |" for row in [header, ["---"] * len(header), *rows])
     widths = [max(len(row[i]) for row in [header, *rows]) + 2 for i in range(len(header))]
     return "\n".join("".join(cell.ljust(width) for cell, width in zip(row, widths)) for row in [header, *rows])
+
+
+def band(axes, grid: list[int], entry: dict, label: str, xlabel: str, ylabel: str, **style) -> None:
+    """`entry["mean"]` against `grid` with its 95% band `entry["ci"]` ([low, high] per point), x on a log-2 scale."""
+    line, = axes.plot(grid, entry["mean"], label=label, **style)
+    axes.fill_between(grid, [low for low, _ in entry["ci"]], [high for _, high in entry["ci"]], color=line.get_color(), alpha=0.12)
+    axes.set_xscale("log", base=2)
+    axes.set_xlabel(xlabel)
+    axes.set_ylabel(ylabel)
+    axes.grid(alpha=0.3)
 
 
 def write_outputs(out_dir: Path, stem: str, heading: str, command: str, body: str, plot: Callable[[Path], None], result: dict,
