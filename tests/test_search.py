@@ -154,6 +154,27 @@ def test_selections_in_flight_fill_the_forwards_and_respect_every_cap(tiny_adapt
     assert sum(sequential.nfe) / sequential.rows_computed < 0.5  # one rollout per prompt: 3 rows of 8 at best
 
 
+def test_x0_value_scores_every_predicted_node_and_values_the_children_in_flight(tiny_adapter):
+    """With x0_value every node a forward predicts gets the reward of its predicted clean sample (checked against
+    decode(x − σ·v) scored here) at no network row; a child whose image is in flight is then worth that estimate:
+    DTS* picks the one estimated 0.9 over 0.1, where without it both are worth their parent's value (the first wins)."""
+    forest = _forest(tiny_adapter)
+    run_search(forest, make_search("dts-star", max_children=3, x0_value=True), 8 * STEPS, _brightness, parallel=3)
+    predicted = [n for n in range(len(forest.parent)) if forest.output[n] is not None]
+    assert predicted and sum(forest.nfe) == len(predicted) * forest.rows_per_node()
+    for node in predicted[:: max(1, len(predicted) // 10)]:
+        sigma = forest.schedule.sigmas[forest.depth[node]]
+        clean = tiny_adapter.decode((forest.latent[node] - sigma * forest.output[node])[None])
+        assert forest.estimate[node] == pytest.approx(float(_brightness(clean, [0])[0][0]), abs=1e-6)
+    for x0_value, expected in ((True, 1), (False, 0)):
+        forest = _forest(tiny_adapter)
+        children = forest.add_children([0, 0])
+        forest.estimate[children[0]], forest.estimate[children[1]] = 0.1, 0.9
+        forest.reserve(children[0], 1, child=False)
+        forest.reserve(children[1], 1, child=False)
+        assert make_search("dts-star", max_children=2, x0_value=x0_value).select(forest, 0, torch.Generator()) == children[expected]
+
+
 def test_dts_star_branches_below_its_best_root_once_the_virtual_root_is_full(tiny_adapter):
     forest = _forest(tiny_adapter)
     search = make_search("dts-star", max_children=2)

@@ -39,7 +39,8 @@ from branchdiff.search.sample import SearchSettings, search_prompts
 
 STEPS = 10
 MAX_BATCH = 32  # network rows per forward: fewer than the 36 prompts' rollouts, so forwards fill with one selection in flight each
-VARIANT_KEYS = {"max_children": int, "root_children": int, "widening": float, "exploration": float, "temperature": float, "parallel": int}
+VARIANT_KEYS = {"max_children": int, "root_children": int, "widening": float, "exploration": float, "temperature": float, "parallel": int,
+                "x0_value": lambda text: bool(int(text))}
 REWARD = "tiny-geneval"
 STRICT = "strict"
 

@@ -101,6 +101,8 @@ def build_parser() -> argparse.ArgumentParser:
                                 help="dts, dts-star: progressive widening, ⌈w·√visits⌉ children per node when above the cap (default 0: off)")
             search.add_argument("--exploration", type=non_negative, default=0.0,
                                 help="dts-star: c of a visit-count bonus c·√(ln N(node)/N(child)) on children's values (default 0: off)")
+            search.add_argument("--x0-value", action="store_true", help="dts, dts-star with --parallel: a child whose image is still in flight "
+                                                                        "is worth the reward of its predicted clean sample (else its parent's value)")
             search.add_argument("--from-trace", type=Path, default=None, help="regrow the best images of a search.json from their noise paths")
         else:
             sub.add_argument("--prompts", default=None, help="tiny:held_out, hpdv2[:style], or a .txt / .jsonl / .csv file (default: the run's prompts.eval)")

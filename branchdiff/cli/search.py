@@ -44,7 +44,7 @@ def search_and_write(adapter: ModelAdapter, args: argparse.Namespace, settings: 
 
     search = SearchSettings(args.search, args.budget, settings.steps, settings.shift, settings.guidance, args.sde, args.noise_level,
                             args.max_batch, seed, args.temperature, args.max_children, args.keep,
-                            args.root_children, args.widening, args.exploration, args.parallel)
+                            args.root_children, args.widening, args.exploration, args.x0_value, args.parallel)
     forest, result = search_prompts(adapter, prompts, search, score, first_round=True)
     recorded = trace(forest, result, prompts, search, {"family": settings.family, "model": settings.model or "built-in tiny",
                                                        "weights": args.weights, "reward": args.reward})

@@ -22,6 +22,6 @@ SEARCHES = {  # name → "module:factory" taking the search's keyword arguments
 
 
 def make_search(name: str, **settings: object) -> object:
-    """The search `name` with its keyword arguments (DTS and DTS*: temperature, max_children, root_children, widening, exploration)."""
+    """The search `name` with its keyword arguments (DTS and DTS*: temperature, max_children, root_children, widening, exploration, x0_value)."""
     module, _, attribute = SEARCHES[name].partition(":")
     return getattr(importlib.import_module(module), attribute)(**settings)

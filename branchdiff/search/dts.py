@@ -17,7 +17,10 @@ Levers, off by default: `root_children` (a cap of its own for the virtual root, 
 initial noises), `widening` (progressive widening: a node may have ⌈widening·√visits⌉ children, so
 much-visited nodes keep branching), `exploration` (DTS*: a UCT bonus c·√(ln N(node)/N(child)) on
 the children's values, N the images below each) and `guided=False` (the growing descent ignores
-values: the tree is then an unbiased sample of p_θ, reweighted only when a sample is drawn).
+values: the tree is then an unbiased sample of p_θ, reweighted only when a sample is drawn). With
+selections in flight (`parallel`), `x0_value` values a child whose first image is not back yet by the
+reward of its predicted clean sample x̂0 (scored after each forward, no network row) instead of its
+parent's value.
 
 As a sampler, DTS's output is `draw_leaf`: one descent of the finished tree by the same Boltzmann
 rule, i.e. its leaves resampled by exp(λ·r) times their share of the tree's mass. The descent that
@@ -49,6 +52,7 @@ class DTS:
     widening: float = 0.0  # progressive widening: a node may have ⌈widening·√visits⌉ children when that is more than its cap (0: off)
     guided: bool = True  # the descent weighs children by value; False: uniformly (the tree then grows as an unbiased sample of p_θ)
     exploration: float = 0.0  # DTS*: c of a visit-count bonus, argmax V(c) + c·√(ln N(node) / N(c)) (UCT; 0: plain argmax)
+    x0_value: bool = False  # a child whose first image is still in flight is worth the reward of its predicted clean sample (else its parent's value)
     backup: str = "soft"
     exhausted: set[int] = field(default_factory=set)
 
@@ -88,7 +92,9 @@ class DTS:
                 node = open_children[int(torch.randint(len(open_children), (), generator=generator))]
                 continue
             if bool(pending.any()) or bool(values.isnan().any()):  # selections in flight: unvalued children take their parent's value, pending visits count
-                values = torch.where(values.isnan(), _known_value(forest, node), values) - torch.log1p(pending) / self.temperature
+                guess = torch.tensor([forest.estimate[c] if self.x0_value and not math.isnan(forest.estimate[c]) else _known_value(forest, node)
+                                      for c in open_children], dtype=torch.float64)  # (K,)
+                values = torch.where(values.isnan(), guess, values) - torch.log1p(pending) / self.temperature
             if self.greedy and self.exploration > 0:
                 visits = torch.tensor([max(forest.visits[c], 1) for c in open_children], dtype=torch.float64)  # (K,)
                 node = open_children[int(torch.argmax(values + self.exploration * torch.sqrt(math.log(max(forest.visits[node], 1)) / visits)))]

@@ -47,6 +47,7 @@ class SearchForest:
     visits: list[int] = field(default_factory=list)  # images scored below the node (itself included, for a leaf)
     pending: list[int] = field(default_factory=list)  # children selections in flight will add to the node
     inflight: list[int] = field(default_factory=list)  # selections in flight at or below the node
+    estimate: list[float] = field(default_factory=list)  # the reward of the node's predicted clean sample, where a search asks for it (NaN: none)
     nfe: list[int] = field(default_factory=list)  # network rows spent per prompt
     rows_computed: int = 0  # network rows the forwards computed, padding included (fill: sum(nfe) / rows_computed)
     forwards: int = 0  # forward calls made
@@ -79,6 +80,7 @@ class SearchForest:
         self.visits.append(0)
         self.pending.append(0)
         self.inflight.append(0)
+        self.estimate.append(math.nan)
         if parent >= 0:
             self.children[parent].append(node)
         return node

@@ -112,7 +112,10 @@ def run_search(forest: SearchForest, search: Search, budget: int, score: Score, 
         ready = [r for r in rollouts if forest.depth[r.node] < 0 or forest.output[r.node] is not None]
         if not ready:  # every rollout waits on a prediction: one forward, the prompts that spent least first
             first = sorted(range(len(rollouts)), key=lambda i: (forest.nfe[rollouts[i].prompt], rollouts[i].since, i))
-            forest.predict_nodes(list(dict.fromkeys(rollouts[i].node for i in first))[:per_forward])
+            predicted = list(dict.fromkeys(rollouts[i].node for i in first))[:per_forward]
+            forest.predict_nodes(predicted)
+            if getattr(search, "x0_value", False):
+                _estimate(forest, score, predicted)
             ready = [r for r in rollouts if forest.output[r.node] is not None]
         widths = [1 if r.fresh or branching is None else branching[forest.depth[r.node]] for r in ready]
         children = iter(forest.add_children([r.node for r, width in zip(ready, widths) for _ in range(width)]))
@@ -150,6 +153,13 @@ def _rows_left(forest: SearchForest, rollouts: list[_Rollout], branching: list[i
             rows += width
             width *= 1 if branching is None else branching[below]
     return (rows + len(to_predict)) * forest.rows_per_node()
+
+
+def _estimate(forest: SearchForest, score: Score, nodes: list[int]) -> None:
+    """Each node's `estimate`: the reward of the clean sample its (just computed) output predicts, no network row spent."""
+    rewards, _ = score(forest.adapter.decode(forest.predicted_x0(nodes)), [forest.prompt[n] for n in nodes])
+    for node, reward in zip(nodes, rewards.tolist()):
+        forest.estimate[node] = reward if math.isfinite(reward) else -math.inf
 
 
 def _score_and_back_up(forest: SearchForest, search: Search, score: Score, leaves: list[int], result: SearchResult) -> None:

@@ -44,6 +44,7 @@ class SearchSettings:
     root_children: int | None = None  # DTS / DTS*: initial noises per prompt (None: max_children)
     widening: float = 0.0  # DTS / DTS*: progressive widening, ⌈widening·√visits⌉ children per node when above the cap (0: off)
     exploration: float = 0.0  # DTS*: c of the visit-count (UCT) bonus on children's values (0: off)
+    x0_value: bool = False  # DTS / DTS*: in-flight children valued by the reward of their predicted clean sample
     parallel: int = 1  # selections in flight per prompt (branchdiff/search/run.py); 1: the sequential algorithm
 
     def validate(self) -> None:
@@ -77,7 +78,8 @@ def search_of(settings: SearchSettings) -> object:
     """The search the settings name, with DTS's temperature and child cap where it takes them."""
     if settings.search in ("dts", "dts-star"):
         return make_search(settings.search, temperature=settings.temperature, max_children=settings.max_children,
-                           root_children=settings.root_children, widening=settings.widening, exploration=settings.exploration)
+                           root_children=settings.root_children, widening=settings.widening, exploration=settings.exploration,
+                           x0_value=settings.x0_value)
     return make_search(settings.search)
 
 
