@@ -149,6 +149,10 @@ def test_selections_in_flight_fill_the_forwards_and_respect_every_cap(tiny_adapt
     assert all(n <= 12 * STEPS for n in forest.nfe) and all(len(result.leaves[p]) >= 12 for p in range(3))
     assert max(len(children) for children in forest.children) <= 3 and all(len(forest.children[p]) == 3 for p in range(3))
     assert forest.pending == [0] * len(forest.parent) and forest.inflight == [0] * len(forest.parent)
+    for cap, parallel in ((1, 2), (2, 4)):  # a rollout in flight will add a child where it stands: that child counts too
+        crowded = _forest(tiny_adapter)
+        run_search(crowded, make_search("dts-star", max_children=cap), 40 * STEPS, _brightness, parallel=parallel)
+        assert max(len(children) for children in crowded.children) <= cap and crowded.pending == [0] * len(crowded.parent)
     sequential = _forest(tiny_adapter)
     run_search(sequential, make_search("dts-star", max_children=3), 12 * STEPS, _brightness)
     assert sum(sequential.nfe) / sequential.rows_computed < 0.5  # one rollout per prompt: 3 rows of 8 at best

@@ -45,7 +45,7 @@ class SearchForest:
     output: list[torch.Tensor | None] = field(default_factory=list)  # the node's model output, once computed
     value: list[float] = field(default_factory=list)  # backed-up value (NaN: none yet)
     visits: list[int] = field(default_factory=list)  # images scored below the node (itself included, for a leaf)
-    pending: list[int] = field(default_factory=list)  # children selections in flight will add to the node
+    pending: list[int] = field(default_factory=list)  # children that rollouts in flight will add to the node (a selection's first, then each step's)
     inflight: list[int] = field(default_factory=list)  # selections in flight at or below the node
     estimate: list[float] = field(default_factory=list)  # the reward of the node's predicted clean sample, where a search asks for it (NaN: none)
     nfe: list[int] = field(default_factory=list)  # network rows spent per prompt

@@ -9,11 +9,12 @@ only when every rollout waits on a prediction does a forward run, up to `max_bat
 their prompt and depth: the rollouts of the prompts that have spent least first, then those that waited
 longest (so the prompts spend their budgets together and no laggard leaves a tail of part-empty
 forwards). Selections made while others are in flight reserve what they take (`SearchForest.reserve`):
-the child they will add counts against its node's cap, and the nodes above carry a pending visit that
-the selection rule may weigh (DTS: each lowers a child's log-weight by log(1 + pending)). Every latent
-is the same whatever shares its forward (the forest pads each forward), and each prompt draws its
-selections from its own generator, so with one selection in flight per prompt every prompt's search is
-exactly the sequential algorithm, image for image.
+the child they will add counts against its node's cap (as does, at every node a rollout reaches, the
+child it will add there), and the nodes above carry a pending visit that the selection rule may weigh
+(DTS: each lowers a child's log-weight by log(1 + pending)). Every latent is the same whatever shares
+its forward (the forest pads each forward), and each prompt draws its selections from its own
+generator, so with one selection in flight per prompt every prompt's search is exactly the sequential
+algorithm, image for image.
 
 A selection is made only if the rows its prompt has spent, plus what its rollouts in flight and the new
 one still need (`_rows_left`; a prediction two of them share counted once), fit in the budget, so no
@@ -121,9 +122,11 @@ def run_search(forest: SearchForest, search: Search, budget: int, score: Score, 
         children = iter(forest.add_children([r.node for r, width in zip(ready, widths) for _ in range(width)]))
         grown = {id(r): [_Rollout(r.prompt, r.selection, next(children), False, forest.forwards) for _ in range(width)]
                  for r, width in zip(ready, widths)}
-        for r in ready:
-            if r.fresh:
-                forest.pending[r.node] -= 1
+        for r, width in zip(ready, widths):
+            forest.pending[r.node] -= width  # the children it was to add are there
+            for new in grown[id(r)]:
+                if forest.depth[new.node] < forest.num_steps:  # and each new node waits for the children its rollout will add
+                    forest.pending[new.node] += 1 if branching is None else branching[forest.depth[new.node]]
             node, open_rollouts = selected[r.selection]
             selected[r.selection] = (node, open_rollouts + len(grown[id(r)]) - 1)
         rollouts = [new for r in rollouts for new in grown.get(id(r), [r])]
