@@ -87,14 +87,14 @@ class DTS:
                 node = prompt
                 continue
             values = torch.tensor([forest.value[c] for c in open_children], dtype=torch.float64)  # (K,)
-            pending = torch.tensor([forest.inflight[c] for c in open_children], dtype=torch.float64)  # (K,) selections in flight below
+            in_flight = torch.tensor([forest.inflight[c] for c in open_children], dtype=torch.float64)  # (K,) selections in flight below
             if not self.guided:
                 node = open_children[int(torch.randint(len(open_children), (), generator=generator))]
                 continue
-            if bool(pending.any()) or bool(values.isnan().any()):  # selections in flight: unvalued children take their parent's value, pending visits count
+            if bool(in_flight.any()) or bool(values.isnan().any()):  # selections in flight: unvalued children take their parent's value, pending visits count
                 guess = torch.tensor([forest.estimate[c] if self.x0_value and not math.isnan(forest.estimate[c]) else _known_value(forest, node)
                                       for c in open_children], dtype=torch.float64)  # (K,)
-                values = torch.where(values.isnan(), guess, values) - torch.log1p(pending) / self.temperature
+                values = torch.where(values.isnan(), guess, values) - torch.log1p(in_flight) / self.temperature
             if self.greedy and self.exploration > 0:
                 visits = torch.tensor([max(forest.visits[c], 1) for c in open_children], dtype=torch.float64)  # (K,)
                 node = open_children[int(torch.argmax(values + self.exploration * torch.sqrt(math.log(max(forest.visits[node], 1)) / visits)))]

@@ -90,7 +90,8 @@ def run_search(forest: SearchForest, search: Search, budget: int, score: Score, 
     result = SearchResult(*([[] for _ in range(forest.num_prompts)] for _ in range(4)))
     in_flight = [0] * forest.num_prompts
     selecting = set(range(forest.num_prompts))
-    selected: dict[int, tuple[int, int]] = {}  # selection → (its node, its rollouts not yet finished)
+    selected: list[int] = []  # per selection: its node
+    unfinished: list[int] = []  # per selection: its rollouts not yet at the last depth
     rollouts: list[_Rollout] = []  # oldest first
     per_forward = max(1, forest.settings.max_batch // forest.rows_per_node())  # latents per forward
     while True:
@@ -106,7 +107,8 @@ def run_search(forest: SearchForest, search: Search, budget: int, score: Score, 
                     break
                 in_flight[prompt] += 1
                 forest.reserve(node, +1)
-                selected[len(selected)] = (node, 1)
+                selected.append(node)
+                unfinished.append(1)
                 rollouts.append(candidate)
         if not rollouts:
             return result
@@ -127,18 +129,16 @@ def run_search(forest: SearchForest, search: Search, budget: int, score: Score, 
             for new in grown[id(r)]:
                 if forest.depth[new.node] < forest.num_steps:  # and each new node waits for the children its rollout will add
                     forest.pending[new.node] += 1 if branching is None else branching[forest.depth[new.node]]
-            node, open_rollouts = selected[r.selection]
-            selected[r.selection] = (node, open_rollouts + len(grown[id(r)]) - 1)
+            unfinished[r.selection] += width - 1
         rollouts = [new for r in rollouts for new in grown.get(id(r), [r])]
         leaves = [r for r in rollouts if forest.depth[r.node] == forest.num_steps]
         if leaves:
             rollouts = [r for r in rollouts if forest.depth[r.node] < forest.num_steps]
             _score_and_back_up(forest, search, score, [r.node for r in leaves], result)
             for r in leaves:
-                node, open_rollouts = selected[r.selection]
-                selected[r.selection] = (node, open_rollouts - 1)
-                if open_rollouts == 1:  # the selection's last image: it is finished
-                    forest.reserve(node, -1, child=False)
+                unfinished[r.selection] -= 1
+                if unfinished[r.selection] == 0:  # the selection's last image: it is finished
+                    forest.reserve(selected[r.selection], -1, child=False)
                     in_flight[r.prompt] -= 1
                     _record(result, r.prompt, forest.nfe[r.prompt])
 
