@@ -15,6 +15,7 @@ device:
 from __future__ import annotations
 
 import datetime
+import inspect
 import json
 import os
 import subprocess
@@ -29,7 +30,9 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
                                                    reason="no CUDA device here: the GPU suite runs where one is present (docs/gpu.md)")]
 
 TESTS = Path(__file__).parent
-FAMILIES = ("sd3", "flux", "sana", "sd15")
+sys.path.insert(0, str(TESTS))
+from tiny_pipelines import FAMILIES  # noqa: E402  (every image family's tiny pipeline)
+
 STEPS = 4
 
 
@@ -47,10 +50,12 @@ def summary():
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
-    from tiny_pipelines import save_pipeline
+    from tiny_pipelines import build_wan, save_pipeline
 
     root = tmp_path_factory.mktemp("gpu-families")
-    return {family: save_pipeline(family, root / family) for family in FAMILIES}
+    folders = {family: save_pipeline(family, root / family) for family in FAMILIES}
+    build_wan(two_experts=True).save_pretrained(root / "wan")  # Wan 2.2 A14B's layout: both experts
+    return {**folders, "wan": root / "wan"}
 
 
 def _iteration(config) -> dict[str, float]:
@@ -65,7 +70,7 @@ def _iteration(config) -> dict[str, float]:
     return metrics
 
 
-@pytest.mark.parametrize("family", ["tiny", *FAMILIES])
+@pytest.mark.parametrize("family", ["tiny", "tiny-video", *FAMILIES, "wan"])
 def test_a_bf16_training_iteration_of_each_family(saved, family, tmp_path, summary):
     """One iteration trains (an optimizer step, finite loss), and the log-prob check stays at bf16's
     rounding: the rollout and the update recompute the same bf16 forwards."""
@@ -76,13 +81,22 @@ def test_a_bf16_training_iteration_of_each_family(saved, family, tmp_path, summa
         config = load_config("tiny-mix-full", [f"output_dir={tmp_path}", "iterations=1", "final_eval=false", "eval_every=0",
                                                "logging.tensorboard=false", "logging.sample_every=0", "train.mixed_precision=bf16",
                                                "prompts.per_iteration=2"])
+    elif family == "tiny-video":  # the built-in video model, full fine-tuning
+        config = load_config("tiny-video", [f"output_dir={tmp_path}", "iterations=1", "final_eval=false", "eval_every=0",
+                                            "logging.tensorboard=false", "logging.sample_every=0", "train.mixed_precision=bf16",
+                                            "prompts.per_iteration=2"])
+    elif family == "wan":  # both experts train (LoRA), an image reward on every 2nd frame
+        config = load_config(None, _train_overrides(family, saved[family], tmp_path, "model.dtype=bfloat16", "train.mixed_precision=bf16",
+                                                    "train.learning_rate=1e-2", "model.resolution=[16,32]", "model.frames=5",
+                                                    "reward={name: rewards_for_tests:Redness, frames: 2}"))
     else:
         config = load_config(None, _train_overrides(family, saved[family], tmp_path, "model.dtype=bfloat16", "train.mixed_precision=bf16",
                                                     "train.learning_rate=1e-2"))
     metrics = _iteration(config)
-    summary[f"bf16_iteration/{family}"] = {k: metrics[k] for k in ("logprob_check", "loss", "iteration_seconds", "nfe_rollout",
-                                                                      "memory_rollout_gb", "memory_train_gb")}
-    assert metrics["optimizer_steps"] == 1 and torch.isfinite(torch.tensor(metrics["loss"]))
+    summary[f"bf16_iteration/{family}"] = {k: metrics.get(k) for k in ("logprob_check", "loss", "iteration_seconds", "nfe_rollout",
+                                                                          "memory_rollout_gb", "memory_train_gb", "optimizer_steps", "steps_skipped",
+                                                                          "grad_norm", "edges_trained")}
+    assert metrics["optimizer_steps"] == 1 and torch.isfinite(torch.tensor(metrics["loss"])), summary[f"bf16_iteration/{family}"]
     assert metrics["logprob_check"] <= 5e-2
 
 
@@ -165,13 +179,12 @@ def _recorded_inputs(adapter, rows: int) -> dict:
 @pytest.mark.parametrize("family", FAMILIES)
 def test_a_rollout_forwards_peak_memory_against_the_memory_tables_estimate(saved, family, summary):
     """A no-grad bf16 forward of R network rows through the tiny pipeline's denoiser: CUDA's peak of
-    allocated memory above the start, against memory_table.py's trace of the same module and inputs
+    allocated memory above the start, against branchdiff plan's trace (branchdiff/plan/trace.py) of the same module and inputs
     (fake CUDA tensors, one row, scaled to R). Both count activations and the output, not the weights."""
-    sys.path.insert(0, str(TESTS.parent / "scripts"))
-    from memory_table import forward_peak
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from branchdiff.models import load_adapter
+    from branchdiff.plan.trace import forward_peak
 
     rows = 256
     adapter = load_adapter(family, str(saved[family]), "cuda", 32, torch.bfloat16)
@@ -186,17 +199,17 @@ def test_a_rollout_forwards_peak_memory_against_the_memory_tables_estimate(saved
     torch.cuda.synchronize()
     measured = torch.cuda.max_memory_allocated() - start
     del output
-    one_row = {k: v[:1] if torch.is_tensor(v) and v.dim() and v.shape[0] == rows else v for k, v in inputs.items()}
+    one_row = {k: v[:1] if (torch.is_tensor(v) and v.dim() or isinstance(v, list)) and len(v) == rows else v for k, v in inputs.items()}
     with torch.device("meta"):  # built on meta, then materialised as fake CUDA tensors (as memory_table.py does)
         fake = type(denoiser).from_config(denoiser.config).to(torch.bfloat16)
     with FakeTensorMode(allow_non_fake_inputs=True):
         fake.to_empty(device="cuda")
-        fake_inputs = {k: torch.empty(v.shape, dtype=v.dtype, device="cuda") if torch.is_tensor(v) else v for k, v in one_row.items()}
+        empty = lambda v: (torch.empty(v.shape, dtype=v.dtype, device="cuda") if torch.is_tensor(v)
+                           else [empty(t) for t in v] if isinstance(v, list) and v and torch.is_tensor(v[0]) else v)
+        fake_inputs = {k: empty(v) for k, v in one_row.items()}
         positional = [fake_inputs.pop(k) for k in sorted(list(fake_inputs)) if k.startswith("_positional")]
-        if positional:  # SD 1.5's UNet and SANA take their first inputs by position
-            fake_inputs["sample" if family == "sd15" else "hidden_states"] = positional[0]
-            if family == "sd15":
-                fake_inputs["timestep"] = positional[1]
+        names = [n for n in inspect.signature(type(denoiser).forward).parameters if n != "self"]
+        fake_inputs.update(zip(names, positional))  # some denoisers (SD 1.5's UNet, SANA) take their first inputs by position
         estimate = forward_peak(fake, fake_inputs, grad=False, autocast=torch.bfloat16).at(rows)
     ratio = measured / estimate
     summary[f"memory/{family}"] = {"rows": rows, "measured_mb": measured / 2**20, "estimated_mb": estimate / 2**20, "ratio": ratio}
@@ -224,3 +237,28 @@ def test_rollout_throughput(saved, family, summary):
     seconds = time.perf_counter() - start
     summary[f"throughput/{family}"] = {"rows": rollout.nfe_computed, "seconds": seconds, "rows_per_second": rollout.nfe_computed / seconds}
     assert rollout.nfe_computed > 0 and seconds > 0
+
+
+@pytest.mark.parametrize("model", ["wide-sd3", "tiny"])
+def test_the_plans_phase_estimates_against_cudas_peaks(model, tmp_path, summary):
+    """`branchdiff train` on CUDA: the launch plans the run on this device (RUN/plan.json), the trainer
+    measures each phase's peak of allocated memory; the ratio of the two per phase."""
+    from branchdiff.cli import main
+    from test_model_families import _train_overrides
+    from tiny_pipelines import build_wide_sd3
+
+    run = tmp_path / "run"
+    if model == "wide-sd3":
+        build_wide_sd3().save_pretrained(tmp_path / "wide")
+        argv = ["train", "tiny-chain", *_train_overrides("sd3", tmp_path / "wide", run, "model.resolution=128", "train.minibatch=8",
+                                                         "sampling.max_batch=8", "sampling.num_steps=3", "model.finetune=lora")]
+    else:
+        argv = ["train", "tiny-chain", f"output_dir={run}", "iterations=1", "final_eval=false", "logging.tensorboard=false", "logging.sample_every=0"]
+    assert main(argv) == 0
+    plan = json.loads((run / "plan.json").read_text())
+    metrics = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
+    peaks = dict(plan["phase_peaks_gib"], train=max(plan["phase_peaks_gib"]["train"], plan["phase_peaks_gib"]["optimizer"]))
+    ratios = {phase: metrics[f"memory_{phase}_gb"] / peaks[phase] for phase in ("rollout", "reward", "train")}
+    summary[f"plan/{model}"] = {"gpu": plan["gpu"], "estimated_gib": {p: peaks[p] for p in ratios},
+                                "measured_gib": {p: metrics[f"memory_{p}_gb"] for p in ratios}, "ratio": ratios}
+    assert all(0.5 <= r <= 2.0 for r in ratios.values()), ratios

@@ -34,16 +34,12 @@ def test_an_iteration_logs_the_peak_of_each_phase(tiny_model_dir, tmp_path):
 
 
 def test_the_memory_tables_forward_trace_counts_a_layers_output_per_row():
-    """scripts/memory_table.py's `forward_peak` (what the GPU suite sets against a real forward): a
+    """branchdiff plan's `forward_peak` (branchdiff/plan/trace.py) (what the GPU suite sets against a real forward): a
     Linear 64 → 128 in bf16 under autocast keeps its bf16 output, 256 bytes a row, and its bf16 weight
     cast (fixed, whatever the rows)."""
-    import sys
-    from pathlib import Path
-
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    sys.path.insert(0, str(Path(__file__).parent.parent / "scripts"))
-    from memory_table import forward_peak
+    from branchdiff.plan.trace import forward_peak
 
     with torch.device("meta"):
         layer = torch.nn.Linear(64, 128, bias=False)

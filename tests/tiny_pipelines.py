@@ -622,3 +622,17 @@ def save_videoalign(directory: Path, seed: int = 0) -> Path:
     (directory / "videoalign.json").write_text(json.dumps({"template": template, "tokens": VIDEOALIGN_TOKENS,
                                                            "mean": {"VQ": 0.5, "MQ": -0.25, "TA": 1.0}, "std": {"VQ": 2.0, "MQ": 0.5, "TA": 4.0}}))
     return directory
+
+
+def build_wide_sd3(resolution: int = 128, heads: int = 4, seed: int = 0) -> StableDiffusion3Pipeline:
+    """The tiny SD3 pipeline with a wider transformer (2 blocks of width 64·heads over (resolution/4)² tokens):
+    activations large enough that a phase's peak memory is measured above the process's noise (tests/test_plan.py,
+    the GPU suite's plan check)."""
+    pipe = build_sd3(seed=seed)
+    latent = resolution // VAE_SCALE_FACTOR["sd3"]
+    pipe.transformer = SD3Transformer2DModel(
+        sample_size=latent, patch_size=2, in_channels=LATENT_CHANNELS["sd3"], out_channels=LATENT_CHANNELS["sd3"], num_layers=2,
+        attention_head_dim=64, num_attention_heads=heads, joint_attention_dim=64, caption_projection_dim=64 * heads, pooled_projection_dim=64,
+        pos_embed_max_size=latent,
+    )
+    return pipe

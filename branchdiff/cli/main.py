@@ -13,13 +13,14 @@ import argparse
 import sys
 from collections.abc import Callable
 
-from branchdiff.cli import evaluate, families, rewards, sample, tools, train
+from branchdiff.cli import evaluate, families, plan, rewards, sample, tools, train
 from branchdiff.cli.parser import UsageError, build_parser
 
 COMMANDS: dict[str, Callable[[argparse.Namespace], None]] = {
     "train": train.cmd_train, "config": train.cmd_config, "sample": sample.cmd_sample, "eval": evaluate.cmd_eval,
     "rewards": rewards.cmd_rewards, "serve-reward": rewards.cmd_serve_reward, "accelerate-config": tools.cmd_accelerate_config,
     "bench": tools.cmd_bench, "report": tools.cmd_report, "families": families.cmd_families,
+    "plan": plan.cmd_plan,
 }
 
 
@@ -32,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     try:
         args, extra = parser.parse_known_args(argv)
-        if args.command in ("train", "config", "bench") and all("=" in item and not item.startswith("-") for item in extra):
+        if args.command in ("train", "config", "bench", "plan") and all("=" in item and not item.startswith("-") for item in extra):
             args.overrides = [*args.overrides, *extra]  # overrides may also follow --resume
         elif extra:
             raise UsageError(f"{args.command}: unrecognized arguments: {' '.join(extra)}; see branchdiff {args.command} --help")

@@ -56,6 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("config", nargs="?", default=None, help=f"preset name or YAML file (default: {DEFAULT_PRESET})")
     train.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. tree.roots=4")
     train.add_argument("--resume", default=None, help="'latest' or a checkpoint directory of this run")
+    train.add_argument("--force", action="store_true", help="launch on CUDA even where branchdiff plan's estimate exceeds the GPU's memory")
 
     show = commands.add_parser("config", help="print the effective config of a preset or YAML file with overrides (a start for your own YAML)")
     show.add_argument("config", nargs="?", default=None, help=f"preset name or YAML file (default: {DEFAULT_PRESET})")
@@ -135,6 +136,17 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=at_least(1), default=8765, help="port to listen on")
     serve.add_argument("--device", default="cpu", help="device of the reward's model")
     serve.add_argument("--kwargs", default=None, help="keyword arguments of the reward, a YAML mapping: '{checkpoint: PATH}'")
+
+    plan = commands.add_parser("plan", help="the memory a run needs per phase, whether it fits the GPU and what makes it fit; FLOPs and time (docs/plan.md)")
+    plan.add_argument("config", nargs="?", default=None, help=f"preset name or YAML file (default: {DEFAULT_PRESET})")
+    plan.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. sampling.max_batch=8")
+    plan.add_argument("--gpus", type=int, default=1, help="processes, one per GPU (default 1)")
+    plan.add_argument("--gpu", default=None, help="the GPU: h100-80gb, h200, a100-80gb, l40s, rtx4090 (default: the one the family's presets target)")
+    plan.add_argument("--gpu-memory", type=float, default=None, metavar="GB", help="the GPU's memory in GiB (overrides --gpu's)")
+    plan.add_argument("--sharding", default="none", help="none | fsdp | fsdp-offload (FSDP2 over --gpus processes; docs/sharding.md)")
+    plan.add_argument("--gpu-tflops", type=float, default=None, help="the GPU's peak TFLOP/s for the modelled time (default: its datasheet bf16 / TF32 figure)")
+    plan.add_argument("--utilisation", type=float, default=0.4, help="the fraction of that peak the forwards reach (default 0.4)")
+    plan.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH", help="write the plan as JSON to PATH (no PATH: print JSON only)")
 
     commands.add_parser("families", help="list the model families: built-in and installed, each one's pipeline, guidance and sizes")
 

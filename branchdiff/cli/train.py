@@ -26,9 +26,14 @@ def cmd_train(args: argparse.Namespace) -> None:
     source, overrides = split_train_args(args)
     config = load_config(preset_or_default(source, overrides), overrides)
     check_inputs(config)  # rewards and prompt sources, before anything is created
+    from branchdiff.training.fit import check_fits, write_plan
+
+    plan = check_fits(preset_or_default(source, overrides), overrides, args.force)  # on CUDA: does it fit? (before anything loads)
     run_dir = Path(config.output_dir)
     first_process = int(os.environ.get("RANK", "0")) == 0
     claimed = claim(run_dir, resume=bool(args.resume)) if first_process else None
+    if claimed and plan is not None:
+        write_plan(run_dir, plan)
     from branchdiff.evaluation.evaluate import format_comparison
     from branchdiff.runtime import checkpoint
     from branchdiff.runtime.distributed import disconnect

@@ -14,6 +14,7 @@ curves, at the updates it followed (`Run.final_x`).
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
 from functools import partial
@@ -272,10 +273,27 @@ def _memory(run: Run) -> str:
         ax.plot(iterations, values, lw=1.2, marker="." if key == "memory_eval_gb" else None, label=key.removeprefix("memory_"))
     ax.set(xlabel="iteration", ylabel="GiB")
     title_and_legend(ax, "peak memory per phase (the largest process's)")
+    planned = _planned_peaks(run.run_dir)
     body = [[key.removeprefix("memory_").removesuffix("_gb"), f"{np.nanmax(run.columns[key][1]):.3f}"] for key in keys]
-    return (img(png_data_uri(figure), "peak memory per phase") + table(["phase", "peak over the run (GiB)"], body)
+    head = ["phase", "peak over the run (GiB)"]
+    if planned:
+        head.append(f"estimated peak (branchdiff plan on {planned['gpu']}, GiB)")
+        peaks = dict(planned["phase_peaks_gib"])
+        peaks["train"] = max(peaks.get("train", 0.0), peaks.get("optimizer", 0.0))  # the measured train phase holds the optimizer step
+        body = [[*row, f"{peaks[row[0]]:.3f}" if row[0] in peaks else "–"] for row in body]
+    note = ("" if planned else " The launch writes branchdiff plan's estimate of each phase beside them (RUN/plan.json) on CUDA devices.")
+    return (img(png_data_uri(figure), "peak memory per phase") + table(head, body)
             + "<p>On a GPU: CUDA's peak of allocated tensor memory in the phase; on the CPU: the process's peak resident set "
-              "size in the phase (branchdiff/runtime/memory.py).</p>")
+              f"size in the phase (branchdiff/runtime/memory.py).{note}</p>")
+
+
+def _planned_peaks(run_dir: Path) -> dict | None:
+    """RUN/plan.json (written at a CUDA launch, branchdiff/training/fit.py), or None."""
+    path = run_dir / "plan.json"
+    try:
+        return json.loads(path.read_text()) if path.is_file() else None
+    except (OSError, ValueError):
+        return None
 
 
 def _update_keys(run: Run) -> list[str]:

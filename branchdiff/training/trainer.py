@@ -40,6 +40,7 @@ from branchdiff.evaluation.evaluate import EvalResult, beside_sources, evaluate,
 from branchdiff.explore.pool import ExploreResult, explore_search, explore_seeds, explore_tree, latent_difference, pool_under_policy, selection_generators
 from branchdiff.explore.quant import QuantConfig, make_quantized_copy, refresh_quantized_copy
 from branchdiff.models import load_adapter
+from branchdiff.models.attention import apply_backend
 from branchdiff.models.base import ModelAdapter, encode_for
 from branchdiff.models.ema import WeightAverage
 from branchdiff.models.finetune import make_finetune
@@ -123,6 +124,7 @@ class Trainer(TrainerCheckpoints):
         model = config.model
         self.adapter = load_adapter(model.family, model.path, self.accelerator.device, model.resolution, DTYPES[model.dtype], model.offload,
                                     model.prompt_instruction, model.frames, model.expert, model.guidance_2)
+        apply_backend(self.adapter.denoiser, model.attention_backend, model.family)
         notice = self.adapter.solver_notice()
         if notice and self.accelerator.is_main_process:
             print(f"branchdiff: {notice}", file=sys.stderr)
