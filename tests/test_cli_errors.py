@@ -169,7 +169,7 @@ def test_eval_missing_model(capsys, tmp_path):
         ([], "the following arguments are required: command; see branchdiff --help"),
         (["sample", "--seeds", "2"], "sample: the following arguments are required: --out; see branchdiff sample --help"),
         (["sample", "--prompt"], "sample: argument --prompt: expected one argument; see branchdiff sample --help"),
-        (["bench", "trees"], "bench: argument which: invalid choice: 'trees' (choose from 'tree', 'explore', 'curves', 'search'); see branchdiff bench --help"),
+        (["bench", "trees"], "bench: argument which: invalid choice: 'trees' (choose from 'tree', 'explore', 'curves', 'search', 'reward-server'); see branchdiff bench --help"),
         (["eval", "--bogus", "1"], "eval: unrecognized arguments: --bogus 1; see branchdiff eval --help"),
         (["train", "--resmue", "latest"], "train: unrecognized arguments: --resmue; see branchdiff train --help"),
     ],

@@ -36,7 +36,7 @@ from branchdiff.rewards.remote import (
     quantize,
     to_uint8,
 )
-from branchdiff.rewards.server import BackgroundServer, create_app, serve
+from branchdiff.rewards.server import BackgroundServer, Limits, create_app, serve
 
 FAST = {"retries": 1, "backoff": 0.01, "timeout": 5.0}  # failures in these tests take milliseconds
 
@@ -434,3 +434,88 @@ def test_missing_server_package_names_the_extra(monkeypatch, module):
             create_app(Checksum())
 
 
+
+
+# ---------------------------------------------------------------------------------------------
+# Fit for a cluster: a shared token beyond the loopback, bounded requests, batching, a load test.
+
+TOKEN = "s3cret-token-of-the-test-0123456789"
+
+
+def _token_file(tmp_path, token: str = TOKEN):
+    path = tmp_path / "token"
+    path.write_text(token + "\n")
+    return str(path)
+
+
+def test_a_server_beyond_the_loopback_without_a_token_is_refused(capsys, tmp_path):
+    from branchdiff.cli import main
+
+    assert main(["serve-reward", "tiny-geneval", "--host", "0.0.0.0"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == ("branchdiff: error: serve-reward --host 0.0.0.0: a server listening beyond this machine needs a shared token; give "
+                   "--token-file FILE (clients: kwargs: {token_file: FILE}), or listen on 127.0.0.1 behind an SSH tunnel")
+    assert main(["serve-reward", "tiny-geneval", "--host", "0.0.0.0", "--token-file", _token_file(tmp_path, "short")]) == 2
+    assert "holds no token of 16 characters or more" in capsys.readouterr().err
+
+
+def test_the_token_is_required_and_checked(tmp_path):
+    images = quantize(torch.rand(3, 3, 8, 8))  # what uint8 carries exactly
+    with BackgroundServer(Checksum(), token=TOKEN) as server:
+        assert RemoteReward(server.url, token_file=_token_file(tmp_path))(images, ["a"] * 3).tolist() == Checksum()(images, ["a"] * 3, [{}] * 3).tolist()
+        for token_file in (None, _token_file(tmp_path, "the-wrong-token-of-the-test-000")):
+            with pytest.raises(RemoteRewardError) as refused:
+                RemoteReward(server.url, retries=0, token_file=token_file)
+            message = str(refused.value)
+            assert len(message.splitlines()) == 1 and "answered HTTP 401: unauthorized: this reward server needs its shared token" in message
+
+
+def test_requests_over_the_limits_get_one_line_naming_the_limit(tmp_path):
+    with BackgroundServer(Checksum(), limits=Limits(max_images=4, max_bytes=6000)) as server:
+        with pytest.raises(RemoteRewardError, match=r"HTTP 413: request too large: 6 images, this server takes at most 4 \(--max-images\)"):
+            RemoteReward(server.url, retries=0, chunk_size=8)(torch.rand(6, 3, 8, 8), ["a"] * 6)
+        with pytest.raises(RemoteRewardError, match=r"HTTP 413: request too large: \d+ bytes, this server takes at most 6000 \(--max-bytes\)"):
+            RemoteReward(server.url, retries=0)(torch.rand(2, 3, 40, 40), ["a"] * 2)
+        assert RemoteReward(server.url, chunk_size=4)(torch.rand(6, 3, 8, 8), ["a"] * 6).shape == (6,)  # in chunks it fits
+
+
+def test_the_load_test_loses_and_misorders_nothing_and_batches():
+    """Six clients for two seconds against a server batching up to 64 images: every request answered with
+    its own images' identities, in order, and fewer reward calls than requests."""
+    from branchdiff.bench.reward_server import Echo, load_test
+
+    with BackgroundServer(Echo(), limits=Limits(max_batch=64)) as server:
+        row = load_test(server.url, clients=6, seconds=2.0, images_per_request=3, size=16)
+        calls = server.batcher.calls
+    assert row["requests"] > 20 and row["failed"] == 0 and row["mismatched"] == 0
+    assert calls < row["requests"] and server.batcher.requests == row["requests"]
+
+
+def test_batches_keep_one_image_shape_and_arrival_order():
+    """The batcher takes the oldest request and those after it of the same shape, up to max_batch images."""
+    from concurrent.futures import wait
+
+    from branchdiff.rewards.server import Batcher, _Request
+
+    gate = threading.Event()
+
+    sizes: list[int] = []
+
+    def gated(images, prompts, metadata):  # each image's mean, once the gate opens (the requests queue up meanwhile)
+        gate.wait(5)
+        sizes.append(len(prompts))
+        return images.flatten(1).mean(1)
+
+    batcher = Batcher(gated, "gated", "cpu", max_batch=5)
+    first = batcher.submit(_Request(torch.rand(1, 3, 8, 8), ["p"], [{}]))  # the worker holds it at the gate while the rest queue
+    shapes = [(2, 8), (2, 8), (1, 4), (2, 8), (3, 8)]
+    requests = [_Request(torch.rand(n, 3, side, side), ["p"] * n, [{}] * n) for n, side in shapes]
+    while batcher.waiting.qsize():  # wait until the worker has taken the first request
+        time.sleep(0.001)
+    futures = [batcher.submit(r) for r in requests]
+    gate.set()
+    wait([first, *futures], timeout=10)
+    for request, future in zip(requests, futures):
+        assert future.result() == request.images.flatten(1).mean(1).tolist()
+    # the held request alone, then the two 8×8 pairs (the 4×4 request stops the batch), the 4×4 one, then 2 + 3 images
+    assert sizes == [1, 4, 1, 5] and batcher.requests == 6

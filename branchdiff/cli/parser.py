@@ -136,6 +136,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=at_least(1), default=8765, help="port to listen on")
     serve.add_argument("--device", default="cpu", help="device of the reward's model")
     serve.add_argument("--kwargs", default=None, help="keyword arguments of the reward, a YAML mapping: '{checkpoint: PATH}'")
+    serve.add_argument("--token-file", default=None, help="a file holding the shared token clients must send (required to listen beyond 127.0.0.1)")
+    serve.add_argument("--max-images", type=at_least(1), default=256, help="most images (videos) in one request (default 256)")
+    serve.add_argument("--max-bytes", type=at_least(1), default=256 * 2**20, help="most bytes in one request body (default 256 MiB)")
+    serve.add_argument("--max-batch", type=at_least(1), default=64, help="most images scored in one call; concurrent requests batched up to it (default 64)")
 
     plan = commands.add_parser("plan", help="the memory a run needs per phase, whether it fits the GPU and what makes it fit; FLOPs and time (docs/plan.md)")
     plan.add_argument("config", nargs="?", default=None, help=f"preset name or YAML file (default: {DEFAULT_PRESET})")
@@ -154,7 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
     accel.add_argument("name", nargs="?", default=None, help="single-gpu | multi-gpu | multi-node (none: list them)")
 
     bench = commands.add_parser("bench", help="side-by-side benchmarks")
-    bench.add_argument("which", choices=["tree", "explore", "curves", "search"], help="what to benchmark")
+    bench.add_argument("which", choices=["tree", "explore", "curves", "search", "reward-server"], help="what to benchmark")
     bench.add_argument("--json", type=Path, default=None, help="write the table and ratios to this JSON file")
     bench.add_argument("--repeats", type=at_least(1), default=3, help="timed repeats of each variant (median reported)")
     bench.add_argument("--minutes", type=positive, default=2.0, help="curves: training wall time of each variant and seed")

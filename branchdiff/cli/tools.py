@@ -30,6 +30,10 @@ def cmd_bench(args: argparse.Namespace) -> None:
         bench_tree(args.json, args.repeats, args.overrides, variants)
     elif args.which == "explore":
         bench_explore(args.json, extra_overrides=args.overrides)
+    elif args.which == "reward-server":
+        from branchdiff.bench.reward_server import bench_reward_server
+
+        bench_reward_server(args.json)
     elif args.which == "search" and args.sampler:
         from branchdiff.bench.sampler import bench_sampler
 

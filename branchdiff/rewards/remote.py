@@ -30,6 +30,7 @@ import socket
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -166,6 +167,20 @@ def _decode_pngs(payload: memoryview, sizes: object, shape: list[int]) -> torch.
 RETRIED_STATUS = (502, 503, 504)  # busy or restarting: worth another attempt
 
 
+def read_token(path: str | Path) -> str:
+    """The shared token in a file (its first word: surrounding whitespace and a newline are not part of it), or a one-line ValueError."""
+    try:
+        words = Path(path).read_text().split()
+    except OSError as error:
+        raise ValueError(f"token file {path}: cannot be read ({error.strerror or error})") from None
+    token = words[0] if words else ""
+    if len(token) < 16:
+        raise ValueError(f"token file {path}: holds no token of 16 characters or more; write one, e.g. python -c 'import secrets; "
+                         f"print(secrets.token_urlsafe(32))' > {path}")
+    return token
+
+
+
 class RemoteReward:
     """A reward served by `branchdiff serve-reward` at `url`, e.g. `http://127.0.0.1:8765`.
 
@@ -181,6 +196,8 @@ class RemoteReward:
         image_format: "uint8" (default: 1 byte a value; the server scores `quantize(images)`),
             "float32" (exact, 4 bytes a value) or "png" (lossless 8-bit, smallest for flat images).
         chunk_size: most images (videos) in one request; a larger batch is sent in order in several.
+        token_file: a file holding the server's shared token (`serve-reward --token-file`), sent as
+            `Authorization: Bearer <token>` with every request.
 
     The server's `/health` is read once here (with the same retries), so a server that is down or
     is not a reward server fails at build time, not at the first batch. Requests go directly to
@@ -189,7 +206,8 @@ class RemoteReward:
 
     device = torch.device("cpu")  # where the scores are returned; the model runs on the server
 
-    def __init__(self, url: str, timeout: float = 120.0, retries: int = 3, backoff: float = 1.0, image_format: str = "uint8", chunk_size: int = 16) -> None:
+    def __init__(self, url: str, timeout: float = 120.0, retries: int = 3, backoff: float = 1.0, image_format: str = "uint8", chunk_size: int = 16,
+                 token_file: str | None = None) -> None:
         if not isinstance(url, str) or not url.startswith(("http://", "https://")):
             raise ValueError(f"remote reward URL {url!r} must start with http:// or https:// (e.g. http://127.0.0.1:8765)")
         if image_format not in IMAGE_FORMATS:
@@ -206,6 +224,9 @@ class RemoteReward:
         self.timeout, self.retries, self.backoff = float(timeout), retries, float(backoff)
         self.image_format, self.chunk_size = image_format, chunk_size
         self._opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+        self._auth = {}
+        if token_file is not None:
+            self._auth = {"Authorization": f"Bearer {read_token(token_file)}"}
         health = self._request("/health")
         if not isinstance(health, dict) or health.get("wire") != WIRE_VERSION or "name" not in health:
             raise RemoteRewardError(f"reward server {self.url}/health answered {one_line(health, 200)}, which does not describe a branchdiff "
@@ -252,7 +273,7 @@ class RemoteReward:
     def _request(self, path: str, body: bytes | None = None) -> object:
         """The JSON reply to GET (body None) or POST `path`, with bounded retries and backoff."""
         url = self.url + path
-        headers = {"Accept": "application/json"} if body is None else {"Accept": "application/json", "Content-Type": CONTENT_TYPE}
+        headers = {"Accept": "application/json", **self._auth, **({} if body is None else {"Content-Type": CONTENT_TYPE})}
         failure = unreachable = None
         for attempt in range(self.retries + 1):
             if attempt:

@@ -10,21 +10,34 @@ Endpoints:
   (float32 values, a non-finite score as null), or `{"error": "one line"}` with status 400 for a
   malformed request and 500 when the reward raises or returns the wrong shape.
 
-The reward runs in a worker thread (the event loop keeps answering /health), one batch at a time
-(a lock: models are rarely thread-safe), under `torch.inference_mode`, on images moved to its
-`device` (videos stay whole). Built on Starlette and uvicorn, the optional extra `serve`, imported only here. The
-server has no authentication: it listens on 127.0.0.1 unless told otherwise.
+The reward runs in one worker thread (the event loop keeps answering /health; models are rarely
+thread-safe), under `torch.inference_mode`, on images moved to its `device` (videos stay whole).
+Requests that arrive while it is busy are batched: the worker takes the waiting requests in arrival
+order, as many as fit in `max_batch` images and share one image shape, scores them in one call and
+answers each request its own scores. Built on Starlette and uvicorn, the optional extra `serve`,
+imported only here.
+
+Limits: a body over `max_bytes` is refused before it is read (413), a request of more than
+`max_images` images (videos) after its header is read (413). A `token` makes every endpoint ask for
+`Authorization: Bearer <token>` (401 otherwise); `serve` refuses to listen beyond the loopback
+without one.
 """
 
 from __future__ import annotations
 
+import asyncio
+import hmac
 import importlib
+import ipaddress
 import logging
 import math
+import queue
 import socket
 import sys
 import threading
 import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
 from importlib.metadata import PackageNotFoundError, version
 
 import torch
@@ -35,6 +48,101 @@ from branchdiff.rewards.remote import IMAGE_FORMATS, WIRE_VERSION, WireFormatErr
 
 DEFAULT_PORT = 8765  # `branchdiff serve-reward` and docs/reward-server.md use it too
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one server accepts and how it batches."""
+
+    max_images: int = 256  # images (videos) in one request
+    max_bytes: int = 256 * 2**20  # bytes of one request body
+    max_batch: int = 64  # images (videos) the reward scores in one call, requests batched together up to it (1: one request at a time)
+
+    def __post_init__(self) -> None:
+        if min(self.max_images, self.max_bytes, self.max_batch) < 1:
+            raise ValueError(f"reward server limits must be ≥ 1 (max_images={self.max_images}, max_bytes={self.max_bytes}, max_batch={self.max_batch})")
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` accepts connections from this machine only."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def check_host(host: str, token: str | None) -> None:
+    """Refuse, in one line, to listen beyond the loopback without a shared token."""
+    if not is_loopback(host) and not token:
+        raise ValueError(f"serve-reward --host {host}: a server listening beyond this machine needs a shared token; give --token-file FILE "
+                         "(clients: kwargs: {token_file: FILE}), or listen on 127.0.0.1 behind an SSH tunnel")
+
+
+@dataclass
+class _Request:
+    images: torch.Tensor  # (n, 3, H, W) or (n, F, 3, H, W) float32
+    prompts: list[str]
+    metadata: list[dict]
+    answer: Future = field(default_factory=Future)
+
+
+class Batcher:
+    """One worker thread scoring queued requests, batched: the oldest request and those after it that
+    share its image shape, up to `max_batch` images; each request's future gets its own scores."""
+
+    def __init__(self, reward: object, name: str, device: object, max_batch: int) -> None:
+        self.reward, self.name, self.device, self.max_batch = reward, name, device, max_batch
+        self.waiting: queue.Queue[_Request] = queue.Queue()
+        self.held: list[_Request] = []  # taken from the queue but not fitting the last batch: first in the next
+        self.calls = self.requests = 0  # reward calls made, requests answered (stats for the load test)
+        self.thread = threading.Thread(target=self._run, name="reward-batcher", daemon=True)
+        self.thread.start()
+
+    def submit(self, request: _Request) -> Future:
+        self.waiting.put(request)
+        return request.answer
+
+    def _next_batch(self) -> list[_Request]:
+        first = self.held.pop(0) if self.held else self.waiting.get()
+        batch, size = [first], len(first.prompts)
+        while size < self.max_batch:
+            if self.held:
+                candidate = self.held.pop(0)
+            else:
+                try:
+                    candidate = self.waiting.get_nowait()
+                except queue.Empty:
+                    break
+            if candidate.images.shape[1:] != first.images.shape[1:] or size + len(candidate.prompts) > self.max_batch:
+                self.held.insert(0, candidate)  # keeps arrival order: it opens the next batch
+                break
+            batch.append(candidate)
+            size += len(candidate.prompts)
+        return batch
+
+    def _run(self) -> None:
+        while True:
+            batch = self._next_batch()
+            try:
+                images = torch.cat([r.images for r in batch]) if len(batch) > 1 else batch[0].images
+                prompts = [p for r in batch for p in r.prompts]
+                metadata = [m for r in batch for m in r.metadata]
+                with torch.inference_mode():  # grad mode is per thread: set it in the worker
+                    scores = check_scores(self.reward(images.to(self.device), prompts, metadata), len(prompts), self.name)  # (B,) on the CPU
+                values = [value if math.isfinite(value) else None for value in scores.tolist()]
+            except Exception as error:  # the reward is user code: every request of the batch gets its failure
+                logger.exception("reward %r failed on a batch", self.name)
+                for r in batch:
+                    r.answer.set_exception(error)
+                continue
+            self.calls += 1
+            start = 0
+            for r in batch:
+                r.answer.set_result(values[start:start + len(r.prompts)])
+                start += len(r.prompts)
+            self.requests += len(batch)
 
 
 def _require(module: str):
@@ -64,42 +172,57 @@ def health_info(reward: object) -> dict:
     }
 
 
-def create_app(reward: object):
+def create_app(reward: object, limits: Limits = Limits(), token: str | None = None):
     """A Starlette application serving `reward` on `/health` and `/score` (run it with any ASGI
-    server; `serve` and `BackgroundServer` use uvicorn)."""
+    server; `serve` and `BackgroundServer` use uvicorn). `app.state.batcher` holds the worker."""
     _require("starlette")
     from starlette.applications import Starlette
-    from starlette.concurrency import run_in_threadpool
     from starlette.responses import JSONResponse
     from starlette.routing import Route
 
     info = health_info(reward)
     name = info["name"]
-    device = getattr(reward, "device", None) or "cpu"
-    lock = threading.Lock()
+    batcher = Batcher(reward, name, getattr(reward, "device", None) or "cpu", limits.max_batch)
+    expected = f"Bearer {token}".encode() if token else None
 
-    def score_body(body: bytes) -> list[float | None]:
-        images, prompts, metadata = decode_batch(body)  # (B, 3, H, W) or (B, F, 3, H, W) float32
-        with lock, torch.inference_mode():  # grad mode is per thread: set it in the worker
-            scores = reward(images.to(device), prompts, metadata)
-            scores = check_scores(scores, len(prompts), name)  # (B,) float32 on the CPU
-        return [value if math.isfinite(value) else None for value in scores.tolist()]
+    def refused(request) -> JSONResponse | None:
+        if expected is None:
+            return None
+        given = request.headers.get("authorization", "").encode()
+        if hmac.compare_digest(given, expected):
+            return None
+        return JSONResponse({"error": "unauthorized: this reward server needs its shared token (a remote reward's kwargs: "
+                                      "{token_file: PATH}); the token sent is missing or wrong"}, status_code=401)
 
     async def health(request):
-        return JSONResponse(info)
+        return refused(request) or JSONResponse(info)
 
     async def score(request):
+        if (denied := refused(request)) is not None:
+            return denied
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > limits.max_bytes:
+            return JSONResponse({"error": f"request too large: {int(length)} bytes, this server takes at most {limits.max_bytes} "
+                                          "(--max-bytes); send fewer images per request (kwargs: {chunk_size: N})"}, status_code=413)
         body = await request.body()
+        if len(body) > limits.max_bytes:
+            return JSONResponse({"error": f"request too large: over {limits.max_bytes} bytes (--max-bytes)"}, status_code=413)
         try:
-            scores = await run_in_threadpool(score_body, body)
+            images, prompts, metadata = decode_batch(body)  # (B, 3, H, W) or (B, F, 3, H, W) float32
         except WireFormatError as error:
             return JSONResponse({"error": f"bad request: {one_line(error)}"}, status_code=400)
-        except Exception as error:  # the reward is user code: report any failure to the client
-            logger.exception("reward %r failed on a batch", name)
+        if len(prompts) > limits.max_images:
+            return JSONResponse({"error": f"request too large: {len(prompts)} images, this server takes at most {limits.max_images} "
+                                          "(--max-images); send fewer per request (kwargs: {chunk_size: N})"}, status_code=413)
+        try:
+            scores = await asyncio.wrap_future(batcher.submit(_Request(images, prompts, metadata)))
+        except Exception as error:
             return JSONResponse({"error": f"reward {name!r} failed: {type(error).__name__}: {one_line(error)}"}, status_code=500)
         return JSONResponse({"scores": scores})
 
-    return Starlette(routes=[Route("/health", health, methods=["GET"]), Route("/score", score, methods=["POST"])])
+    app = Starlette(routes=[Route("/health", health, methods=["GET"]), Route("/score", score, methods=["POST"])])
+    app.state.batcher = batcher
+    return app
 
 
 def _listen(host: str, port: int) -> socket.socket:
@@ -110,23 +233,29 @@ def _listen(host: str, port: int) -> socket.socket:
         raise ValueError(f"reward server cannot listen on {host}:{port}: {error.strerror or error}") from None
 
 
-def _uvicorn_server(reward: object, log_level: str):
+def _uvicorn_server(reward: object, log_level: str, limits: Limits, token: str | None):
     uvicorn = _require("uvicorn")
-    app = create_app(reward)
-    return uvicorn.Server(uvicorn.Config(app, log_level=log_level, access_log=log_level in ("debug", "trace"), lifespan="off"))
+    app = create_app(reward, limits, token)
+    server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, access_log=log_level in ("debug", "trace"), lifespan="off"))
+    server.app = app
+    return server
 
 
-def serve(reward: object, host: str = "127.0.0.1", port: int = DEFAULT_PORT, log_level: str = "info") -> None:
+def serve(reward: object, host: str = "127.0.0.1", port: int = DEFAULT_PORT, log_level: str = "info", limits: Limits = Limits(),
+          token: str | None = None) -> None:
     """Serve `reward` on http://host:port until Ctrl+C (blocking).
 
     Args:
         reward: any object following the reward protocol (`branchdiff/rewards/base.py`).
-        host: the address to listen on; 127.0.0.1 (default) accepts only this machine, 0.0.0.0
-            every network the machine is on (the server has no authentication).
+        host: the address to listen on; 127.0.0.1 (default) accepts only this machine. Any other
+            address (0.0.0.0: every network the machine is on) needs a `token`.
         port: the TCP port; default `DEFAULT_PORT` (8765).
         log_level: uvicorn's log level; "debug" also logs every request.
+        limits: request bounds and the batch size (`Limits`).
+        token: the shared token every request must carry (`Authorization: Bearer <token>`).
     """
-    server = _uvicorn_server(reward, log_level)
+    check_host(host, token)
+    server = _uvicorn_server(reward, log_level, limits, token)
     listener = _listen(host, port)
     shown = f"[{host}]" if ":" in host else host
     print(f"serving reward {health_info(reward)['name']!r} on http://{shown}:{listener.getsockname()[1]} (Ctrl+C to stop)", file=sys.stderr, flush=True)
@@ -145,8 +274,10 @@ class BackgroundServer:
             remote = RemoteReward(server.url)
     """
 
-    def __init__(self, reward: object, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning") -> None:
-        self._server = _uvicorn_server(reward, log_level)
+    def __init__(self, reward: object, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning", limits: Limits = Limits(),
+                 token: str | None = None) -> None:
+        self._server = _uvicorn_server(reward, log_level, limits, token)
+        self.batcher: Batcher = self._server.app.state.batcher
         self._listener = _listen(host, port)
         self.port: int = self._listener.getsockname()[1]
         self.url = f"http://{f'[{host}]' if ':' in host else host}:{self.port}"
