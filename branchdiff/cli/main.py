@@ -13,14 +13,14 @@ import argparse
 import sys
 from collections.abc import Callable
 
-from branchdiff.cli import evaluate, families, plan, rewards, sample, tools, train
+from branchdiff.cli import evaluate, families, plan, push, rewards, sample, tools, train
 from branchdiff.cli.parser import UsageError, build_parser
 
 COMMANDS: dict[str, Callable[[argparse.Namespace], None]] = {
     "train": train.cmd_train, "config": train.cmd_config, "sample": sample.cmd_sample, "eval": evaluate.cmd_eval,
     "rewards": rewards.cmd_rewards, "serve-reward": rewards.cmd_serve_reward, "accelerate-config": tools.cmd_accelerate_config,
     "bench": tools.cmd_bench, "report": tools.cmd_report, "families": families.cmd_families,
-    "plan": plan.cmd_plan,
+    "plan": plan.cmd_plan, "push": push.cmd_push,
 }
 
 

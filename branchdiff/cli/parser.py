@@ -152,6 +152,11 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--utilisation", type=float, default=0.4, help="the fraction of that peak the forwards reach (default 0.4)")
     plan.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH", help="write the plan as JSON to PATH (no PATH: print JSON only)")
 
+    push = commands.add_parser("push", help="upload a run's weights and model card to the Hugging Face Hub")
+    push.add_argument("run_dir", help="the run folder (output_dir of branchdiff train)")
+    push.add_argument("--repo-id", required=True, help="the hub repository, OWNER/NAME (created when missing)")
+    push.add_argument("--private", action="store_true", help="create the repository private")
+
     commands.add_parser("families", help="list the model families: built-in and installed, each one's pipeline, guidance and sizes")
 
     accel = commands.add_parser("accelerate-config", help="print the path of a packaged accelerate config (for --config_file)")

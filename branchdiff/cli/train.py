@@ -56,6 +56,9 @@ def cmd_train(args: argparse.Namespace) -> None:
     if not trainer.accelerator.is_main_process:
         return
     if comparison is not None:
+        from branchdiff.report.model_card import write_model_card
+
+        write_model_card(run_dir, trainer.finetune.export_name)  # with the evaluation table
         print(f"held-out evaluation ({config.prompts.eval}, {config.prompts.eval_seeds} seeds each, ODE {config.sampling.num_steps} steps):")
         print(format_comparison(comparison))
     from branchdiff.report.run_report import write_report

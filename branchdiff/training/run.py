@@ -35,6 +35,7 @@ from tqdm.auto import tqdm
 from branchdiff.errors import CheckpointError, RunStopped, is_out_of_memory, out_of_memory
 from branchdiff.models.finetune import export
 from branchdiff.report.figures import save_grid
+from branchdiff.report.model_card import write_model_card
 from branchdiff.report.tensorboard import add_grid
 from branchdiff.runtime import metrics_log, storage
 from branchdiff.runtime.watchdog import Heartbeat
@@ -164,6 +165,8 @@ def _train(trainer: Trainer, heartbeat: Heartbeat | None) -> None:
         _end_trackers(accelerator)
     with trainer.evaluated_weights():  # the moving average when on; every process (a sharded denoiser is gathered), the main one writes
         export(trainer.finetune, run_dir, write=accelerator.is_main_process)
+    if accelerator.is_main_process:
+        write_model_card(run_dir, trainer.finetune.export_name)  # RUN/README.md, again after the final evaluation
 
 
 def _end_trackers(accelerator: Accelerator) -> None:
