@@ -27,7 +27,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 TESTS = REPO / "tests"
 BIN = Path(sys.executable).parent
-QUIET = ["final_eval=false", "logging.sample_every=0", "logging.tensorboard=false"]
+QUIET = ["final_eval=false", "logging.sample_every=0", "logging.report_to=none"]
 UNPINNED = ("time", "seconds", "memory", "_per_s")  # metrics that measure the machine, not the run
 
 

@@ -40,7 +40,7 @@ def run_one(name: str, preset: str, overrides: list[str], seed: int, iterations:
             shutil.rmtree(run)  # an unfinished run: trained again from the start
         command = [sys.executable, "-m", "branchdiff.cli", "train", preset, *overrides, f"seed={seed}", f"iterations={iterations}",
                    f"eval_every={eval_every}", f"output_dir={run}", "logging.sample_every=0", "logging.checkpoint_every=0",
-                   "logging.tensorboard=false", "prompts.eval_seeds=8"]
+                   "logging.report_to=none", "prompts.eval_seeds=8"]
         environment = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
         done = subprocess.run(command, env=environment, capture_output=True, text=True)
         if done.returncode != 0:

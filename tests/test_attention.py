@@ -13,7 +13,7 @@ import torch
 from branchdiff.cli import main
 from branchdiff.models.attention import apply_backend, installed
 
-RUN = ["iterations=1", "final_eval=false", "logging.tensorboard=false", "logging.sample_every=0"]
+RUN = ["iterations=1", "final_eval=false", "logging.report_to=none", "logging.sample_every=0"]
 
 
 @pytest.mark.parametrize("backend,line", [

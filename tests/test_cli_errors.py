@@ -236,7 +236,7 @@ def _run_args(model_dir: Path, run: Path, iterations: int, *extra: str) -> list[
     return [
         "train", "tiny-chain", f"model.path={model_dir}", f"output_dir={run}", f"iterations={iterations}", "seed=0",
         "reward=rewards_for_tests:Redness", "prompts.per_iteration=1", "tree.roots=2", "sampling.num_steps=2", "sampling.max_batch=8",
-        "train.minibatch=4", "model.finetune=lora", "train.learning_rate=1e-3", "final_eval=false", "logging.checkpoint_every=1", "logging.sample_every=0", "logging.tensorboard=false", *extra,
+        "train.minibatch=4", "model.finetune=lora", "train.learning_rate=1e-3", "final_eval=false", "logging.checkpoint_every=1", "logging.sample_every=0", "logging.report_to=none", *extra,
     ]
 
 

@@ -68,7 +68,8 @@ def test_tiny_chain_preset_values():
         ("tree.splits=[[0, 2, {noise_level: 0.5}]]", lambda c: c.tree.splits, [[0, 2, {"noise_level": 0.5}]], list),
         ("model.path=null", lambda c: c.model.path, None, type(None)),
         ("model.path=/some/dir", lambda c: c.model.path, "/some/dir", str),
-        ("logging.tensorboard=false", lambda c: c.logging.tensorboard, False, bool),
+        ("logging.report_to=none", lambda c: c.logging.report_to, "none", str),
+        ("logging.report_to=[tensorboard,wandb]", lambda c: c.logging.report_to, ["tensorboard", "wandb"], list),
         ("prune.depths=[1,2]", lambda c: c.prune.depths, [1, 2], list),
         ("sampling.sde=dance", lambda c: c.sampling.sde, "dance", str),
         ("output_dir=runs/x", lambda c: c.output_dir, "runs/x", str),
@@ -135,13 +136,13 @@ def test_choice_words_from_a_yaml_file(tmp_path):
      ("no", False), ("No", False), ("off", False), ("Off", False), ("OFF", False)],
 )
 def test_bool_keys_take_true_false_and_yes_no_on_off(tmp_path, word, expected):
-    for key, get in (("logging.tensorboard", lambda c: c.logging.tensorboard), ("sampling.exact", lambda c: c.sampling.exact),
+    for key, get in (("model.offload", lambda c: c.model.offload), ("sampling.exact", lambda c: c.sampling.exact),
                      ("final_eval", lambda c: c.final_eval)):
         value = get(load_config(None, [f"{key}={word}"]))
         assert value is expected, key
-    path = write(tmp_path, f"final_eval: {word}\nlogging:\n  tensorboard: {word}\nsampling:\n  exact: {word}\n")
+    path = write(tmp_path, f"final_eval: {word}\nmodel:\n  offload: {word}\nsampling:\n  exact: {word}\n")
     config = load_config(path)
-    assert config.final_eval is config.logging.tensorboard is config.sampling.exact is expected
+    assert config.final_eval is config.model.offload is config.sampling.exact is expected
 
 
 def test_a_mixed_case_true_is_a_string_not_a_bool():
@@ -181,8 +182,8 @@ def test_unknown_key_without_close_match_lists_allowed_keys():
     [
         ("iterations=abc", "override 'iterations=abc': 'iterations' = 'abc' has the wrong type; expected int"),
         ("tree.roots=2.5", "override 'tree.roots=2.5': 'tree.roots' = 2.5 has the wrong type; expected int"),
-        ("logging.tensorboard=3", "override 'logging.tensorboard=3': 'logging.tensorboard' = 3 has the wrong type; "
-                                  "expected bool (true, false, yes, no, on, off)"),
+        ("sampling.exact=3", "override 'sampling.exact=3': 'sampling.exact' = 3 has the wrong type; "
+                             "expected bool (true, false, yes, no, on, off)"),
         ("final_eval=maybe", "override 'final_eval=maybe': 'final_eval' = 'maybe' has the wrong type; expected bool (true, false, yes, no, on, off)"),
         ("explore.mode=false", "override 'explore.mode=false': 'explore.mode' = False has the wrong type; expected str; allowed: off, seeds, tree, search"),
         ("train.learning_rate=fast", "override 'train.learning_rate=fast': 'train.learning_rate' = 'fast' has the wrong type; expected float"),
@@ -191,6 +192,11 @@ def test_unknown_key_without_close_match_lists_allowed_keys():
 )
 def test_wrong_type(override, expected):
     assert config_error(None, [override]) == expected
+
+
+def test_an_unknown_tracker_is_one_line():
+    assert config_error(None, ["logging.report_to=neptune"]) == ("logging.report_to=neptune: choose tensorboard, wandb, swanlab or none, or a "
+                                                                  "list of them without repeats, e.g. logging.report_to=[tensorboard,wandb]")
 
 
 def test_wrong_type_inside_a_list():
@@ -415,7 +421,7 @@ def test_the_trainer_trains_the_steps_the_check_counts(tiny_model_dir, tmp_path,
 
     config = load_config(None, [f"model.path={tiny_model_dir}", f"output_dir={tmp_path / 'run'}", "iterations=1", "sampling.num_steps=3",
                                 "tree.roots=2", "prompts.per_iteration=1", "reward=rewards_for_tests:Redness", "sampling.max_batch=8",
-                                "train.minibatch=4", "final_eval=false", "logging.tensorboard=false", *extra])
+                                "train.minibatch=4", "final_eval=false", "logging.report_to=none", *extra])
     assert trainable_steps(config, 0) == steps
     assert Trainer(config).run_iteration(0).metrics["edges_trained"] == edges  # 1 prompt × 2 roots × 1 step
     assert "nothing would be trained" in config_error(None, ["sampling.num_steps=3", "train.train_steps_fraction=0.33"])
@@ -507,9 +513,9 @@ def test_invalid_yaml_reports_file_and_line(tmp_path):
     "overrides",
     [
         [],
-        ["tree.splits=[[0,2],[3,2,{noise_level: 0.5}]]", "tree.split_noise_level=1.2", "tree.anchor_noise_multiplier=2", "model.path=null", "train.learning_rate=1e-5", "prune.depths=[1,2]", "logging.tensorboard=false"],
+        ["tree.splits=[[0,2],[3,2,{noise_level: 0.5}]]", "tree.split_noise_level=1.2", "tree.anchor_noise_multiplier=2", "model.path=null", "train.learning_rate=1e-5", "prune.depths=[1,2]", "logging.report_to=none"],
         ["model.path=/x/y", "output_dir=runs/rt", "sampling.sde=cps", "tree.mix_window=3", "seed=4294967295", "train.kl_beta=1e-12"],
-        ["train.mixed_precision=no", "explore.mode=off", "output_dir=yes", "model.path=tRuE", "logging.tensorboard=off", "final_eval=No"],
+        ["train.mixed_precision=no", "explore.mode=off", "output_dir=yes", "model.path=tRuE", "sampling.exact=off", "final_eval=No"],
         ["prompts.train=off", "prompts.eval=yes", "reward=Off", "model.path=null"],
     ],
 )
@@ -525,9 +531,9 @@ def test_save_then_load_round_trips(tmp_path, overrides):
 def test_saved_choice_words_are_quoted(tmp_path):
     """safe_dump quotes 'no' and 'off' (YAML 1.1 booleans), so any YAML reader gets the string back."""
     path = tmp_path / "config.yaml"
-    save_config(load_config(None, ["train.mixed_precision=no", "explore.mode=off", "logging.tensorboard=no"]), path)
+    save_config(load_config(None, ["train.mixed_precision=no", "explore.mode=off", "sampling.exact=no", "logging.report_to=none"]), path)
     text = path.read_text()
-    assert "  mixed_precision: 'no'\n" in text and "  mode: 'off'\n" in text and "  tensorboard: false\n" in text
+    assert "  mixed_precision: 'no'\n" in text and "  mode: 'off'\n" in text and "  exact: false\n" in text and "  report_to: none\n" in text
 
 
 def test_noise_level_must_be_positive():

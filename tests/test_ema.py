@@ -76,7 +76,7 @@ def test_a_run_trains_the_live_weights_and_evaluates_and_exports_the_average(tin
     from branchdiff.training.trainer import Trainer
 
     config = load_config("tiny-chain", [f"model.path={tiny_model_dir}", f"output_dir={tmp_path}", "iterations=3", "prompts.per_iteration=1",
-                                        "tree.roots=2", "sampling.num_steps=2", "final_eval=false", "logging.tensorboard=false",
+                                        "tree.roots=2", "sampling.num_steps=2", "final_eval=false", "logging.report_to=none",
                                         "reward=rewards_for_tests:Redness", f"model.finetune={finetune}", "train.learning_rate=1e-2",
                                         "train.optimizer_every=2", "train.minibatch=1", "train.ema_decay=0.5"])
     trainer = Trainer(config)

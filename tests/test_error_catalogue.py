@@ -46,7 +46,7 @@ class Env:
 
 
 RUN_SETTINGS = ["iterations=2", "seed=0", "model.finetune=lora", "train.learning_rate=1e-3", "prompts.per_iteration=2", "tree.roots=3", "sampling.num_steps=3", "sampling.max_batch=8",
-                "final_eval=false", "logging.checkpoint_every=1", "logging.sample_every=0", "logging.tensorboard=false"]
+                "final_eval=false", "logging.checkpoint_every=1", "logging.sample_every=0", "logging.report_to=none"]
 
 
 @dataclass

@@ -13,7 +13,7 @@ def _trainer(model_dir, tmp_path, *extra, resume: str | None = None):
     return Trainer(load_config(None, [
         f"model.path={model_dir}", f"output_dir={tmp_path}", "iterations=2", "reward=rewards_for_tests:Redness",
         "prompts.per_iteration=2", "sampling.num_steps=3", "sampling.max_batch=8", "train.minibatch=8",
-        "logging.tensorboard=false", "final_eval=false", *extra,
+        "logging.report_to=none", "final_eval=false", *extra,
     ]), resume)
 
 

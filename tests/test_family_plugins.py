@@ -56,7 +56,7 @@ except AssertionError as error:
     print(f"broken-sd3 failed: {error}")
 sys.exit(main(["train", "tiny-chain", "model.family=plugin-sd3", f"model.path={folder}", "model.resolution=[32,16]", f"output_dir={run}",
                "reward=rewards_for_tests:Redness", "prompts.per_iteration=2", "sampling.num_steps=3", "tree.roots=2", "tree.splits=[[0,2]]",
-               "iterations=1", "model.finetune=lora", "final_eval=false", "logging.tensorboard=false", "logging.sample_every=0", "train.learning_rate=0.05"]))
+               "iterations=1", "model.finetune=lora", "final_eval=false", "logging.report_to=none", "logging.sample_every=0", "train.learning_rate=0.05"]))
 '''
 
 

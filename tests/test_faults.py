@@ -23,7 +23,7 @@ PREFIX = "branchdiff: error: "
 LORA = "pytorch_lora_weights.safetensors"
 SETTINGS = ["tiny-chain", "model.finetune=lora", "train.learning_rate=1e-3", "seed=3", "prompts.per_iteration=2", "tree.roots=3", "sampling.num_steps=3", "sampling.max_batch=8",
             "prompts.eval_seeds=1", "final_eval=false", "logging.checkpoint_every=1", "logging.checkpoints_total_limit=5",
-            "logging.sample_every=0", "logging.tensorboard=false"]
+            "logging.sample_every=0", "logging.report_to=none"]
 
 
 def train_args(model: Path, run: Path, iterations: int, *extra: str) -> list[str]:

@@ -90,7 +90,7 @@ def _args(family: str, folder, run, mode: str, iterations: int, *extra: str) -> 
     what = ["model.finetune=full", "train.learning_rate=1e-3"] if mode == "full" else ["model.finetune=lora", f"model.lora_targets={mode}", "train.learning_rate=0.05"]
     return ["train", "tiny-chain", *model, f"model.path={folder}", f"output_dir={run}", "reward=rewards_for_tests:Redness",
             "prompts.per_iteration=2", f"sampling.num_steps={STEPS}", "tree.roots=3", f"iterations={iterations}", "final_eval=false",
-            "logging.tensorboard=false", "logging.sample_every=0", "logging.checkpoint_every=1", "logging.checkpoints_total_limit=5",
+            "logging.report_to=none", "logging.sample_every=0", "logging.checkpoint_every=1", "logging.checkpoints_total_limit=5",
             *what, *extra]
 
 

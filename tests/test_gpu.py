@@ -79,11 +79,11 @@ def test_a_bf16_training_iteration_of_each_family(saved, family, tmp_path, summa
 
     if family == "tiny":  # full fine-tuning of the fp32 weights under bf16 autocast
         config = load_config("tiny-mix-full", [f"output_dir={tmp_path}", "iterations=1", "final_eval=false", "eval_every=0",
-                                               "logging.tensorboard=false", "logging.sample_every=0", "train.mixed_precision=bf16",
+                                               "logging.report_to=none", "logging.sample_every=0", "train.mixed_precision=bf16",
                                                "prompts.per_iteration=2"])
     elif family == "tiny-video":  # the built-in video model, full fine-tuning
         config = load_config("tiny-video", [f"output_dir={tmp_path}", "iterations=1", "final_eval=false", "eval_every=0",
-                                            "logging.tensorboard=false", "logging.sample_every=0", "train.mixed_precision=bf16",
+                                            "logging.report_to=none", "logging.sample_every=0", "train.mixed_precision=bf16",
                                             "prompts.per_iteration=2"])
     elif family == "wan":  # both experts train (LoRA), an image reward on every 2nd frame
         config = load_config(None, _train_overrides(family, saved[family], tmp_path, "model.dtype=bfloat16", "train.mixed_precision=bf16",
@@ -115,7 +115,7 @@ def test_low_precision_exploration_on_the_hardware_that_has_it(backend, needs, t
     if backend == "te-nvfp4":
         pytest.importorskip("transformer_engine", reason="Transformer Engine is not installed")
     config = load_config("tiny-explore-seeds", [f"output_dir={tmp_path}", "iterations=1", "final_eval=false", "eval_every=0",
-                                                "logging.tensorboard=false", "logging.sample_every=0", f"explore.backend={backend}",
+                                                "logging.report_to=none", "logging.sample_every=0", f"explore.backend={backend}",
                                                 "explore.fidelity_every=1", "train.mixed_precision=bf16"])
     metrics = _iteration(config)
     explore = {k: v for k, v in metrics.items() if k.startswith("explore_")}
@@ -253,7 +253,7 @@ def test_the_plans_phase_estimates_against_cudas_peaks(model, tmp_path, summary)
         argv = ["train", "tiny-chain", *_train_overrides("sd3", tmp_path / "wide", run, "model.resolution=128", "train.minibatch=8",
                                                          "sampling.max_batch=8", "sampling.num_steps=3", "model.finetune=lora")]
     else:
-        argv = ["train", "tiny-chain", f"output_dir={run}", "iterations=1", "final_eval=false", "logging.tensorboard=false", "logging.sample_every=0"]
+        argv = ["train", "tiny-chain", f"output_dir={run}", "iterations=1", "final_eval=false", "logging.report_to=none", "logging.sample_every=0"]
     assert main(argv) == 0
     plan = json.loads((run / "plan.json").read_text())
     metrics = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])

@@ -60,7 +60,7 @@ def _trainer(tmp_path, *extra):
     from branchdiff.training.trainer import Trainer
 
     return Trainer(load_config("tiny-chain", [f"output_dir={tmp_path}", "iterations=2", "prompts.per_iteration=4", "tree.roots=8",
-                                              "train.loss=grpo-guard", "sampling.num_steps=4", "final_eval=false", "logging.tensorboard=false",
+                                              "train.loss=grpo-guard", "sampling.num_steps=4", "final_eval=false", "logging.report_to=none",
                                               "logging.sample_every=0", "train.learning_rate=1e-3", "train.minibatch=8", *extra]))
 
 
@@ -117,7 +117,7 @@ def test_a_run_resumed_from_its_checkpoint_ends_like_an_unstopped_one(tmp_path):
 
     def args(run, iterations):
         return ["train", "tiny-chain", f"output_dir={run}", f"iterations={iterations}", "prompts.per_iteration=2", "tree.roots=2",
-                "train.loss=grpo-guard", "sampling.num_steps=4", "final_eval=false", "logging.tensorboard=false", "logging.sample_every=0",
+                "train.loss=grpo-guard", "sampling.num_steps=4", "final_eval=false", "logging.report_to=none", "logging.sample_every=0",
                 "logging.checkpoint_every=1", "train.learning_rate=1e-3", "train.minibatch=2", "train.optimizer_every=8"]
 
     lines = assert_resumed_run_equals_straight(args, tmp_path, 1, 2)

@@ -38,7 +38,7 @@ def _run(run, reward: str, *extra: str) -> list[str]:
     """The built-in model, trained 9 iterations and evaluated (strict, two images per held-out prompt) at 0, 4 and 8."""
     return ["train", "tiny-mix", f"output_dir={run}", f"reward={reward}", "iterations=9", "eval_every=4", "prompts.per_iteration=4",
             "model.finetune=lora", "train.learning_rate=1e-3", "train.optimizer_every=0", "prompts.eval_seeds=2", "watch.gold=tiny-geneval.strict", "final_eval=false", "logging.sample_every=0",
-            "logging.tensorboard=false", *extra]
+            "logging.report_to=none", *extra]
 
 
 def _watched(run) -> list[tuple[int, float, float, float]]:

@@ -65,7 +65,7 @@ def test_an_updates_edge_losses_are_grpos_plus_the_weighted_sft_term_on_the_best
     trainer = Trainer(load_config("tiny-mix", [f"output_dir={tmp_path}", "prompts.per_iteration=2", "sampling.num_steps=4",
                                                "tree.splits=[[0,2],[1,2]]", "tree.mix_window=2", "train.loss=grpo-layertuning",
                                                "layertuning.sft_weight=0.5", "layertuning.clip_sensitivity=0.0", "final_eval=false",
-                                               "logging.tensorboard=false", "logging.sample_every=0"]))
+                                               "logging.report_to=none", "logging.sample_every=0"]))
     objective = trainer.objective
     rollout, _, rewards, info = trainer.rollout_and_score(0)
     signal = objective.signal(rollout, rewards.total, 0)
@@ -125,7 +125,7 @@ def test_a_run_resumed_from_its_checkpoint_ends_like_an_unstopped_one(tmp_path):
 
     def args(run, iterations):
         return ["train", "tiny-mix", f"output_dir={run}", f"iterations={iterations}", "prompts.per_iteration=2", "train.loss=grpo-layertuning",
-                "layertuning.sft_weight=0.1", "final_eval=false", "eval_every=0", "logging.tensorboard=false", "logging.sample_every=0",
+                "layertuning.sft_weight=0.1", "final_eval=false", "eval_every=0", "logging.report_to=none", "logging.sample_every=0",
                 "logging.checkpoint_every=1", "train.learning_rate=1e-3", "train.minibatch=8", "train.optimizer_every=22", "train.ema_decay=0.5"]
 
     lines = assert_resumed_run_equals_straight(args, tmp_path, 1, 2)

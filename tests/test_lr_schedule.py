@@ -78,7 +78,7 @@ def test_the_trainer_steps_with_the_scheduled_rate(tiny_model_dir, tmp_path):
 
     config = load_config("tiny-chain", [f"model.path={tiny_model_dir}", f"output_dir={tmp_path}", "iterations=4", "train.lr_schedule=linear",
                                         "prompts.per_iteration=1", "tree.roots=2", "sampling.num_steps=2", "final_eval=false",
-                                        "logging.tensorboard=false", "reward=rewards_for_tests:Redness"])
+                                        "logging.report_to=none", "reward=rewards_for_tests:Redness"])
     trainer = Trainer(config)
     seen = []
     step = trainer.optimizer.step

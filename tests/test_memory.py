@@ -26,7 +26,7 @@ def test_an_iteration_logs_the_peak_of_each_phase(tiny_model_dir, tmp_path):
     from branchdiff.training.trainer import Trainer
 
     trainer = Trainer(load_config("tiny-chain", [f"model.path={tiny_model_dir}", f"output_dir={tmp_path}", "prompts.per_iteration=1",
-                                                 "tree.roots=2", "sampling.num_steps=2", "final_eval=false", "logging.tensorboard=false"]))
+                                                 "tree.roots=2", "sampling.num_steps=2", "final_eval=false", "logging.report_to=none"]))
     metrics = trainer.run_iteration(0).metrics
     for phase in ("rollout", "reward", "train"):
         assert 0.05 < metrics[f"memory_{phase}_gb"] < 24  # a Python process with torch and the model resident, below the machine's memory

@@ -109,7 +109,7 @@ def _train_overrides(family: str, folder, run_dir, *extra: str) -> list[str]:
     sde = ["sampling.sde=ddim", "sampling.noise_level=1.0"] if family == "sd15" else ["sampling.sde=flow", "sampling.noise_level=0.7"]
     return [f"model.family={family}", f"model.path={folder}", f"model.resolution={RESOLUTION.get(family, 32)}", f"output_dir={run_dir}",
             "reward=rewards_for_tests:Redness", "prompts.per_iteration=2", f"sampling.num_steps={STEPS}", "tree.roots=2",
-            "tree.splits=[[0,2]]", "iterations=1", "final_eval=false", "logging.tensorboard=false", "logging.sample_every=0",
+            "tree.splits=[[0,2]]", "iterations=1", "final_eval=false", "logging.report_to=none", "logging.sample_every=0",
             "train.lora_rank=4", "train.lora_alpha=16", "train.learning_rate=0.05", *sde, *extra]
 
 

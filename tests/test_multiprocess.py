@@ -41,7 +41,7 @@ def _overrides(model_dir: Path, run: Path, per_iteration: int) -> list[str]:
         f"prompts.per_iteration={per_iteration}", "sampling.num_steps=3", "sampling.max_batch=8", "tree.roots=1",
         "tree.splits=[[0,2],[1,2]]", "advantage.scope=batch", "prune.width=global", "prune.width_ratio=0.5",
         "train.minibatch=2", "model.finetune=lora", "train.learning_rate=1e-2", "logging.checkpoint_every=1", "logging.sample_every=1",
-        "logging.tensorboard=false", "prompts.eval_seeds=1",
+        "logging.report_to=none", "prompts.eval_seeds=1",
     ]
 
 
@@ -70,7 +70,7 @@ def two_process_run(tiny_model_dir, tmp_path_factory):
     run, records = base / "run", base / "records"
     records.mkdir()
     overrides = _overrides(tiny_model_dir, run, PER_PROCESS)
-    first = launch_two(records, ["train", "tiny-chain", *overrides, "iterations=2", "final_eval=false", "eval_every=1", "logging.tensorboard=true"])
+    first = launch_two(records, ["train", "tiny-chain", *overrides, "iterations=2", "final_eval=false", "eval_every=1", "logging.report_to=tensorboard"])
     assert first.returncode == 0, first.stderr[-3000:]
     resumed = launch_two(records, ["train", "tiny-chain", *overrides, "iterations=3", "--resume", "latest"])
     assert resumed.returncode == 0, resumed.stderr[-3000:]
@@ -359,7 +359,7 @@ def test_tiny_flux_trains_with_the_tree_preset_on_two_processes(tmp_path):
     run = tmp_path / "run"
     overrides = [f"model.path={model}", "model.resolution=32", "model.dtype=float32", "model.offload=false", f"output_dir={run}",
                  "reward=rewards_for_tests:Redness", "prompts.train=tiny:train", "prompts.per_iteration=1", "iterations=2", "final_eval=false",
-                 "logging.tensorboard=false", "train.mixed_precision=no", "train.learning_rate=1e-2", "logging.checkpoint_every=1"]
+                 "logging.report_to=none", "train.mixed_precision=no", "train.learning_rate=1e-2", "logging.checkpoint_every=1"]
     result = launch_two(records, ["train", "flux-hps-branch", *overrides])
     assert result.returncode == 0, result.stderr[-3000:]
     record = {(rank, it): torch.load(records / f"rank{rank}-iter{it}.pt", weights_only=True) for rank in (0, 1) for it in range(2)}
@@ -390,7 +390,7 @@ def test_tiny_wan_trains_videos_on_two_processes(tmp_path):
     run = tmp_path / "run"
     overrides = ["model.family=wan", f"model.path={tmp_path / 'wan'}", "model.resolution=[16,32]", "model.frames=5", "model.finetune=lora",
                  f"output_dir={run}", "reward={name: rewards_for_tests:Redness, frames: 2}", "prompts.per_iteration=1", "iterations=2",
-                 "sampling.num_steps=3", "tree.roots=2", "tree.splits=[[0,2]]", "final_eval=false", "logging.tensorboard=false",
+                 "sampling.num_steps=3", "tree.roots=2", "tree.splits=[[0,2]]", "final_eval=false", "logging.report_to=none",
                  "train.learning_rate=5e-2", "logging.checkpoint_every=1"]
     result = launch_two(records, ["train", "tiny-chain", *overrides])
     assert result.returncode == 0, result.stderr[-3000:]

@@ -47,7 +47,7 @@ def test_the_loss_equals_the_formula_and_vanishes_where_the_implicit_policy_hits
 
 def _config(tmp_path, *extra):
     return load_config("tiny-chain", [f"output_dir={tmp_path}", "iterations=3", "prompts.per_iteration=2", "tree.roots=3", "train.loss=nft",
-                                      "sampling.num_steps=4", "final_eval=false", "logging.tensorboard=false", "logging.sample_every=0",
+                                      "sampling.num_steps=4", "final_eval=false", "logging.report_to=none", "logging.sample_every=0",
                                       "train.learning_rate=1e-3", "train.minibatch=4", "train.optimizer_every=4", *extra])
 
 
@@ -79,7 +79,7 @@ def test_leaf_advantages_are_group_normalised_and_the_sampling_policy_follows_it
 def test_a_run_resumed_from_its_checkpoint_ends_like_an_unstopped_one(tmp_path):
     def args(run, iterations):
         return ["train", "tiny-chain", f"output_dir={run}", f"iterations={iterations}", "prompts.per_iteration=2", "tree.roots=3",
-                "train.loss=nft", "sampling.num_steps=4", "final_eval=false", "logging.tensorboard=false", "logging.sample_every=0",
+                "train.loss=nft", "sampling.num_steps=4", "final_eval=false", "logging.report_to=none", "logging.sample_every=0",
                 "logging.checkpoint_every=1", "train.learning_rate=1e-3", "train.minibatch=4", "train.optimizer_every=4",
                 "nft.old_decay_rate=0.3"]
 
@@ -108,7 +108,7 @@ def test_depthwise_advantages_credit_each_term_with_its_ancestor_at_the_next_dep
 
     trainer = Trainer(load_config("tiny-mix", [f"output_dir={tmp_path}", "prompts.per_iteration=2", "sampling.num_steps=4",
                                                "tree.splits=[[0,2],[1,2]]", "tree.mix_window=2", "train.loss=nft", "nft.advantage=depthwise",
-                                               "nft.timesteps=4", "final_eval=false", "logging.tensorboard=false", "logging.sample_every=0"]))
+                                               "nft.timesteps=4", "final_eval=false", "logging.report_to=none", "logging.sample_every=0"]))
     objective = trainer.objective
     rollout, _, rewards, info = trainer.rollout_and_score(0)
     signal = objective.signal(rollout, rewards.total, 0)

@@ -29,7 +29,7 @@ from resumed_runs import deterministic  # tests/ is on sys.path
 
 PINS = Path(__file__).parent / "data" / "pinned"
 ITERATIONS = 2
-COMMON = ["prompts.per_iteration=2", "final_eval=false", "logging.tensorboard=false", "seed=5", "reward=tiny-geneval"]
+COMMON = ["prompts.per_iteration=2", "final_eval=false", "logging.report_to=none", "seed=5", "reward=tiny-geneval"]
 RUNS = {
     "mix-lora-kl": ("tiny-mix", ["model.finetune=lora", "train.learning_rate=3e-3", "train.kl_beta=0.01", "train.minibatch=8",
                                   "train.optimizer_every=16"]),

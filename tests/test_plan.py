@@ -139,7 +139,7 @@ def test_the_plan_of_a_wide_tiny_sd3_against_a_measured_iteration_on_this_cpu(tm
     build_wide_sd3().save_pretrained(folder)
     overrides = ["model.family=sd3", f"model.path={folder}", "model.resolution=128", f"output_dir={tmp_path / 'run'}",
                  "reward=rewards_for_tests:Redness", "prompts.per_iteration=2", "sampling.num_steps=3", "tree.roots=2", "tree.splits=[[0,2]]",
-                 "iterations=1", "final_eval=false", "logging.tensorboard=false", "logging.sample_every=0", "train.lora_rank=4",
+                 "iterations=1", "final_eval=false", "logging.report_to=none", "logging.sample_every=0", "train.lora_rank=4",
                  "train.minibatch=8", "sampling.max_batch=8", "sampling.sde=flow", "sampling.noise_level=0.7"]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]), "HF_HUB_OFFLINE": "1",
            "MALLOC_MMAP_THRESHOLD_": "65536"}  # large blocks mapped and returned when freed: the resident set follows live tensors

@@ -55,7 +55,7 @@ def test_the_tiny_sol_presets_run_an_iteration(name, tiny_model_dir, tmp_path):
 
     trainer = Trainer(load_config(name, [f"output_dir={tmp_path}", f"model.path={tiny_model_dir}", "prompts.per_iteration=2",
                                          "explore.pool=8", "explore.keep=4", "explore.fidelity_every=0", "final_eval=false",
-                                         "logging.tensorboard=false", "logging.sample_every=0"]))
+                                         "logging.report_to=none", "logging.sample_every=0"]))
     metrics = trainer.run_iteration(0).metrics
     assert metrics["optimizer_steps"] >= 1 and metrics["nfe_trained"] == 2 * 4 * 2  # 2 prompts × 4 kept samples × 2 steps
     assert metrics["edges_trained"] == 2 * 4  # the kept samples

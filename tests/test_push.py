@@ -17,7 +17,7 @@ from branchdiff.report.model_card import card_text
 def lora_run(tmp_path_factory):
     run = tmp_path_factory.mktemp("push") / "run"
     assert main(["train", "tiny-chain", f"output_dir={run}", "model.finetune=lora", "iterations=1", "logging.sample_every=1",
-                 "prompts.eval_seeds=1", "logging.tensorboard=false"]) == 0
+                 "prompts.eval_seeds=1", "logging.report_to=none"]) == 0
     return run
 
 

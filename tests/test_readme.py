@@ -170,7 +170,7 @@ def test_eval_of_a_run_reproduces_its_final_evaluation(tiny_model_dir, tmp_path,
 
     run = tmp_path / "run"
     assert main(["train", "tiny-chain", f"model.path={tiny_model_dir}", f"output_dir={run}", "iterations=2", "prompts.per_iteration=2",
-                 "tree.roots=3", "sampling.num_steps=3", "prompts.eval_seeds=2", "model.finetune=lora", "train.learning_rate=0.05", "logging.tensorboard=false"]) == 0
+                 "tree.roots=3", "sampling.num_steps=3", "prompts.eval_seeds=2", "model.finetune=lora", "train.learning_rate=0.05", "logging.report_to=none"]) == 0
     trained = json.loads((run / "eval.json").read_text())["trained"]["all"]
     capsys.readouterr()
     assert main(["eval", "--lora", str(run / "lora"), "--json", str(tmp_path / "again.json"), "--out", str(tmp_path / "again")]) == 0

@@ -183,7 +183,7 @@ def test_training_with_a_user_reward_named_in_yaml(user_module, tiny_model_dir, 
         prompts: {{per_iteration: 2}}
         sampling: {{num_steps: 3}}
         tree: {{roots: 3}}
-        logging: {{tensorboard: false, sample_every: 0}}
+        logging: {{report_to: none, sample_every: 0}}
         reward:
           - name: user_rewards:Brightness
             weight: 1.0
@@ -200,7 +200,7 @@ def test_training_with_a_user_reward_named_in_yaml(user_module, tiny_model_dir, 
 def _one_iteration(model_dir, run, reward: str) -> list[str]:
     """Overrides of a one-iteration tiny-chain run on `model_dir` into `run` with `reward`."""
     return [f"model.path={model_dir}", f"output_dir={run}", "iterations=1", "final_eval=false", "prompts.per_iteration=2",
-            "sampling.num_steps=3", "tree.roots=3", "logging.tensorboard=false", f"reward={reward}"]
+            "sampling.num_steps=3", "tree.roots=3", "logging.report_to=none", f"reward={reward}"]
 
 
 def _first_metrics(run) -> dict:

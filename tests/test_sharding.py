@@ -34,7 +34,7 @@ def _arguments(model: Path, run: Path, finetune: str, *extra: str) -> list[str]:
     return ["train", "tiny-chain", "model.family=sd3", f"model.path={model}", "model.resolution=32", f"model.finetune={finetune}",
             f"output_dir={run}", "seed=5", "reward=rewards_for_tests:Redness", "prompts.per_iteration=2", f"sampling.num_steps={STEPS}",
             "sampling.max_batch=8", "tree.roots=1", "tree.splits=[[0,2],[1,2]]", "train.minibatch=2", rate, "train.ema_decay=0.5",
-            "logging.checkpoint_every=1", "logging.sample_every=0", "logging.tensorboard=false", "prompts.eval_seeds=1",
+            "logging.checkpoint_every=1", "logging.sample_every=0", "logging.report_to=none", "prompts.eval_seeds=1",
             "final_eval=false", "iterations=2", *extra]
 
 

@@ -200,7 +200,7 @@ def test_training_recomputes_each_edge_at_its_own_noise_level(tiny_model_dir, tm
         "reward=rewards_for_tests:Redness", "prompts.per_iteration=2", "sampling.num_steps=4", f"sampling.sde={sde}",
         f"sampling.noise_level={level}", "tree.roots=1", f"tree.splits=[[0, 2, {{noise_level: {level * 0.5}}}], [2, 2]]",
         f"tree.split_noise_level={min(level * 1.25, 1.0)}", f"tree.anchor_noise_multiplier={anchor_multiplier}",
-        "train.minibatch=64", "logging.tensorboard=false",
+        "train.minibatch=64", "logging.report_to=none",
     ])
     metrics = Trainer(config).run_iteration(0).metrics
     assert metrics["edges_trained"] > 0 and metrics["logprob_check"] < 1e-5

@@ -174,7 +174,7 @@ def test_a_video_run_trains_evaluates_and_exports_a_lora_the_pipeline_loads(save
                  f"prompts.train={prompts}", f"prompts.eval={prompts}", "prompts.per_iteration=2", "prompts.eval_seeds=1",
                  "reward={name: rewards_for_tests:Redness, frames: 2}", "eval_rewards=[{name: rewards_for_tests:Redness, frames: 2}]",
                  "sampling.num_steps=3", "tree.roots=2", "tree.splits=[[0,2]]", "train.learning_rate=0.05", "train.lora_rank=4",
-                 "train.lora_alpha=16", "logging.sample_every=1", "logging.tensorboard=false", f"output_dir={run}"]
+                 "train.lora_alpha=16", "logging.sample_every=1", "logging.report_to=none", f"output_dir={run}"]
     assert main(["train", "tiny-chain", *overrides, "iterations=1"]) == 0
     assert (run / "samples" / "iter-000000.png").is_file() and (run / "report.html").is_file()
     playing = run / "samples" / "iter-000000.mp4"  # the grid of training videos, playing; the report embeds it
@@ -245,7 +245,7 @@ def test_a_video_run_killed_mid_iteration_resumes_to_the_same_weights(saved, tmp
         return ["train", "tiny-chain", "model.family=wan", f"model.path={saved['one']}", "model.resolution=[16,32]", "model.frames=5",
                 "model.finetune=lora", "reward={name: rewards_for_tests:Redness, frames: 2}", "prompts.per_iteration=2", "iterations=4",
                 "sampling.num_steps=3", "tree.roots=2", "tree.splits=[[0,2]]", "train.learning_rate=5e-2", "final_eval=false",
-                "logging.checkpoint_every=2", "logging.sample_every=0", "logging.tensorboard=false", "seed=4", f"output_dir={run}"]
+                "logging.checkpoint_every=2", "logging.sample_every=0", "logging.report_to=none", "seed=4", f"output_dir={run}"]
 
     assert main(args(tmp_path / "straight")) == 0
     tests = Path(__file__).parent
@@ -300,7 +300,7 @@ def test_full_fine_tuning_with_gradient_checkpointing_exports_a_transformer_the_
     assert main(["train", "tiny-chain", "model.family=wan", f"model.path={saved['one']}", "model.resolution=[16,32]", "model.frames=5",
                  "model.finetune=full", "train.gradient_checkpointing=true", "train.learning_rate=1e-3", "train.ema_decay=0.5",
                  "reward={name: rewards_for_tests:Redness, frames: 2}", "prompts.per_iteration=2", "iterations=2", "sampling.num_steps=3",
-                 "tree.roots=2", "tree.splits=[[0,2]]", "final_eval=false", "logging.sample_every=0", "logging.tensorboard=false",
+                 "tree.roots=2", "tree.splits=[[0,2]]", "final_eval=false", "logging.sample_every=0", "logging.report_to=none",
                  f"output_dir={run}"]) == 0
     transformer = WanTransformer3DModel.from_pretrained(run / "transformer")
     pipe = WanPipeline.from_pretrained(saved["one"], transformer=transformer)
@@ -340,7 +340,7 @@ def _two_expert_run(saved, run, expert: str, *extra: str) -> list[dict]:
     assert main(["train", "tiny-chain", "model.family=wan", f"model.path={saved['two']}", "model.resolution=[16,32]", "model.frames=5",
                  "model.finetune=lora", f"model.expert={expert}", "reward={name: rewards_for_tests:Redness, frames: 2}",
                  "prompts.per_iteration=2", "iterations=2", f"sampling.num_steps={STEPS}", "tree.roots=2", "tree.splits=[[0,2],[2,2]]",
-                 "train.learning_rate=5e-2", "train.minibatch=1", "final_eval=false", "logging.sample_every=0", "logging.tensorboard=false",
+                 "train.learning_rate=5e-2", "train.minibatch=1", "final_eval=false", "logging.sample_every=0", "logging.report_to=none",
                  f"output_dir={run}", *extra]) == 0
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 

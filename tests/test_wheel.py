@@ -83,7 +83,7 @@ def test_wheel_trains_and_evaluates_outside_the_source_tree(wheel: Path, tmp_pat
 
     branchdiff = venv / "bin" / "branchdiff"
     run([branchdiff, "train", "tiny-chain", "iterations=2", "prompts.per_iteration=2", "tree.roots=2", "sampling.num_steps=3",
-         "model.finetune=lora", "final_eval=false", "logging.tensorboard=false", f"output_dir={tmp_path / 'run'}"], work, env)
+         "model.finetune=lora", "final_eval=false", "logging.report_to=none", f"output_dir={tmp_path / 'run'}"], work, env)
     assert (tmp_path / "run" / "lora" / "pytorch_lora_weights.safetensors").is_file()
     table = run([branchdiff, "eval", "--seeds", "1", "--steps", "3", "--out", str(tmp_path / "eval")], work, env).splitlines()
     assert table[0].startswith("tiny:held_out: 36 prompts × 1 images, base model") and table[1].split() == ["score", "all"], table

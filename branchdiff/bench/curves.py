@@ -70,7 +70,7 @@ from branchdiff.settings.load import load_config
 from branchdiff.settings.trees import tree_spec
 from branchdiff.training.trainer import Trainer
 
-COMMON = ["iterations=100000", "final_eval=false", "logging.tensorboard=false", "logging.sample_every=0",
+COMMON = ["iterations=100000", "final_eval=false", "logging.report_to=none", "logging.sample_every=0",
           "logging.checkpoint_every=0", "explore.fidelity_every=0", "prompts.per_iteration=8"]
 EIGHT_LEAVES = "tree.splits=[[0,2],[1,2],[2,2]]"
 VARIANTS: dict[str, tuple[str, list[str]]] = {  # name: (preset, overrides equalising the shape: module doc)

@@ -34,7 +34,7 @@ ANCHOR_SPLITS = "[[0,2],[3,2],[6,2],[9,2]]"  # BranchGRPO: T = 20, k = 2 at step
 BASE = [
     "sampling.num_steps=20", "sampling.shift=3.0", "sampling.sde=dance", "sampling.noise_level=0.3",
     "sampling.max_batch=64", "prompts.per_iteration=4", "train.minibatch=64",
-    "logging.tensorboard=false", "final_eval=false", "iterations=1000",
+    "logging.report_to=none", "final_eval=false", "iterations=1000",
 ]
 TREE = ["tree.roots=1", f"tree.splits={ANCHOR_SPLITS}"]
 VARIANTS: dict[str, list[str]] = {
@@ -208,7 +208,7 @@ def bench_explore(json_path: Path | None = None, iterations: int = 4, extra_over
     rows: dict[str, dict] = {}
     for backend in backends:
         overrides = ["explore.mode=seeds", f"explore.backend={backend}", "explore.pool=16", "explore.keep=16",
-                     "explore.preview_sampler=sde", "explore.fidelity_every=0", "prompts.per_iteration=8", "logging.tensorboard=false",
+                     "explore.preview_sampler=sde", "explore.fidelity_every=0", "prompts.per_iteration=8", "logging.report_to=none",
                      "final_eval=false", "output_dir=runs/bench-explore", *extra_overrides]
         try:
             trainer = Trainer(load_config(None, overrides))

@@ -20,7 +20,9 @@ def cmd_train(args: argparse.Namespace) -> None:
     """Validate everything, claim the run directory (the first process), load, train, evaluate,
     and say where the results are. A failure before the first file is written leaves no folder behind."""
     from branchdiff.runtime.run_dir import claim
-    from branchdiff.settings.load import load_config, preset_or_default
+    from branchdiff.settings.load import load_config, preset_or_default, to_dict
+    from branchdiff.settings.validate import tracker_names
+    from branchdiff.training import trackers
     from branchdiff.training.preflight import check_inputs
 
     source, overrides = split_train_args(args)
@@ -52,6 +54,11 @@ def cmd_train(args: argparse.Namespace) -> None:
         raise explained from None
     train(trainer)
     comparison = trainer.final_evaluation() if config.final_eval else None  # every process samples its share
+    names = tracker_names(config.logging.report_to)
+    if comparison is not None and names:  # the trackers' run again (its id), for the final evaluation's means
+        trackers.start(trainer.accelerator, names, run_dir, config.iterations, to_dict(config))
+        trainer.accelerator.log(trackers.final_evaluation(comparison), step=config.iterations)
+        trainer.accelerator.end_training()
     disconnect(trainer.accelerator)
     if not trainer.accelerator.is_main_process:
         return

@@ -175,7 +175,7 @@ class LogConfig:
     sample_every: int = non_negative(10)  # save a grid of leaf samples every n iterations (0: never)
     checkpoint_every: int = non_negative(10)  # accelerator.save_state every n iterations (and at the end)
     checkpoints_total_limit: int = positive(2)  # newest checkpoints kept (older ones deleted after each save)
-    tensorboard: bool = True  # log metrics to TensorBoard through accelerate's tracker
+    report_to: str | list[str] = "tensorboard"  # experiment trackers through accelerate: tensorboard | wandb | swanlab | none, or a list (branchdiff/training/trackers.py)
 
 
 @dataclass

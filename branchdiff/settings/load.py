@@ -29,6 +29,7 @@ PRESET_DIR = Path(__file__).parents[1] / "configs"
 
 
 REPLACED_KEYS = {
+    "logging.tensorboard": "renamed logging.report_to: tensorboard (the default), wandb, swanlab or none, or a list of them",
     "logging.keep_checkpoints": "renamed logging.checkpoints_total_limit (the newest checkpoints kept)",
     "tree.split_noise_scale": "use tree.split_noise_level (an SDE noise level that enters drift and noise, e.g. 1.2 for η = 0.3 × 4) "
                               "or tree.anchor_noise_multiplier (the BranchGRPO release's noise-only kick); see docs/trees.md",

@@ -13,11 +13,25 @@ from branchdiff.rewards.combine import parse_reward_specs
 from branchdiff.settings.config import LOSSES, TrainConfig
 from branchdiff.settings.trees import tree_spec, validate_cps, validate_ode, validate_trainable, validate_tree
 
+TRACKERS = ("tensorboard", "wandb", "swanlab")  # logging.report_to (branchdiff/training/trackers.py)
+
+
+def tracker_names(report_to: str | list[str]) -> list[str]:
+    """`logging.report_to` as a list of trackers ("none": none), or a one-line ConfigError."""
+    names = [report_to] if isinstance(report_to, str) else list(report_to)
+    if names == ["none"] or not names:
+        return []
+    if any(n not in TRACKERS for n in names) or len(set(names)) != len(names):
+        raise ConfigError(f"logging.report_to={report_to}: choose tensorboard, wandb, swanlab or none, or a list of them without repeats, "
+                          "e.g. logging.report_to=[tensorboard,wandb]")
+    return names
+
 
 def validate(config: TrainConfig) -> None:
     """Cross-field checks that single fields cannot express."""
     if not config.output_dir.strip():
         raise ConfigError("'output_dir' is empty; pass output_dir= a folder for the run, e.g. output_dir=runs/my-run")
+    tracker_names(config.logging.report_to)
     _validate_finetune(config)
     validate_warmup(config.train.warmup_iterations, config.iterations)
     validate_decay_start(config.train.decay_start, config.train.warmup_iterations, config.train.lr_schedule)

@@ -23,6 +23,8 @@ from branchdiff.models.families import FAMILIES, image_size
 from branchdiff.rewards.combine import RewardSpec, parse_reward_specs
 from branchdiff.rewards.registry import check_reward_kwargs, resolve_reward
 from branchdiff.settings.config import TrainConfig
+from branchdiff.settings.validate import tracker_names
+from branchdiff.training.trackers import check_installed
 
 CHARACTERS_PER_TOKEN = 16  # no token of the families' tokenizers spans more characters than this in a prompt (a generous bound)
 
@@ -46,6 +48,7 @@ def check_inputs(config: TrainConfig) -> None:
             check_reward_kwargs(spec.name, factories[spec.name], spec.kwargs)
     check_size(config.model.family, config.model.path, config.model.resolution)
     check_backend(config.model.attention_backend)
+    check_installed(tracker_names(config.logging.report_to))
     check_frames(config.model.family, config.model.path, config.model.frames)
     if FAMILIES[config.model.family].video:
         for key, specs in (("reward", train_specs), *((("eval_rewards", eval_specs),) if evaluates else ())):

@@ -36,9 +36,10 @@ from branchdiff.errors import CheckpointError, RunStopped, is_out_of_memory, out
 from branchdiff.models.finetune import export
 from branchdiff.report.figures import save_grid
 from branchdiff.report.model_card import write_model_card
-from branchdiff.report.tensorboard import add_grid
 from branchdiff.runtime import metrics_log, storage
 from branchdiff.runtime.watchdog import Heartbeat
+from branchdiff.settings.validate import tracker_names
+from branchdiff.training import trackers
 from branchdiff.training.hacking import stop_line
 from branchdiff.training.trainer import Trainer
 
@@ -132,12 +133,11 @@ def train(trainer: Trainer) -> None:
 
 def _train(trainer: Trainer, heartbeat: Heartbeat | None) -> None:
     config, accelerator, run_dir = trainer.config, trainer.accelerator, trainer.run_dir
-    from branchdiff.settings.load import save_config
+    from branchdiff.settings.load import save_config, to_dict
 
     if accelerator.is_main_process:
         save_config(config, run_dir / "config.yaml")
-    # TensorBoard drops the events of steps ≥ purge_step that an earlier session wrote after its last checkpoint
-    accelerator.init_trackers("branchdiff", init_kwargs={"tensorboard": {"purge_step": trainer.start_iteration}})
+    trackers.start(accelerator, tracker_names(config.logging.report_to), run_dir, trainer.start_iteration, to_dict(config))
     progress = tqdm(range(trainer.start_iteration, config.iterations), initial=trainer.start_iteration, total=config.iterations,
                     desc="train", disable=not accelerator.is_local_main_process)
     try:
@@ -214,10 +214,11 @@ def _iteration(trainer: Trainer, iteration: int) -> dict[str, float]:
 
 
 def _log_grid(trainer: Trainer, tag: str, grid: torch.Tensor, iteration: int) -> None:
-    """A saved sample grid into TensorBoard when it logs: an image, or a video's grid playing as a GIF."""
-    if trainer.config.logging.tensorboard:
+    """A saved sample grid into the trackers: an image, or a video's grid playing as a GIF."""
+    names = tracker_names(trainer.config.logging.report_to)
+    if names:
         with storage.disk_full_as_error(trainer.run_dir / "logs"):
-            add_grid(trainer.accelerator.get_tracker("tensorboard", unwrap=True), tag, grid, iteration)
+            trackers.log_grid(trainer.accelerator, names, tag, grid, iteration)
 
 
 def _write_report(trainer: Trainer) -> None:

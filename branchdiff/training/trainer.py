@@ -55,6 +55,7 @@ from branchdiff.runtime.watchdog import Heartbeat, backend_timeout
 from branchdiff.search import make_search
 from branchdiff.settings.config import TrainConfig
 from branchdiff.settings.trees import tree_spec
+from branchdiff.settings.validate import tracker_names
 from branchdiff.training.checkpoints import TrainerCheckpoints
 from branchdiff.training.hacking import WatchState
 from branchdiff.training.lr_schedule import LearningRateSchedule
@@ -172,7 +173,7 @@ class Trainer(TrainerCheckpoints):
         return Accelerator(
             cpu=not torch.cuda.is_available(),
             mixed_precision=config.train.mixed_precision,
-            log_with="tensorboard" if config.logging.tensorboard else None,
+            log_with=tracker_names(config.logging.report_to) or None,
             project_config=ProjectConfiguration(project_dir=str(self.run_dir), logging_dir=str(self.run_dir / "logs")),
             # the denoiser's buffers are constants (SD3's positional table): nothing to broadcast; a collective
             # still waiting a while after the heartbeat watch (branchdiff/runtime/watchdog.py) would have named a frozen rank raises

@@ -1,0 +1,95 @@
+"""Experiment trackers (`logging.report_to`: tensorboard, wandb, swanlab, none, or a list) through
+Accelerate's trackers: the run's config, every metric of metrics.jsonl at its iteration, the sample
+grids (an image, or a video's grid as a GIF) and the final evaluation (`final_eval/<model>/<score>`).
+
+A run keeps one id (RUN/trackers.json), so a resumed run continues the same W&B / SwanLab run
+(`resume: allow`) and TensorBoard purges what the earlier session logged after its last checkpoint.
+Offline: W&B with `WANDB_MODE=offline` (RUN/logs/wandb/offline-run-*, `wandb sync` uploads them),
+SwanLab with `SWANLAB_MODE=offline` (RUN/logs/swanlab/run-*, `swanlab sync`) or `local` (its dashboard
+package). Their files live under RUN/logs.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import string
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from branchdiff.errors import ConfigError
+from branchdiff.runtime import storage
+from branchdiff.settings.validate import tracker_names  # noqa: F401  (the names' one rule, with the config's checks)
+
+IDS_FILE = "trackers.json"
+
+
+def check_installed(names: list[str]) -> None:
+    """Refuse a tracker whose package is missing, before anything is written."""
+    import importlib.util
+
+    for name in names:
+        if importlib.util.find_spec(name) is None:
+            raise ConfigError(f"logging.report_to includes {name}, whose package is not installed: pip install {name} "
+                              "(or pip install \"branchdiff-rl[track]\"), or leave it out")
+
+
+def run_id(run_dir: Path) -> str:
+    """The run's tracker id: made at the first launch (RUN/trackers.json), read back on resume."""
+    path = run_dir / IDS_FILE
+    if path.is_file():
+        return json.loads(path.read_text())["id"]
+    alphabet = string.ascii_lowercase + string.digits
+    identity = "".join(secrets.choice(alphabet) for _ in range(21))
+    storage.write_text(path, json.dumps({"id": identity}) + "\n")
+    return identity
+
+
+def init_kwargs(names: list[str], run_dir: Path, identity: str, start_iteration: int, config: dict) -> dict[str, dict[str, Any]]:
+    """Each tracker's keyword arguments: the run's id and name, files under RUN/logs, the config."""
+    logs = run_dir / "logs"
+    kwargs: dict[str, dict[str, Any]] = {
+        # TensorBoard drops the events of steps ≥ purge_step that an earlier session wrote after its last checkpoint
+        "tensorboard": {"purge_step": start_iteration},
+        "wandb": {"dir": str(logs), "id": identity, "resume": "allow", "name": run_dir.name, "config": config},
+        "swanlab": {"logdir": str(logs / "swanlab"), "id": identity, "resume": "allow", "experiment_name": run_dir.name, "config": config},
+    }
+    if "wandb" in names:
+        logs.mkdir(parents=True, exist_ok=True)
+    return {name: kwargs[name] for name in names}
+
+
+def start(accelerator, names: list[str], run_dir: Path, start_iteration: int, config: dict) -> None:
+    """Start the trackers on the main process (Accelerate logs from there)."""
+    if not names:
+        return
+    identity = run_id(run_dir) if accelerator.is_main_process else ""
+    accelerator.trackers = []  # a second start (the final evaluation's) replaces the finished ones
+    accelerator.init_trackers("branchdiff", init_kwargs=init_kwargs(names, run_dir, identity, start_iteration, config))
+
+
+def log_grid(accelerator, names: list[str], tag: str, grid: torch.Tensor, step: int) -> None:
+    """A sample grid into every tracker: (3, H, W) as an image, (F, 3, H, W) as a playing GIF."""
+    from branchdiff.report.tensorboard import add_grid, gif_bytes
+    from branchdiff.rewards.base import to_uint8
+
+    for name in names:
+        if name == "tensorboard":
+            add_grid(accelerator.get_tracker(name, unwrap=True), tag, grid, step)
+            continue
+        if grid.dim() == 3:
+            accelerator.get_tracker(name).log_images({tag: [to_uint8(grid).permute(1, 2, 0).numpy()]}, step=step)
+            continue
+        with tempfile.NamedTemporaryFile(suffix=".gif", delete=False) as handle:  # the libraries take a GIF by path
+            handle.write(gif_bytes(grid))
+        module = __import__(name)
+        accelerator.get_tracker(name).log({tag: module.Video(handle.name)}, step=step)
+        Path(handle.name).unlink(missing_ok=True)
+
+
+def final_evaluation(comparison: dict[str, dict[str, float]]) -> dict[str, float]:
+    """The final evaluation's means as metrics: final_eval/<model>/<score>."""
+    return {f"final_eval/{model}/{score}": value for model, scores in comparison.items() for score, value in scores.items()}

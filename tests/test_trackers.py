@@ -1,0 +1,109 @@
+"""`logging.report_to` (branchdiff/training/trackers.py): a W&B offline run and a SwanLab offline run
+log what metrics.jsonl holds, step by step, the sample grids and the final evaluation; a resumed run
+continues the same tracker run. The trackers' own files are read back with their own readers."""
+
+from __future__ import annotations
+
+import glob
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from branchdiff.cli import main
+
+pytest.importorskip("wandb")
+pytest.importorskip("swanlab")
+
+
+def wandb_history(run_dir: Path) -> tuple[list[str], list[dict]]:
+    """(run ids, history rows) of every W&B offline session under RUN/logs/wandb, oldest first."""
+    from swanlab.converter.wb.wbdatastore import WBDataStoreReader  # a reader of W&B's transaction log
+    from wandb.proto import wandb_internal_pb2
+
+    ids, rows = [], []
+    for path in sorted(glob.glob(str(run_dir / "logs" / "wandb" / "offline-run-*" / "run-*.wandb"))):
+        reader = WBDataStoreReader()
+        reader.open(path)
+        while (data := reader.scan()) is not None:
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(data)
+            kind = record.WhichOneof("record_type")
+            if kind == "run":
+                ids.append(record.run.run_id)
+            elif kind == "history":
+                rows.append({item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item})
+    return ids, rows
+
+
+def swanlab_scalars(run_dir: Path) -> tuple[list[str], dict[tuple[str, int], float], set[str]]:
+    """(run folders' ids, {(key, step): value} of every scalar, media keys) of the SwanLab offline sessions."""
+    from swanlab.proto.swanlab.record.v1.record_pb2 import Record
+    from swanlab.sdk.internal.core_python.store import DataStoreReader
+
+    ids, scalars, media = [], {}, set()
+    for path in sorted(glob.glob(str(run_dir / "logs" / "swanlab" / "run-*" / "run-*.swanlab"))):
+        ids.append(Path(path).stem.removeprefix("run-"))
+        reader = DataStoreReader()
+        reader.open(path)
+        for data in reader:
+            record = Record()
+            record.ParseFromString(data)
+            if record.HasField("scalar"):
+                scalars[(record.scalar.key, record.scalar.step)] = record.scalar.value.number
+            elif record.HasField("media"):
+                media.add(record.media.key)
+    return ids, scalars, media
+
+
+def test_wandb_and_swanlab_offline_log_the_metrics_grids_and_evaluation_and_resume_continues_them(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("SWANLAB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    run = tmp_path / "run"
+    common = ["tiny-chain", f"output_dir={run}", "logging.report_to=[tensorboard,wandb,swanlab]", "logging.sample_every=1",
+              "logging.checkpoint_every=1", "prompts.eval_seeds=1"]
+    assert main(["train", *common, "iterations=2", "final_eval=false"]) == 0
+    assert main(["train", *common, "iterations=3", "--resume", "latest"]) == 0  # one more iteration, then the final evaluation
+    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    identity = json.loads((run / "trackers.json").read_text())["id"]
+
+    ids, history = wandb_history(run)
+    assert set(ids) == {identity} and len(ids) == 3  # two training sessions and the final evaluation's, one W&B run
+    by_step = {}
+    for row in history:
+        by_step.setdefault(row.get("_step"), {}).update(row)
+    for row in metrics:
+        logged = by_step[row["iteration"]]
+        for key, value in row.items():
+            if key != "iteration" and isinstance(value, float) and math.isfinite(value):
+                assert logged[key] == pytest.approx(value, rel=1e-6), key
+    assert by_step[0]["samples/train/_type"] == "images/separated" and by_step[2]["samples/train/count"] == 1  # each iteration's grid
+    final = json.loads((run / "eval.json").read_text())
+    assert by_step[3]["final_eval/trained/tiny-geneval.strict"] == pytest.approx(final["trained"]["all"]["tiny-geneval.strict"]["mean"])
+
+    ids, scalars, media = swanlab_scalars(run)
+    assert set(ids) == {identity} and len(ids) == 3
+    for row in metrics:
+        for key, value in row.items():
+            if key != "iteration" and isinstance(value, float) and math.isfinite(value):
+                assert scalars[(key, row["iteration"])] == pytest.approx(value, rel=1e-6), key
+    assert "samples/train" in media and ("final_eval/base/tiny-geneval", 3) in scalars
+
+
+def test_a_tracker_that_is_not_installed_is_one_line_before_anything_is_written(tmp_path, monkeypatch, capsys):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
+    run = tmp_path / "run"
+    assert main(["train", "tiny-chain", f"output_dir={run}", "logging.report_to=wandb"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == ("branchdiff: error: logging.report_to includes wandb, whose package is not installed: pip install wandb (or pip install "
+                   "\"branchdiff-rl[track]\"), or leave it out") and not run.exists()
+
+
+def test_the_old_tensorboard_key_names_its_replacement(capsys):
+    assert main(["train", "tiny-chain", "logging.tensorboard=false"]) == 2
+    assert "renamed logging.report_to: tensorboard (the default), wandb, swanlab or none" in capsys.readouterr().err
