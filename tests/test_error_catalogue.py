@@ -320,6 +320,21 @@ CASES = [
     Case("solver-release-without-one", lambda e: ["sample", "--model", str(e.model), "--prompt", "one red circle on the left", "--solver",
                                                   "release", "--steps", "1", "--images-per-prompt", "1", "--out", str(e.tmp / "out")],
          r"the tiny model ships no sampler of its own \(--solver release needs a diffusers pipeline folder\)"),
+    Case("attention-backend-unavailable", lambda e: e.fresh("model.attention_backend=flash"),
+         r"model.attention_backend=flash: its package is not installed here \(installed: .*\); install it \(flash: flash-attn"),
+    Case("attention-backend-not-dispatched", lambda e: e.fresh("model.attention_backend=_native_math"),
+         r"model.attention_backend=_native_math: the tiny family's attention calls PyTorch's SDPA directly, not diffusers' dispatcher"),
+    Case("tracker-unknown", lambda e: e.fresh("logging.report_to=[tensorboard,neptune]"),
+         r"logging.report_to=\['tensorboard', 'neptune'\]: choose tensorboard, wandb, swanlab or none, or a list of them without repeats"),
+    Case("serve-beyond-loopback-without-token", lambda e: ["serve-reward", "tiny-geneval", "--host", "0.0.0.0"],
+         r"serve-reward --host 0.0.0.0: a server listening beyond this machine needs a shared token; give --token-file FILE"),
+    Case("token-file-without-a-token", lambda e: ["serve-reward", "tiny-geneval", "--token-file", str(e.tmp / "token")],
+         r"token file .*token: holds no token of 16 characters or more; write one", setup=_write("token", "short\n")),
+    Case("plan-unknown-gpu", lambda e: ["plan", "tiny-chain", "--gpu", "h1000"], r"--gpu h1000: not a GPU plan knows; choose one of h100-80gb"),
+    Case("plan-family-without-memory-model", lambda e: ["plan", "z-image-pickscore"],
+         r"model.family=z-image: `branchdiff plan` has no memory model for this family yet"),
+    Case("push-not-a-run", lambda e: ["push", str(e.tmp), "--repo-id", "me/x"], r"not a run folder \(no config.yaml\); pass the output_dir"),
+    Case("push-bad-repo-id", lambda e: ["push", str(e.run), "--repo-id", "x"], r"--repo-id x: a hub repository is OWNER/NAME"),
 ]
 
 

@@ -184,10 +184,12 @@ def test_a_rollout_forwards_peak_memory_against_the_memory_tables_estimate(saved
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from branchdiff.models import load_adapter
+    from branchdiff.models.attention import apply_backend
     from branchdiff.plan.trace import forward_peak
 
     rows = 256
     adapter = load_adapter(family, str(saved[family]), "cuda", 32, torch.bfloat16)
+    apply_backend(adapter.denoiser, "native", family)  # as a run does: PyTorch's SDPA without cuDNN's kernel
     inputs = _recorded_inputs(adapter, rows)
     denoiser = adapter.denoiser
     torch.cuda.synchronize()
