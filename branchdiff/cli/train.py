@@ -58,7 +58,7 @@ def cmd_train(args: argparse.Namespace) -> None:
     if comparison is not None and names:  # the trackers' run again (its id), for the final evaluation's means
         trackers.start(trainer.accelerator, names, run_dir, config.iterations, to_dict(config))
         trainer.accelerator.log(trackers.final_evaluation(comparison), step=config.iterations)
-        trainer.accelerator.end_training()
+        trackers.finish(trainer.accelerator)
     disconnect(trainer.accelerator)
     if not trainer.accelerator.is_main_process:
         return

@@ -26,10 +26,8 @@ from __future__ import annotations
 
 import signal
 import sys
-from pathlib import Path
 
 import torch
-from accelerate import Accelerator
 from tqdm.auto import tqdm
 
 from branchdiff.errors import CheckpointError, RunStopped, is_out_of_memory, out_of_memory
@@ -162,23 +160,11 @@ def _train(trainer: Trainer, heartbeat: Heartbeat | None) -> None:
                                       "continue with --resume latest")
     finally:
         progress.close()
-        _end_trackers(accelerator)
+        trackers.finish(accelerator)
     with trainer.evaluated_weights():  # the moving average when on; every process (a sharded denoiser is gathered), the main one writes
         export(trainer.finetune, run_dir, write=accelerator.is_main_process)
     if accelerator.is_main_process:
         write_model_card(run_dir, trainer.finetune.export_name)  # RUN/README.md, again after the final evaluation
-
-
-def _end_trackers(accelerator: Accelerator) -> None:
-    """Flush and close TensorBoard, on a stop too; a full disk here is not a second error (the run
-    reports the first, and TensorBoard readers skip a last record cut short). The processes stay
-    connected for the export and the final evaluation (`cmd_train` ends with `end_training`)."""
-    try:
-        for tracker in accelerator.trackers:
-            tracker.finish()
-    except Exception as error:  # TensorBoard's writer raises its own types
-        if not storage.is_disk_full(error, Path(accelerator.project_dir or ".")):
-            raise
 
 
 def _iteration(trainer: Trainer, iteration: int) -> dict[str, float]:

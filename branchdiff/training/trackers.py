@@ -93,3 +93,15 @@ def log_grid(accelerator, names: list[str], tag: str, grid: torch.Tensor, step: 
 def final_evaluation(comparison: dict[str, dict[str, float]]) -> dict[str, float]:
     """The final evaluation's means as metrics: final_eval/<model>/<score>."""
     return {f"final_eval/{model}/{score}": value for model, scores in comparison.items() for score, value in scores.items()}
+
+
+def finish(accelerator) -> None:
+    """Flush and close the trackers, on a stop too, leaving the processes connected (unlike
+    `accelerator.end_training`) for the export and the final evaluation. A full disk here is not a
+    second error: the run reports the first, and TensorBoard's readers skip a last record cut short."""
+    try:
+        for tracker in accelerator.trackers:
+            tracker.finish()
+    except Exception as error:  # each library raises its own types
+        if not storage.is_disk_full(error, Path(accelerator.project_dir or ".")):
+            raise
