@@ -47,6 +47,9 @@ def test_a_dispatcher_family_under_the_math_kernel_predicts_as_native_and_trains
     with torch.no_grad():
         ours, theirs = (a.predict(latents, torch.full((2,), 0.6), embeds, a.default_guidance) for a in (math, native))
     torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
+    from diffusers.models.attention_dispatch import _AttentionBackendRegistry
+
+    assert _AttentionBackendRegistry.get_active_backend()[0].value == "native"  # the process's default is left alone (a Wan run after this one kept its own kernel)
     metrics = Trainer(load_config(None, _train_overrides("flux", folder, tmp_path / "run", "model.attention_backend=_native_math"))).run_iteration(0).metrics
     assert metrics["optimizer_steps"] == 1 and metrics["logprob_check"] <= 1e-5
 

@@ -53,16 +53,27 @@ def check_backend(name: str) -> None:
 
 
 def apply_backend(denoiser: torch.nn.Module, name: str, family: str) -> None:
-    """Set `denoiser`'s attention backend; on CUDA under `native`, PyTorch's cuDNN attention off (see above)."""
-    if name == DEFAULT:
-        if torch.cuda.is_available():
-            torch.backends.cuda.enable_cudnn_sdp(False)
-        return
+    """Set `denoiser`'s attention backend on each of its processors; on CUDA under `native`, PyTorch's
+    cuDNN attention off (see above). diffusers' `set_attention_backend` also makes the backend the
+    process's default for every other model; that default is put back, so a second model in the
+    process (an evaluation, another run in the same Python) keeps its own."""
+    from diffusers import ModelMixin
+    from diffusers.models.attention_dispatch import _AttentionBackendRegistry
+
+    if name == DEFAULT and torch.cuda.is_available():
+        torch.backends.cuda.enable_cudnn_sdp(False)
     processors = [module.processor for module in denoiser.modules() if hasattr(module, "processor")]
     if not any(hasattr(processor, "_attention_backend") for processor in processors):
+        if name == DEFAULT:
+            return  # PyTorch's SDPA called directly: native is what runs
         raise ValueError(f"model.attention_backend={name}: the {family} family's attention calls PyTorch's SDPA directly, not diffusers' "
                          f"dispatcher; leave it at native for this family")
-    from diffusers import ModelMixin
+    from branchdiff.models.loading import quiet_loading
 
-    for model in [m for m in denoiser.modules() if isinstance(m, ModelMixin)]:  # Wan 2.2 A14B: both experts
-        model.set_attention_backend(name)
+    default = _AttentionBackendRegistry.get_active_backend()[0]
+    try:
+        with quiet_loading():  # diffusers warns that its backends are experimental, on every call
+            for model in [m for m in denoiser.modules() if isinstance(m, ModelMixin)]:  # Wan 2.2 A14B: both experts
+                model.set_attention_backend(name)  # pinned on the processors, native included
+    finally:
+        _AttentionBackendRegistry.set_active_backend(default)

@@ -42,6 +42,7 @@ from branchdiff.explore.quant import QuantConfig, make_quantized_copy, refresh_q
 from branchdiff.models import load_adapter
 from branchdiff.models.attention import apply_backend
 from branchdiff.models.base import ModelAdapter, encode_for
+from branchdiff.models.compile import compile_denoiser
 from branchdiff.models.ema import WeightAverage
 from branchdiff.models.finetune import make_finetune
 from branchdiff.objectives import make_objective
@@ -105,6 +106,9 @@ class Trainer(TrainerCheckpoints):
         if self.sharding.enabled and config.explore.mode == "search":
             raise ConfigError("'explore.mode' = 'search' grows each prompt's tree a node at a time, which sharded forwards cannot follow "
                               "in lockstep; under FSDP use explore.mode=seeds or tree")
+        if self.sharding.enabled and config.model.compile != "none":
+            raise UserError(f"model.compile={config.model.compile} with FSDP: a sharded denoiser is not compiled yet; leave model.compile=none "
+                            "when sharding")
         if self.sharding.enabled and config.train.optimizer == "adamw8bit":
             raise ConfigError("'train.optimizer' = 'adamw8bit' is not supported on a sharded (FSDP) denoiser; use train.optimizer=adamw "
                               "(its moments are sharded with the weights)")
@@ -139,6 +143,7 @@ class Trainer(TrainerCheckpoints):
         self.explorer = self._make_explorer()  # a whole copy on every process, made before the denoiser is sharded
         if self.sharding.enabled:
             self.finetune.shard(self.sharding, Lockstep(self.collective))
+        compile_denoiser(self.adapter.denoiser, model.compile)  # after LoRA, the explorer's copy and sharding: rollouts and training run it
         optimizer = make_optimizer(config, self.finetune.params)
         self.weight_average = WeightAverage(self.finetune.params, config.train.ema_decay) if config.train.ema_decay else None
         self.learning_rate = LearningRateSchedule(optimizer, config.train.lr_schedule, config.train.warmup_iterations, config.iterations,

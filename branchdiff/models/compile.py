@@ -1,0 +1,53 @@
+"""A compiled denoiser (`model.compile`): `none`, `blocks` (regional compilation: each repeated transformer
+block compiled once and reused, diffusers' `compile_repeated_blocks` where the model declares its
+repeated blocks, else every block of the model's block lists) or `full` (the whole denoiser's forward).
+
+Compilation is in place (`Module.compile`), so parameter names, LoRA exports and checkpoints are those of
+the eager model; rollouts and training run the same compiled code, so the log-prob check before the first
+update still holds. Shapes vary with the tree's levels (a few rows at the root, many at the leaves): the
+first recompilation marks the batch dimension dynamic (torch.compile's default), so a run compiles a
+handful of times, then reuses them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+MODES = ("none", "blocks", "full")
+
+
+def _blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model's repeated blocks: its declared `_repeated_blocks` classes, else every item of each
+    ModuleList attribute of two or more modules of one class (SD3's and SANA's transformer_blocks)."""
+    declared = getattr(model, "_repeated_blocks", None)
+    if declared:
+        return [m for m in model.modules() if type(m).__name__ in declared]
+    found = []
+    for child in model.children():
+        if isinstance(child, torch.nn.ModuleList) and len(child) >= 2 and len({type(m) for m in child}) == 1:
+            found.extend(child)
+    return found
+
+
+def compile_denoiser(denoiser: torch.nn.Module, mode: str, backend: str = "inductor") -> int:
+    """Compile `denoiser` (every diffusers model inside it: both of Wan 2.2's experts) in place with
+    torch.compile's `backend`; returns how many modules were compiled. Raises ValueError naming the fix
+    when `blocks` finds none."""
+    if mode == "none":
+        return 0
+    from diffusers import ModelMixin
+
+    models = [m for m in denoiser.modules() if isinstance(m, ModelMixin)] or [denoiser]
+    compiled = 0
+    for model in models:
+        if mode == "full":
+            model.compile(backend=backend)
+            compiled += 1
+            continue
+        blocks = _blocks(model)
+        if not blocks:
+            raise ValueError(f"model.compile=blocks: {type(model).__name__} has no repeated blocks to compile; use model.compile=full")
+        for block in blocks:
+            block.compile(backend=backend)
+        compiled += len(blocks)
+    return compiled

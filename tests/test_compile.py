@@ -1,0 +1,54 @@
+"""`model.compile` (branchdiff/models/compile.py): the compiled denoiser keeps its parameter names, its
+rollouts equal the eager ones, and the rollout ÷ training log-prob check still holds. The fast tests
+compile through TorchDynamo with the `eager` backend (the graph capture, LoRA included, without code
+generation); the release test runs Inductor, the default, against eager within a stated tolerance."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from branchdiff.models.compile import compile_denoiser
+from branchdiff.settings.load import load_config
+from branchdiff.training.trainer import Trainer
+
+RUN = ["iterations=2", "final_eval=false", "logging.report_to=none", "logging.sample_every=0", "prompts.per_iteration=2", "sampling.num_steps=4"]
+
+
+def _trainer(tmp_path, name: str, *overrides: str) -> Trainer:
+    return Trainer(load_config("tiny-chain", [f"output_dir={tmp_path / name}", *RUN, *overrides]))
+
+
+def _compare(tmp_path, backend: str, tolerance: float) -> None:
+    eager = _trainer(tmp_path, "eager")
+    compiled = _trainer(tmp_path, "compiled")  # compiled here with `backend`, as model.compile=blocks does with inductor
+    names = [n for n, _ in compiled.adapter.denoiser.named_parameters()]
+    assert compile_denoiser(compiled.adapter.denoiser, "blocks", backend) == 4  # the built-in model's four transformer blocks
+    assert [n for n, _ in compiled.adapter.denoiser.named_parameters()] == names  # in place: checkpoints and exports unchanged
+    ours, theirs = (t.rollout_and_score(0)[0].latents for t in (compiled, eager))
+    torch.testing.assert_close(ours, theirs, atol=tolerance, rtol=tolerance)
+    metrics = compiled.run_iteration(1).metrics
+    assert metrics["optimizer_steps"] == 1 and metrics["logprob_check"] <= 1e-5
+
+
+def test_blocks_compiled_through_dynamo_roll_out_as_eager_and_keep_the_logprob_check(tmp_path):
+    _compare(tmp_path, "eager", 0.0)
+
+
+@pytest.mark.slow
+def test_blocks_compiled_by_inductor_roll_out_as_eager_within_1e_4(tmp_path):
+    """~40 s of compilation on 2 cores; then an iteration of the built-in task took 1.02 s against 1.28 s eager."""
+    _compare(tmp_path, "inductor", 1e-4)
+
+
+def test_model_compile_is_applied_by_the_trainer_and_refused_where_it_cannot(tmp_path, monkeypatch):
+    from branchdiff.errors import UserError
+
+    trainer = _trainer(tmp_path, "blocks", "model.compile=blocks")  # compiled lazily: nothing runs until the first forward
+    assert all(getattr(block, "_compiled_call_impl", None) is not None for block in trainer.adapter.denoiser.transformer_blocks)
+    with pytest.raises(ValueError, match=r"model.compile=blocks: Linear has no repeated blocks to compile; use model.compile=full"):
+        compile_denoiser(torch.nn.Linear(2, 2), "blocks")
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    monkeypatch.setenv("FSDP_VERSION", "2")
+    with pytest.raises(UserError, match=r"model.compile=blocks with FSDP: a sharded denoiser is not compiled yet"):
+        _trainer(tmp_path, "fsdp", "model.compile=blocks")
