@@ -25,3 +25,6 @@ def test_bench_tree_counts(tiny_model_dir, tmp_path):
                                      "per_node_over_batched", "rollout_over_bare_forward", "efficiency", "exact"}
     assert set(result["ratios"]["exact"]) >= {"chain_over_mix", "rollout_over_bare_forward"}
     assert (tmp_path / "bench.json").is_file()
+    profile = rows["tree"]["profile"]  # where the seconds went, summing to the iteration's
+    assert set(profile) == {"rollout_seconds", "decode_seconds", "score_seconds", "forward_backward_seconds", "optimizer_seconds", "other_seconds"}
+    assert "compiled_over_eager" in result["ratios"] and rows["tree_compiled"]["nfe_rollout"] == 203

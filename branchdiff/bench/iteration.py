@@ -45,7 +45,9 @@ VARIANTS: dict[str, list[str]] = {
     "mix": [*TREE, "tree.mix_window=4"],
     # later splits (158 instead of 203 forwards) and Mix: SDE on steps 0-2 and the splits only
     "best": ["tree.roots=1", "tree.splits=[[3,2],[6,2],[9,2],[12,2]]", "tree.mix_window=3"],
+    "tree_compiled": [*TREE, "model.compile=blocks"],  # the tree with each transformer block compiled (torch.compile, Inductor)
 }
+PROFILE = ("rollout_seconds", "decode_seconds", "score_seconds", "forward_backward_seconds", "optimizer_seconds", "other_seconds")
 RATIO_NAMES = {"tree": "chain_over_tree", "tree_depth_pruned": "chain_over_tree_pruned", "tree_width_pruned": "chain_over_tree_width_pruned",
                "mix": "chain_over_mix", "best": "chain_over_best"}
 
@@ -103,7 +105,19 @@ def _row(runs: list[dict]) -> dict:
         "rollout_seconds": statistics.median(r["rollout_seconds"] for r in runs),
         "train_seconds": statistics.median(r["train_seconds"] for r in runs),
         "reward_mean": statistics.mean(r["reward_mean"] for r in runs),
+        "profile": {key: statistics.median(_phases(r)[key] for r in runs) for key in PROFILE},
     }
+
+
+def _phases(run: dict) -> dict[str, float]:
+    """Where an iteration's seconds went: the rollout, decoding the leaves, scoring them, the update's
+    forwards and backwards, its optimizer steps (with gradient clipping), and the rest (advantages,
+    pruning, the update's plan, metrics, bookkeeping)."""
+    phases = {"rollout_seconds": run["rollout_seconds"], "decode_seconds": run["decode_seconds"],
+              "score_seconds": run["reward_seconds"] - run["decode_seconds"], "forward_backward_seconds": run["forward_backward_seconds"],
+              "optimizer_seconds": run["optimizer_seconds"]}
+    phases["other_seconds"] = run["seconds"] - sum(phases.values())
+    return phases
 
 
 def bench_tree(json_path: Path | None = None, repeats: int = 3, extra_overrides: list[str] = (), variants: list[str] | None = None) -> dict:
@@ -174,7 +188,10 @@ def _ratios(rows: dict[str, dict], c: float) -> dict:
             ratios[RATIO_NAMES[name]] = speedup
     if "tree_per_node" in rows:
         ratios["per_node_over_batched"] = rows["tree_per_node"]["seconds"] / rows["tree"]["seconds"]
-    ratios["efficiency"] = {name: row["efficiency"] for name, row in rows.items() if "efficiency" in row and name != "tree_per_node"}
+    if "tree_compiled" in rows:
+        ratios["compiled_over_eager"] = rows["tree_compiled"]["seconds"] / rows["tree"]["seconds"]
+    ratios["efficiency"] = {name: row["efficiency"] for name, row in rows.items()
+                            if "efficiency" in row and name not in ("tree_per_node", "tree_compiled")}
     return ratios
 
 

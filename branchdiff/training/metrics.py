@@ -106,6 +106,8 @@ def iteration_metrics(
     maxima = {
         **{name: update[name] for name, kind in kinds.items() if kind == "max"}, "rollout_seconds": info["rollout_seconds"],
         "reward_seconds": info["reward_seconds"], "train_seconds": info["train_seconds"], **info.get("memory", {}),
+        "decode_seconds": info.get("decode_seconds", 0.0), "forward_backward_seconds": update.get("forward_backward_seconds", 0.0),
+        "optimizer_seconds": update.get("optimizer_seconds", 0.0),
         **{f"explore_{k}": v for k, v in explore_stats.items() if not k.endswith(("_nfe", "_mean_abs_diff"))},
     }
     # every process holds the same number of kept candidates, so the mean of the processes' means is the global mean

@@ -239,6 +239,7 @@ class Trainer(TrainerCheckpoints):
         start = time.perf_counter()
         with self.memory.phase("reward", info["memory"]):
             images = self.adapter.decode(rollout.leaf_latents)
+            info["decode_seconds"] = time.perf_counter() - start
             tree = rollout.tree
             leaf_prompts = tree.prompt[tree.leaf_index]  # (L,) the group of each leaf
             rewards = self.reward(images, [prompts[p] for p in leaf_prompts.tolist()], [metadata[p] for p in leaf_prompts.tolist()],

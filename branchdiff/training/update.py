@@ -17,6 +17,7 @@ taken, the weights' moving average moves (`train.ema_decay`, branchdiff/models/e
 from __future__ import annotations
 
 import math
+import time
 from contextlib import nullcontext
 from dataclasses import dataclass
 
@@ -47,7 +48,8 @@ class UpdateLoop:
         and this process's loss terms (`terms`: the denominator of the per-term means)."""
         accelerator = self.accelerator
         local_terms = sum(plan.terms)
-        stats = {"optimizer_steps": 0, "steps_skipped": 0, "trailing_skips": 0, "grad_norm": 0.0, "terms": local_terms}
+        stats = {"optimizer_steps": 0, "steps_skipped": 0, "trailing_skips": 0, "grad_norm": 0.0, "terms": local_terms,
+                 "forward_backward_seconds": 0.0, "optimizer_seconds": 0.0}
         global_terms = int(self.collective.sum(torch.tensor([float(local_terms)], dtype=torch.float64)).item())
         if global_terms == 0:
             return {**plan.stats, **stats}
@@ -61,6 +63,7 @@ class UpdateLoop:
             if self.sharded:  # every process makes as many forwards and backwards as the busiest one, each reducing its gradients
                 busiest = int(self.collective.max(torch.tensor([len(group)])).item())
                 members = group + [None] * (busiest - len(group))
+            start = time.perf_counter()
             for index, m in enumerate(members):
                 sync = index == len(members) - 1 or self.sharded
                 with (nullcontext() if sync else accelerator.no_sync(self.denoiser)), accelerator.autocast():
@@ -69,6 +72,8 @@ class UpdateLoop:
                     else:
                         loss = plan.loss(m).sum() * accelerator.num_processes / step_terms  # DDP averages over processes
                     accelerator.backward(loss)
+            stats["forward_backward_seconds"] += time.perf_counter() - start
+            start = time.perf_counter()
             grad_norm = float(full_tensor(accelerator.clip_grad_norm_(self.params, self.train.max_grad_norm)))
             stats["grad_norm"] = grad_norm
             if math.isfinite(grad_norm):
@@ -81,6 +86,7 @@ class UpdateLoop:
                 stats["steps_skipped"] += 1
                 stats["trailing_skips"] += 1
             self.optimizer.zero_grad(set_to_none=True)
+            stats["optimizer_seconds"] += time.perf_counter() - start
         return {**plan.stats, **stats}
 
 
