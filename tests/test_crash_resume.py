@@ -98,6 +98,7 @@ def test_sigkill_in_the_middle_of_an_iteration_then_resume_gives_the_same_weight
     _assert_same_run(run, setting["reference"])
 
 
+@pytest.mark.slow  # release only: keeps the suite under 15 minutes on 2 cores
 def test_sigkill_during_a_checkpoint_write_resumes_from_the_previous_complete_one(setting):
     run, process = _killed(setting, "killed-in-save", "write_state", 2)  # the second checkpoint (iteration 5), before it is published
     assert process.returncode == -9, process.stderr[-2000:]

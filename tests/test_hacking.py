@@ -46,6 +46,7 @@ def _watched(run) -> list[tuple[int, float, float, float]]:
     return [(r["iteration"], r["watch_reward"], r["watch_gold"], r["watch_diverging"]) for r in rows if "watch_gold" in r]
 
 
+@pytest.mark.slow  # release only: keeps the suite under 15 minutes on 2 cores
 def test_a_hackable_proxy_is_flagged_and_stopped_and_the_verifier_is_not(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     proxy = tmp_path / "proxy"

@@ -346,6 +346,7 @@ def test_eval_gives_the_same_numbers_on_two_processes(tiny_model_dir, tmp_path):
     assert (tmp_path / "one" / "scores.csv").read_text() == (tmp_path / "two" / "scores.csv").read_text()
 
 
+@pytest.mark.slow  # release only: keeps the suite under 15 minutes on 2 cores
 def test_tiny_flux_trains_with_the_tree_preset_on_two_processes(tmp_path):
     """The flux-hps-branch preset (20 steps, k = 2 at 0, 3, 6, 9, guidance embedding, gradient
     checkpointing) on a tiny FLUX pipeline saved to disk, two processes, two iterations: the LoRA is
@@ -376,6 +377,7 @@ def test_tiny_flux_trains_with_the_tree_preset_on_two_processes(tmp_path):
     assert any("lora" in name for name, _ in pipe.transformer.named_parameters())
 
 
+@pytest.mark.slow  # release only: keeps the suite under 15 minutes on 2 cores
 def test_tiny_wan_trains_videos_on_two_processes(tmp_path):
     """A video family on two processes: a tiny Wan pipeline (5 frames), a tree, an image reward scoring
     every 2nd frame; the LoRA is identical on both ranks after every update, the ranks draw different

@@ -76,6 +76,7 @@ def test_leaf_advantages_are_group_normalised_and_the_sampling_policy_follows_it
     assert not all(torch.equal(p, o) for p, o in zip(params, old))  # the live weights are back, ahead of the sampling policy
 
 
+@pytest.mark.slow  # release only: keeps the suite under 15 minutes on 2 cores
 def test_a_run_resumed_from_its_checkpoint_ends_like_an_unstopped_one(tmp_path):
     def args(run, iterations):
         return ["train", "tiny-chain", f"output_dir={run}", f"iterations={iterations}", "prompts.per_iteration=2", "tree.roots=3",

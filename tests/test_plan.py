@@ -128,6 +128,7 @@ def test_the_report_sets_the_estimate_beside_the_measured_peaks(tmp_path):
     assert f"{max(plan.phase_peak('train'), plan.phase_peak('optimizer')) / GIB:.3f}" in html
 
 
+@pytest.mark.slow  # release only: keeps the suite under 15 minutes on 2 cores
 def test_the_plan_of_a_wide_tiny_sd3_against_a_measured_iteration_on_this_cpu(tmp_path):
     """A tiny SD3 pipeline with a wider transformer (1024 tokens, width 256): one tree iteration in a fresh
     process, each phase's peak resident set above the process's start against the plan's estimate.
