@@ -151,3 +151,17 @@ def test_the_plan_of_a_wide_tiny_sd3_against_a_measured_iteration_on_this_cpu(tm
     assert phases["train"]["estimated_gib"] > 0.5  # large enough to measure
     assert 0.8 <= ratio["rollout"] <= 1.25 and 0.55 <= ratio["train"] <= 1.25, (ratio, phases)
     assert np.isfinite(ratio["reward"])
+
+
+@pytest.mark.slow
+def test_sana_at_its_real_size_on_this_cpu(tmp_path):
+    """scripts/real_size_check.py: SANA 1600M built from its published configs (random bf16 weights), its
+    denoiser's parameters as published (1.6 B), one LoRA tree iteration at 256 px in a fresh process whose
+    peak resident memory per phase is within [0.8, 1.25] of the plan's (about 9 GB written, minutes on 2 cores)."""
+    out = tmp_path / "sana.json"
+    done = subprocess.run([sys.executable, str(TESTS.parent / "scripts" / "real_size_check.py"), "sana", "--folder", str(tmp_path / "sana"),
+                           "--json", str(out)], capture_output=True, text=True, timeout=3000)
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert result["parameters"]["denoiser"] == 1_604_462_752 and round(result["parameters"]["denoiser"] / 1e6) == 1604
+    assert all(0.8 <= ratio <= 1.25 for ratio in result["ratio"].values()), result

@@ -1,0 +1,93 @@
+#!/usr/bin/env python
+"""Real-size checks on the CPU (docs/models.md, "Real-size checks"): a family's denoiser, text encoder and VAE
+built from the release's published configs (branchdiff/plan/published.py) with random weights — on the meta
+device, then materialised in bf16 — saved as a diffusers pipeline folder, counted against the published
+parameter figures, then one LoRA tree iteration at a reduced resolution in a fresh process whose peak resident
+memory per phase is set against `branchdiff plan`'s estimate of the same settings.
+
+    python scripts/real_size_check.py sana --folder /tmp/sana-1.6b     # ~9 GB on disk, some minutes on 2 cores
+
+The tokenizer is the test suite's small one (tests/tiny_pipelines.py): ids stay inside the real vocabulary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+
+PUBLISHED = {"sana": ("SANA 1600M", 1_604_000_000)}  # the release's stated size (Sana_1600M: 1.6 B; 1604 M in its model card)
+SETTINGS = {"sana": ["model.family=sana", "model.resolution=256", "model.dtype=bfloat16", "train.mixed_precision=bf16", "sampling.guidance=1.0",
+                     "model.prompt_instruction=false"]}
+RUN = ["reward=rewards_for_tests:Redness", "prompts.per_iteration=1", "sampling.num_steps=2", "tree.roots=2", "tree.splits=[]", "iterations=1",
+       "final_eval=false", "logging.report_to=none", "logging.sample_every=0", "train.lora_rank=8", "train.minibatch=4", "sampling.max_batch=4",
+       "sampling.sde=flow", "sampling.noise_level=0.7"]
+
+
+def materialise(module: torch.nn.Module) -> torch.nn.Module:
+    """A meta-built module's storage on the CPU in bf16: weights ~ N(0, 0.02), 1-D weights 1, biases 0."""
+    module.to_empty(device="cpu")
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if p.dim() >= 2:
+                p.normal_(0, 0.02)
+            else:
+                p.fill_(1.0 if name.endswith("weight") else 0.0)
+    return module.to(torch.bfloat16)
+
+
+def build_sana(folder: Path) -> dict[str, int]:
+    from diffusers import AutoencoderDC, FlowMatchEulerDiscreteScheduler, SanaPipeline, SanaTransformer2DModel
+    from transformers import Gemma2Config, Gemma2Model
+
+    from branchdiff.plan import published as P
+    from tiny_pipelines import build_gemma_tokenizer
+
+    with torch.device("meta"):
+        transformer = SanaTransformer2DModel.from_config(P.SANA_1600M_1024_TRANSFORMER)
+        text_encoder = Gemma2Model(Gemma2Config(**P.GEMMA2_2B))
+        vae = AutoencoderDC.from_config(P.VAE_DCAE_F32C32)
+    counts = {"denoiser": sum(p.numel() for p in transformer.parameters()), "text_encoder": sum(p.numel() for p in text_encoder.parameters()),
+              "vae": sum(p.numel() for p in vae.parameters())}
+    pipe = SanaPipeline(tokenizer=build_gemma_tokenizer(), text_encoder=materialise(text_encoder), vae=materialise(vae),
+                        transformer=materialise(transformer), scheduler=FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0))
+    pipe.save_pretrained(folder, safe_serialization=True)
+    return counts
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("family", choices=sorted(PUBLISHED))
+    parser.add_argument("--folder", type=Path, required=True, help="where the random-weight pipeline is saved (reused when present)")
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args()
+    counts = json.loads((args.folder / "counts.json").read_text()) if (args.folder / "counts.json").is_file() else None
+    if counts is None:
+        counts = build_sana(args.folder)
+        (args.folder / "counts.json").write_text(json.dumps(counts))
+    label, published = PUBLISHED[args.family]
+    overrides = [*SETTINGS[args.family], f"model.path={args.folder}", f"output_dir={args.folder.parent / (args.folder.name + '-run')}", *RUN]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")]), "HF_HUB_OFFLINE": "1", "MALLOC_MMAP_THRESHOLD_": "65536"}
+    done = subprocess.run([sys.executable, str(ROOT / "tests" / "plan_measured.py"), *overrides], env=env, capture_output=True, text=True)
+    if done.returncode:
+        sys.exit(done.stderr[-3000:])
+    phases = json.loads(done.stdout.strip().splitlines()[-1])
+    result = {"family": label, "parameters": counts, "published": published, "phases": phases,
+              "ratio": {p: v["measured_gib"] / v["estimated_gib"] for p, v in phases.items()}}
+    print(f"{label}: denoiser {counts['denoiser']:,} parameters (published {published:,}); text encoder {counts['text_encoder']:,}; VAE {counts['vae']:,}")
+    for phase, v in phases.items():
+        print(f"  {phase:<8} measured {v['measured_gib']:.2f} GiB, planned {v['estimated_gib']:.2f} GiB, ratio {result['ratio'][phase]:.2f}")
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
