@@ -24,9 +24,11 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
-PUBLISHED = {"sana": ("SANA 1600M", 1_604_000_000)}  # the release's stated size (Sana_1600M: 1.6 B; 1604 M in its model card)
+PUBLISHED = {"sana": ("SANA 1600M", 1_604_000_000),  # the release's stated size (Sana_1600M: 1.6 B; 1604 M in its model card)
+             "sd3.5-medium": ("SD3.5 Medium", 2_500_000_000)}  # "2.5 billion parameters" (its model card): the MMDiT-X with its positional table
 SETTINGS = {"sana": ["model.family=sana", "model.resolution=256", "model.dtype=bfloat16", "train.mixed_precision=bf16", "sampling.guidance=1.0",
-                     "model.prompt_instruction=false"]}
+                     "model.prompt_instruction=false"],
+            "sd3.5-medium": ["model.family=sd3", "model.resolution=128", "model.dtype=bfloat16", "train.mixed_precision=bf16", "sampling.guidance=1.0"]}
 RUN = ["reward=rewards_for_tests:Redness", "prompts.per_iteration=1", "sampling.num_steps=2", "tree.roots=2", "tree.splits=[]", "iterations=1",
        "final_eval=false", "logging.report_to=none", "logging.sample_every=0", "train.lora_rank=8", "train.minibatch=4", "sampling.max_batch=4",
        "sampling.sde=flow", "sampling.noise_level=0.7"]
@@ -34,14 +36,16 @@ RUN = ["reward=rewards_for_tests:Redness", "prompts.per_iteration=1", "sampling.
 
 def materialise(module: torch.nn.Module) -> torch.nn.Module:
     """A meta-built module's storage on the CPU in bf16: weights ~ N(0, 0.02), 1-D weights 1, biases 0."""
-    module.to_empty(device="cpu")
+    module.to(torch.bfloat16).to_empty(device="cpu")  # bf16 on meta first: the real size is allocated once, in bf16
     with torch.no_grad():
         for name, p in module.named_parameters():
             if p.dim() >= 2:
                 p.normal_(0, 0.02)
             else:
                 p.fill_(1.0 if name.endswith("weight") else 0.0)
-    return module.to(torch.bfloat16)
+        for buffer in module.buffers():  # positional tables and the like: finite values
+            buffer.zero_()
+    return module
 
 
 def build_sana(folder: Path) -> dict[str, int]:
@@ -63,6 +67,37 @@ def build_sana(folder: Path) -> dict[str, int]:
     return counts
 
 
+def build_sd35_medium(folder: Path) -> dict[str, int]:
+    import gc
+
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
+    from transformers import CLIPTextConfig, CLIPTextModelWithProjection, T5Config, T5EncoderModel
+
+    from branchdiff.plan import published as P
+    from tiny_pipelines import _clip_tokenizer, build_t5_tokenizer
+
+    with torch.device("meta"):
+        transformer = SD3Transformer2DModel.from_config(P.SD35_MEDIUM_TRANSFORMER)
+        clip_l = CLIPTextModelWithProjection(CLIPTextConfig(**P.CLIP_L))
+        clip_g = CLIPTextModelWithProjection(CLIPTextConfig(**P.CLIP_G))
+        t5 = T5EncoderModel(T5Config(**P.T5_XXL))
+        vae = AutoencoderKL.from_config({**P.VAE_KL16, "scaling_factor": 1.5305, "shift_factor": 0.0609})  # SD3.5's vae/config.json
+    count = lambda m: sum(p.numel() for p in m.parameters())
+    counts = {"denoiser": count(transformer), "denoiser_buffers": sum(b.numel() for b in transformer.buffers()),
+              "text_encoder": count(clip_l) + count(clip_g) + count(t5), "vae": count(vae)}
+    pipe = StableDiffusion3Pipeline(transformer=materialise(transformer), scheduler=FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0),
+                                    vae=materialise(vae), text_encoder=materialise(clip_l), tokenizer=_clip_tokenizer(),
+                                    text_encoder_2=materialise(clip_g), tokenizer_2=_clip_tokenizer(), text_encoder_3=materialise(t5),
+                                    tokenizer_3=build_t5_tokenizer())
+    pipe.save_pretrained(folder, safe_serialization=True)
+    del pipe
+    gc.collect()
+    return counts
+
+
+BUILDERS = {"sana": build_sana, "sd3.5-medium": build_sd35_medium}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("family", choices=sorted(PUBLISHED))
@@ -71,7 +106,7 @@ def main() -> None:
     args = parser.parse_args()
     counts = json.loads((args.folder / "counts.json").read_text()) if (args.folder / "counts.json").is_file() else None
     if counts is None:
-        counts = build_sana(args.folder)
+        counts = BUILDERS[args.family](args.folder)
         (args.folder / "counts.json").write_text(json.dumps(counts))
     label, published = PUBLISHED[args.family]
     overrides = [*SETTINGS[args.family], f"model.path={args.folder}", f"output_dir={args.folder.parent / (args.folder.name + '-run')}", *RUN]
