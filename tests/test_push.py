@@ -3,6 +3,7 @@ family, and `branchdiff push` against a stand-in for huggingface_hub's HfApi (th
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -85,10 +86,10 @@ def test_a_run_without_an_export_is_one_line(lora_run, tmp_path, capsys, monkeyp
     ("sd3", "lora", 'pipe = StableDiffusion3Pipeline.from_pretrained("stabilityai/stable-diffusion-3.5-medium"'),
     ("flux", "lora", 'pipe.load_lora_weights("me/run")'),
     ("sana", "lora", "from diffusers import SanaPipeline"),
-    ("sd15", "unet", 'unet = UNet2DConditionModel.from_pretrained("me/run", subfolder="unet"'),
+    ("sd15", "unet", 'from diffusers import UNet2DConditionModel, StableDiffusionPipeline\n\nunet = UNet2DConditionModel.from_pretrained("me/run", subfolder="unet"'),
     ("z-image", "lora", "from diffusers import ZImagePipeline"),
     ("qwen-image", "lora", "from diffusers import QwenImagePipeline"),
-    ("flux2", "transformer", "pipe = Flux2Pipeline.from_pretrained"),
+    ("flux2", "transformer", 'from diffusers import Flux2Transformer2DModel, Flux2Pipeline\n\ntransformer = Flux2Transformer2DModel.from_pretrained("me/run"'),
     ("flux2-klein", "lora", "from diffusers import Flux2KleinPipeline"),
     ("flux-kontext", "lora", "from diffusers import FluxKontextPipeline"),
     ("qwen-image-edit", "lora", "QwenImageEditPlusPipeline"),
@@ -102,5 +103,8 @@ def test_every_familys_card_says_how_to_load_it(lora_run, tmp_path, family, expo
     config["model"].update(family=family, path="stabilityai/stable-diffusion-3.5-medium" if family == "sd3" else f"owner/{family}")
     (run / "config.yaml").write_text(yaml.safe_dump(config))
     (run / "metrics.jsonl").write_text((lora_run / "metrics.jsonl").read_text())
+    if export != "lora":  # a full fine-tuning's export: the denoiser's diffusers folder
+        (run / export).mkdir()
+        (run / export / "config.json").write_text(json.dumps({"_class_name": {"unet": "UNet2DConditionModel"}.get(export, "Flux2Transformer2DModel")}))
     card = card_text(run, export, "me/run")
     assert expected in card, card

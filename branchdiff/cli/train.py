@@ -26,11 +26,12 @@ def cmd_train(args: argparse.Namespace) -> None:
     from branchdiff.training.preflight import check_inputs
 
     source, overrides = split_train_args(args)
-    config = load_config(preset_or_default(source, overrides), overrides)
+    source = preset_or_default(source, overrides)
+    config = load_config(source, overrides)
     check_inputs(config)  # rewards and prompt sources, before anything is created
     from branchdiff.training.fit import check_fits, write_plan
 
-    plan = check_fits(preset_or_default(source, overrides), overrides, args.force)  # on CUDA: does it fit? (before anything loads)
+    plan = check_fits(source, overrides, args.force)  # on CUDA: does it fit? (before anything loads)
     run_dir = Path(config.output_dir)
     first_process = int(os.environ.get("RANK", "0")) == 0
     claimed = claim(run_dir, resume=bool(args.resume)) if first_process else None

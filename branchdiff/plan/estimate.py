@@ -65,8 +65,6 @@ class Plan:
     parameters: dict[str, Any]
     static: dict[str, float]
     phases: dict[str, float]
-    peak_phase: str
-    peak: float
     rows: dict[str, int]
     flops: dict[str, float]
     seconds: float
@@ -74,19 +72,28 @@ class Plan:
     change_peak: float = 0.0
     notes: list[str] = field(default_factory=list)
 
-    @property
-    def fits(self) -> bool:
-        return self.peak <= self.capacity - RESERVE
-
     def phase_peak(self, phase: str) -> float:
         """The peak while `phase` runs: static + what it adds (the start-up copy is absolute)."""
         return self.phases[phase] if phase == "start-up" else sum(self.static.values()) + self.phases[phase]
 
+    @property
+    def peak_phase(self) -> str:
+        return max(self.phases, key=self.phase_peak)
+
+    @property
+    def peak(self) -> float:
+        return self.phase_peak(self.peak_phase)
+
+    @property
+    def fits(self) -> bool:
+        return self.peak <= self.capacity - RESERVE
+
     def to_json(self) -> dict[str, Any]:
         """The plan as JSON: bytes in GiB, the peak of every phase, whether it fits."""
         gib = lambda mapping: {k: round(v / GIB, 4) for k, v in mapping.items()}
-        data = {k: v for k, v in asdict(self).items() if k not in ("static", "phases", "capacity", "peak", "change_peak")}
-        data.update(static_gib=gib(self.static), phases_gib=gib(self.phases), phase_peaks_gib=gib({p: self.phase_peak(p) for p in self.phases}),
+        data = {k: v for k, v in asdict(self).items() if k not in ("static", "phases", "capacity", "change_peak")}
+        data.update(peak_phase=self.peak_phase, static_gib=gib(self.static), phases_gib=gib(self.phases),
+                    phase_peaks_gib=gib({p: self.phase_peak(p) for p in self.phases}),
                     peak_gib=round(self.peak / GIB, 4), capacity_gib=round(self.capacity / GIB, 4), reserve_gib=RESERVE / GIB, fits=self.fits,
                     change_peak_gib=round(self.change_peak / GIB, 4))
         return data
@@ -115,9 +122,6 @@ class Estimator:
             with quiet_loading():  # diffusers' notices about casting a model built from its config
                 self.cache[key] = measure(family, dtype, config.train.lora_rank, config.train.lora_alpha, size_of(config), autocast, targets)
         return self.cache[key]
-
-    def __call__(self, config: Any, target: Target = Target()) -> Plan:
-        return estimate(config, target, self)
 
 
 def estimate(config: Any, target: Target, estimator: Estimator) -> Plan:
@@ -202,11 +206,6 @@ def estimate(config: Any, target: Target, estimator: Estimator) -> Plan:
         static["gathered blocks"] = gathered
         phases["train"] -= grads * (1 - 1 / processes)
         phases["optimizer"] *= 0 if target.sharding == "fsdp-offload" else 1 / processes
-    if not m.decode_image and family.vae is not None:
-        notes.append("VAE decode not traced")
-
-    peak_phase = max(phases, key=lambda p: phases[p] if p == "start-up" else sum(static.values()) + phases[p])
-    peak = phases[peak_phase] if peak_phase == "start-up" else sum(static.values()) + phases[peak_phase]
 
     forward = m.forward_flops()
     rollout_rows = tree.spec.rollout_nfe * config.prompts.per_iteration * cfg_rows
@@ -223,12 +222,8 @@ def estimate(config: Any, target: Target, estimator: Estimator) -> Plan:
                 "utilisation": target.utilisation, "peak_tflops": target.tflops or (gpu.bf16_tflops if bf16 else gpu.tf32_tflops)}
     parameters = {"denoiser": m.denoiser_params, "trained": trained, "lora": m.lora_params, "text_encoders": dict(m.encoders), "vae": m.vae_params,
                   "blocks": dict(m.counts)}
-    return Plan(family.name, family.label, family.source, gpu.name, target.gpu.memory if target.gpu else gpu.memory, settings, parameters, static,
-                phases, peak_phase, peak, {"rollout": rollout_rows, "train": trained_rows}, flops, seconds, notes=notes)
-
-
-def _fits(plan: Plan) -> bool:
-    return plan.peak <= plan.capacity - RESERVE
+    return Plan(family.name, family.label, family.source, gpu.name, gpu.memory, settings, parameters, static, phases,
+                {"rollout": rollout_rows, "train": trained_rows}, flops, seconds, notes=notes)
 
 
 def with_change(source: str | None, overrides: list[str], target: Target, estimator: Estimator) -> Plan:
@@ -239,38 +234,42 @@ def with_change(source: str | None, overrides: list[str], target: Target, estima
 
     config = load_config(source, overrides)
     plan = estimate(config, target, estimator)
-    if _fits(plan):
+    if plan.fits:
         return plan
 
-    def peak(*extra: str) -> Plan:
+    def planned(*extra: str) -> Plan:
         return estimate(load_config(source, [*overrides, *extra]), target, estimator)
 
-    def largest(setting: str, current: int) -> tuple[str, Plan] | None:
-        low, high = 0, current  # peak(low) fits (0: nothing tried yet), peak(high) does not
+    def setting(change: str) -> tuple[str, Plan]:
+        return change, planned(change)
+
+    def largest(name: str, current: int) -> tuple[str, Plan] | None:
+        """The largest value below `current` that fits (the peak grows with it: bisection), and its plan."""
+        low, high, found = 0, current, None  # low fits (0: nothing found yet), high does not
         while high - low > 1:
             middle = (low + high) // 2
-            low, high = (middle, high) if _fits(peak(f"{setting}={middle}")) else (low, middle)
-        return (f"{setting}={low}", peak(f"{setting}={low}")) if low else None
+            trial = planned(f"{name}={middle}")
+            low, high, found = (middle, high, trial) if trial.fits else (low, middle, found)
+        return (f"{name}={low}", found) if found else None
 
-    tries: list[tuple[str, Plan] | None] = []
+    tries = []  # tried in this order, each only when the ones before do not fit
     if not config.train.gradient_checkpointing:
-        tries.append(("train.gradient_checkpointing=true", peak("train.gradient_checkpointing=true")))
-    tries += [largest("sampling.max_batch", config.sampling.max_batch), largest("train.minibatch", config.train.minibatch)]
+        tries.append(lambda: setting("train.gradient_checkpointing=true"))
+    tries += [lambda: largest("sampling.max_batch", config.sampling.max_batch), lambda: largest("train.minibatch", config.train.minibatch)]
     if not config.model.offload:
-        tries.append(("model.offload=true", peak("model.offload=true")))
+        tries.append(lambda: setting("model.offload=true"))
     if config.train.optimizer != "adamw8bit" and target.sharding == "none":
-        tries.append(("train.optimizer=adamw8bit", peak("train.optimizer=adamw8bit")))
-    for found in tries:
-        if found and _fits(found[1]):
-            plan.change, plan.change_peak = found[0], found[1].peak
-            return plan
+        tries.append(lambda: setting("train.optimizer=adamw8bit"))
     if target.sharding == "none":
         for processes in (2, 4, 8):
+            launch = (f"FSDP2 over {processes} GPUs: accelerate launch --config_file $(branchdiff accelerate-config fsdp) "
+                      f"--num_processes {processes} (docs/sharding.md)")
             sharded = Target(processes, "fsdp", target.gpu, target.tflops, target.utilisation)
-            if _fits(found_plan := estimate(config, sharded, estimator)):
-                plan.change = (f"FSDP2 over {processes} GPUs: accelerate launch --config_file $(branchdiff accelerate-config fsdp) "
-                               f"--num_processes {processes} (docs/sharding.md)")
-                plan.change_peak = found_plan.peak
-                return plan
+            tries.append(lambda launch=launch, sharded=sharded: (launch, estimate(config, sharded, estimator)))
+    for attempt in tries:
+        found = attempt()
+        if found and found[1].fits:
+            plan.change, plan.change_peak = found[0], found[1].peak
+            return plan
     plan.change = "none found: no single setting tried (checkpointing, max_batch, minibatch, offload, 8-bit AdamW, FSDP2 over 2-8 GPUs) fits"
     return plan

@@ -10,9 +10,8 @@ every text encoder that `model_index.json` lists (a fine-tuned copy or a tiny te
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -44,15 +43,12 @@ class Family:
     block_kind: Callable[[str, torch.nn.Module], str]
     inputs: Callable[[Any, Geometry, int, Size, torch.dtype, int], dict]  # (denoiser config, geometry, rows, size, dtype, text tokens) -> kwargs
     text_tokens: int  # per row, as the adapter pads prompts
-    image_tokens: Callable[[Any, Geometry, Size], int]  # tokens (or top-level positions) a row's latent makes
     text_encoders: list[tuple[str, Callable[[], torch.nn.Module]]]
     vae: tuple[str, dict] | None  # diffusers class and config; None: the model works in pixel space
     latent: Callable[[Any, Geometry, Size], tuple[int, ...]]  # per node latent the rollout stores (fp32)
     gpu: str  # the GPU its presets target (branchdiff/plan/clock.py GPUS)
     ckpt_units: tuple[str, ...] = ()  # module classes diffusers checkpoints (UNet: resnets and transformer blocks)
     source: str = "published"  # "published", or the local folder the configs were read from
-    joint_text: bool = True  # text tokens join the image tokens in attention (False: cross-attention)
-    notes: list[str] = field(default_factory=list)
 
     def vae_latent(self, geometry: Geometry, size: Size) -> tuple[int, ...]:
         """The latent one decoded image (video) comes from."""
@@ -68,12 +64,6 @@ def _empty(*shape: int, dtype: torch.dtype) -> torch.Tensor:
 def _packed(cfg: Any, g: Geometry, size: Size) -> int:
     """Tokens of a latent packed 2×2 (FLUX, Qwen-Image, FLUX.2)."""
     return (size[1] // g.factor // 2) * (size[2] // g.factor // 2)
-
-
-def _patched(cfg: Any, g: Geometry, size: Size) -> int:
-    """Tokens of a latent cut in patch×patch squares (SD3, SANA, the built-in model)."""
-    patch = cfg["patch_size"]
-    return (size[1] // g.factor // patch) * (size[2] // g.factor // patch)
 
 
 def _flux_inputs(cfg: Any, g: Geometry, rows: int, size: Size, dtype: torch.dtype, text: int) -> dict:
@@ -189,7 +179,7 @@ def _flux2_family(name: str, label: str, config: dict, text: tuple[str, Callable
 
     adapter = Flux2Adapter if guidance else Flux2KleinAdapter
     return Family(name, label, adapter, "Flux2Transformer2DModel", config, ("transformer_blocks", "single_transformer_blocks"),
-                  dict(num_layers=1, num_single_layers=1), _class_kind, _flux2_inputs, adapter.max_sequence_length, _packed, [text],
+                  dict(num_layers=1, num_single_layers=1), _class_kind, _flux2_inputs, adapter.max_sequence_length, [text],
                   ("AutoencoderKLFlux2", {}), _flux2_latent, "80")
 
 
@@ -197,8 +187,7 @@ def _wan_family(name: str, label: str, config: dict, text: dict) -> Family:
     from branchdiff.models.wan import WanAdapter
 
     return Family(name, label, WanAdapter, "WanTransformer3DModel", config, ("blocks",), dict(num_layers=1), _class_kind, _wan_inputs,
-                  WanAdapter.max_sequence_length, lambda cfg, g, s: math.prod(_wan_latent(cfg, g, s)[1:]) // 4,
-                  [("UMT5-XXL enc", text["UMT5-XXL enc"])], ("AutoencoderKLWan", {}), _wan_latent, "80", joint_text=False)
+                  WanAdapter.max_sequence_length, [("UMT5-XXL enc", text["UMT5-XXL enc"])], ("AutoencoderKLWan", {}), _wan_latent, "80")
 
 
 def families() -> dict[str, Family]:
@@ -215,33 +204,32 @@ def families() -> dict[str, Family]:
     return {
         "flux": Family("flux", "FLUX.1-dev", FluxAdapter, "FluxTransformer2DModel", P.FLUX_DEV_TRANSFORMER,
                        ("transformer_blocks", "single_transformer_blocks"), dict(num_layers=1, num_single_layers=1), _class_kind, _flux_inputs,
-                       FluxAdapter.max_sequence_length, _packed, [("CLIP-L", text["CLIP-L"]), ("T5-XXL enc", text["T5-XXL enc"])],
+                       FluxAdapter.max_sequence_length, [("CLIP-L", text["CLIP-L"]), ("T5-XXL enc", text["T5-XXL enc"])],
                        ("AutoencoderKL", P.VAE_KL16), _packed_latent, "80"),
         "sd3": Family("sd3", "SD3.5 Medium", SD3Adapter, "SD3Transformer2DModel", P.SD35_MEDIUM_TRANSFORMER, ("transformer_blocks",),
-                      dict(num_layers=3, dual_attention_layers=(0,)), _sd3_kind, _sd3_inputs, 77 + SD3Adapter.max_sequence_length, _patched,
+                      dict(num_layers=3, dual_attention_layers=(0,)), _sd3_kind, _sd3_inputs, 77 + SD3Adapter.max_sequence_length,
                       [("CLIP-L", text["CLIP-L+proj"]), ("CLIP-G", text["CLIP-G+proj"]), ("T5-XXL enc", text["T5-XXL enc"])],
                       ("AutoencoderKL", P.VAE_KL16), _spatial_latent, "80"),
         "sana": Family("sana", "SANA 1600M 1024px", SanaAdapter, "SanaTransformer2DModel", P.SANA_1600M_1024_TRANSFORMER, ("transformer_blocks",),
-                       dict(num_layers=1), _class_kind, _sana_inputs, SanaAdapter.max_sequence_length, _patched,
-                       [("Gemma-2-2B", text["Gemma-2-2B"])], ("AutoencoderDC", P.VAE_DCAE_F32C32), _spatial_latent, "80", joint_text=False),
+                       dict(num_layers=1), _class_kind, _sana_inputs, SanaAdapter.max_sequence_length,
+                       [("Gemma-2-2B", text["Gemma-2-2B"])], ("AutoencoderDC", P.VAE_DCAE_F32C32), _spatial_latent, "80"),
         "sd15": Family("sd15", "SD 1.5", SD15Adapter, "UNet2DConditionModel", P.SD15_UNET, (), {}, lambda name, block: name, _sd15_inputs, 77,
-                       lambda cfg, g, s: (s[1] // g.factor) * (s[2] // g.factor), [("CLIP-L", text["CLIP-L"])], ("AutoencoderKL", P.VAE_KL4),
-                       _spatial_latent, "24", ckpt_units=("ResnetBlock2D", "BasicTransformerBlock"), joint_text=False),
+                       [("CLIP-L", text["CLIP-L"])], ("AutoencoderKL", P.VAE_KL4), _spatial_latent, "24",
+                       ckpt_units=("ResnetBlock2D", "BasicTransformerBlock")),
         "wan": _wan_family("wan", "Wan 2.1 T2V 1.3B", P.WAN_T2V_1_3B_TRANSFORMER, text),
         "wan-14b": _wan_family("wan-14b", "Wan 2.1 T2V 14B", P.WAN_T2V_14B_TRANSFORMER, text),
         "qwen-image": Family("qwen-image", "Qwen-Image", QwenImageAdapter, "QwenImageTransformer2DModel", P.QWEN_IMAGE_TRANSFORMER,
                              ("transformer_blocks",), dict(num_layers=1), _class_kind, _qwen_image_inputs, QwenImageAdapter.max_sequence_length,
-                             _packed, [("Qwen2.5-VL-7B", text["Qwen2.5-VL-7B"])], ("AutoencoderKLQwenImage", {}), _packed_latent, "80"),
+                             [("Qwen2.5-VL-7B", text["Qwen2.5-VL-7B"])], ("AutoencoderKLQwenImage", {}), _packed_latent, "80"),
         "flux2": _flux2_family("flux2", "FLUX.2 [dev]", P.FLUX2_DEV_TRANSFORMER, ("Mistral-Small-3.1-24B", text["Mistral-Small-3.1-24B"]), True),
         "flux2-klein-4b": _flux2_family("flux2-klein-4b", "FLUX.2 [klein] base 4B", P.FLUX2_KLEIN_4B_TRANSFORMER, ("Qwen3-4B", text["Qwen3-4B"]),
                                         False),
         # the built-in model: an SD3 transformer in pixel space (no VAE), its CLIP text encoder read from its folder
         "tiny": Family("tiny", "built-in tiny model", TinyAdapter, "SD3Transformer2DModel", TinyAdapter.denoiser_config, ("transformer_blocks",),
-                       {}, _sd3_kind, _sd3_inputs, MAX_PROMPT_TOKENS, _patched, [], None, _spatial_latent, "80"),
+                       {}, _sd3_kind, _sd3_inputs, MAX_PROMPT_TOKENS, [], None, _spatial_latent, "80"),
         # the built-in video model: a Wan transformer over 5-frame clips in pixel space
         "tiny-video": Family("tiny-video", "built-in tiny video model", TinyVideoAdapter, "WanTransformer3DModel", TinyVideoAdapter.denoiser_config,
-                             ("blocks",), {}, _class_kind, _wan_inputs, MAX_PROMPT_TOKENS,
-                             lambda cfg, g, s: math.prod(_wan_latent(cfg, g, s)[1:]) // 64, [], None, _wan_latent, "80", joint_text=False),
+                             ("blocks",), {}, _class_kind, _wan_inputs, MAX_PROMPT_TOKENS, [], None, _wan_latent, "80"),
     }
 
 

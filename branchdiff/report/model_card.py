@@ -7,6 +7,7 @@ again after the final evaluation, so it exists offline; `branchdiff push` upload
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -58,8 +59,9 @@ def evaluation_table(evaluation: dict | None) -> str:
             f"noise for both models, after iteration {evaluation.get('after_iteration')}:\n\n" + "\n".join(lines))
 
 
-def usage(config: dict, export: str, repo: str) -> str:
-    """The Python that loads the result: the pipeline with the LoRA, or the fine-tuned denoiser in it."""
+def usage(config: dict, export: str, repo: str, denoiser: str | None) -> str:
+    """The Python that loads the result: the pipeline with the LoRA, or the fine-tuned denoiser (of diffusers class
+    `denoiser`, as its export's config.json names it) in it."""
     from branchdiff.models import adapter_class
 
     model = config["model"]
@@ -78,8 +80,6 @@ def usage(config: dict, export: str, repo: str) -> str:
         else:
             lines += [f'pipe.load_lora_weights("{repo}")']
     else:
-        denoiser = "UNet2DConditionModel" if adapter.denoiser_name == "unet" else getattr(adapter, "denoiser_class", None)
-        denoiser = denoiser if isinstance(denoiser, str) else (denoiser.__name__ if denoiser else "the denoiser's class")
         lines[2] = f"from diffusers import {denoiser}, {pipeline}"
         lines += [f'{export} = {denoiser}.from_pretrained("{repo}", subfolder="{export}", torch_dtype=torch.bfloat16)',
                   f'pipe = {pipeline}.from_pretrained("{base}", {export}={export}, torch_dtype=torch.bfloat16).to("cuda")']
@@ -133,7 +133,9 @@ def card_text(run_dir: Path, export: str, repo: str | None = None) -> str:
     ]
     if grid:
         lines += ["## Samples", "", f"![the newest sample grid](samples/{grid[1].name})", ""]
-    lines += ["## How to use it", "", usage(config, export, repo or str(run_dir)), ""]
+    saved = run_dir / export / "config.json"  # a full fine-tuning's diffusers folder names its class
+    denoiser = json.loads(saved.read_text()).get("_class_name") if export != "lora" and saved.is_file() else None
+    lines += ["## How to use it", "", usage(config, export, repo or str(run_dir), denoiser), ""]
     return str(ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(lines)))
 
 

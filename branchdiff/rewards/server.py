@@ -95,7 +95,7 @@ class Batcher:
     def __init__(self, reward: object, name: str, device: object, max_batch: int) -> None:
         self.reward, self.name, self.device, self.max_batch = reward, name, device, max_batch
         self.waiting: queue.Queue[_Request] = queue.Queue()
-        self.held: list[_Request] = []  # taken from the queue but not fitting the last batch: first in the next
+        self.held: _Request | None = None  # taken from the queue, not fitting the last batch: the next batch's first
         self.calls = self.requests = 0  # reward calls made, requests answered (stats for the load test)
         self.thread = threading.Thread(target=self._run, name="reward-batcher", daemon=True)
         self.thread.start()
@@ -104,19 +104,23 @@ class Batcher:
         self.waiting.put(request)
         return request.answer
 
+    def _take(self, wait: bool) -> _Request:
+        """The held request, else the oldest queued one (waiting for one when `wait`; queue.Empty otherwise)."""
+        if self.held is not None:
+            request, self.held = self.held, None
+            return request
+        return self.waiting.get() if wait else self.waiting.get_nowait()
+
     def _next_batch(self) -> list[_Request]:
-        first = self.held.pop(0) if self.held else self.waiting.get()
+        first = self._take(wait=True)
         batch, size = [first], len(first.prompts)
         while size < self.max_batch:
-            if self.held:
-                candidate = self.held.pop(0)
-            else:
-                try:
-                    candidate = self.waiting.get_nowait()
-                except queue.Empty:
-                    break
+            try:
+                candidate = self._take(wait=False)
+            except queue.Empty:
+                break
             if candidate.images.shape[1:] != first.images.shape[1:] or size + len(candidate.prompts) > self.max_batch:
-                self.held.insert(0, candidate)  # keeps arrival order: it opens the next batch
+                self.held = candidate  # keeps arrival order: it opens the next batch
                 break
             batch.append(candidate)
             size += len(candidate.prompts)

@@ -22,7 +22,6 @@ import torch
 
 from branchdiff.errors import ConfigError
 from branchdiff.runtime import storage
-from branchdiff.settings.validate import tracker_names  # noqa: F401  (the names' one rule, with the config's checks)
 
 IDS_FILE = "trackers.json"
 
