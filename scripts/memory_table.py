@@ -21,15 +21,17 @@ warnings.filterwarnings("ignore")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from branchdiff.plan.estimate import GIB, RESERVE, Estimator, Plan, Target, with_change  # noqa: E402
-from branchdiff.plan.families import KLEIN_4B  # noqa: E402
+from branchdiff.plan.families import KLEIN  # noqa: E402
 from branchdiff.plan.measure import Measured, reward_params  # noqa: E402
-from branchdiff.settings.load import load_config  # noqa: E402
+from branchdiff.settings.load import load_config, presets  # noqa: E402
 
 WAN_14B = "model.path=Wan-AI/Wan2.1-T2V-14B-Diffusers"
-# (preset, its overrides): each row's preset and -explore variant; Wan 14B is wan-mq-branch on the 14B model
+# (preset, its overrides): each row's preset and its -explore variant where there is one; Wan 14B is wan-mq-branch on the
+# 14B model; flux2-klein-pickscore plans its own 9B and, with the override, the 4B
 PRESETS = [("sd35-pickscore", ()), ("flux-hps-branch", ()), ("flux-hps-mix", ()), ("sana-pickscore", ()), ("sd15-hps", ()),
            ("wan-mq-branch", ()), ("wan-mq-branch", (WAN_14B,)), ("qwen-image-pickscore", ()), ("flux2-pickscore", ()),
-           ("flux2-klein-pickscore", (f"model.path={KLEIN_4B}",))]
+           ("flux2-klein-pickscore", (f"model.path={KLEIN.format('4B')}",)), ("flux2-klein-pickscore", ()), ("z-image-pickscore", ()),
+           ("flux-kontext-pickscore", ()), ("qwen-image-edit-pickscore", ())]
 
 
 def g(x: float) -> str:
@@ -44,7 +46,7 @@ def _table(head: list[str], lines: list[list[str]]) -> str:
     return "\n".join("| " + " | ".join(cells) + " |" for cells in [head, ["---"] * len(head), *lines])
 
 
-def table(rows: list[tuple[str, Plan, Plan, Measured]]) -> str:
+def table(rows: list[tuple[str, Plan, Plan | None, Measured]]) -> str:
     head = ["preset", "GPU (per process)", "denoiser params (weights)", "text enc. + VAE resident", "reward model (fp32)", "LoRA params",
             "LoRA + grad + AdamW + DDP bucket", "training activations", "rollout chunk peak", "est. peak (when)", "headroom",
             "+ explore FP8 copy", "-explore est. peak (when)", "-explore headroom"]
@@ -59,24 +61,26 @@ def table(rows: list[tuple[str, Plan, Plan, Measured]]) -> str:
             millions(m.lora_params),
             g(plan.static["trained state"] + m.lora_params * 4), f"{g(plan.phases['train'] - m.lora_params * 4)} ({s['minibatch'] * s['cfg_rows']} rows, "
             f"ckpt {'on' if s['gradient_checkpointing'] else 'off'})", f"{g(plan.phases['rollout'])} ({s['max_batch'] // s['cfg_rows'] * s['cfg_rows']} rows)",
-            f"**{g(plan.peak)}** ({plan.peak_phase})", g(plan.capacity - plan.peak), g(explore.static.get("explore copy", 0)),
-            f"**{g(explore.peak)}** ({explore.peak_phase})", g(explore.capacity - explore.peak),
+            f"**{g(plan.peak)}** ({plan.peak_phase})", g(plan.capacity - plan.peak),
+            *((g(explore.static.get("explore copy", 0)), f"**{g(explore.peak)}** ({explore.peak_phase})", g(explore.capacity - explore.peak))
+              if explore else ("no -explore preset", "", "")),
         ])
     return _table(head, lines)
 
 
-def phase_table(rows: list[tuple[str, Plan, Plan, Measured]]) -> str:
+def phase_table(rows: list[tuple[str, Plan, Plan | None, Measured]]) -> str:
     head = ["preset", "static (resident all run)", "encode", "rollout", "reward (decode + images)", "train", "optimizer", "eval",
             "-explore: static", "-explore: explore", "-explore: start-up copy (absolute)"]
     lines = []
     for name, plan, explore, _ in rows:
         p = plan.phases
         lines.append([name, g(sum(plan.static.values())), *(f"+{g(p[k])}" for k in ("encode", "rollout", "reward", "train", "optimizer", "eval")),
-                      g(sum(explore.static.values())), f"+{g(explore.phases.get('explore', 0))}", g(explore.phases.get("start-up", 0))])
+                      *((g(sum(explore.static.values())), f"+{g(explore.phases.get('explore', 0))}", g(explore.phases.get("start-up", 0)))
+                        if explore else ("", "", ""))])
     return _table(head, lines)
 
 
-def per_row_table(rows: list[tuple[str, Plan, Plan, Measured]]) -> str:
+def per_row_table(rows: list[tuple[str, Plan, Plan | None, Measured]]) -> str:
     head = ("| family @ px | blocks | training, ckpt off: held + backward = per row | training, ckpt on: held + recompute "
             "+ backward = per row | rollout (no grad) per row | VAE decode per image | forward GFLOPs per row |")
     out = [head, "|" + "|".join(["---"] * (head.count("|") - 1)) + "|"]
@@ -99,7 +103,7 @@ def per_row_table(rows: list[tuple[str, Plan, Plan, Measured]]) -> str:
     return "\n".join(out)
 
 
-def components_table(rows: list[tuple[str, Plan, Plan, Measured]]) -> str:
+def components_table(rows: list[tuple[str, Plan, Plan | None, Measured]]) -> str:
     head = "| family | denoiser (exact) | LoRA params | FP8 copy: quantised weights / bytes | text encoders | VAE |"
     out = [head, "|" + "|".join(["---"] * (head.count("|") - 1)) + "|"]
     seen = set()
@@ -126,11 +130,11 @@ def main() -> None:
         overrides = [*extra, *args.set]
         name = f"{preset} ({', '.join(extra)})" if extra else preset
         plan = with_change(preset, overrides, Target(), estimator)
-        explore = with_change(f"{preset}-explore", overrides, Target(), estimator)
+        explore = with_change(f"{preset}-explore", overrides, Target(), estimator) if f"{preset}-explore" in presets() else None
         config = load_config(preset, overrides)
         rows.append((name, plan, explore, estimator.measured(estimator.family(config), config)))
     print(table(rows))
-    notes = [(name, p.change) for name, p, _, _ in rows] + [(f"{name} -explore", e.change) for name, _, e, _ in rows]
+    notes = [(name, p.change) for name, p, _, _ in rows] + [(f"{name} -explore", e.change) for name, _, e, _ in rows if e]
     print()
     if any(note for _, note in notes):
         print(f"Over the GPU or less than {RESERVE // GIB} GiB under it, and the smallest change that brings the estimate {RESERVE // GIB} GiB under it:\n")

@@ -19,10 +19,10 @@ import torch
 
 from branchdiff.cli import main
 from branchdiff.plan import GIB, Estimator, Target, estimate, with_change
+from branchdiff.plan.families import Geometry
 from branchdiff.settings.load import load_config, presets
 
 TESTS = Path(__file__).parent
-NO_MEMORY_MODEL = {"z-image", "flux-kontext", "qwen-image-edit"}  # families plan has no published config for yet
 
 
 @pytest.fixture(scope="module")
@@ -31,17 +31,11 @@ def estimator():
 
 
 def test_every_preset_is_planned_and_written_as_json(estimator):
-    """Every preset whose family has a memory model: phases, a peak that is static + its largest phase,
-    FLOPs, and JSON that round-trips; the others stop with one line naming the family."""
+    """Every preset: phases, a peak that is static + its largest phase, FLOPs, and JSON that round-trips."""
     from branchdiff.cli.plan import format_plan
 
     planned = 0
     for preset in presets():
-        config = load_config(preset)
-        if config.model.family in NO_MEMORY_MODEL or (config.model.family == "flux2-klein" and "4b" not in str(config.model.path).lower()):
-            with pytest.raises(ValueError, match=r"model\.(family|path)="):
-                estimate(config, Target(), estimator)
-            continue
         plan = with_change(preset, [], Target(), estimator)
         assert plan.flops["total"] > 0 and plan.seconds > 0 and (plan.fits or plan.change)
         assert plan.static["denoiser"] >= plan.parameters["denoiser"] and set(plan.phases) >= {"rollout", "reward", "train", "optimizer", "eval"}
@@ -49,7 +43,7 @@ def test_every_preset_is_planned_and_written_as_json(estimator):
         assert data["peak_gib"] == pytest.approx(plan.peak / GIB, abs=1e-4) and set(data["phase_peaks_gib"]) == set(plan.phases)
         assert plan.label in format_plan(preset, plan)
         planned += 1
-    assert planned >= 30
+    assert planned == len(presets()) >= 40
 
 
 def test_the_command_prints_the_plan_and_writes_json(tmp_path, capsys):
@@ -59,6 +53,40 @@ def test_the_command_prints_the_plan_and_writes_json(tmp_path, capsys):
     data = json.loads(path.read_text())
     assert "SD3.5 Medium" in out and "A100 80 GB" in out and data["settings"]["minibatch"] == 4 and data["fits"] is True
     assert data["parameters"]["denoiser"] == 2_243_171_520  # SD3.5 Medium's transformer, counted on meta
+
+
+def test_the_newer_releases_count_their_published_sizes(estimator):
+    """Z-Image (6 B), FLUX.2 [klein] base 9B (9 B) and FLUX.1 Kontext (FLUX.1-dev's 12 B) from their published
+    configs, counted on meta; Qwen-Image-Edit is Qwen-Image's 20 B."""
+    sizes = {"z-image-pickscore": (6.0e9, 6.3e9), "flux2-klein-pickscore": (8.9e9, 9.3e9), "flux-kontext-pickscore": (11.8e9, 12.0e9),
+             "qwen-image-edit-pickscore": (20.3e9, 20.5e9)}
+    for preset, (low, high) in sizes.items():
+        assert low < estimate(load_config(preset), Target(), estimator).parameters["denoiser"] < high, preset
+
+
+def test_an_edit_step_holds_the_source_tokens_beside_the_image(estimator):
+    """FLUX.1 Kontext at 384² runs FLUX.1's transformer over 2 × 576 image tokens: the FLOPs and the per-row
+    rollout memory of FLUX.1 at 384 × 768 (the same sequence). Qwen-Image-Edit's forward takes one source at the
+    pipeline's 1024² VAE area (64 × 64 tokens) after the image's 24 × 24."""
+    def measured(preset: str, *overrides: str):
+        config = load_config(preset, list(overrides))
+        return estimator.measured(estimator.family(config), config)
+
+    kontext, flux = measured("flux-kontext-pickscore"), measured("flux-kontext-pickscore", "model.family=flux", "model.resolution=[384,768]")
+    assert kontext.forward_flops() == pytest.approx(flux.forward_flops(), rel=1e-3) and kontext.rollout(4) == pytest.approx(flux.rollout(4), rel=0.02)
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    edit = estimator.family(load_config("qwen-image-edit-pickscore"))
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        inputs = edit.inputs(edit.config, Geometry(8, 1, 16), 2, (1, 384, 384), torch.bfloat16, edit.text_tokens)
+    assert inputs["hidden_states"].shape == (2, 576 + 4096, 64) and inputs["img_shapes"] == [[(1, 24, 24), (1, 64, 64)]] * 2
+
+
+def test_guidance_zero_is_one_row_for_z_image(estimator):
+    """Z-Image-Turbo's guidance 0 is unguided (one row a prediction); CFG for any guidance above 0. Regression: the
+    plan read guidance 0 as unset and counted the default's two rows."""
+    assert estimate(load_config("z-image-pickscore"), Target(), estimator).settings["cfg_rows"] == 1
+    assert estimate(load_config("z-image-pickscore", ["sampling.guidance=0.5"]), Target(), estimator).settings["cfg_rows"] == 2
 
 
 def test_a_run_that_does_not_fit_gets_the_smallest_change_that_does(estimator):
@@ -82,7 +110,8 @@ def test_fsdp_divides_the_weights_and_trained_state_among_the_processes(estimato
 @pytest.mark.parametrize("argv,line", [
     (["plan", "tiny-chain", "--gpu", "h1000"], r"--gpu h1000: not a GPU plan knows; choose one of h100-80gb"),
     (["plan", "tiny-chain", "--sharding", "fsdp"], r"--sharding fsdp with --gpus 1: sharding needs two or more processes"),
-    (["plan", "z-image-pickscore"], r"model.family=z-image: `branchdiff plan` has no memory model for this family yet"),
+    (["plan", "flux2-klein-pickscore", "model.path=someone/klein"],
+     r"model.path=someone/klein: plan knows FLUX.2 \[klein\] 4B and 9B by name; plan with model.path=black-forest-labs/FLUX.2-klein-base-4B"),
 ])
 def test_bad_plan_input_is_one_line(argv, line, capsys):
     assert main(argv) == 2

@@ -116,9 +116,15 @@ class ModelAdapter(ABC):
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         """Images (B, 3, H, W) in [0, 1]."""
 
+    @classmethod
+    def cfg_rows(cls, guidance: float) -> int:
+        """Network rows one prediction costs at `guidance`, by the family's rule: 2 under CFG (unconditional
+        and conditional), else 1 (also what `branchdiff plan` counts, without a loaded model)."""
+        return 2 if cls.uses_cfg and guidance > 1 else 1
+
     def rows_per_sample(self, guidance: float) -> int:
-        """Network rows one prediction costs: 2 under CFG (unconditional and conditional), else 1."""
-        return 2 if self.uses_cfg and guidance > 1 else 1
+        """Network rows one prediction costs for this model (a distilled checkpoint may drop CFG)."""
+        return self.cfg_rows(guidance)
 
     def predict(self, latents: torch.Tensor, times: torch.Tensor, embeds: PromptEmbeds, guidance: float | None = None) -> torch.Tensor:
         """The guided model output for latents (B, ...) at times (B,), embeds with B rows: under CFG

@@ -71,7 +71,8 @@ class ZImageAdapter(PipelineAdapter):
         sigmas = sigma_schedule(num_steps, shift)
         return FlowSchedule(sigmas, self.model_times(sigmas[:-1] * 1000))
 
-    def rows_per_sample(self, guidance: float) -> int:
+    @classmethod
+    def cfg_rows(cls, guidance: float) -> int:
         return 2 if guidance > 0 else 1
 
     def guidance_scale(self, times: torch.Tensor, guidance: float) -> float:

@@ -135,8 +135,8 @@ def estimate(config: Any, target: Target, estimator: Estimator) -> Plan:
     dbytes = torch.finfo(DTYPES[config.model.dtype]).bits // 8
     size = size_of(config)
     pixels = math.prod(size) * 3  # values per decoded image (video)
-    guidance = config.sampling.guidance or family.adapter.default_guidance
-    cfg_rows = 2 if family.adapter.uses_cfg and guidance > 1 else 1
+    guidance = family.adapter.default_guidance if config.sampling.guidance is None else config.sampling.guidance
+    cfg_rows = family.adapter.cfg_rows(guidance)
     train_rows = config.train.minibatch * cfg_rows
     chunk_rows = max(1, config.sampling.max_batch // cfg_rows) * cfg_rows
     ckpt, offload, full = config.train.gradient_checkpointing, config.model.offload, config.model.finetune == "full"

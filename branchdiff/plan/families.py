@@ -115,6 +115,36 @@ def _flux2_inputs(cfg: Any, g: Geometry, rows: int, size: Size, dtype: torch.dty
                 guidance=e(rows, dt=torch.float32) if cfg["guidance_embeds"] else None, return_dict=False)
 
 
+def _z_image_inputs(cfg: Any, g: Geometry, rows: int, size: Size, dtype: torch.dtype, text: int) -> dict:
+    """Z-Image's transformer takes lists: per row a (C, 1, h, w) latent and its prompt's (L, D) token states."""
+    e = lambda *shape, dt=dtype: _empty(*shape, dtype=dt)
+    return dict(x=[e(cfg["in_channels"], 1, size[1] // g.factor, size[2] // g.factor) for _ in range(rows)], t=e(rows, dt=torch.float32),
+                cap_feats=[e(text, cfg["cap_feat_dim"]) for _ in range(rows)], return_dict=False)
+
+
+def _kontext_inputs(cfg: Any, g: Geometry, rows: int, size: Size, dtype: torch.dtype, text: int) -> dict:
+    """FLUX.1 Kontext: the source image's tokens (encoded at the run's size) beside the noisy image's."""
+    inputs = _flux_inputs(cfg, g, rows, size, dtype, text)
+    tokens = 2 * _packed(cfg, g, size)
+    return {**inputs, "hidden_states": _empty(rows, tokens, cfg["in_channels"], dtype=dtype), "img_ids": _empty(tokens, 3, dtype=dtype)}
+
+
+def _qwen_edit_grid(g: Geometry, size: Size) -> tuple[int, int]:
+    """The token grid of one source at the pipeline's VAE area (1024², at the edit's aspect ratio)."""
+    from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit_plus import VAE_IMAGE_SIZE, calculate_dimensions
+
+    width, height = calculate_dimensions(VAE_IMAGE_SIZE, size[2] / size[1])
+    return (height // g.factor // 2, width // g.factor // 2)
+
+
+def _qwen_edit_inputs(cfg: Any, g: Geometry, rows: int, size: Size, dtype: torch.dtype, text: int) -> dict:
+    """Qwen-Image-Edit with one source: the source's tokens at the pipeline's VAE area beside the noisy image's."""
+    inputs = _qwen_image_inputs(cfg, g, rows, size, dtype, text)
+    grid, source = (size[1] // g.factor // 2, size[2] // g.factor // 2), _qwen_edit_grid(g, size)
+    tokens = grid[0] * grid[1] + source[0] * source[1]
+    return {**inputs, "hidden_states": _empty(rows, tokens, cfg["in_channels"], dtype=dtype), "img_shapes": [[(1, *grid), (1, *source)]] * rows}
+
+
 def _wan_latent(cfg: Any, g: Geometry, size: Size) -> tuple[int, int, int, int]:
     """Wan's latent of a video of F frames at H×W: (C, (F − 1)/r + 1, H/f, W/f)."""
     return (cfg["in_channels"], (size[0] - 1) // g.temporal + 1, size[1] // g.factor, size[2] // g.factor)
@@ -142,6 +172,11 @@ def _class_kind(name: str, block: torch.nn.Module) -> str:
     return type(block).__name__
 
 
+def _list_kind(name: str, block: torch.nn.Module) -> str:
+    """The ModuleList a block sits in (Z-Image's refiners see the image's or the text's tokens only, its layers both)."""
+    return name.rsplit(".", 1)[0]
+
+
 def _text_models() -> dict[str, Callable[[], torch.nn.Module]]:
     from transformers import (
         CLIPTextConfig,
@@ -155,6 +190,7 @@ def _text_models() -> dict[str, Callable[[], torch.nn.Module]]:
         Qwen2_5_VLForConditionalGeneration,
         Qwen3Config,
         Qwen3ForCausalLM,
+        Qwen3Model,
         T5Config,
         T5EncoderModel,
         UMT5Config,
@@ -171,6 +207,8 @@ def _text_models() -> dict[str, Callable[[], torch.nn.Module]]:
         "Qwen2.5-VL-7B": lambda: Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(**P.QWEN25_VL_7B)),
         "Mistral-Small-3.1-24B": lambda: Mistral3ForConditionalGeneration(Mistral3Config(**P.MISTRAL_SMALL_31_24B)),
         "Qwen3-4B": lambda: Qwen3ForCausalLM(Qwen3Config(**P.QWEN3_4B)),
+        "Qwen3-4B model": lambda: Qwen3Model(Qwen3Config(**P.QWEN3_4B)),
+        "Qwen3-8B": lambda: Qwen3ForCausalLM(Qwen3Config(**P.QWEN3_8B)),
     }
 
 
@@ -191,14 +229,17 @@ def _wan_family(name: str, label: str, config: dict, text: dict) -> Family:
 
 
 def families() -> dict[str, Family]:
-    """Every released model `plan` knows, by key (a family, or a family's other size: wan-14b, flux2-klein-4b)."""
+    """Every released model `plan` knows, by key (a family, or a family's other size: wan-14b, flux2-klein-4b, -9b)."""
     from branchdiff.models.flux import FluxAdapter
+    from branchdiff.models.flux_kontext import FluxKontextAdapter
     from branchdiff.models.qwen_image import QwenImageAdapter
+    from branchdiff.models.qwen_image_edit import QwenImageEditAdapter
     from branchdiff.models.sana import SanaAdapter
     from branchdiff.models.sd3 import SD3Adapter
     from branchdiff.models.sd15 import SD15Adapter
     from branchdiff.models.tiny import MAX_PROMPT_TOKENS, TinyAdapter
     from branchdiff.models.tiny_video import TinyVideoAdapter
+    from branchdiff.models.z_image import ZImageAdapter
 
     text = _text_models()
     return {
@@ -224,6 +265,21 @@ def families() -> dict[str, Family]:
         "flux2": _flux2_family("flux2", "FLUX.2 [dev]", P.FLUX2_DEV_TRANSFORMER, ("Mistral-Small-3.1-24B", text["Mistral-Small-3.1-24B"]), True),
         "flux2-klein-4b": _flux2_family("flux2-klein-4b", "FLUX.2 [klein] base 4B", P.FLUX2_KLEIN_4B_TRANSFORMER, ("Qwen3-4B", text["Qwen3-4B"]),
                                         False),
+        "flux2-klein-9b": _flux2_family("flux2-klein-9b", "FLUX.2 [klein] base 9B", P.FLUX2_KLEIN_9B_TRANSFORMER, ("Qwen3-8B", text["Qwen3-8B"]),
+                                        False),
+        "z-image": Family("z-image", "Z-Image", ZImageAdapter, "ZImageTransformer2DModel", P.Z_IMAGE_TRANSFORMER,
+                          ("noise_refiner", "context_refiner", "layers"), dict(n_layers=1, n_refiner_layers=1), _list_kind, _z_image_inputs,
+                          ZImageAdapter.max_sequence_length, [("Qwen3-4B", text["Qwen3-4B model"])], ("AutoencoderKL", P.VAE_KL16),
+                          _spatial_latent, "80"),
+        # editing: a step's tokens are the noisy image's and one source's
+        "flux-kontext": Family("flux-kontext", "FLUX.1 Kontext [dev]", FluxKontextAdapter, "FluxTransformer2DModel", P.FLUX_DEV_TRANSFORMER,
+                               ("transformer_blocks", "single_transformer_blocks"), dict(num_layers=1, num_single_layers=1), _class_kind,
+                               _kontext_inputs, FluxKontextAdapter.max_sequence_length, [("CLIP-L", text["CLIP-L"]), ("T5-XXL enc", text["T5-XXL enc"])],
+                               ("AutoencoderKL", P.VAE_KL16), _packed_latent, "80"),
+        "qwen-image-edit": Family("qwen-image-edit", "Qwen-Image-Edit 2509", QwenImageEditAdapter, "QwenImageTransformer2DModel",
+                                  P.QWEN_IMAGE_TRANSFORMER, ("transformer_blocks",), dict(num_layers=1), _class_kind, _qwen_edit_inputs,
+                                  QwenImageEditAdapter.max_sequence_length, [("Qwen2.5-VL-7B", text["Qwen2.5-VL-7B"])],
+                                  ("AutoencoderKLQwenImage", {}), _packed_latent, "80"),
         # the built-in model: an SD3 transformer in pixel space (no VAE), its CLIP text encoder read from its folder
         "tiny": Family("tiny", "built-in tiny model", TinyAdapter, "SD3Transformer2DModel", TinyAdapter.denoiser_config, ("transformer_blocks",),
                        {}, _sd3_kind, _sd3_inputs, MAX_PROMPT_TOKENS, [], None, _spatial_latent, "80"),
@@ -233,19 +289,22 @@ def families() -> dict[str, Family]:
     }
 
 
-KLEIN_4B = "black-forest-labs/FLUX.2-klein-base-4B"
+KLEIN = "black-forest-labs/FLUX.2-klein-base-{}"
 
 
 def family_key(config: Any) -> str:
     """The `families()` entry of a run's model: its family, Wan's 14B where the model path names it, FLUX.2 [klein]'s
-    4B (the only [klein] whose config is reproduced here)."""
+    4B or 9B as the path names it (a local folder is planned from its own configs)."""
     family, path = config.model.family, str(config.model.path or "")
     if family == "wan" and "14b" in path.lower():
         return "wan-14b"
     if family == "flux2-klein":
-        if "4b" not in path.lower() and not Path(path).is_dir():
-            raise ValueError(f"model.path={path}: only FLUX.2 [klein] 4B's config is reproduced here; plan with model.path={KLEIN_4B} "
-                             "or a local copy of the model")
+        for size in ("9b", "4b"):
+            if size in path.lower():
+                return f"flux2-klein-{size}"
+        if not Path(path).is_dir():
+            raise ValueError(f"model.path={path}: plan knows FLUX.2 [klein] 4B and 9B by name; plan with model.path={KLEIN.format('4B')}, "
+                             f"{KLEIN.format('9B')} or a local copy of the model")
         return "flux2-klein-4b"
     return family
 

@@ -114,9 +114,23 @@ MISTRAL_SMALL_31_24B = dict(
 )
 # black-forest-labs/FLUX.2-klein-base-4B: 5 double + 20 single blocks of width 3072 = 24 × 128, text of 3 × 2560
 # (Qwen/Qwen3-4B's hidden states), no guidance embedding; the public re-implementations' configs (e.g.
-# ServeurpersoCom/flux2.c's README: 5 double, 20 single blocks, Qwen3-4B of width 2560 and 36 layers). The 9B's
-# config is not reproduced here.
+# ServeurpersoCom/flux2.c's README: 5 double, 20 single blocks, Qwen3-4B of width 2560 and 36 layers).
 FLUX2_KLEIN_4B_TRANSFORMER = dict(num_layers=5, num_single_layers=20, num_attention_heads=24, attention_head_dim=128, joint_attention_dim=7680,
                                   guidance_embeds=False)
 QWEN3_4B = dict(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
                 vocab_size=151936, tie_word_embeddings=True)
+# black-forest-labs/FLUX.2-klein-base-9B: 8 double + 24 single blocks of width 4096 = 32 × 128, MLP ratio 3, text of
+# 3 × 4096 (Qwen/Qwen3-8B's hidden states), no guidance embedding; as the public re-implementations read it from the
+# release's transformer/config.json (e.g. iris.c's AGENT.md: hidden 4096, 32 heads, 8 double and 24 single
+# blocks, text dimension 12288; Qwen3-8B of width 4096, 36 layers, 32 query and 8 key-value heads).
+FLUX2_KLEIN_9B_TRANSFORMER = dict(num_layers=8, num_single_layers=24, num_attention_heads=32, attention_head_dim=128, joint_attention_dim=12288,
+                                  guidance_embeds=False)
+QWEN3_8B = dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                vocab_size=151936, tie_word_embeddings=False)
+# Tongyi-MAI/Z-Image-Turbo (and Z-Image): ZImageTransformer2DModel's defaults are its transformer/config.json (a single-stream
+# DiT of width 3840 = 30 × 128: 2 noise-refiner and 2 context-refiner blocks, then 30 joint blocks; 2×2 patches of 16
+# latent channels; text of Qwen3-4B's 2560-wide states); its VAE FLUX.1's (VAE_KL16's layout); its text encoder
+# Qwen/Qwen3-4B (Qwen3Model, QWEN3_4B above).
+Z_IMAGE_TRANSFORMER: dict = {}
+# Editing releases reuse their text-to-image layouts: black-forest-labs/FLUX.1-Kontext-dev's transformer is FLUX.1-dev's
+# (FLUX_DEV_TRANSFORMER), Qwen/Qwen-Image-Edit-2509's Qwen-Image's (QWEN_IMAGE_TRANSFORMER, Qwen2.5-VL-7B, its VAE).
