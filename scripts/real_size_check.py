@@ -6,6 +6,7 @@ parameter figures, then one LoRA tree iteration at a reduced resolution in a fre
 memory per phase is set against `branchdiff plan`'s estimate of the same settings.
 
     python scripts/real_size_check.py sana --folder /tmp/sana-1.6b     # ~9 GB on disk, some minutes on 2 cores
+    python scripts/real_size_check.py wan-1.3b --folder /tmp/wan-1.3b  # ~15 GB on disk (UMT5-XXL is 5.7 B)
 
 The tokenizer is the test suite's small one (tests/tiny_pipelines.py): ids stay inside the real vocabulary.
 """
@@ -25,10 +26,18 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 PUBLISHED = {"sana": ("SANA 1600M", 1_604_000_000),  # the release's stated size (Sana_1600M: 1.6 B; 1604 M in its model card)
-             "sd3.5-medium": ("SD3.5 Medium", 2_500_000_000)}  # "2.5 billion parameters" (its model card): the MMDiT-X with its positional table
+             "sd3.5-medium": ("SD3.5 Medium", 2_500_000_000),  # "2.5 billion parameters" (its model card): the MMDiT-X with its positional table
+             "wan-1.3b": ("Wan 2.1 T2V 1.3B", 1_300_000_000),  # the release's name; its checkpoint holds 1.42 B (width 1536, 30 blocks)
+             "flux2-klein-4b": ("FLUX.2 [klein] base 4B", 4_000_000_000)}  # "4B" (its model card): 3.9 B in the transformer
 SETTINGS = {"sana": ["model.family=sana", "model.resolution=256", "model.dtype=bfloat16", "train.mixed_precision=bf16", "sampling.guidance=1.0",
                      "model.prompt_instruction=false"],
-            "sd3.5-medium": ["model.family=sd3", "model.resolution=128", "model.dtype=bfloat16", "train.mixed_precision=bf16", "sampling.guidance=1.0"]}
+            "sd3.5-medium": ["model.family=sd3", "model.resolution=128", "model.dtype=bfloat16", "train.mixed_precision=bf16", "sampling.guidance=1.0"],
+            "wan-1.3b": ["model.family=wan", "model.resolution=[128,128]", "model.frames=9", "model.dtype=bfloat16", "train.mixed_precision=bf16",
+                         "sampling.guidance=1.0", "reward={name: rewards_for_tests:Redness, frames: 4, reduce: mean}"],
+            # two training rows (not four): 16 GiB of weights leave this 24 GiB machine too little room for the page cache otherwise,
+            # and the kernel then drops the mapped weights' pages from the resident set mid-phase (train measured 0.67 of the plan)
+            "flux2-klein-4b": ["model.family=flux2-klein", "model.resolution=256", "model.dtype=bfloat16", "train.mixed_precision=bf16",
+                               "sampling.guidance=1.0", "train.minibatch=2"]}
 RUN = ["reward=rewards_for_tests:Redness", "prompts.per_iteration=1", "sampling.num_steps=2", "tree.roots=2", "tree.splits=[]", "iterations=1",
        "final_eval=false", "logging.report_to=none", "logging.sample_every=0", "train.lora_rank=8", "train.minibatch=4", "sampling.max_batch=4",
        "sampling.sde=flow", "sampling.noise_level=0.7"]
@@ -95,7 +104,59 @@ def build_sd35_medium(folder: Path) -> dict[str, int]:
     return counts
 
 
-BUILDERS = {"sana": build_sana, "sd3.5-medium": build_sd35_medium}
+def build_wan_1_3b(folder: Path) -> dict[str, int]:
+    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    from branchdiff.plan import published as P
+    from tiny_pipelines import build_t5_tokenizer
+
+    with torch.device("meta"):
+        transformer = WanTransformer3DModel.from_config(P.WAN_T2V_1_3B_TRANSFORMER)
+        text_encoder = UMT5EncoderModel(UMT5Config(**P.UMT5_XXL))
+        vae = AutoencoderKLWan()  # its defaults are the release's VAE
+    counts = _counts(transformer, [text_encoder], vae)
+    scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0, num_train_timesteps=1000)
+    pipe = WanPipeline(tokenizer=build_t5_tokenizer(), text_encoder=materialise(text_encoder), vae=materialise(vae),
+                       transformer=materialise(transformer), scheduler=scheduler)
+    _save(pipe, folder)
+    return counts
+
+
+def build_flux2_klein_4b(folder: Path) -> dict[str, int]:
+    from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler, Flux2KleinPipeline, Flux2Transformer2DModel
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from branchdiff.plan import published as P
+    from tiny_pipelines import build_qwen_tokenizer
+
+    with torch.device("meta"):
+        transformer = Flux2Transformer2DModel.from_config(P.FLUX2_KLEIN_4B_TRANSFORMER)
+        text_encoder = Qwen3ForCausalLM(Qwen3Config(**P.QWEN3_4B))
+        vae = AutoencoderKLFlux2()  # its defaults are the release's VAE
+    counts = _counts(transformer, [text_encoder], vae)
+    scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=True)
+    pipe = Flux2KleinPipeline(text_encoder=materialise(text_encoder), tokenizer=build_qwen_tokenizer(), vae=materialise(vae),
+                              transformer=materialise(transformer), scheduler=scheduler)
+    _save(pipe, folder)
+    return counts
+
+
+def _counts(transformer: torch.nn.Module, text_encoders: list[torch.nn.Module], vae: torch.nn.Module) -> dict[str, int]:
+    count = lambda m: sum(p.numel() for p in m.parameters())
+    return {"denoiser": count(transformer), "denoiser_buffers": sum(b.numel() for b in transformer.buffers()),
+            "text_encoder": sum(map(count, text_encoders)), "vae": count(vae)}
+
+
+def _save(pipe, folder: Path) -> None:
+    import gc
+
+    pipe.save_pretrained(folder, safe_serialization=True)
+    del pipe
+    gc.collect()
+
+
+BUILDERS = {"sana": build_sana, "sd3.5-medium": build_sd35_medium, "wan-1.3b": build_wan_1_3b, "flux2-klein-4b": build_flux2_klein_4b}
 
 
 def main() -> None:
@@ -108,8 +169,9 @@ def main() -> None:
     if counts is None:
         counts = BUILDERS[args.family](args.folder)
         (args.folder / "counts.json").write_text(json.dumps(counts))
+        os.sync()  # the folder's pages written back before the measured run needs the memory
     label, published = PUBLISHED[args.family]
-    overrides = [*SETTINGS[args.family], f"model.path={args.folder}", f"output_dir={args.folder.parent / (args.folder.name + '-run')}", *RUN]
+    overrides = [*RUN, *SETTINGS[args.family], f"model.path={args.folder}", f"output_dir={args.folder.parent / (args.folder.name + '-run')}"]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")]), "HF_HUB_OFFLINE": "1", "MALLOC_MMAP_THRESHOLD_": "65536"}
     done = subprocess.run([sys.executable, str(ROOT / "tests" / "plan_measured.py"), *overrides], env=env, capture_output=True, text=True)
     if done.returncode:

@@ -183,12 +183,15 @@ def test_the_plan_of_a_wide_tiny_sd3_against_a_measured_iteration_on_this_cpu(tm
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family,parameters", [("sana", 1_604_462_752), ("sd3.5-medium", 2_243_171_520 + 226_492_416)])
+@pytest.mark.parametrize("family,parameters", [("sana", 1_604_462_752), ("sd3.5-medium", 2_243_171_520 + 226_492_416),
+                                               ("wan-1.3b", 1_418_996_800 + 262_144), ("flux2-klein-4b", 3_875_544_576)])
 def test_a_release_at_its_real_size_on_this_cpu(tmp_path, family, parameters):
     """scripts/real_size_check.py: the release built from its published configs (random bf16 weights), its denoiser's
-    parameters as published (SANA 1600M: 1.6 B; SD3.5 Medium: 2.5 B with its positional table), one LoRA tree iteration
+    parameters as published (SANA 1600M: 1.6 B; SD3.5 Medium: 2.5 B with its positional table; Wan 2.1 1.3B: 1.42 B;
+    FLUX.2 [klein] base 4B: 3.9 B), one LoRA tree iteration
     at a reduced size in a fresh process whose peak resident memory per phase is within [0.8, 1.25] of the plan's
-    (SANA ~9 GB written and ~2 minutes on 2 cores; SD3.5 Medium ~16 GB and ~4 minutes)."""
+    (SANA ~9 GB written and ~2 minutes on 2 cores; SD3.5 Medium ~16 GB and ~4 minutes; Wan ~15 GB, ~3 minutes; FLUX.2
+    [klein] ~16 GB, ~3 minutes)."""
     out = tmp_path / "result.json"
     done = subprocess.run([sys.executable, str(TESTS.parent / "scripts" / "real_size_check.py"), family, "--folder", str(tmp_path / family),
                            "--json", str(out)], capture_output=True, text=True, timeout=3000)
