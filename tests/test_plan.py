@@ -82,6 +82,29 @@ def test_an_edit_step_holds_the_source_tokens_beside_the_image(estimator):
     assert inputs["hidden_states"].shape == (2, 576 + 4096, 64) and inputs["img_shapes"] == [[(1, 24, 24), (1, 64, 64)]] * 2
 
 
+def test_blocks_scale_to_the_real_model_whatever_kinds_the_traced_copy_holds(tmp_path):
+    """The traced copy of an SD3 transformer holds one block of every kind SD3.5 Medium has (a dual-attention block
+    among them); scaled to a model without dual attention it must equal a trace of that whole model. Regression:
+    the extra kind's activations stayed in (the wide tiny SD3 was planned at 1.7× its saved tensors)."""
+    from dataclasses import replace
+
+    from branchdiff.plan.measure import measure
+    from tiny_pipelines import build_wide_sd3
+
+    build_wide_sd3(resolution=64).save_pretrained(tmp_path / "sd3")
+    config = load_config(None, ["model.family=sd3", f"model.path={tmp_path / 'sd3'}", "model.resolution=64"])
+    family = Estimator().family(config)
+    assert family.reduced and not family.config.get("dual_attention_layers")
+    args = (torch.float32, 4, 4.0, (1, 64, 64), None)
+    scaled, whole = measure(family, *args), measure(replace(family, reduced={}), *args)
+    assert scaled.counts == whole.counts == {"joint block": 1, "last joint block (context pre-only)": 1}
+    for rows in (1, 8):
+        assert scaled.held(rows, False) == pytest.approx(whole.held(rows, False), rel=0.02)
+        assert scaled.held(rows, True) == pytest.approx(whole.held(rows, True), rel=0.02)
+        assert scaled.backward(rows) == pytest.approx(whole.backward(rows), rel=0.02)
+    assert scaled.forward_flops() == pytest.approx(whole.forward_flops(), rel=0.02)
+
+
 def test_guidance_zero_is_one_row_for_z_image(estimator):
     """Z-Image-Turbo's guidance 0 is unguided (one row a prediction); CFG for any guidance above 0. Regression: the
     plan read guidance 0 as unset and counted the default's two rows."""
@@ -160,9 +183,8 @@ def test_the_report_sets_the_estimate_beside_the_measured_peaks(tmp_path):
 @pytest.mark.slow  # release only: keeps the suite under 15 minutes on 2 cores
 def test_the_plan_of_a_wide_tiny_sd3_against_a_measured_iteration_on_this_cpu(tmp_path):
     """A tiny SD3 pipeline with a wider transformer (1024 tokens, width 256): one tree iteration in a fresh
-    process, each phase's peak resident set above the process's start against the plan's estimate.
-    The rollout's is within [0.8, 1.25]; the training phase's estimate models the GPU's attention
-    kernels and keeps more than this CPU does (measured ≈ 0.66 of it): bound [0.55, 1.25]."""
+    process, each phase's peak resident set above the process's start against the plan's estimate:
+    within [0.8, 1.25] (measured rollout 1.17, train 0.99)."""
     from tiny_pipelines import build_wide_sd3
 
     folder = tmp_path / "wide-sd3"
@@ -178,7 +200,7 @@ def test_the_plan_of_a_wide_tiny_sd3_against_a_measured_iteration_on_this_cpu(tm
     phases = json.loads(done.stdout.strip().splitlines()[-1])
     ratio = {phase: p["measured_gib"] / p["estimated_gib"] for phase, p in phases.items()}
     assert phases["train"]["estimated_gib"] > 0.5  # large enough to measure
-    assert 0.8 <= ratio["rollout"] <= 1.25 and 0.55 <= ratio["train"] <= 1.25, (ratio, phases)
+    assert 0.8 <= ratio["rollout"] <= 1.25 and 0.8 <= ratio["train"] <= 1.25, (ratio, phases)
     assert np.isfinite(ratio["reward"])
 
 

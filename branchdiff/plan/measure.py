@@ -139,7 +139,9 @@ class Measured:
     config: dict  # the denoiser's full config (its class's defaults filled in)
 
     def _scaled(self, t: Trace, per_kind: dict, base: Cost) -> Cost:
-        return sum(((self.counts[k] - t.count.get(k, 0)) * per_kind[k] for k in self.counts if k in per_kind), base)
+        """`base` (the traced copy) + Σ over block kinds (real − traced blocks) × per block: a kind the traced copy
+        has and the real model lacks (SD3's dual attention block, for a release without one) is taken out."""
+        return sum(((self.counts.get(k, 0) - t.count.get(k, 0)) * per_kind[k] for k in {*self.counts, *t.count} if k in per_kind), base)
 
     def held(self, rows: int, ckpt: bool) -> float:
         """Alive after the training forward, at the real depth: traced + Σ (real − traced blocks) × per-block."""
@@ -152,7 +154,7 @@ class Measured:
 
     def backward(self, rows: int) -> float:
         """The backward's working set (gradients of one block's ops), taken as one block's no-grad working set."""
-        return max((p.at(rows) for p in self.nograd.transient.values()), default=0.0)
+        return max((p.at(rows) for k, p in self.nograd.transient.items() if k in self.counts), default=0.0)
 
     def train(self, rows: int, ckpt: bool) -> float:
         """Peak of the training forward + backward."""
@@ -165,7 +167,7 @@ class Measured:
     def forward_flops(self) -> float:
         """Floating-point operations of one network row's forward at the real depth (multiply-add = 2)."""
         t = self.nograd
-        return t.flops + sum((self.counts[k] - t.count.get(k, 0)) * t.block_flops.get(k, 0.0) for k in self.counts)
+        return t.flops + sum((self.counts.get(k, 0) - t.count.get(k, 0)) * t.block_flops.get(k, 0.0) for k in {*self.counts, *t.count})
 
 
 def lora_targets(family: Family, targets: str | list[str]) -> list[str]:
