@@ -10,6 +10,7 @@ The one-process reference runs in this process with both processes' prompts (per
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import socket
@@ -51,12 +52,13 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
-def launch_two(record_dir: Path | None, cli_args: list[str], timeout: float = 300, program: list[str] | None = None) -> subprocess.CompletedProcess:
+def launch_two(record_dir: Path | None, cli_args: list[str], timeout: float = 300, program: list[str] | None = None,
+               env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """`accelerate launch` two CPU processes of the CLI: `branchdiff train` recording into `record_dir`
-    (tests/two_process_run.py), the plain CLI when `record_dir` is None, or `program` + `cli_args`."""
+    (tests/two_process_run.py), the plain CLI when `record_dir` is None, or `program` + `cli_args`; `env`: more variables."""
     accelerate = Path(sys.executable).parent / "accelerate"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]),
-           "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "ACCELERATE_USE_CPU": "true"}
+           "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "ACCELERATE_USE_CPU": "true", **(env or {})}
     command = [str(accelerate), "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
                "--main_process_ip", "127.0.0.1", "--main_process_port", str(_free_port()), "--mixed_precision", "no",
                "--dynamo_backend", "no",
@@ -70,9 +72,12 @@ def two_process_run(tiny_model_dir, tmp_path_factory):
     run, records = base / "run", base / "records"
     records.mkdir()
     overrides = _overrides(tiny_model_dir, run, PER_PROCESS)
-    first = launch_two(records, ["train", "tiny-chain", *overrides, "iterations=2", "final_eval=false", "eval_every=1", "logging.report_to=tensorboard"])
+    trackers = {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "SWANLAB_MODE": "local"}  # W&B and SwanLab write their files under RUN/logs
+    first = launch_two(records, ["train", "tiny-chain", *overrides, "iterations=2", "final_eval=false", "eval_every=1",
+                                 "logging.report_to=[tensorboard,wandb,swanlab]"], env=trackers)
     assert first.returncode == 0, first.stderr[-3000:]
-    resumed = launch_two(records, ["train", "tiny-chain", *overrides, "iterations=3", "--resume", "latest"])
+    resumed = launch_two(records, ["train", "tiny-chain", *overrides, "iterations=3", "--resume", "latest", "logging.report_to=[wandb,swanlab]"],
+                         env=trackers)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     record = {(rank, it): torch.load(records / f"rank{rank}-iter{it}.pt", weights_only=True) for rank in (0, 1) for it in range(3)}
     return {"run": run, "record": record, "resumed": resumed, "model_dir": tiny_model_dir, "base": base}
@@ -191,6 +196,30 @@ def test_the_main_process_alone_logs_the_grids_to_tensorboard(two_process_run):
     events = EventAccumulator(str(files[0]), size_guidance={"images": 0})
     events.Reload()
     assert [e.step for e in events.Images("samples/train")] == [0, 1] and [e.step for e in events.Images("samples/held_out")] == [0, 1]
+
+
+def test_the_main_process_alone_logs_to_wandb_and_swanlab_and_the_resumed_launch_continues_their_runs(two_process_run):
+    """Both launches logged every metric of metrics.jsonl (the processes' reduced values) to one W&B offline run and
+    one SwanLab local run, written by process 0 only: the first launch, the resumed one and its final evaluation, each a
+    session under the run's one id."""
+    from tracker_files import swanlab_scalars, wandb_history
+
+    run = two_process_run["run"]
+    identity = json.loads((run / "trackers.json").read_text())["id"]
+    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    ids, history = wandb_history(run)
+    assert ids == [identity] * 3  # process 1 wrote none
+    by_step: dict = {}
+    for row in history:
+        by_step.setdefault(row.get("_step"), {}).update(row)
+    ids, scalars, _ = swanlab_scalars(run)
+    assert ids == [identity] * 3 and any(key.startswith("final_eval/trained/") for key, _ in scalars)
+    assert [row["iteration"] for row in metrics] == [0, 1, 2]
+    for row in metrics:
+        for key, value in row.items():
+            if key != "iteration" and isinstance(value, float) and math.isfinite(value):
+                assert by_step[row["iteration"]][key] == pytest.approx(value, rel=1e-6), key
+                assert scalars[(key, row["iteration"])] == pytest.approx(value, rel=1e-6), key
 
 
 def test_ctrl_c_on_one_process_stops_both_after_the_same_iteration(tiny_model_dir, tmp_path):

@@ -1,13 +1,12 @@
-"""`logging.report_to` (branchdiff/training/trackers.py): a W&B offline run and a SwanLab offline run
+"""`logging.report_to` (branchdiff/training/trackers.py): a W&B offline run and a SwanLab local run
 log what metrics.jsonl holds, step by step, the sample grids and the final evaluation; a resumed run
-continues the same tracker run. The trackers' own files are read back with their own readers."""
+continues the same tracker run. The trackers' own files are read back with their own readers
+(tests/tracker_files.py); tests/test_multiprocess.py checks the same under two processes."""
 
 from __future__ import annotations
 
-import glob
 import json
 import math
-from pathlib import Path
 
 import pytest
 
@@ -16,50 +15,12 @@ from branchdiff.cli import main
 pytest.importorskip("wandb")
 pytest.importorskip("swanlab")
 
-
-def wandb_history(run_dir: Path) -> tuple[list[str], list[dict]]:
-    """(run ids, history rows) of every W&B offline session under RUN/logs/wandb, oldest first."""
-    from swanlab.converter.wb.wbdatastore import WBDataStoreReader  # a reader of W&B's transaction log
-    from wandb.proto import wandb_internal_pb2
-
-    ids, rows = [], []
-    for path in sorted(glob.glob(str(run_dir / "logs" / "wandb" / "offline-run-*" / "run-*.wandb"))):
-        reader = WBDataStoreReader()
-        reader.open(path)
-        while (data := reader.scan()) is not None:
-            record = wandb_internal_pb2.Record()
-            record.ParseFromString(data)
-            kind = record.WhichOneof("record_type")
-            if kind == "run":
-                ids.append(record.run.run_id)
-            elif kind == "history":
-                rows.append({item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item})
-    return ids, rows
+from tracker_files import swanlab_scalars, wandb_history  # noqa: E402
 
 
-def swanlab_scalars(run_dir: Path) -> tuple[list[str], dict[tuple[str, int], float], set[str]]:
-    """(run folders' ids, {(key, step): value} of every scalar, media keys) of the SwanLab offline sessions."""
-    from swanlab.proto.swanlab.record.v1.record_pb2 import Record
-    from swanlab.sdk.internal.core_python.store import DataStoreReader
-
-    ids, scalars, media = [], {}, set()
-    for path in sorted(glob.glob(str(run_dir / "logs" / "swanlab" / "run-*" / "run-*.swanlab"))):
-        ids.append(Path(path).stem.removeprefix("run-"))
-        reader = DataStoreReader()
-        reader.open(path)
-        for data in reader:
-            record = Record()
-            record.ParseFromString(data)
-            if record.HasField("scalar"):
-                scalars[(record.scalar.key, record.scalar.step)] = record.scalar.value.number
-            elif record.HasField("media"):
-                media.add(record.media.key)
-    return ids, scalars, media
-
-
-def test_wandb_and_swanlab_offline_log_the_metrics_grids_and_evaluation_and_resume_continues_them(tmp_path, monkeypatch):
+def test_wandb_offline_and_swanlab_local_log_the_metrics_grids_and_evaluation_and_resume_continues_them(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
-    monkeypatch.setenv("SWANLAB_MODE", "offline")
+    monkeypatch.setenv("SWANLAB_MODE", "local")
     monkeypatch.setenv("WANDB_SILENT", "true")
     run = tmp_path / "run"
     common = ["tiny-chain", f"output_dir={run}", "logging.report_to=[tensorboard,wandb,swanlab]", "logging.sample_every=1",

@@ -5,8 +5,9 @@ grids (an image, or a video's grid as a GIF) and the final evaluation (`final_ev
 A run keeps one id (RUN/trackers.json), so a resumed run continues the same W&B / SwanLab run
 (`resume: allow`) and TensorBoard purges what the earlier session logged after its last checkpoint.
 Offline: W&B with `WANDB_MODE=offline` (RUN/logs/wandb/offline-run-*, `wandb sync` uploads them),
-SwanLab with `SWANLAB_MODE=offline` (RUN/logs/swanlab/run-*, `swanlab sync`) or `local` (its dashboard
-package). Their files live under RUN/logs.
+SwanLab with `SWANLAB_MODE=offline` (RUN/logs/swanlab/run-*, `swanlab sync`) or `local` (the same files, read
+by `swanlab watch RUN/logs/swanlab`; needs `swanlab[dashboard]`). Their files live under RUN/logs; the main
+process alone writes them.
 """
 
 from __future__ import annotations
