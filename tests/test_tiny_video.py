@@ -55,23 +55,30 @@ def _gif_tiles(gif: np.ndarray, rows: int, cols: int) -> np.ndarray:
                        for r in range(rows) for c in range(cols)])
 
 
-def test_a_run_logs_its_videos_to_tensorboard_and_the_report(model_dir, tmp_path):
+def test_a_run_logs_its_videos_to_the_trackers_and_the_report(model_dir, tmp_path, monkeypatch):
     """`branchdiff train tiny-video` for one iteration: the training and held-out grids are PNG strips, MP4s,
-    and GIFs in TensorBoard's image summaries whose frames are the strips' frames (up to the GIF's palette);
-    the report plays the videos; the held-out evaluation scores the verifier's attributes."""
+    and GIFs in TensorBoard's image summaries whose frames are the strips' frames (up to the GIF's palette),
+    the same GIFs in W&B (offline) and SwanLab (local) as their videos; the report plays the videos; the
+    held-out evaluation scores the verifier's attributes."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     from branchdiff.cli import main
 
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("SWANLAB_MODE", "local")
     run = tmp_path / "run"
     assert main(["train", "tiny-video", f"model.path={model_dir}", f"output_dir={run}", "iterations=1", "eval_every=1",
                  "prompts.per_iteration=2", "prompts.eval_seeds=1", "logging.sample_every=1", "sampling.num_steps=4",
-                 "tree.splits=[[0,2],[1,2]]", "tree.mix_window=2"]) == 0
+                 "tree.splits=[[0,2],[1,2]]", "tree.mix_window=2", "logging.report_to=[tensorboard,wandb,swanlab]"]) == 0
+    wandb_gifs = {path.name.split("_0_")[0]: path.read_bytes() for path in (run / "logs" / "wandb").glob("offline-run-*/files/media/videos/samples/*.gif")}
+    swanlab_gifs = {path.read_bytes() for path in (run / "logs" / "swanlab").glob("run-*/media/*/*.gif")}
     events = EventAccumulator(str(run / "logs" / "branchdiff"), size_guidance={"images": 0})
     events.Reload()
     assert sorted(events.Tags()["images"]) == ["samples/held_out", "samples/train"]
     for tag, grid, (rows, cols) in (("samples/train", "iter-000000", (2, 4)), ("samples/held_out", "eval-iter-000000", (4, 4))):
         summary = events.Images(tag)[0]
+        assert wandb_gifs[tag.split("/")[1]] == summary.encoded_image_string and summary.encoded_image_string in swanlab_gifs
         gif = iio.imread(summary.encoded_image_string, index=None, extension=".gif")[..., :3]  # (F, H', W', 3)
         strip = iio.imread(run / "samples" / f"{grid}.png")[..., :3]
         assert gif.shape[0] == 5 and summary.step == 0 and (run / "samples" / f"{grid}.mp4").is_file()
