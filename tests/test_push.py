@@ -108,3 +108,6 @@ def test_every_familys_card_says_how_to_load_it(lora_run, tmp_path, family, expo
         (run / export / "config.json").write_text(json.dumps({"_class_name": {"unet": "UNet2DConditionModel"}.get(export, "Flux2Transformer2DModel")}))
     card = card_text(run, export, "me/run")
     assert expected in card, card
+    license = {"sd15": "creativeml-openrail-m", "wan": "apache-2.0", "qwen-image": "apache-2.0", "qwen-image-edit": "apache-2.0",
+               "z-image": "apache-2.0", "tiny-video": None}.get(family, "other")  # the base model's license, as the Hub names it
+    assert (f"\nlicense: {license}\n" in card) if license else "license:" not in card

@@ -43,6 +43,7 @@ class QwenImageAdapter(PackedLatentsAdapter):
     uses_cfg = True
     default_guidance = 4.0  # the pipeline's default true_cfg_scale (the model card's example)
     example_hub_id = "Qwen/Qwen-Image"
+    card_license = "apache-2.0"  # Qwen-Image and Qwen-Image-Edit
     max_sequence_length = 512  # Qwen2.5-VL tokens after the template (the pipeline's default; it allows 1024)
     time_scale = 1.0  # the transformer takes σ itself
 

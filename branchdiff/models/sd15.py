@@ -30,6 +30,7 @@ class SD15Adapter(PipelineAdapter):
     default_guidance = 7.5  # StableDiffusionPipeline's default
     stepped_scheduler = "DDIMScheduler"
     example_hub_id = "stable-diffusion-v1-5/stable-diffusion-v1-5"
+    card_license = "creativeml-openrail-m"
 
     @classmethod
     def multiple_of(cls, vae_scale_factor: int, patch_size: int) -> int:

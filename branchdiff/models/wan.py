@@ -117,6 +117,7 @@ class WanAdapter(PipelineAdapter):
     uses_cfg = True
     default_guidance = 5.0  # WanPipeline's default guidance_scale
     example_hub_id = "Wan-AI/Wan2.1-T2V-1.3B-Diffusers"
+    card_license = "apache-2.0"
     max_sequence_length = 512  # UMT5 tokens (WanPipeline.__call__'s default)
     decode_batch = 1  # videos per VAE call: one 33-frame 480×832 decode peaks near 4 GiB (docs/memory-table.md)
     eval_batch = 4  # rows per evaluation forward (2 videos with CFG): 32 rows of 14k tokens would add ~21 GiB (1.3B) or ~53 GiB (14B)

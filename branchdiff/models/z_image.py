@@ -41,6 +41,7 @@ class ZImageAdapter(PipelineAdapter):
     uses_cfg = True
     default_guidance = 5.0  # ZImagePipeline's default guidance_scale (Z-Image-Turbo's card samples with 0.0: no CFG)
     example_hub_id = "Tongyi-MAI/Z-Image-Turbo"
+    card_license = "apache-2.0"
     max_sequence_length = 512  # Qwen3 tokens (the pipeline's default)
 
     @classmethod

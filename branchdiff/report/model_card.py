@@ -101,8 +101,10 @@ def card_text(run_dir: Path, export: str, repo: str | None = None) -> str:
     widget = [{"text": "sample grid", "output": {"url": f"samples/{grid[1].name}"}}] if grid else None
     tags = ["text-to-image" if family != "wan" and family != "tiny-video" else "text-to-video", "diffusers", "diffusers-training", "branchdiff",
             "grpo", *(["lora", "template:sd-lora"] if export == "lora" else [])]
-    data = ModelCardData(library_name="diffusers", base_model=base, tags=tags, widget=widget, license="other" if base else None,
-                         pipeline_tag=tags[0])
+    from branchdiff.models import adapter_class
+
+    license = getattr(adapter_class(family), "card_license", "other") if base and family not in BUILT_IN else None  # the base model's
+    data = ModelCardData(library_name="diffusers", base_model=base, tags=tags, widget=widget, license=license, pipeline_tag=tags[0])
     objective = train.get("loss", "grpo")
     iterations = int(run.iterations[-1]) + 1 if len(run.iterations) else 0
     trained = "every weight of the denoiser"
