@@ -8,6 +8,7 @@ reward that scores generated images against a prompt lives in `rewards.tiny_gene
 
 from __future__ import annotations
 
+import functools
 import itertools
 import random
 from dataclasses import dataclass
@@ -77,11 +78,16 @@ def split_prompts(held_out_fraction: float = 0.25, seed: int = 0) -> tuple[list[
     return split_grammar(all_prompts(), held_out_fraction, seed)
 
 
+@functools.cache
+def _by_text() -> dict[str, TinyPrompt]:
+    return {prompt.text: prompt for prompt in all_prompts()}
+
+
 def parse_prompt(text: str) -> TinyPrompt:
     """Inverse of `TinyPrompt.text`; raises ValueError naming the text if it is not in the grammar."""
-    for prompt in all_prompts():
-        if prompt.text == text.strip().lower():
-            return prompt
+    found = _by_text().get(text.strip().lower())
+    if found is not None:
+        return found
     raise ValueError(
         f"prompt {quote(text)} is not in the tiny grammar; expected e.g. 'two red circles on the left' "
         f"(counts {list(COUNTS)}, colours {list(COLORS)}, shapes {list(SHAPES)}, positions {list(POSITIONS)})"

@@ -11,6 +11,7 @@ generated clips against a prompt lives in `rewards.tiny_video`.
 
 from __future__ import annotations
 
+import functools
 import itertools
 from dataclasses import dataclass
 
@@ -54,11 +55,16 @@ def split_prompts(held_out_fraction: float = 0.25, seed: int = 0) -> tuple[list[
     return split_grammar(all_prompts(), held_out_fraction, seed)
 
 
+@functools.cache
+def _by_text() -> dict[str, TinyClipPrompt]:
+    return {prompt.text: prompt for prompt in all_prompts()}
+
+
 def parse_prompt(text: str) -> TinyClipPrompt:
     """Inverse of `TinyClipPrompt.text`; raises ValueError naming the text if it is not in the grammar."""
-    for prompt in all_prompts():
-        if prompt.text == text.strip().lower():
-            return prompt
+    found = _by_text().get(text.strip().lower())
+    if found is not None:
+        return found
     raise ValueError(
         f"prompt {quote(text)} is not in the tiny-video grammar; expected e.g. 'two red circles moving left' "
         f"(counts {list(COUNTS)}, colours {list(COLORS)}, shapes {list(SHAPES)}, directions {list(DIRECTIONS)})"

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 MODES = ("none", "blocks", "full")
+RECOMPILE_LIMIT = 64  # versions Dynamo keeps of one compiled function before it runs it eagerly
 
 
 def _blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -36,6 +37,11 @@ def compile_denoiser(denoiser: torch.nn.Module, mode: str, backend: str = "induc
     if mode == "none":
         return 0
     from diffusers import ModelMixin
+
+    # a run's forwards differ in grad mode, inputs that require grad, batch and model (the explorer's copy, a second
+    # expert, another run in the same process): past torch's default of 8 versions of a block, Dynamo falls back to
+    # eager without an error, so a run allows more
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
 
     models = [m for m in denoiser.modules() if isinstance(m, ModelMixin)] or [denoiser]
     compiled = 0

@@ -31,6 +31,8 @@ attribute right at once (on the built-in task w = 0.5 was no better than w = 0: 
 
 from __future__ import annotations
 
+import functools
+
 from dataclasses import dataclass
 
 import numpy as np
@@ -57,16 +59,21 @@ class DetectedObject:
     corners: int  # how many of the bounding box's four corner pixels are set (`shape_by_corners`' evidence)
 
 
+@functools.cache
 def template(shape: str, height: int, width: int) -> np.ndarray:
-    """Boolean (height, width) mask of `shape` inscribed in a height×width box."""
+    """Boolean (height, width) mask of `shape` inscribed in a height×width box (read-only: one array per
+    shape and size, shared by every call)."""
     yy, xx = np.meshgrid(np.arange(height) + 0.5, np.arange(width) + 0.5, indexing="ij")
     if shape == "square":
-        return np.ones((height, width), dtype=bool)
-    if shape == "circle":
-        return ((yy - height / 2) / (height / 2)) ** 2 + ((xx - width / 2) / (width / 2)) ** 2 <= 1.0
-    if shape == "triangle":
-        return np.abs(xx - width / 2) <= (yy / height) * (width / 2) + 0.25 * width / height
-    raise ValueError(f"unknown shape {shape!r}; allowed: {SHAPES}")
+        mask = np.ones((height, width), dtype=bool)
+    elif shape == "circle":
+        mask = ((yy - height / 2) / (height / 2)) ** 2 + ((xx - width / 2) / (width / 2)) ** 2 <= 1.0
+    elif shape == "triangle":
+        mask = np.abs(xx - width / 2) <= (yy / height) * (width / 2) + 0.25 * width / height
+    else:
+        raise ValueError(f"unknown shape {shape!r}; allowed: {SHAPES}")
+    mask.flags.writeable = False
+    return mask
 
 
 def nearest_shape(mask: np.ndarray) -> str:
