@@ -191,6 +191,7 @@ def test_a_rollout_forwards_peak_memory_against_the_memory_tables_estimate(saved
     adapter = load_adapter(family, str(saved[family]), "cuda", 32, torch.bfloat16)
     apply_backend(adapter.denoiser, "native", family)  # as a run does: PyTorch's SDPA without cuDNN's kernel
     inputs = _recorded_inputs(adapter, rows)
+    rows *= adapter.rows_per_sample(1.0)  # the network rows of the recorded call (Z-Image guides at any guidance above 0)
     denoiser = adapter.denoiser
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
