@@ -34,7 +34,7 @@ SETTINGS = {"sana": ["model.family=sana", "model.resolution=256", "model.dtype=b
             "sd3.5-medium": ["model.family=sd3", "model.resolution=128", "model.dtype=bfloat16", "train.mixed_precision=bf16", "sampling.guidance=1.0"],
             "wan-1.3b": ["model.family=wan", "model.resolution=[128,128]", "model.frames=9", "model.dtype=bfloat16", "train.mixed_precision=bf16",
                          "sampling.guidance=1.0", "reward={name: rewards_for_tests:Redness, frames: 4, reduce: mean}"],
-            # two training rows (not four): 16 GiB of weights leave this 24 GiB machine too little room for the page cache otherwise,
+            # two training rows (not four): 15 GiB of weights leave this 23 GiB machine too little room for the page cache otherwise,
             # and the kernel then drops the mapped weights' pages from the resident set mid-phase (train measured 0.67 of the plan)
             "flux2-klein-4b": ["model.family=flux2-klein", "model.resolution=256", "model.dtype=bfloat16", "train.mixed_precision=bf16",
                                "sampling.guidance=1.0", "train.minibatch=2"]}
@@ -119,7 +119,7 @@ def build_wan_1_3b(folder: Path) -> dict[str, int]:
     scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0, num_train_timesteps=1000)
     pipe = WanPipeline(tokenizer=build_t5_tokenizer(), text_encoder=materialise(text_encoder), vae=materialise(vae),
                        transformer=materialise(transformer), scheduler=scheduler)
-    _save(pipe, folder)
+    pipe.save_pretrained(folder, safe_serialization=True)
     return counts
 
 
@@ -138,7 +138,7 @@ def build_flux2_klein_4b(folder: Path) -> dict[str, int]:
     scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=True)
     pipe = Flux2KleinPipeline(text_encoder=materialise(text_encoder), tokenizer=build_qwen_tokenizer(), vae=materialise(vae),
                               transformer=materialise(transformer), scheduler=scheduler)
-    _save(pipe, folder)
+    pipe.save_pretrained(folder, safe_serialization=True)
     return counts
 
 
@@ -146,14 +146,6 @@ def _counts(transformer: torch.nn.Module, text_encoders: list[torch.nn.Module], 
     count = lambda m: sum(p.numel() for p in m.parameters())
     return {"denoiser": count(transformer), "denoiser_buffers": sum(b.numel() for b in transformer.buffers()),
             "text_encoder": sum(map(count, text_encoders)), "vae": count(vae)}
-
-
-def _save(pipe, folder: Path) -> None:
-    import gc
-
-    pipe.save_pretrained(folder, safe_serialization=True)
-    del pipe
-    gc.collect()
 
 
 BUILDERS = {"sana": build_sana, "sd3.5-medium": build_sd35_medium, "wan-1.3b": build_wan_1_3b, "flux2-klein-4b": build_flux2_klein_4b}

@@ -331,8 +331,8 @@ CASES = [
     Case("token-file-without-a-token", lambda e: ["serve-reward", "tiny-geneval", "--token-file", str(e.tmp / "token")],
          r"token file .*token: holds no token of 16 characters or more; write one", setup=_write("token", "short\n")),
     Case("plan-unknown-gpu", lambda e: ["plan", "tiny-chain", "--gpu", "h1000"], r"--gpu h1000: not a GPU plan knows; choose one of h100-80gb"),
-    Case("plan-family-without-memory-model", lambda e: ["plan", "z-image-pickscore"],
-         r"model.family=z-image: `branchdiff plan` has no memory model for this family yet"),
+    Case("plan-klein-size-unknown", lambda e: ["plan", "flux2-klein-pickscore", "model.path=someone/klein"],
+         r"model.path=someone/klein: plan knows FLUX.2 \[klein\] 4B and 9B by name; plan with model.path=black-forest-labs/FLUX.2-klein-base-4B"),
     Case("push-not-a-run", lambda e: ["push", str(e.tmp), "--repo-id", "me/x"], r"not a run folder \(no config.yaml\); pass the output_dir"),
     Case("push-bad-repo-id", lambda e: ["push", str(e.run), "--repo-id", "x"], r"--repo-id x: a hub repository is OWNER/NAME"),
 ]

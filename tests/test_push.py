@@ -100,7 +100,8 @@ def test_every_familys_card_says_how_to_load_it(lora_run, tmp_path, family, expo
     run = tmp_path / "run"
     run.mkdir()
     config = yaml.safe_load((lora_run / "config.yaml").read_text())
-    config["model"].update(family=family, path="stabilityai/stable-diffusion-3.5-medium" if family == "sd3" else f"owner/{family}")
+    path = {"sd3": "stabilityai/stable-diffusion-3.5-medium", "flux2-klein": "black-forest-labs/FLUX.2-klein-base-9B"}.get(family, f"owner/{family}")
+    config["model"].update(family=family, path=path)
     (run / "config.yaml").write_text(yaml.safe_dump(config))
     (run / "metrics.jsonl").write_text((lora_run / "metrics.jsonl").read_text())
     if export != "lora":  # a full fine-tuning's export: the denoiser's diffusers folder
@@ -111,3 +112,15 @@ def test_every_familys_card_says_how_to_load_it(lora_run, tmp_path, family, expo
     license = {"sd15": "creativeml-openrail-m", "wan": "apache-2.0", "qwen-image": "apache-2.0", "qwen-image-edit": "apache-2.0",
                "z-image": "apache-2.0", "tiny-video": None}.get(family, "other")  # the base model's license, as the Hub names it
     assert (f"\nlicense: {license}\n" in card) if license else "license:" not in card
+
+
+def test_a_flux2_klein_card_carries_its_releases_license(lora_run, tmp_path):
+    """FLUX.2 [klein] 4B is Apache 2.0, the 9B under a non-commercial license ("other")."""
+    for size, license in (("4B", "apache-2.0"), ("9B", "other")):
+        run = tmp_path / size
+        run.mkdir()
+        config = yaml.safe_load((lora_run / "config.yaml").read_text())
+        config["model"].update(family="flux2-klein", path=f"black-forest-labs/FLUX.2-klein-base-{size}")
+        (run / "config.yaml").write_text(yaml.safe_dump(config))
+        (run / "metrics.jsonl").write_text((lora_run / "metrics.jsonl").read_text())
+        assert f"\nlicense: {license}\n" in card_text(run, "lora", "me/run")

@@ -121,16 +121,18 @@ QWEN3_4B = dict(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, 
                 vocab_size=151936, tie_word_embeddings=True)
 # black-forest-labs/FLUX.2-klein-base-9B: 8 double + 24 single blocks of width 4096 = 32 × 128, MLP ratio 3, text of
 # 3 × 4096 (Qwen/Qwen3-8B's hidden states), no guidance embedding; as the public re-implementations read it from the
-# release's transformer/config.json (e.g. iris.c's AGENT.md: hidden 4096, 32 heads, 8 double and 24 single
+# release's transformer/config.json (e.g. the C implementation github.com/marcelcotta/iris.c, its notes: hidden 4096, 32 heads, 8 double and 24 single
 # blocks, text dimension 12288; Qwen3-8B of width 4096, 36 layers, 32 query and 8 key-value heads).
 FLUX2_KLEIN_9B_TRANSFORMER = dict(num_layers=8, num_single_layers=24, num_attention_heads=32, attention_head_dim=128, joint_attention_dim=12288,
                                   guidance_embeds=False)
 QWEN3_8B = dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
                 vocab_size=151936, tie_word_embeddings=False)
-# Tongyi-MAI/Z-Image-Turbo (and Z-Image): ZImageTransformer2DModel's defaults are its transformer/config.json (a single-stream
+# Tongyi-MAI/Z-Image-Turbo (and Z-Image) transformer/config.json, which ZImageTransformer2DModel's defaults equal (a single-stream
 # DiT of width 3840 = 30 × 128: 2 noise-refiner and 2 context-refiner blocks, then 30 joint blocks; 2×2 patches of 16
 # latent channels; text of Qwen3-4B's 2560-wide states); its VAE FLUX.1's (VAE_KL16's layout); its text encoder
 # Qwen/Qwen3-4B (Qwen3Model, QWEN3_4B above).
-Z_IMAGE_TRANSFORMER: dict = {}
+Z_IMAGE_TRANSFORMER = dict(all_patch_size=(2,), all_f_patch_size=(1,), in_channels=16, dim=3840, n_layers=30, n_refiner_layers=2, n_heads=30,
+                           n_kv_heads=30, norm_eps=1e-5, qk_norm=True, cap_feat_dim=2560, rope_theta=256.0, t_scale=1000.0,
+                           axes_dims=[32, 48, 48], axes_lens=[1024, 512, 512])
 # Editing releases reuse their text-to-image layouts: black-forest-labs/FLUX.1-Kontext-dev's transformer is FLUX.1-dev's
 # (FLUX_DEV_TRANSFORMER), Qwen/Qwen-Image-Edit-2509's Qwen-Image's (QWEN_IMAGE_TRANSFORMER, Qwen2.5-VL-7B, its VAE).

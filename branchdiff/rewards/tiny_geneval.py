@@ -32,7 +32,6 @@ attribute right at once (on the built-in task w = 0.5 was no better than w = 0: 
 from __future__ import annotations
 
 import functools
-
 from dataclasses import dataclass
 
 import numpy as np
@@ -59,7 +58,7 @@ class DetectedObject:
     corners: int  # how many of the bounding box's four corner pixels are set (`shape_by_corners`' evidence)
 
 
-@functools.cache
+@functools.lru_cache(maxsize=4096)  # box sizes are bounded by the image (32 × 32 in the built-in tasks)
 def template(shape: str, height: int, width: int) -> np.ndarray:
     """Boolean (height, width) mask of `shape` inscribed in a height×width box (read-only: one array per
     shape and size, shared by every call)."""
