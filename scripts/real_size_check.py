@@ -57,6 +57,23 @@ def materialise(module: torch.nn.Module) -> torch.nn.Module:
     return module
 
 
+def _counts(transformer: torch.nn.Module, text_encoders: list[torch.nn.Module], vae: torch.nn.Module) -> dict[str, int]:
+    """Parameters (and the denoiser's buffer values) of a release's parts, counted on meta."""
+    count = lambda m: sum(p.numel() for p in m.parameters())
+    return {"denoiser": count(transformer), "denoiser_buffers": sum(b.numel() for b in transformer.buffers()),
+            "text_encoder": sum(map(count, text_encoders)), "vae": count(vae)}
+
+
+def _save(folder: Path, pipeline: type, transformer: torch.nn.Module, text_encoders: dict[str, torch.nn.Module], vae: torch.nn.Module,
+          **rest) -> dict[str, int]:
+    """Count the meta-built parts, materialise them in bf16 and save the pipeline they make (`rest`: its tokenizers
+    and scheduler) in `folder`; returns the counts."""
+    counts = _counts(transformer, list(text_encoders.values()), vae)
+    parts = {name: materialise(module) for name, module in text_encoders.items()}
+    pipeline(transformer=materialise(transformer), vae=materialise(vae), **parts, **rest).save_pretrained(folder, safe_serialization=True)
+    return counts
+
+
 def build_sana(folder: Path) -> dict[str, int]:
     from diffusers import AutoencoderDC, FlowMatchEulerDiscreteScheduler, SanaPipeline, SanaTransformer2DModel
     from transformers import Gemma2Config, Gemma2Model
@@ -68,17 +85,11 @@ def build_sana(folder: Path) -> dict[str, int]:
         transformer = SanaTransformer2DModel.from_config(P.SANA_1600M_1024_TRANSFORMER)
         text_encoder = Gemma2Model(Gemma2Config(**P.GEMMA2_2B))
         vae = AutoencoderDC.from_config(P.VAE_DCAE_F32C32)
-    counts = {"denoiser": sum(p.numel() for p in transformer.parameters()), "text_encoder": sum(p.numel() for p in text_encoder.parameters()),
-              "vae": sum(p.numel() for p in vae.parameters())}
-    pipe = SanaPipeline(tokenizer=build_gemma_tokenizer(), text_encoder=materialise(text_encoder), vae=materialise(vae),
-                        transformer=materialise(transformer), scheduler=FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0))
-    pipe.save_pretrained(folder, safe_serialization=True)
-    return counts
+    return _save(folder, SanaPipeline, transformer, {"text_encoder": text_encoder}, vae, tokenizer=build_gemma_tokenizer(),
+                 scheduler=FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0))
 
 
 def build_sd35_medium(folder: Path) -> dict[str, int]:
-    import gc
-
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
     from transformers import CLIPTextConfig, CLIPTextModelWithProjection, T5Config, T5EncoderModel
 
@@ -87,21 +98,12 @@ def build_sd35_medium(folder: Path) -> dict[str, int]:
 
     with torch.device("meta"):
         transformer = SD3Transformer2DModel.from_config(P.SD35_MEDIUM_TRANSFORMER)
-        clip_l = CLIPTextModelWithProjection(CLIPTextConfig(**P.CLIP_L))
-        clip_g = CLIPTextModelWithProjection(CLIPTextConfig(**P.CLIP_G))
-        t5 = T5EncoderModel(T5Config(**P.T5_XXL))
+        text_encoders = {"text_encoder": CLIPTextModelWithProjection(CLIPTextConfig(**P.CLIP_L)),
+                         "text_encoder_2": CLIPTextModelWithProjection(CLIPTextConfig(**P.CLIP_G)),
+                         "text_encoder_3": T5EncoderModel(T5Config(**P.T5_XXL))}
         vae = AutoencoderKL.from_config({**P.VAE_KL16, "scaling_factor": 1.5305, "shift_factor": 0.0609})  # SD3.5's vae/config.json
-    count = lambda m: sum(p.numel() for p in m.parameters())
-    counts = {"denoiser": count(transformer), "denoiser_buffers": sum(b.numel() for b in transformer.buffers()),
-              "text_encoder": count(clip_l) + count(clip_g) + count(t5), "vae": count(vae)}
-    pipe = StableDiffusion3Pipeline(transformer=materialise(transformer), scheduler=FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0),
-                                    vae=materialise(vae), text_encoder=materialise(clip_l), tokenizer=_clip_tokenizer(),
-                                    text_encoder_2=materialise(clip_g), tokenizer_2=_clip_tokenizer(), text_encoder_3=materialise(t5),
-                                    tokenizer_3=build_t5_tokenizer())
-    pipe.save_pretrained(folder, safe_serialization=True)
-    del pipe
-    gc.collect()
-    return counts
+    return _save(folder, StableDiffusion3Pipeline, transformer, text_encoders, vae, tokenizer=_clip_tokenizer(), tokenizer_2=_clip_tokenizer(),
+                 tokenizer_3=build_t5_tokenizer(), scheduler=FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0))
 
 
 def build_wan_1_3b(folder: Path) -> dict[str, int]:
@@ -115,12 +117,8 @@ def build_wan_1_3b(folder: Path) -> dict[str, int]:
         transformer = WanTransformer3DModel.from_config(P.WAN_T2V_1_3B_TRANSFORMER)
         text_encoder = UMT5EncoderModel(UMT5Config(**P.UMT5_XXL))
         vae = AutoencoderKLWan()  # its defaults are the release's VAE
-    counts = _counts(transformer, [text_encoder], vae)
     scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0, num_train_timesteps=1000)
-    pipe = WanPipeline(tokenizer=build_t5_tokenizer(), text_encoder=materialise(text_encoder), vae=materialise(vae),
-                       transformer=materialise(transformer), scheduler=scheduler)
-    pipe.save_pretrained(folder, safe_serialization=True)
-    return counts
+    return _save(folder, WanPipeline, transformer, {"text_encoder": text_encoder}, vae, tokenizer=build_t5_tokenizer(), scheduler=scheduler)
 
 
 def build_flux2_klein_4b(folder: Path) -> dict[str, int]:
@@ -134,18 +132,8 @@ def build_flux2_klein_4b(folder: Path) -> dict[str, int]:
         transformer = Flux2Transformer2DModel.from_config(P.FLUX2_KLEIN_4B_TRANSFORMER)
         text_encoder = Qwen3ForCausalLM(Qwen3Config(**P.QWEN3_4B))
         vae = AutoencoderKLFlux2()  # its defaults are the release's VAE
-    counts = _counts(transformer, [text_encoder], vae)
     scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=True)
-    pipe = Flux2KleinPipeline(text_encoder=materialise(text_encoder), tokenizer=build_qwen_tokenizer(), vae=materialise(vae),
-                              transformer=materialise(transformer), scheduler=scheduler)
-    pipe.save_pretrained(folder, safe_serialization=True)
-    return counts
-
-
-def _counts(transformer: torch.nn.Module, text_encoders: list[torch.nn.Module], vae: torch.nn.Module) -> dict[str, int]:
-    count = lambda m: sum(p.numel() for p in m.parameters())
-    return {"denoiser": count(transformer), "denoiser_buffers": sum(b.numel() for b in transformer.buffers()),
-            "text_encoder": sum(map(count, text_encoders)), "vae": count(vae)}
+    return _save(folder, Flux2KleinPipeline, transformer, {"text_encoder": text_encoder}, vae, tokenizer=build_qwen_tokenizer(), scheduler=scheduler)
 
 
 BUILDERS = {"sana": build_sana, "sd3.5-medium": build_sd35_medium, "wan-1.3b": build_wan_1_3b, "flux2-klein-4b": build_flux2_klein_4b}
