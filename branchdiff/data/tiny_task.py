@@ -11,7 +11,9 @@ from __future__ import annotations
 import functools
 import itertools
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -79,13 +81,14 @@ def split_prompts(held_out_fraction: float = 0.25, seed: int = 0) -> tuple[list[
 
 
 @functools.cache
-def _by_text() -> dict[str, TinyPrompt]:
-    return {prompt.text: prompt for prompt in all_prompts()}
+def by_text(grammar: Callable[[], list]) -> dict[str, Any]:
+    """Every prompt of a grammar (its `all_prompts`) by its text, built once per grammar: what parsing looks up."""
+    return {prompt.text: prompt for prompt in grammar()}
 
 
 def parse_prompt(text: str) -> TinyPrompt:
     """Inverse of `TinyPrompt.text`; raises ValueError naming the text if it is not in the grammar."""
-    found = _by_text().get(text.strip().lower())
+    found = by_text(all_prompts).get(text.strip().lower())
     if found is not None:
         return found
     raise ValueError(

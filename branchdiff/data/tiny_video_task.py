@@ -11,13 +11,12 @@ generated clips against a prompt lives in `rewards.tiny_video`.
 
 from __future__ import annotations
 
-import functools
 import itertools
 from dataclasses import dataclass
 
 import numpy as np
 
-from branchdiff.data.tiny_task import COLORS, IMAGE_SIZE, SHAPES, shape_mask, split_grammar
+from branchdiff.data.tiny_task import COLORS, IMAGE_SIZE, SHAPES, by_text, shape_mask, split_grammar
 from branchdiff.errors import quote
 
 FRAMES = 5  # frames per clip (4·1 + 1, the r·k + 1 form of Wan's videos)
@@ -55,14 +54,9 @@ def split_prompts(held_out_fraction: float = 0.25, seed: int = 0) -> tuple[list[
     return split_grammar(all_prompts(), held_out_fraction, seed)
 
 
-@functools.cache
-def _by_text() -> dict[str, TinyClipPrompt]:
-    return {prompt.text: prompt for prompt in all_prompts()}
-
-
 def parse_prompt(text: str) -> TinyClipPrompt:
     """Inverse of `TinyClipPrompt.text`; raises ValueError naming the text if it is not in the grammar."""
-    found = _by_text().get(text.strip().lower())
+    found = by_text(all_prompts).get(text.strip().lower())
     if found is not None:
         return found
     raise ValueError(

@@ -73,6 +73,7 @@ class ModelAdapter(ABC):
     max_sequence_length: int = 77  # the most prompt tokens the family's text encoders read (CLIP's 77; the pipelines' T5 / Gemma lengths)
     instruction: bool = True  # prepend the family's prompt instruction where it has one (SANA's complex_human_instruction)
     lockstep: Callable[[int], int] | None = None  # a sharded denoiser (FSDP): agrees a number of forwards with the other processes (sharding.Lockstep)
+    card_license: str = "other"  # the released weights' license as the Hub names it; a model card of a fine-tune carries it
 
     @property
     @abstractmethod
@@ -115,6 +116,12 @@ class ModelAdapter(ABC):
     @abstractmethod
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         """Images (B, 3, H, W) in [0, 1]."""
+
+    @classmethod
+    def license_of(cls, path: str) -> str:
+        """The license of the release at `path` (a hub id or folder) as the Hub names it: the family's, unless its
+        releases differ."""
+        return cls.card_license
 
     @classmethod
     def cfg_rows(cls, guidance: float) -> int:

@@ -100,12 +100,12 @@ class Flux2KleinAdapter(Flux2Adapter):
     uses_cfg = True
     default_guidance = 4.0  # the pipeline's default guidance_scale (the base models'; the distilled ones ignore it)
     example_hub_id = "black-forest-labs/FLUX.2-klein-base-4B"
+    text_layers = (9, 18, 27)
 
     @classmethod
     def license_of(cls, path: str) -> str:
         """FLUX.2 [klein] 4B (base and distilled) is Apache 2.0; the 9B is under BFL's non-commercial license."""
         return "apache-2.0" if "4b" in path.lower() else "other"
-    text_layers = (9, 18, 27)
 
     def rows_per_sample(self, guidance: float) -> int:
         return 2 if guidance > 1 and not self.pipe.config.get("is_distilled", False) else 1

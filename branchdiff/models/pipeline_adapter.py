@@ -27,13 +27,6 @@ from branchdiff.schedulers.schedule import FlowSchedule
 class PipelineAdapter(ModelAdapter):
     helper_names: tuple[str, ...] = ("text_encoder", "text_encoder_2", "text_encoder_3", "vae")  # offloadable components
     example_hub_id = ""  # shown in the error when model.path is missing
-    card_license = "other"  # the released weights' license as the Hub names it; a model card of a fine-tune carries it
-
-    @classmethod
-    def license_of(cls, path: str) -> str:
-        """The license of the release at `path` (a hub id or folder) as the Hub names it: the family's, unless its
-        releases differ."""
-        return cls.card_license
 
     def __init__(self, pipe, device: torch.device | str = "cpu", size: tuple[int, int] = (1024, 1024), offload: bool = False) -> None:
         self.pipe = pipe

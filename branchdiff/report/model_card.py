@@ -103,8 +103,7 @@ def card_text(run_dir: Path, export: str, repo: str | None = None) -> str:
             "grpo", *(["lora", "template:sd-lora"] if export == "lora" else [])]
     from branchdiff.models import adapter_class
 
-    release = adapter_class(family) if base and family not in BUILT_IN else None
-    license = (release.license_of(base) if hasattr(release, "license_of") else "other") if release else None  # the base model's
+    license = adapter_class(family).license_of(base) if base and family not in BUILT_IN else None  # the base model's
     data = ModelCardData(library_name="diffusers", base_model=base, tags=tags, widget=widget, license=license, pipeline_tag=tags[0])
     objective = train.get("loss", "grpo")
     iterations = int(run.iterations[-1]) + 1 if len(run.iterations) else 0
