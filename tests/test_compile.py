@@ -77,3 +77,23 @@ def test_a_compiled_block_keeps_compiling_past_torchs_eight_versions(monkeypatch
     assert len(compiled_graphs) == 12
     torch._dynamo.reset()
 
+
+
+def test_a_compiled_run_without_a_compiler_is_one_line_and_nothing_is_left(tmp_path, monkeypatch, capsys):
+    """Inductor on the CPU writes C++; with no compiler on the machine, the default run (which compiles) would fail
+    at its first forward, after the model loaded. It stops before, naming the fix."""
+    import re
+
+    from torch._inductor import config
+
+    from branchdiff.cli import main
+
+    monkeypatch.setattr(config.cpp, "cxx", ("no-such-compiler++",))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    run = tmp_path / "run"
+    assert main(["train", "tiny-chain", f"output_dir={run}", "model.compile=blocks", *RUN]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert re.search(r"model.compile=blocks: torch.compile on the CPU needs a C\+\+ compiler and none was found \(looked for "
+                     r"no-such-compiler\+\+\); install one \(g\+\+ or clang\+\+\), or set model.compile=none", err), err
+    assert not run.exists()

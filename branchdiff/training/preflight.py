@@ -19,6 +19,7 @@ from branchdiff.data.sources import image_size as source_size
 from branchdiff.errors import quote
 from branchdiff.models import adapter_class, check_frames, check_size
 from branchdiff.models.attention import check_backend
+from branchdiff.models.compile import check_compiler
 from branchdiff.models.families import FAMILIES, image_size
 from branchdiff.rewards.combine import RewardSpec, parse_reward_specs
 from branchdiff.rewards.registry import check_reward_kwargs, resolve_reward
@@ -48,6 +49,7 @@ def check_inputs(config: TrainConfig) -> None:
             check_reward_kwargs(spec.name, factories[spec.name], spec.kwargs)
     check_size(config.model.family, config.model.path, config.model.resolution)
     check_backend(config.model.attention_backend)
+    check_compiler(config.model.compile)
     check_installed(tracker_names(config.logging.report_to))
     check_frames(config.model.family, config.model.path, config.model.frames)
     if FAMILIES[config.model.family].video:
