@@ -54,15 +54,13 @@ def test_model_compile_is_applied_by_the_trainer_and_refused_where_it_cannot(tmp
         _trainer(tmp_path, "fsdp", "model.compile=blocks")
 
 
-def test_a_compiled_block_keeps_compiling_past_torchs_eight_versions(monkeypatch):
+def test_a_compiled_block_keeps_compiling_past_torchs_eight_versions():
     """A run's forwards differ in grad mode, batch and model; past Dynamo's default of 8 versions of a compiled
     function it would run the block eagerly without a word (a six-variant bench did). Twelve shapes with automatic
     dynamic shapes off make twelve versions: all twelve compiled."""
     import torch._dynamo
 
     torch._dynamo.reset()
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 8)  # torch's default, as a fresh process has it
-    monkeypatch.setattr(torch._dynamo.config, "automatic_dynamic_shapes", False)
     compiled_graphs = []
 
     def counting(graph, example_inputs):
@@ -71,9 +69,11 @@ def test_a_compiled_block_keeps_compiling_past_torchs_eight_versions(monkeypatch
 
     model = torch.nn.Module()
     model.blocks = torch.nn.ModuleList([torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)])
-    assert compile_denoiser(model, "blocks", counting) == 2
-    for rows in range(1, 13):
-        model.blocks[0](torch.randn(rows, 4))
+    # torch's default limit, as a fresh process has it; torch's own patching (monkeypatch's undo deletes a config setting)
+    with torch._dynamo.config.patch(recompile_limit=8, automatic_dynamic_shapes=False):
+        assert compile_denoiser(model, "blocks", counting) == 2
+        for rows in range(1, 13):
+            model.blocks[0](torch.randn(rows, 4))
     assert len(compiled_graphs) == 12
     torch._dynamo.reset()
 
@@ -88,10 +88,10 @@ def test_a_compiled_run_without_a_compiler_is_one_line_and_nothing_is_left(tmp_p
 
     from branchdiff.cli import main
 
-    monkeypatch.setattr(config.cpp, "cxx", ("no-such-compiler++",))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     run = tmp_path / "run"
-    assert main(["train", "tiny-chain", f"output_dir={run}", "model.compile=blocks", *RUN]) == 2
+    with config.patch({"cpp.cxx": ("no-such-compiler++",)}):  # torch's own patching: monkeypatch's undo would delete the setting
+        assert main(["train", "tiny-chain", f"output_dir={run}", "model.compile=blocks", *RUN]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1, err
     assert re.search(r"model.compile=blocks: torch.compile on the CPU needs a C\+\+ compiler and none was found \(looked for "

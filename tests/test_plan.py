@@ -112,6 +112,24 @@ def test_guidance_zero_is_one_row_for_z_image(estimator):
     assert estimate(load_config("z-image-pickscore", ["sampling.guidance=0.5"]), Target(), estimator).settings["cfg_rows"] == 2
 
 
+def test_a_step_distilled_klein_is_one_row_a_prediction(estimator, tmp_path):
+    """FLUX.2 [klein]'s step-distilled releases sample unguided whatever the guidance (the adapter reads `is_distilled`
+    from the loaded pipeline); the plan knows them by their folder's model_index.json or their hub id. Regression: it
+    counted CFG's two rows for them at the preset's guidance 4."""
+    from branchdiff.models.flux2 import Flux2KleinAdapter
+
+    def rows(path: str) -> int:
+        return estimate(load_config("flux2-klein-pickscore", [f"model.path={path}"]), Target(), estimator).settings["cfg_rows"]
+
+    assert rows("black-forest-labs/FLUX.2-klein-base-9B") == 2 and rows("black-forest-labs/FLUX.2-klein-9B") == 1
+    for distilled in (True, False):
+        folder = tmp_path / f"klein-{distilled}"
+        folder.mkdir()
+        (folder / "model_index.json").write_text(json.dumps({"_class_name": "Flux2KleinPipeline", "is_distilled": distilled}))
+        assert Flux2KleinAdapter.cfg_rows(4.0, str(folder)) == (1 if distilled else 2)
+    assert Flux2KleinAdapter.cfg_rows(4.0) == 2 and Flux2KleinAdapter.cfg_rows(4.0, "someone/my-finetune") == 2  # unknown: guided
+
+
 def test_a_run_that_does_not_fit_gets_the_smallest_change_that_does(estimator):
     """Wan 2.1 14B's branch preset peaks in training on an 80 GB GPU; the plan names the largest minibatch
     that fits, and planning with that override fits."""

@@ -124,9 +124,10 @@ class ModelAdapter(ABC):
         return cls.card_license
 
     @classmethod
-    def cfg_rows(cls, guidance: float) -> int:
+    def cfg_rows(cls, guidance: float, path: str | None = None) -> int:
         """Network rows one prediction costs at `guidance`, by the family's rule: 2 under CFG (unconditional
-        and conditional), else 1 (also what `branchdiff plan` counts, without a loaded model)."""
+        and conditional), else 1 (also what `branchdiff plan` counts, without a loaded model). `path`: the
+        release (a hub id or folder), for a family whose releases differ."""
         return 2 if cls.uses_cfg and guidance > 1 else 1
 
     def rows_per_sample(self, guidance: float) -> int:

@@ -19,6 +19,9 @@ tests/test_model_families.py checks sampling, training and the LoRA export of bo
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import numpy as np
 import torch
 
@@ -27,6 +30,16 @@ from branchdiff.models.pipeline_adapter import PipelineAdapter
 FLUX2_ATTENTION = ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj",
                    "attn.to_add_out", "attn.to_qkv_mlp_proj"]  # double blocks; the single blocks' fused q, k, v (and MLP input)
 FLUX2_FEED_FORWARD = ["ff.linear_in", "ff.linear_out", "ff_context.linear_in", "ff_context.linear_out"]
+
+
+def is_distilled(path: str) -> bool:
+    """Whether the FLUX.2 [klein] release at `path` is step-distilled: its folder's model_index.json, else its
+    name (a [klein] name without "base"; any other name counts as guided, the costlier guess)."""
+    index = Path(path) / "model_index.json"
+    if index.is_file():
+        return bool(json.loads(index.read_text()).get("is_distilled", False))
+    name = Path(path).name.lower()
+    return "klein" in name and "base" not in name
 
 
 class Flux2Adapter(PipelineAdapter):
@@ -106,6 +119,13 @@ class Flux2KleinAdapter(Flux2Adapter):
     def license_of(cls, path: str) -> str:
         """FLUX.2 [klein] 4B (base and distilled) is Apache 2.0; the 9B is under BFL's non-commercial license."""
         return "apache-2.0" if "4b" in path.lower() else "other"
+
+    @classmethod
+    def cfg_rows(cls, guidance: float, path: str | None = None) -> int:
+        """One row a prediction for a step-distilled release, which samples unguided: a folder whose
+        model_index.json says `is_distilled`, or a hub id without "base" (FLUX.2-klein-4B and -9B; the
+        guided ones are FLUX.2-klein-base-4B and -9B); else the base models' CFG rule."""
+        return 1 if path is not None and is_distilled(path) else super().cfg_rows(guidance, path)
 
     def rows_per_sample(self, guidance: float) -> int:
         return 2 if guidance > 1 and not self.pipe.config.get("is_distilled", False) else 1

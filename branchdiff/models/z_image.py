@@ -73,7 +73,7 @@ class ZImageAdapter(PipelineAdapter):
         return FlowSchedule(sigmas, self.model_times(sigmas[:-1] * 1000))
 
     @classmethod
-    def cfg_rows(cls, guidance: float) -> int:
+    def cfg_rows(cls, guidance: float, path: str | None = None) -> int:
         return 2 if guidance > 0 else 1
 
     def guidance_scale(self, times: torch.Tensor, guidance: float) -> float:

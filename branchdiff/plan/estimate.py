@@ -136,7 +136,7 @@ def estimate(config: Any, target: Target, estimator: Estimator) -> Plan:
     size = size_of(config)
     pixels = math.prod(size) * 3  # values per decoded image (video)
     guidance = family.adapter.default_guidance if config.sampling.guidance is None else config.sampling.guidance
-    cfg_rows = family.adapter.cfg_rows(guidance)
+    cfg_rows = family.adapter.cfg_rows(guidance, config.model.path)
     train_rows = config.train.minibatch * cfg_rows
     chunk_rows = max(1, config.sampling.max_batch // cfg_rows) * cfg_rows
     ckpt, offload, full = config.train.gradient_checkpointing, config.model.offload, config.model.finetune == "full"
