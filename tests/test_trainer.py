@@ -227,3 +227,28 @@ def test_exported_lora_keeps_its_scale_when_alpha_differs_from_rank(tiny_model_d
         expected, got = trained.predict(x, sigma, embeds), fresh.predict(x, sigma, embeds)
         base = TinyAdapter.from_pretrained(tiny_model_dir).predict(x, sigma, embeds)
     assert (expected - base).abs().max() > 1e-3 and torch.allclose(got, expected, atol=1e-5)
+
+
+def test_adamw_is_fused_where_it_can_be_and_steps_as_the_default():
+    """Plain parameters on one CPU or CUDA device get PyTorch's fused AdamW (one in-place pass, no temporary copies:
+    the plan counts none); its steps equal the per-tensor-list default's to float32 rounding. Parameters it cannot
+    take (another device type, integers) keep the default."""
+    from branchdiff.training.trainer import fused_adamw, make_optimizer
+
+    config = load_config("tiny-chain", ["train.learning_rate=1e-2", "train.weight_decay=0.1"])
+    torch.manual_seed(0)
+    ours, theirs = torch.nn.Linear(16, 8), torch.nn.Linear(16, 8)
+    theirs.load_state_dict(ours.state_dict())
+    fused = make_optimizer(config, list(ours.parameters()))
+    default = torch.optim.AdamW(theirs.parameters(), lr=1e-2, weight_decay=0.1)
+    assert fused.defaults["fused"] is True and not default.defaults["fused"]
+    for _ in range(5):
+        grads = [torch.randn_like(p) for p in ours.parameters()]
+        for model, optimizer in ((ours, fused), (theirs, default)):
+            for p, g in zip(model.parameters(), grads):
+                p.grad = g.clone()
+            optimizer.step()
+    for p, q in zip(ours.parameters(), theirs.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-6)
+    assert not fused_adamw([torch.nn.Parameter(torch.zeros(2, device="meta"))])
+    assert not fused_adamw([torch.zeros(2, dtype=torch.int64)])

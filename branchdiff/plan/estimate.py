@@ -11,8 +11,8 @@ what each phase adds on top while it runs:
 | reward     | the VAE decoding `decode_batch` leaves at a time, every decoded leaf (fp32)                   |
 | train      | the trained parameters' gradients + a minibatch's forward and backward (checkpointing: saved  |
 |            | set + one block recomputed); with a KL term, the reference forward while the graph is held    |
-| optimizer  | the gradients + AdamW's foreach temporaries (two fp32 copies of the trained parameters;      |
-|            | bitsandbytes' fused 8-bit step none)                                                          |
+| optimizer  | the gradients (AdamW's fused step and bitsandbytes' 8-bit one update in place); under FSDP, + |
+|            | AdamW's foreach temporaries on the sharded parameters (two fp32 copies of the trained ones)   |
 | explore    | refreshing the explore copy (every LoRA layer's W + B·A in fp32), the seeds pool's decode     |
 | eval       | the eval rewards' weights + an evaluation chunk's forward or decode                           |
 | start-up   | (absolute) the explore copy's build: the policy copied before it is quantised                 |
@@ -174,7 +174,7 @@ def estimate(config: Any, target: Target, estimator: Estimator) -> Plan:
         "rollout": m.rollout(chunk_rows),
         "reward": (vae if offload else 0) + decode,
         "train": grads + max(train_act, kl_ref),
-        "optimizer": grads + (0 if config.train.optimizer == "adamw8bit" else 2 * trained * 4),
+        "optimizer": grads + (2 * trained * 4 if config.train.optimizer == "adamw" and sharded else 0),  # only FSDP's AdamW is not fused
         "eval": 0.0,
     }
     if config.final_eval or config.eval_every:
