@@ -79,21 +79,33 @@ def test_a_compiled_block_keeps_compiling_past_torchs_eight_versions():
 
 
 
-def test_a_compiled_run_without_a_compiler_is_one_line_and_nothing_is_left(tmp_path, monkeypatch, capsys):
-    """Inductor on the CPU writes C++; with no compiler on the machine, the default run (which compiles) would fail
-    at its first forward, after the model loaded. It stops before, naming the fix."""
+@pytest.mark.parametrize("fault,line", [
+    ("no-c++", r"model.compile=blocks: torch.compile on the CPU needs a C\+\+ compiler and none was found \(CXX, else g\+\+\); install one, "
+               r"or set model.compile=none"),
+    ("no-python-headers", r"model.compile=blocks: torch.compile on the CPU builds against Python's headers and .*Python.h is missing; "
+                          r"install your Python's development package \(e.g. python3-dev\), or set model.compile=none"),
+    ("gpu-without-triton", r"model.compile=blocks: torch.compile on a GPU needs Triton, which is not installed here; pip install triton"),
+])
+def test_a_compiled_run_without_a_compiler_is_one_line_and_nothing_is_left(fault, line, tmp_path, monkeypatch, capsys):
+    """Inductor writes C++ against Python's headers on the CPU and Triton kernels on a GPU; on a machine without
+    what it needs, the default run (which compiles) would fail at its first forward, after the model loaded. It
+    stops before, naming the fix."""
     import re
+    import sysconfig
 
+    import torch.utils._triton
     from torch._inductor import config
 
     from branchdiff.cli import main
 
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    compilers = ("no-such-compiler++",) if fault == "no-c++" else config.cpp.cxx
+    if fault == "no-python-headers":
+        monkeypatch.setattr(sysconfig, "get_paths", lambda: {"include": str(tmp_path / "include")})
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: fault == "gpu-without-triton")
+    monkeypatch.setattr(torch.utils._triton, "has_triton_package", lambda: False)
     run = tmp_path / "run"
-    with config.patch({"cpp.cxx": ("no-such-compiler++",)}):  # torch's own patching: monkeypatch's undo would delete the setting
+    with config.patch({"cpp.cxx": compilers}):  # torch's own patching: monkeypatch's undo would delete the setting
         assert main(["train", "tiny-chain", f"output_dir={run}", "model.compile=blocks", *RUN]) == 2
     err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1, err
-    assert re.search(r"model.compile=blocks: torch.compile on the CPU needs a C\+\+ compiler and none was found \(looked for "
-                     r"no-such-compiler\+\+\); install one \(g\+\+ or clang\+\+\), or set model.compile=none", err), err
+    assert len(err.splitlines()) == 1 and re.search(line, err), err
     assert not run.exists()

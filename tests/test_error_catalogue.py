@@ -391,6 +391,7 @@ def test_bad_input_gives_one_line_exit_2_and_loses_nothing(case, env, capsys):
 
 # cases tested outside the parametrised test above: the tests that run them, "module::name" or a name in this module
 TESTED_ELSEWHERE = {
+    "compile-without-a-compiler": ["test_compile::test_a_compiled_run_without_a_compiler_is_one_line_and_nothing_is_left"],
     "prompt-without-source-on-an-editing-family": ["test_editing::test_a_csv_row_names_several_sources_and_a_text_family_refuses_them"],
     "non-finite-gradients": ["test_non_finite_gradients_skip_steps_then_stop_after_a_checkpoint"],
     "out-of-memory": ["test_out_of_memory_is_one_line_naming_what_to_lower", "test_a_failed_cpu_allocation_is_recognised"],

@@ -128,6 +128,7 @@ def test_a_step_distilled_klein_is_one_row_a_prediction(estimator, tmp_path):
         (folder / "model_index.json").write_text(json.dumps({"_class_name": "Flux2KleinPipeline", "is_distilled": distilled}))
         assert Flux2KleinAdapter.cfg_rows(4.0, str(folder)) == (1 if distilled else 2)
     assert Flux2KleinAdapter.cfg_rows(4.0) == 2 and Flux2KleinAdapter.cfg_rows(4.0, "someone/my-finetune") == 2  # unknown: guided
+    assert Flux2KleinAdapter.cfg_rows(4.0, "someone/klein-9b-grpo") == 2  # a fine-tune of a base release, named freely
 
 
 def test_a_run_that_does_not_fit_gets_the_smallest_change_that_does(estimator):

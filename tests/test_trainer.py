@@ -250,5 +250,10 @@ def test_adamw_is_fused_where_it_can_be_and_steps_as_the_default():
             optimizer.step()
     for p, q in zip(ours.parameters(), theirs.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-6)
+    unfused = torch.optim.AdamW(theirs.parameters()).state_dict()
+    default.load_state_dict(fused.state_dict())
+    assert default.param_groups[0]["fused"] is True  # torch's optimizer takes the kernel of the groups it loads ...
+    fused.load_state_dict(unfused)
+    assert fused.param_groups[0]["fused"] is True  # ... ours keeps its own: a checkpoint from before the change resumes fused
     assert not fused_adamw([torch.nn.Parameter(torch.zeros(2, device="meta"))])
     assert not fused_adamw([torch.zeros(2, dtype=torch.int64)])

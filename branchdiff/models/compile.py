@@ -11,6 +11,12 @@ handful of times, then reuses them.
 
 from __future__ import annotations
 
+import os
+import shutil
+import sys
+import sysconfig
+from pathlib import Path
+
 import torch
 
 MODES = ("none", "blocks", "full")
@@ -31,29 +37,40 @@ def _blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 def check_compiler(mode: str) -> None:
-    """Refuse, in one line before a model loads, a compiled denoiser where torch.compile's inductor has nothing
-    to compile with: Triton on a CUDA machine, else a C++ compiler (torch's own search: `CXX`-style names from
-    `torch._inductor.config.cpp.cxx`, g++ or clang++ on the PATH)."""
+    """Refuse, in one line before a model loads, a compiled denoiser where torch.compile's Inductor has nothing
+    to build with. On a CUDA device it writes Triton kernels (Triton, and a C compiler for Triton's launcher:
+    `CC`, gcc or clang); on the CPU (no GPU, or `ACCELERATE_USE_CPU`, as `accelerate launch --cpu` sets) C++
+    that includes Python's headers (a C++ compiler found by torch's own search: `CXX`, else g++, clang++ on
+    macOS, cl on Windows; and Python.h)."""
     if mode == "none":
         return
-    fix = "or set model.compile=none (eager: the same results, about 1.15× as long an iteration on the built-in model)"
-    if torch.cuda.is_available():
-        from torch.utils._triton import has_triton
+    fix = "or set model.compile=none (eager: the same recipe, an iteration about 1.15× as long on the built-in model)"
+    from accelerate.utils import parse_flag_from_env
 
-        if not has_triton():
+    if torch.cuda.is_available() and not parse_flag_from_env("ACCELERATE_USE_CPU"):
+        from torch.utils._triton import has_triton, has_triton_package
+
+        if not has_triton_package():
             raise ValueError(f"model.compile={mode}: torch.compile on a GPU needs Triton, which is not installed here; "
                              f"pip install triton (the version your torch names), {fix}")
+        if not has_triton():
+            raise ValueError(f"model.compile={mode}: Triton is installed but does not support this GPU (torch.compile's GPU kernels "
+                             f"need compute capability 7.0 or newer), {fix}")
+        if not any(shutil.which(name) for name in (os.environ.get("CC"), "gcc", "clang") if name):
+            raise ValueError(f"model.compile={mode}: Triton builds its kernel launcher with a C compiler and none was found "
+                             f"(CC, gcc, clang); install gcc, {fix}")
         return
-    from torch._inductor import config
-    from torch._inductor.cpp_builder import cpp_compiler_search
-
-    search = tuple(config.cpp.cxx) if isinstance(config.cpp.cxx, (list, tuple)) else (config.cpp.cxx,)
     try:
-        cpp_compiler_search(search)
-    except Exception:  # torch's InvalidCxxCompiler, or a search that failed in another way: either way nothing to compile with
-        names = ", ".join(str(name) for name in search if name)
-        raise ValueError(f"model.compile={mode}: torch.compile on the CPU needs a C++ compiler and none was found (looked for {names}); "
-                         f"install one (g++ or clang++), {fix}") from None
+        from torch._inductor.cpp_builder import get_cpp_compiler
+
+        get_cpp_compiler()
+    except Exception:  # torch's InvalidCxxCompiler, or a search that failed in another way: either way nothing to build with
+        raise ValueError(f"model.compile={mode}: torch.compile on the CPU needs a C++ compiler and none was found "
+                         f"(CXX, else {'clang++' if sys.platform == 'darwin' else 'g++'}); install one, {fix}") from None
+    headers = Path(sysconfig.get_paths()["include"]) / "Python.h"
+    if not headers.is_file():
+        raise ValueError(f"model.compile={mode}: torch.compile on the CPU builds against Python's headers and {headers} is missing; "
+                         f"install your Python's development package (e.g. python3-dev), {fix}")
 
 
 def compile_denoiser(denoiser: torch.nn.Module, mode: str, backend: str = "inductor") -> int:

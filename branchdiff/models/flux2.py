@@ -32,14 +32,17 @@ FLUX2_ATTENTION = ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn
 FLUX2_FEED_FORWARD = ["ff.linear_in", "ff.linear_out", "ff_context.linear_in", "ff_context.linear_out"]
 
 
+DISTILLED_KLEIN = ("flux.2-klein-4b", "flux.2-klein-9b")  # black-forest-labs' step-distilled releases (the guided ones: FLUX.2-klein-base-4B, -9B)
+
+
 def is_distilled(path: str) -> bool:
     """Whether the FLUX.2 [klein] release at `path` is step-distilled: its folder's model_index.json, else its
-    name (a [klein] name without "base"; any other name counts as guided, the costlier guess)."""
+    name, one of the distilled releases' (`DISTILLED_KLEIN`); any other name counts as guided, the costlier guess
+    (a fine-tune of a base release may be named anything)."""
     index = Path(path) / "model_index.json"
     if index.is_file():
         return bool(json.loads(index.read_text()).get("is_distilled", False))
-    name = Path(path).name.lower()
-    return "klein" in name and "base" not in name
+    return Path(path).name.lower() in DISTILLED_KLEIN
 
 
 class Flux2Adapter(PipelineAdapter):
@@ -122,9 +125,8 @@ class Flux2KleinAdapter(Flux2Adapter):
 
     @classmethod
     def cfg_rows(cls, guidance: float, path: str | None = None) -> int:
-        """One row a prediction for a step-distilled release, which samples unguided: a folder whose
-        model_index.json says `is_distilled`, or a hub id without "base" (FLUX.2-klein-4B and -9B; the
-        guided ones are FLUX.2-klein-base-4B and -9B); else the base models' CFG rule."""
+        """One row a prediction for a step-distilled release, which samples unguided (`is_distilled`: a folder
+        whose model_index.json says so, or FLUX.2-klein-4B and -9B by name); else the base models' CFG rule."""
         return 1 if path is not None and is_distilled(path) else super().cfg_rows(guidance, path)
 
     def rows_per_sample(self, guidance: float) -> int:

@@ -96,7 +96,17 @@ def make_optimizer(config: TrainConfig, params: list[torch.nn.Parameter]) -> tor
         except ImportError:
             raise ImportError("train.optimizer=adamw8bit needs bitsandbytes: pip install 'branchdiff-rl[quant]'") from None
         return bitsandbytes.optim.AdamW8bit(params, lr=train.learning_rate, weight_decay=train.weight_decay)
-    return torch.optim.AdamW(params, lr=train.learning_rate, weight_decay=train.weight_decay, fused=fused_adamw(params) or None)
+    optimizer = torch.optim.AdamW(params, lr=train.learning_rate, weight_decay=train.weight_decay, fused=fused_adamw(params) or None)
+    kernel = {key: optimizer.defaults[key] for key in ("fused", "foreach")}
+
+    def keep_kernel(loaded: torch.optim.Optimizer) -> None:
+        """A checkpoint's param_groups carry the step kernel they were saved with (a run from before AdamW was
+        fused says none): the run keeps its own."""
+        for group in loaded.param_groups:
+            group.update(kernel)
+
+    optimizer.register_load_state_dict_post_hook(keep_kernel)
+    return optimizer
 
 
 def fused_adamw(params: list[torch.nn.Parameter]) -> bool:
