@@ -78,7 +78,6 @@ def test_a_compiled_block_keeps_compiling_past_torchs_eight_versions():
     torch._dynamo.reset()
 
 
-
 @pytest.mark.parametrize("fault,line", [
     ("no-c++", r"model.compile=blocks: torch.compile on the CPU needs a C\+\+ compiler and none was found \(CXX, else g\+\+\); install one, "
                r"or set model.compile=none"),

@@ -130,7 +130,8 @@ class Flux2KleinAdapter(Flux2Adapter):
         return 1 if path is not None and is_distilled(path) else super().cfg_rows(guidance, path)
 
     def rows_per_sample(self, guidance: float) -> int:
-        return 2 if guidance > 1 and not self.pipe.config.get("is_distilled", False) else 1
+        """The loaded pipeline says whether it is distilled; else the CFG rule `cfg_rows` plans with."""
+        return 1 if self.pipe.config.get("is_distilled", False) else super().cfg_rows(guidance)
 
     def encode(self, prompts: list[str]) -> dict[str, torch.Tensor]:
         conditional, negative = super().encode(prompts), super().encode([""] * len(prompts))

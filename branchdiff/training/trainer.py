@@ -96,6 +96,7 @@ def make_optimizer(config: TrainConfig, params: list[torch.nn.Parameter]) -> tor
         except ImportError:
             raise ImportError("train.optimizer=adamw8bit needs bitsandbytes: pip install 'branchdiff-rl[quant]'") from None
         return bitsandbytes.optim.AdamW8bit(params, lr=train.learning_rate, weight_decay=train.weight_decay)
+    # fused=None, not False, where it cannot fuse: False would also skip torch's choice of its foreach step
     optimizer = torch.optim.AdamW(params, lr=train.learning_rate, weight_decay=train.weight_decay, fused=fused_adamw(params) or None)
     kernel = {key: optimizer.defaults[key] for key in ("fused", "foreach")}
 
