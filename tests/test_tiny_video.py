@@ -69,7 +69,7 @@ def test_a_run_logs_its_videos_to_the_trackers_and_the_report(model_dir, tmp_pat
     monkeypatch.setenv("SWANLAB_MODE", "local")
     run = tmp_path / "run"
     assert main(["train", "tiny-video", f"model.path={model_dir}", f"output_dir={run}", "iterations=1", "eval_every=1",
-                 "prompts.per_iteration=2", "prompts.eval_seeds=1", "logging.sample_every=1", "sampling.num_steps=4",
+                 "prompts.per_iteration=2", "prompts.eval_seeds=1", "logging.sample_every=1", "model.compile=none", "sampling.num_steps=4",
                  "tree.splits=[[0,2],[1,2]]", "tree.mix_window=2", "logging.report_to=[tensorboard,wandb,swanlab]"]) == 0
     wandb_gifs = {path.name.split("_0_")[0]: path.read_bytes() for path in (run / "logs" / "wandb").glob("offline-run-*/files/media/videos/samples/*.gif")}
     swanlab_gifs = {path.read_bytes() for path in (run / "logs" / "swanlab").glob("run-*/media/*/*.gif")}
@@ -98,7 +98,7 @@ def test_a_lora_export_loads_into_a_wan_pipeline(model_dir, tmp_path):
     from branchdiff.settings.load import load_config
     from branchdiff.training.trainer import Trainer
 
-    config = load_config("tiny-video", [f"model.path={model_dir}", "model.finetune=lora", "train.learning_rate=0.05", "iterations=1",
+    config = load_config("tiny-video", [f"model.path={model_dir}", "model.finetune=lora", "model.compile=none", "train.learning_rate=0.05", "iterations=1",
                                         "prompts.per_iteration=1", "sampling.num_steps=3", "tree.splits=[[0,2]]", "tree.mix_window=2",
                                         "final_eval=false", f"output_dir={tmp_path / 'run'}",
                                         "reward=flicker"])  # a continuous reward: two leaves never tie (the verifier's can: then nothing trains)
