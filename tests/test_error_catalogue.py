@@ -409,7 +409,8 @@ TESTED_ELSEWHERE = {
 }
 ALSO_TESTED = {"output-dir-in-use": "test_faults::test_two_runs_started_at_once_on_one_output_dir_one_trains_the_other_stops",
                "fsdp-version-1": "test_sharding::test_settings_come_from_accelerates_fsdp_variables",
-               "fsdp-single-process": "test_sharding::test_fsdp_in_a_single_process_or_with_8bit_adam_is_refused_before_the_model_loads"}
+               "fsdp-single-process": "test_sharding::test_fsdp_in_a_single_process_or_with_8bit_adam_is_refused_before_the_model_loads",
+               "fsdp-compile": "test_compile::test_model_compile_is_applied_by_the_trainer_and_refused_where_it_cannot"}
 
 
 def _test_exists(name: str) -> bool:
