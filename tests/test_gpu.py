@@ -81,10 +81,11 @@ def test_a_bf16_training_iteration_of_each_family(saved, family, tmp_path, summa
         config = load_config("tiny-mix-full", [f"output_dir={tmp_path}", "iterations=1", "final_eval=false", "eval_every=0",
                                                "logging.report_to=none", "logging.sample_every=0", "train.mixed_precision=bf16",
                                                "prompts.per_iteration=2", "model.compile=none"])  # eager, as the other families
-    elif family == "tiny-video":  # the built-in video model, full fine-tuning
+    elif family == "tiny-video":  # the built-in video model, full fine-tuning; clipped GRPO, whose log-probs the check compares
         config = load_config("tiny-video", [f"output_dir={tmp_path}", "iterations=1", "final_eval=false", "eval_every=0",
                                             "logging.report_to=none", "logging.sample_every=0", "train.mixed_precision=bf16",
-                                            "prompts.per_iteration=2", "model.compile=none"])  # eager, as the other families
+                                            "prompts.per_iteration=2", "model.compile=none", "train.loss=grpo",
+                                            "train.optimizer_every=0"])  # eager, as the other families; one optimizer step
     elif family == "wan":  # both experts train (LoRA), an image reward on every 2nd frame
         config = load_config(None, _train_overrides(family, saved[family], tmp_path, "model.dtype=bfloat16", "train.mixed_precision=bf16",
                                                     "train.learning_rate=1e-2", "model.resolution=[16,32]", "model.frames=5",
