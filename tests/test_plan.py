@@ -64,6 +64,33 @@ def test_the_newer_releases_count_their_published_sizes(estimator):
         assert low < estimate(load_config(preset), Target(), estimator).parameters["denoiser"] < high, preset
 
 
+def test_qwen_images_trained_parameters_are_those_the_trainer_trains(estimator):
+    """Regression: the plan counted LoRA on every attention projection, but the trainer leaves out the last block's
+    text-stream output (no gradient reaches it: `unused_modules`), and full fine-tuning freezes it with that block's
+    text MLP. The plan's `lora` and `trained` equal what peft attaches and what requires grad on the release built
+    on meta (188,350,464 LoRA parameters at the preset's rank 64, not 188,743,680)."""
+    import diffusers
+
+    from branchdiff.models.lora import add_lora
+    from branchdiff.models.qwen_image import QwenImageAdapter
+    from branchdiff.plan import published as P
+
+    def release() -> torch.nn.Module:
+        with torch.device("meta"):
+            return diffusers.QwenImageTransformer2DModel.from_config(P.QWEN_IMAGE_TRANSFORMER)
+
+    config = load_config("qwen-image-pickscore")
+    model = release()
+    lora = sum(p.numel() for p in add_lora(model, QwenImageAdapter.lora_target_sets["attention"], config.train.lora_rank, 1.0, seed=0,
+                                           unused=QwenImageAdapter.unused_modules_of(model)))
+    assert estimate(config, Target(), estimator).parameters["lora"] == lora
+    model = release().requires_grad_(True)
+    for name in QwenImageAdapter.unused_modules_of(model):
+        model.get_submodule(name).requires_grad_(False)
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert estimate(load_config("qwen-image-pickscore", ["model.finetune=full", "model.dtype=float32"]), Target(), estimator).parameters["trained"] == trained
+
+
 def test_an_edit_step_holds_the_source_tokens_beside_the_image(estimator):
     """FLUX.1 Kontext at 384² runs FLUX.1's transformer over 2 × 576 image tokens: the FLOPs and the per-row
     rollout memory of FLUX.1 at 384 × 768 (the same sequence). Qwen-Image-Edit's forward takes one source at the

@@ -12,6 +12,15 @@ NFE model of an iteration's cost: `rollout_nfe + c · trained_nfe`, where traine
 parent forwards (with backward) of the update and c is the measured cost of such a row relative
 to a rollout row. A variant's efficiency is its measured speed-up over the chain divided by the
 speed-up this model implies: 1.0 means no overhead beyond the model's own arithmetic.
+
+Where a variant's efficiency goes (`efficiency_lost`, fractions of its iteration that sum with the
+efficiency to 1): with k = its NFE cost over the chain's, the model predicts k × the chain's seconds;
+the measured iteration exceeds that by (a) its rollout rows costing more than the chain's (narrow tree
+levels: a forward of few rows pays the same fixed cost as one of 64), (b) its trained rows costing
+more than the chain's, (c) the work that does not shrink with the NFE count (scoring the leaves, the
+optimizer, the rest) beyond k × the chain's, and (d) the model's c differing from the chain's own
+ratio of a trained row to a rollout row. `forward_ms_per_row` gives the bare forward's cost per row
+at each batch size.
 """
 
 from __future__ import annotations
@@ -20,6 +29,7 @@ import json
 import statistics
 import time
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -80,6 +90,20 @@ def measure_trained_row_cost(trainer: Trainer, rows: int = 64, repeats: int = 5)
     return _median_time(trained_rows, repeats) / _median_time(rollout_rows, repeats)
 
 
+def forward_ms_per_row(trainer: Trainer, sizes: tuple[int, ...] = (4, 8, 16, 32, 64), repeats: int = 5) -> dict[int, float]:
+    """Milliseconds per row of a no-grad denoiser forward at each batch size (a mid-schedule step)."""
+    adapter = trainer.adapter
+    embeds = adapter.encode_prompts(["one red circle on the left"])
+    step = trainer.schedule.model_times[len(trainer.schedule.model_times) // 2]
+    costs = {}
+    for rows in sizes:
+        forward = partial(torch.no_grad()(adapter.predict), torch.randn(rows, *adapter.latent_shape), step.expand(rows),
+                          select_embeds(embeds, torch.zeros(rows, dtype=torch.long)), trainer.settings.guidance)
+        forward()  # warm-up
+        costs[rows] = 1000 * _median_time(forward, repeats) / rows
+    return costs
+
+
 def rollout_and_bare_seconds(trainer: Trainer, iteration: int) -> tuple[float, float]:
     """Seconds of a batched rollout of this iteration's tree, and of only the model forwards of its
     real rows (same chunks, no padding), measured back to back."""
@@ -138,6 +162,7 @@ def bench_tree(json_path: Path | None = None, repeats: int = 3, extra_overrides:
                 for conf, conf_overrides in configurations.items() for name, overrides in VARIANTS.items() if name in names}
     per_node = make([*TREE, "train.minibatch=1"])
     c = measure_trained_row_cost(trainers["chain", "default"])
+    row_costs = forward_ms_per_row(trainers["chain", "default"])
     samples: dict[tuple[str, str], list[dict]] = {key: [] for key in [*trainers, ("tree_per_node", "default")]}
     rollout_over_bare: dict[str, list[float]] = {conf: [] for conf in configurations}
     for repeat in range(repeats + 1):  # the first round warms up and is discarded
@@ -154,7 +179,7 @@ def bench_tree(json_path: Path | None = None, repeats: int = 3, extra_overrides:
                 rollout_seconds, bare_seconds = rollout_and_bare_seconds(trainers["tree", conf], repeat)
                 rollout_over_bare[conf].append(rollout_seconds / bare_seconds)
     rows: dict[str, dict] = {}
-    ratios: dict = {"trained_row_cost_c": c}
+    ratios: dict = {"trained_row_cost_c": c, "forward_ms_per_row": row_costs}
     for conf in configurations:
         conf_rows = {name: _row(runs) for (name, run_conf), runs in samples.items() if run_conf == conf}
         conf_ratios = _ratios(conf_rows, c)
@@ -183,7 +208,7 @@ def _ratios(rows: dict[str, dict], c: float) -> dict:
             continue
         speedup = chain["seconds"] / row["seconds"]
         implied = chain_cost / (row["nfe_rollout_computed"] + c * row["nfe_trained"])
-        row.update(speedup=speedup, nfe_speedup=implied, efficiency=speedup / implied)
+        row.update(speedup=speedup, nfe_speedup=implied, efficiency=speedup / implied, efficiency_lost=efficiency_lost(row, chain, c))
         if name in RATIO_NAMES:
             ratios[RATIO_NAMES[name]] = speedup
     if "tree_per_node" in rows:
@@ -193,6 +218,30 @@ def _ratios(rows: dict[str, dict], c: float) -> dict:
     ratios["efficiency"] = {name: row["efficiency"] for name, row in rows.items()
                             if "efficiency" in row and name not in ("tree_per_node", "tree_compiled")}
     return ratios
+
+
+def efficiency_lost(row: dict, chain: dict, c: float) -> dict[str, float]:
+    """Where `row`'s efficiency against the NFE model goes (module doc), as fractions of its seconds:
+    1 - efficiency = rollout_rows + trained_rows + fixed + cost_model, exactly.
+
+    k = (rollout + c·trained)_row / (rollout + c·trained)_chain; implied seconds k·S_chain;
+    rollout_rows = R - R_chain·n/n_chain, trained_rows = T - T_chain·m/m_chain,
+    fixed = F - k·F_chain (F = S - R - T: scoring, decoding, optimizer, the rest),
+    cost_model = R_chain·(n/n_chain - k) + T_chain·(m/m_chain - k)."""
+    k = (row["nfe_rollout_computed"] + c * row["nfe_trained"]) / (chain["nfe_rollout_computed"] + c * chain["nfe_trained"])
+    rollout_share = row["nfe_rollout_computed"] / chain["nfe_rollout_computed"]
+    trained_share = row["nfe_trained"] / chain["nfe_trained"]
+
+    def split(variant: dict) -> tuple[float, float, float]:
+        rollout, trained = variant["profile"]["rollout_seconds"], variant["profile"]["forward_backward_seconds"]
+        return rollout, trained, variant["seconds"] - rollout - trained
+
+    rollout, trained, fixed = split(row)
+    chain_rollout, chain_trained, chain_fixed = split(chain)
+    parts = {"rollout_rows": rollout - chain_rollout * rollout_share, "trained_rows": trained - chain_trained * trained_share,
+             "fixed": fixed - k * chain_fixed,
+             "cost_model": chain_rollout * (rollout_share - k) + chain_trained * (trained_share - k)}
+    return {name: value / row["seconds"] for name, value in parts.items()}
 
 
 def format_bench(rows: dict, ratios: dict) -> str:
@@ -208,6 +257,14 @@ def format_bench(rows: dict, ratios: dict) -> str:
         )
     for label, values in (("ratios (default)", ratios), ("ratios (exact=true)", ratios.get("exact", {}))):
         lines.append(f"{label}: " + ", ".join(f"{k}={v:.2f}" for k, v in values.items() if not isinstance(v, dict)))
+    lines.append("efficiency lost to (fractions of each iteration): rollout rows dearer than the chain's, trained rows dearer, "
+                 "work not shrinking with NFE, the NFE model's c")
+    for name, row in rows.items():
+        if "efficiency_lost" in row and name != "tree_per_node":
+            lost = row["efficiency_lost"]
+            lines.append(f"  {name:<18}" + "".join(f"{lost[part]:>8.3f}" for part in ("rollout_rows", "trained_rows", "fixed", "cost_model")))
+    if "forward_ms_per_row" in ratios:
+        lines.append("forward ms per row by batch: " + ", ".join(f"{rows_}: {ms:.2f}" for rows_, ms in ratios["forward_ms_per_row"].items()))
     return "\n".join(lines)
 
 

@@ -164,6 +164,11 @@ class ModelAdapter(ABC):
         """Names of the denoiser's modules whose output never reaches its prediction (Qwen-Image's last
         block's text-stream output): no gradient reaches them, so LoRA leaves them out and full fine-tuning
         freezes them (DDP would otherwise wait for their gradients). None for most families."""
+        return self.unused_modules_of(self.denoiser)
+
+    @classmethod
+    def unused_modules_of(cls, denoiser: torch.nn.Module) -> list[str]:
+        """`unused_modules` of a denoiser of this family (`branchdiff plan` asks it of a model built on meta)."""
         return []
 
     def trains_at(self, times: torch.Tensor) -> torch.Tensor:

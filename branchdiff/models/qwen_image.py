@@ -51,10 +51,11 @@ class QwenImageAdapter(PackedLatentsAdapter):
     def multiple_from_configs(cls, vae: dict, denoiser: dict) -> int:
         return cls.multiple_of(2 ** len(vae.get("temperal_downsample", [])), 2)  # the pipeline's VAE factor
 
-    def unused_modules(self) -> list[str]:
+    @classmethod
+    def unused_modules_of(cls, denoiser: torch.nn.Module) -> list[str]:
         """The last block's text-stream output (its attention's text projection and text MLP): only the
         image stream leaves the last block."""
-        last = f"transformer_blocks.{len(self.denoiser.transformer_blocks) - 1}"
+        last = f"transformer_blocks.{len(denoiser.transformer_blocks) - 1}"
         return [f"{last}.attn.to_add_out", f"{last}.txt_mlp.net.0.proj", f"{last}.txt_mlp.net.2"]
 
     def scheduler_arguments(self, num_steps: int) -> dict:

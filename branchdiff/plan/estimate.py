@@ -143,7 +143,7 @@ def estimate(config: Any, target: Target, estimator: Estimator) -> Plan:
     sharded = target.sharding != "none"
     processes = target.processes
 
-    trained = m.denoiser_params if full else m.lora_params
+    trained = m.denoiser_params - m.unused_params if full else m.lora_params
     denoiser = (m.denoiser_params + m.denoiser_buffers) * (4 if full else dbytes)  # full fine-tuning trains float32 weights
     encoders = sum(m.encoders.values()) * dbytes
     vae = m.vae_params * dbytes

@@ -9,6 +9,7 @@ figures scale to the real number of blocks and linearly in network rows.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -35,12 +36,13 @@ def build_meta(class_name: str, config: dict, dtype: torch.dtype) -> torch.nn.Mo
     return model.to(dtype)
 
 
-def lora_targets_by_formula(model: torch.nn.Module, targets: list[str], rank: int) -> tuple[int, int]:
+def lora_targets_by_formula(model: torch.nn.Module, targets: list[str], rank: int, unused: Sequence[str] = ()) -> tuple[int, int]:
     """Σ r·(in + out) and Σ in·out over the nn.Linear layers whose name ends with a target (peft's
-    suffix match), on a model without an adapter."""
+    suffix match) and that are not `unused` (the family's modules no gradient reaches), on a model
+    without an adapter."""
     lora = base = 0
     for name, module in model.named_modules():
-        if isinstance(module, torch.nn.Linear) and any(name == t or name.endswith("." + t) for t in targets):
+        if isinstance(module, torch.nn.Linear) and any(name == t or name.endswith("." + t) for t in targets) and name not in unused:
             lora += rank * (module.in_features + module.out_features)
             base += module.in_features * module.out_features
     return lora, base
@@ -123,6 +125,7 @@ def trace(model: torch.nn.Module, family: Family, shape: Geometry, size: Size, g
 class Measured:
     denoiser_params: int
     denoiser_buffers: int  # persistent buffers (SD3's positional table), held in the model dtype too
+    unused_params: int  # in the modules no gradient reaches (Qwen-Image's last text stream): full fine-tuning freezes them
     lora_params: int
     lora_base_params: int  # weights of the LoRA-wrapped layers
     copy_bytes: int  # fp8 explore copy
@@ -191,7 +194,9 @@ def measure(family: Family, dtype: torch.dtype, rank: int, alpha: float, size: S
         names = sorted({n.split(".")[-1] for lst in family.block_lists for n, m in getattr(full, lst).named_modules()
                         if isinstance(m, torch.nn.Linear)})
     params, buffers = numel(full), sum(b.numel() for b in full.buffers())
-    lora, lora_base = lora_targets_by_formula(full, names, rank)  # verified against peft below
+    unused = family.adapter.unused_modules_of(full)  # neither LoRA nor full fine-tuning trains them
+    unused_params = sum(numel(full.get_submodule(name)) for name in unused)
+    lora, lora_base = lora_targets_by_formula(full, names, rank, unused)  # verified against peft below
     counts: dict[str, int] = {}
     for name, module in units(full, family):
         kind = family.block_kind(name, module)
@@ -212,8 +217,9 @@ def measure(family: Family, dtype: torch.dtype, rank: int, alpha: float, size: S
     # the traced copy (the full model itself when nothing is reduced), built on meta outside the
     # fake mode and materialised as fake CUDA tensors inside it
     model = build_meta(family.denoiser, {**family.config, **family.reduced}, dtype) if family.reduced else full
-    expected = lora_targets_by_formula(model, names, rank)[0]
-    attached = sum(p.numel() for p in add_lora(model, names, rank, alpha, seed=0))
+    traced_unused = family.adapter.unused_modules_of(model)
+    expected = lora_targets_by_formula(model, names, rank, traced_unused)[0]
+    attached = sum(p.numel() for p in add_lora(model, names, rank, alpha, seed=0, unused=traced_unused))  # as the trainer attaches it
     if attached != expected:  # peft's count on the traced copy must equal the formula used for the full model
         raise RuntimeError(f"{family.name}: peft attached {attached} LoRA parameters, r·(in+out) over the targets gives {expected}")
     with FakeTensorMode(allow_non_fake_inputs=True):
@@ -228,7 +234,7 @@ def measure(family: Family, dtype: torch.dtype, rank: int, alpha: float, size: S
         if vae is not None:
             vae.to_empty(device="cuda")
             decode_image = trace_vae_decode(vae, family.vae_latent(shape, size))
-    return Measured(params, buffers, lora, lora_base, copy_bytes, quantised, encoders, numel(vae) if vae is not None else 0, counts,
+    return Measured(params, buffers, unused_params, lora, lora_base, copy_bytes, quantised, encoders, numel(vae) if vae is not None else 0, counts,
                     block_params, plain, ckpt, nograd, decode_image, shape, dict(full.config))
 
 
