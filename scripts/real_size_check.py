@@ -7,6 +7,7 @@ memory per phase is set against `branchdiff plan`'s estimate of the same setting
 
     python scripts/real_size_check.py sana --folder /tmp/sana-1.6b     # ~9 GB on disk, some minutes on 2 cores
     python scripts/real_size_check.py wan-1.3b --folder /tmp/wan-1.3b  # ~15 GB on disk (UMT5-XXL is 5.7 B)
+    python scripts/real_size_check.py --counts                          # every release plan knows, counted on meta (seconds)
 
 The tokenizer is the test suite's small one (tests/tiny_pipelines.py): ids stay inside the real vocabulary.
 """
@@ -139,12 +140,41 @@ def build_flux2_klein_4b(folder: Path) -> dict[str, int]:
 BUILDERS = {"sana": build_sana, "sd3.5-medium": build_sd35_medium, "wan-1.3b": build_wan_1_3b, "flux2-klein-4b": build_flux2_klein_4b}
 
 
+def meta_counts(rank: int = 8) -> dict[str, dict[str, int]]:
+    """Every release `branchdiff plan` knows, its denoiser built on meta from the published config: parameters, buffer
+    values, the LoRA parameters peft attaches at `rank` on the family's attention targets as the trainer does (the
+    family's unused modules left out), and the plan's r·(in + out) over the same layers."""
+    from branchdiff.models.lora import add_lora
+    from branchdiff.plan.families import families
+    from branchdiff.plan.measure import build_meta, lora_targets, lora_targets_by_formula
+
+    counts = {}
+    for family in families().values():
+        model = build_meta(family.denoiser, family.config, torch.bfloat16)
+        names, unused = lora_targets(family, "attention"), family.adapter.unused_modules_of(model)
+        planned = lora_targets_by_formula(model, names, rank, unused)[0]
+        counts[family.label] = {"denoiser": sum(p.numel() for p in model.parameters()), "buffers": sum(b.numel() for b in model.buffers()),
+                                "lora_attached": sum(p.numel() for p in add_lora(model, names, rank, float(rank), seed=0, unused=unused)),
+                                "lora_planned": planned}
+    return counts
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("family", choices=sorted(PUBLISHED))
-    parser.add_argument("--folder", type=Path, required=True, help="where the random-weight pipeline is saved (reused when present)")
+    parser.add_argument("family", nargs="?", choices=sorted(PUBLISHED))
+    parser.add_argument("--folder", type=Path, help="where the random-weight pipeline is saved (reused when present)")
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--counts", action="store_true", help="count every release on meta (parameters, LoRA r 8) and stop")
     args = parser.parse_args()
+    if args.counts:
+        counts = meta_counts()
+        for label, c in counts.items():
+            print(f"{label:<28}{c['denoiser']:>16,}{c['buffers']:>13,}  LoRA r 8 {c['lora_attached']:>12,} (plan {c['lora_planned']:,})")
+        if args.json:
+            args.json.write_text(json.dumps(counts, indent=1))
+        return
+    if args.family is None or args.folder is None:
+        parser.error("give a FAMILY and --folder, or --counts")
     counts = json.loads((args.folder / "counts.json").read_text()) if (args.folder / "counts.json").is_file() else None
     if counts is None:
         counts = BUILDERS[args.family](args.folder)
