@@ -6,6 +6,8 @@ export with lora_alpha ≠ rank that `pipe.load_lora_weights()` loads to the tra
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -116,23 +118,26 @@ def _train_overrides(family: str, folder, run_dir, *extra: str) -> list[str]:
 @pytest.mark.parametrize("family", FAMILIES)
 def test_tree_training_step_and_lora_export_load_into_the_pipeline(saved, family, tmp_path):
     """A tree rollout (2 roots split in 2 at step 0: 14 forwards per prompt, twice that under CFG),
-    one update whose recomputed log-probs match the rollout's (≤ 1e-5), and the exported LoRA
-    (alpha 16, rank 4) loaded by diffusers: the pipeline's output equals the trained adapter's."""
+    one update whose recomputed log-probs match the rollout's (≤ 1e-5), and the LoRA a run exports
+    (alpha 16, rank 4) loaded by diffusers: the pipeline's output equals the trained adapter's; the
+    run's model card beside it says how to load it into the family's pipeline."""
     from branchdiff.settings.load import load_config
+    from branchdiff.training.run import train
     from branchdiff.training.trainer import Trainer
 
     trainer = Trainer(load_config(None, _train_overrides(family, saved[family], tmp_path / "run")))
-    result = trainer.run_iteration(0)
-    metrics = result.metrics
+    train(trainer)  # the run: its iteration, checkpoint, report, the LoRA export RUN/lora and its model card RUN/README.md
+    metrics = json.loads((trainer.run_dir / "metrics.jsonl").read_text().splitlines()[-1])
     guidance_rows = trainer.adapter.rows_per_sample(trainer.adapter.default_guidance)
     assert metrics["nfe_rollout"] == 2 * (2 + 4 * (STEPS - 1)) * guidance_rows
     assert metrics["optimizer_steps"] == 1 and metrics["edges_trained"] > 0
     assert metrics["logprob_check"] <= 1e-5
-    trainer.adapter.save_lora(tmp_path / "lora")
     pipe = load_pipeline(family, saved[family])
+    card = (trainer.run_dir / "README.md").read_text()
+    assert f"{type(pipe).__name__}.from_pretrained" in card and "load_lora_weights" in card
     initial, trained = _ode_images(trainer.adapter, STEPS)
     base = _pipeline_images(pipe, family, initial, STEPS, trainer.adapter.default_guidance)
-    pipe.load_lora_weights(str(tmp_path / "lora"))
+    pipe.load_lora_weights(str(trainer.run_dir / "lora"))
     loaded = _pipeline_images(pipe, family, initial, STEPS, trainer.adapter.default_guidance)
     assert (trained - base).abs().max().item() > 1e-3  # the update moved the model
     assert (loaded - trained).abs().max().item() <= TOLERANCE
