@@ -152,10 +152,9 @@ def meta_counts(rank: int = 8) -> dict[str, dict[str, int]]:
     for family in families().values():
         model = build_meta(family.denoiser, family.config, torch.bfloat16)
         names, unused = lora_targets(family, "attention"), family.adapter.unused_modules_of(model)
-        planned = lora_targets_by_formula(model, names, rank, unused)[0]
         counts[family.label] = {"denoiser": sum(p.numel() for p in model.parameters()), "buffers": sum(b.numel() for b in model.buffers()),
-                                "lora_attached": sum(p.numel() for p in add_lora(model, names, rank, float(rank), seed=0, unused=unused)),
-                                "lora_planned": planned}
+                                "lora_planned": lora_targets_by_formula(model, names, rank, unused)[0]}  # before the adapter is attached
+        counts[family.label]["lora_attached"] = sum(p.numel() for p in add_lora(model, names, rank, float(rank), seed=0, unused=unused))
     return counts
 
 

@@ -33,21 +33,22 @@ def test_bench_tree_counts(tiny_model_dir, tmp_path):
         (rows["best"]["profile"]["rollout_seconds"] - rows["chain"]["profile"]["rollout_seconds"] * 158 / 320) / rows["best"]["seconds"])
 
 
-def _variant(rollout_rows: int, trained_rows: int, rollout: float, trained: float, seconds: float) -> dict:
-    rest = seconds - rollout - trained
+def _variant(rollout_rows: int, trained_rows: int, rollout: float, trained: float, fixed: float, seconds: float) -> dict:
+    """A bench row whose phases' medians sum to rollout + trained + fixed and whose median iteration is `seconds`."""
     return {"nfe_rollout_computed": rollout_rows, "nfe_trained": trained_rows, "seconds": seconds,
             "profile": {"rollout_seconds": rollout, "forward_backward_seconds": trained, "decode_seconds": 0.0,
-                        "score_seconds": rest / 2, "optimizer_seconds": rest / 4, "other_seconds": rest / 4}}
+                        "score_seconds": fixed / 2, "optimizer_seconds": fixed / 4, "other_seconds": fixed / 4}}
 
 
 def test_efficiency_lost_accounts_for_the_whole_gap():
-    """Worked by hand: chain 100 rollout + 100 trained rows (1 s + 2 s, 0.2 s fixed), a variant 50 + 10 rows
-    (0.6 + 0.25 s, 0.1 s fixed), c = 3: k = (50 + 30) / (100 + 300) = 0.2, efficiency 0.2 · 3.2 / 0.95."""
-    rows = {"chain": _variant(100, 100, 1.0, 2.0, 3.2), "tree": _variant(50, 10, 0.6, 0.25, 0.95)}
+    """Worked by hand: chain 100 rollout + 100 trained rows (1 s + 2 s, 0.15 s fixed, a 3.2 s median iteration), a
+    variant 50 + 10 rows (0.6 + 0.25 s, 0.08 s fixed, 0.95 s), c = 3: k = (50 + 30) / (100 + 300) = 0.2,
+    efficiency 0.2 · 3.2 / 0.95; the medians' mismatch 0.05 s and 0.02 s."""
+    rows = {"chain": _variant(100, 100, 1.0, 2.0, 0.15, 3.2), "tree": _variant(50, 10, 0.6, 0.25, 0.08, 0.95)}
     _ratios(rows, c=3.0)
     tree = rows["tree"]
     assert tree["efficiency"] == pytest.approx(0.2 * 3.2 / 0.95)
-    expected = {"rollout_rows": 0.6 - 1.0 * 0.5, "trained_rows": 0.25 - 2.0 * 0.1, "fixed": 0.1 - 0.2 * 0.2,
+    expected = {"rollout_rows": 0.6 - 1.0 * 0.5, "trained_rows": 0.25 - 2.0 * 0.1, "fixed": 0.08 - 0.2 * 0.15, "medians": 0.02 - 0.2 * 0.05,
                 "cost_model": 1.0 * (0.5 - 0.2) + 2.0 * (0.1 - 0.2)}
     assert tree["efficiency_lost"] == pytest.approx({k: v / 0.95 for k, v in expected.items()})
     assert tree["efficiency"] + sum(tree["efficiency_lost"].values()) == pytest.approx(1.0)

@@ -18,8 +18,9 @@ efficiency to 1): with k = its NFE cost over the chain's, the model predicts k �
 the measured iteration exceeds that by (a) its rollout rows costing more than the chain's (narrow tree
 levels: a forward of few rows pays the same fixed cost as one of 64), (b) its trained rows costing
 more than the chain's, (c) the work that does not shrink with the NFE count (scoring the leaves, the
-optimizer, the rest) beyond k × the chain's, and (d) the model's c differing from the chain's own
-ratio of a trained row to a rollout row. `forward_ms_per_row` gives the bare forward's cost per row
+optimizer, the rest) beyond k × the chain's, (d) the median iteration differing from the sum of its
+phases' medians (noise between rounds), and (e) the model's c differing from the chain's own ratio of
+a trained row to a rollout row. `forward_ms_per_row` gives the bare forward's cost per row
 at each batch size.
 """
 
@@ -60,6 +61,8 @@ VARIANTS: dict[str, list[str]] = {
 PROFILE = ("rollout_seconds", "decode_seconds", "score_seconds", "forward_backward_seconds", "optimizer_seconds", "other_seconds")
 RATIO_NAMES = {"tree": "chain_over_tree", "tree_depth_pruned": "chain_over_tree_pruned", "tree_width_pruned": "chain_over_tree_width_pruned",
                "mix": "chain_over_mix", "best": "chain_over_best"}
+LOST_PARTS = ("rollout_rows", "trained_rows", "fixed", "medians", "cost_model")
+NOT_AGAINST_THE_MODEL = ("tree_per_node", "tree_compiled")  # a benchmark of the release's way, and of compilation
 
 
 def _median_time(fn, repeats: int) -> float:
@@ -71,19 +74,21 @@ def _median_time(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
+def _probe(trainer: Trainer, rows: int) -> tuple:
+    """The arguments of `adapter.predict` for `rows` rows of noise at a mid-schedule step, one prompt."""
+    adapter = trainer.adapter
+    step = trainer.schedule.model_times[len(trainer.schedule.model_times) // 2]
+    embeds = select_embeds(adapter.encode_prompts(["one red circle on the left"]), torch.zeros(rows, dtype=torch.long))
+    return torch.randn(rows, *adapter.latent_shape), step.expand(rows), embeds, trainer.settings.guidance
+
+
 def measure_trained_row_cost(trainer: Trainer, rows: int = 64, repeats: int = 5) -> float:
     """c: seconds of a forward+backward row (LoRA gradients) over seconds of a no-grad rollout row."""
-    adapter = trainer.adapter
-    x = torch.randn(rows, *adapter.latent_shape)
-    times = trainer.schedule.model_times[len(trainer.schedule.model_times) // 2].expand(rows)  # a mid-schedule step
-    embeds = select_embeds(adapter.encode_prompts(["one red circle on the left"]), torch.zeros(rows, dtype=torch.long))
-
-    def rollout_rows() -> None:
-        with torch.no_grad():
-            adapter.predict(x, times, embeds, trainer.settings.guidance)
+    inputs = _probe(trainer, rows)
+    rollout_rows = partial(torch.no_grad()(trainer.adapter.predict), *inputs)
 
     def trained_rows() -> None:
-        adapter.predict(x, times, embeds, trainer.settings.guidance).square().mean().backward()
+        trainer.adapter.predict(*inputs).square().mean().backward()
         trainer.optimizer.zero_grad(set_to_none=True)
 
     rollout_rows(), trained_rows()  # warm-up
@@ -92,13 +97,9 @@ def measure_trained_row_cost(trainer: Trainer, rows: int = 64, repeats: int = 5)
 
 def forward_ms_per_row(trainer: Trainer, sizes: tuple[int, ...] = (4, 8, 16, 32, 64), repeats: int = 5) -> dict[int, float]:
     """Milliseconds per row of a no-grad denoiser forward at each batch size (a mid-schedule step)."""
-    adapter = trainer.adapter
-    embeds = adapter.encode_prompts(["one red circle on the left"])
-    step = trainer.schedule.model_times[len(trainer.schedule.model_times) // 2]
     costs = {}
     for rows in sizes:
-        forward = partial(torch.no_grad()(adapter.predict), torch.randn(rows, *adapter.latent_shape), step.expand(rows),
-                          select_embeds(embeds, torch.zeros(rows, dtype=torch.long)), trainer.settings.guidance)
+        forward = partial(torch.no_grad()(trainer.adapter.predict), *_probe(trainer, rows))
         forward()  # warm-up
         costs[rows] = 1000 * _median_time(forward, repeats) / rows
     return costs
@@ -215,31 +216,34 @@ def _ratios(rows: dict[str, dict], c: float) -> dict:
         ratios["per_node_over_batched"] = rows["tree_per_node"]["seconds"] / rows["tree"]["seconds"]
     if "tree_compiled" in rows:
         ratios["compiled_over_eager"] = rows["tree_compiled"]["seconds"] / rows["tree"]["seconds"]
-    ratios["efficiency"] = {name: row["efficiency"] for name, row in rows.items()
-                            if "efficiency" in row and name not in ("tree_per_node", "tree_compiled")}
+    ratios["efficiency"] = {name: row["efficiency"] for name, row in rows.items() if "efficiency" in row and name not in NOT_AGAINST_THE_MODEL}
     return ratios
 
 
-def efficiency_lost(row: dict, chain: dict, c: float) -> dict[str, float]:
-    """Where `row`'s efficiency against the NFE model goes (module doc), as fractions of its seconds:
-    1 - efficiency = rollout_rows + trained_rows + fixed + cost_model, exactly.
+def _split(variant: dict) -> tuple[float, float, float, float]:
+    """A variant's median seconds as rollout R, trained forwards and backwards T, the work that does not shrink with
+    the NFE count F (scoring, decoding, optimizer, the rest), and D = S - R - T - F: the median iteration less the
+    sum of its phases' medians (each median is taken over the rounds on its own)."""
+    profile = variant["profile"]
+    rollout, trained = profile["rollout_seconds"], profile["forward_backward_seconds"]
+    fixed = sum(profile.values()) - rollout - trained
+    return rollout, trained, fixed, variant["seconds"] - rollout - trained - fixed
 
-    k = (rollout + c·trained)_row / (rollout + c·trained)_chain; implied seconds k·S_chain;
-    rollout_rows = R - R_chain·n/n_chain, trained_rows = T - T_chain·m/m_chain,
-    fixed = F - k·F_chain (F = S - R - T: scoring, decoding, optimizer, the rest),
-    cost_model = R_chain·(n/n_chain - k) + T_chain·(m/m_chain - k)."""
+
+def efficiency_lost(row: dict, chain: dict, c: float) -> dict[str, float]:
+    """Where `row`'s efficiency against the NFE model goes (module doc), as fractions of its seconds S:
+    1 - efficiency = rollout_rows + trained_rows + fixed + medians + cost_model, exactly.
+
+    k = (n + c·m) / (n_chain + c·m_chain) with n rollout rows and m trained rows; implied seconds k·S_chain;
+    rollout_rows = R - R_chain·n/n_chain, trained_rows = T - T_chain·m/m_chain, fixed = F - k·F_chain,
+    medians = D - k·D_chain (`_split`), cost_model = R_chain·(n/n_chain - k) + T_chain·(m/m_chain - k)."""
     k = (row["nfe_rollout_computed"] + c * row["nfe_trained"]) / (chain["nfe_rollout_computed"] + c * chain["nfe_trained"])
     rollout_share = row["nfe_rollout_computed"] / chain["nfe_rollout_computed"]
     trained_share = row["nfe_trained"] / chain["nfe_trained"]
-
-    def split(variant: dict) -> tuple[float, float, float]:
-        rollout, trained = variant["profile"]["rollout_seconds"], variant["profile"]["forward_backward_seconds"]
-        return rollout, trained, variant["seconds"] - rollout - trained
-
-    rollout, trained, fixed = split(row)
-    chain_rollout, chain_trained, chain_fixed = split(chain)
+    rollout, trained, fixed, medians = _split(row)
+    chain_rollout, chain_trained, chain_fixed, chain_medians = _split(chain)
     parts = {"rollout_rows": rollout - chain_rollout * rollout_share, "trained_rows": trained - chain_trained * trained_share,
-             "fixed": fixed - k * chain_fixed,
+             "fixed": fixed - k * chain_fixed, "medians": medians - k * chain_medians,
              "cost_model": chain_rollout * (rollout_share - k) + chain_trained * (trained_share - k)}
     return {name: value / row["seconds"] for name, value in parts.items()}
 
@@ -258,13 +262,12 @@ def format_bench(rows: dict, ratios: dict) -> str:
     for label, values in (("ratios (default)", ratios), ("ratios (exact=true)", ratios.get("exact", {}))):
         lines.append(f"{label}: " + ", ".join(f"{k}={v:.2f}" for k, v in values.items() if not isinstance(v, dict)))
     lines.append("efficiency lost to (fractions of each iteration): rollout rows dearer than the chain's, trained rows dearer, "
-                 "work not shrinking with NFE, the NFE model's c")
+                 "work not shrinking with NFE, medians of phases against the iteration's, the NFE model's c")
     for name, row in rows.items():
-        if "efficiency_lost" in row and name != "tree_per_node":
-            lost = row["efficiency_lost"]
-            lines.append(f"  {name:<18}" + "".join(f"{lost[part]:>8.3f}" for part in ("rollout_rows", "trained_rows", "fixed", "cost_model")))
+        if "efficiency_lost" in row and name not in NOT_AGAINST_THE_MODEL:
+            lines.append(f"  {name:<18}" + "".join(f"{row['efficiency_lost'][part]:>8.3f}" for part in LOST_PARTS))
     if "forward_ms_per_row" in ratios:
-        lines.append("forward ms per row by batch: " + ", ".join(f"{rows_}: {ms:.2f}" for rows_, ms in ratios["forward_ms_per_row"].items()))
+        lines.append("forward ms per row by batch: " + ", ".join(f"{batch}: {ms:.2f}" for batch, ms in ratios["forward_ms_per_row"].items()))
     return "\n".join(lines)
 
 

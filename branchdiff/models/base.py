@@ -168,7 +168,8 @@ class ModelAdapter(ABC):
 
     @classmethod
     def unused_modules_of(cls, denoiser: torch.nn.Module) -> list[str]:
-        """`unused_modules` of a denoiser of this family (`branchdiff plan` asks it of a model built on meta)."""
+        """`unused_modules` of a denoiser of this family: the hook a family overrides (`branchdiff plan` asks it of a
+        model built on meta, the trainer through `unused_modules`)."""
         return []
 
     def trains_at(self, times: torch.Tensor) -> torch.Tensor:
