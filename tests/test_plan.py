@@ -91,6 +91,23 @@ def test_qwen_images_trained_parameters_are_those_the_trainer_trains(estimator):
     assert estimate(load_config("qwen-image-pickscore", ["model.finetune=full", "model.dtype=float32"]), Target(), estimator).parameters["trained"] == trained
 
 
+def test_a_weight_average_is_one_more_fp32_copy_of_what_is_trained(estimator):
+    """Regression: `train.ema_decay` keeps an fp32 average of every trained parameter on their device (diffusers'
+    EMAModel shadow copies), which the plan left out: 4 bytes per LoRA parameter, per trained weight under full
+    fine-tuning, and under FSDP a shard of it per process."""
+    def trained_state(*overrides: str) -> float:
+        return estimate(load_config("sd35-pickscore", list(overrides)), Target(), estimator).static["trained state"]
+
+    lora = estimate(load_config("sd35-pickscore"), Target(), estimator).parameters["lora"]
+    assert trained_state("train.ema_decay=0.99") - trained_state() == 4 * lora
+    fsdp = Target(processes=4, sharding="fsdp")
+    full = ["model.finetune=full", "model.dtype=float32"]
+    denoiser = estimate(load_config("sd35-pickscore", full), fsdp, estimator).static["denoiser"]
+    trained = estimate(load_config("sd35-pickscore", full), fsdp, estimator).parameters["trained"]
+    sharded_with = estimate(load_config("sd35-pickscore", [*full, "train.ema_decay=0.99"]), fsdp, estimator).static["denoiser"]
+    assert sharded_with - denoiser == pytest.approx(4 * trained / 4)  # FSDP puts the shards' sum in "denoiser"
+
+
 def test_an_edit_step_holds_the_source_tokens_beside_the_image(estimator):
     """FLUX.1 Kontext at 384² runs FLUX.1's transformer over 2 × 576 image tokens: the FLOPs and the per-row
     rollout memory of FLUX.1 at 384 × 768 (the same sequence). Qwen-Image-Edit's forward takes one source at the

@@ -1,7 +1,7 @@
 """The memory a run needs, phase by phase, per process (docs/plan.md gives every formula).
 
 An iteration's peak is the memory resident all run (`static`: weights, trained parameters with their
-gradients' bucket and optimizer moments, the tree's latents, the explore copy) plus the largest of
+gradients' bucket, optimizer moments and weight average, the tree's latents, the explore copy) plus the largest of
 what each phase adds on top while it runs:
 
 | phase      | adds                                                                                          |
@@ -157,7 +157,8 @@ def estimate(config: Any, target: Target, estimator: Estimator) -> Plan:
         "denoiser": denoiser,
         "text encoders + VAE": 0 if offload else helpers,
         "reward models": reward,
-        "trained state": trained * ((4 if not full else 0) + moments + (0 if sharded else 4)),  # (LoRA fp32 weights) + moments + DDP bucket
+        # (LoRA fp32 weights) + moments + DDP bucket + the weights' moving average (train.ema_decay: an fp32 copy beside them)
+        "trained state": trained * ((4 if not full else 0) + moments + (0 if sharded else 4) + (4 if config.train.ema_decay > 0 else 0)),
         "frozen copy": m.denoiser_params * 4 if full and (config.train.kl_beta > 0 or config.final_eval) else 0,
         "tree latents": latents,
     }
