@@ -100,12 +100,12 @@ def test_a_weight_average_is_one_more_fp32_copy_of_what_is_trained(estimator):
 
     lora = estimate(load_config("sd35-pickscore"), Target(), estimator).parameters["lora"]
     assert trained_state("train.ema_decay=0.99") - trained_state() == 4 * lora
-    fsdp = Target(processes=4, sharding="fsdp")
-    full = ["model.finetune=full", "model.dtype=float32"]
-    denoiser = estimate(load_config("sd35-pickscore", full), fsdp, estimator).static["denoiser"]
-    trained = estimate(load_config("sd35-pickscore", full), fsdp, estimator).parameters["trained"]
-    sharded_with = estimate(load_config("sd35-pickscore", [*full, "train.ema_decay=0.99"]), fsdp, estimator).static["denoiser"]
-    assert sharded_with - denoiser == pytest.approx(4 * trained / 4)  # FSDP puts the shards' sum in "denoiser"
+    processes, full = 4, ["model.finetune=full", "model.dtype=float32"]
+    fsdp = Target(processes=processes, sharding="fsdp")
+    without = estimate(load_config("sd35-pickscore", full), fsdp, estimator)
+    with_average = estimate(load_config("sd35-pickscore", [*full, "train.ema_decay=0.99"]), fsdp, estimator)
+    # FSDP puts each process's shard of the weights and the trained state in "denoiser"
+    assert with_average.static["denoiser"] - without.static["denoiser"] == pytest.approx(4 * without.parameters["trained"] / processes)
 
 
 def test_an_edit_step_holds_the_source_tokens_beside_the_image(estimator):
