@@ -1,0 +1,261 @@
+#!/usr/bin/env python
+"""Denoisers at their released sizes on one GPU (docs/gpu.md, "Real size"): each family's denoiser built from
+its published config (branchdiff/plan/published.py) with random weights (speed and memory do not depend on
+them), in bf16, fed the family's real input shapes at a stated real resolution, and measured:
+
+- the device's bf16 matmul peak (an 8192³ product), measured in the same run;
+- a no-grad forward (a rollout's) at several batch sizes: seconds, rows/s, achieved TFLOP/s from the plan's
+  FLOP count (branchdiff/plan/measure.py) and that as a fraction of the measured peak; CUDA's peak memory
+  above the weights against the plan's estimate of the same forward;
+- a LoRA training forward + backward (rank 64 on the family's attention targets, as the presets train)
+  at one or two rows: seconds, TFLOP/s (backward ≈ 2 forwards), CUDA's peak against the plan's;
+- the forward at the largest batch with PyTorch's cuDNN attention kernel switched on (a run switches it off
+  under `model.attention_backend: native`, branchdiff/models/attention.py).
+
+    python scripts/gpu_bench.py --out gpu-bench.json                 # the four released sizes, stops itself after --budget s
+    python scripts/gpu_bench.py --tiny --out /tmp/bench.json         # every code path on tiny configs, on the CPU too
+
+Each family is skipped with its reason when the time left or the memory runs short; the JSON is rewritten
+after every measurement, so a run stopped from outside keeps what it measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import time
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+
+# family key of branchdiff.plan.families.families(), and the (frames, height, width) it is measured at
+RELEASES: dict[str, tuple[int, int, int]] = {"sd3": (1, 1024, 1024), "flux2-klein-4b": (1, 1024, 1024), "sana": (1, 1024, 1024),
+                                             "wan": (33, 480, 832)}
+# --tiny: the same families' classes at a few blocks of small width (every code path, seconds on a CPU)
+TINY: dict[str, dict] = {
+    "sd3": dict(num_layers=2, attention_head_dim=8, num_attention_heads=2, joint_attention_dim=32, caption_projection_dim=16,
+                pooled_projection_dim=16, pos_embed_max_size=32, dual_attention_layers=(0,)),
+    "flux2-klein-4b": dict(num_layers=1, num_single_layers=1, num_attention_heads=2, attention_head_dim=16, joint_attention_dim=32,
+                           axes_dims_rope=(4, 4, 4, 4)),
+    "sana": dict(num_layers=1, num_attention_heads=2, attention_head_dim=8, num_cross_attention_heads=2, cross_attention_head_dim=8,
+                 cross_attention_dim=16, caption_channels=32),
+    "wan": dict(num_attention_heads=2, attention_head_dim=8, ffn_dim=32, num_layers=1, text_dim=32, freq_dim=16),
+}
+TINY_SIZES: dict[str, tuple[int, int, int]] = {"sd3": (1, 64, 64), "flux2-klein-4b": (1, 64, 64), "sana": (1, 128, 128), "wan": (5, 32, 48)}
+LORA_RANK = 64
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed(call: Callable[[], Any], device: torch.device, repeats: int, warmup: int = 2) -> float:
+    """Mean seconds of `call` over `repeats` runs after `warmup` untimed ones."""
+    for _ in range(warmup):
+        call()
+    synchronize(device)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        call()
+    synchronize(device)
+    return (time.perf_counter() - start) / repeats
+
+
+def matmul_peak(device: torch.device, n: int) -> float:
+    """TFLOP/s of an n×n×n bf16 matrix product on random data (2n³ operations)."""
+    a, b = (torch.randn(n, n, device=device, dtype=torch.bfloat16) for _ in range(2))
+    seconds = timed(lambda: a @ b, device, repeats=10, warmup=3)
+    return 2 * n**3 / seconds / 1e12
+
+
+def real_inputs(fake: Any, device: torch.device, key: str = "") -> Any:
+    """A tensor (or list, dict) of the same shapes and dtypes as the plan's fake inputs, with values a pipeline
+    gives: timesteps in [0, 1000), guidance 3.5, masks of ones, position ids 0, latents and states N(0, 1)."""
+    if isinstance(fake, dict):
+        return {k: real_inputs(v, device, k) for k, v in fake.items()}
+    if isinstance(fake, list):
+        return [real_inputs(v, device, key) for v in fake]
+    if not torch.is_tensor(fake):
+        return fake
+    if key in ("timestep", "t"):
+        return torch.rand(fake.shape, device=device).mul(1000).to(fake.dtype)
+    if key == "guidance":
+        return torch.full(fake.shape, 3.5, device=device, dtype=fake.dtype)
+    if fake.dtype == torch.bool or "mask" in key:
+        return torch.ones(fake.shape, device=device, dtype=fake.dtype)
+    if not fake.dtype.is_floating_point or key.endswith("_ids"):
+        return torch.zeros(fake.shape, device=device, dtype=fake.dtype)
+    return torch.randn(fake.shape, device=device, dtype=fake.dtype)
+
+
+class Bench:
+    """One run's measurements, written to `out` after each one."""
+
+    def __init__(self, out: Path, budget: float, device: torch.device) -> None:
+        self.out, self.deadline, self.device = out, time.monotonic() + budget, device
+        capability = torch.cuda.get_device_capability(0) if device.type == "cuda" else None
+        self.record: dict[str, Any] = {
+            "date": datetime.date.today().isoformat(), "device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu",
+            "capability": f"{capability[0]}.{capability[1]}" if capability else None, "torch": torch.__version__, "cuda": torch.version.cuda,
+            "families": {}}
+
+    def left(self) -> float:
+        return self.deadline - time.monotonic()
+
+    def save(self) -> None:
+        self.out.parent.mkdir(parents=True, exist_ok=True)
+        self.out.write_text(json.dumps(self.record, indent=1))
+
+    def peak_memory(self, call: Callable[[], Any]) -> float:
+        """CUDA's peak of allocated memory above the start during `call`, in bytes (0 off CUDA)."""
+        if self.device.type != "cuda":
+            call()
+            return 0.0
+        synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats()
+        start = torch.cuda.memory_allocated()
+        call()
+        synchronize(self.device)
+        return float(torch.cuda.max_memory_allocated() - start)
+
+
+def measure_family(bench: Bench, key: str, size: tuple[int, int, int], tiny: bool, batches: list[int], train_rows: list[int],
+                   peak_tflops: float) -> dict:
+    """Every figure of one family; raises MemoryError-like CUDA errors to the caller."""
+    import diffusers
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from branchdiff.models.attention import apply_backend
+    from branchdiff.models.lora import add_lora
+    from branchdiff.plan.families import families, geometry
+    from branchdiff.plan.measure import lora_targets, measure
+
+    family = families()[key]
+    if tiny:
+        family.config = {**family.config, **TINY[key]}
+        family.reduced = {k: v for k, v in family.reduced.items() if k not in TINY[key]}
+    vae = None
+    if family.vae is not None:
+        with torch.device("meta"):
+            vae = getattr(diffusers, family.vae[0]).from_config(family.vae[1])
+    shape = geometry(vae)
+    planned = measure(family, torch.bfloat16, LORA_RANK, LORA_RANK, size, torch.bfloat16)
+    flops = planned.forward_flops()
+    result: dict[str, Any] = {"label": family.label, "size": list(size), "params": planned.denoiser_params, "forward_gflop_per_row": flops / 1e9,
+                              "forward": {}, "train": {}}
+    device = bench.device
+    start = time.perf_counter()
+    with device:
+        denoiser = getattr(diffusers, family.denoiser).from_config(family.config).to(torch.bfloat16).eval()
+    apply_backend(denoiser, "native", family.name)  # as a run does: PyTorch's SDPA, cuDNN's kernel off on CUDA
+    result["build_seconds"] = time.perf_counter() - start
+
+    def inputs(rows: int) -> dict:
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            fake = family.inputs(denoiser.config, shape, rows, size, torch.bfloat16, family.text_tokens)
+        return real_inputs(fake, device)
+
+    def forward(batch: dict) -> Any:
+        with torch.autocast(device.type, torch.bfloat16):
+            return denoiser(**batch)
+
+    repeats = 2 if tiny else 5
+    for rows in batches:
+        if bench.left() < 20:
+            result["forward"][str(rows)] = "skipped: the run's time budget is spent"
+            break
+        call = partial(forward, inputs(rows))
+        with torch.no_grad():
+            seconds = timed(call, device, repeats)
+            memory = bench.peak_memory(call)
+        tflops = rows * flops / seconds / 1e12
+        result["forward"][str(rows)] = {"seconds": seconds, "rows_per_second": rows / seconds, "tflops": tflops,
+                                        "fraction_of_peak": tflops / peak_tflops, "peak_gib": memory / 2**30,
+                                        "planned_gib": planned.rollout(rows) / 2**30}
+        bench.save()
+    largest = max((int(r) for r, v in result["forward"].items() if isinstance(v, dict)), default=0)
+    if device.type == "cuda" and largest and bench.left() > 20:  # cuDNN's attention kernel, as PyTorch picks it when allowed
+        call = partial(forward, inputs(largest))
+        torch.backends.cuda.enable_cudnn_sdp(True)
+        try:
+            with torch.no_grad():
+                seconds = timed(call, device, repeats)
+        finally:
+            torch.backends.cuda.enable_cudnn_sdp(False)
+        result["forward_cudnn_attention"] = {"rows": largest, "seconds": seconds,
+                                             "speedup_over_native": result["forward"][str(largest)]["seconds"] / seconds}
+    add_lora(denoiser, lora_targets(family, "attention"), LORA_RANK, LORA_RANK, seed=0, unused=family.adapter.unused_modules_of(denoiser))
+    trainable = [p for p in denoiser.parameters() if p.requires_grad]
+    result["lora_params"] = sum(p.numel() for p in trainable)
+    for rows in train_rows:
+        if bench.left() < 30:
+            result["train"][str(rows)] = "skipped: the run's time budget is spent"
+            break
+
+        def step(batch: dict) -> None:
+            output = forward(batch)
+            output = output[0] if isinstance(output, (tuple, list)) else output
+            output = torch.stack(output) if isinstance(output, list) else output  # Z-Image returns a list per row
+            output.float().square().mean().backward()
+            for p in trainable:
+                p.grad = None
+
+        denoiser.train()
+        call = partial(step, inputs(rows))
+        seconds = timed(call, device, repeats)
+        memory = bench.peak_memory(call)
+        tflops = 3 * rows * flops / seconds / 1e12
+        result["train"][str(rows)] = {"seconds": seconds, "rows_per_second": rows / seconds, "tflops": tflops,
+                                      "fraction_of_peak": tflops / peak_tflops, "peak_gib": memory / 2**30,
+                                      "planned_gib": planned.train(rows, ckpt=False) / 2**30}
+        bench.save()
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, default=Path("gpu-bench.json"), help="the JSON written (default gpu-bench.json)")
+    parser.add_argument("--budget", type=float, default=420.0, help="seconds after which no new measurement starts (default 420)")
+    parser.add_argument("--families", default=",".join(RELEASES), help=f"comma-separated, of {', '.join(RELEASES)}")
+    parser.add_argument("--batches", default="1,2,4,8", help="forward batch sizes, network rows (default 1,2,4,8)")
+    parser.add_argument("--train-rows", default="1,2", help="training forward + backward batch sizes (default 1,2)")
+    parser.add_argument("--tiny", action="store_true", help="tiny configs of the same classes: every code path in seconds, CPU or GPU")
+    args = parser.parse_args(argv)
+    keys = [k for k in args.families.split(",") if k]
+    unknown = [k for k in keys if k not in RELEASES]
+    if unknown:
+        parser.error(f"--families: {', '.join(unknown)} not measured here; choose among {', '.join(RELEASES)}")
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cpu" and not args.tiny:
+        parser.error("no CUDA device here: the released sizes need a GPU; --tiny runs every code path on the CPU")
+    bench = Bench(args.out, args.budget, device)
+    bench.record["matmul_peak_tflops"] = peak = matmul_peak(device, 256 if args.tiny else 8192)
+    bench.save()
+    batches = [int(b) for b in args.batches.split(",")]
+    train_rows = [int(b) for b in args.train_rows.split(",")]
+    for key in keys:
+        size = TINY_SIZES[key] if args.tiny else RELEASES[key]
+        start = time.perf_counter()
+        if bench.left() < 60:
+            figures: dict | str = "skipped: the run's time budget is spent"
+        else:
+            try:
+                figures = {**measure_family(bench, key, size, args.tiny, batches, train_rows, peak), "seconds": time.perf_counter() - start}
+            except torch.cuda.OutOfMemoryError as error:
+                figures = f"skipped: out of memory ({str(error).splitlines()[0]})"
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        bench.record["families"][key] = figures
+        bench.save()
+        print(json.dumps({key: figures}, indent=1), flush=True)
+    print(f"matmul peak {peak:.1f} TFLOP/s; written {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

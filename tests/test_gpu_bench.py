@@ -1,0 +1,52 @@
+"""scripts/gpu_bench.py on the CPU at tiny sizes: every code path the GPU run takes (the plan's FLOP count and
+memory estimate, the family's input shapes, the timed forward and LoRA backward, the JSON), so a lent GPU's
+minutes are not lost to a typo. The released sizes run only where CUDA is (docs/gpu.md)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "gpu_bench.py"
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location("gpu_bench", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_every_family_measures_at_tiny_size_and_writes_its_figures(tmp_path):
+    bench = _bench()
+    out = tmp_path / "bench.json"
+    assert bench.main(["--tiny", "--out", str(out), "--batches", "1,2", "--train-rows", "1"]) == 0
+    record = json.loads(out.read_text())
+    assert record["matmul_peak_tflops"] > 0 and set(record["families"]) == set(bench.RELEASES)
+    for key, figures in record["families"].items():
+        assert isinstance(figures, dict), (key, figures)
+        assert set(figures["forward"]) == {"1", "2"} and set(figures["train"]) == {"1"}
+        assert figures["lora_params"] > 0 and figures["forward_gflop_per_row"] > 0
+        one, two = figures["forward"]["1"], figures["forward"]["2"]
+        # achieved TFLOP/s is rows × the plan's FLOPs per row ÷ seconds
+        assert one["tflops"] == pytest.approx(figures["forward_gflop_per_row"] / 1e3 / one["seconds"])
+        assert two["planned_gib"] > one["planned_gib"] > 0  # the plan's estimate grows with the rows
+
+
+def test_a_spent_budget_skips_with_its_reason(tmp_path):
+    out = tmp_path / "bench.json"
+    assert _bench().main(["--tiny", "--out", str(out), "--budget", "0", "--families", "sd3"]) == 0
+    assert json.loads(out.read_text())["families"] == {"sd3": "skipped: the run's time budget is spent"}
+
+
+def test_the_released_sizes_are_refused_without_cuda(capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is present here")
+    with pytest.raises(SystemExit) as stopped:
+        _bench().main(["--families", "sd3"])
+    assert stopped.value.code == 2 and "--tiny runs every code path on the CPU" in capsys.readouterr().err
