@@ -113,7 +113,8 @@ def test_ctrl_c_stops_after_the_iteration_with_a_checkpoint_and_exit_130(setting
     run, process = _killed(setting, "ctrl-c", "sigint", 1)
     assert process.returncode == 130, process.stderr[-2000:]
     last = process.stderr.strip().splitlines()[-1]
-    assert last == f"branchdiff: interrupted: checkpoint of iteration 1 saved in {run / 'checkpoints'}; continue with --resume latest"
+    assert last == (f"branchdiff: interrupted after 2 of {ITERATIONS} iterations, a checkpoint of them saved in {run / 'checkpoints'}; "
+                    "continue with --resume latest")
     assert "Traceback" not in process.stderr
     assert _iterations(run) == [0, 1] and (run / "checkpoints" / "iter-000001").is_dir() and (run / "report.html").is_file()
     _resume(setting, run)

@@ -30,6 +30,7 @@ class Env:
     tmp: Path  # empty per case
     model: Path  # a saved tiny model
     run: Path  # a finished 2-iteration run (checkpoints iter-000000, iter-000001), a copy per case
+    kontext: Path  # a saved tiny FLUX.1 Kontext pipeline (an editing family)
     held: list = field(default_factory=list)  # open files a case holds (a lock) until it ends
 
     def checkpoint(self, iteration: int = 1) -> Path:
@@ -131,6 +132,31 @@ def _hold_lock(env: Env) -> None:
     env.held.append(handle)
 
 
+def _edits(row: dict, images: dict[str, tuple[int, int]], folders: tuple[str, ...] = ()) -> Callable[[Env], None]:
+    """A one-row edits file e.jsonl beside images of the given (width, height) and empty folders."""
+    def setup(env: Env) -> None:
+        from PIL import Image
+
+        for name, size in images.items():
+            Image.new("RGB", size, (200, 30, 30)).save(env.tmp / name)
+        for name in folders:
+            (env.tmp / name).mkdir()
+        (env.tmp / "e.jsonl").write_text(json.dumps(row) + "\n")
+
+    return setup
+
+
+def _sample(env: Env, *options: str, prompt: str = "one red circle on the left") -> list[str]:
+    """`branchdiff sample` of the tiny model into work/out."""
+    return ["sample", "--model", str(env.model), "--prompt", prompt, "--out", str(env.tmp / "out"), *options]
+
+
+def _kontext(env: Env, *options: str) -> list[str]:
+    """`branchdiff sample` of the tiny FLUX.1 Kontext at 32×32 into work/out."""
+    return ["sample", "--family", "flux-kontext", "--model", str(env.kontext), "--resolution", "32", "--prompt", "make it blue",
+            "--out", str(env.tmp / "out"), *options]
+
+
 def _unwritable(env: Env) -> None:
     (env.tmp / "a-file").write_text("not a folder")  # an output_dir inside a file cannot be created, even by root
 
@@ -198,7 +224,7 @@ CASES = [
          r".*e.jsonl:1: source image 'notes.png' could not be read as an image",
          lambda e: ((e.tmp / "notes.png").write_text("not an image"), (e.tmp / "e.jsonl").write_text('{"prompt": "make it blue", "image": "notes.png"}\n'))),
     Case("prompt-source-on-a-text-family", lambda e: e.fresh(f"prompts.train={e.tmp / 'e.csv'}"),
-         r"prompt 1 of '.*e.csv' comes with a source image \(\"image\"\) and model.family=tiny makes images from text alone: train an editing family",
+         r"prompt 1 of '.*e.csv' comes with a source image \(\"image\", --image\) and model.family=tiny makes images from text alone: use an editing family",
          lambda e: (_image(e.tmp / "red.png"), (e.tmp / "e.csv").write_text("prompt,image\nmake it blue,red.png\n"))),
     Case("prompt-csv-no-column", lambda e: e.fresh(f"prompts.train={e.tmp / 'p.csv'}"), r".*p.csv:1: no \"prompt\" column \(columns: text, style\)",
          _write("p.csv", "text,style\ntwo red circles,anime\n")),
@@ -298,7 +324,7 @@ CASES = [
                                         "--out", str(e.tmp / "out")], r"--search dts-star needs --budget: the network rows to spend per prompt"),
     Case("search-budget-below-one-image", lambda e: ["sample", "--model", str(e.model), "--prompt", "one red circle on the left", "--search", "dts",
                                                      "--budget", "5", "--out", str(e.tmp / "out")],
-         r"--budget 5 network rows cannot make one image: a 10-step image costs at least 10 \(twice under CFG\); give --budget ≥ 10"),
+         r"--budget 5 network rows cannot make one image: a 10-step image costs at least 10; give --budget ≥ 10, or fewer --steps"),
     Case("bench-search-bad-variant", lambda e: ["bench", "search", "--variants", "dts-star:depth=3", "--images", "2", "--seeds", "1",
                                                 "--out", str(e.tmp / "out")],
          r"bench search: 'depth=3' in 'dts-star:depth=3' is not key=value with a key of max_children, root_children, widening, exploration"),
@@ -333,6 +359,39 @@ CASES = [
     Case("plan-unknown-gpu", lambda e: ["plan", "tiny-chain", "--gpu", "h1000"], r"--gpu h1000: not a GPU plan knows; choose one of h100-80gb"),
     Case("plan-klein-size-unknown", lambda e: ["plan", "flux2-klein-pickscore", "model.path=someone/klein"],
          r"model.path=someone/klein: plan knows FLUX.2 \[klein\] 4B and 9B by name; plan with model.path=black-forest-labs/FLUX.2-klein-base-4B"),
+    # checked before the model loads (BEFORE_LOAD below)
+    Case("sample-image-on-a-text-family", lambda e: _sample(e, "--image", str(e.tmp / "red.png")),
+         r"prompt 1 of '--prompt' comes with a source image \(\"image\", --image\) and model.family=tiny makes images from text alone: "
+         r"use an editing family", lambda e: _image(e.tmp / "red.png")),
+    Case("sample-edit-without-image", lambda e: _kontext(e),
+         r"prompt 1 of '--prompt' has no source image and model.family=flux-kontext edits images: give every prompt its source \(sample --image"),
+    Case("sample-source-of-another-shape", lambda e: _kontext(e, "--image", str(e.tmp / "wide.png")),
+         r"prompt 1 of '--prompt': source image '.*wide.png' is 64×32 \(width × height\) and the edits 32×32: crop or pad the source",
+         _edits({}, {"wide.png": (64, 32)})),
+    Case("sample-too-many-sources", lambda e: _kontext(e, "--prompt", "make it red", "--image", str(e.tmp / "red.png"), "--image",
+                                                       str(e.tmp / "red.png"), "--image", str(e.tmp / "red.png")),
+         r"--image was given 3 times for 2 prompts: give it once \(every prompt edits that image\) or once per --prompt", lambda e: _image(e.tmp / "red.png")),
+    Case("search-prompt-the-reward-cannot-score", lambda e: _sample(e, "--search", "dts", "--budget", "20", prompt="a photo of a cat"),
+         r"reward 'tiny-geneval' cannot score '--prompt': prompt 1: prompt 'a photo of a cat' is not in the tiny grammar"),
+    Case("search-sde-of-another-family", lambda e: _sample(e, "--search", "dts", "--budget", "20", "--sde", "ddim"),
+         r"--sde ddim is not an SDE of the tiny family \(flow steps\); choose one of dance, flow, cps, or leave --sde unset"),
+    Case("eval-prompts-the-reward-cannot-score", lambda e: ["eval", "--family", "tiny-video", "--prompts", "tiny:held_out", "--rewards", "tiny-video",
+                                                            "--out", str(e.tmp / "out")],
+         r"reward 'tiny-video' cannot score 'tiny:held_out': prompt 1: prompt '.*' is not in the tiny-video grammar"),
+    Case("out-not-writable", lambda e: _sample(e, "--out", "/sys/branchdiff-out"),
+         r"--out /sys/branchdiff-out: cannot write in /sys \(.*\); pass --out a folder you can write to"),
+    Case("out-inside-a-file", lambda e: ["eval", "--model", str(e.model), "--out", str(e.tmp / "a-file" / "out")],
+         r"--out .*a-file/out: .*a-file is a file, not a folder; pass --out a folder", _unwritable),
+    Case("model-path-missing", lambda e: ["train", "tiny-chain", "model.family=wan", f"output_dir={e.tmp / 'new'}"],
+         r"model.path is required for model.family=wan: a local diffusers pipeline folder or a hub id such as Wan-AI/Wan2.1-T2V-1.3B-Diffusers"),
+    Case("eval-model-missing", lambda e: ["eval", "--family", "wan", "--out", str(e.tmp / "out")],
+         r"--model is required for model.family=wan: a local diffusers pipeline folder or a hub id"),
+    Case("edit-mask-of-another-size", lambda e: e.fresh(f"prompts.train={e.tmp / 'e.jsonl'}"),
+         r".*e.jsonl:1: the mask 'mask.png' is 16×8 \(width × height\) and its source 'red.png' 8×8; give a mask of the source's size",
+         _edits({"prompt": "make it blue", "image": "red.png", "mask": "mask.png"}, {"red.png": (8, 8), "mask.png": (16, 8)})),
+    Case("source-image-is-a-folder", lambda e: e.fresh(f"prompts.train={e.tmp / 'e.jsonl'}"),
+         r".*e.jsonl:1: source image 'adir.png' is a folder \(.*adir.png\), not an image file",
+         _edits({"prompt": "make it blue", "image": "adir.png"}, {}, ("adir.png",))),
     Case("push-not-a-run", lambda e: ["push", str(e.tmp), "--repo-id", "me/x"], r"not a run folder \(no config.yaml\); pass the output_dir"),
     Case("push-bad-repo-id", lambda e: ["push", str(e.run), "--repo-id", "x"], r"--repo-id x: a hub repository is OWNER/NAME"),
 ]
@@ -358,13 +417,22 @@ def finished_run(tiny_model_dir, tmp_path_factory) -> Path:
     return run
 
 
+@pytest.fixture(scope="module")
+def kontext_model(tmp_path_factory) -> Path:
+    from tiny_pipelines import build_flux_kontext
+
+    folder = tmp_path_factory.mktemp("kontext")
+    build_flux_kontext().save_pretrained(folder)
+    return folder
+
+
 @pytest.fixture
-def env(tmp_path, tiny_model_dir, finished_run, monkeypatch) -> Env:
+def env(tmp_path, tiny_model_dir, finished_run, kontext_model, monkeypatch) -> Env:
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # model-hub-unreachable: no network here, and none wanted in a test
     run = tmp_path / "run"
     shutil.copytree(finished_run, run)
     (tmp_path / "work").mkdir()
-    env = Env(tmp_path / "work", tiny_model_dir, run)
+    env = Env(tmp_path / "work", tiny_model_dir, run, kontext_model)
     yield env
     for handle in env.held:
         handle.close()
@@ -387,6 +455,27 @@ def test_bad_input_gives_one_line_exit_2_and_loses_nothing(case, env, capsys):
     if case.creates_nothing:  # refused before the run directory was created or anything written into one
         assert after_run.keys() == before_run.keys() and after_work.keys() == before_work.keys()
         assert not (env.tmp / "new").exists()
+
+
+BEFORE_LOAD = ["sample-image-on-a-text-family", "sample-edit-without-image", "sample-source-of-another-shape", "sample-too-many-sources",
+               "search-prompt-the-reward-cannot-score", "search-sde-of-another-family", "search-budget-below-one-image",
+               "eval-prompts-the-reward-cannot-score", "out-not-writable", "out-inside-a-file", "eval-model-missing",
+               "sample-resolution-of-a-fixed-family", "lora-missing", "device-unavailable"]
+
+
+@pytest.mark.parametrize("case", [case for case in CASES if case.id in BEFORE_LOAD], ids=[case.id for case in CASES if case.id in BEFORE_LOAD])
+def test_sample_and_eval_refuse_before_the_model_loads(case, env, capsys, monkeypatch):
+    """What needs only the options, the prompt files and the images' headers is checked before any weight is read: the
+    same line with loading made impossible (a model loaded first made such a refusal wait for it, or for minutes of sampling)."""
+    import branchdiff.models
+
+    def loaded(*args, **kwargs):
+        raise AssertionError("the model loaded before the input was checked")
+
+    monkeypatch.setattr(branchdiff.models, "load_adapter", loaded)
+    case.setup(env)
+    assert main(case.argv(env)) == 2
+    assert re.search(case.message, capsys.readouterr().err.strip().splitlines()[-1][len(PREFIX):])
 
 
 # cases tested outside the parametrised test above: the tests that run them, "module::name" or a name in this module

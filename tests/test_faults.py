@@ -96,7 +96,7 @@ def test_resume_latest_falls_back_past_a_damaged_checkpoint_and_ends_as_if_never
     err = capsys.readouterr().err
     assert f"branchdiff: skipping checkpoint {damaged}: damaged ({LORA} has 1000 bytes, the manifest says" in err
     # it says which checkpoint it continues from (it said nothing)
-    assert f"branchdiff: resuming from {run / 'checkpoints' / 'iter-000000'} (iteration 0 done; continuing with iteration 1 of 3)" in err
+    assert f"branchdiff: resuming from {run / 'checkpoints' / 'iter-000000'}: 1 of 3 iterations done" in err
     assert_same_lora(run / "lora", uninterrupted / "lora")
 
 

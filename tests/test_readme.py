@@ -178,12 +178,12 @@ def test_eval_of_a_run_reproduces_its_final_evaluation(tiny_model_dir, tmp_path,
     capsys.readouterr()
     assert main(["eval", "--lora", str(run / "lora"), "--json", str(tmp_path / "again.json"), "--out", str(tmp_path / "again")]) == 0
     err = capsys.readouterr().err
-    assert f"settings of the run {run} (its config.yaml) unless given, as the run's final evaluation" in err
+    assert f"eval: the settings not given on the command line are the run's, from {run / 'config.yaml'}, as in the run's final evaluation" in err
     again = json.loads((tmp_path / "again.json").read_text())
     assert again["images_per_prompt"] == 2 and again["steps"] == 3
     assert {k: v["mean"] for k, v in again["summary"]["all"].items()} == {k: v["mean"] for k, v in trained.items()}
     assert main(["eval", "--lora", str(run / "lora"), "--images-per-prompt", "1", "--out", str(tmp_path / "other")]) == 0
-    assert "differs from the run's final evaluation in images per prompt 1 (run: 2)" in capsys.readouterr().err
+    assert "these differ from the run's final evaluation: images per prompt 1 (run: 2)" in capsys.readouterr().err
 
 
 def test_sample_file_names_are_safe_whatever_the_prompt(tiny_model_dir, tmp_path, capsys):

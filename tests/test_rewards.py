@@ -159,6 +159,17 @@ def test_a_required_reward_that_fails_stops_with_its_name_and_prompt(monkeypatch
         multi(IMAGES, PROMPTS, METADATA, GROUPS)
 
 
+def test_a_reward_failing_on_clips_counts_them_as_videos():
+    """A batch of 2 clips of 5 frames was reported as "a batch of 2 images" (and, through frames, of 10)."""
+    from branchdiff.rewards.multi import score_component
+
+    class FailingOnVideos(Failing):
+        video = True
+
+    with pytest.raises(RewardError, match=r"^reward 'clips' failed on a batch of 2 videos \(first prompt 'a'\)"):
+        score_component(FailingOnVideos(), "clips", torch.rand(2, 5, 3, 8, 8), ["a", "b"], [{}, {}])
+
+
 def test_an_optional_reward_that_fails_is_missing_and_counted(monkeypatch):
     multi = _multi(monkeypatch, {"failing": Failing(), "constant": Constant()}, {"failing": False, "constant": True})
     with pytest.warns(RuntimeWarning, match="reward 'failing' failed on a batch of 4 images.*missing for this batch"):

@@ -241,6 +241,17 @@ def test_sample_search_writes_the_best_images_and_a_trace_that_regrows_them(tiny
     assert "best tiny-geneval" in capsys.readouterr().err
 
 
+def test_keeping_more_images_than_the_search_made_says_how_many_it_wrote(tiny_model_dir, tmp_path, capsys):
+    """`--keep 100` wrote the few images a small budget makes without a word: a note names how many there were."""
+    from branchdiff.cli import main
+
+    out = tmp_path / "kept"
+    assert main(["sample", "--model", str(tiny_model_dir), "--steps", str(STEPS), "--prompt", PROMPTS[0], "--search", "best-of-n",
+                 "--budget", str(3 * STEPS), "--keep", "100", "--out", str(out)]) == 0
+    assert sorted(p.name for p in out.glob("*.png")) == [f"00{i}-{PROMPTS[0].replace(' ', '_')}.png" for i in range(3)]
+    assert f"note: --keep 100: the search made 3 images of {PROMPTS[0]!r}; all are written" in capsys.readouterr().err
+
+
 def test_sample_search_without_a_budget_or_with_a_bad_trace_is_one_line(tiny_model_dir, tmp_path, capsys):
     from branchdiff.cli import main
 

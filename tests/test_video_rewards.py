@@ -70,7 +70,7 @@ def test_a_config_names_frames_and_reduce_and_training_scores_videos_with_them()
 
 
 def test_on_a_video_family_every_reward_scores_videos_or_names_its_frames():
-    from branchdiff.training.preflight import check_video_rewards
+    from branchdiff.evaluation.preflight import check_video_rewards
 
     specs = parse_reward_specs([{"name": "rewards_for_tests:Redness", "frames": 2}, {"remote": "http://127.0.0.1:9", "frames": 1}])
     check_video_rewards("reward", specs, {"rewards_for_tests:Redness": Redness})
@@ -82,10 +82,10 @@ def test_on_a_video_family_every_reward_scores_videos_or_names_its_frames():
 def test_a_served_rewards_own_health_says_whether_it_needs_frames():
     """Preflight asks a reward server's /health: a served reward of videos needs no frames, a served reward of
     images does (one line), and an unreachable server is one line before anything is written."""
+    from branchdiff.evaluation.preflight import check_video_rewards
     from branchdiff.rewards.registry import build_reward
     from branchdiff.rewards.remote import RemoteRewardError
     from branchdiff.rewards.server import BackgroundServer
-    from branchdiff.training.preflight import check_video_rewards
 
     fast = {"retries": 0, "timeout": 5.0}
     with BackgroundServer(build_reward("flicker")) as videos, BackgroundServer(Redness()) as images:

@@ -24,32 +24,35 @@ def sampling_settings(args: argparse.Namespace) -> tuple[EvalSettings, Path | No
     settings, run, config = resolve(given, getattr(args, "weights", None))
     if run is not None:
         differ = differences(settings, config) if args.command == "eval" else []
-        note = ("; differs from the run's final evaluation in " + ", ".join(differ)) if differ else (
-            ", as the run's final evaluation" if args.command == "eval" else "")
-        print(f"settings of the run {run} (its config.yaml) unless given{note}", file=sys.stderr)
+        note = ("; these differ from the run's final evaluation: " + ", ".join(differ)) if differ else (
+            ", as in the run's final evaluation" if args.command == "eval" else "")
+        print(f"{args.command}: the settings not given on the command line are the run's, from {run / 'config.yaml'}{note}", file=sys.stderr)
     return settings, run
 
 
-def check_model(settings: EvalSettings, weights: str | None) -> None:
-    """What `load_model` checks before anything loads (its docstring)."""
+def check_model(settings: EvalSettings, weights: str | None) -> tuple[int, int]:
+    """What `load_model` checks before anything loads (its docstring); returns the (height, width) the model will make."""
     from branchdiff.models import adapter_class, check_frames, check_size
     from branchdiff.models.families import FAMILIES
     from branchdiff.models.finetune import locate_weights
 
+    adapter_class(settings.family).check_path(settings.model, "--model")
     if not settings.prompt_instruction and not FAMILIES[settings.family].instruction:
         raise ValueError(f"--no-prompt-instruction applies to families whose prompts carry an instruction (sana), not {settings.family}")
     if settings.frames is not None and not FAMILIES[settings.family].video:
         raise ValueError(f"--frames {settings.frames}: the {settings.family} family makes images, not videos; leave --frames unset")
-    check_size(settings.family, settings.model, settings.resolution)
+    size = check_size(settings.family, settings.model, settings.resolution)
     check_frames(settings.family, settings.model, settings.frames)
     if weights:
         locate_weights(weights, adapter_class(settings.family).denoiser_name)
+    return size
 
 
 def load_model(settings: EvalSettings, weights: str | None, device: str | object = "cpu") -> ModelAdapter:
     """The model the settings name, with a run's trained weights loaded when given (`finetune.load_weights`).
-    What can be checked without loading is checked first: the instruction switch, the image size
-    against the folder's config files, and that `weights` names something a run trained. A model
+    What can be checked without loading is checked first: a model path where the family needs one, the
+    instruction switch, the image size against the folder's config files, and that `weights` names
+    something a run trained. A model
     folder that ships another sampler than the one `--solver training` steps with gets a notice."""
     import torch
 

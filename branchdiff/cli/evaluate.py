@@ -17,23 +17,31 @@ def cmd_eval(args: argparse.Namespace) -> None:
 
     from branchdiff.data.prompts import load_prompt_set
     from branchdiff.evaluation.evaluate import evaluate, format_summary, gather_results, write_outputs
+    from branchdiff.evaluation.preflight import check_output_folder, check_prompt_set, check_video_rewards
     from branchdiff.models.families import FAMILIES
     from branchdiff.rewards.combine import parse_reward_specs
     from branchdiff.rewards.multi import build_component
-    from branchdiff.rewards.registry import resolve_reward
+    from branchdiff.rewards.registry import check_reward_kwargs, resolve_reward
     from branchdiff.runtime.distributed import disconnect
-    from branchdiff.training.preflight import check_video_rewards
 
     check_device(args.device)
     settings, run = sampling_settings(args)
-    check_model(settings, args.weights)  # before the rewards load
-    state = PartialState(cpu=args.device == "cpu")
+    size = check_model(settings, args.weights)  # before the rewards load
+    out = args.out or Path("eval-" + (run.name if run else Path(args.weights or "base").stem))
+    check_output_folder(out, "--out")
+    if args.json:
+        check_output_folder(args.json.parent, "--json")
     prompt_set = load_prompt_set(settings.prompts)
     specs = reward_specs_from_text(settings.rewards) if isinstance(settings.rewards, str) else parse_reward_specs(settings.rewards)
+    factories = {spec.name: resolve_reward(spec.name) for spec in specs if spec.remote is None}
+    for spec in specs:
+        if spec.remote is None:
+            check_reward_kwargs(spec.name, factories[spec.name], spec.kwargs)
     if FAMILIES[settings.family].video:  # before any reward loads
-        check_video_rewards("--rewards", specs, {spec.name: resolve_reward(spec.name) for spec in specs if spec.remote is None})
+        check_video_rewards("--rewards", specs, factories)
+    check_prompt_set(prompt_set, settings.family, size, specs, factories)
+    state = PartialState(cpu=args.device == "cpu")
     rewards = {spec.label: build_component(spec, args.device) for spec in specs}
-    out = args.out or Path("eval-" + (run.name if run else Path(args.weights or "base").stem))
     result = evaluate(load_model(settings, args.weights, state.device), prompt_set, rewards, settings.images_per_prompt, settings.steps,
                       settings.shift, settings.seed, state.process_index, state.num_processes, progress=state.is_local_main_process,
                       out_dir=out, guidance=settings.guidance, solver=settings.solver,

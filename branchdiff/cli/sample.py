@@ -7,12 +7,14 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from branchdiff.cli.common import file_name, load_model, sampling_settings
+from branchdiff.cli.common import check_model, file_name, load_model, sampling_settings
 
 
 def cmd_sample(args: argparse.Namespace) -> None:
     """ODE samples of each prompt, one PNG each, named by `file_name`; with `--search`, each prompt's
     best images of a search and OUT/search.json; with `--from-trace`, a trace's best images regrown."""
+    from branchdiff.data.prompts import PromptSet
+    from branchdiff.evaluation.preflight import check_output_folder, check_prompt_set
     from branchdiff.report.video import save_sample
     from branchdiff.settings.evaluation import EVAL_RUN_SEED
 
@@ -28,21 +30,24 @@ def cmd_sample(args: argparse.Namespace) -> None:
                          f"{args.steps or 10}, twice that under CFG)")
     settings, _ = sampling_settings(args)
     seed = EVAL_RUN_SEED if args.seed is None else args.seed
+    size = check_model(settings, args.weights)
+    check_output_folder(args.out, "--out")
     if args.from_trace is not None or args.search:  # the trace or the reward is read before the model loads
-        from branchdiff.cli.search import one_reward, regrow_trace, search_and_write
+        from branchdiff.cli.search import check_search, regrow_trace, search_and_write
         from branchdiff.search.sample import read_trace
 
         recorded = read_trace(args.from_trace) if args.from_trace is not None else None
-        spec = one_reward(args.reward) if args.search else None
+        search = check_search(args, settings, seed, size) if args.search else None
         adapter = load_model(settings, args.weights)
         written = (regrow_trace(adapter, recorded, args.weights, args.out) if recorded is not None else
-                   search_and_write(adapter, args, settings, seed, spec))
+                   search_and_write(adapter, args, settings, search))
         for path in written:
             print(path)
         return
     from branchdiff.evaluation.evaluate import sample_ode
 
     metadata = source_metadata(args.image, len(args.prompt))
+    check_prompt_set(PromptSet("--prompt", list(args.prompt), metadata or [{} for _ in args.prompt]), settings.family, size, [], {})
     images, prompts = sample_ode(load_model(settings, args.weights), args.prompt, settings.images_per_prompt, settings.steps, settings.shift,
                                  seed=seed, guidance=settings.guidance, solver=settings.solver, metadata=metadata)
     args.out.mkdir(parents=True, exist_ok=True)  # only once there are images to write

@@ -31,10 +31,40 @@ def one_reward(text: str) -> RewardSpec:
     return specs[0]
 
 
-def search_and_write(adapter: ModelAdapter, args: argparse.Namespace, settings: EvalSettings, seed: int, spec: RewardSpec) -> Iterator[Path]:
+def check_search(args: argparse.Namespace, settings: EvalSettings, seed: int, size: tuple[int, int]) -> tuple[SearchSettings, RewardSpec]:
+    """Everything of `sample --search` that needs no model, checked before it loads: the search's settings (its budget
+    against one image's cost, the SDE against the family's steps), and the reward (it resolves, takes its keyword
+    arguments and can score the prompts)."""
+    from branchdiff.data.prompts import PromptSet
+    from branchdiff.evaluation.preflight import check_prompt_set
+    from branchdiff.models import adapter_class
+    from branchdiff.models.families import FAMILIES, STEP_KINDS
+    from branchdiff.rewards.registry import check_reward_kwargs, resolve_reward
+
+    steps = FAMILIES[settings.family].steps
+    if args.sde is not None and args.sde not in STEP_KINDS[steps]:
+        raise ValueError(f"--sde {args.sde} is not an SDE of the {settings.family} family ({steps} steps); choose one of "
+                         f"{', '.join(STEP_KINDS[steps])}, or leave --sde unset")
+    search = SearchSettings(args.search, args.budget, settings.steps, settings.shift, settings.guidance, args.sde, args.noise_level,
+                            args.max_batch, seed, args.temperature, args.max_children, args.keep,
+                            args.root_children, args.widening, args.exploration, args.x0_value, args.parallel)
+    family = adapter_class(settings.family)
+    search.validate(family.cfg_rows(family.default_guidance if settings.guidance is None else settings.guidance, settings.model))
+    spec = one_reward(args.reward)
+    factories = {}
+    if spec.remote is None:
+        factories[spec.name] = resolve_reward(spec.name)
+        check_reward_kwargs(spec.name, factories[spec.name], spec.kwargs)
+    check_prompt_set(PromptSet("--prompt", list(args.prompt), [{} for _ in args.prompt]), settings.family, size, [spec], factories)
+    return search, spec
+
+
+def search_and_write(adapter: ModelAdapter, args: argparse.Namespace, settings: EvalSettings,
+                     planned: tuple[SearchSettings, RewardSpec]) -> Iterator[Path]:
     """Search every `--prompt` for the reward `spec`; write the best images, then the trace; yield the paths."""
     from branchdiff.rewards.multi import build_component, score_component
 
+    search, spec = planned
     label, reward = spec.label, build_component(spec, "cpu")
     prompts = list(args.prompt)
 
@@ -42,9 +72,6 @@ def search_and_write(adapter: ModelAdapter, args: argparse.Namespace, settings: 
         value, more, _ = score_component(reward, label, images, [prompts[i] for i in prompt_index], [{} for _ in prompt_index])
         return value, {f"{label}.{key}": scores for key, scores in more.items()}
 
-    search = SearchSettings(args.search, args.budget, settings.steps, settings.shift, settings.guidance, args.sde, args.noise_level,
-                            args.max_batch, seed, args.temperature, args.max_children, args.keep,
-                            args.root_children, args.widening, args.exploration, args.x0_value, args.parallel)
     forest, result = search_prompts(adapter, prompts, search, score, first_round=True)
     recorded = trace(forest, result, prompts, search, {"family": settings.family, "model": settings.model or "built-in tiny",
                                                        "weights": args.weights, "reward": args.reward})
@@ -56,6 +83,9 @@ def search_and_write(adapter: ModelAdapter, args: argparse.Namespace, settings: 
             best["image"] = file_name(index, entry["prompt"])
             index += 1
             yield from save_sample(image[0], args.out / best["image"])
+        if len(entry["best"]) < search.keep:
+            print(f"note: --keep {search.keep}: the search made {len(entry['best'])} images of {entry['prompt']!r}; all are written",
+                  file=sys.stderr)
         rounds = entry["rounds"]
         unscored = f"; {rounds[-1]['nonfinite']} scored NaN or ±inf, counted as the worst" if rounds[-1]["nonfinite"] else ""
         print(f"{entry['prompt']!r}: best {label} {entry['best'][0]['reward']:.4f} (mean {rounds[-1]['mean']:.4f} over "

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from branchdiff.data import tiny_task, tiny_video_task
-from branchdiff.data.sources import MASK, SOURCES, resolve_sources
+from branchdiff.data.sources import MASK, SOURCES, check_mask, resolve_sources
 from branchdiff.errors import quote, read_utf8
 
 
@@ -123,6 +123,8 @@ def _with_sources(record: dict, path: Path, where: str) -> dict:
         metadata[SOURCES] = resolve_sources(record["image"], path.parent, where)
     if MASK in record:
         metadata[MASK] = resolve_sources(record[MASK], path.parent, where)[0]
+        if SOURCES in metadata:
+            check_mask(metadata[MASK], metadata[SOURCES], where)
     return metadata
 
 

@@ -38,6 +38,8 @@ def resolve_sources(value: object, folder: Path, where: str) -> list[str]:
         if not path:
             raise ValueError(f"{where}: \"image\" holds an empty path; give the source image's path (relative to {folder})")
         full = (folder / path).resolve()
+        if full.is_dir():
+            raise ValueError(f"{where}: source image {quote(path)} is a folder ({full}), not an image file; name the image in it")
         if not full.is_file():
             raise ValueError(f"{where}: source image {quote(path)} not found (looked for {full}); fix the path, relative to the prompt file's folder")
         try:
@@ -46,6 +48,15 @@ def resolve_sources(value: object, folder: Path, where: str) -> list[str]:
             raise ValueError(f"{where}: source image {quote(path)} could not be read as an image ({type(error).__name__}: {error})") from None
         resolved.append(str(full))
     return resolved
+
+
+def check_mask(mask: str, sources: list[str], where: str) -> None:
+    """An edit mask has its source's size (the first source's, where a row names several): a mask of another size would
+    be stretched over the source and mark other pixels than the ones meant."""
+    mask_size, source_size = image_size(mask), image_size(sources[0])
+    if mask_size != source_size:
+        raise ValueError(f"{where}: the mask {quote(Path(mask).name)} is {mask_size[0]}×{mask_size[1]} (width × height) and its source "
+                         f"{quote(Path(sources[0]).name)} {source_size[0]}×{source_size[1]}; give a mask of the source's size")
 
 
 def _verify(path: Path) -> None:

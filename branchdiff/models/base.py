@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 
 from branchdiff.data.sources import check_aspect, source_images
+from branchdiff.errors import quote
 from branchdiff.models import lora
 from branchdiff.schedulers.schedule import Schedule
 
@@ -90,23 +91,46 @@ class ModelAdapter(ABC):
         """Conditioning for each prompt, without gradients (encoders stay frozen); an editing family's
         (`edits`) includes its source images, `sources` holding each prompt's as RGB PIL images."""
 
+    @classmethod
+    def check_path(cls, path: str | Path | None, option: str = "model.path") -> None:
+        """Refuse, before anything loads, a `path` (given as `option`) the family cannot load from; a family with
+        built-in weights takes any (None: its own)."""
+        return None
+
     def check_sources(self, prompts: list[str], sources: list[list] | None) -> None:
-        """Refuse prompts without source images for an editing family, and source images for a text-to-image one; an
-        editing family's prompts all carry as many sources (at most `max_sources`), each of the edits' aspect ratio."""
-        if self.edits and (sources is None or len(sources) != len(prompts) or not all(sources)):
-            raise ValueError(f"model.family={self.family} edits images: every prompt needs its source image (sample --image, or an "
-                             "\"image\" field in a JSONL or CSV prompt set; docs/editing.md)")
-        if not self.edits and sources is not None:
-            raise ValueError(f"the prompts come with source images (an \"image\" field) and model.family={self.family} makes images "
-                             "from text alone; train an editing family (flux-kontext), or drop the field (docs/editing.md)")
-        if self.edits and sources is not None:
-            counts = sorted({len(images) for images in sources})
-            if (self.max_sources and counts[-1] > self.max_sources) or len(counts) > 1:
-                raise ValueError(f"{self.family} takes the same number of source images with every prompt (at most {self.max_sources or 'any'}); "
-                                 f"these prompts come with {', '.join(map(str, counts))}")
-            for images in sources:
-                for image in images:
-                    check_aspect(image.size, self.height, self.width, "a source image")
+        """`check_source_sizes` on each prompt's source images (RGB PIL images) at this adapter's size."""
+        sizes = None if sources is None else [[image.size for image in images] for images in sources]
+        self.check_source_sizes(sizes, len(prompts), (self.height, self.width))
+
+    @classmethod
+    def check_source_sizes(cls, sizes: list[list[tuple[int, int]]] | None, prompts: int, size: tuple[int, int],
+                           where: Callable[[int], str] = lambda number: f"prompt {number}", names: list[list[str]] | None = None) -> None:
+        """The one rule for source images (docs/editing.md), checked before anything loads (from the files' headers)
+        and again on the images an editing family encodes. `sizes`: each prompt's sources as (width, height), None
+        when no prompt names any; `size`: the edits' (height, width); `where(number)` names prompt `number` (1-based).
+        An editing family needs every prompt's sources, as many with every prompt as with the first and at most
+        `max_sources`, each of the edits' aspect ratio; a text-to-image family takes none. `names`: the sources' paths, for
+        the messages."""
+        if not cls.edits:
+            if sizes is not None:
+                first = next(number for number, row in enumerate(sizes, start=1) if row)
+                raise ValueError(f"{where(first)} comes with a source image (\"image\", --image) and model.family={cls.family} makes images "
+                                 "from text alone: use an editing family (flux-kontext, qwen-image-edit), or drop the image (docs/editing.md)")
+            return
+        if sizes is None or len(sizes) != prompts or not all(sizes):
+            missing = 1 if sizes is None or len(sizes) != prompts else next(n for n, row in enumerate(sizes, start=1) if not row)
+            raise ValueError(f"{where(missing)} has no source image and model.family={cls.family} edits images: give every prompt its "
+                             "source (sample --image, or an \"image\" field or column of a JSONL or CSV prompt set; docs/editing.md)")
+        for number, row in enumerate(sizes, start=1):
+            if cls.max_sources and len(row) > cls.max_sources:
+                raise ValueError(f"{where(number)} has {len(row)} source images and model.family={cls.family} takes at most "
+                                 f"{cls.max_sources} per prompt; give it {'one' if cls.max_sources == 1 else cls.max_sources} (docs/editing.md)")
+            if len(row) != len(sizes[0]):
+                raise ValueError(f"{where(number)} has {len(row)} source images and prompt 1 has {len(sizes[0])}: model.family={cls.family} "
+                                 "takes the same number with every prompt; split the set by number of sources (docs/editing.md)")
+            for index, source in enumerate(row):
+                what = f"source image {quote(names[number - 1][index], 80)}" if names else "a source image"
+                check_aspect(source, *size, f"{where(number)}: {what}")
 
     @abstractmethod
     def forward(self, latents: torch.Tensor, times: torch.Tensor, embeds: PromptEmbeds, guidance: float) -> torch.Tensor:

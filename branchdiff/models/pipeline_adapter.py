@@ -42,13 +42,18 @@ class PipelineAdapter(ModelAdapter):
             module.requires_grad_(False).eval().to("cpu" if offload else self.device)
 
     @classmethod
+    def check_path(cls, path: str | Path | None, option: str = "model.path") -> None:
+        """A pipeline family has no built-in weights: `path` (given as `option`) must name a folder or hub id."""
+        if not path:
+            raise ValueError(f"{option} is required for model.family={cls.family}: a local diffusers pipeline folder or a hub id "
+                             f"such as {cls.example_hub_id}")
+
+    @classmethod
     def from_pretrained(cls, path: str | Path | None, device: torch.device | str = "cpu", size: tuple[int, int] = (1024, 1024),
                         dtype: torch.dtype = torch.float32, offload: bool = False, **options: object) -> PipelineAdapter:
         """Load the family's diffusers pipeline from a local folder or a hub id, weights in `dtype`, for
         images of `size` (height, width); `options` go to the family's constructor (Wan: `frames`)."""
-        if not path:
-            raise ValueError(f"model.path is required for model.family={cls.family}: a local diffusers pipeline folder or a hub id "
-                             f"such as {cls.example_hub_id}")
+        cls.check_path(path)
         from branchdiff.models.lora import pipeline_class
 
         pipeline = pipeline_class(cls.pipeline_class_name)  # imported first: diffusers sets its log level on import

@@ -55,7 +55,7 @@ def score_component(reward: object, label: str, images: torch.Tensor, prompts: l
     them through `frames` (every N-th frame, reduced per video), and without it stops with one line.
     A reward whose call takes `sources=` also receives each image's source images (tensors (3, h, w)
     in [0, 1]; None when the prompts have none)."""
-    count = len(prompts)
+    count, kind = len(prompts), "videos" if images.dim() == 5 else "images"
     videos = images.dim() == 5 and not getattr(reward, "video", False)
     if videos:
         if frames is None:
@@ -71,7 +71,7 @@ def score_component(reward: object, label: str, images: torch.Tensor, prompts: l
         else:
             raw, more = reward(images, prompts, metadata), {}
     except Exception as error:  # a reward is user code: any failure is reported at this boundary
-        message = (f"reward {label!r} failed on a batch of {len(prompts)} images (first prompt {quote(prompts[0])}): "
+        message = (f"reward {label!r} failed on a batch of {count} {kind} (first prompt {quote(prompts[0])}): "
                    f"{one_line(f'{type(error).__name__}: {error}')}")
         if required:
             raise RewardError(message + " (mark it required: false to train without it when it fails)") from error

@@ -47,7 +47,8 @@ class SearchSettings:
     x0_value: bool = False  # DTS / DTS*: in-flight children valued by the reward of their predicted clean sample
     parallel: int = 1  # selections in flight per prompt (branchdiff/search/run.py); 1: the sequential algorithm
 
-    def validate(self) -> None:
+    def validate(self, rows_per_prediction: int = 1) -> None:
+        """Refuse settings no search can run with; `rows_per_prediction`: the network rows of one prediction (2 under CFG)."""
         if self.search not in SEARCHES:
             raise ValueError(f"unknown search {self.search!r}; allowed: {', '.join(SEARCHES)}")
         if self.root_children is not None and self.root_children < 1 or self.widening < 0 or self.parallel < 1 or self.exploration < 0:
@@ -55,9 +56,11 @@ class SearchSettings:
                              f"{self.parallel}, {self.widening} and {self.exploration}")
         if self.budget < 1 or self.steps < 1 or self.max_batch < 1 or self.keep < 1:
             raise ValueError(f"--budget, --steps, --max-batch and --keep must be ≥ 1; got {self.budget}, {self.steps}, {self.max_batch}, {self.keep}")
-        if self.budget < self.steps:
+        image = self.steps * rows_per_prediction
+        if self.budget < image:
+            per = f" ({rows_per_prediction} rows a prediction under CFG)" if rows_per_prediction > 1 else ""
             raise ValueError(f"--budget {self.budget} network rows cannot make one image: a {self.steps}-step image costs at least "
-                             f"{self.steps} (twice under CFG); give --budget ≥ {self.steps}, or fewer --steps")
+                             f"{image}{per}; give --budget ≥ {image}, or fewer --steps")
 
 
 def sampler(adapter: ModelAdapter, settings: SearchSettings) -> SamplerSettings:

@@ -141,9 +141,8 @@ class TrainerCheckpoints:
                 print(f"branchdiff: {notice}", file=sys.stderr)
             for damaged in selected.skipped:
                 checkpoint.set_aside(damaged)
-            done = selected.state["iteration"]
-            print(f"branchdiff: resuming from {selected.path} (iteration {done} done; continuing with iteration {done + 1} of "
-                  f"{self.config.iterations})", file=sys.stderr)
+            done = selected.state["iteration"] + 1  # iterations are counted from 0; the progress bar shows how many are done
+            print(f"branchdiff: resuming from {selected.path}: {done} of {self.config.iterations} iterations done", file=sys.stderr)
         return selected
 
     def _load_checkpoint(self, selected: checkpoint.Selected) -> None:

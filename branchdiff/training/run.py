@@ -156,8 +156,8 @@ def _train(trainer: Trainer, heartbeat: Heartbeat | None) -> None:
                 if reason is not None:
                     raise RunStopped(reason)
                 if stop:
-                    raise Interrupted(f"interrupted: checkpoint of iteration {iteration} saved in {trainer.checkpoint_dir}; "
-                                      "continue with --resume latest")
+                    raise Interrupted(f"interrupted after {iteration + 1} of {config.iterations} iterations, a checkpoint of them saved in "
+                                      f"{trainer.checkpoint_dir}; continue with --resume latest")
     finally:
         progress.close()
         trackers.finish(accelerator)

@@ -1,0 +1,86 @@
+"""The checks `train`, `sample`, `eval` and `bench` share, run before any model weight is read: they need only
+the settings, the prompt files and the headers of the images these name.
+
+- `check_prompt_set`: no prompt is longer than the family's text encoders read, every reward that can check
+  prompts (`check_prompts`, e.g. tiny-geneval's grammar) accepts them, and the source images follow the
+  family's rule (`ModelAdapter.check_source_sizes`: an editing family's prompts name theirs, a text family's none);
+- `check_video_rewards`: on a video family, every reward scores videos or names the frames it scores;
+- `check_output_folder`: the folder a command will write into can be made and written, so that minutes of
+  sampling are not lost at the first file.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+from branchdiff.data.prompts import PromptSet
+from branchdiff.data.sources import SOURCES
+from branchdiff.data.sources import image_size as source_size
+from branchdiff.errors import UserError, quote
+from branchdiff.models import adapter_class
+from branchdiff.rewards.combine import RewardSpec
+
+CHARACTERS_PER_TOKEN = 16  # no token of the families' tokenizers spans more characters than this in a prompt (a generous bound)
+
+
+def max_prompt_characters(family: str) -> int:
+    """The longest prompt a family takes: its text encoders' token limit × `CHARACTERS_PER_TOKEN`.
+    A longer prompt is mostly cut off by the tokenizer, and a file of one huge line is a mistake."""
+    return adapter_class(family).max_sequence_length * CHARACTERS_PER_TOKEN
+
+
+def check_prompt_set(prompt_set: PromptSet, family: str, size: tuple[int, int], specs: list[RewardSpec], factories: dict) -> None:
+    """The source images' rule, the prompts' length and the rewards' own prompt checks (`factories`: name → the reward's
+    class or factory), each refused with the prompt's number and file."""
+    names = [metadata.get(SOURCES, []) for metadata in prompt_set.metadata]
+    sizes = [[source_size(path) for path in row] for row in names] if any(SOURCES in m for m in prompt_set.metadata) else None
+    adapter_class(family).check_source_sizes(sizes, len(prompt_set.prompts), size, lambda number: f"prompt {number} of {quote(prompt_set.name, 80)}",
+                                             names)
+    limit = max_prompt_characters(family)
+    for number, prompt in enumerate(prompt_set.prompts, start=1):
+        if len(prompt) > limit:
+            raise ValueError(f"prompt {number} of {quote(prompt_set.name, 80)} is {len(prompt):,} characters ({quote(prompt)}): more than "
+                             f"model.family={family}'s text encoders read ({adapter_class(family).max_sequence_length} tokens, at most "
+                             f"{limit:,} characters); shorten it or check the file (one prompt per line)")
+    for spec in specs:
+        check = getattr(factories.get(spec.name), "check_prompts", None)
+        if check is not None:
+            try:
+                check(prompt_set.prompts)
+            except ValueError as error:
+                raise ValueError(f"reward {spec.label!r} cannot score {quote(prompt_set.name, 80)}: {error}") from None
+
+
+def check_video_rewards(key: str, specs: list[RewardSpec], factories: dict) -> None:
+    """On a video family, each reward scores videos itself (`video = True`; a reward server says so on
+    its /health, read here) or says how to score its frames (`frames`, `reduce`)."""
+    for spec in specs:
+        if spec.frames is None and not _scores_videos(spec, factories):
+            raise ValueError(f"'{key}' entry {spec.label!r} scores images and the model makes videos: give it frames: N (score every N-th "
+                             f"frame) and reduce: mean or min, e.g. {{name: {spec.label}, frames: 4, reduce: mean}}")
+
+
+def _scores_videos(spec: RewardSpec, factories: dict) -> bool:
+    if spec.remote is None:
+        return bool(getattr(factories.get(spec.name), "video", False))
+    from branchdiff.rewards.remote import RemoteReward
+
+    return RemoteReward(spec.remote, **spec.kwargs).video  # an unreachable server is one line here, before anything is written
+
+
+def check_output_folder(folder: Path, option: str) -> None:
+    """`folder` (made later, with its parents, once there is something to write) can be made and written: it is not a
+    file, and its nearest existing folder takes a new file. Probed with a temporary file that is removed at once, so a
+    read-only mount or a folder without write permission is named now, not after the sampling."""
+    existing = folder
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise UserError(f"{option} {folder}: {existing} is a file, not a folder; pass {option} a folder")
+    try:
+        with tempfile.NamedTemporaryFile(dir=existing, prefix=".branchdiff-probe-"):
+            pass
+    except OSError as error:
+        raise UserError(f"{option} {folder}: cannot write in {existing} ({error.strerror or type(error).__name__}); pass {option} a folder "
+                        "you can write to") from None
