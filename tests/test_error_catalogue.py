@@ -333,6 +333,11 @@ CASES = [
     Case("plan-unknown-gpu", lambda e: ["plan", "tiny-chain", "--gpu", "h1000"], r"--gpu h1000: not a GPU plan knows; choose one of h100-80gb"),
     Case("plan-klein-size-unknown", lambda e: ["plan", "flux2-klein-pickscore", "model.path=someone/klein"],
          r"model.path=someone/klein: plan knows FLUX.2 \[klein\] 4B and 9B by name; plan with model.path=black-forest-labs/FLUX.2-klein-base-4B"),
+    Case("plan-utilisation-out-of-range", lambda e: ["plan", "tiny-mix", "--utilisation", "0"], r"plan: argument --utilisation: must be in \(0, 1\], got 0"),
+    Case("plan-gpu-memory-not-finite", lambda e: ["plan", "tiny-mix", "--gpu-memory", "nan"], r"plan: argument --gpu-memory: must be a finite number, got nan"),
+    Case("plan-gpu-tflops-not-positive", lambda e: ["plan", "tiny-mix", "--gpu-tflops", "-1"], r"plan: argument --gpu-tflops: must be > 0, got -1"),
+    Case("plan-json-folder-missing", lambda e: ["plan", "tiny-mix", "--json", str(e.tmp / "plans" / "mix.json")],
+         r"plan: argument --json: .*plans/mix.json: the folder .*plans does not exist; create it first \(mkdir -p .*plans\) or give a file in an existing folder"),
     Case("push-not-a-run", lambda e: ["push", str(e.tmp), "--repo-id", "me/x"], r"not a run folder \(no config.yaml\); pass the output_dir"),
     Case("push-bad-repo-id", lambda e: ["push", str(e.run), "--repo-id", "x"], r"--repo-id x: a hub repository is OWNER/NAME"),
 ]

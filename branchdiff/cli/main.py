@@ -4,7 +4,8 @@ errors into one line.
 Bad input ends with one line `branchdiff: error: ...` on stderr and exit status 2 (argparse's own
 errors too, without its usage block; `--debug` shows the traceback instead); Ctrl-C exits with 130
 (`train`: after a checkpoint). Nothing already written (checkpoints, metrics) is touched before the
-configuration has been validated. Every case is listed in docs/errors.md.
+configuration has been validated. Every case is listed in docs/errors.md. A check whose answer is
+no exits with 1, its output printed as usual (`plan`: the run does not fit).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from collections.abc import Callable
 from branchdiff.cli import evaluate, families, plan, push, rewards, sample, tools, train
 from branchdiff.cli.parser import UsageError, build_parser
 
-COMMANDS: dict[str, Callable[[argparse.Namespace], None]] = {
+COMMANDS: dict[str, Callable[[argparse.Namespace], int | None]] = {  # a command's exit status: what it returns, else 0
     "train": train.cmd_train, "config": train.cmd_config, "sample": sample.cmd_sample, "eval": evaluate.cmd_eval,
     "rewards": rewards.cmd_rewards, "serve-reward": rewards.cmd_serve_reward, "accelerate-config": tools.cmd_accelerate_config,
     "bench": tools.cmd_bench, "report": tools.cmd_report, "families": families.cmd_families,
@@ -25,8 +26,9 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], None]] = {
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run a command. Bad input: one line `branchdiff: error: ...`, exit 2 (`--debug` anywhere on the
-    command line re-raises with the traceback instead); Ctrl-C: exit 130."""
+    """Run a command: exit 0, or the status the command returns (`plan`: 1 when the run does not fit).
+    Bad input: one line `branchdiff: error: ...`, exit 2 (`--debug` anywhere on the command line
+    re-raises with the traceback instead); Ctrl-C: exit 130."""
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv
     argv = [item for item in argv if item != "--debug"]
@@ -47,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     from branchdiff.rewards.remote import RemoteRewardError
 
     try:
-        COMMANDS[args.command](args)
+        status = COMMANDS[args.command](args)
     except KeyboardInterrupt as interrupt:
         if debug:
             raise
@@ -65,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
                              "--resolution, --dtype bfloat16, or a device with more memory")
         print(f"branchdiff: error: {_one_line(line)}", file=sys.stderr)
         return 2
-    return 0
+    return status or 0
 
 
 NOISY_LOGGERS = ("torch.utils._pytree", "bitsandbytes", "diffusers.quantizers")  # import-time notices about optional kernels

@@ -7,7 +7,7 @@ import argparse
 from pathlib import Path
 from typing import NoReturn
 
-from branchdiff.cli.arguments import at_least, finite, image_size, non_negative, positive
+from branchdiff.cli.arguments import at_least, finite, fraction, image_size, new_file_or_stdout, non_negative, positive
 from branchdiff.search import SEARCHES
 from branchdiff.settings.config import DEFAULT_PRESET
 from branchdiff.settings.evaluation import SOLVERS
@@ -141,16 +141,19 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-bytes", type=at_least(1), default=256 * 2**20, help="most bytes in one request body (default 256 MiB)")
     serve.add_argument("--max-batch", type=at_least(1), default=64, help="most images scored in one call; concurrent requests batched up to it (default 64)")
 
-    plan = commands.add_parser("plan", help="the memory a run needs per phase, whether it fits the GPU and what makes it fit; FLOPs and time (docs/plan.md)")
+    plan = commands.add_parser("plan", help="the memory a run needs per phase, whether it fits the GPU and what makes it fit; FLOPs and time (docs/plan.md)",
+                               epilog="exit status: 0 when the run fits, 1 when it does not (the plan and its JSON written all the same), 2 on bad input")
     plan.add_argument("config", nargs="?", default=None, help=f"preset name or YAML file (default: {DEFAULT_PRESET})")
     plan.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. sampling.max_batch=8")
-    plan.add_argument("--gpus", type=int, default=1, help="processes, one per GPU (default 1)")
+    plan.add_argument("--gpus", type=at_least(1), default=1, help="processes, one per GPU (default 1)")
     plan.add_argument("--gpu", default=None, help="the GPU: h100-80gb, h200, a100-80gb, l40s, rtx4090 (default: the one the family's presets target)")
-    plan.add_argument("--gpu-memory", type=float, default=None, metavar="GB", help="the GPU's memory in GiB (overrides --gpu's)")
+    plan.add_argument("--gpu-memory", type=positive, default=None, metavar="GB", help="the GPU's memory in GiB (overrides --gpu's)")
     plan.add_argument("--sharding", default="none", help="none | fsdp | fsdp-offload (FSDP2 over --gpus processes; docs/sharding.md)")
-    plan.add_argument("--gpu-tflops", type=float, default=None, help="the GPU's peak TFLOP/s for the modelled time (default: its datasheet bf16 / TF32 figure)")
-    plan.add_argument("--utilisation", type=float, default=0.4, help="the fraction of that peak the forwards reach (default 0.4)")
-    plan.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH", help="write the plan as JSON to PATH (no PATH: print JSON only)")
+    plan.add_argument("--gpu-tflops", type=positive, default=None,
+                      help="the GPU's peak TFLOP/s for the modelled time (default: its datasheet bf16 / TF32 figure)")
+    plan.add_argument("--utilisation", type=fraction, default=0.4, help="the fraction of that peak the forwards reach, in (0, 1] (default 0.4)")
+    plan.add_argument("--json", nargs="?", const="-", default=None, type=new_file_or_stdout, metavar="PATH",
+                      help="write the plan as JSON to PATH, in a folder that exists (no PATH: print JSON only)")
 
     push = commands.add_parser("push", help="upload a run's weights and model card to the Hugging Face Hub")
     push.add_argument("run_dir", help="the run folder (output_dir of branchdiff train)")
