@@ -190,6 +190,25 @@ def test_help_still_prints_help_and_exits_0(capsys, argv, usage):
     assert captured.out.startswith(usage) and captured.err == ""
 
 
+def test_version_prints_the_installed_distributions_version(capsys, monkeypatch):
+    """`branchdiff --version` said "the following arguments are required: command"; it prints the version
+    pip installed (branchdiff-rl's metadata), and says so where the package runs without being installed."""
+    import importlib.metadata
+
+    with pytest.raises(SystemExit) as caught:
+        main(["--version"])
+    assert caught.value.code == 0
+    assert capsys.readouterr() == (f"branchdiff {importlib.metadata.version('branchdiff-rl')}\n", "")
+
+    def not_installed(name: str) -> str:
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", not_installed)
+    with pytest.raises(SystemExit):
+        main(["--version"])
+    assert capsys.readouterr().out == "branchdiff (version unknown: the distribution branchdiff-rl is not installed here; pip install -e .)\n"
+
+
 def test_console_script_argparse_error():
     script = Path(sys.executable).with_name("branchdiff")
     if not script.is_file():

@@ -49,6 +49,7 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="branchdiff", description="GRPO fine-tuning of text-to-image models on branching SDE trees.",
                      epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=installed_version(), help="print the installed version and exit")
     commands = parser.add_subparsers(dest="command", required=True)
 
     train = commands.add_parser("train", help="fine-tune with GRPO", formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -196,6 +197,19 @@ def build_parser() -> argparse.ArgumentParser:
     for sub in (parser, *commands.choices.values()):
         sub.add_argument("--debug", action="store_true", help="on an error, show the traceback instead of one line")
     return parser
+
+
+DISTRIBUTION = "branchdiff-rl"  # the name pip installs the package under (`branchdiff` on PyPI is another tool)
+
+
+def installed_version() -> str:
+    """`--version`'s line: `branchdiff <version>` from the installed distribution's metadata."""
+    from importlib import metadata
+
+    try:
+        return f"branchdiff {metadata.version(DISTRIBUTION)}"
+    except metadata.PackageNotFoundError:
+        return f"branchdiff (version unknown: the distribution {DISTRIBUTION} is not installed here; pip install -e .)"
 
 
 def _presets_help() -> str:
