@@ -209,6 +209,68 @@ def test_version_prints_the_installed_distributions_version(capsys, monkeypatch)
     assert capsys.readouterr().out == "branchdiff (version unknown: the distribution branchdiff-rl is not installed here; pip install -e .)\n"
 
 
+BENCHMARKS = {"tree": ("branchdiff.bench.iteration", "bench_tree"), "explore": ("branchdiff.bench.iteration", "bench_explore"),
+              "curves": ("branchdiff.bench.curves", "bench_curves"), "search": ("branchdiff.bench.search", "bench_search"),
+              "sampler": ("branchdiff.bench.sampler", "bench_sampler"), "reward-server": ("branchdiff.bench.reward_server", "bench_reward_server")}
+
+
+@pytest.fixture
+def benchmarks(monkeypatch) -> dict[str, list]:
+    """Every benchmark's function replaced by one that records its arguments (a real one runs for minutes)."""
+    import importlib
+
+    calls: dict[str, list] = {}
+    for name, (module, function) in BENCHMARKS.items():
+        monkeypatch.setattr(importlib.import_module(module), function, lambda *a, _name=name, **k: calls.setdefault(_name, []).append((a, k)))
+    return calls
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["bench", "tree", "--sampler"], "bench tree: --sampler is an option of bench search, not of bench tree; see branchdiff bench search --help"),
+    (["bench", "explore", "--repeats", "2"], "bench explore: --repeats is an option of bench tree, not of bench explore; see branchdiff bench tree --help"),
+    (["bench", "search", "--minutes=1"], "bench search: --minutes is an option of bench curves, not of bench search; see branchdiff bench curves --help"),
+    (["bench", "reward-server", "--json", "x.json", "--seeds", "2"],
+     "bench reward-server: --seeds is an option of bench curves and bench search, not of bench reward-server; see branchdiff bench curves --help"),
+    (["bench", "tree", "--variants", "chain", "--task", "tiny-video"],
+     "bench tree: --task is an option of bench curves, not of bench tree; see branchdiff bench curves --help"),
+    (["bench", "search", "--images", "2", "prompts.per_iteration=2"],
+     "bench search: key=value overrides (prompts.per_iteration=2) are taken by bench tree, bench explore and bench curves, not by bench search; "
+     "see branchdiff bench tree --help"),
+    (["bench", "search", "--temperature", "2"],
+     "bench search: --temperature is λ of the reward-tilted target of bench search --sampler; add --sampler or leave --temperature out"),
+    (["bench", "tree", "--bogus"], "bench tree: unrecognized arguments: --bogus; see branchdiff bench tree --help"),
+    (["bench", "--sampler", "search"], "bench search: --sampler goes after the benchmark's name: branchdiff bench search --sampler; "
+                                       "see branchdiff bench search --help"),
+])
+def test_an_option_of_another_benchmark_is_refused_naming_the_one_that_takes_it(argv, expected, benchmarks, capsys):
+    """`bench tree --sampler` (an option of bench search) was ignored and the whole tree benchmark ran: one
+    parser held every benchmark's options."""
+    assert main(argv) == 2
+    assert only_line(capsys) == PREFIX + expected
+    assert benchmarks == {}
+
+
+def test_every_option_of_a_benchmark_reaches_it(benchmarks, tmp_path, capsys):
+    """Each benchmark's own options, and overrides before and after them, reach its function."""
+    out, json_path = tmp_path / "out", tmp_path / "b.json"
+    runs = [["bench", "tree", "a.b=1", "--json", str(json_path), "--repeats", "2", "--variants", "chain,tree", "c.d=2"],
+            ["bench", "explore", "--json", str(json_path), "a.b=1"],
+            ["bench", "curves", "--minutes", "0.5", "--seeds", "2", "--out", str(out), "--variants", "chain,mix", "--reference", "mix",
+             "--task", "tiny-video", "--points", "3", "--eval-images", "2", "--clock", "modelled", "a.b=1"],
+            ["bench", "search", "--images", "4", "--seeds", "2", "--out", str(out), "--variants", "dts"],
+            ["bench", "search", "--sampler", "--temperature", "2", "--images", "4", "--seeds", "1", "--out", str(out), "--variants", "smc"],
+            ["bench", "reward-server", "--json", str(json_path)]]
+    for argv in runs:
+        assert main(argv) == 0, capsys.readouterr().err
+    assert benchmarks == {
+        "tree": [((json_path, 2, ["a.b=1", "c.d=2"], ["chain", "tree"]), {})],
+        "explore": [((json_path,), {"extra_overrides": ["a.b=1"]})],
+        "curves": [((0.5, 2, None, out, 3, ["chain", "mix"], 2, ["a.b=1"], "modelled", "mix", "tiny-video"), {})],
+        "search": [((4, 2, None, out, ["dts"]), {})],
+        "sampler": [((4, 1, None, out), {"samplers": ["smc"], "temperature": 2.0})],
+        "reward-server": [((json_path,), {})]}
+
+
 def test_console_script_argparse_error():
     script = Path(sys.executable).with_name("branchdiff")
     if not script.is_file():

@@ -15,7 +15,7 @@ import sys
 from collections.abc import Callable
 
 from branchdiff.cli import evaluate, families, plan, push, rewards, sample, tools, train
-from branchdiff.cli.parser import UsageError, build_parser
+from branchdiff.cli.parser import UsageError, build_parser, unrecognized
 
 COMMANDS: dict[str, Callable[[argparse.Namespace], int | None]] = {  # a command's exit status: what it returns, else 0
     "train": train.cmd_train, "config": train.cmd_config, "sample": sample.cmd_sample, "eval": evaluate.cmd_eval,
@@ -35,10 +35,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     try:
         args, extra = parser.parse_known_args(argv)
-        if args.command in ("train", "config", "bench", "plan") and all("=" in item and not item.startswith("-") for item in extra):
+        if "overrides" in vars(args) and all("=" in item and not item.startswith("-") for item in extra):
             args.overrides = [*args.overrides, *extra]  # overrides may also follow --resume
         elif extra:
-            raise UsageError(f"{args.command}: unrecognized arguments: {' '.join(extra)}; see branchdiff {args.command} --help")
+            raise UsageError(unrecognized(parser, args, extra))
     except UsageError as error:
         print(f"branchdiff: error: {error}", file=sys.stderr)
         return 2
