@@ -271,6 +271,65 @@ def test_every_option_of_a_benchmark_reaches_it(benchmarks, tmp_path, capsys):
         "reward-server": [((json_path,), {})]}
 
 
+BROKEN_VISION = {  # a package whose import fails as torchvision's did where pip had mixed a CPU torch with a CUDA torchvision
+    "visionops/__init__.py": "from visionops import _meta_registrations\n",
+    "visionops/_meta_registrations.py": "def register_meta(op):\n    raise RuntimeError(f'operator torchvision::{op} does not exist')\n\n\n"
+                                        "register_meta('nms')\n",
+    "visionops-0.24.0.dist-info/METADATA": "Metadata-Version: 2.1\nName: visionops\nVersion: 0.24.0\n",
+    "visionops-0.24.0.dist-info/top_level.txt": "visionops\n",
+}
+
+
+def lazy_import(module: str, name: str):
+    """`name` of `module` imported as transformers' lazy module imports it: a failure becomes a RuntimeError
+    saying to look up, and that a ModuleNotFoundError naming only the class."""
+    import importlib
+
+    try:
+        try:
+            return getattr(importlib.import_module(module), name)
+        except Exception as error:
+            raise RuntimeError(f"Failed to import {module} because of the following error (look up to see its traceback):\n{error}") from error
+    except RuntimeError as error:
+        raise ModuleNotFoundError(f"Could not import module '{name}'. Are this object's requirements defined correctly? Set the logging "
+                                  "verbosity to DEBUG for the original import error.") from error
+
+
+@pytest.mark.parametrize("how", ["lazy", "direct"])
+def test_a_dependency_that_fails_to_import_is_one_line_naming_it_the_versions_and_the_fix(how, tmp_path, monkeypatch, capsys, tiny_model_dir):
+    """`train` said only `Could not import module 'BloomPreTrainedModel'` (transformers' lazy import; the cause, `operator
+    torchvision::nms does not exist`, showed only with --debug), and a RuntimeError raised by a direct import was a
+    traceback. The line names the package that failed, the torch and torchvision installed, the innermost cause and the fix."""
+    import importlib
+    import importlib.metadata
+
+    for name, text in BROKEN_VISION.items():
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        (tmp_path / name).write_text(text)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    load = (lambda *a, **k: lazy_import("visionops", "BloomPreTrainedModel")) if how == "lazy" else (lambda *a, **k: importlib.import_module("visionops"))
+    monkeypatch.setattr("branchdiff.training.trainer.load_adapter", load)
+    run = tmp_path / "run"
+    assert main(["train", "tiny-chain", f"model.path={tiny_model_dir}", f"output_dir={run}", "logging.report_to=none"]) == 2
+    versions = {name: importlib.metadata.version(name) for name in ("torch", "torchvision")}
+    assert error_line(capsys) == (
+        f"{PREFIX}importing visionops failed: operator torchvision::nms does not exist (RuntimeError); found torch {versions['torch']}, "
+        f"torchvision {versions['torchvision']}, visionops 0.24.0; reinstall torch and torchvision together from one index (without a GPU: "
+        "pip install --force-reinstall torch torchvision --index-url https://download.pytorch.org/whl/cpu, as README's set-up), and "
+        "pip check names any other package at a version that does not fit; --debug shows the traceback")
+    assert not run.exists()
+
+
+def test_branchdiffs_own_import_lines_are_kept(monkeypatch, capsys):
+    """An ImportError branchdiff raises names its own fix (an optional package to install): left as it is."""
+    def needs_bitsandbytes(*args, **kwargs):
+        raise ImportError("train.optimizer=adamw8bit needs bitsandbytes: pip install 'branchdiff-rl[quant]'") from None
+
+    monkeypatch.setitem(sys.modules["branchdiff.cli.main"].COMMANDS, "families", needs_bitsandbytes)
+    assert main(["families"]) == 2
+    assert only_line(capsys) == f"{PREFIX}train.optimizer=adamw8bit needs bitsandbytes: pip install 'branchdiff-rl[quant]'"
+
+
 def test_console_script_argparse_error():
     script = Path(sys.executable).with_name("branchdiff")
     if not script.is_file():

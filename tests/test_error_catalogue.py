@@ -408,6 +408,7 @@ TESTED_ELSEWHERE = {
                   "test_faults::test_a_real_full_disk_stops_with_one_line_keeps_the_last_checkpoint_and_resumes_exactly",
                   "test_faults::test_every_writer_on_a_full_filesystem_raises_disk_full_and_keeps_the_old_file",
                   "test_multiprocess::test_a_full_disk_on_one_process_stops_both_at_the_checkpoint_and_keeps_the_last_one"],
+    "dependency-import-failed": ["test_cli_errors::test_a_dependency_that_fails_to_import_is_one_line_naming_it_the_versions_and_the_fix"],
     "resume-falls-back": ["test_faults::test_resume_latest_falls_back_past_a_damaged_checkpoint_and_ends_as_if_never_stopped"],
     "video-frames-not-possible": ["test_wan::test_bad_video_input_is_one_line_before_anything_is_written"],
     "video-reward-without-frames": ["test_wan::test_bad_video_input_is_one_line_before_anything_is_written"],
