@@ -8,6 +8,7 @@ whole line is capped by `bounded` in the middle, so the fix at its end always sh
 from __future__ import annotations
 
 from pathlib import Path
+from types import FrameType
 
 MAX_QUOTE = 40  # characters of user text (a prompt, a file line) a message quotes
 MAX_LINE = 600  # characters of an error line; longer lines lose their middle
@@ -84,3 +85,69 @@ def out_of_memory(error: BaseException, where: str, fix: str) -> OutOfMemory:
     """The one line for an allocation that failed `where`, with what to lower (`fix`)."""
     reason = one_line(error, 160) or type(error).__name__
     return OutOfMemory(f"out of memory {where} ({reason}); {fix}")
+
+
+TORCH_FIX = ("reinstall torch and torchvision together from one index (without a GPU: pip install --force-reinstall torch torchvision "
+             "--index-url https://download.pytorch.org/whl/cpu, as README's set-up), and pip check names any other package at a "
+             "version that does not fit; --debug shows the traceback")
+
+
+def failed_import(error: BaseException) -> str | None:
+    """The line for a dependency that failed to import (torch, torchvision, diffusers, transformers,
+    open_clip, ...: an error raised while an installed package's module ran, or a module not found):
+    the package, the torch and torchvision found, the innermost cause and `TORCH_FIX` — pip mixing a
+    CPU torch with a CUDA torchvision reached the user as transformers' `Could not import module
+    'BloomPreTrainedModel'`. None for any other error, and for the ImportError lines branchdiff raises
+    itself (they name their own fix)."""
+    from importlib import metadata
+
+    frames = _frames(error)
+    if getattr(error, "name", None) is None and frames and _module_of(frames[-1]).startswith("branchdiff"):
+        return None
+    chain = _causes(error)
+    running = [_module_of(frame).partition(".")[0] for link in chain for frame in _frames(link) if frame.f_code.co_name == "<module>"]
+    missing = [str(link.name).partition(".")[0] for link in chain if isinstance(link, ImportError) and link.name]
+    running, missing = [name for name in running if name != "branchdiff"], [name for name in missing if name != "branchdiff"]
+    if not running and not missing:
+        return None
+    owners = metadata.packages_distributions()
+    package = next((name for name in reversed(running) if name in owners), missing[-1] if missing else None)
+    if package is None:
+        return None
+    root = chain[-1]
+    found = ", ".join(_installed(name) for name in dict.fromkeys(["torch", "torchvision", *owners.get(package, [])]))
+    return f"importing {package} failed: {one_line(root, 200)} ({type(root).__name__}); found {found}; {TORCH_FIX}"
+
+
+def _causes(error: BaseException) -> list[BaseException]:
+    """`error`, then what it was raised from (or while handling), down to the innermost: outer to inner."""
+    chain = [error]
+    while True:
+        link = chain[-1].__cause__ or (None if chain[-1].__suppress_context__ else chain[-1].__context__)
+        if link is None or link in chain:
+            return chain
+        chain.append(link)
+
+
+def _frames(error: BaseException) -> list[FrameType]:
+    """The frames `error` passed through, from the one that caught it to the one that raised it."""
+    frames: list[FrameType] = []
+    step = error.__traceback__
+    while step is not None:
+        frames.append(step.tb_frame)
+        step = step.tb_next
+    return frames
+
+
+def _module_of(frame: FrameType) -> str:
+    return str(frame.f_globals.get("__name__", ""))
+
+
+def _installed(distribution: str) -> str:
+    """`name version` as pip installed it, or `name (not installed)`."""
+    from importlib import metadata
+
+    try:
+        return f"{distribution} {metadata.version(distribution)}"
+    except metadata.PackageNotFoundError:
+        return f"{distribution} (not installed)"

@@ -190,6 +190,146 @@ def test_help_still_prints_help_and_exits_0(capsys, argv, usage):
     assert captured.out.startswith(usage) and captured.err == ""
 
 
+def test_version_prints_the_installed_distributions_version(capsys, monkeypatch):
+    """`branchdiff --version` said "the following arguments are required: command"; it prints the version
+    pip installed (branchdiff-rl's metadata), and says so where the package runs without being installed."""
+    import importlib.metadata
+
+    with pytest.raises(SystemExit) as caught:
+        main(["--version"])
+    assert caught.value.code == 0
+    assert capsys.readouterr() == (f"branchdiff {importlib.metadata.version('branchdiff-rl')}\n", "")
+
+    def not_installed(name: str) -> str:
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", not_installed)
+    with pytest.raises(SystemExit):
+        main(["--version"])
+    assert capsys.readouterr().out == "branchdiff (version unknown: the distribution branchdiff-rl is not installed here; pip install -e .)\n"
+
+
+BENCHMARKS = {"tree": ("branchdiff.bench.iteration", "bench_tree"), "explore": ("branchdiff.bench.iteration", "bench_explore"),
+              "curves": ("branchdiff.bench.curves", "bench_curves"), "search": ("branchdiff.bench.search", "bench_search"),
+              "sampler": ("branchdiff.bench.sampler", "bench_sampler"), "reward-server": ("branchdiff.bench.reward_server", "bench_reward_server")}
+
+
+@pytest.fixture
+def benchmarks(monkeypatch) -> dict[str, list]:
+    """Every benchmark's function replaced by one that records its arguments (a real one runs for minutes)."""
+    import importlib
+
+    calls: dict[str, list] = {}
+    for name, (module, function) in BENCHMARKS.items():
+        monkeypatch.setattr(importlib.import_module(module), function, lambda *a, _name=name, **k: calls.setdefault(_name, []).append((a, k)))
+    return calls
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["bench", "tree", "--sampler"], "bench tree: --sampler is an option of bench search, not of bench tree; see branchdiff bench search --help"),
+    (["bench", "explore", "--repeats", "2"], "bench explore: --repeats is an option of bench tree, not of bench explore; see branchdiff bench tree --help"),
+    (["bench", "search", "--minutes=1"], "bench search: --minutes is an option of bench curves, not of bench search; see branchdiff bench curves --help"),
+    (["bench", "reward-server", "--json", "x.json", "--seeds", "2"],
+     "bench reward-server: --seeds is an option of bench curves and bench search, not of bench reward-server; see branchdiff bench curves --help"),
+    (["bench", "tree", "--variants", "chain", "--task", "tiny-video"],
+     "bench tree: --task is an option of bench curves, not of bench tree; see branchdiff bench curves --help"),
+    (["bench", "search", "--images", "2", "prompts.per_iteration=2"],
+     "bench search: key=value overrides (prompts.per_iteration=2) are taken by bench tree, bench explore and bench curves, not by bench search; "
+     "see branchdiff bench tree --help"),
+    (["bench", "search", "--temperature", "2"],
+     "bench search: --temperature is λ of the reward-tilted target of bench search --sampler; add --sampler or leave --temperature out"),
+    (["bench", "tree", "--bogus"], "bench tree: unrecognized arguments: --bogus; see branchdiff bench tree --help"),
+    (["bench", "--sampler", "search"], "bench search: --sampler goes after the benchmark's name: branchdiff bench search --sampler; "
+                                       "see branchdiff bench search --help"),
+])
+def test_an_option_of_another_benchmark_is_refused_naming_the_one_that_takes_it(argv, expected, benchmarks, capsys):
+    """`bench tree --sampler` (an option of bench search) was ignored and the whole tree benchmark ran: one
+    parser held every benchmark's options."""
+    assert main(argv) == 2
+    assert only_line(capsys) == PREFIX + expected
+    assert benchmarks == {}
+
+
+def test_every_option_of_a_benchmark_reaches_it(benchmarks, tmp_path, capsys):
+    """Each benchmark's own options, and overrides before and after them, reach its function."""
+    out, json_path = tmp_path / "out", tmp_path / "b.json"
+    runs = [["bench", "tree", "a.b=1", "--json", str(json_path), "--repeats", "2", "--variants", "chain,tree", "c.d=2"],
+            ["bench", "explore", "--json", str(json_path), "a.b=1"],
+            ["bench", "curves", "--minutes", "0.5", "--seeds", "2", "--out", str(out), "--variants", "chain,mix", "--reference", "mix",
+             "--task", "tiny-video", "--points", "3", "--eval-images", "2", "--clock", "modelled", "a.b=1"],
+            ["bench", "search", "--images", "4", "--seeds", "2", "--out", str(out), "--variants", "dts"],
+            ["bench", "search", "--sampler", "--temperature", "2", "--images", "4", "--seeds", "1", "--out", str(out), "--variants", "smc"],
+            ["bench", "reward-server", "--json", str(json_path)]]
+    for argv in runs:
+        assert main(argv) == 0, capsys.readouterr().err
+    assert benchmarks == {
+        "tree": [((json_path, 2, ["a.b=1", "c.d=2"], ["chain", "tree"]), {})],
+        "explore": [((json_path,), {"extra_overrides": ["a.b=1"]})],
+        "curves": [((0.5, 2, None, out, 3, ["chain", "mix"], 2, ["a.b=1"], "modelled", "mix", "tiny-video"), {})],
+        "search": [((4, 2, None, out, ["dts"]), {})],
+        "sampler": [((4, 1, None, out), {"samplers": ["smc"], "temperature": 2.0})],
+        "reward-server": [((json_path,), {})]}
+
+
+BROKEN_VISION = {  # a package whose import fails as torchvision's did where pip had mixed a CPU torch with a CUDA torchvision
+    "visionops/__init__.py": "from visionops import _meta_registrations\n",
+    "visionops/_meta_registrations.py": "def register_meta(op):\n    raise RuntimeError(f'operator torchvision::{op} does not exist')\n\n\n"
+                                        "register_meta('nms')\n",
+    "visionops-0.24.0.dist-info/METADATA": "Metadata-Version: 2.1\nName: visionops\nVersion: 0.24.0\n",
+    "visionops-0.24.0.dist-info/top_level.txt": "visionops\n",
+}
+
+
+def lazy_import(module: str, name: str):
+    """`name` of `module` imported as transformers' lazy module imports it: a failure becomes a RuntimeError
+    saying to look up, and that a ModuleNotFoundError naming only the class."""
+    import importlib
+
+    try:
+        try:
+            return getattr(importlib.import_module(module), name)
+        except Exception as error:
+            raise RuntimeError(f"Failed to import {module} because of the following error (look up to see its traceback):\n{error}") from error
+    except RuntimeError as error:
+        raise ModuleNotFoundError(f"Could not import module '{name}'. Are this object's requirements defined correctly? Set the logging "
+                                  "verbosity to DEBUG for the original import error.") from error
+
+
+@pytest.mark.parametrize("how", ["lazy", "direct"])
+def test_a_dependency_that_fails_to_import_is_one_line_naming_it_the_versions_and_the_fix(how, tmp_path, monkeypatch, capsys, tiny_model_dir):
+    """`train` said only `Could not import module 'BloomPreTrainedModel'` (transformers' lazy import; the cause, `operator
+    torchvision::nms does not exist`, showed only with --debug), and a RuntimeError raised by a direct import was a
+    traceback. The line names the package that failed, the torch and torchvision installed, the innermost cause and the fix."""
+    import importlib
+    import importlib.metadata
+
+    for name, text in BROKEN_VISION.items():
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        (tmp_path / name).write_text(text)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    load = (lambda *a, **k: lazy_import("visionops", "BloomPreTrainedModel")) if how == "lazy" else (lambda *a, **k: importlib.import_module("visionops"))
+    monkeypatch.setattr("branchdiff.training.trainer.load_adapter", load)
+    run = tmp_path / "run"
+    assert main(["train", "tiny-chain", f"model.path={tiny_model_dir}", f"output_dir={run}", "logging.report_to=none"]) == 2
+    versions = {name: importlib.metadata.version(name) for name in ("torch", "torchvision")}
+    assert error_line(capsys) == (
+        f"{PREFIX}importing visionops failed: operator torchvision::nms does not exist (RuntimeError); found torch {versions['torch']}, "
+        f"torchvision {versions['torchvision']}, visionops 0.24.0; reinstall torch and torchvision together from one index (without a GPU: "
+        "pip install --force-reinstall torch torchvision --index-url https://download.pytorch.org/whl/cpu, as README's set-up), and "
+        "pip check names any other package at a version that does not fit; --debug shows the traceback")
+    assert not run.exists()
+
+
+def test_branchdiffs_own_import_lines_are_kept(monkeypatch, capsys):
+    """An ImportError branchdiff raises names its own fix (an optional package to install): left as it is."""
+    def needs_bitsandbytes(*args, **kwargs):
+        raise ImportError("train.optimizer=adamw8bit needs bitsandbytes: pip install 'branchdiff-rl[quant]'") from None
+
+    monkeypatch.setitem(sys.modules["branchdiff.cli.main"].COMMANDS, "families", needs_bitsandbytes)
+    assert main(["families"]) == 2
+    assert only_line(capsys) == f"{PREFIX}train.optimizer=adamw8bit needs bitsandbytes: pip install 'branchdiff-rl[quant]'"
+
+
 def test_console_script_argparse_error():
     script = Path(sys.executable).with_name("branchdiff")
     if not script.is_file():

@@ -198,11 +198,45 @@ def test_fsdp_divides_the_weights_and_trained_state_among_the_processes(estimato
     (["plan", "tiny-chain", "--sharding", "fsdp"], r"--sharding fsdp with --gpus 1: sharding needs two or more processes"),
     (["plan", "flux2-klein-pickscore", "model.path=someone/klein"],
      r"model.path=someone/klein: plan knows FLUX.2 \[klein\] 4B and 9B by name; plan with model.path=black-forest-labs/FLUX.2-klein-base-4B"),
+    # refused as they are parsed: a ZeroDivisionError traceback (utilisation 0), a plan of NaN GiB, a negative modelled time
+    (["plan", "tiny-mix", "--utilisation", "0"], r"^branchdiff: error: plan: argument --utilisation: must be in \(0, 1\], got 0; see branchdiff plan --help$"),
+    (["plan", "tiny-mix", "--utilisation", "5"], r"plan: argument --utilisation: must be in \(0, 1\], got 5"),
+    (["plan", "tiny-mix", "--utilisation", "nan"], r"plan: argument --utilisation: must be a finite number, got nan"),
+    (["plan", "tiny-mix", "--gpu-memory", "nan"], r"plan: argument --gpu-memory: must be a finite number, got nan"),
+    (["plan", "tiny-mix", "--gpu-memory", "0"], r"plan: argument --gpu-memory: must be > 0, got 0"),
+    (["plan", "tiny-mix", "--gpu-tflops", "-1"], r"plan: argument --gpu-tflops: must be > 0, got -1"),
+    (["plan", "tiny-mix", "--gpu-tflops", "inf"], r"plan: argument --gpu-tflops: must be a finite number, got inf"),
+    (["plan", "tiny-mix", "--gpus", "0"], r"plan: argument --gpus: must be ≥ 1, got 0"),
 ])
 def test_bad_plan_input_is_one_line(argv, line, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and re.search(line, err)
+
+
+@pytest.mark.parametrize("where", ["missing/deeper/plan.json", "a-file/plan.json", "."])
+def test_plan_json_where_no_file_can_go_is_refused_and_creates_nothing(where, tmp_path, monkeypatch, capsys):
+    """`--json` under a missing folder made the folders; a file where a folder should be, or a folder, is refused too."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "a-file").write_text("not a folder")
+    before = sorted(tmp_path.rglob("*"))
+    assert main(["plan", "tiny-chain", "--json", where]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and re.fullmatch(rf"branchdiff: error: plan: argument --json: {re.escape(where)}(: the folder missing/deeper does not "
+                                               r"exist; create it first \(mkdir -p missing/deeper\)|: a-file is a file, not a folder| is a folder).*\n",
+                                               captured.err), captured.err
+    assert sorted(tmp_path.rglob("*")) == before
+
+
+def test_a_plan_that_does_not_fit_exits_1_and_is_still_printed_and_written(tmp_path, capsys):
+    """Exit status 1 like a check that fails (bad input stays 2): the plan, its verdict and its JSON as when it fits; it exited 0."""
+    path = tmp_path / "plan.json"
+    assert main(["plan", "tiny-chain", "--gpu-memory", "1", "--json", str(path)]) == 1
+    captured = capsys.readouterr()
+    assert "\ndoes NOT fit: peak 0.1 GiB (train) of 1.0 GiB" in captured.out and captured.err == ""
+    assert json.loads(path.read_text())["fits"] is False
+    assert main(["plan", "tiny-chain", "--gpu-memory", "1", "--json"]) == 1
+    assert json.loads(capsys.readouterr().out)["fits"] is False
 
 
 def _cuda_with(monkeypatch, total_memory: int) -> None:

@@ -150,6 +150,22 @@ def test_the_readme_is_a_manual():
     assert "download.pytorch.org/whl/cpu" in text and "OMP_NUM_THREADS" in text
 
 
+def test_the_cpu_set_up_is_a_whole_line():
+    """Without a GPU the set-up is its own line to copy: the default line's venv and install with torch and
+    torchvision from PyTorch's CPU index first, in one pip call, and `&&` between the steps, so that an
+    unreachable index stops it. The CPU build was a bullet to splice into the default line; copied as
+    written, the block installed the 6 GB CUDA build."""
+    setup = code_lines(section("Set up"))
+    default, cpu = setup[0], next((line for line in setup if "download.pytorch.org/whl/cpu" in line), "")
+    assert shell_steps(cpu) == [*shell_steps(default)[:-1], "pip install torch torchvision --index-url https://download.pytorch.org/whl/cpu",
+                                shell_steps(default)[-1]], cpu
+
+
+def shell_steps(line: str) -> list[str]:
+    """The commands of a shell line joined by `&&`, its comment left out."""
+    return [step.strip() for step in line.split("#")[0].split("&&")]
+
+
 def _free_port() -> int:
     import socket
 

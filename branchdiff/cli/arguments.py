@@ -1,11 +1,12 @@
-"""argparse types: whole numbers with a lower bound, finite and positive numbers, image sizes; each
-refuses bad text with a message argparse prints as one line."""
+"""argparse types: whole numbers with a lower bound, finite and positive numbers, fractions, image
+sizes, files to write; each refuses bad text with a message argparse prints as one line."""
 
 from __future__ import annotations
 
 import argparse
 import math
 from collections.abc import Callable
+from pathlib import Path
 
 
 def at_least(low: int) -> Callable[[str], int]:
@@ -59,3 +60,27 @@ def non_negative(text: str) -> float:
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be ≥ 0, got {text}")
     return value
+
+
+def fraction(text: str) -> float:
+    """argparse type: a finite number in (0, 1]."""
+    value = finite(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
+    return value
+
+
+def new_file_or_stdout(text: str) -> str:
+    """argparse type: '-' (standard output) or the path of a file to write, in a folder that exists
+    (nothing creates folders for it: a mistyped folder is refused, not made)."""
+    if text == "-":
+        return text
+    path = Path(text)
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is a folder; give the path of a file in it")
+    if path.parent.exists() and not path.parent.is_dir():
+        raise argparse.ArgumentTypeError(f"{text}: {path.parent} is a file, not a folder; give a file in an existing folder")
+    if not path.parent.is_dir():
+        raise argparse.ArgumentTypeError(f"{text}: the folder {path.parent} does not exist; create it first (mkdir -p {path.parent}) "
+                                         "or give a file in an existing folder")
+    return text

@@ -4,7 +4,9 @@ errors into one line.
 Bad input ends with one line `branchdiff: error: ...` on stderr and exit status 2 (argparse's own
 errors too, without its usage block; `--debug` shows the traceback instead); Ctrl-C exits with 130
 (`train`: after a checkpoint). Nothing already written (checkpoints, metrics) is touched before the
-configuration has been validated. Every case is listed in docs/errors.md.
+configuration has been validated. A dependency that fails to import is one line too, naming the
+package, the torch and torchvision installed and the fix. Every case is listed in docs/errors.md.
+A check whose answer is no exits with 1, its output printed as usual (`plan`: the run does not fit).
 """
 
 from __future__ import annotations
@@ -14,9 +16,9 @@ import sys
 from collections.abc import Callable
 
 from branchdiff.cli import evaluate, families, plan, push, rewards, sample, tools, train
-from branchdiff.cli.parser import UsageError, build_parser
+from branchdiff.cli.parser import UsageError, build_parser, unrecognized
 
-COMMANDS: dict[str, Callable[[argparse.Namespace], None]] = {
+COMMANDS: dict[str, Callable[[argparse.Namespace], int | None]] = {  # a command's exit status: what it returns, else 0
     "train": train.cmd_train, "config": train.cmd_config, "sample": sample.cmd_sample, "eval": evaluate.cmd_eval,
     "rewards": rewards.cmd_rewards, "serve-reward": rewards.cmd_serve_reward, "accelerate-config": tools.cmd_accelerate_config,
     "bench": tools.cmd_bench, "report": tools.cmd_report, "families": families.cmd_families,
@@ -25,47 +27,58 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], None]] = {
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run a command. Bad input: one line `branchdiff: error: ...`, exit 2 (`--debug` anywhere on the
-    command line re-raises with the traceback instead); Ctrl-C: exit 130."""
+    """Run a command: exit 0, or the status the command returns (`plan`: 1 when the run does not fit).
+    Bad input: one line `branchdiff: error: ...`, exit 2 (`--debug` anywhere on the command line
+    re-raises with the traceback instead); Ctrl-C: exit 130."""
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv
     argv = [item for item in argv if item != "--debug"]
     parser = build_parser()
     try:
         args, extra = parser.parse_known_args(argv)
-        if args.command in ("train", "config", "bench", "plan") and all("=" in item and not item.startswith("-") for item in extra):
+        if "overrides" in vars(args) and all("=" in item and not item.startswith("-") for item in extra):
             args.overrides = [*args.overrides, *extra]  # overrides may also follow --resume
         elif extra:
-            raise UsageError(f"{args.command}: unrecognized arguments: {' '.join(extra)}; see branchdiff {args.command} --help")
+            raise UsageError(unrecognized(parser, args, extra))
     except UsageError as error:
         print(f"branchdiff: error: {error}", file=sys.stderr)
         return 2
     if not debug:
         _quiet_third_party_logs()
-    from branchdiff.errors import ConfigError, UserError, is_out_of_memory, out_of_memory
-    from branchdiff.rewards.multi import RewardError
-    from branchdiff.rewards.remote import RemoteRewardError
-
     try:
-        COMMANDS[args.command](args)
+        status = COMMANDS[args.command](args)
     except KeyboardInterrupt as interrupt:
         if debug:
             raise
         print(f"branchdiff: {interrupt or 'interrupted'}", file=sys.stderr)
         return 130
-    except (ConfigError, UserError, OSError, ValueError, ImportError, RewardError, RemoteRewardError) as error:
-        if debug:
+    except Exception as error:
+        line = None if debug else _error_line(error, args.command)
+        if line is None:
             raise
-        print(f"branchdiff: error: {_one_line(error)}", file=sys.stderr)
+        print(f"branchdiff: error: {line}", file=sys.stderr)
         return 2
-    except (MemoryError, RuntimeError) as error:
-        if debug or not is_out_of_memory(error):
-            raise
-        line = out_of_memory(error, f"in branchdiff {args.command}", "use a smaller batch (fewer images per prompt or prompts), a smaller "
-                             "--resolution, --dtype bfloat16, or a device with more memory")
-        print(f"branchdiff: error: {_one_line(line)}", file=sys.stderr)
-        return 2
-    return 0
+    return status or 0
+
+
+def _error_line(error: Exception, command: str) -> str | None:
+    """The one line an error ends `command` with: a dependency that failed to import (first: the
+    library's own classes may not import), an error the user fixes (docs/errors.md), or running out
+    of memory; None for anything else, a bug, whose traceback is shown."""
+    from branchdiff.errors import ConfigError, UserError, bounded, failed_import, is_out_of_memory, out_of_memory
+
+    broken = failed_import(error)
+    if broken is not None:
+        return bounded(broken)
+    from branchdiff.rewards.multi import RewardError
+    from branchdiff.rewards.remote import RemoteRewardError
+
+    if isinstance(error, (ConfigError, UserError, OSError, ValueError, ImportError, RewardError, RemoteRewardError)):
+        return _one_line(error)
+    if is_out_of_memory(error):
+        return _one_line(out_of_memory(error, f"in branchdiff {command}", "use a smaller batch (fewer images per prompt or prompts), a "
+                                       "smaller --resolution, --dtype bfloat16, or a device with more memory"))
+    return None
 
 
 NOISY_LOGGERS = ("torch.utils._pytree", "bitsandbytes", "diffusers.quantizers")  # import-time notices about optional kernels

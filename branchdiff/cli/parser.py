@@ -7,7 +7,7 @@ import argparse
 from pathlib import Path
 from typing import NoReturn
 
-from branchdiff.cli.arguments import at_least, finite, image_size, non_negative, positive
+from branchdiff.cli.arguments import at_least, finite, fraction, image_size, new_file_or_stdout, non_negative, positive
 from branchdiff.search import SEARCHES
 from branchdiff.settings.config import DEFAULT_PRESET
 from branchdiff.settings.evaluation import SOLVERS
@@ -41,14 +41,30 @@ class _Parser(argparse.ArgumentParser):
     """argparse whose errors are one line naming the subcommand and its --help (no usage block);
     subcommand parsers are of this class too (add_subparsers uses the parent's class)."""
 
+    subcommands: dict[str, _Parser]  # name → parser, once add_subparsers has been called
+
     def error(self, message: str) -> NoReturn:
         command = self.prog.partition(" ")[2]
         raise UsageError(f"{command + ': ' if command else ''}{message}; see {self.prog} --help")
+
+    def add_subparsers(self, **kwargs) -> argparse._SubParsersAction:
+        """argparse's, remembering the subcommands' parsers (`subcommands`)."""
+        action = super().add_subparsers(**kwargs)
+        self.subcommands = action.choices  # filled as each add_parser is called
+        return action
+
+    def takes(self, item: str) -> bool:
+        """Whether an item of a command line is this parser's: one of its options (`--name`, `--name=value`),
+        or a key=value override where it takes overrides."""
+        if item.startswith("-"):
+            return item.partition("=")[0] in self._option_string_actions
+        return "=" in item and any(action.dest == "overrides" for action in self._actions)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="branchdiff", description="GRPO fine-tuning of text-to-image models on branching SDE trees.",
                      epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=installed_version(), help="print the installed version and exit")
     commands = parser.add_subparsers(dest="command", required=True)
 
     train = commands.add_parser("train", help="fine-tune with GRPO", formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -141,16 +157,19 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-bytes", type=at_least(1), default=256 * 2**20, help="most bytes in one request body (default 256 MiB)")
     serve.add_argument("--max-batch", type=at_least(1), default=64, help="most images scored in one call; concurrent requests batched up to it (default 64)")
 
-    plan = commands.add_parser("plan", help="the memory a run needs per phase, whether it fits the GPU and what makes it fit; FLOPs and time (docs/plan.md)")
+    plan = commands.add_parser("plan", help="the memory a run needs per phase, whether it fits the GPU and what makes it fit; FLOPs and time (docs/plan.md)",
+                               epilog="exit status: 0 when the run fits, 1 when it does not (the plan and its JSON written all the same), 2 on bad input")
     plan.add_argument("config", nargs="?", default=None, help=f"preset name or YAML file (default: {DEFAULT_PRESET})")
     plan.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. sampling.max_batch=8")
-    plan.add_argument("--gpus", type=int, default=1, help="processes, one per GPU (default 1)")
+    plan.add_argument("--gpus", type=at_least(1), default=1, help="processes, one per GPU (default 1)")
     plan.add_argument("--gpu", default=None, help="the GPU: h100-80gb, h200, a100-80gb, l40s, rtx4090 (default: the one the family's presets target)")
-    plan.add_argument("--gpu-memory", type=float, default=None, metavar="GB", help="the GPU's memory in GiB (overrides --gpu's)")
+    plan.add_argument("--gpu-memory", type=positive, default=None, metavar="GB", help="the GPU's memory in GiB (overrides --gpu's)")
     plan.add_argument("--sharding", default="none", help="none | fsdp | fsdp-offload (FSDP2 over --gpus processes; docs/sharding.md)")
-    plan.add_argument("--gpu-tflops", type=float, default=None, help="the GPU's peak TFLOP/s for the modelled time (default: its datasheet bf16 / TF32 figure)")
-    plan.add_argument("--utilisation", type=float, default=0.4, help="the fraction of that peak the forwards reach (default 0.4)")
-    plan.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH", help="write the plan as JSON to PATH (no PATH: print JSON only)")
+    plan.add_argument("--gpu-tflops", type=positive, default=None,
+                      help="the GPU's peak TFLOP/s for the modelled time (default: its datasheet bf16 / TF32 figure)")
+    plan.add_argument("--utilisation", type=fraction, default=0.4, help="the fraction of that peak the forwards reach, in (0, 1] (default 0.4)")
+    plan.add_argument("--json", nargs="?", const="-", default=None, type=new_file_or_stdout, metavar="PATH",
+                      help="write the plan as JSON to PATH, in a folder that exists (no PATH: print JSON only)")
 
     push = commands.add_parser("push", help="upload a run's weights and model card to the Hugging Face Hub")
     push.add_argument("run_dir", help="the run folder (output_dir of branchdiff train)")
@@ -162,37 +181,88 @@ def build_parser() -> argparse.ArgumentParser:
     accel = commands.add_parser("accelerate-config", help="print the path of a packaged accelerate config (for --config_file)")
     accel.add_argument("name", nargs="?", default=None, help="single-gpu | multi-gpu | multi-node (none: list them)")
 
-    bench = commands.add_parser("bench", help="side-by-side benchmarks")
-    bench.add_argument("which", choices=["tree", "explore", "curves", "search", "reward-server"], help="what to benchmark")
-    bench.add_argument("--json", type=Path, default=None, help="write the table and ratios to this JSON file")
-    bench.add_argument("--repeats", type=at_least(1), default=3, help="timed repeats of each variant (median reported)")
-    bench.add_argument("--minutes", type=positive, default=2.0, help="curves: training wall time of each variant and seed")
-    bench.add_argument("--seeds", type=at_least(1), default=3, help="curves, search: seeds of each variant")
-    bench.add_argument("--out", type=Path, default=Path("docs"), help="curves, search: folder of the plot and the table")
-    bench.add_argument("--images", type=at_least(1), default=32, help="search: the largest budget, in images' worth of network rows per prompt")
-    bench.add_argument("--sampler", action="store_true", help="search: measure the searches as samplers of the reward-tilted target "
-                                                              "(distance to p* on Gaussian-mixture flows) instead of the best reward on the tiny task")
-    bench.add_argument("--temperature", type=positive, default=4.0, help="search --sampler: λ of the target p·exp(λ·r)")
-    bench.add_argument("--variants", default=None, help="tree, curves, search: comma-separated variants (default: all; tree: chain, tree, "
-                                                         "tree_depth_pruned, tree_width_pruned, mix, best; curves: chain, branch, "
-                                                         "branch_pruned, mix, explore_seeds, explore_tree, and the objectives guard, "
-                                                         "layertuning, nft_tree, nft_tree_depthwise, nft_chain, sol when named; "
-                                                         "search: best-of-n, tree, dts, dts-star; search --sampler: dts, dts-unguided, best-of-n-is, smc)")
-    bench.add_argument("--reference", default="chain", help="curves: the variant whose final accuracy the others' times are measured "
-                                                            "against (time_to_<reference>_final; e.g. mix to compare objectives with GRPO)")
-    bench.add_argument("--task", choices=["tiny", "tiny-video"], default="tiny", help="curves: the built-in task, images (tiny) or clips (tiny-video)")
-    bench.add_argument("--points", type=at_least(2), default=7, help="curves: evaluations over the budget")
-    bench.add_argument("--eval-images", type=at_least(1), default=4, help="curves: held-out images per prompt at each evaluation")
-    bench.add_argument("--clock", choices=["wall", "modelled"], default="wall",
-                       help="curves: the clock of the budget: measured wall time, or modelled GPU time (low-precision explorer rows "
-                            "charged at their format's cost; branchdiff/bench/clock.py)")
-    bench.add_argument("overrides", nargs="*", help="dotted key=value overrides of every variant, e.g. prompts.per_iteration=2")
+    _bench_arguments(commands.add_parser("bench", help="side-by-side benchmarks (branchdiff bench NAME --help: its options)"))
 
     report = commands.add_parser("report", help="(re)build RUN_DIR/report.html from a run's metrics, evaluations and samples")
     report.add_argument("run_dir", type=Path, help="a run directory (output_dir of branchdiff train)")
     for sub in (parser, *commands.choices.values()):
         sub.add_argument("--debug", action="store_true", help="on an error, show the traceback instead of one line")
     return parser
+
+
+BENCHMARKS = {"tree": "one training iteration of each algorithm, side by side (docs/trees.md)",
+              "explore": "each low-precision explorer's ranking of a pool against the policy's, and its cost (docs/explore.md)",
+              "curves": "held-out accuracy against training time, per variant and seed (docs/curves.md)",
+              "search": "the best reward each search finds against its budget of network rows (docs/search.md)",
+              "reward-server": "a load test of a reward server on the loopback (docs/reward-server.md)"}
+
+
+def _bench_arguments(bench: argparse.ArgumentParser) -> None:
+    """`bench NAME`: a parser per benchmark holding only the options it reads, so that an option of
+    another is refused (`unrecognized`) rather than ignored."""
+    which = bench.add_subparsers(dest="which", required=True)
+    tree, explore, curves, search, server = (which.add_parser(name, help=text, description=text) for name, text in BENCHMARKS.items())
+    for sub in (tree, explore, curves, search, server):
+        sub.add_argument("--json", type=Path, default=None, help="write the table and ratios to this JSON file")
+    tree.add_argument("--repeats", type=at_least(1), default=3, help="timed repeats of each variant (median reported)")
+    tree.add_argument("--variants", default=None, help="comma-separated variants (default: all: chain, tree, tree_depth_pruned, "
+                                                       "tree_width_pruned, mix, best)")
+    curves.add_argument("--minutes", type=positive, default=2.0, help="training wall time of each variant and seed")
+    for sub in (curves, search):
+        sub.add_argument("--seeds", type=at_least(1), default=3, help="seeds of each variant")
+        sub.add_argument("--out", type=Path, default=Path("docs"), help="folder of the plot and the table")
+    curves.add_argument("--variants", default=None, help="comma-separated variants (default: chain, branch, branch_pruned, mix, explore_seeds, "
+                                                         "explore_tree; the objectives guard, layertuning, nft_tree, nft_tree_depthwise, "
+                                                         "nft_chain, sol when named)")
+    curves.add_argument("--reference", default="chain", help="the variant whose final accuracy the others' times are measured "
+                                                             "against (time_to_<reference>_final; e.g. mix to compare objectives with GRPO)")
+    curves.add_argument("--task", choices=["tiny", "tiny-video"], default="tiny", help="the built-in task, images (tiny) or clips (tiny-video)")
+    curves.add_argument("--points", type=at_least(2), default=7, help="evaluations over the budget")
+    curves.add_argument("--eval-images", type=at_least(1), default=4, help="held-out images per prompt at each evaluation")
+    curves.add_argument("--clock", choices=["wall", "modelled"], default="wall",
+                        help="the clock of the budget: measured wall time, or modelled GPU time (low-precision explorer rows "
+                             "charged at their format's cost; branchdiff/bench/clock.py)")
+    search.add_argument("--images", type=at_least(1), default=32, help="the largest budget, in images' worth of network rows per prompt")
+    search.add_argument("--sampler", action="store_true", help="measure the searches as samplers of the reward-tilted target "
+                                                               "(distance to p* on Gaussian-mixture flows) instead of the best reward on the tiny task")
+    search.add_argument("--temperature", type=positive, default=None, help="with --sampler: λ of the target p·exp(λ·r) (default 4)")
+    search.add_argument("--variants", default=None, help="comma-separated searches (default: all: best-of-n, tree, dts, dts-star); "
+                                                         "with --sampler, samplers (dts, dts-unguided, best-of-n-is, smc)")
+    for sub in (tree, explore, curves):
+        sub.add_argument("overrides", nargs="*", help="dotted key=value overrides of every variant, e.g. prompts.per_iteration=2")
+
+
+def unrecognized(parser: argparse.ArgumentParser, args: argparse.Namespace, extra: list[str]) -> str:
+    """The line for what no option of the command took. An option (or key=value overrides) of another
+    benchmark than the one named (`bench tree --sampler`) names the benchmarks that take it; one of
+    the benchmark named, given before its name (`bench --sampler search`), says where it goes."""
+    command = f"{args.command} {args.which}" if args.command == "bench" else args.command
+    if args.command == "bench":
+        benchmarks = parser.subcommands["bench"].subcommands
+        for item in extra:
+            if benchmarks[args.which].takes(item):
+                return f"{command}: {item} goes after the benchmark's name: branchdiff {command} {item}; see branchdiff {command} --help"
+            owners = [f"bench {name}" for name, sub in benchmarks.items() if sub.takes(item)]
+            named = " and ".join([", ".join(owners[:-1]), owners[-1]] if len(owners) > 2 else owners)
+            see = f"see branchdiff {owners[0] if owners else command} --help"
+            if owners and item.startswith("-"):
+                return f"{command}: {item.partition('=')[0]} is an option of {named}, not of {command}; {see}"
+            if owners:
+                return f"{command}: key=value overrides ({item}) are taken by {named}, not by {command}; {see}"
+    return f"{command}: unrecognized arguments: {' '.join(extra)}; see branchdiff {command} --help"
+
+
+DISTRIBUTION = "branchdiff-rl"  # the name pip installs the package under (`branchdiff` on PyPI is another tool)
+
+
+def installed_version() -> str:
+    """`--version`'s line: `branchdiff <version>` from the installed distribution's metadata."""
+    from importlib import metadata
+
+    try:
+        return f"branchdiff {metadata.version(DISTRIBUTION)}"
+    except metadata.PackageNotFoundError:
+        return f"branchdiff (version unknown: the distribution {DISTRIBUTION} is not installed here; pip install -e .)"
 
 
 def _presets_help() -> str:

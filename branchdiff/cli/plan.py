@@ -24,8 +24,6 @@ def target_from_args(args: argparse.Namespace):
         raise UserError(f"--sharding {args.sharding}: choose one of {', '.join(SHARDING)}")
     if args.sharding != "none" and args.gpus < 2:
         raise UserError(f"--sharding {args.sharding} with --gpus {args.gpus}: sharding needs two or more processes; give --gpus N (N ≥ 2)")
-    if args.gpus < 1 or (args.gpu_memory is not None and args.gpu_memory <= 0):
-        raise UserError("--gpus and --gpu-memory must be positive, e.g. --gpus 8 --gpu-memory 80")
     gpu = GPUS[args.gpu] if args.gpu else None
     if args.gpu_memory is not None:
         gpu = replace(gpu or GPUS["h100-80gb"], name=f"{(gpu.name if gpu else 'GPU')} with {args.gpu_memory:g} GB", memory=args.gpu_memory * 2**30)
@@ -63,7 +61,11 @@ def format_plan(name: str, plan) -> str:
     return "\n".join(lines)
 
 
-def cmd_plan(args: argparse.Namespace) -> None:
+DOES_NOT_FIT = 1  # the exit status of a plan whose peak does not fit, printed whole (bad input: 2)
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    """Print (or write as JSON) the plan; the exit status says whether it fits: 0, else `DOES_NOT_FIT`."""
     from branchdiff.plan.estimate import Estimator, with_change
     from branchdiff.runtime import storage
     from branchdiff.settings.load import preset_or_default
@@ -82,3 +84,4 @@ def cmd_plan(args: argparse.Namespace) -> None:
             storage.write_text(Path(args.json), text + "\n")
     if args.json != "-":
         print(format_plan(args.config or source, plan))
+    return 0 if plan.fits else DOES_NOT_FIT

@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from branchdiff.errors import UserError
+
 ACCELERATE_DIR = Path(__file__).parents[1] / "configs" / "accelerate"
 
 
@@ -23,12 +25,14 @@ def cmd_accelerate_config(args: argparse.Namespace) -> None:
 
 
 def cmd_bench(args: argparse.Namespace) -> None:
-    from branchdiff.bench.iteration import bench_explore, bench_tree
-
-    variants = [name for name in args.variants.split(",") if name] if args.variants else None
+    """Run the benchmark named with its own options (branchdiff/cli/parser.py gives each only those)."""
     if args.which == "tree":
-        bench_tree(args.json, args.repeats, args.overrides, variants)
+        from branchdiff.bench.iteration import bench_tree
+
+        bench_tree(args.json, args.repeats, args.overrides, _variants(args.variants))
     elif args.which == "explore":
+        from branchdiff.bench.iteration import bench_explore
+
         bench_explore(args.json, extra_overrides=args.overrides)
     elif args.which == "reward-server":
         from branchdiff.bench.reward_server import bench_reward_server
@@ -37,16 +41,25 @@ def cmd_bench(args: argparse.Namespace) -> None:
     elif args.which == "search" and args.sampler:
         from branchdiff.bench.sampler import bench_sampler
 
-        bench_sampler(args.images, args.seeds, args.json, args.out, args.temperature, samplers=variants)
+        given = {} if args.temperature is None else {"temperature": args.temperature}
+        bench_sampler(args.images, args.seeds, args.json, args.out, samplers=_variants(args.variants), **given)
     elif args.which == "search":
+        if args.temperature is not None:
+            raise UserError("bench search: --temperature is λ of the reward-tilted target of bench search --sampler; "
+                            "add --sampler or leave --temperature out")
         from branchdiff.bench.search import bench_search
 
-        bench_search(args.images, args.seeds, args.json, args.out, variants)
+        bench_search(args.images, args.seeds, args.json, args.out, _variants(args.variants))
     else:
         from branchdiff.bench.curves import bench_curves
 
-        bench_curves(args.minutes, args.seeds, args.json, args.out, args.points, variants, args.eval_images, args.overrides, args.clock,
-                     args.reference, args.task)
+        bench_curves(args.minutes, args.seeds, args.json, args.out, args.points, _variants(args.variants), args.eval_images, args.overrides,
+                     args.clock, args.reference, args.task)
+
+
+def _variants(text: str | None) -> list[str] | None:
+    """`--variants a,b`: the names given (None: every variant)."""
+    return [name for name in text.split(",") if name] if text else None
 
 
 def cmd_report(args: argparse.Namespace) -> None:
