@@ -9,15 +9,15 @@ from collections.abc import Callable
 from pathlib import Path
 
 
-def at_least(low: int) -> Callable[[str], int]:
-    """argparse type: an integer ≥ `low`."""
+def at_least(low: int, high: int | None = None) -> Callable[[str], int]:
+    """argparse type: an integer ≥ `low` (and ≤ `high` when given)."""
     def whole(text: str) -> int:
         try:
             value = int(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"must be ≥ {low}, got {value}")
+        if value < low or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"must be in [{low}, {high}], got {value}" if high is not None else f"must be ≥ {low}, got {value}")
         return value
 
     return whole

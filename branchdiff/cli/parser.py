@@ -9,7 +9,7 @@ from typing import NoReturn
 
 from branchdiff.cli.arguments import at_least, finite, fraction, image_size, new_file_or_stdout, non_negative, positive
 from branchdiff.search import SEARCHES
-from branchdiff.settings.config import DEFAULT_PRESET
+from branchdiff.settings.config import DEFAULT_PRESET, MAX_STEPS
 from branchdiff.settings.evaluation import SOLVERS
 
 EXAMPLES = """examples:
@@ -85,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
                          help="what a run trained: the run folder, its lora/ (or .safetensors) or fine-tuned transformer/ (unet/) "
                               "folder, or a checkpoint iter-N (default: the base model)")
         _model_arguments(sub)
-        sub.add_argument("--steps", type=at_least(1), default=None, help="ODE sampling steps (default: the run's, else 10)")
+        sub.add_argument("--steps", type=at_least(1, MAX_STEPS), default=None, help="ODE sampling steps (default: the run's, else 10)")
         sub.add_argument("--shift", type=finite, default=None, help="σ schedule shift s (default: the family's own schedule)")
         sub.add_argument("--guidance", type=finite, default=None, help="CFG scale, or FLUX's guidance embedding (default: the family's)")
         sub.add_argument("--images-per-prompt", "--seeds", dest="images_per_prompt", type=at_least(1), default=None,
@@ -140,7 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--num-prompts", type=at_least(1), default=8, help="prompts sampled from the source")
     check.add_argument("--group-size", type=at_least(2), default=8, help="samples per prompt (a GRPO group)")
     _model_arguments(check)
-    check.add_argument("--steps", type=at_least(1), default=10, help="SDE sampling steps")
+    check.add_argument("--steps", type=at_least(1, MAX_STEPS), default=10, help="SDE sampling steps")
     check.add_argument("--device", default="cpu", help="device of the reward")
     check.add_argument("--kwargs", default=None, help="keyword arguments of the reward, a YAML mapping: '{checkpoint: PATH}'")
     check.add_argument("--every-frame", type=at_least(1), default=None, help="a video family: score every N-th frame with a reward of images")

@@ -16,6 +16,7 @@ from branchdiff.search import SEARCHES
 from branchdiff.settings.typed_yaml import choice, in_range, non_negative, positive
 
 LR_SCHEDULES = ("constant", "linear", "cosine")  # train.lr_schedule (branchdiff/training/lr_schedule.py)
+MAX_STEPS = 1000  # sampling steps at most: the schedulers' 1000 training timesteps (a huge count exhausted memory building the schedule)
 DEFAULT_PRESET = "tiny-mix-full"  # what `branchdiff train` and `branchdiff config` start from when given no preset or file
 
 
@@ -61,7 +62,7 @@ class PromptConfig:
 
 @dataclass
 class SamplingConfig:
-    num_steps: int = positive(10)  # T denoising steps
+    num_steps: int = in_range(10, 1, MAX_STEPS)  # T denoising steps
     shift: float | None = positive(None)  # σ = s·t / (1 + (s-1)·t) (the anchors'); None = the family's own schedule (tiny: s = 1)
     sde: str = choice("flow", "dance", "flow", "cps", "ddim", "ode")  # SDE (branchdiff/schedulers/flow.py, branchdiff/schedulers/ddim.py): dance | flow | cps for flow families, ddim for sd15; ode: deterministic chains (train.loss=nft only)
     noise_level: float = positive(0.7)  # η for dance and ddim, a for flow and cps (> 0: an SDE needs noise; cps: a in [0.01, 1])
@@ -155,7 +156,7 @@ class ExploreConfig:
     pool: int = positive(32)  # seeds mode: candidate seeds per prompt
     keep: int = positive(8)  # kept per prompt: seeds (seeds mode) or leaves (tree mode)
     selection: str = choice("best_worst", "best_worst", "random", "mean_deviation", "extremes_random")  # contrastive subset
-    preview_steps: int = non_negative(0)  # seeds mode: steps of the preview (0: sampling.num_steps)
+    preview_steps: int = in_range(0, 0, MAX_STEPS)  # seeds mode: steps of the preview (0: sampling.num_steps)
     preview_sampler: str = choice("ode", "ode", "sde")  # seeds mode: ODE preview (Sol-RL) or the training SDE
     min_features: int = non_negative(0)  # linear layers with fewer in·out weights stay unquantised
     fidelity_every: int = non_negative(10)  # every n iterations grow the whole pool with the policy too: explore_spearman_pool (0: never; not in search mode)
