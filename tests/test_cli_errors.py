@@ -59,6 +59,9 @@ def run_dir(tmp_path) -> Path:
         (["sampling.sde=flw"], "override 'sampling.sde=flw': 'sampling.sde' = 'flw' is not allowed; allowed: dance, flow, cps, ddim, ode (did you mean 'flow'?)"),
         (["iterations=0"], "override 'iterations=0': 'iterations' = 0 is out of range; it must be > 0"),
         (["tree.splits=[[50,2]]"], "'tree.splits' = [[50, 2]]: split step 50 is outside 0..9 (num_steps = 10)"),
+        # found by tests/test_fuzz.py: 10²² steps exhausted memory building the schedule (the kernel killed the process)
+        (["sampling.num_steps=10000000000000000000000"],
+         "override 'sampling.num_steps=10000000000000000000000': 'sampling.num_steps' = 10000000000000000000000 is out of range; it must be in [1, 1000]"),
     ],
 )
 def test_bad_override_exits_2_with_one_line(capsys, overrides, expected):
@@ -170,6 +173,7 @@ def test_eval_missing_model(capsys, tmp_path):
         (["sample", "--seeds", "2"], "sample: the following arguments are required: --out; see branchdiff sample --help"),
         (["sample", "--prompt"], "sample: argument --prompt: expected one argument; see branchdiff sample --help"),
         (["bench", "trees"], "bench: argument which: invalid choice: 'trees' (choose from 'tree', 'explore', 'curves', 'search', 'reward-server'); see branchdiff bench --help"),
+        (["sample", "--steps", "1000001", "--out", "x"], "sample: argument --steps: must be in [1, 1000], got 1000001; see branchdiff sample --help"),
         (["eval", "--bogus", "1"], "eval: unrecognized arguments: --bogus 1; see branchdiff eval --help"),
         (["train", "--resmue", "latest"], "train: unrecognized arguments: --resmue; see branchdiff train --help"),
     ],
