@@ -382,6 +382,10 @@ CASES = [
     Case("eval-prompts-the-reward-cannot-score", lambda e: ["eval", "--family", "tiny-video", "--prompts", "tiny:held_out", "--rewards", "tiny-video",
                                                             "--out", str(e.tmp / "out")],
          r"reward 'tiny-video' cannot score 'tiny:held_out': prompt 1: prompt '.*' is not in the tiny-video grammar"),
+    Case("rewards-check-prompt-the-reward-cannot-score", lambda e: ["rewards", "check", "tiny-geneval", "--model", str(e.model), "--prompts",
+                                                                    str(e.tmp / "p.txt")],
+         r"reward 'tiny-geneval' cannot score '.*p.txt': prompt 1: prompt 'a photo of a cat' is not in the tiny grammar",
+         _write("p.txt", "a photo of a cat\n")),
     Case("out-not-writable", lambda e: _sample(e, "--out", "/sys/branchdiff-out"),
          r"--out /sys/branchdiff-out: cannot write in /sys \(.*\); pass --out a folder you can write to"),
     Case("out-inside-a-file", lambda e: ["eval", "--model", str(e.model), "--out", str(e.tmp / "a-file" / "out")],
@@ -468,7 +472,7 @@ def test_bad_input_gives_one_line_exit_2_and_loses_nothing(case, env, capsys):
 
 BEFORE_LOAD = ["sample-image-on-a-text-family", "sample-edit-without-image", "sample-source-of-another-shape", "sample-too-many-sources",
                "search-prompt-the-reward-cannot-score", "search-sde-of-another-family", "search-budget-below-one-image",
-               "eval-prompts-the-reward-cannot-score", "out-not-writable", "out-inside-a-file", "eval-model-missing",
+               "eval-prompts-the-reward-cannot-score", "rewards-check-prompt-the-reward-cannot-score", "out-not-writable", "out-inside-a-file", "eval-model-missing",
                "sample-resolution-of-a-fixed-family", "lora-missing", "device-unavailable"]
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from branchdiff.cli.common import check_device, load_model, reward_kwargs, sampling_settings
+from branchdiff.cli.common import check_device, check_model, load_model, reward_kwargs, sampling_settings
 
 
 def cmd_rewards(args: argparse.Namespace) -> None:
@@ -25,20 +25,28 @@ def cmd_rewards(args: argparse.Namespace) -> None:
             print("\n".join(notes))
         return
     from branchdiff.data.prompts import load_prompt_set
+    from branchdiff.evaluation.preflight import check_prompt_set
     from branchdiff.models.families import FAMILIES
+    from branchdiff.rewards.combine import RewardSpec
     from branchdiff.rewards.frames import FrameAggregation
+    from branchdiff.rewards.registry import check_reward_kwargs, resolve_reward
     from branchdiff.training.signal_check import check_reward
 
     check_device(args.device)
-    reward = build_reward(args.name, args.device, reward_kwargs(args.kwargs))
+    kwargs = reward_kwargs(args.kwargs)
+    factory = resolve_reward(args.name)
+    check_reward_kwargs(args.name, factory, kwargs)
     prompt_set = load_prompt_set(args.prompts)
-    prompts, metadata = prompt_set.prompts[: args.num_prompts], prompt_set.metadata[: args.num_prompts]
     settings, _ = sampling_settings(args)
+    size = check_model(settings, None)  # everything that needs no weights, before the reward's and the model's load
+    check_prompt_set(prompt_set, settings.family, size, [RewardSpec(args.name, kwargs=kwargs)], {args.name: factory})
+    prompts, metadata = prompt_set.prompts[: args.num_prompts], prompt_set.metadata[: args.num_prompts]
     sde = "ddim" if FAMILIES[settings.family].steps == "ddim" else "flow"
     frames = FrameAggregation(args.every_frame, args.reduce) if args.every_frame else None
-    if FAMILIES[settings.family].video and frames is None and not getattr(reward, "video", False):
+    if FAMILIES[settings.family].video and frames is None and not getattr(factory, "video", False):
         raise ValueError(f"rewards check: {args.name!r} scores images and the {settings.family} family makes videos; give --every-frame N "
                          "(score every N-th frame) and --reduce mean or min")
+    reward = build_reward(args.name, args.device, kwargs)
     stats = check_reward(load_model(settings, None), reward, prompts, metadata, args.name, args.group_size, settings.steps, sde=sde,
                          frames=frames)
     print(f"reward {args.name!r}, scale: {getattr(reward, 'scale', 'unspecified')}; {stats['images']} images "
