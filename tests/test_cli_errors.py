@@ -477,3 +477,17 @@ def test_loading_a_model_shows_no_progress_bars(family, tiny_model_dir, tmp_path
     captured = capsys.readouterr()
     assert "Loading" not in captured.err and "it/s" not in captured.err, captured.err
     assert captured.out.splitlines() == [str(tmp_path / "out" / "000-a_red_circle.png")]
+
+
+@pytest.mark.parametrize("which", ["tree", "explore", "curves"])
+def test_a_benchmarks_inputs_are_checked_before_any_model_loads(which, tmp_path, monkeypatch, capsys):
+    """`bench tree prompts.train=missing.txt` built its first trainers (loading the model) before the prompt file
+    was read: every variant's settings and inputs now pass the training preflight first."""
+    import branchdiff.training.trainer
+
+    def built(*args, **kwargs):
+        raise AssertionError("a trainer was built before the benchmark's inputs were checked")
+
+    monkeypatch.setattr(branchdiff.training.trainer.Trainer, "__init__", built)
+    assert main(["bench", which, f"prompts.train={tmp_path / 'missing.txt'}"]) == 2
+    assert error_line(capsys).startswith(f"{PREFIX}prompt source '{tmp_path / 'missing.txt'}' is neither")

@@ -493,6 +493,7 @@ def test_sample_and_eval_refuse_before_the_model_loads(case, env, capsys, monkey
 
 # cases tested outside the parametrised test above: the tests that run them, "module::name" or a name in this module
 TESTED_ELSEWHERE = {
+    "bench-inputs-checked-first": ["test_cli_errors::test_a_benchmarks_inputs_are_checked_before_any_model_loads"],
     "compile-without-a-compiler": ["test_compile::test_a_compiled_run_without_a_compiler_is_one_line_and_nothing_is_left"],
     "prompt-without-source-on-an-editing-family": ["test_editing::test_a_csv_row_names_several_sources_and_a_text_family_refuses_them"],
     "non-finite-gradients": ["test_non_finite_gradients_skip_steps_then_stop_after_a_checkpoint"],

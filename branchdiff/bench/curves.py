@@ -68,6 +68,7 @@ from branchdiff.rewards.multi import build_component
 from branchdiff.settings.config import TrainConfig
 from branchdiff.settings.load import load_config
 from branchdiff.settings.trees import tree_spec
+from branchdiff.training.preflight import check_inputs
 from branchdiff.training.trainer import Trainer
 
 COMMON = ["iterations=100000", "final_eval=false", "logging.report_to=none", "logging.sample_every=0",
@@ -201,8 +202,9 @@ def bench_curves(minutes: float, seeds: int, json_path: Path | None, out_dir: Pa
             return load_config(preset, [*COMMON, *task_overrides, *overrides, f"seed={seed}", f"output_dir={tmp}/{name}-{seed}", *extra_overrides])
 
         shapes = {}
-        for name in names:
+        for name in names:  # every variant's settings and inputs, before any model loads
             loaded = config(name, 0)
+            check_inputs(loaded)
             shapes[name] = (loaded.prompts.per_iteration, group_size(loaded))
         if len(set(shapes.values())) > 1:
             raise ValueError(f"variants differ in (prompts per iteration, group size): {shapes}; equalise them in VARIANTS")

@@ -38,7 +38,9 @@ import torch
 from branchdiff.core.engine import forward_chunked
 from branchdiff.explore.pool import ranking_agreement
 from branchdiff.models.base import select_embeds
+from branchdiff.settings.config import TrainConfig
 from branchdiff.settings.load import load_config
+from branchdiff.training.preflight import check_inputs
 from branchdiff.training.trainer import Trainer
 
 ANCHOR_SPLITS = "[[0,2],[3,2],[6,2],[9,2]]"  # BranchGRPO: T = 20, k = 2 at steps 0, 3, 6, 9 → 16 leaves
@@ -155,10 +157,16 @@ def bench_tree(json_path: Path | None = None, repeats: int = 3, extra_overrides:
         raise ValueError(f"bench tree --variants {','.join(names)}: choose among {', '.join(VARIANTS)}, with chain and tree (the ratios need them)")
     torch.manual_seed(0)
 
+    def config(overrides: list[str]) -> TrainConfig:
+        return load_config(None, [*BASE, *overrides, "output_dir=runs/bench", *extra_overrides])
+
     def make(overrides: list[str]) -> Trainer:
-        return Trainer(load_config(None, [*BASE, *overrides, "output_dir=runs/bench", *extra_overrides]))
+        return Trainer(config(overrides))
 
     configurations = {"default": [], "exact": ["sampling.exact=true"]}
+    for name, overrides in VARIANTS.items():  # every variant's settings and inputs, before any model loads
+        if name in names:
+            check_inputs(config(overrides))
     trainers = {(name, conf): make([*overrides, *conf_overrides])
                 for conf, conf_overrides in configurations.items() for name, overrides in VARIANTS.items() if name in names}
     per_node = make([*TREE, "train.minibatch=1"])
@@ -276,6 +284,13 @@ EXPLORE_BACKENDS = ("nvfp4-emulated", "mxfp4-emulated", "fp8-emulated", "fp8-emu
                     "te-nvfp4", "torchao-fp8", "te-fp8")
 
 
+def _explore_overrides(backend: str, extra_overrides: list[str]) -> list[str]:
+    """`bench explore`'s settings of one backend's run."""
+    return ["explore.mode=seeds", f"explore.backend={backend}", "explore.pool=16", "explore.keep=16", "explore.preview_sampler=sde",
+            "explore.fidelity_every=0", "prompts.per_iteration=8", "logging.report_to=none", "final_eval=false", "output_dir=runs/bench-explore",
+            *extra_overrides]
+
+
 def bench_explore(json_path: Path | None = None, iterations: int = 4, extra_overrides: list[str] = (),
                   backends: tuple[str, ...] = EXPLORE_BACKENDS) -> dict:
     """Ranking fidelity and cost of each low-precision explorer (FP4, FP8) on the built-in model.
@@ -283,12 +298,11 @@ def bench_explore(json_path: Path | None = None, iterations: int = 4, extra_over
     samples differ only by the quantisation; ρ and τ are pooled over prompts and iterations. A
     backend this machine cannot run gets a row with the one-line reason."""
     rows: dict[str, dict] = {}
+    for backend in backends:  # every backend's settings and inputs, before any model loads
+        check_inputs(load_config(None, _explore_overrides(backend, extra_overrides)))
     for backend in backends:
-        overrides = ["explore.mode=seeds", f"explore.backend={backend}", "explore.pool=16", "explore.keep=16",
-                     "explore.preview_sampler=sde", "explore.fidelity_every=0", "prompts.per_iteration=8", "logging.report_to=none",
-                     "final_eval=false", "output_dir=runs/bench-explore", *extra_overrides]
         try:
-            trainer = Trainer(load_config(None, overrides))
+            trainer = Trainer(load_config(None, _explore_overrides(backend, extra_overrides)))
         except (RuntimeError, ImportError) as error:
             rows[backend] = {"available": False, "reason": str(error).splitlines()[0]}
             continue
