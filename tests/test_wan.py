@@ -155,7 +155,7 @@ def test_sample_writes_each_video_as_a_strip_and_an_mp4(saved, tmp_path, capsys)
     assert written == [str(tmp_path / "out" / "000-a_red_circle.png"), str(tmp_path / "out" / "000-a_red_circle.mp4")]
     assert Image.open(written[0]).size == (5 * 32, 16)  # the 5 frames side by side
     assert iio.imread(written[1]).shape == (5, 16, 32, 3)
-    assert main(["sample", "--family", "sd3", "--frames", "5", "--prompt", "x", "--out", str(tmp_path / "x")]) == 2
+    assert main(["sample", "--family", "sd3", "--model", "some/sd3", "--frames", "5", "--prompt", "x", "--out", str(tmp_path / "x")]) == 2
     assert "--frames 5: the sd3 family makes images, not videos; leave --frames unset" in capsys.readouterr().err
 
 
