@@ -10,7 +10,10 @@ them), in bf16, fed the family's real input shapes at a stated real resolution, 
 - a LoRA training forward + backward (rank 64 on the family's attention targets, as the presets train)
   at one or two rows: seconds, TFLOP/s (backward ≈ 2 forwards), CUDA's peak against the plan's;
 - the forward at the largest batch with PyTorch's cuDNN attention kernel switched on (a run switches it off
-  under `model.attention_backend: native`, branchdiff/models/attention.py).
+  under `model.attention_backend: native`, branchdiff/models/attention.py), and the LoRA gradients with it
+  against PyTorch's own kernels (finite, how far apart, the step's speed-up);
+- with `--compile blocks|full`, the forward at the largest batch compiled as `model.compile` compiles it (the
+  first call, compilation included, and the compiled speed-up).
 
     python scripts/gpu_bench.py --out gpu-bench.json                 # the four released sizes, stops itself after --budget s
     python scripts/gpu_bench.py --tiny --out /tmp/bench.json         # every code path on tiny configs, on the CPU too
@@ -125,7 +128,7 @@ class Bench:
 
 
 def measure_family(bench: Bench, key: str, size: tuple[int, int, int], tiny: bool, batches: list[int], train_rows: list[int],
-                   peak_tflops: float) -> dict:
+                   peak_tflops: float, compile_mode: str = "none", compile_backend: str = "inductor") -> dict:
     """Every figure of one family; raises MemoryError-like CUDA errors to the caller."""
     import diffusers
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -189,24 +192,32 @@ def measure_family(bench: Bench, key: str, size: tuple[int, int, int], tiny: boo
             torch.backends.cuda.enable_cudnn_sdp(False)
         result["forward_cudnn_attention"] = {"rows": largest, "seconds": seconds,
                                              "speedup_over_native": result["forward"][str(largest)]["seconds"] / seconds}
+    if compile_mode != "none" and largest and bench.left() > 60:  # what `model.compile` makes of the forward (branchdiff/models/compile.py)
+        from branchdiff.models.compile import compile_denoiser
+
+        call = partial(forward, inputs(largest))
+        compile_denoiser(denoiser, compile_mode, compile_backend)
+        start = time.perf_counter()
+        with torch.no_grad():
+            call()
+            synchronize(device)
+            first = time.perf_counter() - start
+            seconds = timed(call, device, repeats)
+        result["forward_compiled"] = {"mode": compile_mode, "rows": largest, "first_call_seconds": first, "seconds": seconds,
+                                      "speedup_over_eager": result["forward"][str(largest)]["seconds"] / seconds}
+        bench.save()
     add_lora(denoiser, lora_targets(family, "attention"), LORA_RANK, LORA_RANK, seed=0, unused=family.adapter.unused_modules_of(denoiser))
     trainable = [p for p in denoiser.parameters() if p.requires_grad]
     result["lora_params"] = sum(p.numel() for p in trainable)
+    if device.type == "cuda" and bench.left() > 30:  # cuDNN's attention backward against PyTorch's (NaN gradients on an H100, 2026-11-26)
+        result["cudnn_attention_backward"] = cudnn_backward(denoiser, forward, inputs(min(train_rows)), trainable, device, repeats)
+        bench.save()
     for rows in train_rows:
         if bench.left() < 30:
             result["train"][str(rows)] = "skipped: the run's time budget is spent"
             break
-
-        def step(batch: dict) -> None:
-            output = forward(batch)
-            output = output[0] if isinstance(output, (tuple, list)) else output
-            output = torch.stack(output) if isinstance(output, list) else output  # Z-Image returns a list per row
-            output.float().square().mean().backward()
-            for p in trainable:
-                p.grad = None
-
         denoiser.train()
-        call = partial(step, inputs(rows))
+        call = partial(lora_gradients, denoiser, forward, inputs(rows), trainable)
         seconds = timed(call, device, repeats)
         memory = bench.peak_memory(call)
         tflops = 3 * rows * flops / seconds / 1e12
@@ -217,6 +228,37 @@ def measure_family(bench: Bench, key: str, size: tuple[int, int, int], tiny: boo
     return result
 
 
+def lora_gradients(denoiser: torch.nn.Module, forward: Callable[[dict], Any], batch: dict, trainable: list[torch.nn.Parameter]) -> torch.Tensor:
+    """The LoRA parameters' gradients of one training forward + backward (mean square of the output), flattened."""
+    output = forward(batch)
+    output = output[0] if isinstance(output, (tuple, list)) else output
+    output = torch.stack(output) if isinstance(output, list) else output
+    output.float().square().mean().backward()
+    flat = torch.cat([p.grad.flatten() for p in trainable])
+    for p in trainable:
+        p.grad = None
+    return flat
+
+
+def cudnn_backward(denoiser: torch.nn.Module, forward: Callable[[dict], Any], batch: dict, trainable: list[torch.nn.Parameter],
+                   device: torch.device, repeats: int) -> dict:
+    """The LoRA gradients with cuDNN's attention kernel allowed against PyTorch's own kernels (the same batch): finite,
+    their largest difference relative to the largest gradient, and the training step's speed-up."""
+    denoiser.train()
+    native = lora_gradients(denoiser, forward, batch, trainable)
+    native_seconds = timed(lambda: lora_gradients(denoiser, forward, batch, trainable), device, repeats)
+    torch.backends.cuda.enable_cudnn_sdp(True)
+    try:
+        cudnn = lora_gradients(denoiser, forward, batch, trainable)
+        cudnn_seconds = timed(lambda: lora_gradients(denoiser, forward, batch, trainable), device, repeats)
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(False)
+    scale = native.abs().max().item()
+    return {"finite": bool(torch.isfinite(cudnn).all()), "native_finite": bool(torch.isfinite(native).all()),
+            "max_difference_of_largest": (cudnn - native).abs().max().item() / scale if scale else None,
+            "speedup_over_native": native_seconds / cudnn_seconds}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=Path("gpu-bench.json"), help="the JSON written (default gpu-bench.json)")
@@ -224,6 +266,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--families", default=",".join(RELEASES), help=f"comma-separated, of {', '.join(RELEASES)}")
     parser.add_argument("--batches", default="1,2,4,8", help="forward batch sizes, network rows (default 1,2,4,8)")
     parser.add_argument("--train-rows", default="1,2", help="training forward + backward batch sizes (default 1,2)")
+    parser.add_argument("--compile", default="none", choices=["none", "blocks", "full"],
+                        help="also time the forward at the largest batch compiled as model.compile does (default none)")
+    parser.add_argument("--compile-backend", default="inductor", help="torch.compile's backend (default inductor; eager: the tests' quick one)")
     parser.add_argument("--tiny", action="store_true", help="tiny configs of the same classes: every code path in seconds, CPU or GPU")
     args = parser.parse_args(argv)
     keys = [k for k in args.families.split(",") if k]
@@ -245,7 +290,8 @@ def main(argv: list[str] | None = None) -> int:
             figures: dict | str = "skipped: the run's time budget is spent"
         else:
             try:
-                figures = {**measure_family(bench, key, size, args.tiny, batches, train_rows, peak), "seconds": time.perf_counter() - start}
+                figures = {**measure_family(bench, key, size, args.tiny, batches, train_rows, peak, args.compile, args.compile_backend),
+                           "seconds": time.perf_counter() - start}
             except torch.cuda.OutOfMemoryError as error:
                 figures = f"skipped: out of memory ({str(error).splitlines()[0]})"
             if device.type == "cuda":

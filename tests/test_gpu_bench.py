@@ -36,6 +36,14 @@ def test_every_family_measures_at_tiny_size_and_writes_its_figures(tmp_path):
         assert two["planned_gib"] > one["planned_gib"] > 0  # the plan's estimate grows with the rows
 
 
+def test_the_compiled_forward_is_timed_against_the_eager_one(tmp_path):
+    out = tmp_path / "bench.json"
+    assert _bench().main(["--tiny", "--out", str(out), "--families", "sd3", "--batches", "2", "--train-rows", "1", "--compile", "blocks",
+                          "--compile-backend", "eager"]) == 0
+    compiled = json.loads(out.read_text())["families"]["sd3"]["forward_compiled"]
+    assert compiled["mode"] == "blocks" and compiled["rows"] == 2 and compiled["speedup_over_eager"] > 0 and compiled["first_call_seconds"] > 0
+
+
 def test_a_spent_budget_skips_with_its_reason(tmp_path):
     out = tmp_path / "bench.json"
     assert _bench().main(["--tiny", "--out", str(out), "--budget", "0", "--families", "sd3"]) == 0
@@ -50,3 +58,15 @@ def test_the_released_sizes_are_refused_without_cuda(capsys):
     with pytest.raises(SystemExit) as stopped:
         _bench().main(["--families", "sd3"])
     assert stopped.value.code == 2 and "--tiny runs every code path on the CPU" in capsys.readouterr().err
+
+
+def test_the_cudnn_backward_check_compares_the_gradients_of_the_same_batch():
+    """The check the GPU run makes of cuDNN's attention backward, on the CPU (where the switch changes nothing: equal)."""
+    import torch
+
+    bench = _bench()
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.GELU(), torch.nn.Linear(8, 4))
+    trainable = list(model.parameters())
+    figures = bench.cudnn_backward(model, lambda batch: model(batch["x"]), {"x": torch.randn(3, 4)}, trainable, torch.device("cpu"), 1)
+    assert figures["finite"] and figures["native_finite"] and figures["max_difference_of_largest"] == 0.0 and figures["speedup_over_native"] > 0
+    assert all(p.grad is None for p in trainable)  # each pass clears what it made
