@@ -12,8 +12,9 @@ them), in bf16, fed the family's real input shapes at a stated real resolution, 
 - the forward at the largest batch with PyTorch's cuDNN attention kernel switched on (a run switches it off
   under `model.attention_backend: native`, branchdiff/models/attention.py), and the LoRA gradients with it
   against PyTorch's own kernels (finite, how far apart, the step's speed-up);
-- with `--compile blocks|full`, the forward at the largest batch compiled as `model.compile` compiles it (the
-  first call, compilation included, and the compiled speed-up).
+- with `--compile blocks|full`, last, the LoRA-wrapped forward at the largest batch eager and compiled as
+  `model.compile` compiles it (the first call, compilation included, and the speed-up).
+An optional measurement (cuDNN, compiled) that a kernel or compiler refuses records its error and the rest go on.
 
     python scripts/gpu_bench.py --out gpu-bench.json                 # the four released sizes, stops itself after --budget s
     python scripts/gpu_bench.py --tiny --out /tmp/bench.json         # every code path on tiny configs, on the CPU too
@@ -183,34 +184,14 @@ def measure_family(bench: Bench, key: str, size: tuple[int, int, int], tiny: boo
         bench.save()
     largest = max((int(r) for r, v in result["forward"].items() if isinstance(v, dict)), default=0)
     if device.type == "cuda" and largest and bench.left() > 20:  # cuDNN's attention kernel, as PyTorch picks it when allowed
-        call = partial(forward, inputs(largest))
-        torch.backends.cuda.enable_cudnn_sdp(True)
-        try:
-            with torch.no_grad():
-                seconds = timed(call, device, repeats)
-        finally:
-            torch.backends.cuda.enable_cudnn_sdp(False)
-        result["forward_cudnn_attention"] = {"rows": largest, "seconds": seconds,
-                                             "speedup_over_native": result["forward"][str(largest)]["seconds"] / seconds}
-    if compile_mode != "none" and largest and bench.left() > 60:  # what `model.compile` makes of the forward (branchdiff/models/compile.py)
-        from branchdiff.models.compile import compile_denoiser
-
-        call = partial(forward, inputs(largest))
-        compile_denoiser(denoiser, compile_mode, compile_backend)
-        start = time.perf_counter()
-        with torch.no_grad():
-            call()
-            synchronize(device)
-            first = time.perf_counter() - start
-            seconds = timed(call, device, repeats)
-        result["forward_compiled"] = {"mode": compile_mode, "rows": largest, "first_call_seconds": first, "seconds": seconds,
-                                      "speedup_over_eager": result["forward"][str(largest)]["seconds"] / seconds}
-        bench.save()
+        result["forward_cudnn_attention"] = optional(lambda: cudnn_forward(forward, inputs(largest), device, repeats,
+                                                                           result["forward"][str(largest)]["seconds"]))
     add_lora(denoiser, lora_targets(family, "attention"), LORA_RANK, LORA_RANK, seed=0, unused=family.adapter.unused_modules_of(denoiser))
     trainable = [p for p in denoiser.parameters() if p.requires_grad]
     result["lora_params"] = sum(p.numel() for p in trainable)
     if device.type == "cuda" and bench.left() > 30:  # cuDNN's attention backward against PyTorch's (NaN gradients on an H100, 2026-11-26)
-        result["cudnn_attention_backward"] = cudnn_backward(denoiser, forward, inputs(min(train_rows)), trainable, device, repeats)
+        result["cudnn_attention_backward"] = optional(lambda: cudnn_backward(denoiser, forward, inputs(min(train_rows)), trainable, device,
+                                                                             repeats))
         bench.save()
     for rows in train_rows:
         if bench.left() < 30:
@@ -225,7 +206,48 @@ def measure_family(bench: Bench, key: str, size: tuple[int, int, int], tiny: boo
                                       "fraction_of_peak": tflops / peak_tflops, "peak_gib": memory / 2**30,
                                       "planned_gib": planned.train(rows, ckpt=False) / 2**30}
         bench.save()
+    if compile_mode != "none" and largest and bench.left() > 60:  # last: compilation is in place, as a run's (LoRA attached)
+        result["forward_compiled"] = optional(lambda: compiled_forward(denoiser, forward, inputs(largest), compile_mode, compile_backend, device,
+                                                                       repeats))
     return result
+
+
+def optional(measure: Callable[[], dict]) -> dict | str:
+    """An optional measurement's figures, or the line of the error a kernel or compiler raised (the rest still measured)."""
+    try:
+        return measure()
+    except RuntimeError as error:
+        return f"failed: {type(error).__name__}: {str(error).splitlines()[0]}"
+
+
+def cudnn_forward(forward: Callable[[dict], Any], batch: dict, device: torch.device, repeats: int, native_seconds: float) -> dict:
+    """The no-grad forward with cuDNN's attention kernel allowed, against the native one's `native_seconds`."""
+    torch.backends.cuda.enable_cudnn_sdp(True)
+    try:
+        with torch.no_grad():
+            seconds = timed(lambda: forward(batch), device, repeats)
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(False)
+    return {"rows": len(next(iter(batch.values()))), "seconds": seconds, "speedup_over_native": native_seconds / seconds}
+
+
+def compiled_forward(denoiser: torch.nn.Module, forward: Callable[[dict], Any], batch: dict, mode: str, backend: str, device: torch.device,
+                     repeats: int) -> dict:
+    """The no-grad forward of the LoRA-wrapped denoiser eager, then compiled in place as `model.compile` compiles it (the
+    first call, compilation included, and the speed-up)."""
+    from branchdiff.models.compile import compile_denoiser
+
+    denoiser.eval()
+    with torch.no_grad():
+        eager = timed(lambda: forward(batch), device, repeats)
+        compile_denoiser(denoiser, mode, backend)
+        start = time.perf_counter()
+        forward(batch)
+        synchronize(device)
+        first = time.perf_counter() - start
+        seconds = timed(lambda: forward(batch), device, repeats)
+    return {"mode": mode, "rows": len(next(iter(batch.values()))), "first_call_seconds": first, "eager_seconds": eager, "seconds": seconds,
+            "speedup_over_eager": eager / seconds}
 
 
 def lora_gradients(denoiser: torch.nn.Module, forward: Callable[[dict], Any], batch: dict, trainable: list[torch.nn.Parameter]) -> torch.Tensor:
@@ -294,6 +316,8 @@ def main(argv: list[str] | None = None) -> int:
                            "seconds": time.perf_counter() - start}
             except torch.cuda.OutOfMemoryError as error:
                 figures = f"skipped: out of memory ({str(error).splitlines()[0]})"
+            except RuntimeError as error:  # a kernel or compiler refusing this model: recorded, the other families still measured
+                figures = f"failed: {type(error).__name__}: {str(error).splitlines()[0]}"
             if device.type == "cuda":
                 torch.cuda.empty_cache()
         bench.record["families"][key] = figures
