@@ -406,6 +406,9 @@ TESTED_ELSEWHERE = {
                "test_multiprocess::test_ctrl_c_on_one_process_stops_both_after_the_same_iteration"],
     "reward-hacking": ["test_hacking::test_a_hackable_proxy_is_flagged_and_stopped_and_the_verifier_is_not"],
     "frozen-rank": ["test_multiprocess::test_a_frozen_rank_ends_the_job_with_one_line_naming_it_and_the_run_resumes_exactly"],
+    "push-hub-unreachable": ["test_push::test_a_hub_that_refuses_the_connection_is_one_line_naming_it"],
+    "push-hub-no-answer": ["test_push::test_a_hub_that_never_answers_is_one_line_after_the_timeout"],
+    "model-hub-no-answer": ["test_network::test_a_hub_that_never_answers_while_a_model_loads_is_one_line"],
 }
 ALSO_TESTED = {"output-dir-in-use": "test_faults::test_two_runs_started_at_once_on_one_output_dir_one_trains_the_other_stops",
                "fsdp-version-1": "test_sharding::test_settings_come_from_accelerates_fsdp_variables",

@@ -4,7 +4,8 @@ errors into one line.
 Bad input ends with one line `branchdiff: error: ...` on stderr and exit status 2 (argparse's own
 errors too, without its usage block; `--debug` shows the traceback instead); Ctrl-C exits with 130
 (`train`: after a checkpoint). Nothing already written (checkpoints, metrics) is touched before the
-configuration has been validated. Every case is listed in docs/errors.md.
+configuration has been validated. Every case is listed in docs/errors.md. Every hub request a command
+makes waits at most `HUB_TIMEOUT` seconds for the hub (branchdiff/runtime/hub.py).
 """
 
 from __future__ import annotations
@@ -45,8 +46,10 @@ def main(argv: list[str] | None = None) -> int:
     from branchdiff.errors import ConfigError, UserError, is_out_of_memory, out_of_memory
     from branchdiff.rewards.multi import RewardError
     from branchdiff.rewards.remote import RemoteRewardError
+    from branchdiff.runtime.hub import bound_hub_calls
 
     try:
+        bound_hub_calls()  # model and reward weights named by a hub id, HPDv2 prompts (push: its --timeout)
         COMMANDS[args.command](args)
     except KeyboardInterrupt as interrupt:
         if debug:

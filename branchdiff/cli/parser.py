@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from branchdiff.cli.arguments import at_least, finite, image_size, non_negative, positive
+from branchdiff.runtime.hub import HUB_ATTEMPTS, HUB_TIMEOUT
 from branchdiff.search import SEARCHES
 from branchdiff.settings.config import DEFAULT_PRESET
 from branchdiff.settings.evaluation import SOLVERS
@@ -156,6 +157,9 @@ def build_parser() -> argparse.ArgumentParser:
     push.add_argument("run_dir", help="the run folder (output_dir of branchdiff train)")
     push.add_argument("--repo-id", required=True, help="the hub repository, OWNER/NAME (created when missing)")
     push.add_argument("--private", action="store_true", help="create the repository private")
+    push.add_argument("--timeout", type=positive, default=HUB_TIMEOUT,
+                      help=f"seconds each hub request may wait for the hub (connect, send, each read); a hub out of reach is tried "
+                           f"{HUB_ATTEMPTS} times in all (default {HUB_TIMEOUT:g})")
 
     commands.add_parser("families", help="list the model families: built-in and installed, each one's pipeline, guidance and sizes")
 
