@@ -11,6 +11,7 @@ import fcntl
 import json
 import re
 import shutil
+import socket
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -328,6 +329,11 @@ CASES = [
          r"logging.report_to=\['tensorboard', 'neptune'\]: choose tensorboard, wandb, swanlab or none, or a list of them without repeats"),
     Case("serve-beyond-loopback-without-token", lambda e: ["serve-reward", "tiny-geneval", "--host", "0.0.0.0"],
          r"serve-reward --host 0.0.0.0: a server listening beyond this machine needs a shared token; give --token-file FILE"),
+    Case("serve-port-out-of-range", lambda e: ["serve-reward", "tiny-geneval", "--port", "70000"],
+         r"serve-reward: argument --port: a TCP port is a whole number from 1 to 65535, got 70000; see branchdiff serve-reward --help"),
+    Case("serve-port-in-use", lambda e: ["serve-reward", "tiny-geneval", "--port", str(e.held[0].getsockname()[1])],
+         r"reward server cannot listen on 127.0.0.1:\d+ \(Address already in use\); give a --port nothing else listens on \(or stop what listens there\)",
+         setup=lambda e: e.held.append(socket.create_server(("127.0.0.1", 0)))),
     Case("token-file-without-a-token", lambda e: ["serve-reward", "tiny-geneval", "--token-file", str(e.tmp / "token")],
          r"token file .*token: holds no token of 16 characters or more; write one", setup=_write("token", "short\n")),
     Case("plan-unknown-gpu", lambda e: ["plan", "tiny-chain", "--gpu", "h1000"], r"--gpu h1000: not a GPU plan knows; choose one of h100-80gb"),
