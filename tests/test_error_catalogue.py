@@ -227,6 +227,9 @@ CASES = [
          r"unknown reward 'pickscor' \(did you mean pickscore\?\)"),
     Case("reward-kwarg-unknown", lambda e: e.fresh("reward={name: rewards_for_tests:Redness, kwargs: {strength: 2}}"),
          r"reward 'rewards_for_tests:Redness' takes no keyword argument 'strength'"),
+    Case("remote-reward-kwarg-unknown", lambda e: e.fresh(f"reward={{remote: http://127.0.0.1:9, kwargs: {{token_file: {e.tmp / 'token'}, colour: red}}}}"),
+         r"reward 'http://127.0.0.1:9' takes no keyword argument 'colour'; it takes: timeout, retries, backoff, image_format, chunk_size, token_file$",
+         _write("token", "a-shared-token-of-32-characters-\n")),
     # rewards misbehaving during a run
     Case("reward-raises", lambda e: e.fresh("reward=rewards_for_tests:Failing"), r"reward 'rewards_for_tests:Failing' failed.*weights not found second line",
          creates_nothing=False),

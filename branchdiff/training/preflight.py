@@ -1,7 +1,7 @@
 """What `branchdiff train` checks before it claims a run directory, loads a model, a reward or a
 checkpoint, or writes anything: beyond the config itself (branchdiff/settings/validate.py), every
-training and evaluation reward resolves (its name imported, its keyword arguments accepted; the
-evaluation rewards even when the run does not evaluate), every prompt source the run reads decodes
+training and evaluation reward resolves (its name imported, its keyword arguments accepted, a reward
+server's client's too; the evaluation rewards even when the run does not evaluate), every prompt source the run reads decodes
 (a problem is named with its file and line), no prompt is longer than the family's text encoders
 can read (`max_prompt_characters`), every reward that can check prompts (`check_prompts`, e.g.
 tiny-geneval's grammar) accepts them, an editing family's prompts name their source images (and a
@@ -22,6 +22,7 @@ from branchdiff.models.attention import check_backend
 from branchdiff.models.compile import check_compiler
 from branchdiff.models.families import FAMILIES, image_size
 from branchdiff.rewards.combine import RewardSpec, parse_reward_specs
+from branchdiff.rewards.multi import check_remote_kwargs
 from branchdiff.rewards.registry import check_reward_kwargs, resolve_reward
 from branchdiff.settings.config import TrainConfig
 from branchdiff.settings.validate import tracker_names
@@ -47,6 +48,8 @@ def check_inputs(config: TrainConfig) -> None:
         if spec.remote is None:
             factories[spec.name] = resolve_reward(spec.name)
             check_reward_kwargs(spec.name, factories[spec.name], spec.kwargs)
+        else:
+            check_remote_kwargs(spec)
     check_size(config.model.family, config.model.path, config.model.resolution)
     check_backend(config.model.attention_backend)
     check_compiler(config.model.compile)
