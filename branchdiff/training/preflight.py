@@ -6,7 +6,8 @@ server's client's too; the evaluation rewards even when the run does not evaluat
 can read (`max_prompt_characters`), every reward that can check prompts (`check_prompts`, e.g.
 tiny-geneval's grammar) accepts them, an editing family's prompts name their source images (and a
 text family's none), the image size (and a video's frame count) fits the model
-folder's config files, and on a video family every reward scores videos or names its frames.
+folder's config files, on a video family every reward scores videos or names its frames, and a tracker
+that logs online (W&B, SwanLab) has credentials.
 The run directory is then claimed (branchdiff/runtime/run_dir.py) and the checkpoint to resume chosen
 (`Trainer.select_checkpoint`), still before the model loads.
 """
@@ -26,7 +27,7 @@ from branchdiff.rewards.multi import check_remote_kwargs
 from branchdiff.rewards.registry import check_reward_kwargs, resolve_reward
 from branchdiff.settings.config import TrainConfig
 from branchdiff.settings.validate import tracker_names
-from branchdiff.training.trackers import check_installed
+from branchdiff.training.trackers import check_credentials, check_installed
 
 CHARACTERS_PER_TOKEN = 16  # no token of the families' tokenizers spans more characters than this in a prompt (a generous bound)
 
@@ -54,6 +55,7 @@ def check_inputs(config: TrainConfig) -> None:
     check_backend(config.model.attention_backend)
     check_compiler(config.model.compile)
     check_installed(tracker_names(config.logging.report_to))
+    check_credentials(tracker_names(config.logging.report_to))
     check_frames(config.model.family, config.model.path, config.model.frames)
     if FAMILIES[config.model.family].video:
         for key, specs in (("reward", train_specs), *((("eval_rewards", eval_specs),) if evaluates else ())):

@@ -7,7 +7,8 @@ A run keeps one id (RUN/trackers.json), so a resumed run continues the same W&B 
 Offline: W&B with `WANDB_MODE=offline` (RUN/logs/wandb/offline-run-*, `wandb sync` uploads them),
 SwanLab with `SWANLAB_MODE=offline` (RUN/logs/swanlab/run-*, `swanlab sync`) or `local` (the same files, read
 by `swanlab watch RUN/logs/swanlab`; needs `swanlab[dashboard]`). Their files live under RUN/logs; the main
-process alone writes them.
+process alone writes them. Online without credentials is refused before anything is written
+(`check_credentials`).
 """
 
 from __future__ import annotations
@@ -35,6 +36,45 @@ def check_installed(names: list[str]) -> None:
         if importlib.util.find_spec(name) is None:
             raise ConfigError(f"logging.report_to includes {name}, whose package is not installed: pip install {name} "
                               "(or pip install \"branchdiff-rl[track]\"), or leave it out")
+
+
+def check_credentials(names: list[str]) -> None:
+    """Refuse W&B or SwanLab online without credentials, before anything is written: without a
+    terminal their init stops the run once its folder is written, and with one it asks for a key."""
+    if "wandb" in names and not _wandb_ready():
+        raise ConfigError("logging.report_to includes wandb, which logs online and finds no credentials here (no WANDB_API_KEY, no `wandb login`): "
+                          "run `wandb login` or set WANDB_API_KEY, log offline with WANDB_MODE=offline (upload later with `wandb sync`), "
+                          "or use logging.report_to=tensorboard")
+    if "swanlab" in names and not _swanlab_ready():
+        raise ConfigError("logging.report_to includes swanlab, which logs online and finds no credentials here (no SWANLAB_API_KEY, no "
+                          "`swanlab login`): run `swanlab login` or set SWANLAB_API_KEY, log offline with SWANLAB_MODE=offline (upload "
+                          "later with `swanlab sync`) or local, or use logging.report_to=tensorboard")
+
+
+def _wandb_ready() -> bool:
+    """W&B logs offline (or is disabled), or finds credentials where wandb.init looks: the environment,
+    `wandb login`'s netrc, its settings files. Read afresh, with neither a prompt nor the network, and
+    without wandb's session (which keeps the first settings a process reads)."""
+    import os
+
+    import wandb
+    from wandb.sdk.lib import wbauth
+
+    settings = wandb.Settings(settings_system=str(Path(os.environ.get("WANDB_CONFIG_DIR", "~/.config/wandb")).expanduser() / "settings"))
+    settings.update_from_system_settings()  # `wandb offline`, `wandb login --host`
+    settings.update_from_env_vars(dict(os.environ))
+    if settings.mode in ("offline", "dryrun", "disabled"):
+        return True
+    host = wbauth.HostUrl(settings.base_url, app_url=settings.app_url)
+    return bool(settings.api_key or settings.identity_token_file or wbauth.session_credentials(host=host) or wbauth.read_netrc_auth(host=host))
+
+
+def _swanlab_ready() -> bool:
+    """SwanLab logs locally, offline (or is disabled), or finds a key: SWANLAB_API_KEY or `swanlab login`'s."""
+    import swanlab
+
+    settings = swanlab.Settings()  # the environment and the saved login, as swanlab.init reads them
+    return settings.mode != "online" or settings.api_key is not None
 
 
 def run_id(run_dir: Path) -> str:
