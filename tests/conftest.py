@@ -3,6 +3,7 @@ import socket
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # read once, when huggingface_hub is first imported: no test reaches the network
 
+import huggingface_hub.utils.logging  # noqa: F401  # outside any test's captured stderr: its log handler keeps the stream it finds
 import pytest
 import torch
 
@@ -51,6 +52,7 @@ def hub_at(monkeypatch):
 
     def point(url: str) -> None:
         monkeypatch.setattr(constants, "ENDPOINT", url)
+        monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE", url + "/{repo_id}/resolve/{revision}/{filename}")
         monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
         monkeypatch.setenv("HF_TOKEN", "hf_test_token_not_sent_anywhere")
 

@@ -418,6 +418,10 @@ TESTED_ELSEWHERE = {
     "push-hub-unreachable": ["test_push::test_a_hub_that_refuses_the_connection_is_one_line_naming_it"],
     "push-hub-no-answer": ["test_push::test_a_hub_that_never_answers_is_one_line_after_the_timeout"],
     "tracker-not-logged-in": ["test_trackers::test_a_tracker_online_without_credentials_is_one_line_before_anything_is_written"],
+    "remote-reward-no-answer": ["test_network::test_a_reward_server_that_never_answers_is_one_line_before_the_run_writes"],
+    "hub-no-answer-downloading": ["test_network::test_a_hub_that_never_answers_while_prompts_download_is_one_line"],
+    "tracker-no-answer": ["test_network::test_a_wandb_server_that_never_answers_ends_the_run_with_one_line",
+                          "test_network::test_a_swanlab_server_that_never_answers_ends_the_run_with_one_line"],
     "model-hub-no-answer": ["test_network::test_a_hub_that_never_answers_while_a_model_loads_is_one_line"],
 }
 ALSO_TESTED = {"output-dir-in-use": "test_faults::test_two_runs_started_at_once_on_one_output_dir_one_trains_the_other_stops",

@@ -7,13 +7,15 @@ commit, a model's info) wait forever on a hub that accepts the connection and ne
 `bound_hub_calls(timeout)` installs, through `huggingface_hub.set_client_factory`, the library's own
 client (its offline switch and request ids kept) whose connect, send, read and pool waits each last
 at most `timeout` seconds; a call that sets a shorter limit of its own (a file's metadata:
-HF_HUB_ETAG_TIMEOUT, a download: HF_HUB_DOWNLOAD_TIMEOUT) keeps it. The CLI installs it for every
-command (`HUB_TIMEOUT`; `push --timeout`).
+HF_HUB_ETAG_TIMEOUT, a download: HF_HUB_DOWNLOAD_TIMEOUT, 10 s each) keeps it. The CLI installs it
+for every command (`HUB_TIMEOUT`; `push --timeout`).
 
-huggingface_hub retries its downloads; `call_hub` gives the calls it does not retry (creating a
-repository, an upload) `attempts` tries in all while the hub cannot be reached, times out or answers
-408, 429 or 5xx, then one line naming the hub's address and the fix. Files stored with Xet move
-through hf_xet's own client, with its own timeouts and retries.
+huggingface_hub retries a file's metadata and download itself: on a hub that never answers, a file
+fails after one wait of HF_HUB_ETAG_TIMEOUT, then 6 of 60 s (its metadata retry's limit, capped at
+`timeout`) with 23 s between them: 6.5 minutes by default. `call_hub` gives the calls it does not
+retry (creating a repository, an upload) `attempts` tries in all while the hub cannot be reached,
+times out or answers 408, 429 or 5xx, then one line naming the hub's address and the fix. Files
+stored with Xet move through hf_xet's own client, with its own timeouts and retries.
 """
 
 from __future__ import annotations
@@ -41,9 +43,10 @@ def bound_hub_calls(timeout: float | None = None) -> None:
     limit = HUB_TIMEOUT if timeout is None else timeout
 
     def bounded(request: Any) -> None:
-        """A request that says "no limit" (huggingface_hub passes timeout=None) gets `limit`."""
-        limits = request.extensions.get("timeout", {})
-        request.extensions = {**request.extensions, "timeout": {phase: limit if wait is None else wait for phase, wait in limits.items()}}
+        """A request's waits at most `limit` each: "no limit" (huggingface_hub passes timeout=None) and
+        the 60 s of its metadata retry included."""
+        waits = request.extensions.get("timeout", {})
+        request.extensions = {**request.extensions, "timeout": {phase: limit if wait is None else min(wait, limit) for phase, wait in waits.items()}}
 
     def client() -> Any:
         made = default_client_factory()

@@ -8,7 +8,9 @@ Offline: W&B with `WANDB_MODE=offline` (RUN/logs/wandb/offline-run-*, `wandb syn
 SwanLab with `SWANLAB_MODE=offline` (RUN/logs/swanlab/run-*, `swanlab sync`) or `local` (the same files, read
 by `swanlab watch RUN/logs/swanlab`; needs `swanlab[dashboard]`). Their files live under RUN/logs; the main
 process alone writes them. Online without credentials is refused before anything is written
-(`check_credentials`).
+(`check_credentials`); a tracker whose server is out of reach ends the run with one line once the
+library's own bounds run out (W&B: `init_timeout`, 90 s, WANDB_INIT_TIMEOUT; SwanLab: 10 s a request,
+5 retries).
 """
 
 from __future__ import annotations
@@ -22,10 +24,12 @@ from typing import Any
 
 import torch
 
-from branchdiff.errors import ConfigError
+from branchdiff.errors import ConfigError, UserError, one_line
 from branchdiff.runtime import storage
 
 IDS_FILE = "trackers.json"
+OFFLINE = {"wandb": "WANDB_MODE=offline (upload later with `wandb sync`)",
+           "swanlab": "SWANLAB_MODE=offline (upload later with `swanlab sync`) or local"}  # the online trackers, and how each logs offline
 
 
 def check_installed(names: list[str]) -> None:
@@ -41,14 +45,11 @@ def check_installed(names: list[str]) -> None:
 def check_credentials(names: list[str]) -> None:
     """Refuse W&B or SwanLab online without credentials, before anything is written: without a
     terminal their init stops the run once its folder is written, and with one it asks for a key."""
-    if "wandb" in names and not _wandb_ready():
-        raise ConfigError("logging.report_to includes wandb, which logs online and finds no credentials here (no WANDB_API_KEY, no `wandb login`): "
-                          "run `wandb login` or set WANDB_API_KEY, log offline with WANDB_MODE=offline (upload later with `wandb sync`), "
-                          "or use logging.report_to=tensorboard")
-    if "swanlab" in names and not _swanlab_ready():
-        raise ConfigError("logging.report_to includes swanlab, which logs online and finds no credentials here (no SWANLAB_API_KEY, no "
-                          "`swanlab login`): run `swanlab login` or set SWANLAB_API_KEY, log offline with SWANLAB_MODE=offline (upload "
-                          "later with `swanlab sync`) or local, or use logging.report_to=tensorboard")
+    for name, ready in (("wandb", _wandb_ready), ("swanlab", _swanlab_ready)):
+        if name in names and not ready():
+            key = f"{name.upper()}_API_KEY"
+            raise ConfigError(f"logging.report_to includes {name}, which logs online and finds no credentials here (no {key}, no `{name} login`): "
+                              f"run `{name} login` or set {key}, log offline with {OFFLINE[name]}, or use logging.report_to=tensorboard")
 
 
 def _wandb_ready() -> bool:
@@ -108,7 +109,15 @@ def start(accelerator, names: list[str], run_dir: Path, start_iteration: int, co
         return
     identity = run_id(run_dir) if accelerator.is_main_process else ""
     accelerator.trackers = []  # a second start (the final evaluation's) replaces the finished ones
-    accelerator.init_trackers("branchdiff", init_kwargs=init_kwargs(names, run_dir, identity, start_iteration, config))
+    try:
+        accelerator.init_trackers("branchdiff", init_kwargs=init_kwargs(names, run_dir, identity, start_iteration, config))
+    except Exception as error:  # each library raises its own types
+        library = type(error).__module__.partition(".")[0]
+        if library not in OFFLINE:
+            raise
+        raise UserError(f"logging.report_to: {library} did not start ({one_line(error, 200)}); check the network connection and its "
+                        f"server, log offline with {OFFLINE[library]}, or use logging.report_to=tensorboard; the run folder is kept: "
+                        "run the same command again") from None
 
 
 def log_grid(accelerator, names: list[str], tag: str, grid: torch.Tensor, step: int) -> None:
