@@ -1,7 +1,9 @@
 import os
+import socket
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # read once, when huggingface_hub is first imported: no test reaches the network
 
+import huggingface_hub.utils.logging  # noqa: F401  # outside any test's captured stderr: its log handler keeps the stream it finds
 import pytest
 import torch
 
@@ -23,3 +25,35 @@ def tiny_adapter(tiny_model_dir):
     from branchdiff.models.tiny import TinyAdapter
 
     return TinyAdapter.from_pretrained(tiny_model_dir)
+
+
+@pytest.fixture
+def silent_server():
+    """The URL of a server that accepts connections and never answers: the kernel completes each
+    connection into the listening socket's backlog and nothing ever reads or writes it (a hung hub,
+    reward server or tracker)."""
+    with socket.create_server(("127.0.0.1", 0), backlog=64) as listener:
+        yield f"http://127.0.0.1:{listener.getsockname()[1]}"
+
+
+@pytest.fixture
+def closed_port():
+    """The URL of a port nothing listens on (connections are refused)."""
+    with socket.create_server(("127.0.0.1", 0)) as probe:
+        port = probe.getsockname()[1]
+    return f"http://127.0.0.1:{port}"
+
+
+@pytest.fixture
+def hub_at(monkeypatch):
+    """huggingface_hub pointed at a URL, as HF_ENDPOINT does when it is imported, with a token and
+    offline mode off (turned on above)."""
+    from huggingface_hub import constants
+
+    def point(url: str) -> None:
+        monkeypatch.setattr(constants, "ENDPOINT", url)
+        monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE", url + "/{repo_id}/resolve/{revision}/{filename}")
+        monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+        monkeypatch.setenv("HF_TOKEN", "hf_test_token_not_sent_anywhere")
+
+    return point

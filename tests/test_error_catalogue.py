@@ -11,6 +11,7 @@ import fcntl
 import json
 import re
 import shutil
+import socket
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -252,6 +253,9 @@ CASES = [
          r"unknown reward 'pickscor' \(did you mean pickscore\?\)"),
     Case("reward-kwarg-unknown", lambda e: e.fresh("reward={name: rewards_for_tests:Redness, kwargs: {strength: 2}}"),
          r"reward 'rewards_for_tests:Redness' takes no keyword argument 'strength'"),
+    Case("remote-reward-kwarg-unknown", lambda e: e.fresh(f"reward={{remote: http://127.0.0.1:9, kwargs: {{token_file: {e.tmp / 'token'}, colour: red}}}}"),
+         r"reward 'http://127.0.0.1:9' takes no keyword argument 'colour'; it takes: timeout, retries, backoff, image_format, chunk_size, token_file$",
+         _write("token", "a-shared-token-of-32-characters-\n")),
     # rewards misbehaving during a run
     Case("reward-raises", lambda e: e.fresh("reward=rewards_for_tests:Failing"), r"reward 'rewards_for_tests:Failing' failed.*weights not found second line",
          creates_nothing=False),
@@ -358,6 +362,11 @@ CASES = [
          r"logging.report_to=\['tensorboard', 'neptune'\]: choose tensorboard, wandb, swanlab or none, or a list of them without repeats"),
     Case("serve-beyond-loopback-without-token", lambda e: ["serve-reward", "tiny-geneval", "--host", "0.0.0.0"],
          r"serve-reward --host 0.0.0.0: a server listening beyond this machine needs a shared token; give --token-file FILE"),
+    Case("serve-port-out-of-range", lambda e: ["serve-reward", "tiny-geneval", "--port", "70000"],
+         r"serve-reward: argument --port: a TCP port is a whole number from 1 to 65535, got 70000; see branchdiff serve-reward --help"),
+    Case("serve-port-in-use", lambda e: ["serve-reward", "tiny-geneval", "--port", str(e.held[0].getsockname()[1])],
+         r"reward server cannot listen on 127.0.0.1:\d+ \(Address already in use\); give a --port nothing else listens on \(or stop what listens there\)",
+         setup=lambda e: e.held.append(socket.create_server(("127.0.0.1", 0)))),
     Case("token-file-without-a-token", lambda e: ["serve-reward", "tiny-geneval", "--token-file", str(e.tmp / "token")],
          r"token file .*token: holds no token of 16 characters or more; write one", setup=_write("token", "short\n")),
     Case("plan-unknown-gpu", lambda e: ["plan", "tiny-chain", "--gpu", "h1000"], r"--gpu h1000: not a GPU plan knows; choose one of h100-80gb"),
@@ -510,6 +519,14 @@ TESTED_ELSEWHERE = {
                "test_multiprocess::test_ctrl_c_on_one_process_stops_both_after_the_same_iteration"],
     "reward-hacking": ["test_hacking::test_a_hackable_proxy_is_flagged_and_stopped_and_the_verifier_is_not"],
     "frozen-rank": ["test_multiprocess::test_a_frozen_rank_ends_the_job_with_one_line_naming_it_and_the_run_resumes_exactly"],
+    "push-hub-unreachable": ["test_push::test_a_hub_that_refuses_the_connection_is_one_line_naming_it"],
+    "push-hub-no-answer": ["test_push::test_a_hub_that_never_answers_is_one_line_after_the_timeout"],
+    "tracker-not-logged-in": ["test_trackers::test_a_tracker_online_without_credentials_is_one_line_before_anything_is_written"],
+    "remote-reward-no-answer": ["test_network::test_a_reward_server_that_never_answers_is_one_line_before_the_run_writes"],
+    "hub-no-answer-downloading": ["test_network::test_a_hub_that_never_answers_while_prompts_download_is_one_line"],
+    "tracker-no-answer": ["test_network::test_a_wandb_server_that_never_answers_ends_the_run_with_one_line",
+                          "test_network::test_a_swanlab_server_that_never_answers_ends_the_run_with_one_line"],
+    "model-hub-no-answer": ["test_network::test_a_hub_that_never_answers_while_a_model_loads_is_one_line"],
 }
 ALSO_TESTED = {"output-dir-in-use": "test_faults::test_two_runs_started_at_once_on_one_output_dir_one_trains_the_other_stops",
                "fsdp-version-1": "test_sharding::test_settings_come_from_accelerates_fsdp_variables",

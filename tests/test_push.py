@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from pathlib import Path
 
 import pytest
@@ -80,6 +81,27 @@ def test_a_run_without_an_export_is_one_line(lora_run, tmp_path, capsys, monkeyp
     (tmp_path / "metrics.jsonl").write_text((lora_run / "metrics.jsonl").read_text())
     assert main(["push", str(tmp_path), "--repo-id", "me/x"]) == 2
     assert "no exported weights (lora/ or transformer/, unet/)" in capsys.readouterr().err
+
+
+def test_a_hub_that_refuses_the_connection_is_one_line_naming_it(lora_run, closed_port, hub_at, capsys):
+    """It ended in two tracebacks (httpx ConnectError); now the hub's address, the tries and the fix."""
+    hub_at(closed_port)
+    assert main(["push", str(lora_run), "--repo-id", "me/x"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert err == (f"branchdiff: error: push to me/x: the hub at {closed_port} is not reachable (Connection refused) (3 attempts); check the "
+                   "network connection and HF_ENDPOINT (unset: https://huggingface.co), or try again later\n")
+
+
+def test_a_hub_that_never_answers_is_one_line_after_the_timeout(lora_run, silent_server, hub_at, capsys):
+    """It waited forever, printing nothing; now each try waits --timeout seconds, three tries in all."""
+    hub_at(silent_server)
+    start = time.monotonic()
+    assert main(["push", str(lora_run), "--repo-id", "me/x", "--timeout", "0.5"]) == 2
+    assert time.monotonic() - start < 20  # 3 tries of 0.5 s and 1 + 2 s between them
+    err = capsys.readouterr().err
+    assert err == (f"branchdiff: error: push to me/x: the hub at {silent_server} did not answer within 0.5 s (3 attempts); check the "
+                   "network connection and HF_ENDPOINT (unset: https://huggingface.co), or try again later; give more seconds with --timeout\n")
 
 
 @pytest.mark.parametrize("family,export,expected", [

@@ -65,6 +65,57 @@ def test_a_tracker_that_is_not_installed_is_one_line_before_anything_is_written(
                    "\"branchdiff-rl[track]\"), or leave it out") and not run.exists()
 
 
+@pytest.fixture
+def no_credentials(tmp_path, monkeypatch):
+    """A HOME without `wandb login`'s or `swanlab login`'s files, an environment without keys or modes,
+    and a working folder without W&B's settings."""
+    home = tmp_path / "home"
+    home.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(tmp_path)
+    for name in ("WANDB_API_KEY", "WANDB_IDENTITY_TOKEN_FILE", "WANDB_MODE", "WANDB_CONFIG_DIR", "WANDB_BASE_URL", "NETRC",
+                 "SWANLAB_API_KEY", "SWANLAB_MODE", "SWANLAB_SAVE_DIR"):
+        monkeypatch.delenv(name, raising=False)
+    return home
+
+
+@pytest.mark.parametrize("tracker,line", [
+    ("wandb", "logging.report_to includes wandb, which logs online and finds no credentials here (no WANDB_API_KEY, no `wandb login`): run "
+              "`wandb login` or set WANDB_API_KEY, log offline with WANDB_MODE=offline (upload later with `wandb sync`), or use "
+              "logging.report_to=tensorboard"),
+    ("swanlab", "logging.report_to includes swanlab, which logs online and finds no credentials here (no SWANLAB_API_KEY, no `swanlab login`): "
+                "run `swanlab login` or set SWANLAB_API_KEY, log offline with SWANLAB_MODE=offline (upload later with `swanlab sync`) or "
+                "local, or use logging.report_to=tensorboard"),
+])
+def test_a_tracker_online_without_credentials_is_one_line_before_anything_is_written(no_credentials, tmp_path, capsys, tracker, line):
+    """W&B raised UsageError (SwanLab RuntimeError) once config.yaml, trackers.json and .lock were written."""
+    run = tmp_path / "run"
+    assert main(["train", "tiny-chain", f"output_dir={run}", f"logging.report_to=[tensorboard,{tracker}]"]) == 2
+    assert capsys.readouterr().err == f"branchdiff: error: {line}\n"
+    assert not run.exists()
+
+
+def test_a_tracker_with_credentials_or_offline_is_let_through(no_credentials, monkeypatch):
+    """`wandb login`'s netrc entry, WANDB_MODE=offline, SWANLAB_API_KEY, SWANLAB_MODE=local: each is enough."""
+    from urllib.parse import urlsplit
+
+    import wandb
+
+    from branchdiff.training.trackers import check_credentials
+
+    netrc = no_credentials / ".netrc"
+    netrc.write_text(f"machine {urlsplit(wandb.Settings().base_url).hostname}\n  login user\n  password {'k' * 40}\n")
+    netrc.chmod(0o600)
+    check_credentials(["wandb"])
+    netrc.unlink()
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("SWANLAB_API_KEY", "k" * 21)
+    check_credentials(["wandb", "swanlab"])
+    monkeypatch.delenv("SWANLAB_API_KEY")
+    monkeypatch.setenv("SWANLAB_MODE", "local")
+    check_credentials(["swanlab"])
+
+
 def test_the_old_tensorboard_key_names_its_replacement(capsys):
     assert main(["train", "tiny-chain", "logging.tensorboard=false"]) == 2
     assert "renamed logging.report_to: tensorboard (the default), wandb, swanlab or none" in capsys.readouterr().err

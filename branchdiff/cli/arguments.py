@@ -1,4 +1,4 @@
-"""argparse types: whole numbers with a lower bound, finite and positive numbers, fractions, image
+"""argparse types: whole numbers with bounds, TCP ports, finite and positive numbers, fractions, image
 sizes, files to write; each refuses bad text with a message argparse prints as one line."""
 
 from __future__ import annotations
@@ -9,18 +9,31 @@ from collections.abc import Callable
 from pathlib import Path
 
 
+def _whole(text: str) -> int:
+    """An integer, or argparse's one-line refusal."""
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+
+
 def at_least(low: int, high: int | None = None) -> Callable[[str], int]:
     """argparse type: an integer ≥ `low` (and ≤ `high` when given)."""
     def whole(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+        value = _whole(text)
         if value < low or (high is not None and value > high):
             raise argparse.ArgumentTypeError(f"must be in [{low}, {high}], got {value}" if high is not None else f"must be ≥ {low}, got {value}")
         return value
 
     return whole
+
+
+def port(text: str) -> int:
+    """argparse type: a TCP port, 1 to 65535."""
+    value = _whole(text)
+    if not 1 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"a TCP port is a whole number from 1 to 65535, got {value}")
+    return value
 
 
 def image_size(text: str) -> int | list[int]:

@@ -20,7 +20,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
     from branchdiff.evaluation.preflight import check_output_folder, check_prompt_set, check_video_rewards
     from branchdiff.models.families import FAMILIES
     from branchdiff.rewards.combine import parse_reward_specs
-    from branchdiff.rewards.multi import build_component
+    from branchdiff.rewards.multi import build_component, check_remote_kwargs
     from branchdiff.rewards.registry import check_reward_kwargs, resolve_reward
     from branchdiff.runtime.distributed import disconnect
 
@@ -37,6 +37,8 @@ def cmd_eval(args: argparse.Namespace) -> None:
     for spec in specs:
         if spec.remote is None:
             check_reward_kwargs(spec.name, factories[spec.name], spec.kwargs)
+        else:
+            check_remote_kwargs(spec)
     if FAMILIES[settings.family].video:  # before any reward loads
         check_video_rewards("--rewards", specs, factories)
     check_prompt_set(prompt_set, settings.family, size, specs, factories)

@@ -7,6 +7,7 @@ errors too, without its usage block; `--debug` shows the traceback instead); Ctr
 configuration has been validated. A dependency that fails to import is one line too, naming the
 package, the torch and torchvision installed and the fix. Every case is listed in docs/errors.md.
 A check whose answer is no exits with 1, its output printed as usual (`plan`: the run does not fit).
+Every hub request a command makes waits at most `HUB_TIMEOUT` seconds for the hub (branchdiff/runtime/hub.py).
 """
 
 from __future__ import annotations
@@ -45,7 +46,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if not debug:
         _quiet_third_party_logs()
+    from branchdiff.runtime.hub import bound_hub_calls
+
     try:
+        bound_hub_calls()  # model and reward weights named by a hub id, HPDv2 prompts (push: its --timeout)
         status = COMMANDS[args.command](args)
     except KeyboardInterrupt as interrupt:
         if debug:

@@ -7,7 +7,8 @@ import argparse
 from pathlib import Path
 from typing import NoReturn
 
-from branchdiff.cli.arguments import at_least, finite, fraction, image_size, new_file_or_stdout, non_negative, positive
+from branchdiff.cli.arguments import at_least, finite, fraction, image_size, new_file_or_stdout, non_negative, port, positive
+from branchdiff.runtime.hub import HUB_ATTEMPTS, HUB_TIMEOUT
 from branchdiff.search import SEARCHES
 from branchdiff.settings.config import DEFAULT_PRESET, MAX_STEPS
 from branchdiff.settings.evaluation import SOLVERS
@@ -149,7 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve = commands.add_parser("serve-reward", help="serve a reward over HTTP (docs/reward-server.md)")
     serve.add_argument("name", help="registered name, entry point or dotted path 'package.module:Name'")
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default: this machine only)")
-    serve.add_argument("--port", type=at_least(1), default=8765, help="port to listen on")
+    serve.add_argument("--port", type=port, default=8765, help="port to listen on, 1 to 65535 (default 8765)")
     serve.add_argument("--device", default="cpu", help="device of the reward's model")
     serve.add_argument("--kwargs", default=None, help="keyword arguments of the reward, a YAML mapping: '{checkpoint: PATH}'")
     serve.add_argument("--token-file", default=None, help="a file holding the shared token clients must send (required to listen beyond 127.0.0.1)")
@@ -175,6 +176,9 @@ def build_parser() -> argparse.ArgumentParser:
     push.add_argument("run_dir", help="the run folder (output_dir of branchdiff train)")
     push.add_argument("--repo-id", required=True, help="the hub repository, OWNER/NAME (created when missing)")
     push.add_argument("--private", action="store_true", help="create the repository private")
+    push.add_argument("--timeout", type=positive, default=HUB_TIMEOUT,
+                      help=f"seconds each hub request may wait for the hub (connect, send, each read); a hub out of reach is tried "
+                           f"{HUB_ATTEMPTS} times in all (default {HUB_TIMEOUT:g})")
 
     commands.add_parser("families", help="list the model families: built-in and installed, each one's pipeline, guidance and sizes")
 

@@ -2,7 +2,9 @@
 card. The LoRA (`pytorch_lora_weights.safetensors`) goes to the repository's root, where
 `pipe.load_lora_weights(ID)` finds it; a full fine-tuning's denoiser folder keeps its name
 (`transformer/`, `unet/`, `transformer_2/`). Beside them: README.md (the card, its usage written for
-ID), the newest sample grid, config.yaml and eval.json. One `huggingface_hub` upload of a staged folder."""
+ID), the newest sample grid, config.yaml and eval.json. One `huggingface_hub` upload of a staged folder; each
+hub call waits at most --timeout seconds for the hub and is tried again while the hub is out of reach
+(branchdiff/runtime/hub.py)."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from pathlib import Path
 from branchdiff.errors import UserError
 
 EXPORTS = ("lora", "transformer", "unet", "transformer_2")
+MORE_TIME = "; give more seconds with --timeout"  # the end of the line of a hub that did not answer in time
 
 
 def exported(run_dir: Path) -> str:
@@ -51,6 +54,8 @@ def cmd_push(args: argparse.Namespace) -> None:
     from huggingface_hub import HfApi
     from huggingface_hub.errors import HfHubHTTPError
 
+    from branchdiff.runtime.hub import bound_hub_calls, call_hub
+
     run_dir = Path(args.run_dir)
     if not (run_dir / "config.yaml").is_file():
         raise UserError(f"{run_dir}: not a run folder (no config.yaml); pass the output_dir of branchdiff train")
@@ -58,10 +63,12 @@ def cmd_push(args: argparse.Namespace) -> None:
         raise UserError(f"--repo-id {args.repo_id}: a hub repository is OWNER/NAME, e.g. my-name/flux-hps-branch-lora")
     with tempfile.TemporaryDirectory() as staging:
         files = stage(run_dir, args.repo_id, Path(staging))
-        api = HfApi()
+        bound_hub_calls(args.timeout)
+        api, what = HfApi(), f"push to {args.repo_id}"
         try:
-            api.create_repo(args.repo_id, private=args.private, exist_ok=True)
-            commit = api.upload_folder(folder_path=staging, repo_id=args.repo_id, commit_message=f"branchdiff push of {run_dir.name}")
+            call_hub(lambda: api.create_repo(args.repo_id, private=args.private, exist_ok=True), what, MORE_TIME)
+            commit = call_hub(lambda: api.upload_folder(folder_path=staging, repo_id=args.repo_id, commit_message=f"branchdiff push of {run_dir.name}"),
+                              what, MORE_TIME)
         except HfHubHTTPError as error:
             raise UserError(f"push to {args.repo_id}: the hub refused ({str(error).splitlines()[0]}); log in with `hf auth login` or set "
                             "HF_TOKEN to a token that can write there") from None

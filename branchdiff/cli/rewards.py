@@ -61,10 +61,11 @@ def cmd_rewards(args: argparse.Namespace) -> None:
 def cmd_serve_reward(args: argparse.Namespace) -> None:
     from branchdiff.rewards.registry import build_reward
     from branchdiff.rewards.remote import read_token
-    from branchdiff.rewards.server import Limits, check_host, serve
+    from branchdiff.rewards.server import Limits, check_address, check_host, serve
 
     token = read_token(args.token_file) if args.token_file else None
     check_host(args.host, token)  # before the reward loads
+    check_address(args.host, args.port)
     check_device(args.device)
     limits = Limits(args.max_images, args.max_bytes, args.max_batch)
     serve(build_reward(args.name, args.device, reward_kwargs(args.kwargs)), args.host, args.port, limits=limits, token=token)

@@ -39,6 +39,7 @@ def check_search(args: argparse.Namespace, settings: EvalSettings, seed: int, si
     from branchdiff.evaluation.preflight import check_prompt_set
     from branchdiff.models import adapter_class
     from branchdiff.models.families import FAMILIES, STEP_KINDS
+    from branchdiff.rewards.multi import check_remote_kwargs
     from branchdiff.rewards.registry import check_reward_kwargs, resolve_reward
 
     steps = FAMILIES[settings.family].steps
@@ -55,6 +56,8 @@ def check_search(args: argparse.Namespace, settings: EvalSettings, seed: int, si
     if spec.remote is None:
         factories[spec.name] = resolve_reward(spec.name)
         check_reward_kwargs(spec.name, factories[spec.name], spec.kwargs)
+    else:
+        check_remote_kwargs(spec)
     check_prompt_set(PromptSet("--prompt", list(args.prompt), [{} for _ in args.prompt]), settings.family, size, [spec], factories)
     return search, spec
 

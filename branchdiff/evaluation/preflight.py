@@ -64,8 +64,10 @@ def check_video_rewards(key: str, specs: list[RewardSpec], factories: dict) -> N
 def _scores_videos(spec: RewardSpec, factories: dict) -> bool:
     if spec.remote is None:
         return bool(getattr(factories.get(spec.name), "video", False))
+    from branchdiff.rewards.multi import check_remote_kwargs
     from branchdiff.rewards.remote import RemoteReward
 
+    check_remote_kwargs(spec)
     return RemoteReward(spec.remote, **spec.kwargs).video  # an unreachable server is one line here, before anything is written
 
 

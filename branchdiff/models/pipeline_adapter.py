@@ -55,16 +55,17 @@ class PipelineAdapter(ModelAdapter):
         images of `size` (height, width); `options` go to the family's constructor (Wan: `frames`)."""
         cls.check_path(path)
         from branchdiff.models.lora import pipeline_class
+        from branchdiff.runtime.hub import transport_errors
 
         pipeline = pipeline_class(cls.pipeline_class_name)  # imported first: diffusers sets its log level on import
         with quiet_loading():
             try:
                 pipe = pipeline.from_pretrained(str(path), dtype=dtype)
-            except (OSError, ValueError) as error:
+            except (OSError, ValueError, *transport_errors()) as error:  # a hub that timed out reaches here as the HTTP client's error
                 raise UserError(f"model.path={quote(str(path), 80)} could not be loaded as a {cls.pipeline_class_name} ({_load_failure(path, error)}); "
                                 f"pass model.path= a local diffusers folder (model_index.json beside {cls.denoiser_name}/, vae/, "
                                 "text_encoder*/, tokenizer*/ and scheduler/), or a hub id on a machine that reaches the hub "
-                                "(gated models: huggingface-cli login first)") from None
+                                "(gated models: hf auth login first)") from None
         return cls(pipe, device, size, offload, **options)
 
     def replace_denoiser(self, denoiser: torch.nn.Module) -> None:
@@ -232,6 +233,10 @@ def check_multiple(size: tuple[int, int], multiple: int, family: str) -> None:
 
 def _load_failure(path: str | Path, error: Exception) -> str:
     """Why a pipeline did not load, in a few words."""
+    from branchdiff.runtime.hub import hub_failure, transport_errors
+
+    if isinstance(error, transport_errors()):
+        return f"not in the local hub cache, and {hub_failure(error)}"
     folder = Path(path)
     if folder.is_dir():
         return "no model_index.json in that folder" if not (folder / "model_index.json").is_file() else one_line(error, 160)

@@ -15,6 +15,7 @@ import inspect
 import re
 import warnings
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -23,7 +24,7 @@ from branchdiff.errors import one_line, quote
 from branchdiff.rewards.base import check_scores
 from branchdiff.rewards.combine import RewardSpec, combine
 from branchdiff.rewards.frames import FrameAggregation
-from branchdiff.rewards.registry import build_reward, reward_key
+from branchdiff.rewards.registry import build_reward, check_reward_kwargs, reward_key
 
 
 class RewardError(RuntimeError):
@@ -101,11 +102,20 @@ def metric_name(label: str) -> str:
     return "reward_" + re.sub(r"[^A-Za-z0-9._-]", "_", label)
 
 
+def check_remote_kwargs(spec: RewardSpec) -> None:
+    """Refuse keyword arguments a reward server's client (`RemoteReward`, its URL the spec's `remote`)
+    does not take, naming those it does, before anything is built."""
+    from branchdiff.rewards.remote import RemoteReward
+
+    check_reward_kwargs(spec.label, partial(RemoteReward, spec.remote), spec.kwargs)
+
+
 def build_component(spec: RewardSpec, device: str) -> object:
     """The reward a spec names: a `RemoteReward` for `remote`, else `registry.build_reward`."""
     if spec.remote is not None:
         from branchdiff.rewards.remote import RemoteReward
 
+        check_remote_kwargs(spec)
         return RemoteReward(spec.remote, **spec.kwargs)
     return build_reward(spec.name, device, spec.kwargs)
 

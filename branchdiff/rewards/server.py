@@ -31,6 +31,7 @@ import importlib
 import ipaddress
 import logging
 import math
+import os
 import queue
 import socket
 import sys
@@ -229,12 +230,20 @@ def create_app(reward: object, limits: Limits = Limits(), token: str | None = No
     return app
 
 
+def check_address(host: str, port: int) -> None:
+    """Refuse, in one line, an address this machine cannot listen on (a port in use, a host not its
+    own), before the reward loads: `serve` listens there once it has."""
+    _listen(host, port).close()
+
+
 def _listen(host: str, port: int) -> socket.socket:
     """A listening TCP socket on host:port (port 0: a free port), or a one-line ValueError."""
     try:
         return socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
     except OSError as error:
-        raise ValueError(f"reward server cannot listen on {host}:{port}: {error.strerror or error}") from None
+        reason = os.strerror(error.errno) if isinstance(error.errno, int) and error.errno > 0 else error.strerror or error
+        raise ValueError(f"reward server cannot listen on {host}:{port} ({reason}); give a --port nothing else listens on (or stop what "
+                         "listens there) and a --host of this machine") from None
 
 
 def _uvicorn_server(reward: object, log_level: str, limits: Limits, token: str | None):

@@ -1,11 +1,12 @@
 """What `branchdiff train` checks before it claims a run directory, loads a model, a reward or a
 checkpoint, or writes anything: beyond the config itself (branchdiff/settings/validate.py), the
 family's model path is given where it has no built-in weights, every training and evaluation reward
-resolves (its name imported, its keyword arguments accepted; the evaluation rewards even when the run
-does not evaluate), the image size (and a video's frame count) fits the model folder's config files,
-and each prompt set the run reads passes the checks `sample` and `eval` share
-(branchdiff/evaluation/preflight.py: length, the rewards' own prompt checks, source images, and on a
-video family every reward scores videos or names its frames).
+resolves (its name imported, its keyword arguments accepted, a reward server's client's too; the
+evaluation rewards even when the run does not evaluate), the image size (and a video's frame count) fits
+the model folder's config files, a tracker that logs online (W&B, SwanLab) has credentials, and each
+prompt set the run reads passes the checks `sample` and `eval` share (branchdiff/evaluation/preflight.py:
+length, the rewards' own prompt checks, source images, and on a video family every reward scores videos
+or names its frames).
 The run directory is then claimed (branchdiff/runtime/run_dir.py) and the checkpoint to resume chosen
 (`Trainer.select_checkpoint`), still before the model loads.
 """
@@ -19,10 +20,11 @@ from branchdiff.models.attention import check_backend
 from branchdiff.models.compile import check_compiler
 from branchdiff.models.families import FAMILIES, image_size
 from branchdiff.rewards.combine import parse_reward_specs
+from branchdiff.rewards.multi import check_remote_kwargs
 from branchdiff.rewards.registry import check_reward_kwargs, resolve_reward
 from branchdiff.settings.config import TrainConfig
 from branchdiff.settings.validate import tracker_names
-from branchdiff.training.trackers import check_installed
+from branchdiff.training.trackers import check_credentials, check_installed
 
 
 def check_inputs(config: TrainConfig) -> None:
@@ -37,10 +39,13 @@ def check_inputs(config: TrainConfig) -> None:
         if spec.remote is None:
             factories[spec.name] = resolve_reward(spec.name)
             check_reward_kwargs(spec.name, factories[spec.name], spec.kwargs)
+        else:
+            check_remote_kwargs(spec)
     check_size(config.model.family, config.model.path, config.model.resolution)
     check_backend(config.model.attention_backend)
     check_compiler(config.model.compile)
     check_installed(tracker_names(config.logging.report_to))
+    check_credentials(tracker_names(config.logging.report_to))
     check_frames(config.model.family, config.model.path, config.model.frames)
     if FAMILIES[config.model.family].video:
         for key, specs in (("reward", train_specs), *((("eval_rewards", eval_specs),) if evaluates else ())):

@@ -7,7 +7,10 @@ A run keeps one id (RUN/trackers.json), so a resumed run continues the same W&B 
 Offline: W&B with `WANDB_MODE=offline` (RUN/logs/wandb/offline-run-*, `wandb sync` uploads them),
 SwanLab with `SWANLAB_MODE=offline` (RUN/logs/swanlab/run-*, `swanlab sync`) or `local` (the same files, read
 by `swanlab watch RUN/logs/swanlab`; needs `swanlab[dashboard]`). Their files live under RUN/logs; the main
-process alone writes them.
+process alone writes them. Online without credentials is refused before anything is written
+(`check_credentials`); a tracker whose server is out of reach ends the run with one line once the
+library's own bounds run out (W&B: `init_timeout`, 90 s, WANDB_INIT_TIMEOUT; SwanLab: 10 s a request,
+5 retries).
 """
 
 from __future__ import annotations
@@ -21,10 +24,12 @@ from typing import Any
 
 import torch
 
-from branchdiff.errors import ConfigError
+from branchdiff.errors import ConfigError, UserError, one_line
 from branchdiff.runtime import storage
 
 IDS_FILE = "trackers.json"
+OFFLINE = {"wandb": "WANDB_MODE=offline (upload later with `wandb sync`)",
+           "swanlab": "SWANLAB_MODE=offline (upload later with `swanlab sync`) or local"}  # the online trackers, and how each logs offline
 
 
 def check_installed(names: list[str]) -> None:
@@ -35,6 +40,42 @@ def check_installed(names: list[str]) -> None:
         if importlib.util.find_spec(name) is None:
             raise ConfigError(f"logging.report_to includes {name}, whose package is not installed: pip install {name} "
                               "(or pip install \"branchdiff-rl[track]\"), or leave it out")
+
+
+def check_credentials(names: list[str]) -> None:
+    """Refuse W&B or SwanLab online without credentials, before anything is written: without a
+    terminal their init stops the run once its folder is written, and with one it asks for a key."""
+    for name, ready in (("wandb", _wandb_ready), ("swanlab", _swanlab_ready)):
+        if name in names and not ready():
+            key = f"{name.upper()}_API_KEY"
+            raise ConfigError(f"logging.report_to includes {name}, which logs online and finds no credentials here (no {key}, no `{name} login`): "
+                              f"run `{name} login` or set {key}, log offline with {OFFLINE[name]}, or use logging.report_to=tensorboard")
+
+
+def _wandb_ready() -> bool:
+    """W&B logs offline (or is disabled), or finds credentials where wandb.init looks: the environment,
+    `wandb login`'s netrc, its settings files. Read afresh, with neither a prompt nor the network, and
+    without wandb's session (which keeps the first settings a process reads)."""
+    import os
+
+    import wandb
+    from wandb.sdk.lib import wbauth
+
+    settings = wandb.Settings(settings_system=str(Path(os.environ.get("WANDB_CONFIG_DIR", "~/.config/wandb")).expanduser() / "settings"))
+    settings.update_from_system_settings()  # `wandb offline`, `wandb login --host`
+    settings.update_from_env_vars(dict(os.environ))
+    if settings.mode in ("offline", "dryrun", "disabled"):
+        return True
+    host = wbauth.HostUrl(settings.base_url, app_url=settings.app_url)
+    return bool(settings.api_key or settings.identity_token_file or wbauth.session_credentials(host=host) or wbauth.read_netrc_auth(host=host))
+
+
+def _swanlab_ready() -> bool:
+    """SwanLab logs locally, offline (or is disabled), or finds a key: SWANLAB_API_KEY or `swanlab login`'s."""
+    import swanlab
+
+    settings = swanlab.Settings()  # the environment and the saved login, as swanlab.init reads them
+    return settings.mode != "online" or settings.api_key is not None
 
 
 def run_id(run_dir: Path) -> str:
@@ -68,7 +109,15 @@ def start(accelerator, names: list[str], run_dir: Path, start_iteration: int, co
         return
     identity = run_id(run_dir) if accelerator.is_main_process else ""
     accelerator.trackers = []  # a second start (the final evaluation's) replaces the finished ones
-    accelerator.init_trackers("branchdiff", init_kwargs=init_kwargs(names, run_dir, identity, start_iteration, config))
+    try:
+        accelerator.init_trackers("branchdiff", init_kwargs=init_kwargs(names, run_dir, identity, start_iteration, config))
+    except Exception as error:  # each library raises its own types
+        library = type(error).__module__.partition(".")[0]
+        if library not in OFFLINE:
+            raise
+        raise UserError(f"logging.report_to: {library} did not start ({one_line(error, 200)}); check the network connection and its "
+                        f"server, log offline with {OFFLINE[library]}, or use logging.report_to=tensorboard; the run folder is kept: "
+                        "run the same command again") from None
 
 
 def log_grid(accelerator, names: list[str], tag: str, grid: torch.Tensor, step: int) -> None:
