@@ -48,10 +48,11 @@ def closed_port():
 def hub_at(monkeypatch):
     """huggingface_hub pointed at a URL, as HF_ENDPOINT does when it is imported, with a token and
     offline mode off (turned on above)."""
-    from huggingface_hub import constants
+    from huggingface_hub import constants, hf_api
 
     def point(url: str) -> None:
         monkeypatch.setattr(constants, "ENDPOINT", url)
+        monkeypatch.setattr(hf_api.api, "endpoint", url)  # the module's HfApi (model_info, diffusers' look-up) read ENDPOINT when imported
         monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE", url + "/{repo_id}/resolve/{revision}/{filename}")
         monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
         monkeypatch.setenv("HF_TOKEN", "hf_test_token_not_sent_anywhere")
