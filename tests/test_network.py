@@ -71,31 +71,31 @@ def fresh_wandb():
     wandb.teardown()
 
 
+def _silent_tracker_line(name: str, environment: dict[str, str], tmp_path, monkeypatch, capsys, within: float) -> str:
+    """A short run logging to tracker `name` (its settings in `environment`) whose server never answers: exit 2
+    within `within` seconds; the line."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.delenv(f"{name.upper()}_MODE", raising=False)
+    for key, value in environment.items():
+        monkeypatch.setenv(key, value)
+    start = time.monotonic()
+    assert main(["train", "tiny-chain", f"output_dir={tmp_path / 'run'}", f"logging.report_to={name}", *QUICK]) == 2
+    assert time.monotonic() - start < within
+    return one_line(capsys)
+
+
 def test_a_wandb_server_that_never_answers_ends_the_run_with_one_line(silent_server, fresh_wandb, tmp_path, monkeypatch, capsys):
     """W&B's own bound (init_timeout, here WANDB_INIT_TIMEOUT=2) runs out on its first request (the run's
     resume status); its CommError was a traceback."""
-    monkeypatch.setenv("HOME", str(tmp_path))
-    monkeypatch.delenv("WANDB_MODE", raising=False)
-    for name, value in (("WANDB_BASE_URL", silent_server), ("WANDB_API_KEY", "local-" + "k" * 40), ("WANDB_INIT_TIMEOUT", "2"),
-                        ("WANDB_SILENT", "true")):
-        monkeypatch.setenv(name, value)
-    start = time.monotonic()
-    assert main(["train", "tiny-chain", f"output_dir={tmp_path / 'run'}", "logging.report_to=wandb", *QUICK]) == 2
-    assert time.monotonic() - start < 120
+    environment = {"WANDB_BASE_URL": silent_server, "WANDB_API_KEY": "local-" + "k" * 40, "WANDB_INIT_TIMEOUT": "2", "WANDB_SILENT": "true"}
     assert re.fullmatch(rf"logging.report_to: wandb did not start \(.*{silent_server}.*\); check the network connection and its server, log offline "
                         r"with WANDB_MODE=offline \(upload later with `wandb sync`\), or use logging.report_to=tensorboard; the run folder is "
-                        r"kept: run the same command again", one_line(capsys))
+                        r"kept: run the same command again", _silent_tracker_line("wandb", environment, tmp_path, monkeypatch, capsys, 120))
 
 
 @pytest.mark.slow  # SwanLab's own bound, 6 requests of 10 s, cannot be shortened: about 80 s
 def test_a_swanlab_server_that_never_answers_ends_the_run_with_one_line(silent_server, tmp_path, monkeypatch, capsys):
-    monkeypatch.setenv("HOME", str(tmp_path))
-    monkeypatch.delenv("SWANLAB_MODE", raising=False)
-    for name, value in (("SWANLAB_API_HOST", f"{silent_server}/api"), ("SWANLAB_WEB_HOST", silent_server), ("SWANLAB_API_KEY", "k" * 21)):
-        monkeypatch.setenv(name, value)
-    start = time.monotonic()
-    assert main(["train", "tiny-chain", f"output_dir={tmp_path / 'run'}", "logging.report_to=swanlab", *QUICK]) == 2
-    assert time.monotonic() - start < 180
+    environment = {"SWANLAB_API_HOST": f"{silent_server}/api", "SWANLAB_WEB_HOST": silent_server, "SWANLAB_API_KEY": "k" * 21}
     assert re.fullmatch(r"logging.report_to: swanlab did not start \(.*\); check the network connection and its server, log offline with "
                         r"SWANLAB_MODE=offline \(upload later with `swanlab sync`\) or local, or use logging.report_to=tensorboard; the run "
-                        r"folder is kept: run the same command again", one_line(capsys))
+                        r"folder is kept: run the same command again", _silent_tracker_line("swanlab", environment, tmp_path, monkeypatch, capsys, 180))
