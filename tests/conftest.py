@@ -2,6 +2,10 @@ import os
 import socket
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # read once, when huggingface_hub is first imported: no test reaches the network
+# one compute thread in each process a test starts (a two-process run puts two on two cores; with torch's default, one
+# per core each, they oversubscribed the CI machines: 21 min against 12:49 measured on the slower type); this process
+# sets its own below
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import huggingface_hub.utils.logging  # noqa: F401  # outside any test's captured stderr: its log handler keeps the stream it finds
 import pytest
