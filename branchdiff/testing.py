@@ -25,9 +25,9 @@ from branchdiff.core.rollout import NoiseAddress, SamplerSettings, grow
 from branchdiff.core.tree import TreeSpec, build_tree
 from branchdiff.models import adapter_class, load_adapter
 from branchdiff.models.base import ModelAdapter
-from branchdiff.models.families import FAMILIES
 from branchdiff.models.finetune import LoraFinetune
 from branchdiff.models.lora import pipeline_class
+from branchdiff.models.registry import FAMILIES
 
 PROMPTS = ("a red circle on the left", "two blue squares at the top")
 MOVED = 1e-3  # a random LoRA must change the images at least this much, or the round trip proves nothing

@@ -61,3 +61,17 @@ def test_a_wrong_import_breaks_a_contract(tmp_path, importer, line, broken):
     done = _tool("lint-imports", "--no-cache", cwd=copy, env={**os.environ, "PYTHONPATH": str(copy)})
     shown = re.sub(r"\x1b\[[0-9;]*m", "", done.stdout)  # import-linter colours its report whether or not it is a terminal
     assert done.returncode != 0 and broken in shown, shown[-3000:]
+
+
+def test_the_layer_map_is_the_contract_and_covers_the_package():
+    """CONTRIBUTING.md's table of layers, top to bottom, is import-linter's layers contract, and every module
+    and folder of the package is in it (`plan/` and `testing.py` were in neither map)."""
+    import tomllib
+
+    contract = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"][0]["layers"]
+    layers = [sorted(part.strip().removeprefix("branchdiff.") for part in row.split("|")) for row in contract]
+    house = (REPO / "CONTRIBUTING.md").read_text().split("## The house", 1)[1].split("\n## ", 1)[0]
+    rows = [re.findall(r"`([a-z_]+)(?:/|\.py)`", line.split("|")[1]) for line in house.splitlines() if line.startswith("| `")]
+    assert [sorted(row) for row in rows] == layers
+    package = {p.stem for p in (REPO / "branchdiff").iterdir() if (p.is_dir() and (p / "__init__.py").exists()) or p.suffix == ".py"}
+    assert package - {"__init__"} == {name for row in layers for name in row}

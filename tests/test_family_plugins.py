@@ -1,4 +1,4 @@
-"""Families from other packages (branchdiff/models/families.py, branchdiff/testing.py): a distribution
+"""Families from other packages (branchdiff/models/registry.py, branchdiff/testing.py): a distribution
 installed on the path registers families through the `branchdiff.families` entry point group; in a
 fresh process `branchdiff families` lists them, the documented checks pass on a right adapter and
 fail on a wrong one, and the plugin family trains. The built-in table is checked in-process."""
@@ -17,7 +17,7 @@ from tiny_pipelines import save_pipeline
 
 TESTS = Path(__file__).parent
 
-PACKAGE = '''from branchdiff.models.families import Family
+PACKAGE = '''from branchdiff.models.registry import Family
 
 FAMILY = Family("plugin_families.adapter:PluginSD3", "flow", 32, side_multiple=4)
 BROKEN = Family("plugin_families.adapter:BrokenSD3", "flow", 32, side_multiple=4)
@@ -78,8 +78,9 @@ def test_a_family_from_an_installed_package_is_listed_checked_and_trains(tmp_pat
     lines = done.stdout.splitlines()
     rows = {line.split()[0]: line for line in lines if line and not line.startswith(("size:", "{", "broken-sd3 "))}
     assert "plugin-sd3" in rows and "StableDiffusion3Pipeline" in rows["plugin-sd3"] and "entry point plugin_families.adapter:PluginSD3" in rows["plugin-sd3"]
-    assert any(line.startswith("sd3 ") and "not used: entry point plugin_families:FAMILY: the name of a built-in family" in line for line in lines)
-    assert any("text-family" in line and "is a str, not a branchdiff.models.families.Family" in line for line in lines)
+    assert any(line.startswith("sd3 ") and "not used: entry point plugin_families:FAMILY (package plugin-families): the name of the built-in family 'sd3'" in line
+               for line in lines)
+    assert any("text-family" in line and "is a str, not a branchdiff.models.registry.Family" in line for line in lines)
     measured = json.loads(next(line for line in lines if line.startswith("{")))
     assert set(measured) == {"sampling 32x32", "lora 32x32", "sampling 32x16", "lora 32x16"} and max(measured.values()) <= 1e-4
     assert any(line.startswith("broken-sd3 failed: sampling 32x32: branchdiff and the pipeline differ by") for line in lines)
@@ -88,7 +89,7 @@ def test_a_family_from_an_installed_package_is_listed_checked_and_trains(tmp_pat
 
 def test_families_lists_every_built_in_family(capsys):
     from branchdiff.cli import main
-    from branchdiff.models.families import BUILT_IN
+    from branchdiff.models.registry import BUILT_IN
 
     assert main(["families"]) == 0
     lines = capsys.readouterr().out.splitlines()

@@ -17,10 +17,10 @@ import torch
 from branchdiff.core.engine import NoiseAddress, SamplerSettings
 from branchdiff.core.rollout import grow
 from branchdiff.core.tree import Split, TreeSpec, build_tree
-from branchdiff.search import SEARCHES, make_search
 from branchdiff.search.backup import aggregate, backup_path
 from branchdiff.search.fixed_tree import FixedTree
 from branchdiff.search.forest import SearchForest, regenerate_path
+from branchdiff.search.registry import SEARCHES, make_search
 from branchdiff.search.run import prompt_generators, run_search
 from branchdiff.search.sample import SEARCH_ITERATION, SearchSettings, encode_each, search_prompts
 

@@ -141,8 +141,8 @@ def test_a_video_leaf_regrown_alone_is_bit_for_bit_the_trees():
 
 def test_a_search_over_video_latents_stays_in_budget_and_its_winner_regrows_exactly():
     """DTS* on the toy video model, its reward a function of the decoded frames (B, F, C, H, W)."""
-    from branchdiff.search import make_search
     from branchdiff.search.forest import SearchForest, regenerate_path
+    from branchdiff.search.registry import make_search
     from branchdiff.search.run import run_search
     from branchdiff.search.sample import SEARCH_ITERATION, encode_each
 

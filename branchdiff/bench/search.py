@@ -34,7 +34,7 @@ from branchdiff.bench.tables import band, table, write_outputs
 from branchdiff.data.prompts import load_prompt_set
 from branchdiff.rewards.combine import parse_reward_specs
 from branchdiff.rewards.multi import build_component, score_component
-from branchdiff.search import SEARCHES
+from branchdiff.search.registry import SEARCHES
 from branchdiff.search.sample import SearchSettings, search_prompts
 
 STEPS = 10

@@ -33,8 +33,8 @@ def sampling_settings(args: argparse.Namespace) -> tuple[EvalSettings, Path | No
 def check_model(settings: EvalSettings, weights: str | None) -> tuple[int, int]:
     """What `load_model` checks before anything loads (its docstring); returns the (height, width) the model will make."""
     from branchdiff.models import adapter_class, check_frames, check_size
-    from branchdiff.models.families import FAMILIES
     from branchdiff.models.finetune import locate_weights
+    from branchdiff.models.registry import FAMILIES
 
     adapter_class(settings.family).check_path(settings.model, "--model")
     if not settings.prompt_instruction and not FAMILIES[settings.family].instruction:

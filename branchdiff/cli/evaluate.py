@@ -18,7 +18,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
     from branchdiff.data.prompts import load_prompt_set
     from branchdiff.evaluation.evaluate import evaluate, format_summary, gather_results, write_outputs
     from branchdiff.evaluation.preflight import check_output_folder, check_prompt_set, check_video_rewards
-    from branchdiff.models.families import FAMILIES
+    from branchdiff.models.registry import FAMILIES
     from branchdiff.rewards.combine import parse_reward_specs
     from branchdiff.rewards.multi import build_component, check_remote_kwargs
     from branchdiff.rewards.registry import check_reward_kwargs, resolve_reward

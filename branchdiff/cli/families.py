@@ -9,8 +9,8 @@ def family_rows() -> list[dict[str, str]]:
     """One row per family: its name, the diffusers pipeline it reproduces, step kind, guidance, default
     and allowed sizes, frames (videos) and where it came from; then entry points that could not be used."""
     from branchdiff.models import adapter_class
-    from branchdiff.models.families import BUILT_IN, FAMILIES, REFUSED_PLUGINS, image_size
     from branchdiff.models.pipeline_adapter import PipelineAdapter
+    from branchdiff.models.registry import BUILT_IN, FAMILIES, REFUSED_PLUGINS, image_size
 
     rows, unusable = [], dict(REFUSED_PLUGINS)
     for name, spec in FAMILIES.items():

@@ -9,7 +9,7 @@ from typing import NoReturn
 
 from branchdiff.cli.arguments import at_least, finite, fraction, image_size, new_file_or_stdout, non_negative, port, positive
 from branchdiff.runtime.hub import HUB_ATTEMPTS, HUB_TIMEOUT
-from branchdiff.search import SEARCHES
+from branchdiff.search.registry import SEARCHES
 from branchdiff.settings.config import DEFAULT_PRESET, MAX_STEPS
 from branchdiff.settings.evaluation import SOLVERS
 
@@ -284,7 +284,7 @@ def _presets_help() -> str:
 
 
 def _model_arguments(sub: argparse.ArgumentParser) -> None:
-    from branchdiff.models.families import FAMILIES
+    from branchdiff.models.registry import FAMILIES
 
     sub.add_argument("--family", default=None, choices=list(FAMILIES), help="model family (default: tiny)")
     sub.add_argument("--model", default=None, help="diffusers pipeline directory or hub id (default: the built-in tiny model)")

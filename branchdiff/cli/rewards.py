@@ -21,12 +21,13 @@ def cmd_rewards(args: argparse.Namespace) -> None:
         notes = [f"  {row['name']}: {row['note']}" for row in rows if row["note"]]
         if notes:
             print("\nnot downloaded: fetched from the hub when first used online; offline, download it and pass its local path as the\n"
-                  "keyword argument shown (kwargs: {checkpoint: PATH}; docs/rewards.md). missing: install it as shown.")
+                  "keyword argument shown (kwargs: {checkpoint: PATH}; docs/rewards.md). missing: install it as shown. not used: an\n"
+                  "installed entry point whose name is taken, shown with both sources.")
             print("\n".join(notes))
         return
     from branchdiff.data.prompts import load_prompt_set
     from branchdiff.evaluation.preflight import check_prompt_set
-    from branchdiff.models.families import FAMILIES
+    from branchdiff.models.registry import FAMILIES
     from branchdiff.rewards.combine import RewardSpec
     from branchdiff.rewards.frames import FrameAggregation
     from branchdiff.rewards.registry import check_reward_kwargs, resolve_reward

@@ -38,7 +38,7 @@ def check_search(args: argparse.Namespace, settings: EvalSettings, seed: int, si
     from branchdiff.data.prompts import PromptSet
     from branchdiff.evaluation.preflight import check_prompt_set
     from branchdiff.models import adapter_class
-    from branchdiff.models.families import FAMILIES, STEP_KINDS
+    from branchdiff.models.registry import FAMILIES, STEP_KINDS
     from branchdiff.rewards.multi import check_remote_kwargs
     from branchdiff.rewards.registry import check_reward_kwargs, resolve_reward
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
-from branchdiff.models.families import FAMILIES, image_size
+from branchdiff.models.registry import FAMILIES, image_size
 
 if TYPE_CHECKING:
     import torch

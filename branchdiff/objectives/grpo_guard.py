@@ -13,7 +13,7 @@ as in the verl-omni recipe; `train.clip_range` is plain GRPO's).
 
 μ_old is the rollout's step mean: recovered exactly from the stored sample and the step noise,
 which is addressable (branchdiff/core/noise.py), as x' − m·s·ε (m: the split's noise multiplier).
-Flow-matching families only: the step size is a difference of σ (the settings refuse a DDIM family: `flow_only` in LOSSES).
+Flow-matching families only: the step size is a difference of σ (the settings refuse a DDIM family: `flow_only` in branchdiff/objectives/registry.py).
 """
 
 from __future__ import annotations

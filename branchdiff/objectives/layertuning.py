@@ -16,7 +16,7 @@ supervised pull does not stop exploration. Each choice below is an interpretatio
   has A = 0 everywhere and adds nothing.
 - **Reward-conditioned clip.** ρ ∈ [1 − ε·(1 + η·max(−A, 0)), 1 + ε·(1 + η·max(A, 0))] with
   ε = `train.clip_range` and η = `layertuning.clip_sensitivity` (`loss.reward_clipped_surrogate`).
-Flow-matching families only: the SFT target is a flow-matching velocity (the settings refuse a DDIM family: `flow_only` in LOSSES).
+Flow-matching families only: the SFT target is a flow-matching velocity (the settings refuse a DDIM family: `flow_only` in branchdiff/objectives/registry.py).
 """
 
 from __future__ import annotations

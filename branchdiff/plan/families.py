@@ -311,7 +311,7 @@ def family_key(config: Any) -> str:
 
 def size_of(config: Any) -> Size:
     """(frames, height, width) of what a run's model makes: frames 1 for an image family; the family's defaults where unset."""
-    from branchdiff.models.families import FAMILIES, image_size
+    from branchdiff.models.registry import FAMILIES, image_size
 
     spec = FAMILIES[config.model.family]
     height, width = image_size(config.model.resolution, spec.resolution)

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import yaml
 
-from branchdiff.objectives import all_update_metrics
+from branchdiff.objectives.registry import all_update_metrics
 from branchdiff.report.figures import Column
 
 # keys of metrics.jsonl that are not reward components (branchdiff/training/metrics.py, trainer.py)

@@ -25,7 +25,7 @@ import numpy as np
 from matplotlib.axes import Axes
 from matplotlib.ticker import LogLocator, NullLocator
 
-from branchdiff.objectives import objective_class
+from branchdiff.objectives.registry import OBJECTIVES, objective_class
 from branchdiff.report.figures import (
     Column,
     base_level,
@@ -42,7 +42,6 @@ from branchdiff.report.figures import (
 from branchdiff.report.html import STYLE, dotted_get, evenly_spaced, finite_mean, fmt, img, missing, note, table
 from branchdiff.report.run_data import DEPTH_KEY, Grid, Run, read_run, reward_components, sample_grids
 from branchdiff.runtime import storage
-from branchdiff.settings.config import LOSSES
 
 PHASES = ("rollout_seconds", "reward_seconds", "train_seconds", "eval_seconds")
 NFE_KEYS = ("nfe_rollout", "nfe_rollout_computed", "nfe_trained")
@@ -300,7 +299,7 @@ def _update_keys(run: Run) -> list[str]:
     """The statistics of the run's objective (`train.loss`; its counts are drawn with the NFE), the
     gradient norm and the skipped steps."""
     loss = dotted_get(run.config, "train.loss") or "grpo"
-    kinds = objective_class(loss).metric_kinds if loss in LOSSES else {}  # a run of a loss this version does not have: none
+    kinds = objective_class(loss).metric_kinds if loss in OBJECTIVES else {}  # a run of a loss this version does not have: none
     return [key for key, kind in kinds.items() if kind != "count"] + ["grad_norm", "steps_skipped"]
 
 

@@ -1,10 +1,11 @@
 """Build a reward from a registered name, an installed entry point or a dotted import path.
 
-- A **registered name** (`REGISTRY`: `tiny-geneval`, ...) names a built-in; its module is imported
+- A **registered name** (`BUILT_IN`: `tiny-geneval`, ...) names a built-in; its module is imported
   only when it is built, so a reward's heavy dependencies load only for runs that use it.
 - An **entry point** in the group `branchdiff.rewards` (a package's `pyproject.toml`:
   `[project.entry-points."branchdiff.rewards"] sharpness = "my_pkg.rewards:Sharpness"`) is found
-  by its name once the package is installed.
+  by its name once the package is installed; one that takes a built-in's name, or another package's,
+  is refused naming both (branchdiff/runtime/registry.py, every component's rule) and listed as such.
 - A **dotted path** `package.module:Name` names a class or factory in any importable module.
 
 Keyword arguments (from YAML: `{name: ..., kwargs: {...}}`) go to the class or factory; `device`
@@ -18,14 +19,12 @@ import importlib
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
-from importlib.metadata import entry_points
 from importlib.util import find_spec
 
 import torch
 
 from branchdiff.errors import quote
-
-ENTRY_POINT_GROUP = "branchdiff.rewards"
+from branchdiff.runtime.registry import Registry
 
 
 @dataclass(frozen=True)
@@ -36,7 +35,7 @@ class Registered:
     weights: tuple[tuple[str, str, str], ...] = ()  # (keyword argument, hub repo, a file of it) per weight it loads by default
 
 
-REGISTRY: dict[str, Registered] = {
+BUILT_IN: dict[str, Registered] = {
     "tiny-geneval": Registered("branchdiff.rewards.tiny_geneval:TinyGenEval"),
     "tiny-video": Registered("branchdiff.rewards.tiny_video:TinyVideoVerifier"),  # clips of the built-in video task
     "videoalign": Registered("branchdiff.rewards.videoalign:VideoAlignReward"),  # videos: a Qwen2-VL reward model from a local folder (VQ, MQ, TA)
@@ -59,16 +58,15 @@ REGISTRY: dict[str, Registered] = {
 }
 
 
+REWARDS = Registry("reward", "branchdiff.rewards", BUILT_IN)
+
+
 def _import(target: str, what: str):
     module_name, _, attribute = target.partition(":")
     try:
         return getattr(importlib.import_module(module_name), attribute)
     except (ImportError, AttributeError) as error:
         raise ValueError(f"{what} {target!r} could not be imported ({error}); expected 'package.module:Name'") from None
-
-
-def _entry_points() -> dict[str, object]:
-    return {point.name: point for point in entry_points(group=ENTRY_POINT_GROUP)}
 
 
 def _construct(factory, name: str, device: str, kwargs: dict) -> object:
@@ -88,21 +86,22 @@ def _construct(factory, name: str, device: str, kwargs: dict) -> object:
 def resolve_reward(name: str) -> Callable[..., object]:
     """The class or factory `name` names (registered name, entry point or dotted path), imported but
     not built: what a run checks before it loads anything."""
-    if name in REGISTRY:
-        registered = REGISTRY[name]
+    if name in BUILT_IN:
+        registered = BUILT_IN[name]
         missing = [module for module in registered.needs if find_spec(module) is None]
         if missing:
             raise ValueError(f"reward {name!r} needs {', '.join(missing)}: {registered.install}")
         return _import(registered.target, f"reward {name!r}:")
-    points = _entry_points()
-    if name in points:
+    if name in REWARDS.installed:
         try:
-            return points[name].load()
+            return REWARDS.load(name)
         except (ImportError, AttributeError) as error:
-            raise ValueError(f"reward {name!r} (entry point {points[name].value!r}) could not be loaded ({error})") from None
+            raise ValueError(f"reward {name!r} (entry point {REWARDS.installed[name].value!r}) could not be loaded ({error})") from None
+    if name in REWARDS.refused:
+        raise ValueError(f"reward {name!r} cannot be used: {REWARDS.refused[name]}")
     if ":" in name:
         return _import(name, "reward")
-    known = [*REGISTRY, *points]
+    known = REWARDS.names()
     close = difflib.get_close_matches(name, known, n=2)
     hint = f" (did you mean {', '.join(close)}?)" if close else ""
     raise ValueError(f"unknown reward {quote(name)}{hint}; available: {', '.join(known)}, or a dotted path 'package.module:Name'")
@@ -140,7 +139,7 @@ def available() -> list[dict[str, str]]:
     the local hub cache, so it needs the hub or a local path; `missing X`: a package it needs) and its
     default weights; `note` says how to get what is missing."""
     rows = []
-    for name, registered in REGISTRY.items():
+    for name, registered in BUILT_IN.items():
         missing = [module for module in registered.needs if find_spec(module) is None]
         absent = [(argument, repo, file) for argument, repo, file in registered.weights if not _cached(repo, file)]
         weights = ", ".join(dict.fromkeys(repo for _, repo, _ in registered.weights)) or "none"
@@ -153,8 +152,10 @@ def available() -> list[dict[str, str]]:
         else:
             status, note = "ready", ""
         rows.append({"name": name, "source": "built-in", "status": status, "weights": weights, "note": note})
-    for name, point in _entry_points().items():
+    for name, point in REWARDS.installed.items():
         rows.append({"name": name, "source": "entry point", "status": "installed", "weights": f"its package's ({point.value})", "note": ""})
+    for name, why in REWARDS.refused.items():
+        rows.append({"name": name, "source": "entry point", "status": "not used", "weights": "-", "note": why})
     return rows
 
 

@@ -20,8 +20,8 @@ from branchdiff.core.engine import NoiseAddress, SamplerSettings
 from branchdiff.core.tree import TreeSpec
 from branchdiff.models.base import ModelAdapter, PromptEmbeds
 from branchdiff.schedulers.schedule import FlowSchedule
-from branchdiff.search import SEARCHES, make_search
 from branchdiff.search.forest import SearchForest, regenerate_path
+from branchdiff.search.registry import SEARCHES, make_search
 from branchdiff.search.run import SearchResult, run_search
 
 SEARCH_ITERATION = -2  # the noise addresses' iteration field for search (training uses 0.., evaluation -1)

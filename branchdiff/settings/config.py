@@ -11,27 +11,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from branchdiff.models.families import FAMILIES
-from branchdiff.search import SEARCHES
+from branchdiff.models.registry import FAMILIES
+from branchdiff.objectives.registry import OBJECTIVES
+from branchdiff.search.registry import SEARCHES
 from branchdiff.settings.typed_yaml import choice, in_range, non_negative, positive
 
 LR_SCHEDULES = ("constant", "linear", "cosine")  # train.lr_schedule (branchdiff/training/lr_schedule.py)
 MAX_STEPS = 1000  # sampling steps at most: the schedulers' 1000 training timesteps (a huge count exhausted memory building the schedule)
 DEFAULT_PRESET = "tiny-mix-full"  # what `branchdiff train` and `branchdiff config` start from when given no preset or file
-
-
-@dataclass(frozen=True)
-class Loss:
-    objective: str  # "module:Class" of the objective (branchdiff/objectives/), imported only when a run builds it
-    flow_only: str = ""  # why an ε-prediction (DDIM) family cannot train it; "": every family can
-
-
-LOSSES: dict[str, Loss] = {  # train.loss: the objectives' registry (docs/objectives.md), one line each
-    "grpo": Loss("branchdiff.objectives.grpo:ClippedGRPO"),
-    "grpo-guard": Loss("branchdiff.objectives.grpo_guard:GRPOGuard", "weighs each step by its σ step size"),
-    "grpo-layertuning": Loss("branchdiff.objectives.layertuning:LayerTuningGRPO", "regresses flow-matching velocities toward the best sample"),
-    "nft": Loss("branchdiff.objectives.nft:DiffusionNFT", "trains on the flow-matching forward process"),
-}
 
 
 @dataclass
@@ -108,7 +95,7 @@ class OptimConfig:
     decay_start: int = non_negative(0)  # linear / cosine: hold the rate until this iteration, then decay to 0 at `iterations` (0: decay over the whole run)
     lora_rank: int = positive(8)  # LoRA rank on the attention projections
     lora_alpha: float = positive(8.0)  # LoRA scaling numerator
-    loss: str = choice("grpo", *LOSSES)  # the training objective (branchdiff/objectives/, docs/objectives.md): clipped GRPO, GRPO-Guard (guard.*), LayerTuning-RL (layertuning.*) or DiffusionNFT (nft.*)
+    loss: str = choice("grpo", *OBJECTIVES)  # the training objective (branchdiff/objectives/, docs/objectives.md): clipped GRPO, GRPO-Guard (guard.*), LayerTuning-RL (layertuning.*) or DiffusionNFT (nft.*)
     clip_range: float = positive(1e-3)  # ε of the clipped ratio
     kl_beta: float = non_negative(0.0)  # weight of the KL to the adapter-free base (0: off)
     step_fraction: float = positive(1.0)  # random fraction of SDE steps trained per iteration (DanceGRPO 0.6)

@@ -19,7 +19,7 @@ from typing import Any
 import yaml
 
 from branchdiff.errors import ConfigError
-from branchdiff.models.families import FAMILIES
+from branchdiff.models.registry import FAMILIES
 from branchdiff.runtime import storage
 from branchdiff.settings.config import DEFAULT_PRESET, TrainConfig
 from branchdiff.settings.typed_yaml import build, merge, parse_override, read_yaml

@@ -8,9 +8,10 @@ from __future__ import annotations
 import difflib
 
 from branchdiff.errors import ConfigError
-from branchdiff.models.families import FAMILIES, LORA_TARGET_SETS, STEP_KINDS, image_size
+from branchdiff.models.registry import FAMILIES, LORA_TARGET_SETS, STEP_KINDS, image_size
+from branchdiff.objectives.registry import flow_only
 from branchdiff.rewards.combine import parse_reward_specs
-from branchdiff.settings.config import LOSSES, TrainConfig
+from branchdiff.settings.config import TrainConfig
 from branchdiff.settings.trees import tree_spec, validate_cps, validate_ode, validate_trainable, validate_tree
 
 TRACKERS = ("tensorboard", "wandb", "swanlab")  # logging.report_to (branchdiff/training/trackers.py)
@@ -88,8 +89,8 @@ def validate(config: TrainConfig) -> None:
 def _validate_loss(config: TrainConfig, steps_family: str) -> None:
     """The objective's family and its own step count: refused here, before any model loads."""
     loss = config.train.loss
-    if steps_family == "ddim" and LOSSES[loss].flow_only:
-        raise ConfigError(f"'train.loss' = {loss!r} {LOSSES[loss].flow_only}; model.family={config.model.family} is an ε-prediction "
+    if steps_family == "ddim" and flow_only(loss):
+        raise ConfigError(f"'train.loss' = {loss!r} {flow_only(loss)}; model.family={config.model.family} is an ε-prediction "
                           "(DDIM) family: use train.loss=grpo")
     steps = config.sampling.num_steps
     if loss == "nft" and config.nft.timesteps > steps:

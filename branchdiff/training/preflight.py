@@ -18,7 +18,7 @@ from branchdiff.evaluation.preflight import check_prompt_set, check_video_reward
 from branchdiff.models import adapter_class, check_frames, check_size
 from branchdiff.models.attention import check_backend
 from branchdiff.models.compile import check_compiler
-from branchdiff.models.families import FAMILIES, image_size
+from branchdiff.models.registry import FAMILIES, image_size
 from branchdiff.rewards.combine import parse_reward_specs
 from branchdiff.rewards.multi import check_remote_kwargs
 from branchdiff.rewards.registry import check_reward_kwargs, resolve_reward

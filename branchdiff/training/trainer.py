@@ -45,7 +45,7 @@ from branchdiff.models.base import ModelAdapter, encode_for
 from branchdiff.models.compile import compile_denoiser
 from branchdiff.models.ema import WeightAverage
 from branchdiff.models.finetune import make_finetune
-from branchdiff.objectives import make_objective
+from branchdiff.objectives.registry import make_objective
 from branchdiff.rewards.combine import parse_reward_specs
 from branchdiff.rewards.multi import MultiReward, RewardBatch, build_component
 from branchdiff.runtime import storage
@@ -53,7 +53,7 @@ from branchdiff.runtime.distributed import AcceleratorCollective
 from branchdiff.runtime.memory import PhaseMemory
 from branchdiff.runtime.sharding import Lockstep, ShardingSettings, accelerate_without_fsdp, process_group_backend
 from branchdiff.runtime.watchdog import Heartbeat, backend_timeout
-from branchdiff.search import make_search
+from branchdiff.search.registry import make_search
 from branchdiff.settings.config import TrainConfig
 from branchdiff.settings.trees import tree_spec
 from branchdiff.settings.validate import tracker_names

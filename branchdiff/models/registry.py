@@ -8,15 +8,17 @@ default image size, whether its prompts carry an instruction prefix, and whether
 
 An installed package adds a family through an entry point in the group `branchdiff.families` (its
 `pyproject.toml`: `[project.entry-points."branchdiff.families"] my-model = "my_pkg.family:FAMILY"`,
-`FAMILY` a `Family` naming its adapter class); it is read when this module is imported, and a
-built-in name is never replaced. `branchdiff families` lists them all (docs/models.md, "Families
+`FAMILY` a `Family` naming its adapter class); it is read when this module is imported. A name that is a
+built-in's, or that two packages register, is refused naming both (branchdiff/runtime/registry.py, the rule
+every component's registry follows). `branchdiff families` lists them all (docs/models.md, "Families
 from other packages"; `branchdiff.testing.check_family` runs the pipeline checks on one).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from importlib.metadata import entry_points
+
+from branchdiff.runtime.registry import Registry
 
 
 @dataclass(frozen=True)
@@ -49,26 +51,24 @@ BUILT_IN: dict[str, Family] = {
     "flux2-klein": Family("branchdiff.models.flux2:Flux2KleinAdapter", "flow", 1024, side_multiple=16),  # FLUX.2 [klein] 4B / 9B, Qwen3 prompts
     "wan": Family("branchdiff.models.wan:WanAdapter", "flow", (480, 832), frames=81, side_multiple=16),  # Wan 2.1 / 2.2 text-to-video at 480p
 }
-ENTRY_POINT_GROUP = "branchdiff.families"
+FAMILY_REGISTRY = Registry("family", "branchdiff.families", BUILT_IN)
 
 
 def installed_families() -> tuple[dict[str, Family], dict[str, str]]:
-    """The families installed packages register (entry points of ENTRY_POINT_GROUP), and for each
-    entry point that could not be used, why: it failed to import, is not a `Family`, or takes a built-in's name."""
-    found, refused = {}, {}
-    for point in entry_points(group=ENTRY_POINT_GROUP):
-        if point.name in BUILT_IN:
-            refused[point.name] = f"{point.value}: the name of a built-in family"
-            continue
+    """The families installed packages register (`FAMILY_REGISTRY`'s entry points), and for each entry point that
+    could not be used, why: it takes a built-in's or another package's name (both sources named), fails
+    to import, or is not a `Family`."""
+    found, refused = {}, dict(FAMILY_REGISTRY.refused)
+    for name, point in FAMILY_REGISTRY.installed.items():
         try:
             spec = point.load()
         except Exception as error:  # a broken plugin must not stop branchdiff: `branchdiff families` shows why
-            refused[point.name] = f"{point.value}: could not be imported ({type(error).__name__}: {error})"
+            refused[name] = f"{point.value}: could not be imported ({type(error).__name__}: {error})"
             continue
         if isinstance(spec, Family):
-            found[point.name] = spec
+            found[name] = spec
         else:
-            refused[point.name] = f"{point.value}: is a {type(spec).__name__}, not a branchdiff.models.families.Family"
+            refused[name] = f"{point.value}: is a {type(spec).__name__}, not a branchdiff.models.registry.Family"
     return found, refused
 
 

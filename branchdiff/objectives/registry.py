@@ -1,0 +1,51 @@
+"""The objectives by name (`train.loss`, docs/objectives.md): one line each, the class ("module:Class",
+imported only when a run builds it) and, for an objective a DDIM (ε-prediction) family cannot train, why;
+installed packages add theirs as entry points of `branchdiff.objectives` (a class with an optional
+`flow_only` reason). The settings read the names here without importing torch (branchdiff/runtime/registry.py:
+the rule every component's registry follows).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from branchdiff.runtime.registry import Registry
+
+
+@dataclass(frozen=True)
+class Registered:
+    target: str  # "module:Class" of the objective (branchdiff/objectives/)
+    flow_only: str = ""  # why an ε-prediction (DDIM) family cannot train it; "": every family can
+
+
+OBJECTIVES = Registry("objective", "branchdiff.objectives", {
+    "grpo": Registered("branchdiff.objectives.grpo:ClippedGRPO"),
+    "grpo-guard": Registered("branchdiff.objectives.grpo_guard:GRPOGuard", "weighs each step by its σ step size"),
+    "grpo-layertuning": Registered("branchdiff.objectives.layertuning:LayerTuningGRPO", "regresses flow-matching velocities toward the best sample"),
+    "nft": Registered("branchdiff.objectives.nft:DiffusionNFT", "trains on the flow-matching forward process"),
+})
+
+
+def objective_class(name: str) -> Any:
+    """The class `train.loss` = `name` names (an `Objective`, branchdiff/objectives/base.py)."""
+    return OBJECTIVES.load(name)
+
+
+def flow_only(name: str) -> str:
+    """Why a DDIM family cannot train objective `name` ("" when it can): a built-in's line, an installed class's `flow_only`."""
+    if name in OBJECTIVES.builtins:
+        return OBJECTIVES.builtins[name].flow_only
+    return str(getattr(objective_class(name), "flow_only", ""))
+
+
+def make_objective(name: str, **context: object) -> Any:
+    """The objective `name` built from what the trainer holds (config, collective, finetune, train_policy, schedule, settings)."""
+    return objective_class(name)(**context)
+
+
+def all_update_metrics() -> frozenset[str]:
+    """Every update statistic a run may log: any objective's own and the update loop's."""
+    from branchdiff.objectives.base import UPDATE_LOOP_METRICS
+
+    return frozenset(UPDATE_LOOP_METRICS).union(*(objective_class(name).metric_kinds for name in OBJECTIVES))

@@ -1,0 +1,91 @@
+"""One convention for the four registries — families, rewards, objectives, searches (branchdiff/runtime/registry.py):
+built-ins by name in each folder's registry.py, installed packages' entry points beside them, an installed name that
+is a built-in's or another package's refused naming both sources, and every built-in name with its row in the
+kind's docs page. Packages are installed for a test by a dist-info folder on sys.path, as pip leaves one."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from branchdiff.models.registry import FAMILY_REGISTRY
+from branchdiff.objectives.registry import OBJECTIVES
+from branchdiff.rewards.registry import REWARDS, available, resolve_reward
+from branchdiff.runtime.registry import Registry
+from branchdiff.search.registry import SEARCHES, make_search
+
+DOCS = Path(__file__).resolve().parents[1] / "docs"
+KINDS: dict[str, tuple[Registry, str, str]] = {  # kind → (registry, a built-in name, its docs page)
+    "family": (FAMILY_REGISTRY, "sd3", "models.md"), "reward": (REWARDS, "tiny-geneval", "rewards.md"),
+    "objective": (OBJECTIVES, "grpo", "objectives.md"), "search": (SEARCHES, "dts", "search.md"),
+}
+
+
+@pytest.fixture
+def site(tmp_path, monkeypatch) -> Path:
+    """A folder on sys.path where `install` puts packages."""
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return tmp_path
+
+
+def install(site: Path, package: str, group: str, lines: list[str], module: str = "") -> None:
+    """A distribution `package` whose entry points of `group` are `lines` ("name = module:attribute"), with `module`'s source."""
+    dist = site / f"{package.replace('-', '_')}-0.1.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {package}\nVersion: 0.1\n")
+    (dist / "entry_points.txt").write_text(f"[{group}]\n" + "\n".join(lines) + "\n")
+    if module:
+        (site / f"{package.replace('-', '_')}.py").write_text(module)
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_an_installed_name_of_a_built_in_is_refused_naming_both(site, kind):
+    registry, builtin, _ = KINDS[kind]
+    install(site, "clash-pkg", registry.group, [f"{builtin} = clash_pkg:THING"])
+    assert builtin not in registry.installed and registry.names().count(builtin) == 1
+    why = registry.refused[builtin]
+    assert why.startswith(f"clash_pkg:THING (package clash-pkg): the name of the built-in {kind} {builtin!r}") and why.endswith("rename the entry point")
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_one_name_from_two_packages_is_left_to_neither(site, kind):
+    registry = KINDS[kind][0]
+    install(site, "one-pkg", registry.group, ["shared-name = one_pkg:A"])
+    install(site, "two-pkg", registry.group, ["shared-name = two_pkg:B"])
+    assert "shared-name" not in registry and "shared-name" not in registry.names()
+    why = registry.refused["shared-name"]
+    assert "one_pkg:A (package one-pkg)" in why and "two_pkg:B (package two-pkg)" in why and "two installed packages register this name" in why
+
+
+def test_an_installed_search_is_built_by_name(site):
+    install(site, "more-searches", SEARCHES.group, ["greedy = more_searches:Greedy"],
+            "class Greedy:\n    def __init__(self, depth=1):\n        self.depth = depth\n")
+    assert "greedy" in SEARCHES and SEARCHES.names()[-1] == "greedy"
+    assert make_search("greedy", depth=3).depth == 3
+    assert SEARCHES.describe("greedy") == "'greedy' (entry point more_searches:Greedy of package more-searches)"
+
+
+def test_a_reward_plugin_named_like_a_built_in_is_listed_as_not_used_and_the_built_in_kept(site):
+    """It was silently shadowed by the built-in and then listed twice, as the built-in and as an entry point."""
+    install(site, "shadow-rewards", REWARDS.group, ["tiny-geneval = shadow_rewards:Fake"], "class Fake:\n    pass\n")
+    rows = [row for row in available() if row["name"] == "tiny-geneval"]
+    assert [(row["source"], row["status"]) for row in rows] == [("built-in", "ready"), ("entry point", "not used")]
+    assert "shadow_rewards:Fake (package shadow-rewards): the name of the built-in reward 'tiny-geneval'" in rows[1]["note"]
+    assert resolve_reward("tiny-geneval").__name__ == "TinyGenEval"
+
+
+def test_a_reward_two_packages_register_is_refused_with_both_named(site):
+    install(site, "one-pkg", REWARDS.group, ["sharp = one_pkg:Sharp"])
+    install(site, "two-pkg", REWARDS.group, ["sharp = two_pkg:Sharp"])
+    with pytest.raises(ValueError, match=r"reward 'sharp' cannot be used: .*two installed packages register this name"):
+        resolve_reward("sharp")
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_every_built_in_name_has_its_row_in_the_docs(kind):
+    """A table row of the kind's page whose first cell names it in backticks."""
+    registry, _, page = KINDS[kind]
+    first_cells = [line.split("|")[1] for line in (DOCS / page).read_text().splitlines() if line.startswith("| ")]
+    missing = [name for name in registry.builtins if not any(f"`{name}`" in cell for cell in first_cells)]
+    assert not missing, f"docs/{page} has no row for {missing}"
