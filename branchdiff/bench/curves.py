@@ -88,6 +88,11 @@ VARIANTS: dict[str, tuple[str, list[str]]] = {  # name: (preset, overrides equal
     "nft_tree_depthwise": ("tiny-mix", ["train.loss=nft", "train.optimizer_every=32", "nft.advantage=depthwise"]),
     "nft_chain": ("tiny-chain", ["tree.roots=8", "train.loss=nft", "sampling.sde=ode", "train.optimizer_every=32"]),  # DiffusionNFT's ODE chains
     "sol": ("tiny-sol", []),  # Sol-RL: explore seeds + NFT
+    "awm": ("tiny-awm", []),  # Advantage Weighted Matching on the Mix trees' leaves
+    "dgpo": ("tiny-dgpo", []),  # DGPO on the Mix trees' leaves
+    "dppo": ("tiny-dppo", []),  # Flow-DPPO on the Mix trees' edges
+    "dpo": ("tiny-dpo", []),  # online Diffusion-DPO on the Mix trees' leaves
+    "mc_grpo": ("tiny-mc-grpo", []),  # MC-GRPO's median baseline on 9 chains, 8 trained
 }
 SAMPLING_VARIANTS = ("chain", "branch", "branch_pruned", "mix", "explore_seeds", "explore_tree")  # the default run: clipped GRPO on each sampler
 REFERENCE = "chain"
@@ -101,12 +106,15 @@ TASKS: dict[str, tuple[str, str, list[str]]] = {  # task: (held-out prompts, ver
 
 
 def group_size(config: TrainConfig) -> int:
-    """Trained samples per prompt: the leaves of a prompt's trees, or the kept seeds' leaves / kept leaves (explore)."""
+    """Trained samples per prompt: the leaves of a prompt's trees (but the median baseline's pivot), or the kept seeds'
+    leaves / kept leaves (explore)."""
     spec = tree_spec(config, 0)
     if config.explore.mode == "seeds":
         return config.explore.keep * spec.leaves // spec.roots
     if config.explore.mode == "tree":
         return config.explore.keep
+    if config.advantage.baseline == "median" and spec.leaves % 2 == 1:  # the pivot at the median trains nothing
+        return spec.leaves - 1
     return spec.leaves
 
 

@@ -20,6 +20,11 @@ samples, the G nodes at each depth; for a tree, its nodes at that depth), r̄_g 
 The edge parent → n is trained with A(n), clipped to ±clip. Without splits, each depth of a
 chain group holds the G samples, so both scopes reduce to flat group GRPO
 (DanceGRPO's per-prompt z-score; Flow-GRPO-like batch std).
+
+Baseline "median" (MC-GRPO): r̄_g is the group's median instead of its mean (the std is as
+above). With an odd count, one node sits at the median, the group's pivot: its advantage is 0 and
+its edge is left out of the loss (`median_pivots`), so a group of G + 1 samples trains G. With an
+even count the median is the mean of the two middle rewards and no node is a pivot.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from branchdiff.runtime.distributed import LOCAL, Collective
 
 FUSION_MODES = ("mean", "logprob_softmax", "max")
 SCOPES = ("tree", "batch")
+BASELINES = ("mean", "median")
 EPS = 1e-8
 MIN_STD = 1e-6
 
@@ -83,14 +89,24 @@ def unbiased_std(count: torch.Tensor, squares: torch.Tensor) -> torch.Tensor:
     return torch.sqrt(squares / (count - 1).clamp(min=1))
 
 
-def depthwise_advantages(tree: Tree, node_rewards: torch.Tensor, scope: str = "tree", collective: Collective = LOCAL) -> torch.Tensor:
+def depth_groups(tree: Tree) -> tuple[torch.Tensor, int]:
+    """The (prompt, depth) group of every node (N,), and the number of groups P·(T + 1)."""
+    num_depths = tree.spec.num_steps + 1
+    return tree.prompt * num_depths + tree.depth, tree.num_prompts * num_depths
+
+
+def depthwise_advantages(tree: Tree, node_rewards: torch.Tensor, scope: str = "tree", collective: Collective = LOCAL,
+                         baseline: str = "mean") -> torch.Tensor:
     """Advantage of every node (N,) from its reward (N,), normalised per (prompt, depth) group;
-    scope "batch" pools the std over the trees of every process of `collective`."""
+    scope "batch" pools the std over the trees of every process of `collective`; baseline "median"
+    centres each group on its median (module doc)."""
     if scope not in SCOPES:
         raise ValueError(f"unknown advantage scope {scope!r}; allowed: {SCOPES}")
+    if baseline not in BASELINES:
+        raise ValueError(f"unknown advantage baseline {baseline!r}; allowed: {BASELINES}")
     num_depths = tree.spec.num_steps + 1
-    group = tree.prompt * num_depths + tree.depth  # (N,)
-    count, residual, squares = group_moments(node_rewards, group, tree.num_prompts * num_depths)  # (P·(T+1),), (N,), (P·(T+1),)
+    group, num_groups = depth_groups(tree)
+    count, residual, squares = group_moments(node_rewards, group, num_groups)  # (P·(T+1),), (N,), (P·(T+1),)
     if scope == "tree":
         std = unbiased_std(count, squares)[group]  # (N,)
         valid = (count[group] > 1) & (std >= MIN_STD)
@@ -101,6 +117,35 @@ def depthwise_advantages(tree: Tree, node_rewards: torch.Tensor, scope: str = "t
         nodes_at, groups_at, pooled = collective.sum(torch.stack([nodes_at, groups_at, pooled])).unbind(0)
         std = torch.sqrt(pooled / (nodes_at - groups_at).clamp(min=1))[tree.depth]  # (N,)
         valid = (nodes_at > groups_at)[tree.depth] & (std >= MIN_STD)
+    if baseline == "median":
+        residual = node_rewards.double() - group_medians(node_rewards, group, num_groups)[0][group]
     advantages = torch.where(valid, residual / (std + EPS), torch.zeros_like(residual))
     return advantages.to(node_rewards.dtype)
+
+
+def group_medians(values: torch.Tensor, groups: torch.Tensor, num_groups: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each group's median (G,; float64; 0 for an empty group) of values (N,) in groups (N,) of
+    0..num_groups−1, and the pivots (N,) bool: in a group of odd count n > 1, one node whose value is the
+    median (on ties, one of them); a group of even count has the mean of its two
+    middle values and no pivot."""
+    values = values.double()
+    by_value = torch.argsort(values, stable=True)
+    order = by_value[torch.argsort(groups[by_value], stable=True)]  # (N,) grouped, ascending values in each group
+    count = torch.bincount(groups, minlength=num_groups)  # (G,)
+    start = torch.cumsum(count, 0) - count  # (G,)
+    present = count > 0
+    low = order[(start + (count - 1) // 2)[present]]  # (G',) node at the lower middle of each non-empty group
+    high = order[(start + count // 2)[present]]  # (G',) at the upper middle (the same node when the count is odd)
+    medians = torch.zeros(num_groups, dtype=torch.float64)
+    medians[present] = (values[low] + values[high]) / 2
+    pivots = torch.zeros(len(values), dtype=torch.bool)
+    odd = (count[present] % 2 == 1) & (count[present] > 1)
+    pivots[low[odd]] = True
+    return medians, pivots
+
+
+def median_pivots(tree: Tree, node_rewards: torch.Tensor) -> torch.Tensor:
+    """(N,) bool: the pivot of each (prompt, depth) group under the median baseline (`group_medians`)."""
+    group, num_groups = depth_groups(tree)
+    return group_medians(node_rewards, group, num_groups)[1]
 

@@ -97,3 +97,86 @@ def nft_loss(v_theta: torch.Tensor, v_old: torch.Tensor, x0: torch.Tensor, x_t: 
         terms.append(error.pow(2).mean(dim=1) / weight)
     positive, negative = terms
     return (advantage_clip / beta) * (optimality * positive + (1 - optimality) * negative)
+
+
+def flow_matching_error(velocity: torch.Tensor, x0: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """The denoising (flow-matching) error of a prediction at x_σ = (1 − σ)·x0 + σ·ε:
+        ℓ = mean((v − (ε − x0))²)        (mean over the latent's elements, float32).
+    Shapes (E, ...) × 3 → (E,)."""
+    return (velocity.float() - (noise.float() - x0.float())).pow(2).flatten(1).mean(dim=1)
+
+
+AWM_WEIGHTINGS = ("uniform", "t", "t2", "huber", "ghuber")
+
+
+def awm_weighted_error(error: torch.Tensor, sigma: torch.Tensor, weighting: str, power: float = 0.25) -> torch.Tensor:
+    """Advantage Weighted Matching's per-sample matching loss w(ℓ, σ) (Xue et al., arXiv 2509.25050)
+    of the denoising error ℓ at noise level σ:
+        uniform  ℓ            t  σ·ℓ            t2  σ²·ℓ
+        huber    σ·(√(ℓ + c) − 10⁻⁵)            ghuber  σ·((ℓ + c)^p − c^p)/p,   c = 10⁻¹⁰, p = `power`.
+    −w plays the role of the sample's log-likelihood. Shapes (E,), (E,) → (E,)."""
+    error, sigma = error.double(), sigma.double()
+    if weighting == "uniform":
+        weighted = error
+    elif weighting == "t":
+        weighted = sigma * error
+    elif weighting == "t2":
+        weighted = sigma**2 * error
+    elif weighting == "huber":
+        weighted = sigma * (torch.sqrt(error + 1e-10) - 1e-5)
+    elif weighting == "ghuber":
+        weighted = sigma * ((error + 1e-10).pow(power) - 1e-10**power) / power
+    else:
+        raise ValueError(f"unknown AWM weighting {weighting!r}; allowed: {', '.join(AWM_WEIGHTINGS)}")
+    return weighted.float()
+
+
+def awm_surrogate(weighted: torch.Tensor, old_weighted: torch.Tensor, advantages: torch.Tensor, clip_range: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """AWM's policy term: the clipped surrogate on the matching likelihood ratio
+        ρ = exp(w_old − w_θ),   L = max(−A·ρ, −A·clip(ρ, 1 − ε, 1 + ε)),
+    whose gradient at ρ = 1 (the first step of an iteration) is A·∇w_θ: the flow-matching loss of
+    the policy's own sample weighted by its advantage. Shapes (E,) → per-term loss and clip flags (E,)."""
+    return clipped_surrogate(-weighted, -old_weighted, advantages, clip_range)
+
+
+def dgpo_group_weights(error: torch.Tensor, reference_error: torch.Tensor, advantages: torch.Tensor, groups: torch.Tensor,
+                       beta: float, group_size: torch.Tensor) -> torch.Tensor:
+    """DGPO's per-group weight (Luo et al., arXiv 2510.08425) in its gradient-equivalent form.
+
+    A group's preference of its well-rewarded samples over its poorly rewarded ones is
+    log σ(z_g),  z_g = (β/G)·Σ_{i∈g} A_i·(ℓ_ref,i − ℓ_θ,i), whose gradient is that of
+    σ(−z_g)·(β/G)·Σ_i A_i·ℓ_θ,i with σ(−z_g) held fixed. This returns σ(−z_g) for each term's group
+    (no gradient): the loss of term i is then weight·A_i·ℓ_θ,i (β/G is a constant scale, left to the
+    learning rate, as the public implementation does). Shapes: error, reference_error, advantages,
+    groups (E,) (group index of each term, 0..K−1), group_size (K,) → (E,)."""
+    contribution = advantages.double() * beta * (error.detach().double() - reference_error.double()) / group_size.double()[groups]
+    sums = torch.zeros(len(group_size), dtype=torch.float64, device=error.device).index_add_(0, groups, contribution)  # (K,) −z_g
+    return torch.sigmoid(sums)[groups].float()
+
+
+def diffusion_dpo_loss(error_chosen: torch.Tensor, reference_chosen: torch.Tensor, error_rejected: torch.Tensor,
+                       reference_rejected: torch.Tensor, beta: float) -> torch.Tensor:
+    """Diffusion-DPO's Bradley–Terry loss of a (chosen, rejected) pair at a shared (σ, ε) (Wallace et
+    al., arXiv 2311.12908, eq. 14 with T·ω(λ_t) folded into β, and the ½ of its public code):
+        L = −log σ(−(β/2)·[(ℓ_θ(w) − ℓ_ref(w)) − (ℓ_θ(l) − ℓ_ref(l))])
+    ℓ the denoising errors (means over elements): the policy gains when it improves on the reference
+    more for the chosen sample than for the rejected one. Shapes (E,) × 4 → (E,)."""
+    inside = -(beta / 2) * ((error_chosen.float() - reference_chosen.float()) - (error_rejected.float() - reference_rejected.float()))
+    return -torch.nn.functional.logsigmoid(inside)
+
+
+def dppo_surrogate(log_prob: torch.Tensor, old_log_prob: torch.Tensor, mean: torch.Tensor, old_mean: torch.Tensor, std: torch.Tensor,
+                   advantages: torch.Tensor, threshold: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Flow-DPPO's divergence-proximal surrogate of a Gaussian step x' ~ N(μ, s²): clipped GRPO's
+    ratio clip replaced by a trust region on the exact KL between the current and the rollout's step
+    distributions (equal variances, averaged over elements like the log-probs):
+        KL = mean((μ_θ − μ_old)²)/(2s²),   ρ = exp(logp_θ − logp_old),
+        L = −A·ρ, with no gradient where KL > `threshold` and the update pushes further the wrong
+        way (A > 0 and ρ > 1, or A < 0 and ρ < 1).
+    Shapes: log-probs, std, advantages (E,); means (E, ...). Returns the per-edge loss, the mask of
+    edges held (E,) bool, and the KL (E,)."""
+    kl = (mean.float() - old_mean.float()).pow(2).flatten(1).mean(dim=1) / (2 * std.float() ** 2)
+    ratio = torch.exp(log_prob - old_log_prob)
+    held = (kl > threshold) & (((advantages > 0) & (ratio > 1)) | ((advantages < 0) & (ratio < 1)))
+    ratio = torch.where(held, ratio.detach(), ratio)
+    return -advantages * ratio, held, kl.detach()

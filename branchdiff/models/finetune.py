@@ -105,7 +105,7 @@ class FullFinetune:
     def base(self) -> Iterator[ModelAdapter]:
         """The base model: the frozen copy."""
         if self._base is None:
-            raise RuntimeError("model.finetune=full keeps the base model only when train.kl_beta > 0 or final_eval is true")
+            raise RuntimeError("model.finetune=full keeps the base model only when train.kl_beta > 0, final_eval is true or the objective compares with it")
         yield self._base
 
     def trained_state(self) -> dict[str, torch.Tensor]:

@@ -32,7 +32,7 @@ from typing import ClassVar
 
 import torch
 
-from branchdiff.core.advantage import depthwise_advantages, fuse_rewards, group_moments, unbiased_std
+from branchdiff.core.advantage import depthwise_advantages, fuse_rewards, median_pivots
 from branchdiff.core.loss import nft_loss, nft_optimality
 from branchdiff.core.noise import address_seed
 from branchdiff.core.rollout import NoiseAddress, Rollout, SamplerSettings
@@ -41,6 +41,7 @@ from branchdiff.models.base import ModelAdapter, select_embeds
 from branchdiff.models.ema import WeightAverage
 from branchdiff.models.finetune import FullFinetune, LoraFinetune
 from branchdiff.objectives.base import MetricKind, Objective, Signal, drop_nonfinite_groups, zero_loss
+from branchdiff.objectives.forward_process import leaf_signal
 from branchdiff.runtime.distributed import Collective
 from branchdiff.schedulers.schedule import Schedule
 from branchdiff.settings.config import TrainConfig
@@ -67,21 +68,18 @@ class DiffusionNFT(Objective):
 
     def signal(self, rollout: Rollout, rewards: torch.Tensor, iteration: int) -> Signal:
         tree, config = rollout.tree, self.config
+        if config.nft.advantage == "leaf":
+            return leaf_signal(rollout, rewards, config.nft.advantage_clip, config.advantage.baseline)
+        # depthwise: every node's advantage, as clipped GRPO's signal has it
         leaf_rewards, dropped = drop_nonfinite_groups(tree, rewards)
         groups = tree.prompt[tree.leaf_index]  # (L,)
         trained = torch.zeros(tree.num_nodes, dtype=torch.bool)
         trained[tree.leaf_index] = ~dropped[groups]
-        if config.nft.advantage == "depthwise":  # every node's advantage, as clipped GRPO's signal has it
-            node_rewards = fuse_rewards(tree, leaf_rewards, rollout.log_prob, config.advantage.fusion, config.advantage.alpha)
-            node_advantages = depthwise_advantages(tree, node_rewards, config.advantage.scope, self.collective)
-            return Signal(node_rewards, node_advantages.clamp(-config.advantage.clip, config.advantage.clip).float(), trained, int(dropped.sum()))
-        clip = config.nft.advantage_clip
-        count, residual, squares = group_moments(leaf_rewards, groups, tree.num_prompts)
-        advantages = (residual / (unbiased_std(count, squares)[groups] + 1e-4)).clamp(-clip, clip).float()  # (L,)
-        node_advantages = torch.zeros(tree.num_nodes)
-        node_advantages[tree.leaf_index] = advantages
-        node_rewards = fuse_rewards(tree, leaf_rewards, rollout.log_prob, "mean", 1.0)
-        return Signal(node_rewards, node_advantages, trained, int(dropped.sum()))
+        node_rewards = fuse_rewards(tree, leaf_rewards, rollout.log_prob, config.advantage.fusion, config.advantage.alpha)
+        node_advantages = depthwise_advantages(tree, node_rewards, config.advantage.scope, self.collective, config.advantage.baseline)
+        if config.advantage.baseline == "median":
+            trained &= ~median_pivots(tree, node_rewards)
+        return Signal(node_rewards, node_advantages.clamp(-config.advantage.clip, config.advantage.clip).float(), trained, int(dropped.sum()))
 
     def plan(self, rollout: Rollout, embeds: dict, signal: Signal, address: NoiseAddress) -> NFTPlan:
         return NFTPlan(self, rollout, embeds, signal, address)

@@ -17,13 +17,19 @@ from branchdiff.runtime.registry import Registry
 class Registered:
     target: str  # "module:Class" of the objective (branchdiff/objectives/)
     flow_only: str = ""  # why an ε-prediction (DDIM) family cannot train it; "": every family can
+    decoupled: bool = False  # trains the final samples on the forward process (any sampler; no SDE edge needed)
+    reference: bool = False  # compares with the frozen base model (full fine-tuning keeps a copy of it)
 
 
 OBJECTIVES = Registry("objective", "branchdiff.objectives", {
     "grpo": Registered("branchdiff.objectives.grpo:ClippedGRPO"),
     "grpo-guard": Registered("branchdiff.objectives.grpo_guard:GRPOGuard", "weighs each step by its σ step size"),
     "grpo-layertuning": Registered("branchdiff.objectives.layertuning:LayerTuningGRPO", "regresses flow-matching velocities toward the best sample"),
-    "nft": Registered("branchdiff.objectives.nft:DiffusionNFT", "trains on the flow-matching forward process"),
+    "nft": Registered("branchdiff.objectives.nft:DiffusionNFT", "trains on the flow-matching forward process", decoupled=True),
+    "awm": Registered("branchdiff.objectives.awm:AdvantageWeightedMatching", "trains on the flow-matching forward process", decoupled=True),
+    "dgpo": Registered("branchdiff.objectives.dgpo:DGPO", "trains on the flow-matching forward process", decoupled=True, reference=True),
+    "dppo": Registered("branchdiff.objectives.dppo:DPPO", "bounds each step by its Gaussian divergence on σ steps"),
+    "dpo": Registered("branchdiff.objectives.dpo:OnlineDPO", "trains on the flow-matching forward process", decoupled=True, reference=True),
 })
 
 
@@ -37,6 +43,21 @@ def flow_only(name: str) -> str:
     if name in OBJECTIVES.builtins:
         return OBJECTIVES.builtins[name].flow_only
     return str(getattr(objective_class(name), "flow_only", ""))
+
+
+def decoupled(name: str) -> bool:
+    """Whether objective `name` trains final samples on the forward process (any sampler serves): a built-in's line, an
+    installed class's `decoupled`."""
+    if name in OBJECTIVES.builtins:
+        return OBJECTIVES.builtins[name].decoupled
+    return bool(getattr(objective_class(name), "decoupled", False))
+
+
+def needs_reference(name: str) -> bool:
+    """Whether objective `name` compares with the frozen base model: a built-in's line, an installed class's `reference`."""
+    if name in OBJECTIVES.builtins:
+        return OBJECTIVES.builtins[name].reference
+    return bool(getattr(objective_class(name), "reference", False))
 
 
 def make_objective(name: str, **context: object) -> Any:

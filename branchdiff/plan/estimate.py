@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from branchdiff.models.loading import quiet_loading
+from branchdiff.objectives.registry import needs_reference
 from branchdiff.plan.clock import GPU, GPUS, TARGET_GPU, UTILISATION, modelled_seconds
 from branchdiff.plan.families import Family, family_for, size_of
 from branchdiff.plan.measure import DTYPES, Measured, measure, reward_bytes
@@ -159,7 +160,7 @@ def estimate(config: Any, target: Target, estimator: Estimator) -> Plan:
         "reward models": reward,
         # (LoRA fp32 weights) + moments + DDP bucket + the weights' moving average (train.ema_decay: an fp32 copy beside them)
         "trained state": trained * ((4 if not full else 0) + moments + (0 if sharded else 4) + (4 if config.train.ema_decay > 0 else 0)),
-        "frozen copy": m.denoiser_params * 4 if full and (config.train.kl_beta > 0 or config.final_eval) else 0,
+        "frozen copy": m.denoiser_params * 4 if full and (config.train.kl_beta > 0 or config.final_eval or needs_reference(config.train.loss)) else 0,
         "tree latents": latents,
     }
     grads = trained * 4

@@ -75,6 +75,7 @@ class AdvantageConfig:
     alpha: float = 1.0  # temperature of logprob_softmax fusion
     scope: str = choice("tree", "tree", "batch")  # per-depth normalisation: within a tree, or std over the batch
     clip: float = positive(5.0)  # advantages clipped to ±clip
+    baseline: str = choice("mean", "mean", "median")  # each group's centre: its mean, or its median (MC-GRPO: with an odd group one sample sits at the median and is left out of the loss; docs/objectives.md)
 
 
 @dataclass
@@ -95,7 +96,7 @@ class OptimConfig:
     decay_start: int = non_negative(0)  # linear / cosine: hold the rate until this iteration, then decay to 0 at `iterations` (0: decay over the whole run)
     lora_rank: int = positive(8)  # LoRA rank on the attention projections
     lora_alpha: float = positive(8.0)  # LoRA scaling numerator
-    loss: str = choice("grpo", *OBJECTIVES)  # the training objective (branchdiff/objectives/, docs/objectives.md): clipped GRPO, GRPO-Guard (guard.*), LayerTuning-RL (layertuning.*) or DiffusionNFT (nft.*)
+    loss: str = choice("grpo", *OBJECTIVES)  # the training objective (branchdiff/objectives/, docs/objectives.md): its keys are the section of its name (nft.*, awm.*, ...)
     clip_range: float = positive(1e-3)  # ε of the clipped ratio
     kl_beta: float = non_negative(0.0)  # weight of the KL to the adapter-free base (0: off)
     step_fraction: float = positive(1.0)  # random fraction of SDE steps trained per iteration (DanceGRPO 0.6)
@@ -120,6 +121,43 @@ class NFTConfig:
     old_decay_rate: float = non_negative(0.001)  # the sampling policy after each iteration: θ_old ← d·θ_old + (1 − d)·θ, d = min(rate·n, max), n = optimizer steps so far
     old_decay_max: float = in_range(0.5, 0.0, 0.999)
     advantage: str = choice("leaf", "leaf", "depthwise")  # leaf: each sample's group-normalised reward; depthwise: a term at step k takes the depth-wise tree advantage (advantage.*) of the leaf's ancestor at depth k + 1
+
+
+@dataclass
+class AWMConfig:
+    """Advantage Weighted Matching's keys (train.loss=awm; branchdiff/objectives/awm.py, docs/objectives.md). Defaults: the
+    public SD3.5-M PickScore recipe of Flow-Factory's AWM (ghuber p = 0.25, clip 1, advantages clipped to ±1, KL weight 1 to the average)."""
+    weighting: str = choice("ghuber", "uniform", "t", "t2", "huber", "ghuber")  # w(ℓ, σ) of the denoising error ℓ at noise level σ
+    power: float = positive(0.25)  # p of the ghuber weighting
+    timesteps: int = positive(2)  # sampler steps each sample is trained at (drawn without replacement per sample and iteration)
+    clip_range: float = positive(1.0)  # ε of the clipped matching ratio exp(w_old − w_θ)
+    advantage_clip: float = positive(1.0)  # advantages (group-normalised rewards) clipped to ±this
+    average_kl: float = non_negative(1.0)  # weight of mean((v_θ − v_avg)²) to the slowly moving average of the policy (0: off)
+    average_decay: float = in_range(0.3, 0.0, 0.999)  # after each iteration: θ_avg ← d·θ_avg + (1 − d)·θ
+
+
+@dataclass
+class DGPOConfig:
+    """DGPO's keys (train.loss=dgpo; branchdiff/objectives/dgpo.py, docs/objectives.md). Defaults: the paper's public recipe
+    (rollout with CFG, training without: dpo_beta 100, clip 1e-3)."""
+    dpo_beta: float = positive(100.0)  # β of the group preference σ(−z_g)
+    timesteps: int = positive(2)  # sampler steps each group is trained at (the same steps and noise for every sample of a group)
+    clip_range: float = non_negative(1e-3)  # ε of the clip on exp(ℓ_old − ℓ_θ) against the rollout's weights (0: off)
+    advantage_clip: float = positive(5.0)  # advantages clipped to ±this
+
+
+@dataclass
+class DPPOConfig:
+    """Flow-DPPO's keys (train.loss=dppo; branchdiff/objectives/dppo.py, docs/objectives.md)."""
+    kl_mask_threshold: float = positive(1e-6)  # an edge's gradient is held when KL(current ‖ rollout step) exceeds this and the update goes the wrong way
+
+
+@dataclass
+class DPOConfig:
+    """Online Diffusion-DPO's keys (train.loss=dpo; branchdiff/objectives/dpo.py, docs/objectives.md)."""
+    beta: float = positive(2000.0)  # β of −log σ(−β/2·[(ℓ_θ(w) − ℓ_ref(w)) − (ℓ_θ(l) − ℓ_ref(l))]) (the paper's SD1.5 setting 2000–5000)
+    timesteps: int = positive(2)  # sampler steps each pair is trained at (one (σ, ε) shared by a group's samples)
+    pairs: str = choice("group", "group", "siblings")  # group: each prompt's best with its worst, second best with second worst, ...; siblings: the same among leaves that share their last split
 
 
 @dataclass
@@ -188,6 +226,10 @@ class TrainConfig:
     nft: NFTConfig = field(default_factory=NFTConfig)
     guard: GuardConfig = field(default_factory=GuardConfig)
     layertuning: LayerTuningConfig = field(default_factory=LayerTuningConfig)
+    awm: AWMConfig = field(default_factory=AWMConfig)
+    dgpo: DGPOConfig = field(default_factory=DGPOConfig)
+    dppo: DPPOConfig = field(default_factory=DPPOConfig)
+    dpo: DPOConfig = field(default_factory=DPOConfig)
     explore: ExploreConfig = field(default_factory=ExploreConfig)
     watch: WatchConfig = field(default_factory=WatchConfig)  # the reward-hacking watch (needs eval_every)
     logging: LogConfig = field(default_factory=LogConfig)

@@ -12,6 +12,7 @@ from typing import cast
 from branchdiff.core.prune import mix_sde_steps
 from branchdiff.core.tree import Split, TreeSpec
 from branchdiff.errors import ConfigError
+from branchdiff.objectives.registry import OBJECTIVES, decoupled
 from branchdiff.settings.config import TrainConfig
 
 
@@ -215,9 +216,10 @@ def validate_ode(config: TrainConfig, steps_family: str) -> None:
     if steps_family != "flow":
         raise ConfigError(f"'sampling.sde' = 'ode' samples flow-matching chains; model.family={config.model.family} steps with DDIM: "
                           "use sampling.sde=ddim")
-    if config.train.loss != "nft":
+    if not decoupled(config.train.loss):
+        on_samples = ", ".join(name for name in OBJECTIVES if decoupled(name))
         raise ConfigError(f"'sampling.sde' = 'ode' samples without noise, so no step has a density for train.loss={config.train.loss} "
-                          "to train: use train.loss=nft (it trains on final samples), or an SDE (sampling.sde=flow)")
+                          f"to train: use an objective that trains on final samples ({on_samples}), or an SDE (sampling.sde=flow)")
     if config.tree.splits or config.explore.mode == "tree":
         raise ConfigError("'sampling.sde' = 'ode' grows deterministic chains: the children of a split would be identical; drop "
                           "tree.splits (and explore.mode=tree) or use an SDE (sampling.sde=flow)")

@@ -9,7 +9,7 @@ import difflib
 
 from branchdiff.errors import ConfigError
 from branchdiff.models.registry import FAMILIES, LORA_TARGET_SETS, STEP_KINDS, image_size
-from branchdiff.objectives.registry import flow_only
+from branchdiff.objectives.registry import decoupled, flow_only
 from branchdiff.rewards.combine import parse_reward_specs
 from branchdiff.settings.config import TrainConfig
 from branchdiff.settings.trees import tree_spec, validate_cps, validate_ode, validate_trainable, validate_tree
@@ -82,8 +82,11 @@ def validate(config: TrainConfig) -> None:
         validate_cps(config)
     _validate_loss(config, steps_family)
     _validate_explore(config)
-    if config.train.loss != "nft":  # the GRPO objectives train SDE edges; DiffusionNFT trains final samples and checks its own keys when built
+    if not decoupled(config.train.loss):  # the GRPO objectives train SDE edges; the decoupled ones train final samples
         validate_trainable(config)
+
+
+MEDIAN_BASELINE = ("grpo", "grpo-guard", "grpo-layertuning", "dppo", "nft", "awm", "dgpo")  # objectives whose advantages take advantage.baseline
 
 
 def _validate_loss(config: TrainConfig, steps_family: str) -> None:
@@ -93,8 +96,19 @@ def _validate_loss(config: TrainConfig, steps_family: str) -> None:
         raise ConfigError(f"'train.loss' = {loss!r} {flow_only(loss)}; model.family={config.model.family} is an ε-prediction "
                           "(DDIM) family: use train.loss=grpo")
     steps = config.sampling.num_steps
-    if loss == "nft" and config.nft.timesteps > steps:
-        raise ConfigError(f"'nft.timesteps' = {config.nft.timesteps} exceeds sampling.num_steps = {steps}; use nft.timesteps ≤ {steps}")
+    own = getattr(config, loss.replace("-", "_"), None)  # the objective's own section, where it has one
+    if decoupled(loss) and own is not None and getattr(own, "timesteps", 0) > steps:
+        raise ConfigError(f"'{loss}.timesteps' = {own.timesteps} exceeds sampling.num_steps = {steps}; use {loss}.timesteps ≤ {steps}")
+    if config.advantage.baseline == "median" and loss not in MEDIAN_BASELINE:
+        raise ConfigError(f"'advantage.baseline' = 'median' applies to {', '.join(MEDIAN_BASELINE)}; train.loss={loss} ranks its samples "
+                          "its own way: use advantage.baseline=mean")
+    if loss == "dpo" and config.dpo.pairs == "siblings" and not config.tree.splits:
+        raise ConfigError("'dpo.pairs' = 'siblings' pairs leaves that share their last split; the rollouts have no 'tree.splits': "
+                          "use dpo.pairs=group, or add splits")
+    leaves = tree_spec(config, 0).leaves
+    if decoupled(loss) and config.explore.mode == "off" and leaves < 2:
+        raise ConfigError(f"train.loss={loss} compares the samples of a prompt, and the rollouts give each prompt {leaves}: use tree.roots ≥ 2 "
+                          "or a split (tree.splits)")
 
 
 def _validate_finetune(config: TrainConfig) -> None:

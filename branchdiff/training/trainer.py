@@ -45,7 +45,7 @@ from branchdiff.models.base import ModelAdapter, encode_for
 from branchdiff.models.compile import compile_denoiser
 from branchdiff.models.ema import WeightAverage
 from branchdiff.models.finetune import make_finetune
-from branchdiff.objectives.registry import make_objective
+from branchdiff.objectives.registry import make_objective, needs_reference
 from branchdiff.rewards.combine import parse_reward_specs
 from branchdiff.rewards.multi import MultiReward, RewardBatch, build_component
 from branchdiff.runtime import storage
@@ -160,7 +160,7 @@ class Trainer(TrainerCheckpoints):
         if self.sharding.enabled:  # LoRA and the frozen copy are made in host memory; `shard` moves one block at a time to the device
             self.adapter.denoiser.to("cpu")
         self.finetune = make_finetune(self.adapter, model.finetune, model.lora_targets, config.train.lora_rank, config.train.lora_alpha,
-                                      config.seed, keep_base=config.train.kl_beta > 0 or config.final_eval)
+                                      config.seed, keep_base=config.train.kl_beta > 0 or config.final_eval or needs_reference(config.train.loss))
         if config.train.gradient_checkpointing:
             self.adapter.denoiser.enable_gradient_checkpointing()
         self.explorer = self._make_explorer()  # a whole copy on every process, made before the denoiser is sharded
