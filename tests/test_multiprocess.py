@@ -291,7 +291,9 @@ def test_a_full_disk_on_one_process_stops_both_at_the_checkpoint_and_keeps_the_l
 
 # LoRA with GRPO on two processes: two_process_run; on every layer: test_finetune.py
 MODES = {"full": ["model.finetune=full"], "nft-lora": ["train.loss=nft"], "guard-lora": ["train.loss=grpo-guard"],
-         "layertuning-lora": ["train.loss=grpo-layertuning"]}
+         "layertuning-lora": ["train.loss=grpo-layertuning"], "awm-lora": ["train.loss=awm"], "dgpo-lora": ["train.loss=dgpo"],
+         "dppo-lora": ["train.loss=dppo"], "dpo-lora": ["train.loss=dpo"],
+         "median-lora": ["advantage.baseline=median", "tree.splits=[[0,3]]"]}
 
 
 def _rates(mode: list[str]) -> list[str]:
@@ -331,7 +333,10 @@ def test_full_finetuning_trains_on_two_processes_like_one(tiny_model_dir, mode_r
     moving average (saved by one process, loaded by both on the resume). DiffusionNFT (LoRA) draws its
     training terms by global prompt key, so two processes train what one does; GRPO-Guard recovers each
     edge's rollout mean from the noise at its global address; LayerTuning-RL's best paths are per
-    prompt, so they are the same however the prompts are split."""
+    prompt, so they are the same however the prompts are split. AWM, DGPO and online DPO draw their
+    terms by global prompt key too, and DGPO's group statistic and DPO's pairs are per prompt, which
+    one process holds whole; DPPO recovers rollout means as GRPO-Guard does; the median baseline's
+    pivots are per (prompt, depth)."""
     mode = MODES[name]
     full = "model.finetune=full" in mode
     trained_two = _export(mode_runs / name, full)

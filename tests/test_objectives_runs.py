@@ -1,0 +1,151 @@
+"""AWM, DGPO, Flow-DPPO, online Diffusion-DPO and MC-GRPO's median baseline on the tiny model: each
+preset trains through `branchdiff train` and a run stopped and resumed ends bit for bit like an
+unstopped one; each plan's terms and losses against an independent computation; each refusal of an
+incompatible setting up front. (Formulas: tests/test_objective_formulas.py; two processes:
+tests/test_multiprocess.py.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from branchdiff.core.loss import awm_weighted_error, flow_matching_error
+from branchdiff.errors import ConfigError
+from branchdiff.objectives.dgpo import whole_group_batches
+from branchdiff.objectives.dpo import preference_pairs
+from branchdiff.settings.load import load_config
+
+SMALL = ["prompts.per_iteration=2", "final_eval=false", "eval_every=0", "logging.report_to=none", "logging.sample_every=0",
+         "logging.checkpoint_every=1"]
+OWN_METRICS = {"tiny-awm": "average_kl", "tiny-dgpo": "group_weight", "tiny-dppo": "step_kl", "tiny-dpo": "preference_accuracy",
+               "tiny-mc-grpo": "clip_fraction"}
+
+
+@pytest.mark.parametrize("preset", [pytest.param(p, marks=() if p == "tiny-awm" else pytest.mark.slow) for p in OWN_METRICS])
+def test_each_preset_trains_and_a_resumed_run_ends_like_an_unstopped_one(preset, tmp_path):
+    """Two iterations straight, or one then `--resume latest`: the same export and metrics (AWM's policy
+    average is saved with every checkpoint and read back; the others keep no state beyond the weights and
+    run in the release suite, `slow`; their two-process runs, tests/test_multiprocess.py, train through
+    `branchdiff train` in every run)."""
+    from resumed_runs import assert_resumed_run_equals_straight  # tests/ is on sys.path
+
+    def args(run, iterations):
+        return ["train", preset, f"output_dir={run}", f"iterations={iterations}", *SMALL]
+
+    def saved(run):
+        if preset == "tiny-awm":
+            assert (run / "checkpoints" / "iter-000000" / "policy_average.safetensors").is_file()
+
+    lines = assert_resumed_run_equals_straight(args, tmp_path, 1, 2, saved)
+    assert all(OWN_METRICS[preset] in line for line in lines) and sum(line["optimizer_steps"] for line in lines) > 0
+
+
+def _trainer(tmp_path, preset: str, *extra: str):
+    from branchdiff.training.trainer import Trainer
+
+    return Trainer(load_config(preset, [f"output_dir={tmp_path}", "prompts.per_iteration=2", "final_eval=false", "logging.report_to=none",
+                                        "logging.sample_every=0", *extra]))
+
+
+def test_awm_terms_match_an_independent_forward_and_the_average_follows_its_recursion(tmp_path):
+    trainer = _trainer(tmp_path, "tiny-awm", "awm.average_decay=0.6", "train.learning_rate=1e-3")
+    objective, params = trainer.objective, trainer.finetune.params
+    rollout, _, rewards, info = trainer.rollout_and_score(0)
+    signal = objective.signal(rollout, rewards.total, 0)
+    plan = objective.plan(rollout, info["embeds"], signal, info["address"])
+    terms = plan.terms_drawn
+    assert len(terms.nodes) == 2 * int(signal.trained.sum()) and set(terms.nodes.tolist()) <= set(rollout.tree.leaf_index.tolist())
+    sigma = trainer.schedule.sigmas[terms.steps]
+    x_t = (1 - sigma.view(-1, 1, 1, 1)) * rollout.latents[terms.nodes] + sigma.view(-1, 1, 1, 1) * terms.noise
+    assert torch.allclose(terms.x_t, x_t)
+    with torch.no_grad():
+        v = trainer.adapter.predict(x_t, trainer.schedule.model_times[terms.steps], {k: v[terms.prompt] for k, v in info["embeds"].items()},
+                                    None)
+    expected = awm_weighted_error(flow_matching_error(v, rollout.latents[terms.nodes], terms.noise), sigma, "ghuber", 0.25)
+    assert torch.allclose(plan.old_weighted, expected, rtol=1e-4, atol=1e-6)
+    first = plan.loss(0)  # before any update ρ = 1: the policy term is −A, the KL to the average (= the weights) 0
+    assert torch.allclose(first, -plan.advantages[plan.minibatches[0]], atol=1e-5)
+    average = [p.detach().clone() for p in params]
+    for iteration in range(2):
+        trainer.run_iteration(iteration)
+        average = [0.6 * a + 0.4 * p.detach() for a, p in zip(average, params)]
+        with objective.policy_average.swapped_in():
+            assert all(torch.allclose(p, a, atol=1e-6) for p, a in zip(params, average))
+
+
+def test_dgpo_groups_share_their_steps_and_noise_and_minibatches_hold_whole_groups(tmp_path):
+    trainer = _trainer(tmp_path, "tiny-dgpo", "train.minibatch=20")
+    rollout, _, rewards, info = trainer.rollout_and_score(0)
+    objective = trainer.objective
+    plan = objective.plan(rollout, info["embeds"], objective.signal(rollout, rewards.total, 0), info["address"])
+    terms = plan.terms_drawn
+    for prompt in range(2):
+        rows = torch.nonzero(terms.prompt == prompt).squeeze(1)
+        steps, noise = terms.steps[rows].reshape(-1, 2), terms.noise[rows].reshape(-1, 2, *terms.noise.shape[1:])
+        assert (steps == steps[0]).all() and torch.equal(noise, noise[:1].expand_as(noise))
+    assert [sorted(set(terms.prompt[b].tolist())) for b in plan.minibatches] == [[0, 1]]  # 16 terms a group: both in one of ≥ 20
+    assert [len(b) for b in whole_group_batches(torch.tensor([0, 0, 1, 1, 1, 2]), 2)] == [2, 3, 1]
+    with torch.no_grad():  # before any update the policy is the reference: σ(0) = ½ for every term
+        plan.loss(0)
+    assert plan.stats["group_weight"] == pytest.approx(0.5 * plan.terms[0]) and abs(plan.stats["error_gap"]) < 1e-6
+
+
+def test_dppo_with_an_unreachable_threshold_is_grpo_without_a_clip(tmp_path):
+    """Far below the threshold nothing is held: DPPO's edge losses are clipped GRPO's with an infinite clip range."""
+    grpo = _trainer(tmp_path / "grpo", "tiny-mix", "train.clip_range=1e9")
+    dppo = _trainer(tmp_path / "dppo", "tiny-dppo", "dppo.kl_mask_threshold=1e9")
+    losses = []
+    for trainer in (grpo, dppo):
+        rollout, _, rewards, info = trainer.rollout_and_score(0)
+        signal = trainer.objective.signal(rollout, rewards.total, 0)
+        plan = trainer.objective.plan(rollout, info["embeds"], signal, info["address"])
+        losses.append(torch.cat([plan.loss(i) for i in range(len(plan.terms))]).detach())
+    assert torch.allclose(losses[0], losses[1], atol=1e-6) and losses[0].abs().sum() > 0
+
+
+def test_dpo_pairs_rank_within_groups_or_siblings_and_share_their_noise(tmp_path):
+    trainer = _trainer(tmp_path, "tiny-dpo")
+    rollout, _, _, info = trainer.rollout_and_score(0)
+    tree = rollout.tree  # two prompts × 8 leaves (splits at steps 0, 1, 2), prompt 0's first; each pair of leaves shares its depth-2 node
+    leaves = tree.leaf_index
+    node_rewards = torch.zeros(tree.num_nodes)
+    node_rewards[leaves] = torch.tensor([0.1, 0.9, 0.5, 0.5, 0.3, 0.7, 0.2, 0.8, 1, 1, 1, 1, 0, 0, 1, 1], dtype=torch.float32)
+    kept = torch.zeros(tree.num_nodes, dtype=torch.bool)
+    kept[leaves] = True
+    chosen, rejected = preference_pairs(tree, node_rewards, kept, siblings=False)
+    first, second = leaves[:8].tolist(), leaves[8:].tolist()
+    # prompt 0 ranked: 0.9, 0.8, 0.7, 0.5, 0.5, 0.3, 0.2, 0.1 → (0.9, 0.1), (0.8, 0.2), (0.7, 0.3); the two 0.5s tie
+    assert list(zip(chosen.tolist(), rejected.tolist()))[:3] == [(first[1], first[0]), (first[7], first[6]), (first[5], first[4])]
+    assert len(chosen) == 3 + 2  # prompt 1: six 1s and two 0s: two pairs
+    sibling_chosen, sibling_rejected = preference_pairs(tree, node_rewards, kept, siblings=True)
+    assert list(zip(sibling_chosen.tolist(), sibling_rejected.tolist())) == [(first[1], first[0]), (first[5], first[4]), (first[7], first[6])]
+    # prompt 0's siblings: (0.1, 0.9), (0.5, 0.5) tied, (0.3, 0.7), (0.2, 0.8); prompt 1's: (1, 1), (1, 1), (0, 0), (1, 1) all tied
+    node_rewards[leaves] = torch.tensor([0.1, 0.9, 0.5, 0.4, 0.3, 0.7, 0.2, 0.8, 1, 0, 1, 0, 0, 1, 0, 1], dtype=torch.float32)
+    from branchdiff.objectives.base import Signal
+
+    signal = Signal(node_rewards, torch.zeros(tree.num_nodes), kept, 0)
+    plan = trainer.objective.plan(rollout, info["embeds"], signal, info["address"])
+    terms = plan.terms_drawn
+    assert torch.equal(terms.steps[plan.chosen_rows], terms.steps[plan.rejected_rows])
+    assert torch.equal(terms.noise[plan.chosen_rows], terms.noise[plan.rejected_rows]) and plan.stats["pairs"] == 8
+    with torch.no_grad():  # the policy is the reference before any update: every pair's loss is log 2
+        assert torch.allclose(plan.loss(0), torch.full((plan.terms[0],), 0.6931472), atol=1e-5)
+
+
+@pytest.mark.parametrize(("preset", "overrides", "message"), [
+    ("tiny-dppo", ["sampling.sde=ode", "tree.splits=[]", "tree.mix_window=0", "tree.roots=8"],
+     r"'sampling.sde' = 'ode' samples without noise, so no step has a density for train.loss=dppo to train: use an objective that trains on "
+     r"final samples \(nft, awm, dgpo, dpo\), or an SDE \(sampling.sde=flow\)"),
+    ("tiny-awm", ["awm.timesteps=11"], r"'awm.timesteps' = 11 exceeds sampling.num_steps = 10; use awm.timesteps ≤ 10"),
+    ("tiny-dpo", ["advantage.baseline=median"], r"'advantage.baseline' = 'median' applies to grpo, grpo-guard, grpo-layertuning, dppo, nft, "
+                                               r"awm, dgpo; train.loss=dpo ranks its samples its own way: use advantage.baseline=mean"),
+    ("tiny-dpo", ["dpo.pairs=siblings", "tree.splits=[]", "tree.mix_window=0", "tree.roots=8"],
+     r"'dpo.pairs' = 'siblings' pairs leaves that share their last split; the rollouts have no 'tree.splits': use dpo.pairs=group, or add splits"),
+    ("tiny-dgpo", ["tree.splits=[]", "tree.mix_window=0", "tree.roots=1"],
+     r"train.loss=dgpo compares the samples of a prompt, and the rollouts give each prompt 1: use tree.roots ≥ 2 or a split \(tree.splits\)"),
+    ("sd15-hps", ["train.loss=awm"], r"'train.loss' = 'awm' trains on the flow-matching forward process; model.family=sd15 is an ε-prediction"),
+    ("sd15-hps", ["train.loss=dppo"], r"'train.loss' = 'dppo' bounds each step by its Gaussian divergence on σ steps; model.family=sd15"),
+])
+def test_incompatible_settings_are_refused_when_the_config_is_read(preset, overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(preset, overrides)
