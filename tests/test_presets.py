@@ -111,3 +111,19 @@ def test_the_editing_presets_read_prompt_sets_with_sources(name, family):
     assert config.model.family == family and config.prompts.train.endswith(".jsonl") and config.prompts.eval.endswith(".jsonl")
     assert "edit-consistency" in config.eval_rewards and config.model.dtype == "bfloat16" and config.model.path
     assert (config.sampling.num_steps, config.tree.roots, config.tree.mix_window, config.tree.mix_start) == (10, 16, 3, 1)
+
+
+OBJECTIVE_PRESETS = {"awm": "awm", "dgpo": "dgpo", "dppo": "dppo", "dpo": "dpo", "mc-grpo": "grpo"}
+
+
+@pytest.mark.parametrize("name", sorted(OBJECTIVE_PRESETS))
+def test_objective_presets_are_sd35_pickscore_trained_with_the_objective(name):
+    """One real-family preset per new objective: SD3.5-M toward PickScore as sd35-pickscore, its loss
+    named, the forward-process ones on ODE chains, MC-GRPO with one more chain and the median baseline."""
+    config, base = load_config(f"sd35-pickscore-{name}"), load_config("sd35-pickscore")
+    assert config.model == base.model and config.reward == base.reward and config.train.loss == OBJECTIVE_PRESETS[name]
+    assert config.sampling.sde == ("ode" if name in ("awm", "dgpo", "dpo") else "flow")
+    if name == "mc-grpo":
+        assert config.advantage.baseline == "median" and config.tree.roots == base.tree.roots + 1
+    tiny = load_config(f"tiny-{name}")
+    assert tiny.train.loss == OBJECTIVE_PRESETS[name] and tiny.model.family == "tiny"
