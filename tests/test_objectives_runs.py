@@ -113,7 +113,7 @@ def test_dpo_pairs_rank_within_groups_or_siblings_and_share_their_noise(tmp_path
     kept = torch.zeros(tree.num_nodes, dtype=torch.bool)
     kept[leaves] = True
     chosen, rejected = preference_pairs(tree, node_rewards, kept, siblings=False)
-    first, second = leaves[:8].tolist(), leaves[8:].tolist()
+    first = leaves[:8].tolist()
     # prompt 0 ranked: 0.9, 0.8, 0.7, 0.5, 0.5, 0.3, 0.2, 0.1 → (0.9, 0.1), (0.8, 0.2), (0.7, 0.3); the two 0.5s tie
     assert list(zip(chosen.tolist(), rejected.tolist()))[:3] == [(first[1], first[0]), (first[7], first[6]), (first[5], first[4])]
     assert len(chosen) == 3 + 2  # prompt 1: six 1s and two 0s: two pairs
