@@ -16,7 +16,9 @@ from branchdiff.bench.curves import (
     time_to_reference_final_on,
 )
 from branchdiff.bench.stats import first_time_reaching, t_interval, time_ratio_interval, welch_p
+from branchdiff.objectives.registry import dataset_kind
 from branchdiff.settings.load import load_config
+from branchdiff.settings.trees import tree_spec
 
 GRID = [0.0, 1.0, 2.0, 3.0]  # minutes
 
@@ -62,11 +64,14 @@ def test_time_to_reference_final_on_another_clock():
 
 
 def test_variants_share_prompts_and_group_size():
+    """Every variant trains 8 prompts × 8 samples an iteration (MC-GRPO: 9 chains, its pivot left out); the dataset
+    objectives draw 8 rows an iteration and have no groups."""
     shapes = set()
     for preset, overrides in VARIANTS.values():
         config = load_config(preset, [*COMMON, *overrides])
-        shapes.add((config.prompts.per_iteration, group_size(config)))
-    assert shapes == {(8, 8)}
+        shapes.add((config.prompts.per_iteration, None if dataset_kind(config.train.loss) else group_size(config)))
+    assert shapes == {(8, 8), (8, None)}
+    assert group_size(load_config("tiny-mc-grpo", COMMON)) == 8 and tree_spec(load_config("tiny-mc-grpo", COMMON), 0).leaves == 9
 
 
 def test_t_interval_is_mean_plus_minus_t_times_standard_error():
@@ -130,7 +135,7 @@ def test_another_reference_names_its_ratios_and_its_sentences():
 @pytest.mark.slow
 def test_bench_curves_smoke(tmp_path):
     json_path = tmp_path / "c.json"
-    result = bench_curves(0.02, 2, json_path, tmp_path, points=2, variants=["chain", "branch"], images_per_prompt=1,
+    result = bench_curves(0.02, 2, json_path, tmp_path, points=2, variants=["chain", "branch", "sft"], images_per_prompt=1,
                           extra_overrides=["prompts.per_iteration=1"], clock="modelled")
     assert json.loads(json_path.read_text()) == json.loads(json.dumps(result))
     assert set(result) == {"minutes", "seeds", "clock", "grid_minutes", "reference", "variants", "ratios", "notes"}
@@ -141,8 +146,9 @@ def test_bench_curves_smoke(tmp_path):
         assert all(m[-1] >= 0.02 for m in v["eval_minutes"]["modelled"])  # the budget is on the modelled clock
     chain, branch = result["variants"]["chain"], result["variants"]["branch"]
     assert chain["strict"][0][0] == branch["strict"][0][0]  # time 0 is the shared base model
-    assert set(result["ratios"]["time_to_chain_final"]) == {"chain", "branch"} and set(result["ratios"]["final_vs_chain_p"]) == {"branch"}
+    assert set(result["ratios"]["time_to_chain_final"]) == {"chain", "branch", "sft"}  # a dataset objective runs beside them
+    assert set(result["ratios"]["final_vs_chain_p"]) == {"branch", "sft"}
     assert (tmp_path / "curves.png").stat().st_size > 0
     text = (tmp_path / "curves.md").read_text()
     assert "| chain |" in text and "Significance (2 seeds)" in text and "the same on the wall clock" in text
-    assert set(result["ratios"]["time_to_chain_final_other_clock"]) == {"chain", "branch"}
+    assert set(result["ratios"]["time_to_chain_final_other_clock"]) == {"chain", "branch", "sft"}

@@ -293,7 +293,8 @@ def test_a_full_disk_on_one_process_stops_both_at_the_checkpoint_and_keeps_the_l
 MODES = {"full": ["model.finetune=full"], "nft-lora": ["train.loss=nft"], "guard-lora": ["train.loss=grpo-guard"],
          "layertuning-lora": ["train.loss=grpo-layertuning"], "awm-lora": ["train.loss=awm"], "dgpo-lora": ["train.loss=dgpo"],
          "dppo-lora": ["train.loss=dppo"], "dpo-lora": ["train.loss=dpo"],
-         "median-lora": ["advantage.baseline=median", "tree.splits=[[0,3]]"]}
+         "median-lora": ["advantage.baseline=median", "tree.splits=[[0,3]]"], "sft-lora": ["train.loss=sft"],
+         "dpo-offline-lora": ["train.loss=dpo-offline"]}
 
 
 def _rates(mode: list[str]) -> list[str]:
@@ -336,7 +337,8 @@ def test_full_finetuning_trains_on_two_processes_like_one(tiny_model_dir, mode_r
     prompt, so they are the same however the prompts are split. AWM, DGPO and online DPO draw their
     terms by global prompt key too, and DGPO's group statistic and DPO's pairs are per prompt, which
     one process holds whole; DPPO recovers rollout means as GRPO-Guard does; the median baseline's
-    pivots are per (prompt, depth)."""
+    pivots are per (prompt, depth); SFT and offline DPO draw their rows as prompts are and their noise
+    levels by each row's global slot."""
     mode = MODES[name]
     full = "model.finetune=full" in mode
     trained_two = _export(mode_runs / name, full)

@@ -18,15 +18,16 @@ from branchdiff.settings.load import load_config
 SMALL = ["prompts.per_iteration=2", "final_eval=false", "eval_every=0", "logging.report_to=none", "logging.sample_every=0",
          "logging.checkpoint_every=1"]
 OWN_METRICS = {"tiny-awm": "average_kl", "tiny-dgpo": "group_weight", "tiny-dppo": "step_kl", "tiny-dpo": "preference_accuracy",
-               "tiny-mc-grpo": "clip_fraction"}
+               "tiny-mc-grpo": "clip_fraction", "tiny-sft": "matching", "tiny-dpo-offline": "preference_accuracy"}
+FAST_RESUMES = ("tiny-awm", "tiny-sft")  # AWM keeps state of its own; SFT's iterations take the dataset path of the trainer
 
 
-@pytest.mark.parametrize("preset", [pytest.param(p, marks=() if p == "tiny-awm" else pytest.mark.slow) for p in OWN_METRICS])
+@pytest.mark.parametrize("preset", [pytest.param(p, marks=() if p in FAST_RESUMES else pytest.mark.slow) for p in OWN_METRICS])
 def test_each_preset_trains_and_a_resumed_run_ends_like_an_unstopped_one(preset, tmp_path):
     """Two iterations straight, or one then `--resume latest`: the same export and metrics (AWM's policy
-    average is saved with every checkpoint and read back; the others keep no state beyond the weights and
-    run in the release suite, `slow`; their two-process runs, tests/test_multiprocess.py, train through
-    `branchdiff train` in every run)."""
+    average is saved with every checkpoint and read back; SFT draws its rows and noise levels by address;
+    the others keep no state beyond the weights and run in the release suite, `slow`; their two-process
+    runs, tests/test_multiprocess.py, train through `branchdiff train` in every run)."""
     from resumed_runs import assert_resumed_run_equals_straight  # tests/ is on sys.path
 
     def args(run, iterations):
@@ -149,3 +150,78 @@ def test_dpo_pairs_rank_within_groups_or_siblings_and_share_their_noise(tmp_path
 def test_incompatible_settings_are_refused_when_the_config_is_read(preset, overrides, message):
     with pytest.raises(ConfigError, match=message):
         load_config(preset, overrides)
+
+
+def test_dataset_objectives_draw_rows_and_noise_levels_by_address_and_pairs_share_them(tmp_path):
+    """SFT's terms: the rows the iteration draws, noised at levels of the family's 1000-step schedule drawn at each
+    row's address (logit-normal t), its loss the flow-matching error; offline DPO's chosen and rejected images share
+    (σ, ε), and before any update every pair's loss is log 2."""
+    from branchdiff.core.noise import address_seed
+    from branchdiff.core.rollout import NoiseAddress
+
+    trainer = _trainer(tmp_path / "sft", "tiny-sft")
+    objective = trainer.objective
+    rows, keys = trainer.iteration_draw(3)
+    assert [trainer.prompts[r] for r in rows] == [objective.rows.prompts[r] for r in rows]
+    embeds = {k: v for k, v in trainer.adapter.encode_prompts([trainer.prompts[r] for r in rows]).items()}
+    plan = objective.plan_rows(rows, embeds, NoiseAddress(trainer.config.seed, 3, keys))
+    terms = plan.terms_drawn
+    generator = torch.Generator().manual_seed(address_seed("sft", trainer.config.seed, 3, keys[1], ()))
+    t = torch.sigmoid(torch.randn(2, generator=generator, dtype=torch.float64))
+    assert terms.steps[2:4].tolist() == ((1 - t) * 1000).long().tolist()
+    assert torch.equal(terms.noise[2:4], torch.randn((2, 3, 32, 32), generator=generator))
+    x0 = objective.rows.pixels(rows[1])[0] * 2 - 1  # the tiny model's latent is the image in [−1, 1]
+    assert torch.allclose(terms.x0[2], x0)
+    sigma = objective.fine_schedule.sigmas[terms.steps[2]]
+    assert torch.allclose(terms.x_t[2], (1 - sigma) * x0 + sigma * terms.noise[2], atol=1e-6)
+    with torch.no_grad():
+        v = trainer.adapter.predict(terms.x_t[:4], terms.times[:4], {k: v[terms.prompt[:4]] for k, v in embeds.items()}, None)
+        assert torch.allclose(plan.loss(0), flow_matching_error(v, terms.x0[:4], terms.noise[:4]), atol=1e-6)
+    offline = _trainer(tmp_path / "dpo", "tiny-dpo-offline")
+    rows, keys = offline.iteration_draw(0)
+    embeds = offline.adapter.encode_prompts([offline.prompts[r] for r in rows])
+    pairs = offline.objective.plan_rows(rows, embeds, NoiseAddress(offline.config.seed, 0, keys))
+    chosen, rejected = pairs.pair_terms
+    assert torch.equal(chosen.steps, rejected.steps) and torch.equal(chosen.noise, rejected.noise) and not torch.equal(chosen.x0, rejected.x0)
+    with torch.no_grad():
+        assert torch.allclose(pairs.loss(0), torch.full((pairs.terms[0],), 0.6931472), atol=1e-5)
+
+
+def test_image_sets_are_checked_when_read(tmp_path):
+    from PIL import Image
+
+    from branchdiff.data.demonstrations import load_image_set
+
+    Image.new("RGB", (32, 32), "red").save(tmp_path / "good.png")
+    Image.new("RGB", (64, 32), "red").save(tmp_path / "wide.png")
+    (tmp_path / "notes.png").write_text("not an image")
+    cases = {
+        '{"prompt": "a", "image": "good.png"}\n{"prompt": "b", "image": "wide.png"}':
+            r'sets.jsonl:2: "image" \'wide.png\' is 64×32 \(width × height\) and the model makes 32×32; resize the demonstrations to 32×32',
+        '{"prompt": "a", "image": "missing.png"}': r"sets.jsonl:1: source image 'missing.png' not found",
+        '{"prompt": "a", "image": "notes.png"}': r"sets.jsonl:1: source image 'notes.png' could not be read as an image",
+        '{"prompt": "a"}': r'sets.jsonl:1: expected a JSON object with the fields "prompt", "image"',
+        '{"prompt": "", "image": "good.png"}': r'sets.jsonl:1: "prompt" must be a non-empty string',
+        "not json": r'sets.jsonl:1: expected a JSON object with the fields "prompt", "image", got',
+    }
+    for text, message in cases.items():
+        (tmp_path / "sets.jsonl").write_text(text + "\n")
+        with pytest.raises(ValueError, match=message):
+            load_image_set(str(tmp_path / "sets.jsonl"), "demonstrations", (32, 32))
+    (tmp_path / "sets.jsonl").write_text('{"prompt": "a", "image": "good.png"}\n')
+    assert load_image_set(str(tmp_path / "sets.jsonl"), "demonstrations", (32, 32)).pixels(0)[0][0].min() == 1.0  # red
+    with pytest.raises(ValueError, match="tiny:demonstrations is a set of demonstrations, not preferences; use tiny:preferences"):
+        load_image_set("tiny:demonstrations", "preferences", (32, 32))
+
+
+def test_dataset_objectives_are_refused_where_they_cannot_run(tmp_path):
+    from branchdiff.errors import UserError
+    from branchdiff.training.preflight import check_inputs
+
+    with pytest.raises(UserError, match=r"train.loss=sft trains on images, which model.family=sd3 cannot encode into latents yet; families "
+                                         r"that can: tiny, tiny-video"):
+        check_inputs(load_config("sd35-pickscore", ["train.loss=sft"]))
+    with pytest.raises(UserError, match=r"preferences set '.*nowhere.jsonl' is neither tiny:demonstrations, tiny:preferences nor an existing"):
+        check_inputs(load_config("tiny-dpo-offline", [f"dpo_offline.data={tmp_path / 'nowhere.jsonl'}"]))
+    with pytest.raises(ConfigError, match=r"train.loss=sft trains on its demonstrations \(sft.data\), not on rollouts: explore.mode must stay off"):
+        load_config("tiny-sft", ["explore.mode=seeds"])

@@ -34,7 +34,10 @@ def row_cost(backend: str) -> float:
 
 def modelled_seconds(metrics: dict[str, float], backend: str | None) -> float:
     """The modelled GPU time of one iteration from its metrics (module doc); `backend` is the
-    explorer's (None: no explorer, every row is the policy's)."""
+    explorer's (None: no explorer, every row is the policy's). A dataset objective's iteration (SFT,
+    offline DPO) is its prompt encoding and its update, as measured."""
+    if "rollout_seconds" not in metrics:  # a dataset objective's iteration: prompts encoded, then the update
+        return metrics["encode_seconds"] + metrics["train_seconds"]
     measured = metrics["reward_seconds"] + metrics["train_seconds"]
     if backend is None or "explore_pool_nfe" not in metrics:
         return metrics["rollout_seconds"] + measured

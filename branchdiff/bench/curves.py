@@ -63,6 +63,7 @@ from branchdiff.bench.clock import modelled_seconds
 from branchdiff.bench.stats import first_time_reaching, t_interval, time_ratio_interval, welch_p
 from branchdiff.data.prompts import load_prompt_set
 from branchdiff.evaluation.evaluate import evaluate, summarize
+from branchdiff.objectives.registry import dataset_kind
 from branchdiff.rewards.combine import parse_reward_specs
 from branchdiff.rewards.multi import build_component
 from branchdiff.settings.config import TrainConfig
@@ -93,6 +94,8 @@ VARIANTS: dict[str, tuple[str, list[str]]] = {  # name: (preset, overrides equal
     "dppo": ("tiny-dppo", []),  # Flow-DPPO on the Mix trees' edges
     "dpo": ("tiny-dpo", []),  # online Diffusion-DPO on the Mix trees' leaves
     "mc_grpo": ("tiny-mc-grpo", []),  # MC-GRPO's median baseline on 9 chains, 8 trained
+    "sft": ("tiny-sft", []),  # supervised fine-tuning on the task's ground truth (a ceiling, not a rival: it sees the answers)
+    "dpo_offline": ("tiny-dpo-offline", []),  # offline Diffusion-DPO on ground truth over wrong drawings
 }
 SAMPLING_VARIANTS = ("chain", "branch", "branch_pruned", "mix", "explore_seeds", "explore_tree")  # the default run: clipped GRPO on each sampler
 REFERENCE = "chain"
@@ -213,7 +216,8 @@ def bench_curves(minutes: float, seeds: int, json_path: Path | None, out_dir: Pa
         for name in names:  # every variant's settings and inputs, before any model loads
             loaded = config(name, 0)
             check_inputs(loaded)
-            shapes[name] = (loaded.prompts.per_iteration, group_size(loaded))
+            if not dataset_kind(loaded.train.loss):  # a dataset objective draws rows, not groups: its shape is its own
+                shapes[name] = (loaded.prompts.per_iteration, group_size(loaded))
         if len(set(shapes.values())) > 1:
             raise ValueError(f"variants differ in (prompts per iteration, group size): {shapes}; equalise them in VARIANTS")
         for name in names:  # one untimed iteration of each variant: the process's one-time costs fall on none of them

@@ -19,6 +19,7 @@ class Registered:
     flow_only: str = ""  # why an ε-prediction (DDIM) family cannot train it; "": every family can
     decoupled: bool = False  # trains the final samples on the forward process (any sampler; no SDE edge needed)
     reference: bool = False  # compares with the frozen base model (full fine-tuning keeps a copy of it)
+    dataset: str = ""  # trains on a dataset instead of rollouts: the kind of image set ("demonstrations", "preferences")
 
 
 OBJECTIVES = Registry("objective", "branchdiff.objectives", {
@@ -30,6 +31,10 @@ OBJECTIVES = Registry("objective", "branchdiff.objectives", {
     "dgpo": Registered("branchdiff.objectives.dgpo:DGPO", "trains on the flow-matching forward process", decoupled=True, reference=True),
     "dppo": Registered("branchdiff.objectives.dppo:DPPO", "bounds each step by its Gaussian divergence on σ steps"),
     "dpo": Registered("branchdiff.objectives.dpo:OnlineDPO", "trains on the flow-matching forward process", decoupled=True, reference=True),
+    "dpo-offline": Registered("branchdiff.objectives.dpo_offline:OfflineDPO", "trains on the flow-matching forward process", decoupled=True,
+                              reference=True, dataset="preferences"),
+    "sft": Registered("branchdiff.objectives.sft:SupervisedFineTuning", "trains on the flow-matching forward process", decoupled=True,
+                      dataset="demonstrations"),
 })
 
 
@@ -58,6 +63,13 @@ def needs_reference(name: str) -> bool:
     if name in OBJECTIVES.builtins:
         return OBJECTIVES.builtins[name].reference
     return bool(getattr(objective_class(name), "reference", False))
+
+
+def dataset_kind(name: str) -> str:
+    """The kind of image set objective `name` trains on instead of rollouts ("" for an online objective)."""
+    if name in OBJECTIVES.builtins:
+        return OBJECTIVES.builtins[name].dataset
+    return str(getattr(objective_class(name), "dataset", ""))
 
 
 def make_objective(name: str, **context: object) -> Any:

@@ -161,6 +161,27 @@ class DPOConfig:
 
 
 @dataclass
+class SFTConfig:
+    """Supervised fine-tuning's keys (train.loss=sft; branchdiff/objectives/sft.py, docs/objectives.md)."""
+    data: str = "tiny:demonstrations"  # the demonstrations: JSONL rows {"prompt", "image"} (paths relative to the file), or tiny:demonstrations
+    timesteps: int = positive(2)  # noise levels each demonstration is trained at per iteration
+    sigma_sampling: str = choice("logit-normal", "logit-normal", "uniform")  # t ~ sigmoid(N(mean, std)) or U(0, 1), then σ the family's shifted schedule at t
+    logit_mean: float = 0.0  # the logit-normal's mean (SD3's 0)
+    logit_std: float = positive(1.0)  # and its std (SD3's 1)
+
+
+@dataclass
+class DPOOfflineConfig:
+    """Offline Diffusion-DPO's keys (train.loss=dpo-offline; branchdiff/objectives/dpo_offline.py, docs/objectives.md)."""
+    data: str = "tiny:preferences"  # the pairs: JSONL rows {"prompt", "chosen", "rejected"} (paths relative to the file), or tiny:preferences
+    beta: float = positive(2000.0)  # β of −log σ(−β/2·[(ℓ_θ(w) − ℓ_ref(w)) − (ℓ_θ(l) − ℓ_ref(l))]) (the paper's SD 1.5 setting 2000–5000)
+    timesteps: int = positive(2)  # noise levels each pair is trained at per iteration (one (σ, ε) for both images)
+    sigma_sampling: str = choice("uniform", "logit-normal", "uniform")  # the paper draws its timesteps uniformly
+    logit_mean: float = 0.0
+    logit_std: float = positive(1.0)
+
+
+@dataclass
 class GuardConfig:
     """GRPO-Guard's keys (train.loss=grpo-guard; branchdiff/objectives/grpo_guard.py, docs/objectives.md)."""
     clip_range: float = positive(2e-6)  # ε of the re-centred ratio ρ̃ (its log is about the per-step change of the mean: far smaller than plain GRPO's)
@@ -230,6 +251,8 @@ class TrainConfig:
     dgpo: DGPOConfig = field(default_factory=DGPOConfig)
     dppo: DPPOConfig = field(default_factory=DPPOConfig)
     dpo: DPOConfig = field(default_factory=DPOConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
+    dpo_offline: DPOOfflineConfig = field(default_factory=DPOOfflineConfig)
     explore: ExploreConfig = field(default_factory=ExploreConfig)
     watch: WatchConfig = field(default_factory=WatchConfig)  # the reward-hacking watch (needs eval_every)
     logging: LogConfig = field(default_factory=LogConfig)

@@ -9,7 +9,7 @@ import difflib
 
 from branchdiff.errors import ConfigError
 from branchdiff.models.registry import FAMILIES, LORA_TARGET_SETS, STEP_KINDS, image_size
-from branchdiff.objectives.registry import decoupled, flow_only
+from branchdiff.objectives.registry import dataset_kind, decoupled, flow_only
 from branchdiff.rewards.combine import parse_reward_specs
 from branchdiff.settings.config import TrainConfig
 from branchdiff.settings.trees import tree_spec, validate_cps, validate_ode, validate_trainable, validate_tree
@@ -105,8 +105,11 @@ def _validate_loss(config: TrainConfig, steps_family: str) -> None:
     if loss == "dpo" and config.dpo.pairs == "siblings" and not config.tree.splits:
         raise ConfigError("'dpo.pairs' = 'siblings' pairs leaves that share their last split; the rollouts have no 'tree.splits': "
                           "use dpo.pairs=group, or add splits")
+    if dataset_kind(loss) and config.explore.mode != "off":
+        raise ConfigError(f"train.loss={loss} trains on its {dataset_kind(loss)} ({loss.replace('-', '_')}.data), not on rollouts: "
+                          "explore.mode must stay off")
     leaves = tree_spec(config, 0).leaves
-    if decoupled(loss) and config.explore.mode == "off" and leaves < 2:
+    if decoupled(loss) and not dataset_kind(loss) and config.explore.mode == "off" and leaves < 2:
         raise ConfigError(f"train.loss={loss} compares the samples of a prompt, and the rollouts give each prompt {leaves}: use tree.roots ≥ 2 "
                           "or a split (tree.splits)")
 

@@ -141,3 +141,22 @@ def iteration_metrics(
             pool, policy = (collective.cat(values)[0] for values in info[f"explore_{subset}"])
             metrics.update({f"explore_{name}_{subset}": value for name, value in ranking_agreement(pool, policy).items()})
     return metrics
+
+
+def dataset_iteration_metrics(collective: Collective, rows: int, update: dict[str, float], kinds: dict[str, MetricKind],
+                              info: dict) -> dict[str, float]:
+    """The metrics of an iteration of a dataset objective (SFT, offline DPO: no rollout, no reward):
+    `rows` this process trained, its update statistics reduced by their `kinds` as `iteration_metrics`
+    reduces them, and the timings and peak memory in `info`."""
+    counts = {**{name: update[name] for name, kind in kinds.items() if kind == "count"}, "rows": rows, "terms": update["terms"]}
+    per_term = {name: update[name] for name, kind in kinds.items() if kind == "per_term"}
+    maxima = {**{name: update[name] for name, kind in kinds.items() if kind == "max"}, "train_seconds": info["train_seconds"],
+              "encode_seconds": info["encode_seconds"], **info.get("memory", {}),
+              "forward_backward_seconds": update.get("forward_backward_seconds", 0.0), "optimizer_seconds": update.get("optimizer_seconds", 0.0)}
+    summed = collective.sum(torch.tensor([*counts.values(), *per_term.values()], dtype=torch.float64)).tolist()
+    counts = {name: int(value) for name, value in zip(counts, summed)}
+    terms = max(counts.pop("terms"), 1)
+    means = {name: value / terms for name, value in zip(per_term, summed[len(counts) + 1:])}
+    maxima = dict(zip(maxima, collective.max(torch.tensor(list(maxima.values()), dtype=torch.float64)).tolist()))
+    return {**counts, **means, **maxima, "grad_norm": update["grad_norm"], "optimizer_steps": update["optimizer_steps"],
+            "steps_skipped": update["steps_skipped"]}

@@ -13,12 +13,15 @@ The run directory is then claimed (branchdiff/runtime/run_dir.py) and the checkp
 
 from __future__ import annotations
 
+from branchdiff.data.demonstrations import load_image_set
 from branchdiff.data.prompts import load_prompt_set
+from branchdiff.errors import UserError
 from branchdiff.evaluation.preflight import check_prompt_set, check_video_rewards
 from branchdiff.models import adapter_class, check_frames, check_size
 from branchdiff.models.attention import check_backend
 from branchdiff.models.compile import check_compiler
 from branchdiff.models.registry import FAMILIES, image_size
+from branchdiff.objectives.registry import dataset_kind
 from branchdiff.rewards.combine import parse_reward_specs
 from branchdiff.rewards.multi import check_remote_kwargs
 from branchdiff.rewards.registry import check_reward_kwargs, resolve_reward
@@ -28,11 +31,23 @@ from branchdiff.training.trackers import check_credentials, check_installed
 
 
 def check_inputs(config: TrainConfig) -> None:
-    """Raise a one-line error for a model path the family needs and lacks, a reward that does not resolve, a
-    prompt source that does not read or holds a prompt the family or a reward cannot take, or an image size the
-    model cannot make (evaluation prompts only when the run evaluates)."""
+    """Raise a one-line error for a model path the family needs and lacks, a dataset objective's image set that
+    does not read or whose images the family cannot encode, a reward that does not resolve, a prompt source that
+    does not read or holds a prompt the family or a reward cannot take, or an image size the model cannot make
+    (evaluation prompts only when the run evaluates)."""
     evaluates = config.final_eval or config.eval_every
     adapter_class(config.model.family).check_path(config.model.path)
+    size = image_size(config.model.resolution, FAMILIES[config.model.family].resolution)
+    kind = dataset_kind(config.train.loss)
+    if kind:  # a dataset objective's images: read and checked now; the family must turn them into latents
+        if not hasattr(adapter_class(config.model.family), "encode_images"):
+            encoding = ", ".join(name for name in FAMILIES if hasattr(adapter_class(name), "encode_images"))
+            raise UserError(f"train.loss={config.train.loss} trains on images, which model.family={config.model.family} cannot encode "
+                            f"into latents yet; families that can: {encoding}")
+        try:
+            load_image_set(getattr(config, config.train.loss.replace("-", "_")).data, kind, size)
+        except ValueError as error:
+            raise UserError(str(error)) from None
     train_specs, eval_specs = parse_reward_specs(config.reward), parse_reward_specs(config.eval_rewards)
     factories = {}
     for spec in (*train_specs, *eval_specs):
@@ -50,6 +65,5 @@ def check_inputs(config: TrainConfig) -> None:
     if FAMILIES[config.model.family].video:
         for key, specs in (("reward", train_specs), *((("eval_rewards", eval_specs),) if evaluates else ())):
             check_video_rewards(key, specs, factories)
-    size = image_size(config.model.resolution, FAMILIES[config.model.family].resolution)
     for source, specs in (("train", train_specs), *((("eval", eval_specs),) if evaluates else ())):
         check_prompt_set(load_prompt_set(getattr(config.prompts, source)), config.model.family, size, specs, factories)

@@ -72,6 +72,12 @@ class InterruptRequest:
 def progress_fields(metrics: dict[str, float]) -> dict[str, str]:
     """The progress bar's fields: reward, tiny-task accuracy when scored, and a warning when many
     groups carry no signal (all their samples scored alike) or were dropped."""
+    if "reward_mean" not in metrics:  # a dataset objective's iteration: no reward, its loss instead
+        fields = {"loss": f"{metrics['loss']:.4f}"} if "loss" in metrics else {}
+        held_out = next((key for key in metrics if key.startswith("eval_") and key.endswith(".strict")), None)
+        if held_out:
+            fields["held-out strict"] = f"{metrics[held_out]:.2f}"
+        return fields
     fields = {"reward": f"{metrics['reward_mean']:.3f}"}
     if "accuracy_strict" in metrics:
         fields["strict"] = f"{metrics['accuracy_strict']:.2f}"
@@ -91,7 +97,7 @@ def stop_reason(trainer: Trainer, metrics: dict[str, float]) -> str | None:
     """Why the run cannot go on after this iteration's `metrics`, or None."""
     config, iteration = trainer.config, metrics["iteration"]
     skipped_in_a_row = trainer.run_state["skipped_in_a_row"]
-    if metrics["groups_dropped"] == config.prompts.per_iteration * trainer.accelerator.num_processes:
+    if metrics.get("groups_dropped") == config.prompts.per_iteration * trainer.accelerator.num_processes:  # (none for a dataset objective)
         nonfinite = [k.removesuffix("_nonfinite") for k, v in metrics.items() if k.endswith("_nonfinite") and v]
         failed = [k.removesuffix("_failed") for k, v in metrics.items() if k.endswith("_failed") and v]
         culprits = ", ".join([*(f"{n} (non-finite scores)" for n in nonfinite), *(f"{n} (failed)" for n in failed)]) or "the reward"
@@ -180,7 +186,7 @@ def _iteration(trainer: Trainer, iteration: int) -> dict[str, float]:
                              row_captions=prompts)
             _log_grid(trainer, "samples/held_out", grid, iteration)
     result = trainer.run_iteration(iteration)
-    if heldout:  # the evaluation measured the policy of this iteration's rollouts: the watch pairs the two
+    if heldout and "reward_mean" in result.metrics:  # the evaluation measured the policy of this iteration's rollouts: the watch pairs the two
         heldout.update(trainer.watch_state.add_evaluation(result.metrics["reward_mean"], heldout[f"eval_{trainer.gold_score}"],
                                                           config.watch.window, config.watch.tolerance))
     metrics = {**result.metrics, **heldout}
@@ -189,7 +195,7 @@ def _iteration(trainer: Trainer, iteration: int) -> dict[str, float]:
     if accelerator.is_main_process:
         metrics_log.append(run_dir / "metrics.jsonl", metrics)
         every = config.logging.sample_every
-        if every and (iteration % every == 0 or iteration == config.iterations - 1):
+        if every and result.rollout is not None and (iteration % every == 0 or iteration == config.iterations - 1):
             tree = result.rollout.tree
             leaves_per_prompt = len(tree.leaf_index) // tree.num_prompts
             shown = 4 * leaves_per_prompt

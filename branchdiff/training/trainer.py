@@ -34,7 +34,7 @@ from accelerate.utils import DistributedDataParallelKwargs, InitProcessGroupKwar
 
 from branchdiff.core.rollout import NoiseAddress, Rollout, SamplerSettings, grow
 from branchdiff.core.tree import build_tree
-from branchdiff.data.prompts import draw_prompts, load_prompt_set
+from branchdiff.data.prompts import PromptSet, draw_prompts, load_prompt_set
 from branchdiff.errors import ConfigError, UserError
 from branchdiff.evaluation.evaluate import EvalResult, beside_sources, evaluate, gather_results, sample_ode, score_names, summarize
 from branchdiff.explore.pool import ExploreResult, explore_search, explore_seeds, explore_tree, latent_difference, pool_under_policy, selection_generators
@@ -45,6 +45,7 @@ from branchdiff.models.base import ModelAdapter, encode_for
 from branchdiff.models.compile import compile_denoiser
 from branchdiff.models.ema import WeightAverage
 from branchdiff.models.finetune import make_finetune
+from branchdiff.objectives.dataset import DatasetObjective
 from branchdiff.objectives.registry import make_objective, needs_reference
 from branchdiff.rewards.combine import parse_reward_specs
 from branchdiff.rewards.multi import MultiReward, RewardBatch, build_component
@@ -60,19 +61,19 @@ from branchdiff.settings.validate import tracker_names
 from branchdiff.training.checkpoints import TrainerCheckpoints
 from branchdiff.training.hacking import WatchState
 from branchdiff.training.lr_schedule import LearningRateSchedule
-from branchdiff.training.metrics import iteration_metrics
+from branchdiff.training.metrics import dataset_iteration_metrics, iteration_metrics
 from branchdiff.training.update import UpdateLoop
 
 
 @dataclass
 class IterationResult:
     metrics: dict[str, float]
-    rollout: Rollout
+    rollout: Rollout | None  # None: a dataset objective's iteration (no rollout; the tensors below are then empty)
     leaf_images: torch.Tensor  # (L, 3, H, W)
     node_rewards: torch.Tensor  # (N,) fused reward of each node
     node_advantages: torch.Tensor  # (N,) clipped advantage of the edge into each node
     trained: torch.Tensor  # (N,) bool: the edge into the node got gradients
-    prompts: list[str]  # (P,) the prompt of each tree
+    prompts: list[str]  # (P,) the prompt of each tree (of each row, for a dataset objective)
 
 
 def sampler_settings(config: TrainConfig) -> SamplerSettings:
@@ -185,6 +186,8 @@ class Trainer(TrainerCheckpoints):
         self.accelerator.register_save_state_pre_hook(self._save_hook)
         self.accelerator.register_load_state_pre_hook(self._load_hook)
         self.prompt_set = load_prompt_set(config.prompts.train)
+        if isinstance(self.objective, DatasetObjective):  # its rows are drawn as prompts are
+            self.prompt_set = PromptSet(self.objective.rows.name, self.objective.rows.prompts, [{} for _ in self.objective.rows.prompts])
         self.prompts = self.prompt_set.prompts
         self.start_iteration = 0
         # optimizer steps skipped in a row (non-finite gradients), across iterations; optimizer steps taken in the run
@@ -314,7 +317,10 @@ class Trainer(TrainerCheckpoints):
     def run_iteration(self, iteration: int, per_node: bool = False) -> IterationResult:
         """One iteration; `per_node` grows the tree with batch-1 forwards (benchmarks). The objective
         (`train.loss`, branchdiff/objectives/) turns the rewards into a signal and the signal into
-        an update plan, which the update loop runs (branchdiff/training/update.py)."""
+        an update plan, which the update loop runs (branchdiff/training/update.py). A dataset objective
+        (SFT, offline DPO) trains on its rows instead (`dataset_iteration`)."""
+        if isinstance(self.objective, DatasetObjective):
+            return self.dataset_iteration(iteration)
         rollout, images, rewards, info = self.rollout_and_score(iteration, per_node)
         signal = self.objective.signal(rollout, rewards.total, iteration)
         info["groups_dropped"] = signal.groups_dropped
@@ -332,6 +338,31 @@ class Trainer(TrainerCheckpoints):
                    "learning_rate": learning_rate}
         self.refresh_explorer()
         return IterationResult(metrics, rollout, images, signal.node_rewards, signal.node_advantages, signal.trained, info["prompts"])
+
+    def dataset_iteration(self, iteration: int) -> IterationResult:
+        """One iteration of a dataset objective: this process's rows drawn as prompts are, their prompts
+        encoded, the objective's plan of them run by the update loop."""
+        objective = self.objective
+        assert isinstance(objective, DatasetObjective)
+        indices, keys = self.iteration_draw(iteration)
+        prompts = [self.prompts[i] for i in indices]
+        info: dict = {"memory": {}}
+        start = time.perf_counter()
+        embeds = encode_for(self.adapter, prompts, [{} for _ in prompts])
+        info["encode_seconds"] = time.perf_counter() - start
+        learning_rate = self.learning_rate.set(iteration)
+        start = time.perf_counter()
+        with self.memory.phase("train", info["memory"]):
+            train_stats = self.update(objective.plan_rows(indices, embeds, NoiseAddress(self.config.seed, iteration, keys)))
+            self.run_state["optimizer_steps"] += train_stats["optimizer_steps"]
+            objective.after_update(self.run_state["optimizer_steps"])
+        info["train_seconds"] = time.perf_counter() - start
+        streak = self.run_state["skipped_in_a_row"] + train_stats["steps_skipped"]
+        self.run_state["skipped_in_a_row"] = train_stats["trailing_skips"] if train_stats["optimizer_steps"] else streak
+        metrics = {"iteration": iteration, **dataset_iteration_metrics(self.collective, len(indices), train_stats, objective.metric_kinds, info),
+                   "learning_rate": learning_rate}
+        empty = torch.zeros(0)
+        return IterationResult(metrics, None, empty, empty, empty, empty.bool(), prompts)
 
     # ---------------------------------------------------------------- evaluation
     def evaluated_weights(self) -> AbstractContextManager:

@@ -1,0 +1,105 @@
+"""Image datasets the dataset objectives train on instead of rollouts (docs/objectives.md): demonstrations
+for SFT (`sft.data`, rows {"prompt", "image"}) and preference pairs for offline Diffusion-DPO
+(`dpo_offline.data`, rows {"prompt", "chosen", "rejected"}).
+
+A file source is JSONL, one row per line; image paths are relative to the file's folder. When the
+set is read, every row must have a non-empty prompt and each of its images must exist, decode, and
+have the size the model makes (`size`, width × height): the first row that does not is refused with
+its file and line, before any model loads. The built-in task has two sets made from its ground truth:
+`tiny:demonstrations` (each training prompt drawn correctly) and `tiny:preferences` (the correct
+drawing chosen over one with the next colour, or the next count, every other row).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from branchdiff.data import tiny_task
+from branchdiff.data.sources import _decode, image_size, resolve_sources
+from branchdiff.errors import quote, read_utf8
+
+FIELDS = {"demonstrations": ("image",), "preferences": ("chosen", "rejected")}  # the image fields of each kind of set
+
+
+@dataclass
+class ImageSet:
+    """A dataset's rows: a prompt and its images (paths, or pixels for a built-in set)."""
+    name: str
+    fields: tuple[str, ...]
+    prompts: list[str]
+    images: list[tuple[str | torch.Tensor, ...]] = field(repr=False)  # per row, one per field
+
+    def pixels(self, row: int) -> list[torch.Tensor]:
+        """Row `row`'s images as (3, H, W) float tensors in [0, 1], in field order."""
+        return [image if isinstance(image, torch.Tensor) else _as_tensor(image) for image in self.images[row]]
+
+
+def _as_tensor(path: str) -> torch.Tensor:
+    return torch.from_numpy(np.asarray(_decode(path), dtype=np.float32) / 255).permute(2, 0, 1)
+
+
+def _tiny_set(kind: str) -> ImageSet:
+    prompts = tiny_task.split_prompts()[0]
+    truth = torch.from_numpy(tiny_task.render_batch(prompts, seed=0))  # (P, 3, 32, 32)
+    if kind == "demonstrations":
+        return ImageSet("tiny:demonstrations", FIELDS[kind], [p.text for p in prompts], [(image,) for image in truth])
+    colors, counts = list(tiny_task.COLORS), sorted(tiny_task.COUNTS.values())
+    wrong = [tiny_task.TinyPrompt(p.count, colors[(colors.index(p.color) + 1) % len(colors)], p.shape, p.position) if i % 2 == 0 else
+             tiny_task.TinyPrompt(counts[(counts.index(p.count) + 1) % len(counts)], p.color, p.shape, p.position)
+             for i, p in enumerate(prompts)]
+    rejected = torch.from_numpy(tiny_task.render_batch(wrong, seed=1))
+    return ImageSet("tiny:preferences", FIELDS[kind], [p.text for p in prompts], list(zip(truth, rejected)))
+
+
+BUILT_IN = {"tiny:demonstrations": "demonstrations", "tiny:preferences": "preferences"}
+
+
+def load_image_set(source: str, kind: str, size: tuple[int, int]) -> ImageSet:
+    """The rows of `source` (a built-in name or a JSONL file) for a set of `kind` ("demonstrations" or
+    "preferences"), every image checked to be `size` (width, height). Raises ValueError naming the row."""
+    if source in BUILT_IN:
+        if BUILT_IN[source] != kind:
+            raise ValueError(f"{source} is a set of {BUILT_IN[source]}, not {kind}; use "
+                             f"{next(name for name, k in BUILT_IN.items() if k == kind)} or a JSONL file of {kind}")
+        image_set = _tiny_set(kind)
+        if (32, 32) != size:
+            raise ValueError(f"{source} holds 32×32 images and the model makes {size[0]}×{size[1]}; it trains the built-in tiny model")
+        return image_set
+    path = Path(source)
+    if not path.is_file():
+        raise ValueError(f"{kind} set {quote(source, 80)} is neither {', '.join(BUILT_IN)} nor an existing JSONL file")
+    fields = FIELDS[kind]
+    expected = ", ".join(f'"{name}"' for name in ("prompt", *fields))
+    prompts, images = [], []
+    for number, line in enumerate(read_utf8(path).splitlines(), start=1):
+        if not line.strip():
+            continue
+        where = f"{path}:{number}"
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            raise ValueError(f"{where}: expected a JSON object with the fields {expected}, got {quote(line)}") from None
+        if not isinstance(record, dict) or any(name not in record for name in ("prompt", *fields)):
+            raise ValueError(f"{where}: expected a JSON object with the fields {expected}")
+        if not isinstance(record["prompt"], str) or not record["prompt"].strip():
+            raise ValueError(f"{where}: \"prompt\" must be a non-empty string, got {quote(json.dumps(record['prompt']))}")
+        row = []
+        for name in fields:
+            if not isinstance(record[name], str):
+                raise ValueError(f"{where}: \"{name}\" must be the path of one image, got {quote(json.dumps(record[name]))}")
+            resolved = resolve_sources(record[name], path.parent, where)[0]
+            if image_size(resolved) != size:
+                found = image_size(resolved)
+                raise ValueError(f"{where}: \"{name}\" {quote(record[name])} is {found[0]}×{found[1]} (width × height) and the model makes "
+                                 f"{size[0]}×{size[1]}; resize the {kind} to {size[0]}×{size[1]} or set model.resolution")
+            row.append(resolved)
+        prompts.append(record["prompt"])
+        images.append(tuple(row))
+    if not prompts:
+        raise ValueError(f"{kind} set {quote(source, 80)} holds no rows")
+    return ImageSet(str(path), fields, prompts, images)
