@@ -2,7 +2,8 @@
 T5 text encoders), rectified flow with the scheduler config's shift (3.0 for SD3.5), CFG.
 
 The transformer is conditioned on t = σ·1000 (the scheduler's timesteps); latents are
-(16, H/8, W/8) and decode as `latents / scaling_factor + shift_factor`.
+(16, H/8, W/8) and decode as `latents / scaling_factor + shift_factor`; images encode the other way
+(`encode_images`: SFT and offline DPO).
 """
 
 from __future__ import annotations
@@ -46,3 +47,16 @@ class SD3Adapter(PipelineAdapter):
     def vae_input(self, latents: torch.Tensor) -> torch.Tensor:
         config = self.pipe.vae.config
         return latents / config.scaling_factor + config.shift_factor
+
+    @torch.no_grad()
+    def encode_images(self, images: torch.Tensor) -> torch.Tensor:
+        """Images (B, 3, H, W) in [0, 1] → latents: the VAE's posterior mean (its mode, so an image has one
+        latent) of the image in [−1, 1], shifted and scaled as the pipeline's latents are (the inverse of
+        `vae_input`), `decode_batch` at a time (SFT and offline DPO train on these)."""
+        vae, config = self.pipe.vae, self.pipe.vae.config
+        latents = []
+        with self.modules_on_device(vae):
+            for chunk in images.split(self.decode_batch):
+                mean = vae.encode((chunk.to(self.device, vae.dtype) * 2 - 1), return_dict=False)[0].mode()
+                latents.append((mean.float() - config.shift_factor) * config.scaling_factor)
+        return torch.cat(latents)
