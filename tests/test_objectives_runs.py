@@ -218,10 +218,11 @@ def test_dataset_objectives_are_refused_where_they_cannot_run(tmp_path):
     from branchdiff.errors import UserError
     from branchdiff.training.preflight import check_inputs
 
-    with pytest.raises(UserError, match=r"train.loss=sft trains on images, which model.family=sd3 cannot encode into latents yet; families "
-                                         r"that can: tiny, tiny-video"):
-        check_inputs(load_config("sd35-pickscore", ["train.loss=sft"]))
-    with pytest.raises(UserError, match=r"preferences set '.*nowhere.jsonl' is neither tiny:demonstrations, tiny:preferences nor an existing"):
+    with pytest.raises(UserError, match=r"train.loss=sft trains on images, which model.family=flux cannot encode into latents yet; families "
+                                         r"that can: tiny, tiny-video, sd3"):
+        check_inputs(load_config("flux-hps-branch", ["train.loss=sft"]))
+    with pytest.raises(UserError, match=r"preferences set '.*nowhere.jsonl' is neither tiny:demonstrations, tiny:preferences nor an existing file: give a JSONL "
+                                         r"file of rows with the fields \"prompt\", \"chosen\", \"rejected\" \(docs/objectives.md\)"):
         check_inputs(load_config("tiny-dpo-offline", [f"dpo_offline.data={tmp_path / 'nowhere.jsonl'}"]))
     with pytest.raises(ConfigError, match=r"train.loss=sft trains on its demonstrations \(sft.data\), not on rollouts: explore.mode must stay off"):
         load_config("tiny-sft", ["explore.mode=seeds"])

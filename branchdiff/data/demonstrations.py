@@ -71,10 +71,11 @@ def load_image_set(source: str, kind: str, size: tuple[int, int]) -> ImageSet:
             raise ValueError(f"{source} holds 32×32 images and the model makes {size[0]}×{size[1]}; it trains the built-in tiny model")
         return image_set
     path = Path(source)
-    if not path.is_file():
-        raise ValueError(f"{kind} set {quote(source, 80)} is neither {', '.join(BUILT_IN)} nor an existing JSONL file")
     fields = FIELDS[kind]
     expected = ", ".join(f'"{name}"' for name in ("prompt", *fields))
+    if not path.is_file():
+        raise ValueError(f"{kind} set {quote(source, 80)} is neither {', '.join(BUILT_IN)} nor an existing file: give a JSONL file of rows "
+                         f"with the fields {expected} (docs/objectives.md)")
     prompts, images = [], []
     for number, line in enumerate(read_utf8(path).splitlines(), start=1):
         if not line.strip():
