@@ -1,6 +1,7 @@
 """The house's checks, run with the suite (and by pre-commit, .pre-commit-config.yaml): import-linter's
 contracts (the layers' order, models / rewards / schedulers never importing training, no import
-circle anywhere), ruff's lint and import order on the whole tree, and mypy on the typed layers; and
+circle anywhere), ruff's lint and import order on the whole tree, and mypy on the typed layers (`files` of
+pyproject.toml's [tool.mypy]: training, objectives, settings, core, models, schedulers, data, runtime, errors); and
 proof that the contracts bite: a copy of the package with one upward import, or one circle inside a
 layer, breaks them."""
 

@@ -76,7 +76,8 @@ def load_image_set(source: str, kind: str, size: tuple[int, int]) -> ImageSet:
     if not path.is_file():
         raise ValueError(f"{kind} set {quote(source, 80)} is neither {', '.join(BUILT_IN)} nor an existing file: give a JSONL file of rows "
                          f"with the fields {expected} (docs/objectives.md)")
-    prompts, images = [], []
+    prompts: list[str] = []
+    images: list[tuple[str | torch.Tensor, ...]] = []
     for number, line in enumerate(read_utf8(path).splitlines(), start=1):
         if not line.strip():
             continue

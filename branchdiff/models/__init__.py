@@ -8,7 +8,7 @@ May import: schedulers, runtime, data, errors; never training, objectives or the
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, cast
 
 from branchdiff.models.registry import FAMILIES, image_size
 
@@ -40,7 +40,7 @@ def check_frames(family: str, path: str | None, frames: int | None) -> None:
     """A video family's frame count, refused before anything loads when the folder's VAE cannot make it."""
     spec = FAMILIES[family]
     if spec.video:
-        adapter_class(family).folder_frames(path, frames or spec.frames)
+        cast(Any, adapter_class(family)).folder_frames(path, frames or spec.frames)  # a video family's
 
 
 def adapter_class(family: str) -> type[ModelAdapter]:
@@ -73,6 +73,7 @@ def load_adapter(
     spec = FAMILIES[family]
     size = image_size(resolution, spec.resolution)
     options = {"frames": frames or spec.frames, "expert": expert, "guidance_2": guidance_2} if spec.video else {}
-    adapter = adapter_class(family).from_pretrained(path, device, size, dtype or torch.float32, offload, **options)
+    # each family's own from_pretrained (their options differ)
+    adapter: ModelAdapter = cast(Any, adapter_class(family)).from_pretrained(path, device, size, dtype or torch.float32, offload, **options)
     adapter.instruction = instruction
     return adapter

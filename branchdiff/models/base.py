@@ -32,6 +32,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any, cast
 
 import torch
 
@@ -230,7 +231,7 @@ class ModelAdapter(ABC):
     def load_denoiser(self, folder: str | Path) -> None:
         """Load a fully fine-tuned denoiser exported by a run (`<DenoiserClass>.from_pretrained`), in
         this adapter's dtype, in place of the loaded one."""
-        self.replace_denoiser(type(self.denoiser).from_pretrained(str(folder), torch_dtype=self.denoiser.dtype))
+        self.replace_denoiser(cast(Any, type(self.denoiser)).from_pretrained(str(folder), torch_dtype=self.denoiser.dtype))  # diffusers' ModelMixin
 
     def save_lora(self, directory: Path, state: dict[str, torch.Tensor] | None = None) -> Path:
         """Export the denoiser's LoRA (`state`: its tensors gathered from a sharded denoiser) for

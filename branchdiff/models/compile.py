@@ -29,7 +29,7 @@ def _blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
     declared = getattr(model, "_repeated_blocks", None)
     if declared:
         return [m for m in model.modules() if type(m).__name__ in declared]
-    found = []
+    found: list[torch.nn.Module] = []
     for child in model.children():
         if isinstance(child, torch.nn.ModuleList) and len(child) >= 2 and len({type(m) for m in child}) == 1:
             found.extend(child)

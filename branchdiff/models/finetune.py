@@ -23,6 +23,7 @@ import copy
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any, cast
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -53,11 +54,12 @@ class LoraFinetune:
     @contextmanager
     def base(self) -> Iterator[ModelAdapter]:
         """The base model: the same adapter with its LoRA disabled for the block."""
-        self.adapter.denoiser.disable_adapters()
+        denoiser = cast(Any, self.adapter.denoiser)  # diffusers' PeftAdapterMixin
+        denoiser.disable_adapters()
         try:
             yield self.adapter
         finally:
-            self.adapter.denoiser.enable_adapters()
+            denoiser.enable_adapters()
 
     def trained_state(self) -> dict[str, torch.Tensor]:
         """The LoRA tensors by their name in the denoiser, whole (every process calls it: sharded ones are gathered)."""
@@ -122,10 +124,10 @@ class FullFinetune:
         """A diffusers folder of the denoiser (config.json and safetensors weights). A sharded denoiser is
         written through an unsharded instance of its class holding `state` (made on the meta device: no
         second copy of the weights), so the folder is the one an unsharded run writes."""
-        denoiser = self.adapter.denoiser
+        denoiser: Any = self.adapter.denoiser  # a diffusers model: its config, from_config and save_pretrained
         if sharding.is_sharded(denoiser):
             with torch.device("meta"):
-                denoiser = sharding.plain_class(denoiser).from_config(denoiser.config)
+                denoiser = cast(Any, sharding.plain_class(denoiser)).from_config(denoiser.config)
             denoiser.load_state_dict(state, assign=True)
         denoiser.save_pretrained(folder, safe_serialization=True)
         for weights in folder.glob("*.safetensors"):

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 import torch
@@ -73,7 +74,8 @@ class Flux2Adapter(PipelineAdapter):
         chosen = super().lora_targets(targets)
         if targets != "attention+ff":
             return chosen
-        return [*chosen, *(f"single_transformer_blocks.{index}.attn.to_out" for index in range(len(self.denoiser.single_transformer_blocks)))]
+        blocks = cast(torch.nn.ModuleList, self.denoiser.single_transformer_blocks)
+        return [*chosen, *(f"single_transformer_blocks.{index}.attn.to_out" for index in range(len(blocks)))]
 
     def scheduler_arguments(self, num_steps: int) -> dict:
         """The pipeline's σ grid linspace(1, 1/T, T) and its empirical μ for this many tokens and steps."""

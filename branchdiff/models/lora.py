@@ -7,6 +7,7 @@ import json
 import struct
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any, cast
 
 import torch
 from peft import LoraConfig
@@ -18,7 +19,7 @@ from branchdiff.runtime import sharding, storage
 LORA_FILE = "pytorch_lora_weights.safetensors"
 
 
-def pipeline_class(name: str) -> type:
+def pipeline_class(name: str) -> type[Any]:
     """The diffusers pipeline class `name` (e.g. "FluxPipeline"), imported lazily."""
     import diffusers
 
@@ -33,8 +34,10 @@ def add_lora(denoiser: torch.nn.Module, target_modules: list[str] | str, rank: i
     denoiser.requires_grad_(False)
     torch.manual_seed(seed)
     excluded = [name for name in unused if _targeted(name, target_modules)]
-    denoiser.add_adapter(LoraConfig(r=rank, lora_alpha=alpha, init_lora_weights="gaussian", target_modules=target_modules,
-                                    **({"exclude_modules": excluded} if excluded else {})))
+    exclusion: dict[str, Any] = {"exclude_modules": excluded} if excluded else {}
+    # peft types lora_alpha an int; a float scales alike (alpha / r)
+    config = LoraConfig(r=rank, lora_alpha=alpha, init_lora_weights="gaussian", target_modules=target_modules, **exclusion)  # type: ignore[arg-type]
+    cast(Any, denoiser).add_adapter(config)  # diffusers' PeftAdapterMixin
     params = [p for n, p in denoiser.named_parameters() if "lora_" in n]
     for p in params:
         p.data = p.data.float()
@@ -56,7 +59,7 @@ def save_lora(denoiser: torch.nn.Module, directory: Path, pipeline_class_name: s
     directory.mkdir(parents=True, exist_ok=True)
     # sets (target_modules) in sorted order: the file's bytes must not depend on PYTHONHASHSEED
     metadata = {key: sorted(value) if isinstance(value, (set, frozenset)) else value
-                for key, value in denoiser.peft_config["default"].to_dict().items()}
+                for key, value in cast(Any, denoiser).peft_config["default"].to_dict().items()}
     pipeline_class(pipeline_class_name).save_lora_weights(
         directory, **{f"{prefix}_lora_layers": get_peft_model_state_dict(denoiser, state_dict=state), f"{prefix}_lora_adapter_metadata": metadata}
     )
@@ -94,7 +97,7 @@ def load_lora(denoiser: torch.nn.Module, path: str | Path, pipeline_class_name: 
         holds = f"{len(keys)} tensors, e.g. {keys[0]!r}" if keys else "no tensors"
         raise ValueError(f"{file} holds no LoRA for this model's {prefix} (keys '{prefix}.*lora*' as {pipeline_class_name}.load_lora_weights "
                          f"reads them); it holds {holds}; pass a LoRA exported by branchdiff train or saved by save_lora_weights")
-    denoiser.load_lora_adapter(state[0], prefix=prefix, metadata=metadata)
+    cast(Any, denoiser).load_lora_adapter(state[0], prefix=prefix, metadata=metadata)  # diffusers' PeftAdapterMixin
 
 
 def load_lora_state(denoiser: torch.nn.Module, directory: Path, prefix: str) -> None:

@@ -15,18 +15,21 @@ import copy
 import inspect
 import json
 from pathlib import Path
+from typing import Any, cast
 
 import torch
 
 from branchdiff.errors import UserError, one_line, quote
 from branchdiff.models.base import ModelAdapter
 from branchdiff.models.loading import quiet_loading
-from branchdiff.schedulers.schedule import FlowSchedule
+from branchdiff.schedulers.schedule import FlowSchedule, Schedule
 
 
 class PipelineAdapter(ModelAdapter):
     helper_names: tuple[str, ...] = ("text_encoder", "text_encoder_2", "text_encoder_3", "vae")  # offloadable components
     example_hub_id = ""  # shown in the error when model.path is missing
+    config: Any  # the denoiser's diffusers config, read by attribute (in_channels, guidance_embeds, ...)
+    dtype: torch.dtype  # the denoiser's weights' dtype
 
     def __init__(self, pipe, device: torch.device | str = "cpu", size: tuple[int, int] = (1024, 1024), offload: bool = False) -> None:
         self.pipe = pipe
@@ -37,7 +40,7 @@ class PipelineAdapter(ModelAdapter):
         pipe.set_progress_bar_config(disable=True)
         self.denoiser = getattr(pipe, self.denoiser_name).to(self.device)
         self.config = self.denoiser.config  # kept: `denoiser` may later be a DDP wrapper without it
-        self.dtype = self.denoiser.dtype
+        self.dtype = cast(torch.dtype, self.denoiser.dtype)  # diffusers' ModelMixin.dtype
         for module in self.helpers():
             module.requires_grad_(False).eval().to("cpu" if offload else self.device)
 
@@ -54,6 +57,7 @@ class PipelineAdapter(ModelAdapter):
         """Load the family's diffusers pipeline from a local folder or a hub id, weights in `dtype`, for
         images of `size` (height, width); `options` go to the family's constructor (Wan: `frames`)."""
         cls.check_path(path)
+        assert path is not None  # check_path refuses none
         from branchdiff.models.lora import pipeline_class
         from branchdiff.runtime.hub import transport_errors
 
@@ -61,7 +65,7 @@ class PipelineAdapter(ModelAdapter):
         with quiet_loading():
             try:
                 pipe = pipeline.from_pretrained(str(path), dtype=dtype)
-            except (OSError, ValueError, *transport_errors()) as error:  # a hub that timed out reaches here as the HTTP client's error
+            except (OSError, ValueError) + transport_errors() as error:  # a hub that timed out reaches here as the HTTP client's error
                 raise UserError(f"model.path={quote(str(path), 80)} could not be loaded as a {cls.pipeline_class_name} ({_load_failure(path, error)}); "
                                 f"pass model.path= a local diffusers folder (model_index.json beside {cls.denoiser_name}/, vae/, "
                                 "text_encoder*/, tokenizer*/ and scheduler/), or a hub id on a machine that reaches the hub "
@@ -121,7 +125,7 @@ class PipelineAdapter(ModelAdapter):
         self.check_sources(prompts, sources)
         encoders = [*self.text_encoders, self.pipe.vae] if self.edits else self.text_encoders  # an editing family encodes its sources too
         with torch.no_grad(), self.modules_on_device(*encoders):
-            embeds = self.encode_edits(prompts, sources) if self.edits else self.encode(prompts)
+            embeds = self.encode_edits(prompts, cast(list[list], sources)) if self.edits else self.encode(prompts)  # sources checked above
         return {key: value.to(self.device) for key, value in embeds.items()}
 
     def encode(self, prompts: list[str]) -> dict[str, torch.Tensor]:
@@ -153,9 +157,12 @@ class PipelineAdapter(ModelAdapter):
         return decoded
 
     # ---------------------------------------------------------------- flow schedules
-    time_scale = 1000.0  # the denoiser's timestep per unit σ under the anchors' shifted schedule
+    @property
+    def time_scale(self) -> float:
+        """The denoiser's timestep per unit σ under the anchors' shifted schedule (a family may read it from its config)."""
+        return 1000.0
 
-    def schedule(self, num_steps: int, shift: float | None = None) -> FlowSchedule:
+    def schedule(self, num_steps: int, shift: float | None = None) -> Schedule:
         """The pipeline's own scheduler set for `num_steps` (its shift, or its dynamic shift at this
         resolution) with the pipeline's arguments; or, with `shift`, the anchors' σ schedule."""
         if shift is not None:

@@ -22,6 +22,8 @@ against `pipe(...)` (docs/models.md).
 
 from __future__ import annotations
 
+from typing import cast
+
 import numpy as np
 import torch
 
@@ -55,7 +57,7 @@ class QwenImageAdapter(PackedLatentsAdapter):
     def unused_modules_of(cls, denoiser: torch.nn.Module) -> list[str]:
         """The last block's text-stream output (its attention's text projection and text MLP): only the
         image stream leaves the last block."""
-        last = f"transformer_blocks.{len(denoiser.transformer_blocks) - 1}"
+        last = f"transformer_blocks.{len(cast(torch.nn.ModuleList, denoiser.transformer_blocks)) - 1}"
         return [f"{last}.attn.to_add_out", f"{last}.txt_mlp.net.0.proj", f"{last}.txt_mlp.net.2"]
 
     def scheduler_arguments(self, num_steps: int) -> dict:

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import gzip
 import os
+from collections.abc import Mapping
 from importlib import resources
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from diffusers import SD3Transformer2DModel
@@ -22,6 +24,9 @@ from branchdiff.models.base import ModelAdapter, PromptEmbeds
 from branchdiff.models.loading import quiet_loading
 from branchdiff.models.sd3 import SD3_ATTENTION, SD3_FEED_FORWARD
 from branchdiff.schedulers.schedule import FlowSchedule
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
 
 MAX_PROMPT_TOKENS = 16
 TOKENIZER_MERGES = 1000  # first BPE merges of open_clip's vocabulary: a small, valid CLIP vocab
@@ -50,7 +55,8 @@ def build_tokenizer() -> CLIPTokenizer:
     byte_tokens = list(bytes_to_unicode().values())
     tokens = byte_tokens + [t + "</w>" for t in byte_tokens] + ["".join(m.split()) for m in merges]
     tokens += ["<|startoftext|>", "<|endoftext|>"]
-    return CLIPTokenizer(vocab={t: i for i, t in enumerate(tokens)}, merges=[tuple(m.split()) for m in merges])
+    # transformers types merges as strings; its BPE model takes pairs too
+    return CLIPTokenizer(vocab={t: i for i, t in enumerate(tokens)}, merges=[tuple(m.split()) for m in merges])  # type: ignore[misc]
 
 
 def build_text_encoder(tokenizer: CLIPTokenizer) -> CLIPTextModelWithProjection:
@@ -67,10 +73,10 @@ class TinyAdapter(ModelAdapter):
     resolution = 32  # the only image side: height = width = 32
     height = width = resolution
     lora_target_sets = {"attention": SD3_ATTENTION, "attention+ff": SD3_ATTENTION + SD3_FEED_FORWARD, "all-linear": "all-linear"}
-    quant_skip_modules = ("pos_embed", "time_text_embed", "context_embedder", "norm_out", "proj_out")
+    quant_skip_modules: tuple[str, ...] = ("pos_embed", "time_text_embed", "context_embedder", "norm_out", "proj_out")
     pipeline_class_name = "StableDiffusion3Pipeline"  # its LoRA loads into an SD3 transformer
     denoiser_class = SD3Transformer2DModel
-    denoiser_config = TRANSFORMER_CONFIG
+    denoiser_config: Mapping[str, object] = TRANSFORMER_CONFIG
     assets = ("tiny", "BRANCHDIFF_TINY_MODEL")  # the built-in model's folder under branchdiff.assets, and the variable that overrides it
     pretrain_script = "pretrain_tiny.py"
 
@@ -83,7 +89,8 @@ class TinyAdapter(ModelAdapter):
     ) -> None:
         self.device = torch.device(device)
         self.denoiser = transformer.to(self.device)
-        self.text_encoder = text_encoder.to(self.device).requires_grad_(False).eval()
+        # transformers decorates its `to` with functools.wraps(torch.nn.Module.to): typeshed's wrapper does not bind self
+        self.text_encoder = text_encoder.to(self.device).requires_grad_(False).eval()  # type: ignore[arg-type]
         self.tokenizer = tokenizer
 
     @classmethod
@@ -95,7 +102,7 @@ class TinyAdapter(ModelAdapter):
 
     @classmethod
     def from_pretrained(cls, path: str | Path | None = None, device: str | torch.device = "cpu", size: tuple[int, int] = (32, 32),
-                        dtype: torch.dtype = torch.float32, offload: bool = False) -> TinyAdapter:
+                        dtype: torch.dtype = torch.float32, offload: bool = False) -> Self:
         """Load `transformer/`, `text_encoder/` and `tokenizer/` saved by `save_pretrained` (the
         built-in model when `path` is None). The model is 32×32 pixels, small enough to stay on the
         device: `offload` is ignored."""
@@ -114,7 +121,7 @@ class TinyAdapter(ModelAdapter):
 
     def save_pretrained(self, path: str | Path) -> None:
         path = Path(path)
-        self.denoiser.save_pretrained(path / "transformer")
+        cast(Any, self.denoiser).save_pretrained(path / "transformer")  # diffusers' ModelMixin
         self.text_encoder.save_pretrained(path / "text_encoder")
         self.tokenizer.save_pretrained(path / "tokenizer")
 

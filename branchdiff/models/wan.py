@@ -41,6 +41,7 @@ import copy
 import json
 import math
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -61,6 +62,8 @@ class WanExperts(torch.nn.Module):
     each expert's blocks are units)."""
 
     denoisers = ("transformer", "transformer_2")
+    transformer: Any  # diffusers' WanTransformer3DModel (its peft and checkpointing mixins)
+    transformer_2: Any
 
     def __init__(self, transformer: torch.nn.Module, transformer_2: torch.nn.Module) -> None:
         super().__init__()
@@ -105,6 +108,7 @@ def route(high: torch.Tensor, latents: torch.Tensor, times: torch.Tensor, text: 
 
 
 def call_expert(expert: torch.nn.Module | None, latents: torch.Tensor, times: torch.Tensor, text: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    assert expert is not None  # `route` calls only an expert that takes rows or is padded: the model has it
     return expert(hidden_states=latents.to(dtype), timestep=times, encoder_hidden_states=text.to(dtype), return_dict=False)[0]
 
 
@@ -113,7 +117,7 @@ class WanAdapter(PipelineAdapter):
     pipeline_class_name = "WanPipeline"
     helper_names = ("text_encoder", "vae")
     lora_target_sets = {"attention": WAN_ATTENTION, "attention+ff": WAN_ATTENTION + WAN_FEED_FORWARD, "all-linear": "all-linear"}
-    quant_skip_modules = ("patch_embedding", "condition_embedder", "norm_out", "proj_out")
+    quant_skip_modules: tuple[str, ...] = ("patch_embedding", "condition_embedder", "norm_out", "proj_out")
     uses_cfg = True
     default_guidance = 5.0  # WanPipeline's default guidance_scale
     example_hub_id = "Wan-AI/Wan2.1-T2V-1.3B-Diffusers"

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from branchdiff.models.pipeline_adapter import PipelineAdapter
-from branchdiff.schedulers.schedule import FlowSchedule, sigma_schedule
+from branchdiff.schedulers.schedule import FlowSchedule, Schedule, sigma_schedule
 
 Z_IMAGE_ATTENTION = ["attention.to_q", "attention.to_k", "attention.to_v", "attention.to_out.0"]
 Z_IMAGE_FEED_FORWARD = ["feed_forward.w1", "feed_forward.w2", "feed_forward.w3"]
@@ -65,7 +65,7 @@ class ZImageAdapter(PipelineAdapter):
     def model_times(self, timesteps: torch.Tensor) -> torch.Tensor:
         return (1000 - timesteps) / 1000
 
-    def schedule(self, num_steps: int, shift: float | None = None) -> FlowSchedule:
+    def schedule(self, num_steps: int, shift: float | None = None) -> Schedule:
         """The pipeline's schedule, or the anchors' σ with shift s, the transformer conditioned on 1 − σ."""
         if shift is None:
             return super().schedule(num_steps)

@@ -33,7 +33,7 @@ from branchdiff.models.finetune import FullFinetune, LoraFinetune
 from branchdiff.objectives.base import MetricKind, Objective, Signal
 from branchdiff.objectives.forward_process import ForwardTerms, draw_terms, idle_forward, leaf_signal, predict_all
 from branchdiff.runtime.distributed import Collective
-from branchdiff.schedulers.schedule import Schedule
+from branchdiff.schedulers.schedule import FlowSchedule
 from branchdiff.settings.config import TrainConfig
 
 POLICY_AVERAGE_FILE = "policy_average.safetensors"
@@ -45,7 +45,7 @@ class AdvantageWeightedMatching(Objective):
     collective: Collective
     finetune: LoraFinetune | FullFinetune  # the trained parameters (averaged) and the base model (KL)
     train_policy: ModelAdapter  # the denoiser behind the (DDP-)wrapper: the training forward
-    schedule: Schedule  # the rollouts' schedule: the σ the samples are noised to
+    schedule: FlowSchedule  # the rollouts' schedule: the σ the samples are noised to (flow families only: `flow_only`)
     settings: SamplerSettings  # guidance of the training forward
     metric_kinds: ClassVar[dict[str, MetricKind]] = {
         "loss": "per_term", "matching": "per_term", "clip_fraction": "per_term",  # means over the (leaf, step) terms trained
@@ -104,6 +104,7 @@ class AWMPlan:
     def loss(self, index: int) -> torch.Tensor:
         objective, rows = self.objective, self.minibatches[index]
         config, guidance = objective.config, objective.settings.guidance
+        assert self.old_weighted is not None  # predicted for every minibatch
         v_theta = self.terms_drawn.predict(objective.train_policy, rows, self.embeds, guidance)  # (e, ...)
         weighted = self._weighted(v_theta, rows)
         per_term, clipped = awm_surrogate(weighted, self.old_weighted[rows], self.advantages[rows], config.awm.clip_range)

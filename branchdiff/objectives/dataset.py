@@ -13,7 +13,7 @@ row holds together (a preference pair) share their (σ, ε).
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import ClassVar, cast
 
 import torch
 
@@ -24,7 +24,8 @@ from branchdiff.models.base import ModelAdapter
 from branchdiff.models.registry import FAMILIES, image_size
 from branchdiff.objectives.base import Objective, Signal, UpdatePlan
 from branchdiff.objectives.forward_process import ForwardTerms
-from branchdiff.schedulers.schedule import Schedule
+from branchdiff.schedulers.schedule import FlowSchedule
+from branchdiff.settings.config import TrainConfig
 
 FINE_STEPS = 1000  # the schedule noise levels are read from
 
@@ -32,10 +33,12 @@ FINE_STEPS = 1000  # the schedule noise levels are read from
 class DatasetObjective(Objective):
     """An objective that trains on an image set (`dataset` in its registry line names the kind)."""
     dataset: ClassVar[str]  # "demonstrations" or "preferences"
+    config: TrainConfig
+    rows: ImageSet  # the set, read when the objective is built
 
     def image_set(self) -> ImageSet:
         """The rows, read (and checked) from the objective's `data` key."""
-        config = self.config  # type: ignore[attr-defined]
+        config = self.config
         own = getattr(config, config.train.loss.replace("-", "_"))
         return load_image_set(own.data, self.dataset, image_size(config.model.resolution, FAMILIES[config.model.family].resolution))
 
@@ -47,15 +50,21 @@ class DatasetObjective(Objective):
         raise NotImplementedError
 
 
+def fine_schedule(adapter: ModelAdapter, shift: float | None) -> FlowSchedule:
+    """The family's `FINE_STEPS`-step schedule on its device, the noise levels are read from (flow families only: the settings
+    refuse a DDIM family for the dataset objectives)."""
+    return cast(FlowSchedule, adapter.schedule(FINE_STEPS, shift).to(adapter.device))
+
+
 def encode_rows(adapter: ModelAdapter, image_set: ImageSet, rows: list[int]) -> torch.Tensor:
     """(R, F, ...) latents of the rows' F images each (`ModelAdapter.encode_images`)."""
     pixels = torch.stack([torch.stack(image_set.pixels(row)) for row in rows])  # (R, F, 3, H, W)
-    flat = adapter.encode_images(pixels.flatten(0, 1).to(adapter.device))  # type: ignore[attr-defined]
+    flat = adapter.encode_images(pixels.flatten(0, 1).to(adapter.device))  # type: ignore[attr-defined]  # the families that encode (preflight checks)
     return flat.reshape(len(rows), len(image_set.fields), *flat.shape[1:])
 
 
 def draw_levels(address: NoiseAddress, shape: torch.Size, timesteps: int, sampling: str, mean: float, std: float, tag: str,
-                schedule: Schedule) -> tuple[torch.Tensor, torch.Tensor]:
+                schedule: FlowSchedule) -> tuple[torch.Tensor, torch.Tensor]:
     """Per row of `address.prompt_keys`: `timesteps` step indices of `schedule` (R, k) and noise (R, k, *shape) (module doc)."""
     steps, noises = [], []
     generator = torch.Generator()
@@ -71,7 +80,7 @@ def draw_levels(address: NoiseAddress, shape: torch.Size, timesteps: int, sampli
     return torch.stack(steps), torch.stack(noises)
 
 
-def dataset_terms(latents: torch.Tensor, steps: torch.Tensor, noise: torch.Tensor, schedule: Schedule) -> list[ForwardTerms]:
+def dataset_terms(latents: torch.Tensor, steps: torch.Tensor, noise: torch.Tensor, schedule: FlowSchedule) -> list[ForwardTerms]:
     """One `ForwardTerms` per image field: rows' latents (R, F, ...) noised at their (R, k) steps with their
     (R, k, ...) noise, the same for every field of a row; a term's `nodes` and `prompt` are its row."""
     rows, k = steps.shape

@@ -33,7 +33,7 @@ from branchdiff.models.finetune import FullFinetune, LoraFinetune
 from branchdiff.objectives.base import MetricKind, Objective, Signal
 from branchdiff.objectives.forward_process import draw_terms, idle_forward, leaf_signal, predict_all
 from branchdiff.runtime.distributed import Collective
-from branchdiff.schedulers.schedule import Schedule
+from branchdiff.schedulers.schedule import FlowSchedule
 from branchdiff.settings.config import TrainConfig
 
 
@@ -43,7 +43,7 @@ class DGPO(Objective):
     collective: Collective
     finetune: LoraFinetune | FullFinetune  # the trained parameters and the frozen reference (the base model)
     train_policy: ModelAdapter  # the denoiser behind the (DDP-)wrapper: the training forward
-    schedule: Schedule  # the rollouts' schedule: the σ the samples are noised to
+    schedule: FlowSchedule  # the rollouts' schedule: the σ the samples are noised to (flow families only: `flow_only`)
     settings: SamplerSettings  # guidance of the training forward
     metric_kinds: ClassVar[dict[str, MetricKind]] = {
         "loss": "per_term", "group_weight": "per_term", "error_gap": "per_term", "clip_fraction": "per_term",  # means over the terms
@@ -91,12 +91,14 @@ class DGPOPlan:
         self.old_error = None
         if config.dgpo.clip_range > 0 and len(terms.nodes):
             v_old = predict_all(objective.finetune.adapter, terms, self.minibatches, embeds, guidance, rollout, schedule)
+            assert v_old is not None  # there are terms, so minibatches
             self.old_error = flow_matching_error(v_old, terms.x0, terms.noise)
         self.stats = {"loss": 0.0, "group_weight": 0.0, "error_gap": 0.0, "clip_fraction": 0.0, "kl": 0.0, "nfe_trained": 0}
 
     def loss(self, index: int) -> torch.Tensor:
         objective, rows = self.objective, self.minibatches[index]
         config, guidance, terms = objective.config, objective.settings.guidance, self.terms_drawn
+        assert self.reference_error is not None  # predicted for every minibatch
         v_theta = terms.predict(objective.train_policy, rows, self.embeds, guidance)  # (e, ...)
         error = flow_matching_error(v_theta, terms.x0[rows], terms.noise[rows])  # (e,)
         advantages = self.advantages[rows]

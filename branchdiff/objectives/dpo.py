@@ -33,7 +33,7 @@ from branchdiff.objectives.base import MetricKind, Objective, Signal
 from branchdiff.objectives.forward_process import draw_terms, idle_forward, leaf_signal, predict_all
 from branchdiff.objectives.nft import ancestors_at
 from branchdiff.runtime.distributed import Collective
-from branchdiff.schedulers.schedule import Schedule
+from branchdiff.schedulers.schedule import FlowSchedule
 from branchdiff.settings.config import TrainConfig
 
 
@@ -65,7 +65,7 @@ class OnlineDPO(Objective):
     collective: Collective
     finetune: LoraFinetune | FullFinetune  # the trained parameters and the frozen reference (the base model)
     train_policy: ModelAdapter  # the denoiser behind the (DDP-)wrapper: the training forward
-    schedule: Schedule  # the rollouts' schedule: the σ the samples are noised to
+    schedule: FlowSchedule  # the rollouts' schedule: the σ the samples are noised to (flow families only: `flow_only`)
     settings: SamplerSettings  # guidance of the training forward
     metric_kinds: ClassVar[dict[str, MetricKind]] = {
         "loss": "per_term", "preference_accuracy": "per_term", "kl": "per_term",  # means over the (pair, step) terms

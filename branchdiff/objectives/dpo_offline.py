@@ -22,7 +22,7 @@ from branchdiff.core.rollout import NoiseAddress, SamplerSettings
 from branchdiff.models.base import ModelAdapter
 from branchdiff.models.finetune import FullFinetune, LoraFinetune
 from branchdiff.objectives.base import MetricKind
-from branchdiff.objectives.dataset import FINE_STEPS, DatasetObjective, dataset_terms, draw_levels, encode_rows
+from branchdiff.objectives.dataset import DatasetObjective, dataset_terms, draw_levels, encode_rows, fine_schedule
 from branchdiff.objectives.forward_process import ForwardTerms
 from branchdiff.runtime.distributed import Collective
 from branchdiff.schedulers.schedule import Schedule
@@ -45,8 +45,7 @@ class OfflineDPO(DatasetObjective):
 
     def __post_init__(self) -> None:
         self.rows = self.image_set()
-        adapter = self.finetune.adapter
-        self.fine_schedule = adapter.schedule(FINE_STEPS, self.config.sampling.shift).to(adapter.device)
+        self.fine_schedule = fine_schedule(self.finetune.adapter, self.config.sampling.shift)
 
     def plan_rows(self, rows: list[int], embeds: dict, address: NoiseAddress) -> OfflineDPOPlan:
         return OfflineDPOPlan(self, rows, embeds, address)

@@ -26,7 +26,7 @@ from branchdiff.core.noise import address_seed
 from branchdiff.core.rollout import NoiseAddress, Rollout
 from branchdiff.models.base import ModelAdapter, select_embeds
 from branchdiff.objectives.base import Signal, drop_nonfinite_groups, zero_loss
-from branchdiff.schedulers.schedule import Schedule
+from branchdiff.schedulers.schedule import FlowSchedule, Schedule
 
 
 def leaf_signal(rollout: Rollout, rewards: torch.Tensor, clip: float, baseline: str = "mean") -> Signal:
@@ -66,7 +66,7 @@ class ForwardTerms:
         return model.predict(self.x_t[rows], self.times[rows], select_embeds(embeds, self.prompt[rows]), guidance)
 
 
-def draw_terms(rollout: Rollout, leaves: torch.Tensor, address: NoiseAddress, schedule: Schedule, learnable: torch.Tensor,
+def draw_terms(rollout: Rollout, leaves: torch.Tensor, address: NoiseAddress, schedule: FlowSchedule, learnable: torch.Tensor,
                timesteps: int, tag: str, per_group: bool = False) -> ForwardTerms:
     """The terms of `leaves` (K,): each at `timesteps` of the steps `learnable` (T,) allows, drawn
     without replacement with fresh noise at the leaf's address (its group's with `per_group`)."""

@@ -19,7 +19,7 @@ Flow-matching families only: the step size is a difference of σ (the settings r
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, cast
 
 import torch
 
@@ -29,6 +29,7 @@ from branchdiff.core.rollout import NoiseAddress, Rollout
 from branchdiff.objectives.base import MetricKind, Signal
 from branchdiff.objectives.grpo import ClippedGRPO, GRPOPlan
 from branchdiff.schedulers.flow import StepOutput
+from branchdiff.schedulers.schedule import FlowSchedule
 
 
 @dataclass
@@ -67,7 +68,7 @@ class GuardPlan(GRPOPlan):
     def surrogate(self, child_nodes: torch.Tensor, depth: torch.Tensor, x_parent: torch.Tensor, output: torch.Tensor, step: StepOutput,
                   log_prob: torch.Tensor, old: torch.Tensor, advantages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         guard = self.objective.config.guard
-        sigmas = self.objective.schedule.sigmas
+        sigmas = cast(FlowSchedule, self.objective.schedule).sigmas  # flow families only (module doc)
         index = depth.to(sigmas.device)
         step_size = (sigmas[index] - sigmas[index + 1]).to(log_prob.device) if guard.reweight else torch.ones_like(log_prob)  # (e,)
         old_mean = self.rollout_means(child_nodes, depth).to(step.mean.device)

@@ -22,7 +22,7 @@ Flow-matching families only: the SFT target is a flow-matching velocity (the set
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, cast
 
 import torch
 
@@ -32,6 +32,7 @@ from branchdiff.core.tree import Tree
 from branchdiff.objectives.base import MetricKind, Signal
 from branchdiff.objectives.grpo import ClippedGRPO, GRPOPlan
 from branchdiff.schedulers.flow import StepOutput
+from branchdiff.schedulers.schedule import FlowSchedule
 
 
 @dataclass
@@ -76,7 +77,7 @@ class LayerTuningPlan(GRPOPlan):
         weight = settings.sft_weight * advantages.clamp(min=0) * (self.best_leaf[child_nodes] >= 0).to(advantages)  # (e,)
         rows = torch.nonzero(weight > 0).squeeze(1)  # edges on a best path with a positive advantage (on the loss's device)
         if len(rows):
-            sigmas, rows_cpu = self.objective.schedule.sigmas, rows.cpu()  # depth and the node indices live on the CPU
+            sigmas, rows_cpu = cast(FlowSchedule, self.objective.schedule).sigmas, rows.cpu()  # flow families only; depth and the node indices live on the CPU
             sigma = sigmas[depth[rows_cpu].to(sigmas.device)].to(x_parent.device)  # (r,) the parents' σ
             target = self.rollout.latents[self.best_leaf[child_nodes[rows_cpu]].to(self.rollout.latents.device)].to(x_parent.device)  # (r, ...)
             rows_out = rows.to(output.device)

@@ -43,7 +43,7 @@ from branchdiff.models.finetune import FullFinetune, LoraFinetune
 from branchdiff.objectives.base import MetricKind, Objective, Signal, drop_nonfinite_groups, zero_loss
 from branchdiff.objectives.forward_process import leaf_signal
 from branchdiff.runtime.distributed import Collective
-from branchdiff.schedulers.schedule import Schedule
+from branchdiff.schedulers.schedule import FlowSchedule
 from branchdiff.settings.config import TrainConfig
 
 SAMPLING_POLICY_FILE = "sampling_policy.safetensors"
@@ -55,7 +55,7 @@ class DiffusionNFT(Objective):
     collective: Collective
     finetune: LoraFinetune | FullFinetune  # the trained parameters (the sampling policy copies them) and the base model (KL)
     train_policy: ModelAdapter  # the denoiser behind the (DDP-)wrapper: the training forward
-    schedule: Schedule  # the rollouts' schedule: the σ the samples are noised to
+    schedule: FlowSchedule  # the rollouts' schedule: the σ the samples are noised to (flow families only: `flow_only`)
     settings: SamplerSettings  # guidance of the training forward
     metric_kinds: ClassVar[dict[str, MetricKind]] = {
         "loss": "per_term", "kl": "per_term", "optimality": "per_term",  # means over the (leaf, step) terms trained
@@ -153,6 +153,7 @@ class NFTPlan:
 
     def loss(self, index: int) -> torch.Tensor:
         objective, terms = self.objective, self.minibatches[index]
+        assert self.v_old is not None  # predicted for every minibatch
         v_theta = self._predict(objective.train_policy, terms)  # (e, ...)
         per_term = nft_loss(v_theta, self.v_old[terms], self.x0[terms], self.x_t[terms], self.sigma[terms], self.optimality[terms],
                             objective.config.nft.beta, objective.config.nft.advantage_clip)
@@ -179,5 +180,6 @@ class NFTPlan:
         v_theta = self._predict(objective.train_policy, terms)
         if objective.config.train.kl_beta > 0:
             with torch.no_grad(), reference as base:
+                assert base is not None  # train.kl_beta > 0: the base model
                 self._predict(base, terms)
         return v_theta.sum() * 0.0

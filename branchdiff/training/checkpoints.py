@@ -14,6 +14,7 @@ import shutil
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -22,10 +23,39 @@ from branchdiff.runtime import checkpoint, metrics_log, sharding, storage
 from branchdiff.settings.load import to_dict
 from branchdiff.training.hacking import WatchState
 
+if TYPE_CHECKING:
+    from accelerate import Accelerator
+
+    from branchdiff.models.base import ModelAdapter
+    from branchdiff.models.ema import WeightAverage
+    from branchdiff.models.finetune import FullFinetune, LoraFinetune
+    from branchdiff.objectives.base import Objective
+    from branchdiff.runtime.distributed import AcceleratorCollective
+    from branchdiff.runtime.sharding import ShardingSettings
+    from branchdiff.settings.config import TrainConfig
+
 
 class TrainerCheckpoints:
     """The checkpoint methods of `branchdiff.training.trainer.Trainer` (its accelerator, finetune, optimizer,
     weight average, objective, config and run state)."""
+
+    # what `Trainer.__init__` sets and these methods use
+    config: TrainConfig
+    run_dir: Path
+    accelerator: Accelerator
+    collective: AcceleratorCollective
+    sharding: ShardingSettings
+    adapter: ModelAdapter
+    finetune: LoraFinetune | FullFinetune
+    optimizer: torch.optim.Optimizer
+    weight_average: WeightAverage | None
+    objective: Objective
+    start_iteration: int
+    run_state: dict[str, Any]  # the run's counters, and the reward-hacking watch's memory under "watch"
+    watch_state: WatchState
+
+    if TYPE_CHECKING:
+        def refresh_explorer(self) -> None: ...
 
     def _save_hook(self, models: list, weights: list, output_dir: str) -> None:
         """accelerate writes no model weights: what is trained is saved by `_save_trained`."""
@@ -54,8 +84,8 @@ class TrainerCheckpoints:
             guarded(lambda: self.finetune.write_state(trained, folder))
             if optimizer is not None:
                 guarded(lambda: sharding.save_optimizer(optimizer, folder))
-        if self.weight_average is not None:
-            guarded(lambda: self.weight_average.save(folder, write=main))
+        if (average := self.weight_average) is not None:
+            guarded(lambda: average.save(folder, write=main))
         guarded(lambda: self.objective.save_state(folder, write=main))
         if failures:
             raise failures[0]
@@ -109,8 +139,12 @@ class TrainerCheckpoints:
         attempt(lambda: self.accelerator.save_state(str(staging)))  # every process's RNG state is in staging after it
         attempt(lambda: self._save_trained(staging))
         self.run_state["watch"] = self.watch_state.to_dict()
-        attempt(lambda: (checkpoint.write_state(staging, iteration, to_dict(self.config), self.accelerator.num_processes, self.run_state),
-                         checkpoint.write_manifest(staging)), only_main=True)
+
+        def state_and_manifest() -> None:
+            checkpoint.write_state(staging, iteration, to_dict(self.config), self.accelerator.num_processes, self.run_state)
+            checkpoint.write_manifest(staging)
+
+        attempt(state_and_manifest, only_main=True)
         if main:
             checkpoint.publish(staging, final)
             checkpoint.prune(self.checkpoint_dir, self.config.logging.checkpoints_total_limit)

@@ -13,6 +13,8 @@ The run directory is then claimed (branchdiff/runtime/run_dir.py) and the checkp
 
 from __future__ import annotations
 
+from typing import cast
+
 from branchdiff.data.demonstrations import load_image_set
 from branchdiff.data.prompts import load_prompt_set
 from branchdiff.errors import UserError
@@ -52,8 +54,9 @@ def check_inputs(config: TrainConfig) -> None:
     factories = {}
     for spec in (*train_specs, *eval_specs):
         if spec.remote is None:
-            factories[spec.name] = resolve_reward(spec.name)
-            check_reward_kwargs(spec.name, factories[spec.name], spec.kwargs)
+            name = cast(str, spec.name)  # parse_reward_specs: a name where there is no remote (a YAML `name: null` is not refused yet)
+            factories[name] = resolve_reward(name)
+            check_reward_kwargs(name, factories[name], spec.kwargs)
         else:
             check_remote_kwargs(spec)
     check_size(config.model.family, config.model.path, config.model.resolution)

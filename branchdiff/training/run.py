@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import signal
 import sys
+from typing import cast
 
 import torch
 from tqdm.auto import tqdm
@@ -95,7 +96,7 @@ def progress_fields(metrics: dict[str, float]) -> dict[str, str]:
 
 def stop_reason(trainer: Trainer, metrics: dict[str, float]) -> str | None:
     """Why the run cannot go on after this iteration's `metrics`, or None."""
-    config, iteration = trainer.config, metrics["iteration"]
+    config, iteration = trainer.config, cast(int, metrics["iteration"])  # an int among the floats
     skipped_in_a_row = trainer.run_state["skipped_in_a_row"]
     if metrics.get("groups_dropped") == config.prompts.per_iteration * trainer.accelerator.num_processes:  # (none for a dataset objective)
         nonfinite = [k.removesuffix("_nonfinite") for k, v in metrics.items() if k.endswith("_nonfinite") and v]
@@ -107,6 +108,7 @@ def stop_reason(trainer: Trainer, metrics: dict[str, float]) -> str | None:
         return (f"{skipped_in_a_row} optimizer steps in a row had a non-finite loss or gradient (up to iteration {iteration}); "
                 "the weights before them are saved; lower train.learning_rate or check the reward's scale, then start a new run")
     if config.watch.stop and metrics.get("watch_diverging"):
+        assert trainer.gold_score is not None  # the watch flags only after an evaluation, which follows the gold score
         return stop_line(trainer.watch_state, config.watch.window, trainer.gold_score, iteration)
     return None
 

@@ -27,6 +27,7 @@ from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
+from typing import Any, cast
 
 import torch
 from accelerate import Accelerator
@@ -163,7 +164,7 @@ class Trainer(TrainerCheckpoints):
         self.finetune = make_finetune(self.adapter, model.finetune, model.lora_targets, config.train.lora_rank, config.train.lora_alpha,
                                       config.seed, keep_base=config.train.kl_beta > 0 or config.final_eval or needs_reference(config.train.loss))
         if config.train.gradient_checkpointing:
-            self.adapter.denoiser.enable_gradient_checkpointing()
+            cast(Any, self.adapter.denoiser).enable_gradient_checkpointing()  # diffusers' ModelMixin
         self.explorer = self._make_explorer()  # a whole copy on every process, made before the denoiser is sharded
         if self.sharding.enabled:
             self.finetune.shard(self.sharding, Lockstep(self.collective))
@@ -292,6 +293,7 @@ class Trainer(TrainerCheckpoints):
         return lambda latents, prompt_index: score_images(self.adapter.decode(latents), prompt_index)
 
     def _explore(self, spec, prompts: list[str], metadata: list[dict], embeds: dict, address: NoiseAddress, iteration: int) -> ExploreResult:
+        assert self.explorer is not None  # called only with an explorer (rollout_and_score)
         explore = self.config.explore
         generators = selection_generators(self.config.seed, iteration, address.prompt_keys)
         if explore.mode == "search":
@@ -411,7 +413,8 @@ class Trainer(TrainerCheckpoints):
     def heldout_metrics(self) -> dict[str, float]:
         """The policy's mean score on the eval prompts, `eval_<score>` for each eval reward and its
         extras (fixed noise, ODE), each process sampling its share of the prompts; `eval_seconds`."""
-        start, memory = time.perf_counter(), {}
+        start = time.perf_counter()
+        memory: dict[str, float] = {}
         with self.memory.phase("eval", memory), self.evaluated_weights():
             summary = summarize(self._evaluate_shared(self.adapter))["all"]
         memory = {key: self.collective.max(torch.tensor([value], dtype=torch.float64)).item() for key, value in memory.items()}

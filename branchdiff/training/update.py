@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
 
@@ -59,7 +60,7 @@ class UpdateLoop:
         for group, step_terms in zip(groups, group_terms):
             if step_terms == 0:
                 continue
-            members = group or [None]  # a process without terms in this step still joins DDP's gradient sync
+            members: Sequence[int | None] = group or [None]  # a process without terms in this step still joins DDP's gradient sync
             if self.sharded:  # every process makes as many forwards and backwards as the busiest one, each reducing its gradients
                 busiest = int(self.collective.max(torch.tensor([len(group)])).item())
                 members = group + [None] * (busiest - len(group))
