@@ -136,7 +136,7 @@ def test_dpo_pairs_rank_within_groups_or_siblings_and_share_their_noise(tmp_path
 @pytest.mark.parametrize(("preset", "overrides", "message"), [
     ("tiny-dppo", ["sampling.sde=ode", "tree.splits=[]", "tree.mix_window=0", "tree.roots=8"],
      r"'sampling.sde' = 'ode' samples without noise, so no step has a density for train.loss=dppo to train: use an objective that trains on "
-     r"final samples \(nft, awm, dgpo, dpo\), or an SDE \(sampling.sde=flow\)"),
+     r"final samples \(nft, awm, dgpo, dpo, dpo-offline, sft\), or an SDE \(sampling.sde=flow\)"),
     ("tiny-awm", ["awm.timesteps=11"], r"'awm.timesteps' = 11 exceeds sampling.num_steps = 10; use awm.timesteps ≤ 10"),
     ("tiny-dpo", ["advantage.baseline=median"], r"'advantage.baseline' = 'median' applies to grpo, grpo-guard, grpo-layertuning, dppo, nft, "
                                                r"awm, dgpo; train.loss=dpo ranks its samples its own way: use advantage.baseline=mean"),
