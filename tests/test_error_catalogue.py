@@ -176,6 +176,7 @@ CASES = [
     Case("learning-rate-nan", lambda e: e.fresh("train.learning_rate=.nan"), r"'train.learning_rate' = nan is not a finite number"),
     Case("seed-out-of-range", lambda e: e.fresh("seed=-1"), r"'seed' = -1 is out of range; it must be in \[0, 4294967295\]"),
     Case("reward-weight-nan", lambda e: e.fresh("reward={name: tiny-geneval, weight: .nan}"), r"'reward' entry .*: weight must be a finite number"),
+    Case("reward-name-null", lambda e: e.fresh("reward={name: null}"), r"'reward' entry \{'name': None\}: 'name' must be a non-empty string"),
     Case("split-noise-level-nan", lambda e: e.fresh("tree.splits=[[0, 2, {noise_level: .nan}]]"), r"'tree.splits' entry .*: noise_level must be a finite number > 0"),
     Case("resolution-of-a-fixed-family", lambda e: e.fresh("model.resolution=64"), r"'model.resolution' = 64: model.family=tiny makes only 32×32 images"),
     Case("output-dir-empty", lambda e: e.fresh("output_dir="), r"'output_dir' is empty; pass output_dir= a folder for the run"),

@@ -66,6 +66,9 @@ def parse_reward_specs(value: object, key: str = "reward") -> list[RewardSpec]:
             raise ValueError(f"'{key}' entry {entry!r}: unknown keys {unknown}; allowed: {', '.join(SPEC_KEYS)}")
         if ("name" in entry) == ("remote" in entry):
             raise ValueError(f"'{key}' entry {entry!r} needs exactly one of 'name' and 'remote'")
+        given = "name" if "name" in entry else "remote"
+        if not isinstance(entry[given], str) or not entry[given].strip():
+            raise ValueError(f"'{key}' entry {entry!r}: '{given}' must be a non-empty string (a reward's name or dotted path; a server's URL)")
         weight = entry.get("weight", 1.0)
         if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight):
             raise ValueError(f"'{key}' entry {entry!r}: weight must be a finite number")

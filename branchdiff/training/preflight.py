@@ -54,7 +54,7 @@ def check_inputs(config: TrainConfig) -> None:
     factories = {}
     for spec in (*train_specs, *eval_specs):
         if spec.remote is None:
-            name = cast(str, spec.name)  # parse_reward_specs: a name where there is no remote (a YAML `name: null` is not refused yet)
+            name = cast(str, spec.name)  # parse_reward_specs: a non-empty name where there is no remote
             factories[name] = resolve_reward(name)
             check_reward_kwargs(name, factories[name], spec.kwargs)
         else:
