@@ -184,7 +184,8 @@ CASES = [
     Case("unknown-preset", lambda e: ["train", "tiny-mixx"], r"no preset or file 'tiny-mixx'; did you mean tiny-mix, .*\? \(branchdiff train --help lists every preset\)"),
     Case("family-without-preset", lambda e: ["train", "model.family=sd3", f"model.path={e.tmp}", f"output_dir={e.tmp / 'new'}"],
          r"model.family=sd3 without a preset would train with the default preset tiny-mix-full, the built-in tiny model's recipe .*; "
-         r"start from one of its presets \(sd35-pickscore, sd35-pickscore-explore, sd35-pickscore-sol\), e.g. branchdiff train sd35-pickscore"),
+         r"start from one of its presets \(sd35-pickscore, sd35-pickscore-awm, sd35-pickscore-dgpo, sd35-pickscore-dpo, sd35-pickscore-dpo-offline, "
+         r"sd35-pickscore-dppo, sd35-pickscore-explore, sd35-pickscore-mc-grpo, sd35-pickscore-sft, sd35-pickscore-sol\), e.g. branchdiff train sd35-pickscore"),
     Case("expert-of-a-one-denoiser-family", lambda e: e.fresh("model.expert=low"),
          r"'model.expert' = 'low' chooses one of Wan 2.2's two experts; model.family=tiny has one denoiser: leave model.expert unset"),
     Case("both-experts-fully-fine-tuned", lambda e: ["config", "wan-mq-branch", "model.expert=both", "model.finetune=full", "model.dtype=float32"],
