@@ -168,7 +168,7 @@ def test_a_key_given_without_its_section_suggests_the_section(capsys):
     assert config_error(None, ["learning_rate=1e-4"]) == "override 'learning_rate=1e-4': unknown key 'learning_rate'; did you mean train.learning_rate?"
     assert config_error(None, ["lerning_rate=1e-4"]).endswith("did you mean train.learning_rate?")
     assert config_error(None, ["roots=4"]).endswith("did you mean tree.roots?")
-    assert config_error(None, ["clip_range=1e-4"]).endswith("did you mean train.clip_range, guard.clip_range?")
+    assert config_error(None, ["clip_range=1e-4"]).endswith("did you mean train.clip_range, guard.clip_range, awm.clip_range?")
 
 
 def test_unknown_key_without_close_match_lists_allowed_keys():
@@ -324,7 +324,7 @@ CPS_ZERO = "where cps's std σ'·sin(aπ/2) is 0 (σ' = 0), so nothing would be 
          f"'tree.splits' entry [3, 2, {{'noise_level': 0.005}}]: noise_level 0.005 is outside cps's range: {CPS_RANGE}"),
         # ode: no densities for GRPO, identical children of a split, DDIM families
         (["sampling.sde=ode"], "'sampling.sde' = 'ode' samples without noise, so no step has a density for train.loss=grpo to train: use "
-                               "train.loss=nft (it trains on final samples), or an SDE (sampling.sde=flow)"),
+                               "an objective that trains on final samples (nft, awm, dgpo, dpo, dpo-offline, sft), or an SDE (sampling.sde=flow)"),
         (["sampling.sde=ode", "train.loss=nft", "tree.roots=1", "tree.splits=[[0, 2]]"],
          "'sampling.sde' = 'ode' grows deterministic chains: the children of a split would be identical; drop tree.splits (and "
          "explore.mode=tree) or use an SDE (sampling.sde=flow)"),
