@@ -42,6 +42,27 @@ from branchdiff.models.base import ModelAdapter, PromptEmbeds, select_embeds
 from branchdiff.schedulers.schedule import Schedule
 
 
+@dataclass(frozen=True)
+class RolloutContext:
+    """What an iteration's rollouts share: the policy that samples what is trained, its prompts'
+    embeddings, the training tree's spec, the schedule, the sampler and the noise address."""
+    policy: ModelAdapter
+    embeds: PromptEmbeds
+    spec: TreeSpec
+    schedule: Schedule
+    settings: SamplerSettings
+    address: NoiseAddress
+
+
+@dataclass(frozen=True)
+class Selection:
+    """How a pool's candidates are kept: `keep` per prompt by `rule` (branchdiff/explore/selection.py), with one
+    generator per prompt (`selection_generators`) for the rules that draw."""
+    keep: int
+    rule: str
+    generators: list[torch.Generator]
+
+
 @dataclass
 class ExploreResult:
     rollout: Rollout  # regenerated with the policy: what is trained on
@@ -85,24 +106,13 @@ def _leaves_by_prompt(tree: Tree) -> torch.Tensor:
     return tree.leaf_index.reshape(tree.num_prompts, -1)
 
 
-def explore_seeds(
-    policy: ModelAdapter,
-    explorer: ModelAdapter,
-    embeds: PromptEmbeds,
-    spec: TreeSpec,
-    schedule: Schedule,
-    preview_schedule: Schedule,
-    preview_sde: bool,
-    settings: SamplerSettings,
-    address: NoiseAddress,
-    pool: int,
-    keep: int,
-    selection: str,
-    score,
-    generators: list[torch.Generator],
-) -> ExploreResult:
+def explore_seeds(context: RolloutContext, explorer: ModelAdapter, preview_schedule: Schedule, preview_sde: bool, pool: int,
+                  selection: Selection, score) -> ExploreResult:
     """Seeds mode. `score(latents (B, ...), prompt_index (B,)) -> rewards (B,)` decodes and scores.
-    `spec` is the training spec; its `roots` is replaced by `keep` chosen seeds per prompt."""
+    The context's spec is the training spec; its `roots` is replaced by `keep` chosen seeds per prompt."""
+    policy, embeds, spec, schedule, settings, address = (context.policy, context.embeds, context.spec, context.schedule, context.settings,
+                                                         context.address)
+    keep = selection.keep
     num_prompts = len(address.prompt_keys)
     preview_steps = preview_schedule.num_steps
     preview_spec = TreeSpec(preview_steps, roots=pool, sde_steps=None if preview_sde else frozenset())
@@ -113,7 +123,7 @@ def explore_seeds(
     scoring = time.perf_counter()
     pool_rewards = score(explored.latents[leaves.flatten()], preview_tree.prompt[leaves.flatten()]).reshape(num_prompts, pool)
     pool_seconds, score_seconds = time.perf_counter() - start, time.perf_counter() - scoring
-    kept = select_per_group(pool_rewards, keep, selection, generators)  # (P, K) root ids, ascending
+    kept = select_per_group(pool_rewards, keep, selection.rule, selection.generators)  # (P, K) root ids, ascending
     start = time.perf_counter()
     train_spec = replace(spec, roots=keep)
     train_tree = build_tree(train_spec, num_prompts, root_ids=kept.tolist())
@@ -135,21 +145,11 @@ def explore_seeds(
     )
 
 
-def explore_tree(
-    policy: ModelAdapter,
-    explorer: ModelAdapter,
-    embeds: PromptEmbeds,
-    spec: TreeSpec,
-    schedule: Schedule,
-    settings: SamplerSettings,
-    address: NoiseAddress,
-    keep: int,
-    selection: str,
-    score,
-    generators: list[torch.Generator],
-) -> ExploreResult:
-    """Tree mode: grow `spec` with the explorer, keep `keep` leaves per prompt, regenerate the
+def explore_tree(context: RolloutContext, explorer: ModelAdapter, selection: Selection, score) -> ExploreResult:
+    """Tree mode: grow the context's spec with the explorer, keep `selection.keep` leaves per prompt, regenerate the
     union of their root paths with the policy."""
+    policy, embeds, spec, schedule, settings, address = (context.policy, context.embeds, context.spec, context.schedule, context.settings,
+                                                         context.address)
     num_prompts = len(address.prompt_keys)
     start = time.perf_counter()
     tree = build_tree(spec, num_prompts)
@@ -158,7 +158,7 @@ def explore_tree(
     scoring = time.perf_counter()
     pool_rewards = score(explored.latents[leaves.flatten()], tree.prompt[leaves.flatten()]).reshape(num_prompts, -1)
     pool_seconds, score_seconds = time.perf_counter() - start, time.perf_counter() - scoring
-    kept = select_per_group(pool_rewards, keep, selection, generators)  # (P, K) leaf ranks
+    kept = select_per_group(pool_rewards, selection.keep, selection.rule, selection.generators)  # (P, K) leaf ranks
     kept_nodes = leaves.gather(1, kept).flatten()  # (P·K,)
     start = time.perf_counter()
     rollout = regenerate(policy, tree, kept_nodes, embeds, schedule, settings, address)
@@ -176,31 +176,21 @@ def explore_tree(
     )
 
 
-def explore_search(
-    policy: ModelAdapter,
-    explorer: ModelAdapter,
-    embeds: PromptEmbeds,
-    spec: TreeSpec,
-    schedule: Schedule,
-    settings: SamplerSettings,
-    address: NoiseAddress,
-    search: object,
-    budget: int,
-    keep: int,
-    selection: str,
-    score_images,
-    generators: list[torch.Generator],
-) -> ExploreResult:
+def explore_search(context: RolloutContext, explorer: ModelAdapter, search: object, budget: int, selection: Selection,
+                   score_images) -> ExploreResult:
     """Search mode (final samples only: DiffusionNFT): each prompt's denoising tree is searched by the
     explorer with `search` (branchdiff/search/: best-of-N, fixed trees, DTS, DTS*) within `budget`
-    network rows, at the training sampler on `spec`'s steps; every leaf it finishes is a candidate.
-    `keep` of them are selected per prompt, and regrown with the policy from their noise paths when the
+    network rows, at the training sampler on the context spec's steps; every leaf it finishes is a candidate.
+    `selection.keep` of them are selected per prompt, and regrown with the policy from their noise paths when the
     explorer is another model (the policy's own search leaves are its samples as they are). The rollout
     holds them as the leaves of `keep` chains per prompt; its other nodes are not sampled (zeros), so
     only an objective that trains final samples may use it. `score_images(images, prompt_index)`."""
     from branchdiff.search.forest import SearchForest, regenerate_path
     from branchdiff.search.run import run_search
 
+    policy, embeds, spec, schedule, settings, address = (context.policy, context.embeds, context.spec, context.schedule, context.settings,
+                                                         context.address)
+    keep = selection.keep
     num_prompts = len(address.prompt_keys)
     # a round forwards at most one node per prompt: padding (every search forward is padded) to more would waste rows
     forest_settings = replace(settings, max_batch=num_prompts * rows_per_latent(explorer, settings))
@@ -216,7 +206,8 @@ def explore_search(
     pool_rewards = torch.full((num_prompts, width), float("nan"))  # (P, N): each prompt's leaves in the order made, NaN after its last
     for prompt, rewards in enumerate(found.rewards):
         pool_rewards[prompt, : len(rewards)] = torch.tensor(rewards)
-    kept = torch.stack([select(pool_rewards[p, : len(found.rewards[p])], keep, selection, generators[p]) for p in range(num_prompts)])
+    kept = torch.stack([select(pool_rewards[p, : len(found.rewards[p])], keep, selection.rule, selection.generators[p])
+                        for p in range(num_prompts)])
     kept_leaves = [found.leaves[p][i] for p in range(num_prompts) for i in kept[p].tolist()]  # (P·K,) forest nodes
     kept_pool = forest.leaf_latents(kept_leaves)
     start = time.perf_counter()
@@ -251,20 +242,12 @@ def latent_difference(result: ExploreResult) -> dict[str, float]:
 
 
 @torch.no_grad()
-def pool_under_policy(
-    policy: ModelAdapter,
-    embeds: PromptEmbeds,
-    spec: TreeSpec,
-    schedule: Schedule,
-    settings: SamplerSettings,
-    address: NoiseAddress,
-    mode: str,
-    pool: int,
-) -> tuple[torch.Tensor, int]:
+def pool_under_policy(context: RolloutContext, mode: str, pool: int) -> tuple[torch.Tensor, int]:
     """Every candidate of the explorer's pool grown with the policy at the training settings:
     seeds mode grows all `pool` seeds as training trees, tree mode the whole tree. Returns the leaf
     latents (P·N·L, ...) in candidate order and L, the leaves per candidate (a candidate's policy
     reward is the mean over its L leaves, as for the kept candidates)."""
+    spec, address = context.spec, context.address
     num_prompts = len(address.prompt_keys)
     if mode == "seeds":
         tree = build_tree(replace(spec, roots=pool), num_prompts)
@@ -272,4 +255,4 @@ def pool_under_policy(
     else:
         tree = build_tree(spec, num_prompts)
         per_candidate = 1
-    return grow(policy, tree, embeds, schedule, settings, address).leaf_latents, per_candidate
+    return grow(context.policy, tree, context.embeds, context.schedule, context.settings, address).leaf_latents, per_candidate

@@ -38,7 +38,17 @@ from branchdiff.core.tree import build_tree
 from branchdiff.data.prompts import PromptSet, draw_prompts, load_prompt_set
 from branchdiff.errors import ConfigError, UserError
 from branchdiff.evaluation.evaluate import EvalResult, beside_sources, evaluate, gather_results, sample_ode, score_names, summarize
-from branchdiff.explore.pool import ExploreResult, explore_search, explore_seeds, explore_tree, latent_difference, pool_under_policy, selection_generators
+from branchdiff.explore.pool import (
+    ExploreResult,
+    RolloutContext,
+    Selection,
+    explore_search,
+    explore_seeds,
+    explore_tree,
+    latent_difference,
+    pool_under_policy,
+    selection_generators,
+)
 from branchdiff.explore.quant import QuantConfig, make_quantized_copy, refresh_quantized_copy
 from branchdiff.models import load_adapter
 from branchdiff.models.attention import apply_backend
@@ -254,13 +264,14 @@ class Trainer(TrainerCheckpoints):
         spec = tree_spec(self.config, iteration)
         embeds = encode_for(self.adapter, prompts, metadata)
         address = NoiseAddress(self.config.seed, iteration, keys)
+        context = RolloutContext(self.adapter, embeds, spec, self.schedule, self.settings, address)
         info: dict = {"embeds": embeds, "prompts": prompts, "address": address, "memory": {}}
         start = time.perf_counter()
         with self.memory.phase("rollout", info["memory"]), self.accelerator.autocast(), self.objective.sampling_weights():
             if self.explorer is None:
                 rollout = grow(self.adapter, build_tree(spec, len(prompts)), embeds, self.schedule, self.settings, address, per_node)
             else:
-                explored = self._explore(spec, prompts, metadata, embeds, address, iteration)
+                explored = self._explore(context, prompts, metadata)
                 rollout = explored.rollout
         info["rollout_seconds"] = time.perf_counter() - start
         start = time.perf_counter()
@@ -278,7 +289,7 @@ class Trainer(TrainerCheckpoints):
             info["explore_stats"] = {**latent_difference(explored), **explored.stats}
             every = self.config.explore.fidelity_every
             if every and iteration % every == 0 and self.config.explore.mode != "search":  # a search's pool has no fixed shape to regrow
-                info["explore_pool"] = (explored.pool_rewards, self._pool_rewards_under_policy(spec, prompts, metadata, embeds, address))
+                info["explore_pool"] = (explored.pool_rewards, self._pool_rewards_under_policy(context, prompts, metadata))
         return rollout, images, rewards, info
 
     def _score_images(self, prompts: list[str], metadata: list[dict]):
@@ -292,27 +303,25 @@ class Trainer(TrainerCheckpoints):
         score_images = self._score_images(prompts, metadata)
         return lambda latents, prompt_index: score_images(self.adapter.decode(latents), prompt_index)
 
-    def _explore(self, spec, prompts: list[str], metadata: list[dict], embeds: dict, address: NoiseAddress, iteration: int) -> ExploreResult:
+    def _explore(self, context: RolloutContext, prompts: list[str], metadata: list[dict]) -> ExploreResult:
         assert self.explorer is not None  # called only with an explorer (rollout_and_score)
-        explore = self.config.explore
-        generators = selection_generators(self.config.seed, iteration, address.prompt_keys)
+        explore, address = self.config.explore, context.address
+        selection = Selection(explore.keep, explore.selection, selection_generators(self.config.seed, address.iteration, address.prompt_keys))
         if explore.mode == "search":
-            return explore_search(self.adapter, self.explorer, embeds, spec, self.schedule, self.settings, address, make_search(explore.search),
-                                  explore.search_budget, explore.keep, explore.selection, self._score_images(prompts, metadata), generators)
+            return explore_search(context, self.explorer, make_search(explore.search), explore.search_budget, selection,
+                                  self._score_images(prompts, metadata))
         score = self._score_latents(prompts, metadata)
         if explore.mode == "tree":
-            return explore_tree(self.adapter, self.explorer, embeds, spec, self.schedule, self.settings, address,
-                                explore.keep, explore.selection, score, generators)
+            return explore_tree(context, self.explorer, selection, score)
         preview_steps = explore.preview_steps or self.config.sampling.num_steps
         preview_schedule = self.adapter.schedule(preview_steps, self.config.sampling.shift).to(self.accelerator.device)
-        return explore_seeds(self.adapter, self.explorer, embeds, spec, self.schedule, preview_schedule, explore.preview_sampler == "sde",
-                             self.settings, address, explore.pool, explore.keep, explore.selection, score, generators)
+        return explore_seeds(context, self.explorer, preview_schedule, explore.preview_sampler == "sde", explore.pool, selection, score)
 
-    def _pool_rewards_under_policy(self, spec, prompts: list[str], metadata: list[dict], embeds: dict, address: NoiseAddress) -> torch.Tensor:
+    def _pool_rewards_under_policy(self, context: RolloutContext, prompts: list[str], metadata: list[dict]) -> torch.Tensor:
         """(P, N) the policy's reward of every pool candidate (the explorer's ranking is judged on these)."""
         explore = self.config.explore
         with self.accelerator.autocast():
-            latents, per_candidate = pool_under_policy(self.adapter, embeds, spec, self.schedule, self.settings, address, explore.mode, explore.pool)
+            latents, per_candidate = pool_under_policy(context, explore.mode, explore.pool)
         prompt_index = torch.arange(len(prompts)).repeat_interleave(len(latents) // len(prompts))
         return self._score_latents(prompts, metadata)(latents, prompt_index).reshape(len(prompts), -1, per_candidate).mean(-1)
 
