@@ -53,30 +53,34 @@ def cmd_train(args: argparse.Namespace) -> None:
         if explained is None:
             raise
         raise explained from None
-    train(trainer)
-    comparison = trainer.final_evaluation() if config.final_eval else None  # every process samples its share
-    names = tracker_names(config.logging.report_to)
-    if comparison is not None and names:  # the trackers' run again (its id), for the final evaluation's means
-        trackers.start(trainer.accelerator, names, run_dir, config.iterations, to_dict(config))
-        trainer.accelerator.log(trackers.final_evaluation(comparison), step=config.iterations)
-        trackers.finish(trainer.accelerator)
-    disconnect(trainer.accelerator)
-    if not trainer.accelerator.is_main_process:
-        return
-    if comparison is not None:
-        from branchdiff.report.model_card import write_model_card
+    try:
+        train(trainer)
+        comparison = trainer.final_evaluation() if config.final_eval else None  # every process samples its share
+        names = tracker_names(config.logging.report_to)
+        if comparison is not None and names:  # the trackers' run again (its id), for the final evaluation's means
+            trackers.start(trainer.accelerator, names, run_dir, config.iterations, to_dict(config))
+            trainer.accelerator.log(trackers.final_evaluation(comparison), step=config.iterations)
+            trackers.finish(trainer.accelerator)
+        disconnect(trainer.accelerator)
+        if not trainer.accelerator.is_main_process:
+            return
+        if comparison is not None:
+            from branchdiff.report.model_card import write_model_card
 
-        write_model_card(run_dir, trainer.finetune.export_name)  # with the evaluation table
-        print(f"held-out evaluation ({config.prompts.eval}, {config.prompts.eval_seeds} seeds each, ODE {config.sampling.num_steps} steps):")
-        print(format_comparison(comparison))
-    from branchdiff.report.run_report import write_report
-    from branchdiff.runtime.sharding import plain_class
+            write_model_card(run_dir, trainer.finetune.export_name)  # with the evaluation table
+            print(f"held-out evaluation ({config.prompts.eval}, {config.prompts.eval_seeds} seeds each, ODE {config.sampling.num_steps} steps):")
+            print(format_comparison(comparison))
+        from branchdiff.report.run_report import write_report
+        from branchdiff.runtime.sharding import plain_class
 
-    how = ("pipe.load_lora_weights loads it" if trainer.finetune.export_name == "lora" else
-           f"{plain_class(trainer.adapter.denoiser).__name__}.from_pretrained loads it")
-    print(f"run folder: {run_dir}/\n  weights: {run_dir / trainer.finetune.export_name}/  ({how}; "
-          f"branchdiff sample/eval --weights {run_dir})\n"
-          f"  report: {write_report(run_dir)}\n  checkpoints: {trainer.checkpoint_dir}/ (continue with --resume latest)")
+        how = ("pipe.load_lora_weights loads it" if trainer.finetune.export_name == "lora" else
+               f"{plain_class(trainer.adapter.denoiser).__name__}.from_pretrained loads it")
+        print(f"run folder: {run_dir}/\n  weights: {run_dir / trainer.finetune.export_name}/  ({how}; "
+              f"branchdiff sample/eval --weights {run_dir})\n"
+              f"  report: {write_report(run_dir)}\n  checkpoints: {trainer.checkpoint_dir}/ (continue with --resume latest)")
+    finally:  # the lock is dropped when the run ends, however it ends (not when its objects are collected)
+        if claimed:
+            claimed.release()
 
 
 def cmd_config(args: argparse.Namespace) -> None:

@@ -1,4 +1,4 @@
-"""How a training run saves and restores everything it needs (the `Trainer`'s checkpoint methods).
+"""How a training run saves and restores everything it needs: the `Checkpointer` a `Trainer` holds.
 
 A checkpoint holds what is trained (the LoRA, or every weight of the denoiser; never a frozen base),
 its moving average, the objective's own state, the optimizer's and the RNG states (accelerate), the
@@ -13,6 +13,7 @@ from __future__ import annotations
 import shutil
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -35,27 +36,47 @@ if TYPE_CHECKING:
     from branchdiff.settings.config import TrainConfig
 
 
-class TrainerCheckpoints:
-    """The checkpoint methods of `branchdiff.training.trainer.Trainer` (its accelerator, finetune, optimizer,
-    weight average, objective, config and run state)."""
+@dataclass
+class RunCounters:
+    """What a checkpoint carries besides tensors and the iteration: the run's counters and the reward-hacking
+    watch's memory, restored on a resume."""
+    start_iteration: int = 0  # the first iteration this process runs (after a resume: the checkpoint's + 1)
+    # optimizer steps skipped in a row (non-finite gradients), across iterations; optimizer steps taken in the run
+    run_state: dict[str, Any] = field(default_factory=lambda: {"skipped_in_a_row": 0, "optimizer_steps": 0})
+    watch_state: WatchState = field(default_factory=WatchState)  # the reward-hacking watch's memory (branchdiff/training/hacking.py)
 
-    # what `Trainer.__init__` sets and these methods use
-    config: TrainConfig
-    run_dir: Path
-    accelerator: Accelerator
-    collective: AcceleratorCollective
-    sharding: ShardingSettings
+
+@dataclass
+class TrainedParts:
+    """What a checkpoint saves of a run's model: set once the model, its optimizer and the objective are built."""
     adapter: ModelAdapter
     finetune: LoraFinetune | FullFinetune
     optimizer: torch.optim.Optimizer
     weight_average: WeightAverage | None
     objective: Objective
-    start_iteration: int
-    run_state: dict[str, Any]  # the run's counters, and the reward-hacking watch's memory under "watch"
-    watch_state: WatchState
+    refresh_explorer: Callable[[], None]  # the 4-bit copy follows the restored weights
 
-    if TYPE_CHECKING:
-        def refresh_explorer(self) -> None: ...
+
+class Checkpointer:
+    """A run's checkpoints: choosing one to resume (before the model loads), saving every checkpoint and
+    restoring one (once the model's parts are `attach`ed)."""
+
+    def __init__(self, config: TrainConfig, run_dir: Path, accelerator: Accelerator, collective: AcceleratorCollective,
+                 sharding: ShardingSettings) -> None:
+        self.config, self.run_dir, self.accelerator, self.collective, self.sharding = config, run_dir, accelerator, collective, sharding
+        self.counters = RunCounters()
+        self._parts: TrainedParts | None = None
+
+    def attach(self, parts: TrainedParts) -> None:
+        """The model's parts; accelerate saves and loads no model weights itself (`_save_trained` and `_load_trained` do)."""
+        self._parts = parts
+        self.accelerator.register_save_state_pre_hook(self._save_hook)
+        self.accelerator.register_load_state_pre_hook(self._load_hook)
+
+    @property
+    def parts(self) -> TrainedParts:
+        assert self._parts is not None, "attach the model's parts before saving or loading a checkpoint"
+        return self._parts
 
     def _save_hook(self, models: list, weights: list, output_dir: str) -> None:
         """accelerate writes no model weights: what is trained is saved by `_save_trained`."""
@@ -78,32 +99,32 @@ class TrainerCheckpoints:
             except Exception as error:  # safetensors, torch and the OS each raise their own types
                 failures.append(error)
 
-        trained = self.finetune.trained_state()
-        optimizer = sharding.optimizer_state(self.adapter.denoiser, self.optimizer) if self.sharding.enabled else None
+        trained = self.parts.finetune.trained_state()
+        optimizer = sharding.optimizer_state(self.parts.adapter.denoiser, self.parts.optimizer) if self.sharding.enabled else None
         if main:
-            guarded(lambda: self.finetune.write_state(trained, folder))
+            guarded(lambda: self.parts.finetune.write_state(trained, folder))
             if optimizer is not None:
                 guarded(lambda: sharding.save_optimizer(optimizer, folder))
-        if (average := self.weight_average) is not None:
+        if (average := self.parts.weight_average) is not None:
             guarded(lambda: average.save(folder, write=main))
-        guarded(lambda: self.objective.save_state(folder, write=main))
+        guarded(lambda: self.parts.objective.save_state(folder, write=main))
         if failures:
             raise failures[0]
 
     def _load_trained(self, folder: Path) -> None:
         """What `_save_trained` wrote, on every process."""
-        self.finetune.load_state(folder)
-        if self.weight_average is not None:
-            self.weight_average.load(folder)
-        self.objective.load_state(folder)
+        self.parts.finetune.load_state(folder)
+        if self.parts.weight_average is not None:
+            self.parts.weight_average.load(folder)
+        self.parts.objective.load_state(folder)
         if self.sharding.enabled:
-            sharding.load_optimizer(self.adapter.denoiser, self.optimizer, folder)
+            sharding.load_optimizer(self.parts.adapter.denoiser, self.parts.optimizer, folder)
 
     @property
-    def checkpoint_dir(self) -> Path:
+    def folder(self) -> Path:
         return self.run_dir / "checkpoints"
 
-    def save_checkpoint(self, iteration: int) -> None:
+    def save(self, iteration: int) -> None:
         """Everything the run needs to continue as if never stopped: LoRA, optimizer and RNG states
         (accelerate), the iteration, config and `run_state` counters, and a manifest of it all; the
         rest is a function of the iteration (prompts, noise, step subsampling, pruning and Mix
@@ -111,12 +132,12 @@ class TrainerCheckpoints:
         published by renames (`checkpoint.publish`); old ones pruned. A failed write on any process
         (a full disk: `storage.DiskFull`) removes the staging folder on every process and raises:
         the published checkpoints stay as they were."""
-        final = self.checkpoint_dir / checkpoint.name(iteration)
+        final = self.folder / checkpoint.name(iteration)
         staging = checkpoint.staging(final)
         main = self.accelerator.is_main_process
-        if main and self.checkpoint_dir.exists():
-            checkpoint.clean_interrupted(self.checkpoint_dir)
-        previous = checkpoint.newest(self.checkpoint_dir)
+        if main and self.folder.exists():
+            checkpoint.clean_interrupted(self.folder)
+        previous = checkpoint.newest(self.folder)
         needed = storage.tree_size(previous) if previous else 0  # the last checkpoint's size, else what was written
         self.accelerator.wait_for_everyone()
 
@@ -138,31 +159,32 @@ class TrainerCheckpoints:
 
         attempt(lambda: self.accelerator.save_state(str(staging)))  # every process's RNG state is in staging after it
         attempt(lambda: self._save_trained(staging))
-        self.run_state["watch"] = self.watch_state.to_dict()
+        counters = self.counters
+        counters.run_state["watch"] = counters.watch_state.to_dict()
 
         def state_and_manifest() -> None:
-            checkpoint.write_state(staging, iteration, to_dict(self.config), self.accelerator.num_processes, self.run_state)
+            checkpoint.write_state(staging, iteration, to_dict(self.config), self.accelerator.num_processes, counters.run_state)
             checkpoint.write_manifest(staging)
 
         attempt(state_and_manifest, only_main=True)
         if main:
             checkpoint.publish(staging, final)
-            checkpoint.prune(self.checkpoint_dir, self.config.logging.checkpoints_total_limit)
+            checkpoint.prune(self.folder, self.config.logging.checkpoints_total_limit)
         self.accelerator.wait_for_everyone()
 
-    def newest_checkpoint(self) -> Path | None:
+    def newest(self) -> Path | None:
         """The newest published checkpoint folder, or None."""
-        return checkpoint.newest(self.checkpoint_dir)
+        return checkpoint.newest(self.folder)
 
-    def select_checkpoint(self, which: str) -> checkpoint.Selected:
+    def select(self, which: str) -> checkpoint.Selected:
         """The checkpoint to resume from (`checkpoint.select`: checked, `latest` falling back past
         damaged ones, notices printed by the main process), made with this config and process count,
         and a readable metrics.jsonl. Every process chooses alike: the main one first puts back a
         checkpoint a crash left renamed, and the others wait for it."""
-        if self.accelerator.is_main_process and self.checkpoint_dir.exists():
-            checkpoint.restore_replaced(self.checkpoint_dir)
+        if self.accelerator.is_main_process and self.folder.exists():
+            checkpoint.restore_replaced(self.folder)
         self.accelerator.wait_for_everyone()
-        selected = checkpoint.select(self.checkpoint_dir, which)
+        selected = checkpoint.select(self.folder, which)
         saved = selected.state.get("config") or _saved_run_config(self.run_dir)
         if saved is not None:
             checkpoint.check_config(saved, to_dict(self.config), selected.path)
@@ -179,25 +201,26 @@ class TrainerCheckpoints:
             print(f"branchdiff: resuming from {selected.path}: {done} of {self.config.iterations} iterations done", file=sys.stderr)
         return selected
 
-    def _load_checkpoint(self, selected: checkpoint.Selected) -> None:
+    def load(self, selected: checkpoint.Selected) -> None:
         """LoRA, optimizer, iteration and counters from the selected checkpoint; metrics.jsonl cut back to it."""
         path, state = selected.path, selected.state
         self.accelerator.wait_for_everyone()
         if self.accelerator.is_main_process:
-            checkpoint.clean_interrupted(self.checkpoint_dir)
+            checkpoint.clean_interrupted(self.folder)
         self.accelerator.wait_for_everyone()
         try:
             self.accelerator.load_state(str(path))
             self._load_trained(path)
         except Exception as error:  # safetensors, torch.load and peft each raise their own types for a bad file
-            older = [p for p in checkpoint.checkpoints(self.checkpoint_dir) if p.name < path.name]
+            older = [p for p in checkpoint.checkpoints(self.folder) if p.name < path.name]
             hint = f"resume from an older one (--resume {older[-1]})" if older else "start a new run in another output_dir="
             reason = " ".join(str(error).split())[:200]
             raise CheckpointError(f"--resume: checkpoint {path} is damaged or not this run's ({type(error).__name__}: {reason}); {hint}") from None
-        self.refresh_explorer()  # the 4-bit copy must follow the restored LoRA
-        self.start_iteration = state["iteration"] + 1
-        self.run_state.update(state.get("run_state", {}))
-        self.watch_state = WatchState(**self.run_state.get("watch", {}))
+        self.parts.refresh_explorer()  # the 4-bit copy must follow the restored LoRA
+        counters = self.counters
+        counters.start_iteration = state["iteration"] + 1
+        counters.run_state.update(state.get("run_state", {}))
+        counters.watch_state = WatchState(**counters.run_state.get("watch", {}))
         if self.accelerator.is_main_process:
             metrics_log.truncate(self.run_dir / "metrics.jsonl", state["iteration"])  # a resumed run rewrites the later lines
 

@@ -8,7 +8,7 @@ prompt set the run reads passes the checks `sample` and `eval` share (branchdiff
 length, the rewards' own prompt checks, source images, and on a video family every reward scores videos
 or names its frames).
 The run directory is then claimed (branchdiff/runtime/run_dir.py) and the checkpoint to resume chosen
-(`Trainer.select_checkpoint`), still before the model loads.
+(`Checkpointer.select`, branchdiff/training/checkpoints.py), still before the model loads.
 """
 
 from __future__ import annotations

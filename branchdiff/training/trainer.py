@@ -69,7 +69,7 @@ from branchdiff.search.registry import make_search
 from branchdiff.settings.config import TrainConfig
 from branchdiff.settings.trees import tree_spec
 from branchdiff.settings.validate import tracker_names
-from branchdiff.training.checkpoints import TrainerCheckpoints
+from branchdiff.training.checkpoints import Checkpointer, TrainedParts
 from branchdiff.training.hacking import WatchState
 from branchdiff.training.lr_schedule import LearningRateSchedule
 from branchdiff.training.metrics import dataset_iteration_metrics, iteration_metrics
@@ -131,10 +131,10 @@ def fused_adamw(params: list[torch.nn.Parameter]) -> bool:
             and all(p.is_floating_point() and not isinstance(p, DTensor) for p in params))
 
 
-class Trainer(TrainerCheckpoints):
+class Trainer:
     def __init__(self, config: TrainConfig, resume: str | None = None) -> None:
         """Everything an iteration needs. `resume` ("latest" or a checkpoint folder): continue from
-        that checkpoint, which is chosen and checked before any model or reward loads (`select_checkpoint`)."""
+        that checkpoint, which is chosen and checked before any model or reward loads (`Checkpointer.select`)."""
         self.config = config
         self.run_dir = Path(config.output_dir)
         self.sharding = ShardingSettings.from_environment()
@@ -153,9 +153,10 @@ class Trainer(TrainerCheckpoints):
             raise UserError("FSDP is on (ACCELERATE_USE_FSDP) in a single process: sharding needs several; launch with accelerate launch "
                             "--config_file $(branchdiff accelerate-config fsdp) --num_processes N (N ≥ 2), or unset ACCELERATE_USE_FSDP")
         self.collective = AcceleratorCollective(self.accelerator)
+        self.checkpoints = Checkpointer(config, self.run_dir, self.accelerator, self.collective, self.sharding)
         self.memory = PhaseMemory(self.accelerator.device)  # peak memory of each phase, in the metrics
         self.heartbeat = self._start_heartbeat() if self.accelerator.num_processes > 1 else None
-        resumed = self.select_checkpoint(resume) if resume else None
+        resumed = self.checkpoints.select(resume) if resume else None
         self.settings = sampler_settings(config)
         set_seed(config.seed)
         self.reward = MultiReward(parse_reward_specs(config.reward), config.reward_combine, self.accelerator.device)
@@ -194,18 +195,13 @@ class Trainer(TrainerCheckpoints):
                                         train_policy=self.train_adapter, schedule=self.schedule, settings=self.settings)
         self.update = UpdateLoop(config.train, self.accelerator, self.collective, self.finetune.params, wrapped, self.optimizer,
                                  self.weight_average, self.sharding.enabled)
-        self.accelerator.register_save_state_pre_hook(self._save_hook)
-        self.accelerator.register_load_state_pre_hook(self._load_hook)
+        self.checkpoints.attach(TrainedParts(self.adapter, self.finetune, self.optimizer, self.weight_average, self.objective, self.refresh_explorer))
         self.prompt_set = load_prompt_set(config.prompts.train)
         if isinstance(self.objective, DatasetObjective):  # its rows are drawn as prompts are
             self.prompt_set = PromptSet(self.objective.rows.name, self.objective.rows.prompts, [{} for _ in self.objective.rows.prompts])
         self.prompts = self.prompt_set.prompts
-        self.start_iteration = 0
-        # optimizer steps skipped in a row (non-finite gradients), across iterations; optimizer steps taken in the run
-        self.run_state = {"skipped_in_a_row": 0, "optimizer_steps": 0}
-        self.watch_state = WatchState()  # the reward-hacking watch's memory (branchdiff/training/hacking.py)
         if resumed is not None:
-            self._load_checkpoint(resumed)
+            self.checkpoints.load(resumed)
 
     def _accelerator(self) -> Accelerator:
         config = self.config
@@ -246,7 +242,31 @@ class Trainer(TrainerCheckpoints):
         (branchdiff/runtime/watchdog.py), started before the first collective that could wait on a frozen rank."""
         job = broadcast_object_list([uuid.uuid4().hex])[0]  # names this launch in every process's heartbeat
         return Heartbeat(self.run_dir, self.accelerator.process_index, self.accelerator.num_processes,
-                         self.config.collective_timeout, self.newest_checkpoint, job).start()
+                         self.config.collective_timeout, self.checkpoints.newest, job).start()
+
+    # ---------------------------------------------------------------- checkpoints (branchdiff/training/checkpoints.py)
+    @property
+    def start_iteration(self) -> int:
+        return self.checkpoints.counters.start_iteration
+
+    @property
+    def run_state(self) -> dict:
+        """The run's counters (optimizer steps taken, skipped in a row), kept in every checkpoint."""
+        return self.checkpoints.counters.run_state
+
+    @property
+    def watch_state(self) -> WatchState:
+        return self.checkpoints.counters.watch_state
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return self.checkpoints.folder
+
+    def save_checkpoint(self, iteration: int) -> None:
+        self.checkpoints.save(iteration)
+
+    def newest_checkpoint(self) -> Path | None:
+        return self.checkpoints.newest()
 
     # ---------------------------------------------------------------- one iteration
     def iteration_draw(self, iteration: int) -> tuple[list[int], tuple[int, ...]]:
