@@ -152,3 +152,12 @@ def test_bench_curves_smoke(tmp_path):
     text = (tmp_path / "curves.md").read_text()
     assert "| chain |" in text and "Significance (2 seeds)" in text and "the same on the wall clock" in text
     assert set(result["ratios"]["time_to_chain_final_other_clock"]) == {"chain", "branch", "sft"}
+
+
+def test_a_bench_of_dataset_objectives_alone_writes_its_result(tmp_path):
+    """Dataset objectives have no group shape: a bench of them alone (or first among the variants) ended in a
+    KeyError after all its runs, losing them."""
+    result = bench_curves(0.01, 1, tmp_path / "c.json", tmp_path, points=2, variants=["sft"], images_per_prompt=1,
+                          extra_overrides=["prompts.per_iteration=1"], reference="sft")
+    assert result["notes"]["shape"] == "dataset objectives only: each trains prompts.per_iteration rows an iteration"
+    assert len(result["variants"]["sft"]["strict"][0]) == 2 and json.loads((tmp_path / "c.json").read_text())["reference"] == "sft"

@@ -229,7 +229,10 @@ def bench_curves(minutes: float, seeds: int, json_path: Path | None, out_dir: Pa
                 runs[name].append(run)
                 print(f"seed {seed} {name}: {run['iterations']} iterations in {run['seconds'][clock]:.0f} s ({clock}), strict "
                       + " ".join(f"{v:.3f}" for v in run["strict"]), flush=True)
-    result = _result(minutes, seeds, grid, runs, images_per_prompt, shapes[names[0]], clock, reference, source, score)
+    result = _result(minutes, seeds, grid, runs, images_per_prompt, next(iter(shapes.values()), None), clock, reference, source, score)
+    rows = [name for name in names if name not in shapes]
+    if shapes and rows:  # beside the rollout variants, the dataset objectives' shape is their rows
+        result["notes"]["shape"] += f"; {', '.join(rows)}: prompts.per_iteration rows of a dataset an iteration"
     result["notes"]["machine"] = (f"{len(os.sched_getaffinity(0))} CPU cores, torch threads {torch.get_num_threads()}, load average "
                                   f"{load_start:.1f} at the start and {os.getloadavg()[0]:.1f} at the end (other processes slow the clock)")
     print(format_table(result))
@@ -252,7 +255,7 @@ def bench_curves(minutes: float, seeds: int, json_path: Path | None, out_dir: Pa
     return result
 
 
-def _result(minutes: float, seeds: int, grid: list[float], runs: dict[str, list[dict]], images_per_prompt: int, shape: tuple[int, int],
+def _result(minutes: float, seeds: int, grid: list[float], runs: dict[str, list[dict]], images_per_prompt: int, shape: tuple[int, int] | None,
             clock: str, reference: str = REFERENCE, source: str = "tiny:held_out", score: str = "tiny-geneval.strict") -> dict:
     variants = {}
     for name, seed_runs in runs.items():
@@ -269,7 +272,8 @@ def _result(minutes: float, seeds: int, grid: list[float], runs: dict[str, list[
         }
     notes = {
         "evaluation": f"{score} mean on {source}, {images_per_prompt} ODE images per prompt, fixed evaluation noise",
-        "shape": f"{shape[0]} prompts per iteration × {shape[1]} trained samples per prompt in every variant",
+        "shape": (f"{shape[0]} prompts per iteration × {shape[1]} trained samples per prompt in every variant" if shape
+                  else "dataset objectives only: each trains prompts.per_iteration rows an iteration"),
         "clock": f"{clock}: the budget and the grid; eval_minutes holds both clocks (branchdiff/bench/clock.py)",
         "time_0": "the base model (LoRA B = 0), evaluated once and shared by every variant and seed",
         "confidence": "[low, high]: the 95% Student-t interval of the mean over seeds; the plot's band is that interval",
