@@ -154,10 +154,11 @@ def test_bench_curves_smoke(tmp_path):
     assert set(result["ratios"]["time_to_chain_final_other_clock"]) == {"chain", "branch", "sft"}
 
 
-def test_a_bench_of_dataset_objectives_alone_writes_its_result(tmp_path):
+def test_a_bench_of_dataset_objectives_alone_writes_its_result(tmp_path, capsys):
     """Dataset objectives have no group shape: a bench of them alone (or first among the variants) ended in a
-    KeyError after all its runs, losing them."""
+    KeyError after all its runs, losing them. A later first seed runs that seed (a benchmark continued in another process)."""
     result = bench_curves(0.01, 1, tmp_path / "c.json", tmp_path, points=2, variants=["sft"], images_per_prompt=1,
-                          extra_overrides=["prompts.per_iteration=1"], reference="sft")
+                          extra_overrides=["prompts.per_iteration=1"], reference="sft", first_seed=3)
+    assert "seed 3 sft: " in capsys.readouterr().out
     assert result["notes"]["shape"] == "dataset objectives only: each trains prompts.per_iteration rows an iteration"
     assert len(result["variants"]["sft"]["strict"][0]) == 2 and json.loads((tmp_path / "c.json").read_text())["reference"] == "sft"

@@ -170,9 +170,10 @@ def _train_and_evaluate(config: TrainConfig, grid_seconds: list[float], held_out
 
 def bench_curves(minutes: float, seeds: int, json_path: Path | None, out_dir: Path, points: int = 7,
                  variants: list[str] | None = None, images_per_prompt: int = 4, extra_overrides: list[str] = (), clock: str = "wall",
-                 reference: str = REFERENCE, task: str = "tiny") -> dict:
+                 reference: str = REFERENCE, task: str = "tiny", first_seed: int = 0) -> dict:
     """Held-out strict accuracy of each variant at `points` equally spaced training times up to
-    `minutes` (module doc), over seeds 0..seeds-1; writes out_dir/curves.png and curves.md, prints
+    `minutes` (module doc), over seeds first_seed..first_seed+seeds-1 (a later first seed continues a
+    run's seeds in another process: the runs of each seed depend on nothing else); writes out_dir/curves.png and curves.md, prints
     the table and ratios, returns (and writes to `json_path`) the result.
 
     variants: names of VARIANTS (None: the sampling variants; the objectives' are named); images_per_prompt: held-out images per prompt at each
@@ -222,7 +223,7 @@ def bench_curves(minutes: float, seeds: int, json_path: Path | None, out_dir: Pa
             raise ValueError(f"variants differ in (prompts per iteration, group size): {shapes}; equalise them in VARIANTS")
         for name in names:  # one untimed iteration of each variant: the process's one-time costs fall on none of them
             Trainer(config(name, 0)).run_iteration(0)
-        for seed in range(seeds):
+        for seed in range(first_seed, first_seed + seeds):
             for name in names:
                 run = _train_and_evaluate(config(name, seed), [t * 60 for t in grid], held_out_strict, base, clock)
                 base = run["strict"][0]  # the base model: the same for every variant and seed (module doc)

@@ -54,7 +54,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
         from branchdiff.bench.curves import bench_curves
 
         bench_curves(args.minutes, args.seeds, args.json, args.out, args.points, _variants(args.variants), args.eval_images, args.overrides,
-                     args.clock, args.reference, args.task)
+                     args.clock, args.reference, args.task, args.first_seed)
 
 
 def _variants(text: str | None) -> list[str] | None:
