@@ -260,7 +260,7 @@ def test_every_option_of_a_benchmark_reaches_it(benchmarks, tmp_path, capsys):
     runs = [["bench", "tree", "a.b=1", "--json", str(json_path), "--repeats", "2", "--variants", "chain,tree", "c.d=2"],
             ["bench", "explore", "--json", str(json_path), "a.b=1"],
             ["bench", "curves", "--minutes", "0.5", "--seeds", "2", "--out", str(out), "--variants", "chain,mix", "--reference", "mix",
-             "--task", "tiny-video", "--points", "3", "--eval-images", "2", "--clock", "modelled", "a.b=1"],
+             "--task", "tiny-video", "--points", "3", "--eval-images", "2", "--clock", "modelled", "--first-seed", "3", "a.b=1"],
             ["bench", "search", "--images", "4", "--seeds", "2", "--out", str(out), "--variants", "dts"],
             ["bench", "search", "--sampler", "--temperature", "2", "--images", "4", "--seeds", "1", "--out", str(out), "--variants", "smc"],
             ["bench", "reward-server", "--json", str(json_path)]]
@@ -269,7 +269,7 @@ def test_every_option_of_a_benchmark_reaches_it(benchmarks, tmp_path, capsys):
     assert benchmarks == {
         "tree": [((json_path, 2, ["a.b=1", "c.d=2"], ["chain", "tree"]), {})],
         "explore": [((json_path,), {"extra_overrides": ["a.b=1"]})],
-        "curves": [((0.5, 2, None, out, 3, ["chain", "mix"], 2, ["a.b=1"], "modelled", "mix", "tiny-video"), {})],
+        "curves": [((0.5, 2, None, out, 3, ["chain", "mix"], 2, ["a.b=1"], "modelled", "mix", "tiny-video", 3), {})],
         "search": [((4, 2, None, out, ["dts"]), {})],
         "sampler": [((4, 1, None, out), {"samplers": ["smc"], "temperature": 2.0})],
         "reward-server": [((json_path,), {})]}
