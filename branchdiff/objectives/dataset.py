@@ -21,6 +21,7 @@ from branchdiff.core.noise import address_seed
 from branchdiff.core.rollout import NoiseAddress, Rollout
 from branchdiff.data.demonstrations import ImageSet, load_image_set
 from branchdiff.models.base import ModelAdapter
+from branchdiff.models.finetune import FullFinetune, LoraFinetune
 from branchdiff.models.registry import FAMILIES, image_size
 from branchdiff.objectives.base import Objective, Signal, UpdatePlan
 from branchdiff.objectives.forward_process import ForwardTerms
@@ -34,13 +35,16 @@ class DatasetObjective(Objective):
     """An objective that trains on an image set (`dataset` in its registry line names the kind)."""
     dataset: ClassVar[str]  # "demonstrations" or "preferences"
     config: TrainConfig
-    rows: ImageSet  # the set, read when the objective is built
+    finetune: LoraFinetune | FullFinetune
+    rows: ImageSet  # the set, read (and checked) from the objective's `data` key when the objective is built
+    fine_schedule: FlowSchedule  # the family's schedule the noise levels are read from (`fine_schedule`)
 
-    def image_set(self) -> ImageSet:
-        """The rows, read (and checked) from the objective's `data` key."""
+    def __post_init__(self) -> None:
+        """Called by a dataclass subclass's generated __init__."""
         config = self.config
         own = getattr(config, config.train.loss.replace("-", "_"))
-        return load_image_set(own.data, self.dataset, image_size(config.model.resolution, FAMILIES[config.model.family].resolution))
+        self.rows = load_image_set(own.data, self.dataset, image_size(config.model.resolution, FAMILIES[config.model.family].resolution))
+        self.fine_schedule = fine_schedule(self.finetune.adapter, config.sampling.shift)
 
     def signal(self, rollout: Rollout, rewards: torch.Tensor, iteration: int) -> Signal:
         raise TypeError(f"{type(self).__name__} trains on a dataset, not on rollouts: the trainer calls plan_rows")

@@ -22,7 +22,7 @@ from branchdiff.core.rollout import NoiseAddress, SamplerSettings
 from branchdiff.models.base import ModelAdapter
 from branchdiff.models.finetune import FullFinetune, LoraFinetune
 from branchdiff.objectives.base import MetricKind
-from branchdiff.objectives.dataset import DatasetObjective, dataset_terms, draw_levels, encode_rows, fine_schedule
+from branchdiff.objectives.dataset import DatasetObjective, dataset_terms, draw_levels, encode_rows
 from branchdiff.objectives.forward_process import ForwardTerms
 from branchdiff.runtime.distributed import Collective
 from branchdiff.schedulers.schedule import Schedule
@@ -42,10 +42,6 @@ class OfflineDPO(DatasetObjective):
         "loss": "per_term", "preference_accuracy": "per_term", "kl": "per_term",  # means over the (pair, noise level) terms
         "nfe_trained": "count",  # training forwards (two per term)
     }
-
-    def __post_init__(self) -> None:
-        self.rows = self.image_set()
-        self.fine_schedule = fine_schedule(self.finetune.adapter, self.config.sampling.shift)
 
     def plan_rows(self, rows: list[int], embeds: dict, address: NoiseAddress) -> OfflineDPOPlan:
         return OfflineDPOPlan(self, rows, embeds, address)

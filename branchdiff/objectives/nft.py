@@ -34,14 +34,13 @@ import torch
 
 from branchdiff.core.advantage import depthwise_advantages, fuse_rewards, median_pivots
 from branchdiff.core.loss import nft_loss, nft_optimality
-from branchdiff.core.noise import address_seed
 from branchdiff.core.rollout import NoiseAddress, Rollout, SamplerSettings
 from branchdiff.core.tree import Tree
-from branchdiff.models.base import ModelAdapter, select_embeds
+from branchdiff.models.base import ModelAdapter
 from branchdiff.models.ema import WeightAverage
 from branchdiff.models.finetune import FullFinetune, LoraFinetune
-from branchdiff.objectives.base import MetricKind, Objective, Signal, drop_nonfinite_groups, zero_loss
-from branchdiff.objectives.forward_process import leaf_signal
+from branchdiff.objectives.base import MetricKind, Objective, Signal, drop_nonfinite_groups
+from branchdiff.objectives.forward_process import draw_terms, idle_forward, leaf_signal, predict_all
 from branchdiff.runtime.distributed import Collective
 from branchdiff.schedulers.schedule import FlowSchedule
 from branchdiff.settings.config import TrainConfig
@@ -115,57 +114,33 @@ class NFTPlan:
         self.objective, self.embeds, self.rollout = objective, embeds, rollout
         config, tree, schedule = objective.config, rollout.tree, objective.schedule
         leaves = torch.nonzero(signal.trained).squeeze(1)  # (K,) leaf nodes trained
-        rows, steps, noises = [], [], []
-        generator = torch.Generator()
         learnable = objective.train_policy.trains_at(schedule.model_times).cpu()  # (T,) steps the trained denoiser predicts
-        for leaf in leaves.tolist():  # each term's step and noise addressed by (seed, iteration, prompt key, the leaf's node path)
-            prompt_key = address.prompt_keys[int(tree.prompt[leaf])]
-            generator.manual_seed(address_seed("nft", address.run_seed, address.iteration, prompt_key, tree.paths[leaf]))
-            order = torch.randperm(schedule.num_steps, generator=generator)
-            chosen = order[learnable[order]][: config.nft.timesteps]
-            rows += [leaf] * len(chosen)
-            steps.append(chosen)
-            noises.append(torch.randn((len(chosen), *rollout.latents.shape[1:]), generator=generator))
-        self.nodes = torch.tensor(rows, dtype=torch.long)  # (E,) the leaf of each term
-        self.steps = torch.cat(steps) if steps else torch.zeros(0, dtype=torch.long)  # (E,)
-        device = rollout.latents.device
-        self.x0 = rollout.latents[self.nodes]  # (E, ...)
-        self.sigma = schedule.sigmas[self.steps.to(schedule.sigmas.device)].to(device)  # (E,)
-        shape = (-1,) + (1,) * (self.x0.dim() - 1)
-        noise = torch.cat(noises).to(device, self.x0.dtype) if noises else torch.zeros_like(self.x0)
-        self.x_t = (1 - self.sigma.reshape(shape)) * self.x0 + self.sigma.reshape(shape) * noise  # (E, ...)
-        self.times = schedule.model_times[self.steps.to(schedule.model_times.device)]  # (E,)
-        self.prompt = tree.prompt[self.nodes]  # (E,)
+        self.terms_drawn = terms = draw_terms(rollout, leaves, address, schedule, learnable, config.nft.timesteps, "nft")
+        self.nodes, self.steps = terms.nodes, terms.steps  # (E,) the leaf and the step of each term
         credited = self.nodes if config.nft.advantage == "leaf" else ancestors_at(tree, self.nodes, self.steps + 1)  # (E,) whose advantage each term takes
-        self.optimality = nft_optimality(signal.node_advantages[credited].to(device), config.nft.advantage_clip)  # (E,)
-        batches = torch.arange(len(self.nodes)).split(config.train.minibatch)
-        self.minibatches = list(batches) if len(self.nodes) else []
+        self.optimality = nft_optimality(signal.node_advantages[credited].to(terms.x0.device), config.nft.advantage_clip)  # (E,)
+        self.minibatches = list(torch.arange(len(self.nodes)).split(config.train.minibatch)) if len(self.nodes) else []
         self.terms = [len(b) for b in self.minibatches]
-        with torch.no_grad(), objective.sampling_weights():  # the sampling policy's prediction (the plain denoiser), fixed for the iteration
-            self.v_old = torch.cat([self._predict(objective.finetune.adapter, b) for b in self.minibatches]) if self.minibatches else None
-            lockstep = objective.finetune.adapter.lockstep
-            for _ in range(lockstep(len(self.minibatches)) - len(self.minibatches) if lockstep else 0):  # a sharded denoiser's padding forwards
-                zero_loss(objective.finetune.adapter, rollout, embeds, schedule, objective.settings.guidance)
+        with objective.sampling_weights():  # the sampling policy's prediction (the plain denoiser), fixed for the iteration
+            self.v_old = predict_all(objective.finetune.adapter, terms, self.minibatches, embeds, objective.settings.guidance, rollout, schedule)
         self.stats = {"loss": 0.0, "kl": 0.0, "optimality": self.optimality.sum().item(), "nfe_trained": 0}
 
-    def _predict(self, model: ModelAdapter, terms: torch.Tensor) -> torch.Tensor:
-        return model.predict(self.x_t[terms], self.times[terms], select_embeds(self.embeds, self.prompt[terms]), self.objective.settings.guidance)
-
     def loss(self, index: int) -> torch.Tensor:
-        objective, terms = self.objective, self.minibatches[index]
+        objective, rows, terms = self.objective, self.minibatches[index], self.terms_drawn
+        guidance = objective.settings.guidance
         assert self.v_old is not None  # predicted for every minibatch
-        v_theta = self._predict(objective.train_policy, terms)  # (e, ...)
-        per_term = nft_loss(v_theta, self.v_old[terms], self.x0[terms], self.x_t[terms], self.sigma[terms], self.optimality[terms],
+        v_theta = terms.predict(objective.train_policy, rows, self.embeds, guidance)  # (e, ...)
+        per_term = nft_loss(v_theta, self.v_old[rows], terms.x0[rows], terms.x_t[rows], terms.sigma[rows], self.optimality[rows],
                             objective.config.nft.beta, objective.config.nft.advantage_clip)
         kl = torch.zeros_like(per_term)
         if objective.config.train.kl_beta > 0:
             with torch.no_grad(), objective.finetune.base() as base:
-                v_ref = self._predict(base, terms)
+                v_ref = terms.predict(base, rows, self.embeds, guidance)
             kl = (v_theta.float() - v_ref.float()).pow(2).flatten(1).mean(dim=1)
             per_term = per_term + objective.config.train.kl_beta * kl
         self.stats["loss"] += per_term.sum().item()
         self.stats["kl"] += kl.detach().sum().item()
-        self.stats["nfe_trained"] += len(terms)
+        self.stats["nfe_trained"] += len(rows)
         return per_term
 
     def idle_loss(self) -> torch.Tensor:
@@ -173,13 +148,5 @@ class NFTPlan:
         model's under a KL) on the first minibatch, or on a root when this process trains nothing."""
         objective = self.objective
         reference = objective.finetune.base() if objective.config.train.kl_beta > 0 else nullcontext()
-        if not self.minibatches:
-            with reference as base:
-                return zero_loss(objective.train_policy, self.rollout, self.embeds, objective.schedule, objective.settings.guidance, base)
-        terms = self.minibatches[0]
-        v_theta = self._predict(objective.train_policy, terms)
-        if objective.config.train.kl_beta > 0:
-            with torch.no_grad(), reference as base:
-                assert base is not None  # train.kl_beta > 0: the base model
-                self._predict(base, terms)
-        return v_theta.sum() * 0.0
+        return idle_forward(objective.train_policy, self.terms_drawn, self.minibatches, self.embeds, objective.settings.guidance,
+                            self.rollout, objective.schedule, reference)

@@ -22,7 +22,7 @@ from branchdiff.core.rollout import NoiseAddress, SamplerSettings
 from branchdiff.models.base import ModelAdapter
 from branchdiff.models.finetune import FullFinetune, LoraFinetune
 from branchdiff.objectives.base import MetricKind
-from branchdiff.objectives.dataset import DatasetObjective, dataset_terms, draw_levels, encode_rows, fine_schedule
+from branchdiff.objectives.dataset import DatasetObjective, dataset_terms, draw_levels, encode_rows
 from branchdiff.runtime.distributed import Collective
 from branchdiff.schedulers.schedule import Schedule
 from branchdiff.settings.config import TrainConfig
@@ -41,10 +41,6 @@ class SupervisedFineTuning(DatasetObjective):
         "loss": "per_term", "matching": "per_term", "kl": "per_term",  # means over the (row, noise level) terms
         "nfe_trained": "count",  # training forwards
     }
-
-    def __post_init__(self) -> None:
-        self.rows = self.image_set()
-        self.fine_schedule = fine_schedule(self.finetune.adapter, self.config.sampling.shift)
 
     def plan_rows(self, rows: list[int], embeds: dict, address: NoiseAddress) -> SFTPlan:
         return SFTPlan(self, rows, embeds, address)

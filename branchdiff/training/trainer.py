@@ -23,6 +23,7 @@ import json
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from datetime import timedelta
@@ -56,6 +57,7 @@ from branchdiff.models.base import ModelAdapter, encode_for
 from branchdiff.models.compile import compile_denoiser
 from branchdiff.models.ema import WeightAverage
 from branchdiff.models.finetune import make_finetune
+from branchdiff.objectives.base import UpdatePlan
 from branchdiff.objectives.dataset import DatasetObjective
 from branchdiff.objectives.registry import make_objective, needs_reference
 from branchdiff.rewards.combine import parse_reward_specs
@@ -356,19 +358,25 @@ class Trainer:
         signal = self.objective.signal(rollout, rewards.total, iteration)
         info["groups_dropped"] = signal.groups_dropped
         learning_rate = self.learning_rate.set(iteration)
-        start = time.perf_counter()
-        with self.memory.phase("train", info["memory"]):
-            train_stats = self.update(self.objective.plan(rollout, info["embeds"], signal, info["address"]))
-            self.run_state["optimizer_steps"] += train_stats["optimizer_steps"]
-            self.objective.after_update(self.run_state["optimizer_steps"])
-        info["train_seconds"] = time.perf_counter() - start
-        streak = self.run_state["skipped_in_a_row"] + train_stats["steps_skipped"]
-        self.run_state["skipped_in_a_row"] = train_stats["trailing_skips"] if train_stats["optimizer_steps"] else streak
+        train_stats = self._run_update(lambda: self.objective.plan(rollout, info["embeds"], signal, info["address"]), info)
         metrics = {"iteration": iteration, **iteration_metrics(self.collective, rollout, rewards, signal.node_advantages, signal.trained,
                                                                train_stats, self.objective.metric_kinds, info),
                    "learning_rate": learning_rate}
         self.refresh_explorer()
         return IterationResult(metrics, rollout, images, signal.node_rewards, signal.node_advantages, signal.trained, info["prompts"])
+
+    def _run_update(self, make_plan: Callable[[], UpdatePlan], info: dict) -> dict[str, float]:
+        """The objective's plan (made inside the train phase: its forwards count there) run by the update loop; the
+        run's counters of optimizer steps taken and skipped in a row follow, and the objective hears of the steps."""
+        start = time.perf_counter()
+        with self.memory.phase("train", info["memory"]):
+            train_stats = self.update(make_plan())
+            self.run_state["optimizer_steps"] += train_stats["optimizer_steps"]
+            self.objective.after_update(self.run_state["optimizer_steps"])
+        info["train_seconds"] = time.perf_counter() - start
+        streak = self.run_state["skipped_in_a_row"] + train_stats["steps_skipped"]
+        self.run_state["skipped_in_a_row"] = train_stats["trailing_skips"] if train_stats["optimizer_steps"] else streak
+        return train_stats
 
     def dataset_iteration(self, iteration: int) -> IterationResult:
         """One iteration of a dataset objective: this process's rows drawn as prompts are, their prompts
@@ -382,14 +390,7 @@ class Trainer:
         embeds = encode_for(self.adapter, prompts, [{} for _ in prompts])
         info["encode_seconds"] = time.perf_counter() - start
         learning_rate = self.learning_rate.set(iteration)
-        start = time.perf_counter()
-        with self.memory.phase("train", info["memory"]):
-            train_stats = self.update(objective.plan_rows(indices, embeds, NoiseAddress(self.config.seed, iteration, keys)))
-            self.run_state["optimizer_steps"] += train_stats["optimizer_steps"]
-            objective.after_update(self.run_state["optimizer_steps"])
-        info["train_seconds"] = time.perf_counter() - start
-        streak = self.run_state["skipped_in_a_row"] + train_stats["steps_skipped"]
-        self.run_state["skipped_in_a_row"] = train_stats["trailing_skips"] if train_stats["optimizer_steps"] else streak
+        train_stats = self._run_update(lambda: objective.plan_rows(indices, embeds, NoiseAddress(self.config.seed, iteration, keys)), info)
         metrics = {"iteration": iteration, **dataset_iteration_metrics(self.collective, len(indices), train_stats, objective.metric_kinds, info),
                    "learning_rate": learning_rate}
         empty = torch.zeros(0)
