@@ -18,7 +18,7 @@ import torch
 
 from branchdiff.cli import main
 from branchdiff.runtime import checkpoint
-from branchdiff.training.trainer import Trainer
+from branchdiff.training.recipe import Trainer
 
 point, target = sys.argv[1], int(sys.argv[2])
 calls = 0

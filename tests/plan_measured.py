@@ -12,7 +12,7 @@ from pathlib import Path
 
 from branchdiff.plan import GIB, Estimator, Target, with_change
 from branchdiff.settings.load import load_config
-from branchdiff.training.trainer import Trainer
+from branchdiff.training.recipe import Trainer
 
 
 def resident() -> int:

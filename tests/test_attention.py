@@ -34,7 +34,7 @@ def test_a_backend_that_cannot_run_is_one_line_and_nothing_is_left(backend, line
 def test_a_dispatcher_family_under_the_math_kernel_predicts_as_native_and_trains(tmp_path):
     from branchdiff.models import load_adapter
     from branchdiff.settings.load import load_config
-    from branchdiff.training.trainer import Trainer
+    from branchdiff.training.recipe import Trainer
     from test_model_families import _train_overrides
     from tiny_pipelines import save_pipeline
 

@@ -50,7 +50,7 @@ def test_mypy_is_clean_on_the_typed_layers():
 
 @pytest.mark.parametrize("importer, line, broken", [
     ("core/tree.py", "import branchdiff.cli.main", "Layers: each imports only the layers below it BROKEN"),
-    ("models/lora.py", "import branchdiff.training.trainer", "Models, rewards and schedulers never import training, objectives or the command"),
+    ("models/lora.py", "import branchdiff.training.recipe", "Models, rewards and schedulers never import training, objectives or the command"),
     ("core/noise.py", "import branchdiff.core.tree", "No import circles, inside a layer either BROKEN"),  # core.tree imports core.noise
 ])
 def test_a_wrong_import_breaks_a_contract(tmp_path, importer, line, broken):

@@ -312,7 +312,7 @@ def test_a_dependency_that_fails_to_import_is_one_line_naming_it_the_versions_an
         (tmp_path / name).write_text(text)
     monkeypatch.syspath_prepend(str(tmp_path))
     load = (lambda *a, **k: lazy_import("visionops", "BloomPreTrainedModel")) if how == "lazy" else (lambda *a, **k: importlib.import_module("visionops"))
-    monkeypatch.setattr("branchdiff.training.trainer.load_adapter", load)
+    monkeypatch.setattr("branchdiff.training.recipe.load_adapter", load)
     run = tmp_path / "run"
     assert main(["train", "tiny-chain", f"model.path={tiny_model_dir}", f"output_dir={run}", "logging.report_to=none"]) == 2
     versions = {name: importlib.metadata.version(name) for name in ("torch", "torchvision")}
@@ -386,7 +386,7 @@ def _run_args(model_dir: Path, run: Path, iterations: int, *extra: str) -> list[
 
 def _iterations_run(monkeypatch) -> list[int]:
     """Record the iterations the trainer runs."""
-    from branchdiff.training.trainer import Trainer
+    from branchdiff.training.recipe import Trainer
 
     seen: list[int] = []
     run_iteration = Trainer.run_iteration
@@ -418,7 +418,7 @@ def test_resume_after_a_crash_inside_publish(capsys, tmp_path, tiny_model_dir, m
     """A crash inside `publish` of checkpoint 1 left it as .replaced-000001 (iter-000001 missing) next to
     its successor's .staging-000001: --resume latest puts checkpoint 1 back and continues after it, with
     more iterations than the run was started with; leftover staging folders do not survive the next save."""
-    from branchdiff.training.trainer import Trainer
+    from branchdiff.training.recipe import Trainer
 
     run = tmp_path / "run"
     assert main(_run_args(tiny_model_dir, run, 2)) == 0
@@ -483,11 +483,12 @@ def test_loading_a_model_shows_no_progress_bars(family, tiny_model_dir, tmp_path
 def test_a_benchmarks_inputs_are_checked_before_any_model_loads(which, tmp_path, monkeypatch, capsys):
     """`bench tree prompts.train=missing.txt` built its first trainers (loading the model) before the prompt file
     was read: every variant's settings and inputs now pass the training preflight first."""
-    import branchdiff.training.trainer
+    import branchdiff.training.recipe
 
     def built(*args, **kwargs):
         raise AssertionError("a trainer was built before the benchmark's inputs were checked")
 
-    monkeypatch.setattr(branchdiff.training.trainer.Trainer, "__init__", built)
-    assert main(["bench", which, f"prompts.train={tmp_path / 'missing.txt'}"]) == 2
-    assert error_line(capsys).startswith(f"{PREFIX}prompt source '{tmp_path / 'missing.txt'}' is neither")
+    monkeypatch.setattr(branchdiff.training.recipe.Trainer, "__init__", built)
+    monkeypatch.chdir(tmp_path)  # a short path: a long one is shortened in the middle of the one-line error
+    assert main(["bench", which, "prompts.train=missing.txt"]) == 2
+    assert error_line(capsys).startswith(f"{PREFIX}prompt source 'missing.txt' is neither")

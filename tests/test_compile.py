@@ -10,7 +10,7 @@ import torch
 
 from branchdiff.models.compile import compile_denoiser
 from branchdiff.settings.load import load_config
-from branchdiff.training.trainer import Trainer
+from branchdiff.training.recipe import Trainer
 
 RUN = ["iterations=2", "final_eval=false", "logging.report_to=none", "logging.sample_every=0", "prompts.per_iteration=2", "sampling.num_steps=4"]
 

@@ -417,7 +417,7 @@ def test_trainable_step_check_agrees_with_every_iteration():
     ],
 )
 def test_the_trainer_trains_the_steps_the_check_counts(tiny_model_dir, tmp_path, extra, steps, edges):
-    from branchdiff.training.trainer import Trainer
+    from branchdiff.training.recipe import Trainer
 
     config = load_config(None, [f"model.path={tiny_model_dir}", f"output_dir={tmp_path / 'run'}", "iterations=1", "sampling.num_steps=3",
                                 "tree.roots=2", "prompts.per_iteration=1", "reward=rewards_for_tests:Redness", "sampling.max_batch=8",

@@ -110,7 +110,7 @@ def _pipeline_edits(pipe, family: str, metadata: list[dict], initial: torch.Tens
                                              pytest.param("qwen-image-edit-2511", (32, 16), marks=pytest.mark.slow)])
 def test_edits_equal_the_pipelines(kontext, family, size):
     """Both solvers: branchdiff's steps and `--solver release` (the folder's own scheduler, the same here)."""
-    from branchdiff.evaluation.evaluate import sample_ode
+    from branchdiff.evaluation.evaluate import OdeSampling, sample_ode
 
     adapter = load_adapter(family.removesuffix("-2511"), str(kontext / family), resolution=list(size))
     kind = "square" if size == (32, 32) else "tall"
@@ -121,8 +121,8 @@ def test_edits_equal_the_pipelines(kontext, family, size):
     assert (ours - theirs).abs().max().item() <= TOLERANCE
     other = [{SOURCES: [row[SOURCES][0]]} for row in reversed(metadata)]  # the sources swapped: the edits follow them
     assert (_edits(adapter, other)[1] - ours).abs().max().item() > 5 * TOLERANCE  # 9e-4 measured on Kontext: the tiny model reads its source weakly
-    release, _ = sample_ode(adapter, PROMPTS, 1, STEPS, solver="release", metadata=metadata)
-    stepped, _ = sample_ode(adapter, PROMPTS, 1, STEPS, metadata=metadata)
+    release, _ = sample_ode(adapter, PROMPTS, OdeSampling(1, STEPS, solver="release"), metadata=metadata)
+    stepped, _ = sample_ode(adapter, PROMPTS, OdeSampling(1, STEPS), metadata=metadata)
     assert (release - stepped).abs().max().item() <= TOLERANCE
 
 
@@ -214,9 +214,9 @@ def test_sample_edits_the_image_given(kontext, tmp_path, capsys):
     written = sorted(out.glob("*.png"))
     assert len(written) == 1
     adapter = load_adapter("flux-kontext", str(kontext / "flux-kontext"), resolution=32)
-    from branchdiff.evaluation.evaluate import sample_ode
+    from branchdiff.evaluation.evaluate import OdeSampling, sample_ode
 
-    expected, _ = sample_ode(adapter, [PROMPTS[0]], 1, STEPS, metadata=[{SOURCES: [str(source)]}])
+    expected, _ = sample_ode(adapter, [PROMPTS[0]], OdeSampling(1, STEPS), metadata=[{SOURCES: [str(source)]}])
     saved = torch.from_numpy(np.asarray(Image.open(written[0]), dtype=np.float32) / 255).permute(2, 0, 1)
     assert (saved - expected[0]).abs().max().item() <= 1 / 255 + 1e-6
     capsys.readouterr()

@@ -71,9 +71,9 @@ def test_a_decay_of_one_is_refused_with_the_fix():
 def test_a_run_trains_the_live_weights_and_evaluates_and_exports_the_average(tiny_model_dir, tmp_path, finetune):
     """The average of the weights after each optimizer step (recorded), against the closed form;
     the evaluation grid is sampled with it, the export holds it, and training goes on with the live weights."""
-    from branchdiff.evaluation.evaluate import sample_ode
+    from branchdiff.evaluation.evaluate import OdeSampling, sample_ode
     from branchdiff.models.finetune import export
-    from branchdiff.training.trainer import Trainer
+    from branchdiff.training.recipe import Trainer
 
     config = load_config("tiny-chain", [f"model.path={tiny_model_dir}", f"output_dir={tmp_path}", "iterations=3", "prompts.per_iteration=1",
                                         "tree.roots=2", "sampling.num_steps=2", "final_eval=false", "logging.report_to=none",
@@ -95,10 +95,10 @@ def test_a_run_trains_the_live_weights_and_evaluates_and_exports_the_average(tin
     assert len(history) == 6 and trainer.weight_average.steps == 6  # 4 edges per iteration, a step every 2
     expected = _reference_average(history, 0.5)
     grid, prompts = trainer.fixed_samples(prompts=1, images_per_prompt=1)
-    live_images = sample_ode(trainer.adapter, prompts, 1, 2, None)[0]
+    live_images = sample_ode(trainer.adapter, prompts, OdeSampling(1, 2))[0]
     with trainer.evaluated_weights():
         assert all(torch.allclose(p.double(), e, rtol=0, atol=1e-6) for p, e in zip(params, expected))
-        averaged_images = sample_ode(trainer.adapter, prompts, 1, 2, None)[0]
+        averaged_images = sample_ode(trainer.adapter, prompts, OdeSampling(1, 2))[0]
         export(trainer.finetune, tmp_path)
         averaged = {k: v.detach().clone() for k, v in trainer.adapter.denoiser.state_dict().items()}
     assert all(torch.equal(p, h) for p, h in zip(params, history[-1]))  # the live weights are back

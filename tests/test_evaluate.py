@@ -11,7 +11,7 @@ import torch
 
 from branchdiff.cli import main
 from branchdiff.data.prompts import PromptSet, load_prompt_set
-from branchdiff.evaluation.evaluate import evaluate, sample_ode, summarize
+from branchdiff.evaluation.evaluate import OdeSampling, ProcessShare, evaluate, sample_ode, summarize
 from branchdiff.models.tiny import TinyAdapter
 from rewards_for_tests import Redness
 
@@ -64,7 +64,7 @@ def test_eval_writes_table_csv_grid_json_and_the_benchmark_layout(prompt_file, t
     assert summary["prompts"] == str(prompt_file) and set(summary["scales"]) == {"tiny-geneval", "rewards_for_tests:Redness"}
     assert summary["scales"]["rewards_for_tests:Redness"] == Redness.scale
     # the mean redness against an independent generation with the same seed and noise addresses
-    images, _ = sample_ode(TinyAdapter.from_pretrained(tiny_model_dir), [p["prompt"] for p in PROMPTS], 2, 3)
+    images, _ = sample_ode(TinyAdapter.from_pretrained(tiny_model_dir), [p["prompt"] for p in PROMPTS], OdeSampling(2, 3))
     expected = Redness()(images, [], [])
     assert summary["summary"]["all"]["rewards_for_tests:Redness"]["mean"] == pytest.approx(expected.mean().item(), abs=1e-6)
     assert summary["summary"]["photo"]["rewards_for_tests:Redness"]["mean"] == pytest.approx(expected[[0, 1, 4, 5]].mean().item(), abs=1e-6)
@@ -80,8 +80,8 @@ def test_a_prompt_scores_the_same_whichever_process_holds_it(tiny_adapter):
     """Shares of two processes (every other prompt) joined equal the one-process result bit for bit."""
     prompt_set = PromptSet("p", [p["prompt"] for p in PROMPTS], [{} for _ in PROMPTS])
     rewards = {"red": Redness()}
-    whole = evaluate(tiny_adapter, prompt_set, rewards, 2, 3)
-    shares = [evaluate(tiny_adapter, prompt_set, rewards, 2, 3, process_index=r, num_processes=2) for r in (0, 1)]
+    whole = evaluate(tiny_adapter, prompt_set, rewards, OdeSampling(2, 3))
+    shares = [evaluate(tiny_adapter, prompt_set, rewards, OdeSampling(2, 3), ProcessShare(r, 2)) for r in (0, 1)]
     joined = torch.cat([s.scores["red"] for s in shares])
     order = torch.argsort(torch.cat([s.prompt_index * 2 + s.seed_index for s in shares]))
     assert torch.equal(joined[order], whole.scores["red"])

@@ -6,7 +6,7 @@ import torch
 from branchdiff.explore.pool import selection_generators
 from branchdiff.explore.selection import select_per_group
 from branchdiff.settings.load import load_config
-from branchdiff.training.trainer import Trainer
+from branchdiff.training.recipe import Trainer
 
 
 def _trainer(model_dir, tmp_path, *extra, resume: str | None = None):
@@ -55,10 +55,10 @@ def test_nvfp4_explorer_differs_only_by_quantisation_and_follows_the_policy(tiny
     trainer.run_iteration(0)  # an update, then the explorer is refreshed with the merged LoRA
     with torch.no_grad():
         policy = trainer.adapter.predict(x, sigma, embeds)
-        fresh = trainer.explorer.predict(x, sigma, embeds)
-        trainer.explorer.denoiser = __import__("branchdiff.explore.quant", fromlist=["make_quantized_copy"]).make_quantized_copy(
-            trainer.adapter.denoiser.__class__.from_pretrained(tiny_model_dir / "transformer"), trainer.quant_config)
-        stale = trainer.explorer.predict(x, sigma, embeds)
+        fresh = trainer.exploration.explorer.predict(x, sigma, embeds)
+        trainer.exploration.explorer.denoiser = __import__("branchdiff.explore.quant", fromlist=["make_quantized_copy"]).make_quantized_copy(
+            trainer.adapter.denoiser.__class__.from_pretrained(tiny_model_dir / "transformer"), trainer.exploration.quant_config)
+        stale = trainer.exploration.explorer.predict(x, sigma, embeds)
     assert (fresh - policy).abs().mean() < (stale - policy).abs().mean()
 
 
@@ -72,7 +72,7 @@ def test_resume_refreshes_the_quantised_explorer(tiny_model_dir, tmp_path):
     x, sigma = torch.randn(2, 3, 32, 32), torch.full((2,), 0.7)
     embeds = trainer.adapter.encode_prompts(["one red circle on the left"] * 2)
     with torch.no_grad():
-        assert torch.equal(resumed.explorer.predict(x, sigma, embeds), trainer.explorer.predict(x, sigma, embeds))
+        assert torch.equal(resumed.exploration.explorer.predict(x, sigma, embeds), trainer.exploration.explorer.predict(x, sigma, embeds))
 
 
 def test_ranking_agreement_is_reported_over_the_whole_pool(tiny_model_dir, tmp_path):

@@ -56,10 +56,10 @@ def no_work(monkeypatch):
     import branchdiff.rewards.multi
     import branchdiff.rewards.registry
     import branchdiff.rewards.server
-    import branchdiff.training.trainer
+    import branchdiff.training.recipe
 
     monkeypatch.setattr(branchdiff.models, "load_adapter", _reached)
-    monkeypatch.setattr(branchdiff.training.trainer.Trainer, "__init__", _reached)
+    monkeypatch.setattr(branchdiff.training.recipe.Trainer, "__init__", _reached)
     monkeypatch.setattr(branchdiff.rewards.registry, "build_reward", _reached)
     monkeypatch.setattr(branchdiff.rewards.multi, "build_component", _reached)
     monkeypatch.setattr(branchdiff.rewards.server, "serve", _reached)

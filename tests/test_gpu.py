@@ -59,7 +59,7 @@ def saved(tmp_path_factory):
 
 
 def _iteration(config) -> dict[str, float]:
-    from branchdiff.training.trainer import Trainer
+    from branchdiff.training.recipe import Trainer
 
     trainer = Trainer(config)
     assert trainer.accelerator.device.type == "cuda"

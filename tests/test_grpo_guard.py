@@ -57,7 +57,7 @@ def test_the_surrogate_equals_the_formula_and_its_log_ratio_is_the_noise_against
 
 
 def _trainer(tmp_path, *extra):
-    from branchdiff.training.trainer import Trainer
+    from branchdiff.training.recipe import Trainer
 
     return Trainer(load_config("tiny-chain", [f"output_dir={tmp_path}", "iterations=2", "prompts.per_iteration=4", "tree.roots=8",
                                               "train.loss=grpo-guard", "sampling.num_steps=4", "final_eval=false", "logging.report_to=none",

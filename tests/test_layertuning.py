@@ -60,7 +60,7 @@ def test_best_paths_follow_each_groups_highest_leaf_to_its_root():
 def test_an_updates_edge_losses_are_grpos_plus_the_weighted_sft_term_on_the_best_paths(tmp_path):
     from branchdiff.models.base import select_embeds
     from branchdiff.objectives.grpo import GRPOPlan
-    from branchdiff.training.trainer import Trainer
+    from branchdiff.training.recipe import Trainer
 
     trainer = Trainer(load_config("tiny-mix", [f"output_dir={tmp_path}", "prompts.per_iteration=2", "sampling.num_steps=4",
                                                "tree.splits=[[0,2],[1,2]]", "tree.mix_window=2", "train.loss=grpo-layertuning",

@@ -74,7 +74,7 @@ def test_a_warmup_as_long_as_the_run_is_refused():
 
 def test_the_trainer_steps_with_the_scheduled_rate(tiny_model_dir, tmp_path):
     """The rate the prepared optimizer holds during an iteration's update is the schedule's."""
-    from branchdiff.training.trainer import Trainer
+    from branchdiff.training.recipe import Trainer
 
     config = load_config("tiny-chain", [f"model.path={tiny_model_dir}", f"output_dir={tmp_path}", "iterations=4", "train.lr_schedule=linear",
                                         "prompts.per_iteration=1", "tree.roots=2", "sampling.num_steps=2", "final_eval=false",

@@ -23,7 +23,7 @@ def test_each_phase_reports_its_own_peak():
 
 def test_an_iteration_logs_the_peak_of_each_phase(tiny_model_dir, tmp_path):
     from branchdiff.settings.load import load_config
-    from branchdiff.training.trainer import Trainer
+    from branchdiff.training.recipe import Trainer
 
     trainer = Trainer(load_config("tiny-chain", [f"model.path={tiny_model_dir}", f"output_dir={tmp_path}", "prompts.per_iteration=1",
                                                  "tree.roots=2", "sampling.num_steps=2", "final_eval=false", "logging.report_to=none"]))

@@ -122,8 +122,7 @@ def test_tree_training_step_and_lora_export_load_into_the_pipeline(saved, family
     (alpha 16, rank 4) loaded by diffusers: the pipeline's output equals the trained adapter's; the
     run's model card beside it says how to load it into the family's pipeline."""
     from branchdiff.settings.load import load_config
-    from branchdiff.training.run import train
-    from branchdiff.training.trainer import Trainer
+    from branchdiff.training.recipe import Trainer, train
 
     trainer = Trainer(load_config(None, _train_overrides(family, saved[family], tmp_path / "run")))
     train(trainer)  # the run: its iteration, checkpoint, report, the LoRA export RUN/lora and its model card RUN/README.md
@@ -150,7 +149,7 @@ def test_the_other_objectives_train_a_step_of_every_flow_family_and_refuse_ddim(
     ε-prediction (DDIM) family is refused with the fix."""
     from branchdiff.errors import ConfigError
     from branchdiff.settings.load import load_config
-    from branchdiff.training.trainer import Trainer
+    from branchdiff.training.recipe import Trainer
 
     for loss in ("grpo-guard", "grpo-layertuning", "nft"):
         if family == "sd15":  # refused when the settings are read, before the pipeline loads
@@ -176,7 +175,7 @@ def test_awm_dgpo_dppo_and_dpo_train_a_step_of_every_flow_family(saved, family, 
     family's tiny pipeline (SD3 in the suite, the others in the release suite: the objectives' code is the same
     for every family, the adapters' calls are those GRPO and NFT make)."""
     from branchdiff.settings.load import load_config
-    from branchdiff.training.trainer import Trainer
+    from branchdiff.training.recipe import Trainer
 
     for loss in ("awm", "dgpo", "dppo", "dpo"):
         trainer = Trainer(load_config(None, _train_overrides(family, saved[family], tmp_path / loss, f"train.loss={loss}", "tree.roots=3")))
@@ -194,7 +193,7 @@ def test_sd3_encodes_images_as_its_vae_decodes_latents_and_trains_sft_on_a_file_
     from PIL import Image
 
     from branchdiff.settings.load import load_config
-    from branchdiff.training.trainer import Trainer
+    from branchdiff.training.recipe import Trainer
 
     adapter = load_adapter("sd3", saved["sd3"], "cpu", (32, 32))
     images = torch.rand(3, 3, 32, 32, generator=torch.Generator().manual_seed(0))
@@ -258,7 +257,7 @@ def test_memory_controls_gradient_checkpointing_and_8bit_adam(saved, tmp_path):
     """Gradient checkpointing gives the same update as without (same loss, same LoRA after the
     step); 8-bit AdamW (bitsandbytes) trains; LoRA parameters are fp32 over bf16 base weights."""
     from branchdiff.settings.load import load_config
-    from branchdiff.training.trainer import Trainer
+    from branchdiff.training.recipe import Trainer
 
     def lora_after_one_iteration(*extra: str) -> tuple[dict, dict]:
         trainer = Trainer(load_config(None, _train_overrides("flux", saved["flux"], tmp_path / "-".join(extra), *extra)))
@@ -325,7 +324,7 @@ def test_every_family_samples_trains_and_evaluates_at_a_non_square_size(saved, f
 
     from branchdiff.cli import main
     from branchdiff.settings.load import load_config
-    from branchdiff.training.trainer import Trainer
+    from branchdiff.training.recipe import Trainer
 
     height, width = NON_SQUARE[family]
     adapter = load_adapter(family, str(saved[family]), resolution=[height, width])

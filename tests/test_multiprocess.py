@@ -29,7 +29,7 @@ from branchdiff.core.prune import width_mask
 from branchdiff.core.tree import build_tree
 from branchdiff.settings.load import load_config
 from branchdiff.settings.trees import tree_spec
-from branchdiff.training.trainer import Trainer
+from branchdiff.training.recipe import Trainer
 from resumed_runs import deterministic  # tests/ is on sys.path
 
 TESTS = Path(__file__).parent

@@ -52,7 +52,7 @@ def _config(tmp_path, *extra):
 
 
 def test_leaf_advantages_are_group_normalised_and_the_sampling_policy_follows_its_recursion(tmp_path):
-    from branchdiff.training.trainer import Trainer
+    from branchdiff.training.recipe import Trainer
 
     trainer = Trainer(_config(tmp_path, "nft.old_decay_rate=0.05", "nft.old_decay_max=0.4", "nft.advantage_clip=1.5"))
     objective, params = trainer.objective, trainer.finetune.params
@@ -105,7 +105,7 @@ def test_too_many_timesteps_and_a_ddim_family_are_refused_by_the_settings(tmp_pa
 def test_depthwise_advantages_credit_each_term_with_its_ancestor_at_the_next_depth(tmp_path):
     """`nft.advantage=depthwise`: a term at step k takes the depth-wise advantage of the edge into its
     leaf's ancestor at depth k + 1 (walked up independently here); on a tree they differ from the leaf's."""
-    from branchdiff.training.trainer import Trainer
+    from branchdiff.training.recipe import Trainer
 
     trainer = Trainer(load_config("tiny-mix", [f"output_dir={tmp_path}", "prompts.per_iteration=2", "sampling.num_steps=4",
                                                "tree.splits=[[0,2],[1,2]]", "tree.mix_window=2", "train.loss=nft", "nft.advantage=depthwise",

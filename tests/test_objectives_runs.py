@@ -42,7 +42,7 @@ def test_each_preset_trains_and_a_resumed_run_ends_like_an_unstopped_one(preset,
 
 
 def _trainer(tmp_path, preset: str, *extra: str):
-    from branchdiff.training.trainer import Trainer
+    from branchdiff.training.recipe import Trainer
 
     return Trainer(load_config(preset, [f"output_dir={tmp_path}", "prompts.per_iteration=2", "final_eval=false", "logging.report_to=none",
                                         "logging.sample_every=0", *extra]))

@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from branchdiff.settings.load import load_config
-from branchdiff.training.trainer import Trainer
+from branchdiff.training.recipe import Trainer
 from resumed_runs import deterministic  # tests/ is on sys.path
 
 PINS = Path(__file__).parent / "data" / "pinned"

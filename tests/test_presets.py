@@ -51,7 +51,7 @@ def test_sol_presets_are_their_base_trained_with_nft_on_an_explored_pool(name):
 
 @pytest.mark.parametrize("name", ["tiny-sol", "tiny-sol-tree"])
 def test_the_tiny_sol_presets_run_an_iteration(name, tiny_model_dir, tmp_path):
-    from branchdiff.training.trainer import Trainer
+    from branchdiff.training.recipe import Trainer
 
     trainer = Trainer(load_config(name, [f"output_dir={tmp_path}", f"model.path={tiny_model_dir}", "prompts.per_iteration=2",
                                          "explore.pool=8", "explore.keep=4", "explore.fidelity_every=0", "final_eval=false",

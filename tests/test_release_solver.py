@@ -12,7 +12,7 @@ from diffusers import DPMSolverMultistepScheduler, PNDMScheduler
 from branchdiff.core.engine import initial_noise
 from branchdiff.core.rollout import NoiseAddress
 from branchdiff.core.tree import TreeSpec, build_tree
-from branchdiff.evaluation.evaluate import sample_ode
+from branchdiff.evaluation.evaluate import OdeSampling, sample_ode
 from branchdiff.models import load_adapter
 from branchdiff.settings.evaluation import EVAL_RUN_SEED
 from test_model_families import PROMPTS, TOLERANCE, _pipeline_images, _train_overrides
@@ -57,12 +57,12 @@ def test_the_release_solver_reproduces_the_pipelines_own_images(released, family
     folder ships the flow-matching Euler scheduler (all other families), both solvers are the pipeline's."""
     torch.set_num_threads(1)
     adapter = load_adapter(family, str(released[family]), resolution=RESOLUTION[family])
-    ours, _ = sample_ode(adapter, PROMPTS, 1, STEPS, solver="release")
+    ours, _ = sample_ode(adapter, PROMPTS, OdeSampling(1, STEPS, solver="release"))
     theirs = _pipeline_images(load_pipeline(family, released[family]), family, _initial_latents(adapter, len(PROMPTS)), STEPS,
                               adapter.default_guidance)
     assert ours.shape == theirs.shape and ours.std() > 1e-3
     assert (ours - theirs).abs().max().item() <= TOLERANCE
-    stepped, _ = sample_ode(adapter, PROMPTS, 1, STEPS)  # branchdiff's own ODE steps
+    stepped, _ = sample_ode(adapter, PROMPTS, OdeSampling(1, STEPS))  # branchdiff's own ODE steps
     if family in RELEASE_SCHEDULERS:
         assert (stepped - ours).abs().max().item() > 1e-3 and adapter.solver_notice() is not None
     else:
@@ -71,7 +71,7 @@ def test_the_release_solver_reproduces_the_pipelines_own_images(released, family
 
 def test_training_on_a_folder_with_another_solver_prints_the_notice(released, tmp_path, capsys):
     from branchdiff.settings.load import load_config
-    from branchdiff.training.trainer import Trainer
+    from branchdiff.training.recipe import Trainer
 
     Trainer(load_config(None, _train_overrides("sana", released["sana"], tmp_path / "run")))
     notice = [line for line in capsys.readouterr().err.splitlines() if "DPMSolverMultistepScheduler" in line]

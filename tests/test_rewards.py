@@ -318,7 +318,7 @@ def test_non_finite_scores_are_counted_not_trained_on(tiny_model_dir, tmp_path, 
 def test_one_non_finite_leaf_drops_its_whole_group(tiny_model_dir, tmp_path):
     """Before: only the NaN leaf was set to 0 and its siblings trained against that 0."""
     from branchdiff.settings.load import load_config
-    from branchdiff.training.trainer import Trainer
+    from branchdiff.training.recipe import Trainer
 
     config = load_config("tiny-chain", _one_iteration(tiny_model_dir, tmp_path / "run", "rewards_for_tests:FirstNaN"))
     result = Trainer(config).run_iteration(0)

@@ -96,7 +96,7 @@ def test_a_lora_export_loads_into_a_wan_pipeline(model_dir, tmp_path):
     from diffusers import FlowMatchEulerDiscreteScheduler, WanPipeline
 
     from branchdiff.settings.load import load_config
-    from branchdiff.training.trainer import Trainer
+    from branchdiff.training.recipe import Trainer
 
     config = load_config("tiny-video", [f"model.path={model_dir}", "model.finetune=lora", "model.compile=none", "train.learning_rate=0.05", "iterations=1",
                                         "prompts.per_iteration=1", "sampling.num_steps=3", "tree.splits=[[0,2]]", "tree.mix_window=2",

@@ -9,7 +9,7 @@ from safetensors.torch import load_file
 from branchdiff.cli import main
 from branchdiff.objectives.base import Signal
 from branchdiff.settings.load import load_config
-from branchdiff.training.trainer import Trainer
+from branchdiff.training.recipe import Trainer
 from branchdiff.training.update import optimizer_groups
 
 
@@ -233,7 +233,7 @@ def test_adamw_is_fused_where_it_can_be_and_steps_as_the_default():
     """Plain parameters on one CPU or CUDA device get PyTorch's fused AdamW (one in-place pass, no temporary copies:
     the plan counts none); its steps equal the per-tensor-list default's to float32 rounding. Parameters it cannot
     take (another device type, integers) keep the default."""
-    from branchdiff.training.trainer import fused_adamw, make_optimizer
+    from branchdiff.training.optimizer import fused_adamw, make_optimizer
 
     config = load_config("tiny-chain", ["train.learning_rate=1e-2", "train.weight_decay=0.1"])
     torch.manual_seed(0)

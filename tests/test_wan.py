@@ -165,7 +165,7 @@ def test_a_video_run_trains_evaluates_and_exports_a_lora_the_pipeline_loads(save
     and a LoRA export that `pipe.load_lora_weights()` loads to the trained adapter's video."""
     from branchdiff.cli import main
     from branchdiff.settings.load import load_config
-    from branchdiff.training.trainer import Trainer
+    from branchdiff.training.recipe import Trainer
 
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("a red circle moving left\ntwo blue squares moving up\n")
@@ -317,7 +317,7 @@ def test_evaluation_forwards_and_decodes_stay_within_the_familys_batches(saved):
     """Evaluation runs Wan `eval_batch` (4) rows per forward and decodes `decode_batch` (1) video per VAE
     call, not the image families' 32 and 8 (at 33 frames of 480×832 those would add ~21 GiB and ~27 GiB:
     docs/memory-table.md); the samples equal one-prompt-at-a-time sampling."""
-    from branchdiff.evaluation.evaluate import sample_ode
+    from branchdiff.evaluation.evaluate import OdeSampling, sample_ode
 
     adapter = WanAdapter.from_pretrained(str(saved["one"]), size=SIZE, frames=5)
     assert (adapter.eval_batch, adapter.decode_batch) == (4, 1)
@@ -325,10 +325,10 @@ def test_evaluation_forwards_and_decodes_stay_within_the_familys_batches(saved):
     adapter.denoiser.register_forward_pre_hook(lambda module, args, kwargs: forward_rows.append(kwargs["hidden_states"].shape[0]), with_kwargs=True)
     decode = adapter.pipe.vae.decode
     adapter.pipe.vae.decode = lambda z, **kwargs: (decoded.append(z.shape[0]), decode(z, **kwargs))[1]
-    videos, prompts = sample_ode(adapter, PROMPTS, 3, STEPS)
+    videos, prompts = sample_ode(adapter, PROMPTS, OdeSampling(3, STEPS))
     assert videos.shape == (6, 5, 3, *SIZE) and prompts == [p for p in PROMPTS for _ in range(3)]
     assert set(forward_rows) == {4} and set(decoded) == {1} and len(decoded) == 6
-    alone = torch.cat([sample_ode(adapter, [prompt], 3, STEPS, prompt_keys=[index])[0] for index, prompt in enumerate(PROMPTS)])
+    alone = torch.cat([sample_ode(adapter, [prompt], OdeSampling(3, STEPS), prompt_keys=[index])[0] for index, prompt in enumerate(PROMPTS)])
     assert torch.equal(videos, alone)
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from branchdiff.cli import main
-from branchdiff.training.trainer import IterationResult, Trainer
+from branchdiff.training.recipe import IterationResult, Trainer
 
 record_dir = Path(sys.argv[1])
 run_iteration = Trainer.run_iteration

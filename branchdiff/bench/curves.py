@@ -62,7 +62,7 @@ import torch
 from branchdiff.bench.clock import modelled_seconds
 from branchdiff.bench.stats import first_time_reaching, t_interval, time_ratio_interval, welch_p
 from branchdiff.data.prompts import load_prompt_set
-from branchdiff.evaluation.evaluate import evaluate, summarize
+from branchdiff.evaluation.evaluate import OdeSampling, evaluate, summarize
 from branchdiff.objectives.registry import dataset_kind
 from branchdiff.rewards.combine import parse_reward_specs
 from branchdiff.rewards.multi import build_component
@@ -70,7 +70,7 @@ from branchdiff.settings.config import TrainConfig
 from branchdiff.settings.load import load_config
 from branchdiff.settings.trees import tree_spec
 from branchdiff.training.preflight import check_inputs
-from branchdiff.training.trainer import Trainer
+from branchdiff.training.recipe import Trainer
 
 COMMON = ["iterations=100000", "final_eval=false", "logging.report_to=none", "logging.sample_every=0",
           "logging.checkpoint_every=0", "explore.fidelity_every=0", "prompts.per_iteration=8"]
@@ -201,8 +201,8 @@ def bench_curves(minutes: float, seeds: int, json_path: Path | None, out_dir: Pa
 
     def held_out_strict(trainer: Trainer) -> float:
         sampling = trainer.config.sampling
-        result = evaluate(trainer.adapter, prompt_set, reward, images_per_prompt, num_steps=sampling.num_steps,
-                          shift=sampling.shift, guidance=trainer.config.prompts.eval_guidance)
+        result = evaluate(trainer.adapter, prompt_set, reward,
+                          OdeSampling(images_per_prompt, sampling.num_steps, sampling.shift, trainer.config.prompts.eval_guidance))
         return summarize(result)["all"][score]["mean"]
 
     runs: dict[str, list[dict]] = {name: [] for name in names}

@@ -41,7 +41,7 @@ from branchdiff.models.base import select_embeds
 from branchdiff.settings.config import TrainConfig
 from branchdiff.settings.load import load_config
 from branchdiff.training.preflight import check_inputs
-from branchdiff.training.trainer import Trainer
+from branchdiff.training.recipe import Trainer
 
 ANCHOR_SPLITS = "[[0,2],[3,2],[6,2],[9,2]]"  # BranchGRPO: T = 20, k = 2 at steps 0, 3, 6, 9 → 16 leaves
 BASE = [

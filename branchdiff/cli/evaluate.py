@@ -16,7 +16,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
     from accelerate import PartialState
 
     from branchdiff.data.prompts import load_prompt_set
-    from branchdiff.evaluation.evaluate import evaluate, format_summary, gather_results, write_outputs
+    from branchdiff.evaluation.evaluate import OdeSampling, ProcessShare, evaluate, format_summary, gather_results, write_outputs
     from branchdiff.evaluation.preflight import check_output_folder, check_prompt_set, check_video_rewards
     from branchdiff.models.registry import FAMILIES
     from branchdiff.rewards.combine import parse_reward_specs
@@ -44,10 +44,10 @@ def cmd_eval(args: argparse.Namespace) -> None:
     check_prompt_set(prompt_set, settings.family, size, specs, factories)
     state = PartialState(cpu=args.device == "cpu")
     rewards = {spec.label: build_component(spec, args.device) for spec in specs}
-    result = evaluate(load_model(settings, args.weights, state.device), prompt_set, rewards, settings.images_per_prompt, settings.steps,
-                      settings.shift, settings.seed, state.process_index, state.num_processes, progress=state.is_local_main_process,
-                      out_dir=out, guidance=settings.guidance, solver=settings.solver,
-                      frames={spec.label: spec.frames for spec in specs})
+    sampling = OdeSampling(settings.images_per_prompt, settings.steps, settings.shift, settings.guidance, settings.seed, settings.solver)
+    result = evaluate(load_model(settings, args.weights, state.device), prompt_set, rewards, sampling,
+                      ProcessShare(state.process_index, state.num_processes), frames={spec.label: spec.frames for spec in specs},
+                      out_dir=out, progress=state.is_local_main_process)
     result = gather_results(result, state)
     disconnect(state)  # every process's images are on disk before the grid reads them
     if not state.is_main_process:

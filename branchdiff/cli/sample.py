@@ -44,12 +44,12 @@ def cmd_sample(args: argparse.Namespace) -> None:
         for path in written:
             print(path)
         return
-    from branchdiff.evaluation.evaluate import sample_ode
+    from branchdiff.evaluation.evaluate import OdeSampling, sample_ode
 
     metadata = source_metadata(args.image, len(args.prompt))
     check_prompt_set(PromptSet("--prompt", list(args.prompt), metadata or [{} for _ in args.prompt]), settings.family, size, [], {})
-    images, prompts = sample_ode(load_model(settings, args.weights), args.prompt, settings.images_per_prompt, settings.steps, settings.shift,
-                                 seed=seed, guidance=settings.guidance, solver=settings.solver, metadata=metadata)
+    sampling = OdeSampling(settings.images_per_prompt, settings.steps, settings.shift, settings.guidance, seed, settings.solver)
+    images, prompts = sample_ode(load_model(settings, args.weights), args.prompt, sampling, metadata=metadata)
     args.out.mkdir(parents=True, exist_ok=True)  # only once there are images to write
     for index, (image, prompt) in enumerate(zip(images, prompts)):
         for path in save_sample(image, args.out / file_name(index, prompt)):  # a video: its strip PNG and its MP4

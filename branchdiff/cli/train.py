@@ -41,8 +41,7 @@ def cmd_train(args: argparse.Namespace) -> None:
     from branchdiff.runtime import checkpoint
     from branchdiff.runtime.distributed import disconnect
     from branchdiff.runtime.watchdog import explain_failure
-    from branchdiff.training.run import train
-    from branchdiff.training.trainer import Trainer
+    from branchdiff.training.recipe import Trainer, train
 
     try:
         trainer = Trainer(config, resume=args.resume)

@@ -38,30 +38,56 @@ from branchdiff.rewards.multi import extra_keys, score_component
 from branchdiff.settings.evaluation import EVAL_RUN_SEED, SOLVERS
 
 
+@dataclass(frozen=True)
+class OdeSampling:
+    """How evaluation samples are made: `images_per_prompt` ODE chains (seeds) of every prompt in
+    `num_steps` steps on the adapter's schedule (`shift` None: the family's own), with `guidance`
+    (None: the family's default), from the noise of run seed `seed`; `solver` "release": from the same
+    initial noise, the sampler the model folder ships (`ModelAdapter.release_denoise`)."""
+
+    images_per_prompt: int
+    num_steps: int
+    shift: float | None = None
+    guidance: float | None = None
+    seed: int = EVAL_RUN_SEED
+    solver: str = "training"
+
+    def __post_init__(self) -> None:
+        if self.solver not in SOLVERS:
+            raise ValueError(f"solver={self.solver!r} is not one of {', '.join(SOLVERS)}")
+
+
+@dataclass(frozen=True)
+class ProcessShare:
+    """Which prompts this process samples: every `num_processes`-th from `process_index`; with
+    `lockstep` (a sharded denoiser, whose forwards are collectives) every process samples as many."""
+
+    process_index: int = 0
+    num_processes: int = 1
+    lockstep: bool = False
+
+
+ALONE = ProcessShare()  # one process samples every prompt
+
+
 @torch.no_grad()
-def sample_ode(
-    adapter: ModelAdapter, prompts: list[str], num_seeds: int, num_steps: int, shift: float | None = None,
-    seed: int = EVAL_RUN_SEED, prompt_keys: list[int] | None = None, guidance: float | None = None, solver: str = "training",
-    metadata: list[dict] | None = None,
-) -> tuple[torch.Tensor, list[str]]:
-    """ODE samples of every prompt × seed on the adapter's schedule (`shift` None: the family's
-    own) with `guidance` (None: the family's default): images (P·S, 3, H, W) in [0, 1],
+def sample_ode(adapter: ModelAdapter, prompts: list[str], sampling: OdeSampling, prompt_keys: list[int] | None = None,
+               metadata: list[dict] | None = None) -> tuple[torch.Tensor, list[str]]:
+    """ODE samples of every prompt × seed (`sampling`): images (P·S, 3, H, W) in [0, 1],
     prompt-major, and the prompt of each image. `prompt_keys[p]` addresses prompt p's noise
-    (default: its position). `solver` "release": from the same initial noise, the sampler the
-    model folder ships (`ModelAdapter.release_denoise`), in batches of a fixed size. `metadata`: the
+    (default: its position); a release solver runs in batches of a fixed size. `metadata`: the
     prompts' (an editing family finds their source images there)."""
-    if solver not in SOLVERS:
-        raise ValueError(f"solver={solver!r} is not one of {', '.join(SOLVERS)}")
-    tree = build_tree(TreeSpec(num_steps, roots=num_seeds, sde_steps=frozenset()), len(prompts))
-    address = NoiseAddress(seed, -1, tuple(prompt_keys if prompt_keys is not None else range(len(prompts))))
-    settings = SamplerSettings(max_batch=adapter.eval_batch, exact=True, guidance=guidance)  # fixed per family
+    num_steps = sampling.num_steps
+    tree = build_tree(TreeSpec(num_steps, roots=sampling.images_per_prompt, sde_steps=frozenset()), len(prompts))
+    address = NoiseAddress(sampling.seed, -1, tuple(prompt_keys if prompt_keys is not None else range(len(prompts))))
+    settings = SamplerSettings(max_batch=adapter.eval_batch, exact=True, guidance=sampling.guidance)  # fixed per family
     # one prompt per text-encoder call: an encoder's output, too, depends on its batch size
     encoded = [encode_for(adapter, [prompt], [row]) for prompt, row in zip(prompts, metadata or [{}] * len(prompts))]
     embeds = {key: torch.cat([e[key] for e in encoded]) for key in encoded[0]}
-    if solver == "release":
+    if sampling.solver == "release":
         latents = _release_latents(adapter, tree, embeds, address, num_steps, settings)
     else:
-        latents = grow(adapter, tree, embeds, adapter.schedule(num_steps, shift), settings, address).leaf_latents
+        latents = grow(adapter, tree, embeds, adapter.schedule(num_steps, sampling.shift), settings, address).leaf_latents
     return adapter.decode(latents), [prompts[p] for p in tree.prompt[tree.leaf_index].tolist()]
 
 
@@ -138,28 +164,26 @@ def save_jpeg(image: torch.Tensor, path: Path) -> None:
 
 
 def evaluate(
-    adapter: ModelAdapter, prompt_set: PromptSet, rewards: dict[str, object], images_per_prompt: int, num_steps: int,
-    shift: float | None = None, seed: int = EVAL_RUN_SEED, process_index: int = 0, num_processes: int = 1, chunk: int = 16,
-    progress: bool = False, out_dir: Path | None = None, guidance: float | None = None, lockstep: bool = False, solver: str = "training",
-    frames: dict[str, FrameAggregation | None] | None = None,
+    adapter: ModelAdapter, prompt_set: PromptSet, rewards: dict[str, object], sampling: OdeSampling, share: ProcessShare = ALONE,
+    frames: dict[str, FrameAggregation | None] | None = None, out_dir: Path | None = None, progress: bool = False, chunk: int = 16,
 ) -> EvalResult:
-    """This process's share of the evaluation: prompts process_index, process_index + num_processes, ...
-    (`gather_results` joins the shares); with `out_dir`, each image is written there as it is made
-    (`image_path`), so no process holds more than a chunk of images; `progress` shows a bar. With
-    `lockstep` (a sharded denoiser) every process samples as many prompts, in chunks of the same
-    sizes: a shorter share is padded with its last prompt (or the first), whose images are dropped.
-    `frames`: by reward label, how a reward of images scores a video family's videos."""
-    mine = list(range(process_index, len(prompt_set.prompts), num_processes))
-    share = -(-len(prompt_set.prompts) // num_processes) if lockstep else len(mine)
-    sampled = mine + [mine[-1] if mine else 0] * (share - len(mine))
+    """This process's share of the evaluation (`gather_results` joins the shares): its prompts sampled
+    (`sampling`) `chunk` at a time and scored with `rewards` (by label); with `out_dir`, each image is
+    written there as it is made (`image_path`), so no process holds more than a chunk of images;
+    `progress` shows a bar. Under `share.lockstep` a shorter share is padded with its last prompt (or
+    the first), whose images are dropped. `frames`: by reward label, how a reward of images scores a
+    video family's videos."""
+    images_per_prompt = sampling.images_per_prompt
+    mine = list(range(share.process_index, len(prompt_set.prompts), share.num_processes))
+    share_size = -(-len(prompt_set.prompts) // share.num_processes) if share.lockstep else len(mine)
+    sampled = mine + [mine[-1] if mine else 0] * (share_size - len(mine))
     paths = benchmark_paths(prompt_set)
     scores: dict[str, list[torch.Tensor]] = {name: [] for name in score_names(rewards)}
     with tqdm(total=len(mine), desc="eval", unit="prompt", disable=not progress) as bar:  # closed (its line ended) on errors too
         for start in range(0, len(sampled), chunk):
             keys = sampled[start : start + chunk]
             prompts = [prompt_set.prompts[k] for k in keys]
-            images, image_prompts = sample_ode(adapter, prompts, images_per_prompt, num_steps, shift, seed, keys, guidance, solver,
-                                               [prompt_set.metadata[k] for k in keys])
+            images, image_prompts = sample_ode(adapter, prompts, sampling, keys, [prompt_set.metadata[k] for k in keys])
             keys = keys[: max(0, len(mine) - start)]  # the padding's images are dropped
             images, image_prompts = images[: len(keys) * images_per_prompt], image_prompts[: len(keys) * images_per_prompt]
             if not keys:

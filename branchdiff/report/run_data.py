@@ -24,7 +24,7 @@ import yaml
 from branchdiff.objectives.registry import all_update_metrics
 from branchdiff.report.figures import Column
 
-# keys of metrics.jsonl that are not reward components (branchdiff/training/metrics.py, trainer.py)
+# keys of metrics.jsonl that are not reward components (branchdiff/training/metrics.py, recipe.py)
 NOT_COMPONENTS = frozenset({
     "iteration", "reward_mean", "reward_std", "reward_zero_spread_fraction", "reward_group_std",
     "groups_dropped", "nfe_rollout", "nfe_rollout_computed", "nfe_trained",

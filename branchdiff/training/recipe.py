@@ -1,11 +1,31 @@
-"""The training loop: one iteration is rollout → rewards → the objective's signal (for GRPO: fusion,
-advantages, pruning) → update.
-
-The checkpoint methods are in branchdiff/training/checkpoints.py.
+"""The training recipe, top to bottom: setup (`Trainer.__init__`), the loop over iterations with its
+evaluations, logs and checkpoints (`train`), one iteration (`Trainer.run_iteration`: rollout → rewards →
+the objective's signal → its update plan → optimizer steps), and the checkpoint (`Trainer.save_checkpoint`).
+The parts it composes live beside it: the checkpointer (checkpoints.py), the update loop (update.py), the
+exploration (exploration.py), the evaluations (evaluation.py), the metrics (metrics.py) and what the loop
+decides between iterations (run_control.py); the objectives are in branchdiff/objectives/.
 
 Everything random in an iteration (the prompts drawn, every node's noise, step subsampling, the
-minibatch order) is a pure function of (run seed, iteration), so a checkpoint needs only the LoRA
+minibatch order) is a pure function of (run seed, iteration), so a checkpoint needs only the trained
 weights, the optimizer and the iteration to continue exactly as if the run had never stopped.
+
+Iteration i: a held-out evaluation first when `eval_every` divides i (the policy the iteration's
+rollouts come from: on iteration 0 the base model) with a grid of fixed prompts and seeds, then the
+iteration, its metrics line (metrics.jsonl and TensorBoard, main process), a grid of training
+samples, a checkpoint every `logging.checkpoint_every` iterations and at the end, and the report
+(report.html) after every checkpoint.
+
+Every stop leaves a checkpoint of the last complete iteration, from which `--resume latest`
+continues as if the run had never stopped:
+- Ctrl-C (SIGINT): the iteration under way finishes, a checkpoint is written, `Interrupted`
+  (exit 130); a second Ctrl-C aborts at once, keeping the checkpoints already published;
+- an iteration whose every group was dropped (non-finite rewards), or `train.max_skipped_steps`
+  optimizer steps in a row skipped (non-finite gradients): `RunStopped` (exit 2).
+The processes decide together (one max-reduction per iteration), so none waits on another.
+A crash or SIGKILL at any moment loses only the iterations after the last checkpoint: on resume,
+metrics.jsonl is cut back to it and TensorBoard is told to drop later steps (`purge_step`).
+Every file is written whole or not at all (branchdiff/runtime/storage.py); a full disk stops the run with
+one line naming the file, the space and the newest complete checkpoint (`storage.DiskFull`).
 
 With several processes (`accelerate launch`), each process grows the trees of its own prompts.
 Under DDP, rollouts, the KL reference and evaluation run the plain denoiser (no collective inside);
@@ -14,12 +34,13 @@ steps. Under FSDP every forward gathers weights, so the processes' forwards agre
 (branchdiff/runtime/sharding.py, docs/sharding.md).
 Batch-wide statistics, the loss normaliser and the metrics combine all processes
 (`branchdiff.runtime.distributed`), so a run on P processes computes what one process would on all prompts.
+A heartbeat watches the other processes (branchdiff/runtime/watchdog.py): a process that stops
+responding for `collective_timeout` seconds ends the job with one line naming it.
 """
 
 from __future__ import annotations
 
 import copy
-import json
 import sys
 import time
 import uuid
@@ -33,48 +54,43 @@ from typing import Any, cast
 import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedDataParallelKwargs, InitProcessGroupKwargs, ProjectConfiguration, broadcast_object_list, set_seed
+from tqdm.auto import tqdm
 
 from branchdiff.core.rollout import NoiseAddress, Rollout, SamplerSettings, grow
 from branchdiff.core.tree import build_tree
 from branchdiff.data.prompts import PromptSet, draw_prompts, load_prompt_set
-from branchdiff.errors import ConfigError, UserError
-from branchdiff.evaluation.evaluate import EvalResult, beside_sources, evaluate, gather_results, sample_ode, score_names, summarize
-from branchdiff.explore.pool import (
-    ExploreResult,
-    RolloutContext,
-    Selection,
-    explore_search,
-    explore_seeds,
-    explore_tree,
-    latent_difference,
-    pool_under_policy,
-    selection_generators,
-)
-from branchdiff.explore.quant import QuantConfig, make_quantized_copy, refresh_quantized_copy
+from branchdiff.errors import CheckpointError, ConfigError, RunStopped, UserError, is_out_of_memory, out_of_memory
+from branchdiff.explore.pool import RolloutContext, latent_difference
 from branchdiff.models import load_adapter
 from branchdiff.models.attention import apply_backend
-from branchdiff.models.base import ModelAdapter, encode_for
+from branchdiff.models.base import encode_for
 from branchdiff.models.compile import compile_denoiser
 from branchdiff.models.ema import WeightAverage
-from branchdiff.models.finetune import make_finetune
+from branchdiff.models.finetune import export, make_finetune
 from branchdiff.objectives.base import UpdatePlan
 from branchdiff.objectives.dataset import DatasetObjective
 from branchdiff.objectives.registry import make_objective, needs_reference
+from branchdiff.report.figures import save_grid
+from branchdiff.report.model_card import write_model_card
 from branchdiff.rewards.combine import parse_reward_specs
-from branchdiff.rewards.multi import MultiReward, RewardBatch, build_component
-from branchdiff.runtime import storage
+from branchdiff.rewards.multi import MultiReward, RewardBatch
+from branchdiff.runtime import metrics_log, storage
 from branchdiff.runtime.distributed import AcceleratorCollective
 from branchdiff.runtime.memory import PhaseMemory
 from branchdiff.runtime.sharding import Lockstep, ShardingSettings, accelerate_without_fsdp, process_group_backend
 from branchdiff.runtime.watchdog import Heartbeat, backend_timeout
-from branchdiff.search.registry import make_search
 from branchdiff.settings.config import TrainConfig
 from branchdiff.settings.trees import tree_spec
 from branchdiff.settings.validate import tracker_names
+from branchdiff.training import trackers
 from branchdiff.training.checkpoints import Checkpointer, TrainedParts
+from branchdiff.training.evaluation import RunEvaluation
+from branchdiff.training.exploration import Exploration
 from branchdiff.training.hacking import WatchState
 from branchdiff.training.lr_schedule import LearningRateSchedule
 from branchdiff.training.metrics import dataset_iteration_metrics, iteration_metrics
+from branchdiff.training.optimizer import make_optimizer
+from branchdiff.training.run_control import Interrupted, InterruptRequest, progress_fields, stop_reason
 from branchdiff.training.update import UpdateLoop
 
 
@@ -95,42 +111,6 @@ def sampler_settings(config: TrainConfig) -> SamplerSettings:
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def make_optimizer(config: TrainConfig, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
-    """AdamW over the trained parameters, or bitsandbytes' 8-bit AdamW (`train.optimizer=adamw8bit`:
-    its two moments in 8 bits, a quarter of AdamW's optimizer memory). AdamW is PyTorch's fused kernel
-    (one pass, in place: 4× faster a step than the per-tensor-list default on the built-in model's
-    2.3 M weights on the CPU, and no temporary copies of the weights) wherever the parameters are plain
-    tensors on one CPU or CUDA device; sharded (FSDP) parameters take the default, which handles them."""
-    train = config.train
-    if train.optimizer == "adamw8bit":
-        try:
-            import bitsandbytes
-        except ImportError:
-            raise ImportError("train.optimizer=adamw8bit needs bitsandbytes: pip install 'branchdiff-rl[quant]'") from None
-        return bitsandbytes.optim.AdamW8bit(params, lr=train.learning_rate, weight_decay=train.weight_decay)
-    # fused=None, not False, where it cannot fuse: False would also skip torch's choice of its foreach step
-    optimizer = torch.optim.AdamW(params, lr=train.learning_rate, weight_decay=train.weight_decay, fused=fused_adamw(params) or None)
-    kernel = {key: optimizer.defaults[key] for key in ("fused", "foreach")}
-
-    def keep_kernel(loaded: torch.optim.Optimizer) -> None:
-        """A checkpoint's param_groups carry the step kernel they were saved with (a run from before AdamW was
-        fused says none): the run keeps its own."""
-        for group in loaded.param_groups:
-            group.update(kernel)
-
-    optimizer.register_load_state_dict_post_hook(keep_kernel)
-    return optimizer
-
-
-def fused_adamw(params: list[torch.nn.Parameter]) -> bool:
-    """Whether PyTorch's fused AdamW takes `params`: plain floating tensors, all on one CPU or CUDA device."""
-    from torch.distributed.tensor import DTensor
-
-    devices = {p.device for p in params}
-    return (len(devices) == 1 and next(iter(devices)).type in ("cpu", "cuda")
-            and all(p.is_floating_point() and not isinstance(p, DTensor) for p in params))
 
 
 class Trainer:
@@ -162,8 +142,7 @@ class Trainer:
         self.settings = sampler_settings(config)
         set_seed(config.seed)
         self.reward = MultiReward(parse_reward_specs(config.reward), config.reward_combine, self.accelerator.device)
-        self.eval_rewards = self._build_eval_rewards()  # by label: resolved and loaded before the first iteration
-        self.gold_score = self._gold_score()  # before the model loads: a wrong name costs nothing
+        self.evaluation = RunEvaluation.build(config, self.accelerator, self.collective, self.memory, self.reward, self.sharding.enabled)
         model = config.model
         self.adapter = load_adapter(model.family, model.path, self.accelerator.device, model.resolution, DTYPES[model.dtype], model.offload,
                                     model.prompt_instruction, model.frames, model.expert, model.guidance_2)
@@ -178,7 +157,8 @@ class Trainer:
                                       config.seed, keep_base=config.train.kl_beta > 0 or config.final_eval or needs_reference(config.train.loss))
         if config.train.gradient_checkpointing:
             cast(Any, self.adapter.denoiser).enable_gradient_checkpointing()  # diffusers' ModelMixin
-        self.explorer = self._make_explorer()  # a whole copy on every process, made before the denoiser is sharded
+        # a whole copy on every process, made before the denoiser is sharded
+        self.exploration = Exploration.build(config, self.adapter, self.reward, self.accelerator.device, self.accelerator.autocast)
         if self.sharding.enabled:
             self.finetune.shard(self.sharding, Lockstep(self.collective))
         compile_denoiser(self.adapter.denoiser, model.compile)  # after LoRA, the explorer's copy and sharding: rollouts and training run it
@@ -222,22 +202,10 @@ class Trainer:
                              group],
         )
 
-    def _make_explorer(self) -> ModelAdapter | None:
-        """The policy itself (backend none) or a 4-bit copy of it, for explore modes."""
-        explore = self.config.explore
-        if explore.mode == "off":
-            return None
-        if explore.backend == "none":
-            return self.adapter
-        self.quant_config = QuantConfig(explore.backend, self.adapter.quant_skip_modules, explore.min_features)
-        explorer = copy.copy(self.adapter)
-        explorer.denoiser = make_quantized_copy(self.adapter.denoiser, self.quant_config, self.accelerator.device)
-        return explorer
-
     def refresh_explorer(self) -> None:
-        """Re-derive the quantised copy from the policy (its weights, LoRA merged), so exploration follows it."""
-        if self.explorer is not None and self.explorer is not self.adapter:
-            refresh_quantized_copy(self.explorer.denoiser, self.adapter.denoiser, self.quant_config)
+        """The explorer's 4-bit copy follows the policy's weights (after every update and a resume)."""
+        if self.exploration is not None:
+            self.exploration.refresh()
 
     def _start_heartbeat(self) -> Heartbeat:
         """With several processes, this process's heartbeat and its watch over the others
@@ -290,10 +258,10 @@ class Trainer:
         info: dict = {"embeds": embeds, "prompts": prompts, "address": address, "memory": {}}
         start = time.perf_counter()
         with self.memory.phase("rollout", info["memory"]), self.accelerator.autocast(), self.objective.sampling_weights():
-            if self.explorer is None:
+            if self.exploration is None:
                 rollout = grow(self.adapter, build_tree(spec, len(prompts)), embeds, self.schedule, self.settings, address, per_node)
             else:
-                explored = self._explore(context, prompts, metadata)
+                explored = self.exploration.explore(context, prompts, metadata)
                 rollout = explored.rollout
         info["rollout_seconds"] = time.perf_counter() - start
         start = time.perf_counter()
@@ -305,47 +273,14 @@ class Trainer:
             rewards = self.reward(images, [prompts[p] for p in leaf_prompts.tolist()], [metadata[p] for p in leaf_prompts.tolist()],
                                   leaf_prompts)
         info["reward_seconds"] = time.perf_counter() - start
-        if self.explorer is not None:
+        if self.exploration is not None:
             kept_regenerated = rewards.total.reshape(len(prompts), self.config.explore.keep, -1).mean(-1)
             info["explore_kept"] = (explored.pool_rewards.gather(1, explored.kept), kept_regenerated)  # (P, K) each
             info["explore_stats"] = {**latent_difference(explored), **explored.stats}
             every = self.config.explore.fidelity_every
             if every and iteration % every == 0 and self.config.explore.mode != "search":  # a search's pool has no fixed shape to regrow
-                info["explore_pool"] = (explored.pool_rewards, self._pool_rewards_under_policy(context, prompts, metadata))
+                info["explore_pool"] = (explored.pool_rewards, self.exploration.pool_rewards_under_policy(context, prompts, metadata))
         return rollout, images, rewards, info
-
-    def _score_images(self, prompts: list[str], metadata: list[dict]):
-        def score(images: torch.Tensor, prompt_index: torch.Tensor) -> torch.Tensor:
-            rows = prompt_index.tolist()
-            return self.reward(images, [prompts[p] for p in rows], [metadata[p] for p in rows], prompt_index).total
-
-        return score
-
-    def _score_latents(self, prompts: list[str], metadata: list[dict]):
-        score_images = self._score_images(prompts, metadata)
-        return lambda latents, prompt_index: score_images(self.adapter.decode(latents), prompt_index)
-
-    def _explore(self, context: RolloutContext, prompts: list[str], metadata: list[dict]) -> ExploreResult:
-        assert self.explorer is not None  # called only with an explorer (rollout_and_score)
-        explore, address = self.config.explore, context.address
-        selection = Selection(explore.keep, explore.selection, selection_generators(self.config.seed, address.iteration, address.prompt_keys))
-        if explore.mode == "search":
-            return explore_search(context, self.explorer, make_search(explore.search), explore.search_budget, selection,
-                                  self._score_images(prompts, metadata))
-        score = self._score_latents(prompts, metadata)
-        if explore.mode == "tree":
-            return explore_tree(context, self.explorer, selection, score)
-        preview_steps = explore.preview_steps or self.config.sampling.num_steps
-        preview_schedule = self.adapter.schedule(preview_steps, self.config.sampling.shift).to(self.accelerator.device)
-        return explore_seeds(context, self.explorer, preview_schedule, explore.preview_sampler == "sde", explore.pool, selection, score)
-
-    def _pool_rewards_under_policy(self, context: RolloutContext, prompts: list[str], metadata: list[dict]) -> torch.Tensor:
-        """(P, N) the policy's reward of every pool candidate (the explorer's ranking is judged on these)."""
-        explore = self.config.explore
-        with self.accelerator.autocast():
-            latents, per_candidate = pool_under_policy(context, explore.mode, explore.pool)
-        prompt_index = torch.arange(len(prompts)).repeat_interleave(len(latents) // len(prompts))
-        return self._score_latents(prompts, metadata)(latents, prompt_index).reshape(len(prompts), -1, per_candidate).mean(-1)
 
     def run_iteration(self, iteration: int, per_node: bool = False) -> IterationResult:
         """One iteration; `per_node` grows the tree with batch-1 forwards (benchmarks). The objective
@@ -396,84 +331,129 @@ class Trainer:
         empty = torch.zeros(0)
         return IterationResult(metrics, None, empty, empty, empty, empty.bool(), prompts)
 
-    # ---------------------------------------------------------------- evaluation
+
+    # ---------------------------------------------------------------- evaluation (branchdiff/training/evaluation.py)
     def evaluated_weights(self) -> AbstractContextManager:
         """The weights that are evaluated and exported in the model for the block: the moving
         average when `train.ema_decay` is on (branchdiff/models/ema.py), else the live ones."""
         return self.weight_average.swapped_in() if self.weight_average is not None else nullcontext()
 
-    def _gold_score(self) -> str | None:
-        """The held-out score the reward-hacking watch follows: `watch.gold`, else the first eval
-        reward's own score; None when the run never evaluates during training."""
-        if not self.config.eval_every:
-            return None
-        names = score_names(self.eval_rewards)
-        gold = self.config.watch.gold or names[0]
-        if gold not in names:
-            raise ConfigError(f"'watch.gold' = {gold!r} is not a score of eval_rewards; allowed: {', '.join(names)}")
-        return gold
-
-    def _build_eval_rewards(self) -> dict[str, object]:
-        """The evaluation rewards (`eval_rewards`) by label, built before the first iteration when the
-        run evaluates; a component the training reward already built (the same spec) is shared, not
-        loaded twice."""
-        def component(spec) -> object:
-            for trained, reward in zip(self.reward.specs, self.reward.rewards):
-                if (trained.name, trained.remote, trained.kwargs) == (spec.name, spec.remote, spec.kwargs):
-                    return reward
-            return build_component(spec, str(self.accelerator.device))
-
-        if not (self.config.final_eval or self.config.eval_every):
-            return {}  # the run never evaluates
-        return {spec.label: component(spec) for spec in parse_reward_specs(self.config.eval_rewards)}
-
-    def _evaluate(self, model: ModelAdapter, process_index: int = 0, num_processes: int = 1) -> EvalResult:
-        """`model` on the eval prompts with the eval rewards (this process's share)."""
-        config = self.config
-        return evaluate(model, load_prompt_set(config.prompts.eval), self.eval_rewards, config.prompts.eval_seeds,
-                        config.sampling.num_steps, config.sampling.shift, process_index=process_index, num_processes=num_processes,
-                        guidance=config.prompts.eval_guidance, lockstep=self.sharding.enabled,
-                        frames={spec.label: spec.frames for spec in parse_reward_specs(config.eval_rewards)})
-
-    def _evaluate_shared(self, model: ModelAdapter) -> EvalResult:
-        """`model` on the eval prompts, each process sampling its share, gathered on every process."""
-        accelerator = self.accelerator
-        return gather_results(self._evaluate(model, accelerator.process_index, accelerator.num_processes), accelerator)
-
     def heldout_metrics(self) -> dict[str, float]:
-        """The policy's mean score on the eval prompts, `eval_<score>` for each eval reward and its
-        extras (fixed noise, ODE), each process sampling its share of the prompts; `eval_seconds`."""
-        start = time.perf_counter()
-        memory: dict[str, float] = {}
-        with self.memory.phase("eval", memory), self.evaluated_weights():
-            summary = summarize(self._evaluate_shared(self.adapter))["all"]
-        memory = {key: self.collective.max(torch.tensor([value], dtype=torch.float64)).item() for key, value in memory.items()}
-        return {**{f"eval_{name}": row["mean"] for name, row in summary.items()}, "eval_seconds": time.perf_counter() - start, **memory}
+        return self.evaluation.heldout_metrics(self.adapter, self.evaluated_weights())
 
     def fixed_samples(self, prompts: int = 4, images_per_prompt: int = 4) -> tuple[torch.Tensor, list[str]]:
-        """The policy's ODE samples (prompts · images_per_prompt, 3, H, W) of the first eval prompts
-        with fixed seeds, and those prompts: the same noise at every call, so grids compare across
-        iterations; an editing set's rows start with their source image. On a sharded denoiser every process calls it."""
-        config = self.config
-        prompt_set = load_prompt_set(config.prompts.eval)
-        chosen, metadata = prompt_set.prompts[:prompts], prompt_set.metadata[:prompts]
-        with self.evaluated_weights():
-            images = sample_ode(self.adapter, chosen, images_per_prompt, config.sampling.num_steps, config.sampling.shift,
-                                guidance=config.prompts.eval_guidance, metadata=metadata)[0]
-        return beside_sources(images, metadata, images_per_prompt), chosen
+        return self.evaluation.fixed_samples(self.adapter, self.evaluated_weights(), prompts, images_per_prompt)
 
     def final_evaluation(self) -> dict[str, dict[str, float]]:
-        """Base (adapter disabled) vs trained on the eval prompts with the eval rewards and the same
-        fixed noise: mean scores by model; the full summaries go to eval.json in the run directory
-        (written by the main process). Every process calls it and samples its share of the prompts."""
-        config = self.config
-        with self.finetune.base() as base:
-            summaries = {"base": summarize(self._evaluate_shared(base))}
-        with self.evaluated_weights():
-            summaries["trained"] = summarize(self._evaluate_shared(self.adapter))
-        scales = {label: getattr(reward, "scale", "unspecified") for label, reward in self.eval_rewards.items()}
-        report = {"prompts": config.prompts.eval, "images_per_prompt": config.prompts.eval_seeds, "scales": scales,
-                  "after_iteration": config.iterations - 1, **summaries}
-        if self.accelerator.is_main_process:
-            storage.write_text(self.run_dir / "eval.json", json.dumps(report, indent=1))
-        return {model: {name: row["mean"] for name, row in summary["all"].items()} for model, summary in summaries.items()}
+        return self.evaluation.final(self.finetune, self.adapter, self.evaluated_weights(), self.run_dir)
+
+
+# ---------------------------------------------------------------- the loop
+def train(trainer: Trainer) -> None:
+    """Iterations start_iteration .. iterations-1, then the export (RUN/lora, or the denoiser folder
+    of full fine-tuning: `finetune.export`; the weights' moving average when `train.ema_decay` is on). A full disk
+    or a silent process ends it with one line (`CheckpointError`, `watchdog.CollectiveTimeout`)."""
+    heartbeat = trainer.heartbeat
+    try:
+        _train(trainer, heartbeat)
+    except storage.DiskFull as error:
+        raise CheckpointError(error.line(trainer.newest_checkpoint())) from None
+    except (MemoryError, RuntimeError) as error:  # out of memory, a collective that timed out or lost its peer
+        if is_out_of_memory(error):
+            newest = trainer.newest_checkpoint()
+            then = f"continue from {newest} with --resume latest" if newest else "start again"
+            raise out_of_memory(error, "during training", "lower sampling.max_batch or turn on train.gradient_checkpointing or model.offload, "
+                                f"and {then} (or start a new run with a smaller train.minibatch or prompts.per_iteration)") from None
+        explained = heartbeat.explain(error) if heartbeat else None
+        if explained is None:
+            raise
+        raise explained from None
+    finally:
+        if heartbeat:
+            heartbeat.stop()
+
+
+def _train(trainer: Trainer, heartbeat: Heartbeat | None) -> None:
+    config, accelerator, run_dir = trainer.config, trainer.accelerator, trainer.run_dir
+    from branchdiff.settings.load import save_config, to_dict
+
+    if accelerator.is_main_process:
+        save_config(config, run_dir / "config.yaml")
+    trackers.start(accelerator, tracker_names(config.logging.report_to), run_dir, trainer.start_iteration, to_dict(config))
+    progress = tqdm(range(trainer.start_iteration, config.iterations), initial=trainer.start_iteration, total=config.iterations,
+                    desc="train", disable=not accelerator.is_local_main_process)
+    try:
+        with InterruptRequest() as interrupt:
+            for iteration in progress:
+                if heartbeat:
+                    heartbeat.doing(f"iteration {iteration}")
+                metrics = _iteration(trainer, iteration)
+                progress.set_postfix(progress_fields(metrics))
+                reason = stop_reason(config, metrics, trainer.run_state["skipped_in_a_row"], accelerator.num_processes, trainer.watch_state,
+                                     trainer.evaluation.gold_score)
+                stop = trainer.collective.max(torch.tensor([float(interrupt.requested or reason is not None)])).item() > 0
+                every = config.logging.checkpoint_every
+                if stop or (every and (iteration + 1) % every == 0) or iteration == config.iterations - 1:
+                    if heartbeat:
+                        heartbeat.doing(f"the checkpoint of iteration {iteration}")
+                    trainer.save_checkpoint(iteration)
+                    _write_report(trainer)
+                if reason is not None:
+                    raise RunStopped(reason)
+                if stop:
+                    raise Interrupted(f"interrupted after {iteration + 1} of {config.iterations} iterations, a checkpoint of them saved in "
+                                      f"{trainer.checkpoint_dir}; continue with --resume latest")
+    finally:
+        progress.close()
+        trackers.finish(accelerator)
+    with trainer.evaluated_weights():  # the moving average when on; every process (a sharded denoiser is gathered), the main one writes
+        export(trainer.finetune, run_dir, write=accelerator.is_main_process)
+    if accelerator.is_main_process:
+        write_model_card(run_dir, trainer.finetune.export_name)  # RUN/README.md, again after the final evaluation
+
+
+def _iteration(trainer: Trainer, iteration: int) -> dict[str, float]:
+    """Held-out evaluation when due, the iteration, its logs and grids; returns its metrics."""
+    config, accelerator, run_dir = trainer.config, trainer.accelerator, trainer.run_dir
+    heldout = {}
+    if config.eval_every and iteration % config.eval_every == 0:
+        heldout = trainer.heldout_metrics()
+        if accelerator.is_main_process or trainer.sharding.enabled:
+            images, prompts = trainer.fixed_samples()
+        if accelerator.is_main_process:
+            grid = save_grid(images, run_dir / "samples" / f"eval-iter-{iteration:06d}.png", nrow=len(images) // len(prompts),
+                             row_captions=prompts)
+            _log_grid(trainer, "samples/held_out", grid, iteration)
+    result = trainer.run_iteration(iteration)
+    if heldout and "reward_mean" in result.metrics:  # the evaluation measured the policy of this iteration's rollouts: the watch pairs the two
+        heldout.update(trainer.watch_state.add_evaluation(result.metrics["reward_mean"], heldout[f"eval_{trainer.evaluation.gold_score}"],
+                                                          config.watch.window, config.watch.tolerance))
+    metrics = {**result.metrics, **heldout}
+    with storage.disk_full_as_error(run_dir / "logs"):
+        accelerator.log({k: v for k, v in metrics.items() if k != "iteration"}, step=iteration)
+    if accelerator.is_main_process:
+        metrics_log.append(run_dir / "metrics.jsonl", metrics)
+        every = config.logging.sample_every
+        if every and result.rollout is not None and (iteration % every == 0 or iteration == config.iterations - 1):
+            tree = result.rollout.tree
+            leaves_per_prompt = len(tree.leaf_index) // tree.num_prompts
+            shown = 4 * leaves_per_prompt
+            grid = save_grid(result.leaf_images[:shown], run_dir / "samples" / f"iter-{iteration:06d}.png", nrow=leaves_per_prompt,
+                             row_captions=result.prompts[: shown // leaves_per_prompt])
+            _log_grid(trainer, "samples/train", grid, iteration)
+    return metrics
+
+
+def _log_grid(trainer: Trainer, tag: str, grid: torch.Tensor, iteration: int) -> None:
+    """A saved sample grid into the trackers: an image, or a video's grid playing as a GIF."""
+    names = tracker_names(trainer.config.logging.report_to)
+    if names:
+        with storage.disk_full_as_error(trainer.run_dir / "logs"):
+            trackers.log_grid(trainer.accelerator, names, tag, grid, iteration)
+
+
+def _write_report(trainer: Trainer) -> None:
+    if trainer.accelerator.is_main_process:
+        from branchdiff.report.run_report import write_report
+
+        write_report(trainer.run_dir)
