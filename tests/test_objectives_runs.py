@@ -214,6 +214,44 @@ def test_image_sets_are_checked_when_read(tmp_path):
         load_image_set("tiny:demonstrations", "preferences", (32, 32))
 
 
+def test_the_video_tasks_sets_hold_its_clips_and_train_the_video_model(tmp_path):
+    """tiny-video:demonstrations holds each training prompt's clip as the task renders it (at the model's frames);
+    tiny-video:preferences prefers it to a clip of the next colour or the next direction, alternately; a video model
+    refuses the image sets and JSONL files, an image model the clip sets, in one line; SFT trains the video model."""
+    from branchdiff.data import tiny_video_task
+    from branchdiff.data.demonstrations import load_image_set
+
+    prompts = tiny_video_task.split_prompts()[0]
+    demonstrations = load_image_set("tiny-video:demonstrations", "demonstrations", (32, 32), frames=3)
+    assert demonstrations.prompts == [p.text for p in prompts]
+    assert torch.equal(demonstrations.pixels(3)[0], torch.from_numpy(tiny_video_task.render_batch(prompts, seed=0, frames=3)[3]))
+    pairs = load_image_set("tiny-video:preferences", "preferences", (32, 32), frames=5)
+    chosen, rejected = pairs.pixels(0)
+    assert chosen.shape == rejected.shape == (5, 3, 32, 32) and not torch.equal(chosen, rejected)
+    wrong = [tiny_video_task.TinyClipPrompt(p.count, p.color, p.shape, p.direction) for p in prompts[:2]]
+    colors, directions = list(tiny_video_task.COLORS), list(tiny_video_task.DIRECTIONS)
+    wrong[0] = tiny_video_task.TinyClipPrompt(prompts[0].count, colors[(colors.index(prompts[0].color) + 1) % len(colors)], prompts[0].shape,
+                                              prompts[0].direction)
+    wrong[1] = tiny_video_task.TinyClipPrompt(prompts[1].count, prompts[1].color, prompts[1].shape,
+                                              directions[(directions.index(prompts[1].direction) + 1) % len(directions)])
+    assert torch.equal(pairs.pixels(1)[1], torch.from_numpy(tiny_video_task.render_batch(wrong, seed=1)[1]))
+    for source, frames, message in (("tiny:demonstrations", 5, "tiny:demonstrations holds images and the model makes videos of 5 frames; "
+                                                               "use tiny-video:demonstrations"),
+                                    ("tiny-video:demonstrations", 0, "tiny-video:demonstrations holds clips and the model makes images; "
+                                                                     "use tiny:demonstrations"),
+                                    (str(tmp_path / "sets.jsonl"), 5, "a video model trains on tiny-video:demonstrations only")):
+        with pytest.raises(ValueError, match=message):
+            load_image_set(source, "demonstrations", (32, 32), frames)
+    from branchdiff.training.recipe import Trainer
+
+    trainer = Trainer(load_config("tiny-video", ["train.loss=sft", "sft.data=tiny-video:demonstrations", f"output_dir={tmp_path / 'run'}", "model.compile=none",
+                                                 *SMALL]))
+    before = [p.detach().clone() for p in trainer.finetune.params]
+    metrics = trainer.run_iteration(0).metrics
+    assert metrics["loss"] > 0 and metrics["optimizer_steps"] == 1
+    assert any(not torch.equal(b, p) for b, p in zip(before, trainer.finetune.params))
+
+
 def test_dataset_objectives_are_refused_where_they_cannot_run(tmp_path):
     from branchdiff.errors import UserError
     from branchdiff.training.preflight import check_inputs
@@ -221,7 +259,8 @@ def test_dataset_objectives_are_refused_where_they_cannot_run(tmp_path):
     with pytest.raises(UserError, match=r"train.loss=sft trains on images, which model.family=flux cannot encode into latents yet; families "
                                          r"that can: tiny, tiny-video, sd3"):
         check_inputs(load_config("flux-hps-branch", ["train.loss=sft"]))
-    with pytest.raises(UserError, match=r"preferences set '.*nowhere.jsonl' is neither tiny:demonstrations, tiny:preferences nor an existing file: give a JSONL "
+    with pytest.raises(UserError, match=r"preferences set '.*nowhere.jsonl' is neither tiny:demonstrations, tiny:preferences, tiny-video:demonstrations, "
+                                         r"tiny-video:preferences nor an existing file: give a JSONL "
                                          r"file of rows with the fields \"prompt\", \"chosen\", \"rejected\" \(docs/objectives.md\)"):
         check_inputs(load_config("tiny-dpo-offline", [f"dpo_offline.data={tmp_path / 'nowhere.jsonl'}"]))
     with pytest.raises(ConfigError, match=r"train.loss=sft trains on its demonstrations \(sft.data\), not on rollouts: explore.mode must stay off"):

@@ -104,7 +104,8 @@ TASKS: dict[str, tuple[str, str, list[str]]] = {  # task: (held-out prompts, ver
     "tiny": ("tiny:held_out", "tiny-geneval", []),
     "tiny-video": ("tiny-video:held_out", "tiny-video", ["model.family=tiny-video", "prompts.train=tiny-video:train",
                                                          "prompts.eval=tiny-video:held_out", "reward=tiny-video", "eval_rewards=[tiny-video]",
-                                                         "watch.gold=tiny-video.strict"]),
+                                                         "watch.gold=tiny-video.strict", "sft.data=tiny-video:demonstrations",
+                                                         "dpo_offline.data=tiny-video:preferences"]),
 }
 
 

@@ -5,9 +5,12 @@ for SFT (`sft.data`, rows {"prompt", "image"}) and preference pairs for offline 
 A file source is JSONL, one row per line; image paths are relative to the file's folder. When the
 set is read, every row must have a non-empty prompt and each of its images must exist, decode, and
 have the size the model makes (`size`, width × height): the first row that does not is refused with
-its file and line, before any model loads. The built-in task has two sets made from its ground truth:
-`tiny:demonstrations` (each training prompt drawn correctly) and `tiny:preferences` (the correct
-drawing chosen over one with the next colour, or the next count, every other row).
+its file and line, before any model loads. The built-in tasks have two sets each, made from their ground
+truth: `tiny:demonstrations` (each training prompt drawn correctly) and `tiny:preferences` (the correct
+drawing chosen over one with the next colour, or the next count, every other row); for the video task,
+`tiny-video:demonstrations` (each training prompt's clip) and `tiny-video:preferences` (the correct clip
+chosen over one with the next colour, or moving the next way, every other row), rendered with the
+model's frames. A video family trains on those; JSONL sets are read as images.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from branchdiff.data import tiny_task
+from branchdiff.data import tiny_task, tiny_video_task
 from branchdiff.data.sources import _decode, image_size, resolve_sources
 from branchdiff.errors import quote, read_utf8
 
@@ -35,7 +38,7 @@ class ImageSet:
     images: list[tuple[str | torch.Tensor, ...]] = field(repr=False)  # per row, one per field
 
     def pixels(self, row: int) -> list[torch.Tensor]:
-        """Row `row`'s images as (3, H, W) float tensors in [0, 1], in field order."""
+        """Row `row`'s images as (3, H, W) float tensors in [0, 1] (a video set's clips: (F, 3, H, W)), in field order."""
         return [image if isinstance(image, torch.Tensor) else _as_tensor(image) for image in self.images[row]]
 
 
@@ -56,20 +59,43 @@ def _tiny_set(kind: str) -> ImageSet:
     return ImageSet("tiny:preferences", FIELDS[kind], [p.text for p in prompts], list(zip(truth, rejected)))
 
 
-BUILT_IN = {"tiny:demonstrations": "demonstrations", "tiny:preferences": "preferences"}
+def _tiny_video_set(kind: str, frames: int) -> ImageSet:
+    prompts = tiny_video_task.split_prompts()[0]
+    truth = torch.from_numpy(tiny_video_task.render_batch(prompts, seed=0, frames=frames))  # (P, F, 3, 32, 32)
+    name = f"tiny-video:{kind}"
+    if kind == "demonstrations":
+        return ImageSet(name, FIELDS[kind], [p.text for p in prompts], [(clip,) for clip in truth])
+    colors, directions = list(tiny_task.COLORS), list(tiny_video_task.DIRECTIONS)
+    wrong = [tiny_video_task.TinyClipPrompt(p.count, colors[(colors.index(p.color) + 1) % len(colors)], p.shape, p.direction) if i % 2 == 0 else
+             tiny_video_task.TinyClipPrompt(p.count, p.color, p.shape, directions[(directions.index(p.direction) + 1) % len(directions)])
+             for i, p in enumerate(prompts)]
+    rejected = torch.from_numpy(tiny_video_task.render_batch(wrong, seed=1, frames=frames))
+    return ImageSet(name, FIELDS[kind], [p.text for p in prompts], list(zip(truth, rejected)))
 
 
-def load_image_set(source: str, kind: str, size: tuple[int, int]) -> ImageSet:
+BUILT_IN = {"tiny:demonstrations": "demonstrations", "tiny:preferences": "preferences",
+            "tiny-video:demonstrations": "demonstrations", "tiny-video:preferences": "preferences"}
+
+
+def load_image_set(source: str, kind: str, size: tuple[int, int], frames: int = 0) -> ImageSet:
     """The rows of `source` (a built-in name or a JSONL file) for a set of `kind` ("demonstrations" or
-    "preferences"), every image checked to be `size` (width, height). Raises ValueError naming the row."""
+    "preferences"), every image checked to be `size` (width, height); `frames`: a video model's frames
+    per clip (0: the model makes images). Raises ValueError naming the row."""
+    video = source.startswith("tiny-video:")
+    own = "tiny-video" if frames else "tiny"
     if source in BUILT_IN:
         if BUILT_IN[source] != kind:
-            raise ValueError(f"{source} is a set of {BUILT_IN[source]}, not {kind}; use "
-                             f"{next(name for name, k in BUILT_IN.items() if k == kind)} or a JSONL file of {kind}")
-        image_set = _tiny_set(kind)
+            raise ValueError(f"{source} is a set of {BUILT_IN[source]}, not {kind}; use {own}:{kind} or a JSONL file of {kind}")
+        if video != bool(frames):
+            made = f"videos of {frames} frames" if frames else "images"
+            raise ValueError(f"{source} holds {'clips' if video else 'images'} and the model makes {made}; use {own}:{kind}")
         if (32, 32) != size:
-            raise ValueError(f"{source} holds 32×32 images and the model makes {size[0]}×{size[1]}; it trains the built-in tiny model")
-        return image_set
+            raise ValueError(f"{source} holds 32×32 {'clips' if video else 'images'} and the model makes {size[0]}×{size[1]}; "
+                             f"it trains the built-in {own} model")
+        return _tiny_video_set(kind, frames) if video else _tiny_set(kind)
+    if frames:
+        raise ValueError(f"{kind} set {quote(source, 80)}: a video model trains on tiny-video:{kind} only (JSONL sets hold images; "
+                         "sets of videos are not read yet)")
     path = Path(source)
     fields = FIELDS[kind]
     expected = ", ".join(f'"{name}"' for name in ("prompt", *fields))

@@ -43,7 +43,8 @@ class DatasetObjective(Objective):
         """Called by a dataclass subclass's generated __init__."""
         config = self.config
         own = getattr(config, config.train.loss.replace("-", "_"))
-        self.rows = load_image_set(own.data, self.dataset, image_size(config.model.resolution, FAMILIES[config.model.family].resolution))
+        self.rows = load_image_set(own.data, self.dataset, image_size(config.model.resolution, FAMILIES[config.model.family].resolution),
+                                   model_frames(config))
         self.fine_schedule = fine_schedule(self.finetune.adapter, config.sampling.shift)
 
     def signal(self, rollout: Rollout, rewards: torch.Tensor, iteration: int) -> Signal:
@@ -54,6 +55,12 @@ class DatasetObjective(Objective):
         raise NotImplementedError
 
 
+def model_frames(config: TrainConfig) -> int:
+    """The frames of each of the model's videos (`model.frames`, else its family's default); 0 for an image family."""
+    family = FAMILIES[config.model.family]
+    return (config.model.frames or family.frames) if family.video else 0
+
+
 def fine_schedule(adapter: ModelAdapter, shift: float | None) -> FlowSchedule:
     """The family's `FINE_STEPS`-step schedule on its device, the noise levels are read from (flow families only: the settings
     refuse a DDIM family for the dataset objectives)."""
@@ -61,8 +68,8 @@ def fine_schedule(adapter: ModelAdapter, shift: float | None) -> FlowSchedule:
 
 
 def encode_rows(adapter: ModelAdapter, image_set: ImageSet, rows: list[int]) -> torch.Tensor:
-    """(R, F, ...) latents of the rows' F images each (`ModelAdapter.encode_images`)."""
-    pixels = torch.stack([torch.stack(image_set.pixels(row)) for row in rows])  # (R, F, 3, H, W)
+    """(R, F, ...) latents of the rows' F images (or clips) each (`ModelAdapter.encode_images`)."""
+    pixels = torch.stack([torch.stack(image_set.pixels(row)) for row in rows])  # (R, F, 3, H, W), a video set's (R, F, T, 3, H, W)
     flat = adapter.encode_images(pixels.flatten(0, 1).to(adapter.device))  # type: ignore[attr-defined]  # the families that encode (preflight checks)
     return flat.reshape(len(rows), len(image_set.fields), *flat.shape[1:])
 

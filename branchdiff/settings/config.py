@@ -163,7 +163,7 @@ class DPOConfig:
 @dataclass
 class SFTConfig:
     """Supervised fine-tuning's keys (train.loss=sft; branchdiff/objectives/sft.py, docs/objectives.md)."""
-    data: str = "tiny:demonstrations"  # the demonstrations: JSONL rows {"prompt", "image"} (paths relative to the file), or tiny:demonstrations
+    data: str = "tiny:demonstrations"  # the demonstrations: JSONL rows {"prompt", "image"} (paths relative to the file), or tiny:demonstrations / tiny-video:demonstrations
     timesteps: int = positive(2)  # noise levels each demonstration is trained at per iteration
     sigma_sampling: str = choice("logit-normal", "logit-normal", "uniform")  # t ~ sigmoid(N(mean, std)) or U(0, 1), then σ the family's shifted schedule at t
     logit_mean: float = 0.0  # the logit-normal's mean (SD3's 0)
@@ -173,7 +173,7 @@ class SFTConfig:
 @dataclass
 class DPOOfflineConfig:
     """Offline Diffusion-DPO's keys (train.loss=dpo-offline; branchdiff/objectives/dpo_offline.py, docs/objectives.md)."""
-    data: str = "tiny:preferences"  # the pairs: JSONL rows {"prompt", "chosen", "rejected"} (paths relative to the file), or tiny:preferences
+    data: str = "tiny:preferences"  # the pairs: JSONL rows {"prompt", "chosen", "rejected"} (paths relative to the file), or tiny:preferences / tiny-video:preferences
     beta: float = positive(2000.0)  # β of −log σ(−β/2·[(ℓ_θ(w) − ℓ_ref(w)) − (ℓ_θ(l) − ℓ_ref(l))]) (the paper's SD 1.5 setting 2000–5000)
     timesteps: int = positive(2)  # noise levels each pair is trained at per iteration (one (σ, ε) for both images)
     sigma_sampling: str = choice("uniform", "logit-normal", "uniform")  # the paper draws its timesteps uniformly

@@ -23,6 +23,7 @@ from branchdiff.models import adapter_class, check_frames, check_size
 from branchdiff.models.attention import check_backend
 from branchdiff.models.compile import check_compiler
 from branchdiff.models.registry import FAMILIES, image_size
+from branchdiff.objectives.dataset import model_frames
 from branchdiff.objectives.registry import dataset_kind
 from branchdiff.rewards.combine import parse_reward_specs
 from branchdiff.rewards.multi import check_remote_kwargs
@@ -47,7 +48,7 @@ def check_inputs(config: TrainConfig) -> None:
             raise UserError(f"train.loss={config.train.loss} trains on images, which model.family={config.model.family} cannot encode "
                             f"into latents yet; families that can: {encoding}")
         try:
-            load_image_set(getattr(config, config.train.loss.replace("-", "_")).data, kind, size)
+            load_image_set(getattr(config, config.train.loss.replace("-", "_")).data, kind, size, model_frames(config))
         except ValueError as error:
             raise UserError(str(error)) from None
     train_specs, eval_specs = parse_reward_specs(config.reward), parse_reward_specs(config.eval_rewards)
