@@ -108,6 +108,30 @@ def test_a_weight_average_is_one_more_fp32_copy_of_what_is_trained(estimator):
     assert with_average.static["denoiser"] - without.static["denoiser"] == pytest.approx(4 * without.parameters["trained"] / processes)
 
 
+def test_the_objectives_own_tensors_are_counted(estimator):
+    """AWM keeps an fp32 moving average of what it trains; a decoupled objective keeps each training term's x0, ε, x_t
+    and one prediction (4 latents of SD3.5's 16 × H/8 × W/8 fp32 values), `timesteps` terms per sample (a leaf, a
+    demonstration, each image of a preference pair) and trains that many forwards; SFT and offline DPO grow no tree
+    and neither roll out nor decode. Clipped GRPO has none of these."""
+    def planned(preset: str, *overrides: str):
+        config = load_config(preset, list(overrides))
+        return config, estimate(config, Target(), estimator)
+
+    latent = 16 * (512 // 8) ** 2 * 4  # bytes of one SD3.5 latent at 512² in fp32
+    _, grpo = planned("sd35-pickscore", "model.resolution=512")
+    assert grpo.static["objective state"] == grpo.static["training terms"] == 0 and grpo.static["tree latents"] > 0
+    config, awm = planned("sd35-pickscore-awm")
+    leaves = config.tree.roots * config.prompts.per_iteration  # a tree of chains: one leaf per root
+    assert awm.static["objective state"] == 4 * awm.parameters["lora"]
+    assert awm.static["training terms"] == leaves * config.awm.timesteps * 4 * latent
+    assert awm.rows["train"] == leaves * config.awm.timesteps * awm.settings["cfg_rows"]
+    for preset, images in (("sd35-pickscore-sft", 1), ("sd35-pickscore-dpo-offline", 2)):
+        config, plan = planned(preset, "model.resolution=512")
+        timesteps = getattr(config, config.train.loss.replace("-", "_")).timesteps
+        assert plan.static["training terms"] == config.prompts.per_iteration * images * timesteps * 4 * latent
+        assert plan.static["tree latents"] == plan.phases["rollout"] == plan.phases["reward"] == plan.rows["rollout"] == 0
+
+
 def test_an_edit_step_holds_the_source_tokens_beside_the_image(estimator):
     """FLUX.1 Kontext at 384² runs FLUX.1's transformer over 2 × 576 image tokens: the FLOPs and the per-row
     rollout memory of FLUX.1 at 384 × 768 (the same sequence). Qwen-Image-Edit's forward takes one source at the

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from branchdiff.models.loading import quiet_loading
-from branchdiff.objectives.registry import needs_reference
+from branchdiff.objectives.registry import dataset_kind, decoupled, needs_reference
 from branchdiff.plan.clock import GPU, GPUS, TARGET_GPU, UTILISATION, modelled_seconds
 from branchdiff.plan.families import Family, family_for, size_of
 from branchdiff.plan.measure import DTYPES, Measured, measure, reward_bytes
@@ -163,6 +163,17 @@ def estimate(config: Any, target: Target, estimator: Estimator) -> Plan:
         "frozen copy": m.denoiser_params * 4 if full and (config.train.kl_beta > 0 or config.final_eval or needs_reference(config.train.loss)) else 0,
         "tree latents": latents,
     }
+    # the objective's own tensors: AWM's moving average of the trained weights (fp32, like train.ema_decay's); a decoupled
+    # objective's training terms, each a sample's x0, ε and x_t at one noise level and one prediction kept from before the update
+    # (the rollout's, the reference's or the average's), `timesteps` per sample; a dataset objective has no tree
+    loss, kind = config.train.loss, dataset_kind(config.train.loss)
+    static["objective state"] = trained * 4 if loss == "awm" else 0
+    samples = config.prompts.per_iteration * (2 if kind == "preferences" else 1) if kind else len(tree.leaf_index)
+    terms = samples * getattr(getattr(config, loss.replace("-", "_"), None), "timesteps", 1) if decoupled(loss) else 0
+    latent_bytes = math.prod(family.latent(m.config, m.geometry, size)) * 4
+    static["training terms"] = terms * latent_bytes * 4
+    if kind:
+        static["tree latents"] = 0
     grads = trained * 4
     train_act = m.train(train_rows, ckpt)
     # a KL term: the adapter-free reference forward runs without grad while the training forward's graph is still held
@@ -173,8 +184,8 @@ def estimate(config: Any, target: Target, estimator: Estimator) -> Plan:
     eval_images = EVAL_CHUNK * config.prompts.eval_seeds
     phases = {
         "encode": encoders if offload else 0.0,
-        "rollout": m.rollout(chunk_rows),
-        "reward": (vae if offload else 0) + decode,
+        "rollout": 0.0 if kind else m.rollout(chunk_rows),
+        "reward": 0.0 if kind else (vae if offload else 0) + decode,
         "train": grads + max(train_act, kl_ref),
         "optimizer": grads + (2 * trained * 4 if config.train.optimizer == "adamw" and sharded else 0),  # only FSDP's AdamW is not fused
         "eval": 0.0,
@@ -200,18 +211,19 @@ def estimate(config: Any, target: Target, estimator: Estimator) -> Plan:
     notes = []
     if sharded:
         gathered = 2 * m.block_params * (4 if full else dbytes)
-        shard = (static["denoiser"] + static["trained state"] + static["frozen copy"]) / processes
+        shard = (static["denoiser"] + static["trained state"] + static["frozen copy"] + static["objective state"]) / processes
         if target.sharding == "fsdp-offload":
             shard = 0.0
             notes.append("fsdp-offload: the shards, their gradients and moments live in host memory; the GPU holds two gathered blocks")
-        static["denoiser"], static["trained state"], static["frozen copy"] = shard, 0.0, 0.0
+        static["denoiser"], static["trained state"], static["frozen copy"], static["objective state"] = shard, 0.0, 0.0, 0.0
         static["gathered blocks"] = gathered
         phases["train"] -= grads * (1 - 1 / processes)
         phases["optimizer"] *= 0 if target.sharding == "fsdp-offload" else 1 / processes
 
     forward = m.forward_flops()
-    rollout_rows = tree.spec.rollout_nfe * config.prompts.per_iteration * cfg_rows
-    trained_rows = tree.spec.sde_edges() * config.prompts.per_iteration * cfg_rows
+    rollout_rows = 0 if kind else tree.spec.rollout_nfe * config.prompts.per_iteration * cfg_rows
+    # trained forwards: a decoupled objective's terms, else the tree's SDE edges (the no-grad forwards of the predictions kept are not counted)
+    trained_rows = (terms if terms else tree.spec.sde_edges() * config.prompts.per_iteration) * cfg_rows
     flops = {"rollout": rollout_rows * forward, "train": trained_rows * forward * (4 if ckpt else 3)}  # backward ≈ 2 forwards
     flops["total"] = flops["rollout"] + flops["train"]
     gpu = target.gpu or GPUS[TARGET_GPU[family.gpu]]
