@@ -11,7 +11,18 @@ import huggingface_hub.utils.logging  # noqa: F401  # outside any test's capture
 import pytest
 import torch
 
-torch.set_num_threads(2)
+# the suite runs on two workers (pyproject.toml's addopts: pytest-xdist, one test file per worker at a time), each with one
+# thread; run alone (-n 0), one process with both cores
+torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else 2)
+
+# files holding the suite's longest launches, started first so that neither worker is left with a long file at the end
+LONGEST_FIRST = ("test_sharding.py", "test_multiprocess.py", "test_readme.py", "test_finetune.py", "test_wan.py", "test_model_families.py",
+                 "test_plan.py", "test_checks.py", "test_fuzz.py", "test_trainer.py")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    rank = {name: index for index, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the other files keep their order
 
 
 @pytest.fixture(scope="session")

@@ -1,4 +1,5 @@
-"""The GPU suite: `python -m pytest -m gpu` on any machine with CUDA (every test skips, naming why,
+"""The GPU suite: `python -m pytest -m gpu -o addopts=""` (one process: the CPU suite's two workers are
+its addopts) on any machine with CUDA (every test skips, naming why,
 where there is none; CI has none). It measures what CPU tests cannot and writes the figures to
 gpu-summary.json ($BRANCHDIFF_GPU_SUMMARY overrides the path), which docs/gpu.md records by date and
 device:

@@ -30,6 +30,7 @@ def estimator():
     return Estimator()
 
 
+@pytest.mark.slow  # a release check: tracing every family takes ~45 s; the tests below plan SD3.5, Qwen-Image and the edit families
 def test_every_preset_is_planned_and_written_as_json(estimator):
     """Every preset: phases, a peak that is static + its largest phase, FLOPs, and JSON that round-trips."""
     from branchdiff.cli.plan import format_plan

@@ -1,5 +1,5 @@
-"""README, as a new user meets it: every command of its first hour and its longer benchmarks, in
-order, in a fresh folder, on the built-in model, verbatim but for sizes (fewer iterations, prompts,
+"""README, as a new user meets it: every command of its first hour (and of its longer benchmarks: a
+release check, `slow`), in order, in a fresh folder, on the built-in model, verbatim but for sizes (fewer iterations, prompts,
 images, minutes), each succeeding, with the files the next command needs where the README says;
 every GPU command and every command of the results table checked as far as a machine without a GPU
 can (the preset and overrides validated by `branchdiff config`, the accelerate config found, the
@@ -38,9 +38,12 @@ def code_lines(text: str) -> list[str]:
     return [line for block in re.findall(r"^```\n(.*?)^```", text, flags=re.S | re.M) for line in block.splitlines() if line.strip()]
 
 
-def use_commands() -> list[str]:
-    """The first hour's commands, then the longer benchmarks'."""
-    return code_lines(section("The first hour"))
+def use_commands() -> tuple[list[str], list[str]]:
+    """The first hour's commands, and the longer benchmarks' (the section's two blocks)."""
+    blocks = re.findall(r"^```\n(.*?)^```", section("The first hour"), flags=re.S | re.M)
+    assert len(blocks) == 2, "the first hour: its commands, then the longer benchmarks"
+    first_hour, benchmarks = ([line for line in block.splitlines() if line.strip()] for block in blocks)
+    return first_hour, benchmarks
 
 
 def smaller(words: list[str]) -> list[str]:
@@ -66,10 +69,29 @@ def smaller(words: list[str]) -> list[str]:
 
 
 def test_the_readme_commands_run_in_order(tmp_path, monkeypatch, capsys):
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    commands = use_commands()
+    commands = use_commands()[0]
     assert len(commands) >= 12 and commands[0].split("#")[0].split() == ["branchdiff", "train"]
+    _run_in_order(commands, tmp_path, monkeypatch, capsys)
+    for made in ("runs/tiny-mix-full/transformer/diffusion_pytorch_model.safetensors", "runs/tiny-mix-full/report.html", "samples", "eval.json",
+                 "runs/tiny-chain/checkpoints", "runs/mine/transformer", "bench.json", "runs/two/transformer", "found/search.json", "again"):
+        assert (tmp_path / made).exists(), made
+    ignored = subprocess.run(["git", "-C", str(README.parent), "check-ignore", "--no-index", *made_paths()], capture_output=True, text=True)
+    assert ignored.stdout.split() == made_paths(), ignored  # what the first hour writes is ignored by git
+
+
+@pytest.mark.slow  # a release check: the longer benchmarks (40 minutes each at the README's sizes)
+def test_the_readmes_longer_benchmarks_run(tmp_path, monkeypatch, capsys):
+    commands = use_commands()[1]
+    assert len(commands) >= 3 and all(line.startswith("branchdiff bench ") for line in commands)
+    _run_in_order(commands, tmp_path, monkeypatch, capsys)
+    for made in ("curves/curves.md", "search/search.md", "curves-video/curves.md"):
+        assert (tmp_path / made).exists(), made
+
+
+def _run_in_order(commands: list[str], folder: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    """Each command in `folder`, verbatim but for sizes (`smaller`), each succeeding and saying where its results are."""
+    monkeypatch.chdir(folder)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     for line in commands:
         words = shlex.split(line, comments=True)
         redirect = words[words.index(">") + 1] if ">" in words else None
@@ -94,12 +116,6 @@ def test_the_readme_commands_run_in_order(tmp_path, monkeypatch, capsys):
             assert re.search(r"^run folder: runs/[\w-]+/$", out, flags=re.M) and "  weights: runs/" in out and "  report: runs/" in out, out
         if words[1] == "bench":  # and a benchmark where it wrote
             assert out.splitlines()[-1].startswith("wrote "), out
-    for made in ("runs/tiny-mix-full/transformer/diffusion_pytorch_model.safetensors", "runs/tiny-mix-full/report.html", "samples", "eval.json",
-                 "runs/tiny-chain/checkpoints", "runs/mine/transformer", "bench.json", "curves/curves.md", "runs/two/transformer",
-                 "found/search.json", "again", "search/search.md"):
-        assert (tmp_path / made).exists(), made
-    ignored = subprocess.run(["git", "-C", str(README.parent), "check-ignore", "--no-index", *made_paths()], capture_output=True, text=True)
-    assert ignored.stdout.split() == made_paths(), ignored  # what the first hour writes is ignored by git
 
 
 def made_paths() -> list[str]:

@@ -4,8 +4,10 @@ tiny SD3 pipeline trained for two iterations with LoRA and with full fine-tuning
 FSDP2 (LoRA once more with the shards in CPU memory); the same runs stopped after the first iteration
 and resumed; the FSDP LoRA run evaluates every
 iteration (each process's share padded to the same forwards) and the full one ends with the final
-evaluation of the sharded frozen copy. The pure parts (settings from the environment, lockstep
-padding) are tested in-process."""
+evaluation of the sharded frozen copy; Wan's video blocks sharded. The other families (Wan 2.2's two experts,
+Z-Image, Qwen-Image, FLUX.2, the editing families) and the quantised explorer train in a second launch that only a
+release runs (`slow`).
+The pure parts (settings from the environment, lockstep padding) are tested in-process."""
 
 from __future__ import annotations
 
@@ -40,6 +42,8 @@ def _arguments(model: Path, run: Path, finetune: str, *extra: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
+    """SD3 with LoRA and full fine-tuning (DDP, FSDP2, FSDP2 stopped and resumed), offloaded shards, and a video family:
+    one launch."""
     base = tmp_path_factory.mktemp("sharding")
     model = save_pipeline("sd3", base / "sd3")
     plan = []
@@ -51,28 +55,40 @@ def runs(tmp_path_factory):
                  ["fsdp", _arguments(model, base / f"resumed-{finetune}", finetune, *common, "iterations=1")],
                  ["fsdp", _arguments(model, base / f"resumed-{finetune}", finetune, *common, "--resume", "latest")]]
     plan.append(["fsdp-offload", _arguments(model, base / "offload-lora", "lora")])  # the shards in CPU memory
-    # a whole 4-bit copy per process, and DiffusionNFT (its sampling policy sharded, its forwards padded): Sol-RL on a tree
-    explore = ["explore.mode=tree", "explore.keep=2", "explore.backend=nvfp4-emulated", "train.loss=nft"]
-    plan += [[mode, _arguments(model, base / f"{mode}-explore", "lora", *explore)] for mode in ("ddp", "fsdp")]
     # a video family: Wan's transformer blocks sharded, video latents through the sharded forwards
     from tiny_pipelines import build_wan
 
     build_wan().save_pretrained(base / "wan", safe_serialization=True)
-    video = [f"model.path={base / 'wan'}", "model.family=wan", "model.resolution=[16,32]", "model.frames=5",
-             "reward={name: rewards_for_tests:Redness, frames: 2}"]
-    plan += [[mode, [*_arguments(model, base / f"{mode}-wan", "lora"), *video]] for mode in ("ddp", "fsdp")]
+    plan += [[mode, [*_arguments(model, base / f"{mode}-wan", "lora"), *_wan(base / "wan")]] for mode in ("ddp", "fsdp")]
+    _launch(base, plan)
+    return {"base": base, "model": model}
+
+
+def _wan(folder: Path) -> list[str]:
+    return [f"model.path={folder}", "model.family=wan", "model.resolution=[16,32]", "model.frames=5",
+            "reward={name: rewards_for_tests:Redness, frames: 2}"]
+
+
+@pytest.fixture(scope="module")
+def family_runs(tmp_path_factory):
+    """The other families, and a whole quantised explorer on every process, under DDP and FSDP2: one launch (a release's
+    check: `slow`)."""
+    base = tmp_path_factory.mktemp("sharding-families")
+    model = save_pipeline("sd3", base / "sd3")  # the arguments' defaults; every run names its own model
+    from tiny_pipelines import build_wan
+
     # Wan 2.2's two experts trained together, two parents per minibatch: a minibatch holds both experts' rows or one's only
     build_wan(two_experts=True).save_pretrained(base / "wan-two", safe_serialization=True)
-    both = [*video, f"model.path={base / 'wan-two'}", "model.expert=both"]
-    plan += [[mode, [*_arguments(model, base / f"{mode}-wan-both", "lora"), *both]] for mode in ("ddp", "fsdp")]
+    both = [*_wan(base / "wan-two"), "model.expert=both"]
+    plan = [[mode, [*_arguments(model, base / f"{mode}-wan-both", "lora"), *both]] for mode in ("ddp", "fsdp")]
+    # a whole 4-bit copy per process, and DiffusionNFT (its sampling policy sharded, its forwards padded): Sol-RL on a tree
+    explore = ["explore.mode=tree", "explore.keep=2", "explore.backend=nvfp4-emulated", "train.loss=nft"]
+    plan += [[mode, _arguments(model, base / f"{mode}-explore", "lora", *explore)] for mode in ("ddp", "fsdp")]
     # Z-Image: list-taking transformer, prompts of different token counts, its refiner and main blocks sharded
     # the newer families, one iteration each: Qwen-Image (masked prompts, true CFG with its norm rescale, dual-stream blocks
     # sharded), FLUX.2 [dev] and [klein] (4-D position ids, double and single blocks sharded)
     once = ["iterations=1"]
-    z_image = save_pipeline("z-image", base / "z-image")
-    plan += [[mode, [*_arguments(model, base / f"{mode}-z-image", "lora"), f"model.path={z_image}", "model.family=z-image", *once]]
-             for mode in ("ddp", "fsdp")]
-    for family in ("qwen-image", "flux2", "flux2-klein"):
+    for family in ("z-image", "qwen-image", "flux2", "flux2-klein"):
         folder = save_pipeline(family, base / family)
         plan += [[mode, [*_arguments(model, base / f"{mode}-{family}", "lora"), f"model.path={folder}", f"model.family={family}", *once]]
                  for mode in ("ddp", "fsdp")]
@@ -91,6 +107,12 @@ def runs(tmp_path_factory):
         editing = [f"model.path={base / family}", f"model.family={family}", f"prompts.train={base / 'edits' / 'edits.jsonl'}",
                    f"prompts.eval={base / 'edits' / 'edits.jsonl'}"]
         plan += [[mode, [*_arguments(model, base / f"{mode}-{family}", "lora"), *editing, *once]] for mode in ("ddp", "fsdp")]
+    _launch(base, plan)
+    return {"base": base, "model": model}
+
+
+def _launch(base: Path, plan: list) -> None:
+    """Every [mode, arguments] of `plan` trained in one two-process launch (tests/sharded_runs.py)."""
     (base / "runs.json").write_text(json.dumps(plan))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]), "OMP_NUM_THREADS": "1",
            "HF_HUB_OFFLINE": "1", "ACCELERATE_USE_CPU": "true", "BRANCHDIFF_TEST_SMALL_EDIT_AREAS": "1"}
@@ -99,7 +121,6 @@ def runs(tmp_path_factory):
                "--mixed_precision", "no", str(TESTS / "sharded_runs.py"), str(base / "runs.json")]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    return {"base": base, "model": model}
 
 
 def _export(run: Path, finetune: str) -> dict[str, torch.Tensor]:
@@ -141,12 +162,13 @@ def test_a_sharded_video_run_trains_like_ddp(runs):
     assert difference <= 1e-4 and moved > 100 * difference, (difference, moved)
 
 
-def test_wan_22s_two_experts_train_together_sharded_like_ddp(runs):
+@pytest.mark.slow
+def test_wan_22s_two_experts_train_together_sharded_like_ddp(family_runs):
     """model.expert=both on two processes, two parents per minibatch: under DDP (one forward routes a minibatch's
     rows to both experts; an expert without rows has no gradient there) and under FSDP2 (an expert without rows
     runs one row, times 0, so both processes gather and reduce alike) the two experts' LoRAs agree within 1e-4
     and moved 100× more."""
-    base = runs["base"]
+    base = family_runs["base"]
     for part in ("", "transformer_2/"):
         ddp, fsdp = (load_file(base / f"{mode}-wan-both" / "lora" / part / "pytorch_lora_weights.safetensors") for mode in ("ddp", "fsdp"))
         assert ddp.keys() == fsdp.keys() and len(ddp) > 0
@@ -155,23 +177,25 @@ def test_wan_22s_two_experts_train_together_sharded_like_ddp(runs):
         assert difference <= 1e-4 and moved > 100 * difference, (part, difference, moved)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["z-image", "qwen-image", "flux2", "flux2-klein", "flux-kontext", "qwen-image-edit"])
-def test_the_newer_image_families_train_on_two_processes_sharded_like_ddp(runs, family):
+def test_the_newer_image_families_train_on_two_processes_sharded_like_ddp(family_runs, family):
     """Z-Image, Qwen-Image, FLUX.2 [dev] and [klein], and FLUX.1 Kontext and Qwen-Image-Edit editing from a JSONL of
     sources, one iteration each, under DDP and FSDP2 on two processes: the LoRAs agree within 1e-4 and moved 100×
     more (Z-Image measured 1.2e-5 after two iterations: as for Wan above, a few weights see gradients near Adam's ε)."""
-    ddp, fsdp = (_export(runs["base"] / f"{mode}-{family}", "lora") for mode in ("ddp", "fsdp"))
+    ddp, fsdp = (_export(family_runs["base"] / f"{mode}-{family}", "lora") for mode in ("ddp", "fsdp"))
     assert ddp.keys() == fsdp.keys() and len(ddp) > 0
     moved = max(v.abs().max().item() for k, v in ddp.items() if "lora_B" in k)
     difference = max((ddp[k] - fsdp[k]).abs().max().item() for k in ddp)
     assert difference <= 1e-4 and moved > 100 * difference, (difference, moved)
 
 
-def test_a_sharded_run_explores_with_a_whole_quantised_copy_like_ddp(runs):
+@pytest.mark.slow
+def test_a_sharded_run_explores_with_a_whole_quantised_copy_like_ddp(family_runs):
     """Explore on the tree with an emulated-NVFP4 explorer (refreshed from the gathered weights after each
     update, one tensor at a time): the same pools and kept leaves as DDP (the second iteration's come from
     the refreshed copy), the same DiffusionNFT update (its sampling policy a sharded soft copy)."""
-    base = runs["base"]
+    base = family_runs["base"]
     rows = {mode: [json.loads(line) for line in (base / f"{mode}-explore" / "metrics.jsonl").read_text().splitlines()] for mode in ("ddp", "fsdp")}
     for ddp_row, fsdp_row in zip(rows["ddp"], rows["fsdp"]):
         assert fsdp_row["explore_pool_nfe"] == ddp_row["explore_pool_nfe"] > 0
@@ -264,7 +288,7 @@ def test_a_sharded_adapter_pads_its_forwards_to_the_other_processes_count(tiny_a
 def test_fsdp_in_a_single_process_or_with_8bit_adam_is_refused_before_the_model_loads(tiny_model_dir, tmp_path, monkeypatch):
     from branchdiff.errors import ConfigError
     from branchdiff.settings.load import load_config
-    from branchdiff.training.trainer import Trainer
+    from branchdiff.training.recipe import Trainer
 
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
     monkeypatch.setenv("FSDP_VERSION", "2")

@@ -18,6 +18,8 @@ pytest.importorskip("swanlab")
 from tracker_files import swanlab_scalars, wandb_history  # noqa: E402
 
 
+@pytest.mark.slow  # a release check: tests/test_multiprocess.py logs the metrics, the resume and the final evaluation to both trackers
+# in the suite, tests/test_tiny_video.py a run's grids
 def test_wandb_offline_and_swanlab_local_log_the_metrics_grids_and_evaluation_and_resume_continues_them(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("SWANLAB_MODE", "local")
