@@ -228,13 +228,13 @@ def test_the_video_tasks_sets_hold_its_clips_and_train_the_video_model(tmp_path)
     pairs = load_image_set("tiny-video:preferences", "preferences", (32, 32), frames=5)
     chosen, rejected = pairs.pixels(0)
     assert chosen.shape == rejected.shape == (5, 3, 32, 32) and not torch.equal(chosen, rejected)
-    wrong = [tiny_video_task.TinyClipPrompt(p.count, p.color, p.shape, p.direction) for p in prompts[:2]]
     colors, directions = list(tiny_video_task.COLORS), list(tiny_video_task.DIRECTIONS)
-    wrong[0] = tiny_video_task.TinyClipPrompt(prompts[0].count, colors[(colors.index(prompts[0].color) + 1) % len(colors)], prompts[0].shape,
-                                              prompts[0].direction)
-    wrong[1] = tiny_video_task.TinyClipPrompt(prompts[1].count, prompts[1].color, prompts[1].shape,
-                                              directions[(directions.index(prompts[1].direction) + 1) % len(directions)])
-    assert torch.equal(pairs.pixels(1)[1], torch.from_numpy(tiny_video_task.render_batch(wrong, seed=1)[1]))
+    first, second = prompts[:2]
+    wrong = [tiny_video_task.TinyClipPrompt(first.count, colors[(colors.index(first.color) + 1) % len(colors)], first.shape, first.direction),
+             tiny_video_task.TinyClipPrompt(second.count, second.color, second.shape,
+                                            directions[(directions.index(second.direction) + 1) % len(directions)])]
+    rendered = torch.from_numpy(tiny_video_task.render_batch(wrong, seed=1))
+    assert torch.equal(pairs.pixels(0)[1], rendered[0]) and torch.equal(pairs.pixels(1)[1], rendered[1])
     for source, frames, message in (("tiny:demonstrations", 5, "tiny:demonstrations holds images and the model makes videos of 5 frames; "
                                                                "use tiny-video:demonstrations"),
                                     ("tiny-video:demonstrations", 0, "tiny-video:demonstrations holds clips and the model makes images; "

@@ -16,8 +16,10 @@ model's frames. A video family trains on those; JSONL sets are read as images.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -46,31 +48,34 @@ def _as_tensor(path: str) -> torch.Tensor:
     return torch.from_numpy(np.asarray(_decode(path), dtype=np.float32) / 255).permute(2, 0, 1)
 
 
-def _tiny_set(kind: str) -> ImageSet:
-    prompts = tiny_task.split_prompts()[0]
-    truth = torch.from_numpy(tiny_task.render_batch(prompts, seed=0))  # (P, 3, 32, 32)
+def _next(values: list, value: object) -> object:
+    return values[(values.index(value) + 1) % len(values)]
+
+
+def _ground_truth_set(name: str, kind: str, prompts: list, render: Callable[[list, int], np.ndarray],
+                      odd_change: Callable[[Any], Any]) -> ImageSet:
+    """A built-in task's training `prompts` drawn correctly by `render(prompts, seed)`; for preferences, each chosen over a
+    drawing with the next colour (even rows) or with `odd_change` made to its prompt (odd rows)."""
+    truth = torch.from_numpy(render(prompts, 0))  # (P, 3, H, W), a clip task's (P, F, 3, H, W)
+    texts = [p.text for p in prompts]
     if kind == "demonstrations":
-        return ImageSet("tiny:demonstrations", FIELDS[kind], [p.text for p in prompts], [(image,) for image in truth])
-    colors, counts = list(tiny_task.COLORS), sorted(tiny_task.COUNTS.values())
-    wrong = [tiny_task.TinyPrompt(p.count, colors[(colors.index(p.color) + 1) % len(colors)], p.shape, p.position) if i % 2 == 0 else
-             tiny_task.TinyPrompt(counts[(counts.index(p.count) + 1) % len(counts)], p.color, p.shape, p.position)
-             for i, p in enumerate(prompts)]
-    rejected = torch.from_numpy(tiny_task.render_batch(wrong, seed=1))
-    return ImageSet("tiny:preferences", FIELDS[kind], [p.text for p in prompts], list(zip(truth, rejected)))
+        return ImageSet(name, FIELDS[kind], texts, [(image,) for image in truth])
+    colors = list(tiny_task.COLORS)
+    wrong = [replace(p, color=_next(colors, p.color)) if i % 2 == 0 else odd_change(p) for i, p in enumerate(prompts)]
+    return ImageSet(name, FIELDS[kind], texts, list(zip(truth, torch.from_numpy(render(wrong, 1)))))
+
+
+def _tiny_set(kind: str) -> ImageSet:
+    counts = sorted(tiny_task.COUNTS.values())
+    return _ground_truth_set(f"tiny:{kind}", kind, tiny_task.split_prompts()[0], lambda prompts, seed: tiny_task.render_batch(prompts, seed),
+                             lambda p: replace(p, count=_next(counts, p.count)))
 
 
 def _tiny_video_set(kind: str, frames: int) -> ImageSet:
-    prompts = tiny_video_task.split_prompts()[0]
-    truth = torch.from_numpy(tiny_video_task.render_batch(prompts, seed=0, frames=frames))  # (P, F, 3, 32, 32)
-    name = f"tiny-video:{kind}"
-    if kind == "demonstrations":
-        return ImageSet(name, FIELDS[kind], [p.text for p in prompts], [(clip,) for clip in truth])
-    colors, directions = list(tiny_task.COLORS), list(tiny_video_task.DIRECTIONS)
-    wrong = [tiny_video_task.TinyClipPrompt(p.count, colors[(colors.index(p.color) + 1) % len(colors)], p.shape, p.direction) if i % 2 == 0 else
-             tiny_video_task.TinyClipPrompt(p.count, p.color, p.shape, directions[(directions.index(p.direction) + 1) % len(directions)])
-             for i, p in enumerate(prompts)]
-    rejected = torch.from_numpy(tiny_video_task.render_batch(wrong, seed=1, frames=frames))
-    return ImageSet(name, FIELDS[kind], [p.text for p in prompts], list(zip(truth, rejected)))
+    directions = list(tiny_video_task.DIRECTIONS)
+    return _ground_truth_set(f"tiny-video:{kind}", kind, tiny_video_task.split_prompts()[0],
+                             lambda prompts, seed: tiny_video_task.render_batch(prompts, seed, frames),
+                             lambda p: replace(p, direction=_next(directions, p.direction)))
 
 
 BUILT_IN = {"tiny:demonstrations": "demonstrations", "tiny:preferences": "preferences",

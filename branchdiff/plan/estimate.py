@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from branchdiff.data.demonstrations import FIELDS
 from branchdiff.models.loading import quiet_loading
 from branchdiff.objectives.registry import dataset_kind, decoupled, needs_reference
 from branchdiff.plan.clock import GPU, GPUS, TARGET_GPU, UTILISATION, modelled_seconds
@@ -168,7 +169,7 @@ def estimate(config: Any, target: Target, estimator: Estimator) -> Plan:
     # (the rollout's, the reference's or the average's), `timesteps` per sample; a dataset objective has no tree
     loss, kind = config.train.loss, dataset_kind(config.train.loss)
     static["objective state"] = trained * 4 if loss == "awm" else 0
-    samples = config.prompts.per_iteration * (2 if kind == "preferences" else 1) if kind else len(tree.leaf_index)
+    samples = config.prompts.per_iteration * len(FIELDS[kind]) if kind else len(tree.leaf_index)  # images a row holds
     terms = samples * getattr(getattr(config, loss.replace("-", "_"), None), "timesteps", 1) if decoupled(loss) else 0
     latent_bytes = math.prod(family.latent(m.config, m.geometry, size)) * 4
     static["training terms"] = terms * latent_bytes * 4

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import time
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -98,9 +98,8 @@ class RunEvaluation:
         config = self.config
         prompt_set = load_prompt_set(config.prompts.eval)
         chosen, metadata = prompt_set.prompts[:prompts], prompt_set.metadata[:prompts]
-        sampling = OdeSampling(images_per_prompt, config.sampling.num_steps, config.sampling.shift, config.prompts.eval_guidance)
         with weights:
-            images = sample_ode(policy, chosen, sampling, metadata=metadata)[0]
+            images = sample_ode(policy, chosen, replace(self.sampling(), images_per_prompt=images_per_prompt), metadata=metadata)[0]
         return beside_sources(images, metadata, images_per_prompt), chosen
 
     def final(self, finetune: LoraFinetune | FullFinetune, policy: ModelAdapter, weights: AbstractContextManager,
