@@ -1,4 +1,4 @@
-"""Several `branchdiff train` runs in one `accelerate launch` (the two-process start-up paid once):
+"""Several `branchdiff train` (or `eval`) runs in one `accelerate launch` (the two-process start-up paid once):
 `python sharded_runs.py RUNS.json`, RUNS.json a list of [mode, [CLI arguments]] with mode "fsdp"
 (the launcher's FSDP settings, e.g. from the packaged fsdp config), "fsdp-offload" (those with the
 shards in CPU memory) or "ddp" (ACCELERATE_USE_FSDP off for that run). Between runs accelerate's state is reset and the process group kept: each run's
@@ -39,4 +39,5 @@ for mode, arguments in json.loads(Path(sys.argv[1]).read_text()):
     status = main(arguments)
     if status:
         sys.exit(status)
-torch.distributed.destroy_process_group()  # as `end_training` would have: no gloo worker outlives the group
+if torch.distributed.is_initialized():  # (`branchdiff eval` destroys it itself)
+    torch.distributed.destroy_process_group()  # as `end_training` would have: no gloo worker outlives the group

@@ -307,14 +307,19 @@ def _mode_arguments(model_dir: Path, run: Path, mode: list[str]) -> list[str]:
     return ["train", "tiny-chain", *_overrides(model_dir, run, PER_PROCESS), *mode, *_rates(mode), "final_eval=false", "logging.sample_every=0"]
 
 
+EVAL = ["eval", "--prompts", "tiny:held_out", "--rewards", "tiny-geneval,rewards_for_tests:Redness", "--images-per-prompt", "2", "--steps", "3"]
+
+
 @pytest.fixture(scope="module")
 def mode_runs(tiny_model_dir, tmp_path_factory):
     """Every mode trained for two iterations on two processes, and full fine-tuning once more stopped after
-    its first iteration and resumed: all in one launch (tests/sharded_runs.py, DDP)."""
+    its first iteration and resumed, and `branchdiff eval`: all in one launch (tests/sharded_runs.py, DDP)."""
     base = tmp_path_factory.mktemp("modes")
     plan = [["ddp", [*_mode_arguments(tiny_model_dir, base / name, mode), "iterations=2"]] for name, mode in MODES.items()]
     resumed = _mode_arguments(tiny_model_dir, base / "full-resumed", MODES["full"])
     plan += [["ddp", [*resumed, "iterations=1"]], ["ddp", [*resumed, "iterations=2", "--resume", "latest"]]]
+    # last: `eval` ends the process group as it finishes
+    plan.append(["ddp", [*EVAL, "--model", str(tiny_model_dir), "--out", str(base / "eval"), "--json", str(base / "eval.json")]])
     (base / "runs.json").write_text(json.dumps(plan))
     done = launch_two(None, [str(base / "runs.json")], program=[str(TESTS / "sharded_runs.py")])
     assert done.returncode == 0, done.stderr[-3000:]
@@ -370,17 +375,13 @@ def _exported_as(exported: dict[str, torch.Tensor], name: str) -> torch.Tensor:
     return exported["transformer." + name.replace(".default", "")]
 
 
-def test_eval_gives_the_same_numbers_on_two_processes(tiny_model_dir, tmp_path):
+def test_eval_gives_the_same_numbers_on_two_processes(tiny_model_dir, mode_runs, tmp_path):
     """`branchdiff eval` shards prompts over two processes and gathers once: its summary and per-image
     scores equal the one-process run's."""
-    args = ["eval", "--model", str(tiny_model_dir), "--prompts", "tiny:held_out", "--rewards", "tiny-geneval,rewards_for_tests:Redness",
-            "--images-per-prompt", "2", "--steps", "3"]
-    two = launch_two(None, [*args, "--out", str(tmp_path / "two"), "--json", str(tmp_path / "two.json")])
-    assert two.returncode == 0, two.stderr[-3000:]
-    assert main([*args, "--out", str(tmp_path / "one"), "--json", str(tmp_path / "one.json")]) == 0
-    one_summary, two_summary = (json.loads((tmp_path / f"{n}.json").read_text())["summary"] for n in ("one", "two"))
+    assert main([*EVAL, "--model", str(tiny_model_dir), "--out", str(tmp_path / "one"), "--json", str(tmp_path / "one.json")]) == 0
+    one_summary, two_summary = (json.loads(path.read_text())["summary"] for path in (tmp_path / "one.json", mode_runs / "eval.json"))
     assert one_summary == two_summary and one_summary["all"]["tiny-geneval"]["images"] == 72
-    assert (tmp_path / "one" / "scores.csv").read_text() == (tmp_path / "two" / "scores.csv").read_text()
+    assert (tmp_path / "one" / "scores.csv").read_text() == (mode_runs / "eval" / "scores.csv").read_text()
 
 
 @pytest.mark.slow  # release only: keeps the suite under 15 minutes on 2 cores

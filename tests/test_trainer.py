@@ -26,9 +26,19 @@ def _metrics(run):
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_train_writes_metrics_checkpoints_and_lora(tiny_model_dir, tmp_path):
+def test_train_writes_metrics_checkpoints_and_lora(tiny_model_dir, tmp_path, monkeypatch):
+    from branchdiff.report import run_report
+
     run = tmp_path / "run"
+    write_report, reports = run_report.write_report, []
+
+    def counted(run_dir):  # the report's writes, each by the iterations its metrics held
+        reports.append(len(_metrics(run_dir)))
+        return write_report(run_dir)
+
+    monkeypatch.setattr(run_report, "write_report", counted)
     assert main(["train", "tiny-chain", *_overrides(tiny_model_dir, run, 2)]) == 0
+    assert reports == [2]  # after the final evaluation only: a run of seconds (ReportSchedule) whose last checkpoint's would be redundant
     metrics = _metrics(run)
     assert [m["iteration"] for m in metrics] == [0, 1]
     for m in metrics:
@@ -257,3 +267,30 @@ def test_adamw_is_fused_where_it_can_be_and_steps_as_the_default():
     assert fused.param_groups[0]["fused"] is True  # ... ours keeps its own: a checkpoint from before the change resumes fused
     assert not fused_adamw([torch.nn.Parameter(torch.zeros(2, device="meta"))])
     assert not fused_adamw([torch.zeros(2, dtype=torch.int64)])
+
+
+def test_the_report_is_rewritten_when_its_time_is_at_most_a_tenth_of_the_run():
+    """ReportSchedule: a checkpoint writes the report once the run has trained 20 s, then only when the time since
+    the last write ended is at least 9 times that write's duration (a 2 s report after 18 s more)."""
+    from branchdiff.training.run_control import ReportSchedule
+
+    now = [100.0]
+    schedule = ReportSchedule(clock=lambda: now[0])
+
+    def write(seconds: float):
+        return lambda: now.__setitem__(0, now[0] + seconds)
+
+    now[0] = 119.9
+    assert not schedule.due()
+    now[0] = 120.0
+    assert schedule.due()
+    schedule.write(write(2.0))  # ends at 122 s
+    now[0] = 139.9
+    assert not schedule.due()
+    now[0] = 140.0
+    assert schedule.due()
+    schedule.write(write(0.5))  # ends at 140.5 s, took 0.5 s: due again 4.5 s later
+    now[0] = 144.9
+    assert not schedule.due()
+    now[0] = 145.0
+    assert schedule.due()

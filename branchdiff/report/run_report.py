@@ -3,7 +3,7 @@ base64 PNGs; no script, no external CSS, font or image) that opens offline.
 
 Built from what the run directory holds (branchdiff/report/run_data.py reads it); only metrics.jsonl
 is required. A section whose inputs are absent says "not recorded in this run", and a section that
-fails to draw says so in place: the trainer rebuilds the report at every checkpoint and must not
+fails to draw says so in place: the trainer rebuilds the report at checkpoints and must not
 stop for it.
 
 This module is the page: the sections and `write_report`. The figures, curves and grid images it

@@ -13,7 +13,8 @@ Iteration i: a held-out evaluation first when `eval_every` divides i (the policy
 rollouts come from: on iteration 0 the base model) with a grid of fixed prompts and seeds, then the
 iteration, its metrics line (metrics.jsonl and TensorBoard, main process), a grid of training
 samples, a checkpoint every `logging.checkpoint_every` iterations and at the end, and the report
-(report.html) after every checkpoint.
+(report.html) after a checkpoint when drawing it keeps under a tenth of the run's time (`ReportSchedule`), when
+the run stops early, and after the final evaluation.
 
 Every stop leaves a checkpoint of the last complete iteration, from which `--resume latest`
 continues as if the run had never stopped:
@@ -90,7 +91,7 @@ from branchdiff.training.hacking import WatchState
 from branchdiff.training.lr_schedule import LearningRateSchedule
 from branchdiff.training.metrics import dataset_iteration_metrics, iteration_metrics
 from branchdiff.training.optimizer import make_optimizer
-from branchdiff.training.run_control import Interrupted, InterruptRequest, progress_fields, stop_reason
+from branchdiff.training.run_control import Interrupted, InterruptRequest, ReportSchedule, progress_fields, stop_reason
 from branchdiff.training.update import UpdateLoop
 
 
@@ -382,6 +383,7 @@ def _train(trainer: Trainer, heartbeat: Heartbeat | None) -> None:
     trackers.start(accelerator, tracker_names(config.logging.report_to), run_dir, trainer.start_iteration, to_dict(config))
     progress = tqdm(range(trainer.start_iteration, config.iterations), initial=trainer.start_iteration, total=config.iterations,
                     desc="train", disable=not accelerator.is_local_main_process)
+    report = ReportSchedule()
     try:
         with InterruptRequest() as interrupt:
             for iteration in progress:
@@ -397,7 +399,9 @@ def _train(trainer: Trainer, heartbeat: Heartbeat | None) -> None:
                     if heartbeat:
                         heartbeat.doing(f"the checkpoint of iteration {iteration}")
                     trainer.save_checkpoint(iteration)
-                    _write_report(trainer)
+                    # a run that ends here normally gets its report after the final evaluation (branchdiff/cli/train.py)
+                    if stop or (iteration < config.iterations - 1 and report.due()):
+                        report.write(lambda: _write_report(trainer))
                 if reason is not None:
                     raise RunStopped(reason)
                 if stop:

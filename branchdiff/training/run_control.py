@@ -1,10 +1,12 @@
 """What the training loop (branchdiff/training/recipe.py) decides between iterations: Ctrl-C's request to
-stop after the iteration under way, the progress bar's fields, and why a run cannot go on."""
+stop after the iteration under way, when the run report is rewritten, the progress bar's fields, and why a run cannot go on."""
 
 from __future__ import annotations
 
 import signal
 import sys
+import time
+from collections.abc import Callable
 from typing import cast
 
 from branchdiff.settings.config import TrainConfig
@@ -36,6 +38,27 @@ class InterruptRequest:
 
     def __exit__(self, *exc: object) -> None:
         signal.signal(signal.SIGINT, self.previous)
+
+
+class ReportSchedule:
+    """When a checkpoint rewrites the run report: once the run has trained `first_after` seconds, then when the
+    time since the last write ended is at least `ratio` times that write's own duration, so drawing the report
+    takes at most 1 / (1 + ratio) of the run's time (its figures take seconds: on the built-in model, longer
+    than an iteration). A run whose iterations take minutes rewrites it at every checkpoint; a run shorter
+    than `first_after`, when it ends."""
+
+    def __init__(self, ratio: float = 9.0, first_after: float = 20.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self.ratio, self.clock = ratio, clock
+        self.next = clock() + first_after  # the earliest time of the next write
+
+    def due(self) -> bool:
+        return self.clock() >= self.next
+
+    def write(self, write_report: Callable[[], object]) -> None:
+        start = self.clock()
+        write_report()
+        end = self.clock()
+        self.next = end + self.ratio * (end - start)
 
 
 def progress_fields(metrics: dict[str, float]) -> dict[str, str]:
