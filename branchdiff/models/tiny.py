@@ -55,8 +55,8 @@ def build_tokenizer() -> CLIPTokenizer:
     byte_tokens = list(bytes_to_unicode().values())
     tokens = byte_tokens + [t + "</w>" for t in byte_tokens] + ["".join(m.split()) for m in merges]
     tokens += ["<|startoftext|>", "<|endoftext|>"]
-    # transformers types merges as strings; its BPE model takes pairs too
-    return CLIPTokenizer(vocab={t: i for i, t in enumerate(tokens)}, merges=[tuple(m.split()) for m in merges])  # type: ignore[misc]
+    # (its BPE model takes the merges as pairs)
+    return CLIPTokenizer(vocab={t: i for i, t in enumerate(tokens)}, merges=[tuple(m.split()) for m in merges])
 
 
 def build_text_encoder(tokenizer: CLIPTokenizer) -> CLIPTextModelWithProjection:
@@ -89,8 +89,7 @@ class TinyAdapter(ModelAdapter):
     ) -> None:
         self.device = torch.device(device)
         self.denoiser = transformer.to(self.device)
-        # transformers decorates its `to` with functools.wraps(torch.nn.Module.to): typeshed's wrapper does not bind self
-        self.text_encoder = text_encoder.to(self.device).requires_grad_(False).eval()  # type: ignore[arg-type]
+        self.text_encoder = text_encoder.to(self.device).requires_grad_(False).eval()
         self.tokenizer = tokenizer
 
     @classmethod
