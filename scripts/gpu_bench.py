@@ -13,11 +13,19 @@ them), in bf16, fed the family's real input shapes at a stated real resolution, 
   under `model.attention_backend: native`, branchdiff/models/attention.py), and the LoRA gradients with it
   against PyTorch's own kernels (finite, how far apart, the step's speed-up);
 - with `--compile blocks|full`, last, the LoRA-wrapped forward at the largest batch eager and compiled as
-  `model.compile` compiles it (the first call, compilation included, and the speed-up).
+  `model.compile` compiles it (the first call, compilation included, and the speed-up);
+- first, whole training iterations (`--tree`, SD3.5 Medium): the chain, the tree, Mix and the best configuration of
+  `branchdiff bench tree` (BranchGRPO's 20-step tree, 16 leaves a prompt) with the SD3.5 presets' settings (512²,
+  CFG 4.5, LoRA rank 32, bf16, gradient checkpointing, helpers offloaded), each through `Trainer.run_iteration`
+  on a pipeline saved from the published configs (random weights; the text encoders one layer deep at their real
+  widths and token counts) and loaded by the real loading code: per-phase seconds, chain ÷ each, efficiency
+  against the NFE-implied speed-up, CUDA's peak of each phase against `branchdiff plan`'s estimate of the same
+  settings, and the rollout's log-prob check at bf16 (max |log p_train − log p_rollout| before the update).
 An optional measurement (cuDNN, compiled) that a kernel or compiler refuses records its error and the rest go on.
 
     python scripts/gpu_bench.py --out gpu-bench.json                 # the four released sizes, stops itself after --budget s
     python scripts/gpu_bench.py --tiny --out /tmp/bench.json         # every code path on tiny configs, on the CPU too
+    python scripts/gpu_bench.py --tree none                          # the denoisers only
 
 Each family is skipped with its reason when the time left or the memory runs short; the JSON is rewritten
 after every measurement, so a run stopped from outside keeps what it measured.
@@ -28,6 +36,8 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import shutil
+import tempfile
 import time
 from collections.abc import Callable
 from functools import partial
@@ -51,6 +61,27 @@ TINY: dict[str, dict] = {
 }
 TINY_SIZES: dict[str, tuple[int, int, int]] = {"sd3": (1, 64, 64), "flux2-klein-4b": (1, 64, 64), "sana": (1, 128, 128), "wan": (5, 32, 48)}
 LORA_RANK = 64
+# the whole iterations (--tree): `bench tree`'s variants on SD3.5 Medium with its presets' settings (sd35-pickscore.yaml)
+TREE_FAMILY = "sd3"
+TREE_VARIANTS = ("chain", "tree", "mix", "best")  # the chain first: every ratio needs it
+TREE_RESOLUTION, TREE_TINY_RESOLUTION = 512, 64
+TREE_SETTINGS = ["model.family=sd3", "model.dtype=bfloat16", "model.offload=true", "model.finetune=lora", "train.lora_rank=32",
+                 "train.lora_alpha=64", "train.mixed_precision=bf16", "train.gradient_checkpointing=true", "sampling.guidance=4.5",
+                 "sampling.max_batch=16", "train.minibatch=8", "prompts.per_iteration=1", "reward=gpu_bench:Warmth", "logging.report_to=none",
+                 "final_eval=false"]
+TREE_TINY_SETTINGS = ["sampling.guidance=1.0", "train.gradient_checkpointing=false", "train.minibatch=64"]  # --tiny: the same code, less arithmetic
+PHASES = ("rollout", "reward", "train")  # the phases an iteration's metrics measure (memory_<phase>_gb)
+
+
+class Warmth:
+    """A weight-free reward with spread on any image: mean of R − B (the tree iteration's; a real reward model's
+    cost is the `score` phase of `bench tree`, measured where its weights are)."""
+
+    name = "warmth"
+    scale = "mean of R - B, in [-1, 1]"
+
+    def __call__(self, images: torch.Tensor, prompts: list[str], metadata: dict | None = None) -> torch.Tensor:
+        return (images[:, 0] - images[:, 2]).flatten(1).mean(dim=1)
 
 
 def synchronize(device: torch.device) -> None:
@@ -212,6 +243,105 @@ def measure_family(bench: Bench, key: str, size: tuple[int, int, int], tiny: boo
     return result
 
 
+def save_tree_pipeline(folder: Path, tiny: bool) -> None:
+    """An SD3 pipeline saved to `folder` as `model.path` reads it: the denoiser and VAE from the published configs
+    (random weights, bf16), the three text encoders at their real widths one layer deep (their weights are not
+    what is measured; a prompt is encoded once an iteration), the built-in CLIP tokenizer for all three (77 and 256
+    tokens, as the pipeline pads), SD3.5's scheduler; `tiny`: small widths, the same classes."""
+    import diffusers
+    from transformers import CLIPTextConfig, CLIPTextModelWithProjection, T5Config, T5EncoderModel
+
+    from branchdiff.models.tiny import build_tokenizer
+    from branchdiff.plan import published
+    from branchdiff.plan.families import families
+
+    family = families()[TREE_FAMILY]
+    denoiser_config = {**family.config, **(TINY[TREE_FAMILY] if tiny else {})}
+    vae_config = {**published.VAE_KL16, "scaling_factor": 1.5305, "shift_factor": 0.0609}  # SD3.5's vae/config.json
+    if tiny:
+        vae_config.update(down_block_types=["DownEncoderBlock2D"] * 2, up_block_types=["UpDecoderBlock2D"] * 2, block_out_channels=[16, 32],
+                          layers_per_block=1, norm_num_groups=8)
+    tokenizers = [build_tokenizer() for _ in range(3)]
+    for tokenizer in tokenizers[:2]:
+        tokenizer.model_max_length = 77
+    special = dict(vocab_size=len(tokenizers[0]), bos_token_id=tokenizers[0].bos_token_id, eos_token_id=tokenizers[0].eos_token_id,
+                   pad_token_id=tokenizers[0].pad_token_id)
+    width = (lambda real, small: small if tiny else real)
+    clip_l = CLIPTextConfig(**{**published.CLIP_L, **special, "num_hidden_layers": 1, "hidden_size": width(768, 16),
+                               "intermediate_size": width(3072, 32), "num_attention_heads": width(12, 2), "projection_dim": width(768, 8)})
+    clip_g = CLIPTextConfig(**{**published.CLIP_G, **special, "num_hidden_layers": 1, "hidden_size": width(1280, 16),
+                               "intermediate_size": width(5120, 32), "num_attention_heads": width(20, 2), "projection_dim": width(1280, 8)})
+    t5 = T5Config(**{**published.T5_XXL, "num_layers": 1, "vocab_size": len(tokenizers[2]), "d_model": width(4096, denoiser_config["joint_attention_dim"]),
+                     "d_ff": width(10240, 64), "num_heads": width(64, 2), "d_kv": width(64, 16), "pad_token_id": tokenizers[2].pad_token_id,
+                     "eos_token_id": tokenizers[2].eos_token_id, "decoder_start_token_id": 0, "is_encoder_decoder": False})
+    device = torch.device("cuda" if torch.cuda.is_available() and not tiny else "cpu")
+    with device:
+        pipe = diffusers.StableDiffusion3Pipeline(
+            transformer=diffusers.SD3Transformer2DModel.from_config(denoiser_config), vae=diffusers.AutoencoderKL.from_config(vae_config),
+            scheduler=diffusers.FlowMatchEulerDiscreteScheduler(shift=3.0),
+            text_encoder=CLIPTextModelWithProjection(clip_l), tokenizer=tokenizers[0],
+            text_encoder_2=CLIPTextModelWithProjection(clip_g), tokenizer_2=tokenizers[1],
+            text_encoder_3=T5EncoderModel(t5), tokenizer_3=tokenizers[2])
+    pipe.to(torch.bfloat16).save_pretrained(folder, safe_serialization=True)
+
+
+def tree_iterations(bench: Bench, tiny: bool, variants: list[str]) -> dict:
+    """`variants` of `bench tree` (chain, tree, mix, best), each a fresh `Trainer` on the saved pipeline: one warm-up
+    iteration (not with `tiny`), one measured; then the chain's trained-row cost c (`measure_trained_row_cost`, 4 rows) and the
+    ratios and efficiencies of `bench tree`, and each phase's CUDA peak against the plan's estimate."""
+    from branchdiff.bench.iteration import BASE, VARIANTS, chain_ratios, measure_trained_row_cost, variant_row
+    from branchdiff.plan.estimate import Estimator, Target, estimate
+    from branchdiff.settings.load import load_config
+    from branchdiff.training.recipe import Trainer
+
+    folder = Path(tempfile.mkdtemp(prefix="branchdiff-gpu-tree-"))
+    resolution = TREE_TINY_RESOLUTION if tiny else TREE_RESOLUTION
+    settings = [*BASE, *TREE_SETTINGS, *(TREE_TINY_SETTINGS if tiny else [])]
+    result: dict[str, Any] = {"family": TREE_FAMILY, "resolution": resolution, "settings": settings, "variants": {}}
+    try:
+        start = time.perf_counter()
+        save_tree_pipeline(folder / "pipeline", tiny)
+        result["build_seconds"] = time.perf_counter() - start
+        rows: dict[str, dict] = {}
+        c = None
+        estimator = Estimator()  # the family's figures measured once for every variant
+        for name in variants:
+            if bench.left() < 60:
+                result["variants"][name] = "skipped: the run's time budget is spent"
+                continue
+            config = load_config(None, [*settings, *VARIANTS[name], f"model.path={folder / 'pipeline'}", f"model.resolution={resolution}",
+                                        f"output_dir={folder / name}"])
+            planned = estimate(config, Target(), estimator)
+            trainer = None
+            try:
+                trainer = Trainer(config)
+                if not tiny:
+                    trainer.run_iteration(0)  # warm-up: kernels chosen, the allocator's pools grown
+                synchronize(bench.device)
+                start = time.perf_counter()
+                metrics = trainer.run_iteration(1).metrics
+                synchronize(bench.device)
+                rows[name] = variant_row([{**metrics, "seconds": time.perf_counter() - start}])
+                rows[name].update(logprob_check=metrics["logprob_check"], memory={
+                    phase: {"peak_gib": metrics[f"memory_{phase}_gb"], "planned_gib": planned.phase_peak(phase) / 2**30,
+                            "peak_over_plan": metrics[f"memory_{phase}_gb"] / (planned.phase_peak(phase) / 2**30)} for phase in PHASES})
+                if name == "chain":
+                    c = measure_trained_row_cost(trainer, rows=4, repeats=3)
+                result["variants"][name] = rows[name]
+            except torch.cuda.OutOfMemoryError as error:  # this variant only: the smaller trees may still fit
+                result["variants"][name] = f"skipped: out of memory ({str(error).splitlines()[0]}); plan's peak {planned.peak / 2**30:.1f} GiB"
+            del trainer
+            if bench.device.type == "cuda":
+                torch.cuda.empty_cache()
+            bench.save()
+        if c is not None and len(rows) > 1:  # (the chain measured)
+            result["trained_row_cost_c"] = c
+            result["ratios"] = chain_ratios(rows, c)  # also puts speedup, nfe_speedup, efficiency and efficiency_lost in each row
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    return result
+
+
 def optional(measure: Callable[[], dict]) -> dict | str:
     """An optional measurement's figures, or the line of the error a kernel or compiler raised (the rest still measured)."""
     try:
@@ -291,6 +421,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compile", default="none", choices=["none", "blocks", "full"],
                         help="also time the forward at the largest batch compiled as model.compile does (default none)")
     parser.add_argument("--compile-backend", default="inductor", help="torch.compile's backend (default inductor; eager: the tests' quick one)")
+    parser.add_argument("--tree", default=",".join(TREE_VARIANTS),
+                        help=f"whole iterations of these variants first (default {','.join(TREE_VARIANTS)}; none: skip)")
     parser.add_argument("--tiny", action="store_true", help="tiny configs of the same classes: every code path in seconds, CPU or GPU")
     args = parser.parse_args(argv)
     keys = [k for k in args.families.split(",") if k]
@@ -300,9 +432,23 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cpu" and not args.tiny:
         parser.error("no CUDA device here: the released sizes need a GPU; --tiny runs every code path on the CPU")
+    variants = [] if args.tree == "none" else [v for v in args.tree.split(",") if v]
+    if any(v not in TREE_VARIANTS for v in variants):
+        parser.error(f"--tree: choose among {', '.join(TREE_VARIANTS)} (or none)")
     bench = Bench(args.out, args.budget, device)
     bench.record["matmul_peak_tflops"] = peak = matmul_peak(device, 256 if args.tiny else 8192)
     bench.save()
+    if variants:
+        try:
+            bench.record["tree_iteration"] = tree_iterations(bench, args.tiny, variants)
+        except torch.cuda.OutOfMemoryError as error:
+            bench.record["tree_iteration"] = f"skipped: out of memory ({str(error).splitlines()[0]})"
+        except RuntimeError as error:
+            bench.record["tree_iteration"] = f"failed: {type(error).__name__}: {str(error).splitlines()[0]}"
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        bench.save()
+        print(json.dumps({"tree_iteration": bench.record["tree_iteration"]}, indent=1), flush=True)
     batches = [int(b) for b in args.batches.split(",")]
     train_rows = [int(b) for b in args.train_rows.split(",")]
     for key in keys:

@@ -23,7 +23,7 @@ def _bench():
 def test_every_family_measures_at_tiny_size_and_writes_its_figures(tmp_path):
     bench = _bench()
     out = tmp_path / "bench.json"
-    assert bench.main(["--tiny", "--out", str(out), "--batches", "1,2", "--train-rows", "1"]) == 0
+    assert bench.main(["--tiny", "--out", str(out), "--batches", "1,2", "--train-rows", "1", "--tree", "none"]) == 0
     record = json.loads(out.read_text())
     assert record["matmul_peak_tflops"] > 0 and set(record["families"]) == set(bench.RELEASES)
     for key, figures in record["families"].items():
@@ -39,15 +39,36 @@ def test_every_family_measures_at_tiny_size_and_writes_its_figures(tmp_path):
 def test_the_compiled_forward_is_timed_against_the_eager_one(tmp_path):
     out = tmp_path / "bench.json"
     assert _bench().main(["--tiny", "--out", str(out), "--families", "sd3", "--batches", "2", "--train-rows", "1", "--compile", "blocks",
-                          "--compile-backend", "eager"]) == 0
+                          "--compile-backend", "eager", "--tree", "none"]) == 0
     compiled = json.loads(out.read_text())["families"]["sd3"]["forward_compiled"]
     assert compiled["mode"] == "blocks" and compiled["rows"] == 2 and compiled["speedup_over_eager"] > 0 and compiled["first_call_seconds"] > 0
 
 
+def test_whole_iterations_of_the_chain_and_the_best_tree_measure_their_phases_ratios_and_memory(tmp_path, monkeypatch):
+    """--tree: a tiny SD3 pipeline saved and loaded as model.path, a fresh Trainer per variant, one measured iteration
+    each: the phases sum to the iteration, the chain ÷ best ratio and its efficiency are `bench tree`'s (speed-up over
+    the NFE model's), every phase's peak beside the plan's, and the ratio of probabilities 1 before the update."""
+    monkeypatch.syspath_prepend(str(SCRIPT.parent))  # the reward `gpu_bench:Warmth`, as a run from scripts/ imports it
+    out = tmp_path / "bench.json"
+    assert _bench().main(["--tiny", "--out", str(out), "--families", "", "--tree", "best,chain"]) == 0
+    tree = json.loads(out.read_text())["tree_iteration"]
+    assert tree["resolution"] == 64 and set(tree["variants"]) == {"chain", "best"}
+    chain, best = tree["variants"]["chain"], tree["variants"]["best"]
+    for row in (chain, best):
+        assert sum(row["profile"].values()) == pytest.approx(row["seconds"]) and row["seconds"] > 0
+        assert row["logprob_check"] < 1e-3
+        assert set(row["memory"]) == {"rollout", "reward", "train"} and all(m["planned_gib"] > 0 for m in row["memory"].values())
+    assert chain["nfe_rollout"] == 16 * 20 and best["nfe_rollout"] < chain["nfe_rollout"]  # 16 chains of 20 steps (--tiny: no CFG) against the tree's
+    assert tree["ratios"]["chain_over_best"] == pytest.approx(chain["seconds"] / best["seconds"])
+    assert best["efficiency"] == pytest.approx(best["speedup"] / best["nfe_speedup"]) and tree["trained_row_cost_c"] > 0
+
+
 def test_a_spent_budget_skips_with_its_reason(tmp_path):
     out = tmp_path / "bench.json"
-    assert _bench().main(["--tiny", "--out", str(out), "--budget", "0", "--families", "sd3"]) == 0
-    assert json.loads(out.read_text())["families"] == {"sd3": "skipped: the run's time budget is spent"}
+    assert _bench().main(["--tiny", "--out", str(out), "--budget", "0", "--families", "sd3", "--tree", "chain"]) == 0
+    record = json.loads(out.read_text())
+    assert record["families"] == {"sd3": "skipped: the run's time budget is spent"}
+    assert record["tree_iteration"]["variants"] == {"chain": "skipped: the run's time budget is spent"}
 
 
 def test_the_released_sizes_are_refused_without_cuda(capsys):

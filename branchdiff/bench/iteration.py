@@ -122,7 +122,8 @@ def rollout_and_bare_seconds(trainer: Trainer, iteration: int) -> tuple[float, f
     return info["rollout_seconds"], time.perf_counter() - start
 
 
-def _row(runs: list[dict]) -> dict:
+def variant_row(runs: list[dict]) -> dict:
+    """A variant's figures over its measured iterations (each a run_iteration's metrics with its `seconds`): medians."""
     return {
         "nfe_rollout": runs[0]["nfe_rollout"],
         "nfe_rollout_computed": runs[0]["nfe_rollout_computed"],
@@ -190,8 +191,8 @@ def bench_tree(json_path: Path | None = None, repeats: int = 3, extra_overrides:
     rows: dict[str, dict] = {}
     ratios: dict = {"trained_row_cost_c": c, "forward_ms_per_row": row_costs}
     for conf in configurations:
-        conf_rows = {name: _row(runs) for (name, run_conf), runs in samples.items() if run_conf == conf}
-        conf_ratios = _ratios(conf_rows, c)
+        conf_rows = {name: variant_row(runs) for (name, run_conf), runs in samples.items() if run_conf == conf}
+        conf_ratios = chain_ratios(conf_rows, c)
         conf_ratios["rollout_over_bare_forward"] = statistics.median(rollout_over_bare[conf])
         if conf == "default":
             rows, ratios = conf_rows, {**ratios, **conf_ratios}
@@ -207,7 +208,7 @@ def bench_tree(json_path: Path | None = None, repeats: int = 3, extra_overrides:
     return result
 
 
-def _ratios(rows: dict[str, dict], c: float) -> dict:
+def chain_ratios(rows: dict[str, dict], c: float) -> dict:
     """Speed-ups over the chain, and each variant's efficiency against the NFE model (module doc)."""
     chain = rows["chain"]
     chain_cost = chain["nfe_rollout_computed"] + c * chain["nfe_trained"]
