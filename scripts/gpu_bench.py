@@ -251,6 +251,7 @@ def save_tree_pipeline(folder: Path, tiny: bool) -> None:
     import diffusers
     from transformers import CLIPTextConfig, CLIPTextModelWithProjection, T5Config, T5EncoderModel
 
+    from branchdiff.models.loading import quiet_loading
     from branchdiff.models.tiny import build_tokenizer
     from branchdiff.plan import published
     from branchdiff.plan.families import families
@@ -275,14 +276,14 @@ def save_tree_pipeline(folder: Path, tiny: bool) -> None:
                      "d_ff": width(10240, 64), "num_heads": width(64, 2), "d_kv": width(64, 16), "pad_token_id": tokenizers[2].pad_token_id,
                      "eos_token_id": tokenizers[2].eos_token_id, "decoder_start_token_id": 0, "is_encoder_decoder": False})
     device = torch.device("cuda" if torch.cuda.is_available() and not tiny else "cpu")
-    with device:
+    with device, quiet_loading():  # (diffusers' notices about casting a model built from its config)
         pipe = diffusers.StableDiffusion3Pipeline(
             transformer=diffusers.SD3Transformer2DModel.from_config(denoiser_config), vae=diffusers.AutoencoderKL.from_config(vae_config),
             scheduler=diffusers.FlowMatchEulerDiscreteScheduler(shift=3.0),
             text_encoder=CLIPTextModelWithProjection(clip_l), tokenizer=tokenizers[0],
             text_encoder_2=CLIPTextModelWithProjection(clip_g), tokenizer_2=tokenizers[1],
             text_encoder_3=T5EncoderModel(t5), tokenizer_3=tokenizers[2])
-    pipe.to(torch.bfloat16).save_pretrained(folder, safe_serialization=True)
+        pipe.to(torch.bfloat16).save_pretrained(folder, safe_serialization=True)
 
 
 def tree_iterations(bench: Bench, tiny: bool, variants: list[str]) -> dict:
