@@ -48,7 +48,10 @@ def test_whole_iterations_of_the_chain_and_the_best_tree_measure_their_phases_ra
     """--tree: a tiny SD3 pipeline saved and loaded as model.path, a fresh Trainer per variant, one measured iteration
     each: the phases sum to the iteration, the chain ÷ best ratio and its efficiency are `bench tree`'s (speed-up over
     the NFE model's), every phase's peak beside the plan's, and the ratio of probabilities 1 before the update."""
+    from accelerate.state import AcceleratorState
+
     monkeypatch.syspath_prepend(str(SCRIPT.parent))  # the reward `gpu_bench:Warmth`, as a run from scripts/ imports it
+    AcceleratorState._reset_state()  # an earlier test's Accelerator in this process (another precision); the bench runs in its own
     out = tmp_path / "bench.json"
     assert _bench().main(["--tiny", "--out", str(out), "--families", "", "--tree", "best,chain"]) == 0
     tree = json.loads(out.read_text())["tree_iteration"]

@@ -40,6 +40,8 @@ BUILT_IN: dict[str, Registered] = {
     "tiny-video": Registered("branchdiff.rewards.tiny_video:TinyVideoVerifier"),  # clips of the built-in video task
     "videoalign": Registered("branchdiff.rewards.videoalign:VideoAlignReward"),  # videos: a Qwen2-VL reward model from a local folder (VQ, MQ, TA)
     "flicker": Registered("branchdiff.rewards.flicker:Flicker"),  # videos: frame-to-frame change
+    "ocr": Registered("branchdiff.rewards.ocr:OCRReward", needs=("rapidocr_onnxruntime",),  # rendered text: PP-OCRv4 inside its wheel
+                      install="pip install 'branchdiff-rl[ocr]'"),
     "edit-consistency": Registered("branchdiff.rewards.edit_consistency:EditConsistency"),  # editing: the source kept outside the edit
     "clip-consistency": Registered("branchdiff.rewards.clip_consistency:CLIPConsistencyReward",  # videos: adjacent frames' CLIP similarity
                                    weights=(("model", "openai/clip-vit-large-patch14", "config.json"),)),

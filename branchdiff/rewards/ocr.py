@@ -1,0 +1,81 @@
+"""`ocr`: the text-rendering reward of Flow-GRPO (Liu et al., arXiv 2505.05470): how much of the text a
+prompt asks for an OCR engine reads in the image.
+
+    t = the prompt's text between its first two double quotes ("..."), lower-cased, spaces removed
+    r = every line the engine reads with confidence > `min_confidence`, joined in its order, normalised alike
+    d = 0 if t is a substring of r, else the edit (Levenshtein) distance between r and t
+    ocr = 1 − min(d, |t|) / |t|                      in [0, 1]; 1 when the text is there, whatever else is
+
+The same as Flow-GRPO's public `ocr.py` but for three cases it leaves undefined: a prompt without quotes
+targets the whole prompt (its code raises there), an empty target scores 1 when nothing is read and 0
+otherwise (its code divides by zero), and an engine error stops the run with its message instead of
+scoring 0 (a broken engine would otherwise look like unreadable images).
+
+The engine is RapidOCR (`rapidocr-onnxruntime`: PaddleOCR's PP-OCRv4 detection and recognition models
+as ONNX, shipped inside its wheel, so the reward runs offline): `pip install 'branchdiff-rl[ocr]'`. It is
+given each image as 8-bit BGR pixels (its convention for arrays); it runs on the CPU.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from branchdiff.rewards.base import to_uint8
+
+
+def edit_distance(a: str, b: str) -> int:
+    """Levenshtein distance: the fewest single-character insertions, deletions and substitutions turning
+    `a` into `b` (Wagner–Fischer, one row at a time)."""
+    previous = list(range(len(b) + 1))  # distances from a[:0] to every prefix of b
+    for i, char_a in enumerate(a, start=1):
+        current = [i]
+        for j, char_b in enumerate(b, start=1):
+            current.append(min(previous[j] + 1, current[j - 1] + 1, previous[j - 1] + (char_a != char_b)))
+        previous = current
+    return previous[-1]
+
+
+def target_text(prompt: str) -> str:
+    """The text a prompt asks to render: between its first two double quotes (the whole prompt without them)."""
+    parts = prompt.split('"')
+    return parts[1] if len(parts) > 2 else prompt
+
+
+def normalise(text: str) -> str:
+    return text.replace(" ", "").lower()
+
+
+def text_score(read: str, target: str) -> float:
+    """1 − min(d, |t|) / |t| of the module doc, both texts normalised here."""
+    read, target = normalise(read), normalise(target)
+    if not target:
+        return float(not read)
+    distance = 0 if target in read else edit_distance(read, target)
+    return 1.0 - min(distance, len(target)) / len(target)
+
+
+class OCRReward:
+    name = "ocr"
+    scale = "1 − min(edit distance, |target|) / |target| in [0, 1]: the prompt's quoted text against what OCR reads (case and spaces ignored)"
+
+    def __init__(self, device: str | torch.device = "cpu", min_confidence: float = 0.0) -> None:
+        try:
+            from rapidocr_onnxruntime import RapidOCR
+        except ImportError:
+            raise ImportError("reward 'ocr' needs rapidocr-onnxruntime: pip install 'branchdiff-rl[ocr]'") from None
+        if not 0.0 <= min_confidence < 1.0:
+            raise ValueError(f"reward 'ocr': min_confidence = {min_confidence} must lie in [0, 1)")
+        self.device = torch.device("cpu")  # the engine's ONNX sessions run on the CPU, whatever `device` the run names
+        self.min_confidence = min_confidence
+        self.engine = RapidOCR()
+
+    def read(self, pixels: Any) -> str:
+        """The text the engine reads in one (H, W, 3) uint8 RGB array, its lines joined in its order."""
+        lines, _ = self.engine(pixels[:, :, ::-1].copy())  # BGR
+        return "".join(text for _, text, confidence in lines or [] if float(confidence) > self.min_confidence)
+
+    def __call__(self, images: torch.Tensor, prompts: list[str], metadata: list[dict] | None = None) -> torch.Tensor:
+        pixels = to_uint8(images).permute(0, 2, 3, 1).numpy()  # (B, H, W, 3)
+        return torch.tensor([text_score(self.read(image), target_text(prompt)) for image, prompt in zip(pixels, prompts)])
