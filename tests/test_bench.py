@@ -2,7 +2,7 @@
 
 import pytest
 
-from branchdiff.bench.iteration import _ratios, bench_tree
+from branchdiff.bench.iteration import bench_tree, chain_ratios
 
 
 @pytest.mark.slow
@@ -45,7 +45,7 @@ def test_efficiency_lost_accounts_for_the_whole_gap():
     variant 50 + 10 rows (0.6 + 0.25 s, 0.08 s fixed, 0.95 s), c = 3: k = (50 + 30) / (100 + 300) = 0.2,
     efficiency 0.2 · 3.2 / 0.95; the medians' mismatch 0.05 s and 0.02 s."""
     rows = {"chain": _variant(100, 100, 1.0, 2.0, 0.15, 3.2), "tree": _variant(50, 10, 0.6, 0.25, 0.08, 0.95)}
-    _ratios(rows, c=3.0)
+    chain_ratios(rows, c=3.0)
     tree = rows["tree"]
     assert tree["efficiency"] == pytest.approx(0.2 * 3.2 / 0.95)
     expected = {"rollout_rows": 0.6 - 1.0 * 0.5, "trained_rows": 0.25 - 2.0 * 0.1, "fixed": 0.08 - 0.2 * 0.15, "medians": 0.02 - 0.2 * 0.05,

@@ -51,9 +51,12 @@ def test_whole_iterations_of_the_chain_and_the_best_tree_measure_their_phases_ra
     from accelerate.state import AcceleratorState
 
     monkeypatch.syspath_prepend(str(SCRIPT.parent))  # the reward `gpu_bench:Warmth`, as a run from scripts/ imports it
-    AcceleratorState._reset_state()  # an earlier test's Accelerator in this process (another precision); the bench runs in its own
     out = tmp_path / "bench.json"
-    assert _bench().main(["--tiny", "--out", str(out), "--families", "", "--tree", "best,chain"]) == 0
+    AcceleratorState._reset_state()  # the bench's Trainers train in bf16, this process's others in fp32: each starts from no state
+    try:
+        assert _bench().main(["--tiny", "--out", str(out), "--families", "", "--tree", "best,chain"]) == 0
+    finally:
+        AcceleratorState._reset_state()
     tree = json.loads(out.read_text())["tree_iteration"]
     assert tree["resolution"] == 64 and set(tree["variants"]) == {"chain", "best"}
     chain, best = tree["variants"]["chain"], tree["variants"]["best"]

@@ -272,38 +272,48 @@ class RemoteReward:
 
     def _request(self, path: str, body: bytes | None = None) -> object:
         """The JSON reply to GET (body None) or POST `path`, with bounded retries and backoff."""
-        url = self.url + path
         headers = {"Accept": "application/json", **self._auth, **({} if body is None else {"Content-Type": CONTENT_TYPE})}
-        failure = unreachable = None
-        for attempt in range(self.retries + 1):
-            if attempt:
-                time.sleep(self.backoff * 2 ** (attempt - 1))
-            request = urllib.request.Request(url, data=body, headers=headers, method="GET" if body is None else "POST")
-            unreachable = False
+        return post_json(self.url + path, body, headers, self.timeout, self.retries, self.backoff, "reward server",
+                         unreachable_hint="; is `branchdiff serve-reward` running there?", retried=RETRIED_STATUS, opener=self._opener)
+
+
+def post_json(url: str, body: bytes | None, headers: dict[str, str], timeout: float, retries: int, backoff: float, who: str,
+              unreachable_hint: str = "", retried: tuple[int, ...] = (429, *RETRIED_STATUS),
+              opener: urllib.request.OpenerDirector | None = None) -> object:
+    """The JSON reply to a GET (`body` None) or POST of `body` to `url`, tried `retries` more times after a connection
+    error, a timeout or a `retried` status (attempt k first waits `backoff · 2^(k−1)` s); any other HTTP error, an
+    answer that is not JSON or the last failure is a one-line `RemoteRewardError` starting "`who` `url`". Proxies
+    (HTTP_PROXY and friends) are ignored unless `opener` says otherwise."""
+    opener = opener or urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    failure = unreachable = None
+    for attempt in range(retries + 1):
+        if attempt:
+            time.sleep(backoff * 2 ** (attempt - 1))
+        request = urllib.request.Request(url, data=body, headers=headers, method="GET" if body is None else "POST")
+        unreachable = False
+        try:
+            with opener.open(request, timeout=timeout) as response:
+                raw = response.read()
+        except urllib.error.HTTPError as error:
+            failure = f"answered HTTP {error.code}: {_error_message(error)}"
+            if error.code not in retried:
+                raise RemoteRewardError(f"{who} {url} {failure}") from None
+        except TimeoutError:
+            failure = f"did not answer within {timeout:g} s"
+        except urllib.error.URLError as error:
+            reason = error.reason
+            unreachable = not isinstance(reason, (TimeoutError, socket.timeout))
+            failure = (f"is not reachable ({one_line(getattr(reason, 'strerror', None) or reason)})" if unreachable
+                       else f"did not answer within {timeout:g} s")
+        except (OSError, http.client.HTTPException) as error:  # reset, closed mid-reply, ...
+            failure = f"dropped the connection ({type(error).__name__}: {one_line(error)})"
+        else:
             try:
-                with self._opener.open(request, timeout=self.timeout) as response:
-                    raw = response.read()
-            except urllib.error.HTTPError as error:
-                failure = f"answered HTTP {error.code}: {_error_message(error)}"
-                if error.code not in RETRIED_STATUS:
-                    raise RemoteRewardError(f"reward server {url} {failure}") from None
-            except TimeoutError:
-                failure = f"did not answer within {self.timeout:g} s"
-            except urllib.error.URLError as error:
-                reason = error.reason
-                unreachable = not isinstance(reason, (TimeoutError, socket.timeout))
-                failure = (f"is not reachable ({one_line(getattr(reason, 'strerror', None) or reason)})" if unreachable
-                           else f"did not answer within {self.timeout:g} s")
-            except (OSError, http.client.HTTPException) as error:  # reset, closed mid-reply, ...
-                failure = f"dropped the connection ({type(error).__name__}: {one_line(error)})"
-            else:
-                try:
-                    return json.loads(raw)
-                except ValueError:
-                    raise RemoteRewardError(f"reward server {url} answered something that is not JSON: {one_line(raw[:200])}") from None
-        attempts = f"{self.retries + 1} attempt{'s' if self.retries else ''}"
-        hint = "; is `branchdiff serve-reward` running there?" if unreachable else ""
-        raise RemoteRewardError(f"reward server {url} {failure} ({attempts}){hint}")
+                return json.loads(raw)
+            except ValueError:
+                raise RemoteRewardError(f"{who} {url} answered something that is not JSON: {one_line(raw[:200])}") from None
+    attempts = f"{retries + 1} attempt{'s' if retries else ''}"
+    raise RemoteRewardError(f"{who} {url} {failure} ({attempts}){unreachable_hint if unreachable else ''}")
 
 
 def _error_message(error: urllib.error.HTTPError) -> str:

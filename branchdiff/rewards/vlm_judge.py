@@ -1,0 +1,114 @@
+"""`vlm-judge`: a vision-language model asked a yes/no question about each image, served behind an
+OpenAI-compatible chat-completions API (vLLM, SGLang, a hosted one): the VLM-as-judge rewards of
+UnifiedReward-style judges.
+
+Each image goes as a PNG data URL in one user message with the question (`question`, its `{prompt}`
+replaced by the image's prompt); the request asks for one token with its top log-probabilities
+(`max_tokens: 1, logprobs: true, top_logprobs: k, temperature: 0`). The score is the probability of
+yes among the yes and no tokens the answer's top k holds:
+
+    vlm-judge = Σ_{t ∈ yes} exp(logprob_t) / (Σ_{t ∈ yes} exp(logprob_t) + Σ_{t ∈ no} exp(logprob_t))   in [0, 1]
+
+tokens compared with their surrounding spaces removed (` Yes` is `Yes`). An answer whose top k holds
+neither is an error naming the tokens it holds (raise k, or add the judge's spelling to `yes` / `no`).
+
+Requests run `concurrency` at a time; each waits at most `timeout` seconds for the server and is tried
+again `retries` times after a connection error, a timeout or a 429/502/503/504 (attempt k first waits
+`backoff · 2^(k−1)` s). The API key is read from the environment variable `api_key_env` when set there,
+and sent as `Authorization: Bearer`; it is never read from the config.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import math
+import os
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+from PIL import Image
+
+from branchdiff.errors import one_line
+from branchdiff.rewards.base import to_uint8
+from branchdiff.rewards.remote import RemoteRewardError, post_json
+
+DEFAULT_QUESTION = 'Does this image show "{prompt}"? Answer yes or no.'
+YES = ("yes", "Yes", "YES")
+NO = ("no", "No", "NO")
+
+
+def yes_probability(top_logprobs: list[dict], yes: tuple[str, ...], no: tuple[str, ...]) -> float | None:
+    """P(yes) of the module doc from one answer token's top log-probabilities ([{"token", "logprob"}, ...]);
+    None when they hold neither a yes nor a no token."""
+    mass = {"yes": 0.0, "no": 0.0}
+    for entry in top_logprobs:
+        token = str(entry.get("token", "")).strip()
+        side = "yes" if token in yes else "no" if token in no else None
+        if side:
+            mass[side] += math.exp(float(entry["logprob"]))
+    total = mass["yes"] + mass["no"]
+    return mass["yes"] / total if total > 0 else None
+
+
+def png_data_url(pixels: torch.Tensor) -> str:
+    """An image (3, H, W) uint8 as a `data:image/png;base64,...` URL."""
+    buffer = io.BytesIO()
+    Image.fromarray(pixels.permute(1, 2, 0).numpy()).save(buffer, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+class VLMJudge:
+    name = "vlm-judge"
+    scale = "P(yes) in [0, 1]: the judge's probability of yes over yes + no among its top answer tokens"
+    device = torch.device("cpu")  # the model runs on the server
+
+    def __init__(self, url: str, model: str, question: str = DEFAULT_QUESTION, yes: list[str] | tuple[str, ...] = YES,
+                 no: list[str] | tuple[str, ...] = NO, top_logprobs: int = 20, concurrency: int = 8, timeout: float = 60.0, retries: int = 2,
+                 backoff: float = 1.0, api_key_env: str = "OPENAI_API_KEY") -> None:
+        if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+            raise ValueError(f"reward 'vlm-judge': url={url!r} must start with http:// or https:// (the API's base, e.g. http://127.0.0.1:8000/v1)")
+        if "{prompt}" not in question:
+            raise ValueError(f"reward 'vlm-judge': question={question!r} must hold {{prompt}}, where each image's prompt goes")
+        if not yes or not no or set(yes) & set(no):
+            raise ValueError(f"reward 'vlm-judge': yes={list(yes)} and no={list(no)} must be non-empty and share no token")
+        for key, value, low in (("top_logprobs", top_logprobs, 1), ("concurrency", concurrency, 1), ("retries", retries, 0)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise ValueError(f"reward 'vlm-judge': {key}={value!r} must be an integer ≥ {low}")
+        for key, number in (("timeout", timeout), ("backoff", backoff)):
+            if not isinstance(number, (int, float)) or number < 0 or (key == "timeout" and number == 0):
+                raise ValueError(f"reward 'vlm-judge': {key}={number!r} must be a number of seconds {'> 0' if key == 'timeout' else '≥ 0'}")
+        self.url, self.model, self.question = url.rstrip("/") + "/chat/completions", model, question
+        self.yes, self.no, self.top_logprobs = tuple(yes), tuple(no), top_logprobs
+        self.concurrency, self.timeout, self.retries, self.backoff = concurrency, float(timeout), retries, float(backoff)
+        key = os.environ.get(api_key_env)
+        self.headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
+
+    def request(self, pixels: torch.Tensor, prompt: str) -> bytes:
+        """The chat-completions body asking about one image (3, H, W) uint8."""
+        content = [{"type": "image_url", "image_url": {"url": png_data_url(pixels)}},
+                   {"type": "text", "text": self.question.replace("{prompt}", prompt)}]
+        return json.dumps({"model": self.model, "messages": [{"role": "user", "content": content}], "max_tokens": 1, "temperature": 0,
+                           "logprobs": True, "top_logprobs": self.top_logprobs}).encode()
+
+    def score(self, pixels: torch.Tensor, prompt: str) -> float:
+        reply = post_json(self.url, self.request(pixels, prompt), self.headers, self.timeout, self.retries, self.backoff, "judge")
+        try:
+            top = reply["choices"][0]["logprobs"]["content"][0]["top_logprobs"]
+            probability = yes_probability(top, self.yes, self.no)
+        except (KeyError, IndexError, TypeError, ValueError):
+            raise RemoteRewardError(f"judge {self.url} answered without the log-probabilities of its first token "
+                                    f"(choices[0].logprobs.content[0].top_logprobs): {one_line(reply, 200)}; does the server take "
+                                    "logprobs and top_logprobs?") from None
+        if probability is None:
+            held = [str(entry.get("token", "")) for entry in top]
+            raise RemoteRewardError(f"judge {self.url} answered with neither a yes {list(self.yes)} nor a no {list(self.no)} token among its "
+                                    f"top {len(held)}: {one_line(held, 200)}; raise top_logprobs or add its spelling to yes / no")
+        return probability
+
+    def __call__(self, images: torch.Tensor, prompts: list[str], metadata: list[dict] | None = None) -> torch.Tensor:
+        pixels = to_uint8(images)  # (B, 3, H, W)
+        with ThreadPoolExecutor(max_workers=self.concurrency) as pool:
+            scores = list(pool.map(self.score, pixels, prompts))  # in order; the first failure is raised
+        return torch.tensor(scores, dtype=torch.float32)
