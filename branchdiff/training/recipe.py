@@ -402,6 +402,8 @@ def _train(trainer: Trainer, heartbeat: Heartbeat | None) -> None:
                     # a run that ends here normally gets its report after the final evaluation (branchdiff/cli/train.py)
                     if stop or (iteration < config.iterations - 1 and report.due()):
                         report.write(lambda: _write_report(trainer))
+                    if stop:  # every process leaves once the main one's report is written: a launcher ends the others when one exits
+                        accelerator.wait_for_everyone()
                 if reason is not None:
                     raise RunStopped(reason)
                 if stop:
