@@ -54,8 +54,14 @@ def _rendered(text: str, size: int, serif: bool, noise: float, seed: int) -> tor
     return (pixels + noise * torch.randn(pixels.shape, generator=torch.Generator().manual_seed(seed))).clamp(0, 1)
 
 
+def _engine() -> None:
+    """rapidocr-onnxruntime is in the [test] extra; its OpenCV needs the system's libGL, so an image without it skips here."""
+    pytest.importorskip("rapidocr_onnxruntime", reason="rapidocr-onnxruntime (the [ocr] extra) or its OpenCV does not import here")
+
+
 @pytest.fixture(scope="module")
 def reward():
+    _engine()
     return build_reward("ocr")
 
 
@@ -71,6 +77,7 @@ def test_the_real_models_read_rendered_text_and_score_it_as_computed_by_hand(rew
 
 
 def test_it_is_listed_and_its_settings_are_checked():
+    _engine()
     assert any(row["name"] == "ocr" for row in available())
     with pytest.raises(ValueError, match="min_confidence = 1.5 must lie in"):
         build_reward("ocr", kwargs={"min_confidence": 1.5})
@@ -80,6 +87,7 @@ def test_a_text_rendering_prompt_set_loads_and_a_tiny_run_scores_with_ocr(tmp_pa
     """Flow-GRPO's format (dataset/ocr/train.txt: a prompt a line) through prompts.train; the built-in model draws
     shapes, not letters, so every score is 0 here (no group has a spread to learn from): the run goes end to end and
     logs the reward."""
+    _engine()
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     prompts = tmp_path / "train.txt"
     prompts.write_text("\n".join(PROMPTS) + "\n")
