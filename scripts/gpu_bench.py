@@ -323,9 +323,9 @@ def tree_iterations(bench: Bench, tiny: bool, variants: list[str]) -> dict:
                 metrics = trainer.run_iteration(1).metrics
                 synchronize(bench.device)
                 rows[name] = variant_row([{**metrics, "seconds": time.perf_counter() - start}])
+                peaks = {phase: (metrics[f"memory_{phase}_gb"], planned.phase_peak(phase) / 2**30) for phase in PHASES}
                 rows[name].update(logprob_check=metrics["logprob_check"], memory={
-                    phase: {"peak_gib": metrics[f"memory_{phase}_gb"], "planned_gib": planned.phase_peak(phase) / 2**30,
-                            "peak_over_plan": metrics[f"memory_{phase}_gb"] / (planned.phase_peak(phase) / 2**30)} for phase in PHASES})
+                    phase: {"peak_gib": peak, "planned_gib": plan, "peak_over_plan": peak / plan} for phase, (peak, plan) in peaks.items()})
                 if name == "chain":
                     c = measure_trained_row_cost(trainer, rows=4, repeats=3)
                 result["variants"][name] = rows[name]

@@ -37,6 +37,7 @@ from branchdiff.rewards.remote import (
     to_uint8,
 )
 from branchdiff.rewards.server import BackgroundServer, Limits, create_app, serve
+from json_handler import JSONHandler  # tests/ is on sys.path
 
 FAST = {"retries": 1, "backoff": 0.01, "timeout": 5.0}  # failures in these tests take milliseconds
 
@@ -119,12 +120,12 @@ def geneval_server():
         yield reward, server
 
 
-class Stub(http.server.BaseHTTPRequestHandler):
+class Stub(JSONHandler):
     """Answers /health like a reward server and /score with the server's canned `answer`."""
 
     def do_GET(self) -> None:
         health = {"status": "ok", "name": "stub", "scale": "none", "wire": WIRE_VERSION} if self.path == "/health" else {"hello": "world"}
-        self._send(200, json.dumps(health).encode())
+        self.send_json(200, json.dumps(health).encode())
 
     def do_POST(self) -> None:
         self.rfile.read(int(self.headers["Content-Length"]))
@@ -132,20 +133,11 @@ class Stub(http.server.BaseHTTPRequestHandler):
         status, body, delay = self.server.answer
         time.sleep(delay)
         try:
-            self._send(status, body)
+            self.send_json(status, body)
         except OSError:  # the client gave up (timeout test)
             pass
         self.server.answered.set()
 
-    def _send(self, status: int, body: bytes) -> None:
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *args) -> None:
-        pass
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ import json
 import math
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 
 import numpy as np
 import pytest
@@ -24,6 +24,7 @@ from branchdiff.rewards.base import to_uint8
 from branchdiff.rewards.registry import build_reward
 from branchdiff.rewards.remote import RemoteRewardError
 from branchdiff.rewards.vlm_judge import yes_probability
+from json_handler import JSONHandler  # tests/ is on sys.path
 
 
 def judged(pixels: np.ndarray) -> float:
@@ -32,21 +33,11 @@ def judged(pixels: np.ndarray) -> float:
     return min(0.99, max(0.01, 0.5 + float((rgb[..., 0] - rgb[..., 1:].mean(axis=-1)).mean())))
 
 
-class StandIn(BaseHTTPRequestHandler):
+class StandIn(JSONHandler):
     mode = "ok"  # ok | refuse | stall | garbage | neither | busy-once
     requests: list[dict] = []
     in_flight = peak = 0
     lock = threading.Lock()
-
-    def log_message(self, *args: object) -> None:
-        pass
-
-    def _send(self, status: int, body: bytes) -> None:
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
 
     def do_POST(self) -> None:
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
@@ -61,11 +52,11 @@ class StandIn(BaseHTTPRequestHandler):
                 time.sleep(3)
                 return
             if cls.mode == "refuse":
-                return self._send(401, b'{"error": {"message": "invalid api key"}}')
+                return self.send_json(401, b'{"error": {"message": "invalid api key"}}')
             if cls.mode == "busy-once" and first:
-                return self._send(503, b'{"error": "loading"}')
+                return self.send_json(503, b'{"error": "loading"}')
             if cls.mode == "garbage":
-                return self._send(200, b'{"choices": [{"message": {"content": "yes"}}]}')
+                return self.send_json(200, b'{"choices": [{"message": {"content": "yes"}}]}')
             time.sleep(0.05)  # long enough for requests to overlap
             url = body["messages"][0]["content"][0]["image_url"]["url"]
             pixels = np.asarray(Image.open(io.BytesIO(base64.b64decode(url.split(",", 1)[1]))).convert("RGB"))
@@ -73,7 +64,7 @@ class StandIn(BaseHTTPRequestHandler):
             top = ([{"token": "maybe", "logprob": -3.0}, {"token": "perhaps", "logprob": -4.0}] if cls.mode == "neither" else
                    [{"token": " Yes", "logprob": math.log(p)}, {"token": "No", "logprob": math.log(1 - p)}, {"token": "maybe", "logprob": -6.0}])
             reply = {"choices": [{"message": {"content": "Yes"}, "logprobs": {"content": [{"token": " Yes", "top_logprobs": top}]}}]}
-            self._send(200, json.dumps(reply).encode())
+            self.send_json(200, json.dumps(reply).encode())
         finally:
             with cls.lock:
                 cls.in_flight -= 1

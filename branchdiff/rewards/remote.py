@@ -80,7 +80,7 @@ def encode_batch(images: torch.Tensor, prompts: list[str], metadata: list[dict],
     elif image_format == "uint8":
         payload = to_uint8(images).numpy().tobytes()
     else:
-        pngs = [_encode_png(image) for image in to_uint8(images).reshape(-1, *images.shape[-3:])]  # (N, 3, H, W): images or frames
+        pngs = [encode_png(image) for image in to_uint8(images).reshape(-1, *images.shape[-3:])]  # (N, 3, H, W): images or frames
         header["png_sizes"] = [len(png) for png in pngs]
         payload = b"".join(pngs)
     try:
@@ -127,7 +127,7 @@ def decode_batch(body: bytes) -> tuple[torch.Tensor, list[str], list[dict]]:
     return from_uint8(pixels), prompts, metadata
 
 
-def _encode_png(pixels: torch.Tensor) -> bytes:
+def encode_png(pixels: torch.Tensor) -> bytes:
     """One lossless 8-bit RGB PNG of uint8 pixels (3, H, W)."""
     from PIL import Image
 
@@ -273,13 +273,13 @@ class RemoteReward:
     def _request(self, path: str, body: bytes | None = None) -> object:
         """The JSON reply to GET (body None) or POST `path`, with bounded retries and backoff."""
         headers = {"Accept": "application/json", **self._auth, **({} if body is None else {"Content-Type": CONTENT_TYPE})}
-        return post_json(self.url + path, body, headers, self.timeout, self.retries, self.backoff, "reward server",
-                         unreachable_hint="; is `branchdiff serve-reward` running there?", retried=RETRIED_STATUS, opener=self._opener)
+        return request_json(self.url + path, body, headers, self.timeout, self.retries, self.backoff, "reward server",
+                            unreachable_hint="; is `branchdiff serve-reward` running there?", retried=RETRIED_STATUS, opener=self._opener)
 
 
-def post_json(url: str, body: bytes | None, headers: dict[str, str], timeout: float, retries: int, backoff: float, who: str,
-              unreachable_hint: str = "", retried: tuple[int, ...] = (429, *RETRIED_STATUS),
-              opener: urllib.request.OpenerDirector | None = None) -> object:
+def request_json(url: str, body: bytes | None, headers: dict[str, str], timeout: float, retries: int, backoff: float, who: str,
+                 unreachable_hint: str = "", retried: tuple[int, ...] = (429, *RETRIED_STATUS),
+                 opener: urllib.request.OpenerDirector | None = None) -> object:
     """The JSON reply to a GET (`body` None) or POST of `body` to `url`, tried `retries` more times after a connection
     error, a timeout or a `retried` status (attempt k first waits `backoff · 2^(k−1)` s); any other HTTP error, an
     answer that is not JSON or the last failure is a one-line `RemoteRewardError` starting "`who` `url`". Proxies

@@ -21,18 +21,16 @@ and sent as `Authorization: Bearer`; it is never read from the config.
 from __future__ import annotations
 
 import base64
-import io
 import json
 import math
 import os
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
-from PIL import Image
 
 from branchdiff.errors import one_line
 from branchdiff.rewards.base import to_uint8
-from branchdiff.rewards.remote import RemoteRewardError, post_json
+from branchdiff.rewards.remote import RemoteRewardError, encode_png, request_json
 
 DEFAULT_QUESTION = 'Does this image show "{prompt}"? Answer yes or no.'
 YES = ("yes", "Yes", "YES")
@@ -50,13 +48,6 @@ def yes_probability(top_logprobs: list[dict], yes: tuple[str, ...], no: tuple[st
             mass[side] += math.exp(float(entry["logprob"]))
     total = mass["yes"] + mass["no"]
     return mass["yes"] / total if total > 0 else None
-
-
-def png_data_url(pixels: torch.Tensor) -> str:
-    """An image (3, H, W) uint8 as a `data:image/png;base64,...` URL."""
-    buffer = io.BytesIO()
-    Image.fromarray(pixels.permute(1, 2, 0).numpy()).save(buffer, format="PNG")
-    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
 
 
 class VLMJudge:
@@ -87,13 +78,13 @@ class VLMJudge:
 
     def request(self, pixels: torch.Tensor, prompt: str) -> bytes:
         """The chat-completions body asking about one image (3, H, W) uint8."""
-        content = [{"type": "image_url", "image_url": {"url": png_data_url(pixels)}},
+        content = [{"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(encode_png(pixels)).decode()}},
                    {"type": "text", "text": self.question.replace("{prompt}", prompt)}]
         return json.dumps({"model": self.model, "messages": [{"role": "user", "content": content}], "max_tokens": 1, "temperature": 0,
                            "logprobs": True, "top_logprobs": self.top_logprobs}).encode()
 
     def score(self, pixels: torch.Tensor, prompt: str) -> float:
-        reply = post_json(self.url, self.request(pixels, prompt), self.headers, self.timeout, self.retries, self.backoff, "judge")
+        reply = request_json(self.url, self.request(pixels, prompt), self.headers, self.timeout, self.retries, self.backoff, "judge")
         try:
             top = reply["choices"][0]["logprobs"]["content"][0]["top_logprobs"]
             probability = yes_probability(top, self.yes, self.no)
