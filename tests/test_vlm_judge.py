@@ -33,6 +33,18 @@ def judged(pixels: np.ndarray) -> float:
     return min(0.99, max(0.01, 0.5 + float((rgb[..., 0] - rgb[..., 1:].mean(axis=-1)).mean())))
 
 
+def preferred_first(first: np.ndarray, second: np.ndarray) -> float:
+    """The stand-in judge's P(first) for a pair: the redder one preferred, with a bias toward the image shown first."""
+    return 1 / (1 + math.exp(-(8 * (judged(first) - judged(second)) + POSITION_BIAS)))
+
+
+POSITION_BIAS = 0.8  # logits in favour of the first image, whatever it shows
+
+
+def _decoded(url: str) -> np.ndarray:
+    return np.asarray(Image.open(io.BytesIO(base64.b64decode(url.split(",", 1)[1]))).convert("RGB"))
+
+
 class StandIn(JSONHandler):
     mode = "ok"  # ok | refuse | stall | garbage | neither | busy-once
     requests: list[dict] = []
@@ -58,11 +70,11 @@ class StandIn(JSONHandler):
             if cls.mode == "garbage":
                 return self.send_json(200, b'{"choices": [{"message": {"content": "yes"}}]}')
             time.sleep(0.05)  # long enough for requests to overlap
-            url = body["messages"][0]["content"][0]["image_url"]["url"]
-            pixels = np.asarray(Image.open(io.BytesIO(base64.b64decode(url.split(",", 1)[1]))).convert("RGB"))
-            p = judged(pixels)
+            shown = [_decoded(part["image_url"]["url"]) for part in body["messages"][0]["content"] if part["type"] == "image_url"]
+            p = judged(shown[0]) if len(shown) == 1 else preferred_first(*shown)
+            words = (" Yes", "No") if len(shown) == 1 else (" First", "Second")
             top = ([{"token": "maybe", "logprob": -3.0}, {"token": "perhaps", "logprob": -4.0}] if cls.mode == "neither" else
-                   [{"token": " Yes", "logprob": math.log(p)}, {"token": "No", "logprob": math.log(1 - p)}, {"token": "maybe", "logprob": -6.0}])
+                   [{"token": words[0], "logprob": math.log(p)}, {"token": words[1], "logprob": math.log(1 - p)}, {"token": "maybe", "logprob": -6.0}])
             reply = {"choices": [{"message": {"content": "Yes"}, "logprobs": {"content": [{"token": " Yes", "top_logprobs": top}]}}]}
             self.send_json(200, json.dumps(reply).encode())
         finally:
@@ -142,3 +154,56 @@ def test_a_server_that_is_not_there_and_bad_settings_are_one_line(closed_port):
         _judge(closed_port, question="Is it good?")
     with pytest.raises(ValueError, match=r"must start with http:// or https://"):
         _judge("localhost:8000")
+
+
+def _win_rates(pixels: list[np.ndarray]) -> list[float]:
+    """Each image's win rate against the others, both orders averaged: an independent computation of the tournament."""
+    count = len(pixels)
+    return [sum((preferred_first(pixels[i], pixels[j]) + 1 - preferred_first(pixels[j], pixels[i])) / 2 for j in range(count) if j != i) / (count - 1)
+            for i in range(count)]
+
+
+def test_pairwise_mode_scores_each_image_by_its_win_rate_in_its_group_both_orders(judge_url):
+    images = _images(7)
+    prompts = ["a fox"] * 4 + ["a hen"] * 3  # two groups: the images sharing a prompt
+    judge = _judge(judge_url, mode="pairwise", concurrency=4)
+    scores = judge(images, prompts, [{} for _ in prompts])
+    pixels = [image.permute(1, 2, 0).numpy() for image in to_uint8(images)]
+    assert scores.tolist() == pytest.approx(_win_rates(pixels[:4]) + _win_rates(pixels[4:]), abs=1e-6)
+    assert len(StandIn.requests) == 4 * 3 + 3 * 2  # every ordered pair of each group
+    shown = [[part["type"] for part in r["body"]["messages"][0]["content"]] for r in StandIn.requests]
+    assert all(parts == ["image_url", "image_url", "text"] for parts in shown)
+    assert StandIn.requests[0]["body"]["messages"][0]["content"][2]["text"].startswith('Both images were made for "a ')
+    one_order = [sum(preferred_first(pixels[i], pixels[j]) for j in range(4) if j != i) / 3 for i in range(4)]
+    assert max(abs(a - b) for a, b in zip(one_order, scores[:4].tolist())) > 0.05  # the position bias, cancelled by the second order
+    assert judge.scale.startswith("win rate") and hasattr(judge, "score_group")
+
+
+def test_pairwise_answers_without_first_or_second_are_one_line(judge_url):
+    StandIn.mode = "neither"
+    with pytest.raises(RemoteRewardError, match=r"neither a first \['first', 'First', 'FIRST'\] nor a second .*add its spelling to first / second"):
+        _judge(judge_url, mode="pairwise")(_images(2), ["a", "a"], [{}, {}])
+    with pytest.raises(ValueError, match=r"mode='listwise' must be one of pointwise, pairwise"):
+        _judge(judge_url, mode="listwise")
+
+
+def test_a_tiny_run_trains_on_a_pairwise_tournament(judge_url, tiny_model_dir, tmp_path):
+    from branchdiff.settings.load import load_config
+    from branchdiff.training.recipe import Trainer
+
+    reward = f"{{name: vlm-judge, kwargs: {{url: '{judge_url}', model: judge-7b, mode: pairwise}}}}"
+    config = load_config(None, [
+        f"model.path={tiny_model_dir}", f"output_dir={tmp_path / 'run'}", "iterations=1", "seed=0", f"reward={reward}",
+        "prompts.per_iteration=2", "tree.roots=3", "sampling.num_steps=3", "sampling.max_batch=8", "train.minibatch=4",
+        "model.finetune=lora", "train.learning_rate=1e-2", "final_eval=false", "logging.report_to=none"])
+    result = Trainer(config).run_iteration(0)
+    tree = result.rollout.tree
+    leaf_prompts = tree.prompt[tree.leaf_index]  # (6,) three samples a prompt
+    pixels = [image.permute(1, 2, 0).numpy() for image in to_uint8(result.leaf_images)]
+    leaf_rewards = result.node_rewards[tree.leaf_index]
+    for group in range(2):
+        rows = (leaf_prompts == group).nonzero().flatten().tolist()
+        assert leaf_rewards[rows].tolist() == pytest.approx(_win_rates([pixels[r] for r in rows]), abs=1e-6)
+    assert len(StandIn.requests) == 2 * 3 * 2
+    assert result.metrics["reward_mean"] == pytest.approx(0.5)  # a tournament's win rates average ½
+    assert result.metrics["edges_trained"] > 0 and result.metrics["grad_norm"] > 0

@@ -24,6 +24,7 @@ from branchdiff.errors import one_line, quote
 from branchdiff.rewards.base import check_scores
 from branchdiff.rewards.combine import RewardSpec, combine
 from branchdiff.rewards.frames import FrameAggregation
+from branchdiff.rewards.group import is_group_reward, score_by_group
 from branchdiff.rewards.registry import build_reward, check_reward_kwargs, reward_key
 
 
@@ -46,7 +47,8 @@ def takes_sources(reward: object) -> bool:
 
 
 def score_component(reward: object, label: str, images: torch.Tensor, prompts: list[str], metadata: list[dict],
-                    required: bool = True, frames: FrameAggregation | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor], bool]:
+                    required: bool = True, frames: FrameAggregation | None = None,
+                    groups: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor], bool]:
     """The boundary every reward call goes through (training, evaluation, `rewards check`): the
     reward's scores (B,) and its declared extra scores, each a float CPU tensor, and whether it
     failed. A raising reward stops with a one-line `RewardError` when required, else is NaN for
@@ -55,16 +57,23 @@ def score_component(reward: object, label: str, images: torch.Tensor, prompts: l
     (B, F, 3, H, W) go whole to a reward that declares `video = True`; a reward of images scores
     them through `frames` (every N-th frame, reduced per video), and without it stops with one line.
     A reward whose call takes `sources=` also receives each image's source images (tensors (3, h, w)
-    in [0, 1]; None when the prompts have none)."""
+    in [0, 1]; None when the prompts have none). A group reward (`score_group`) is called once per
+    group: `groups` (B,) each image's group index, or None for the images sharing a prompt
+    (branchdiff/rewards/group.py)."""
     count, kind = len(prompts), "videos" if images.dim() == 5 else "images"
     videos = images.dim() == 5 and not getattr(reward, "video", False)
     if videos:
+        if is_group_reward(reward):
+            raise RewardError(f"reward {label!r} ranks whole groups and scores images, and the model makes videos: a group reward of "
+                              "videos must score them whole (video = True); rank a reward of videos instead")
         if frames is None:
             raise RewardError(f"reward {label!r} scores images and the model makes videos (B, F, 3, H, W): give it frames: N (score "
                               "every N-th frame) and reduce: mean or min, e.g. {name: " + label + ", frames: 4, reduce: mean}")
         images, prompts, metadata = frames.frames_of(images, prompts, metadata)
     try:
-        if hasattr(reward, "score"):  # a reward that reports more than its score (tiny-geneval)
+        if is_group_reward(reward):  # a reward that sees the group: one call per group
+            raw, more = score_by_group(reward, label, images, prompts, metadata, groups), {}
+        elif hasattr(reward, "score"):  # a reward that reports more than its score (tiny-geneval)
             every = reward.score(images, prompts)
             raw, more = every[reward_key(reward)], {k: every[k] for k in extra_keys(reward)}
         elif takes_sources(reward):  # an editing reward: each image's source images as well
@@ -131,7 +140,7 @@ class MultiReward:
         """Score images (B, 3, H, W) or videos (B, F, 3, H, W) in [0, 1]; `groups` (B,) the group (prompt) of each."""
         components, extras, counts = {}, {}, {}
         for spec, reward, name in zip(self.specs, self.rewards, self.names):
-            scores, more, failed = score_component(reward, spec.label, images, prompts, metadata, spec.required, spec.frames)
+            scores, more, failed = score_component(reward, spec.label, images, prompts, metadata, spec.required, spec.frames, groups)
             counts[f"{name}_failed"] = int(failed)
             counts[f"{name}_nonfinite"] = 0 if failed else int((~torch.isfinite(scores)).sum())
             components[name] = scores

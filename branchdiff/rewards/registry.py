@@ -42,7 +42,8 @@ BUILT_IN: dict[str, Registered] = {
     "flicker": Registered("branchdiff.rewards.flicker:Flicker"),  # videos: frame-to-frame change
     "ocr": Registered("branchdiff.rewards.ocr:OCRReward", needs=("rapidocr_onnxruntime",),  # rendered text: PP-OCRv4 inside its wheel
                       install="pip install 'branchdiff-rl[ocr]'"),
-    "vlm-judge": Registered("branchdiff.rewards.vlm_judge:VLMJudge"),  # a VLM's P(yes) over an OpenAI-compatible API (kwargs: url, model)
+    "vlm-judge": Registered("branchdiff.rewards.vlm_judge:VLMJudge"),  # a VLM's P(yes), or its tournament (mode: pairwise), over an OpenAI-compatible API
+    "group-rank": Registered("branchdiff.rewards.group_rank:GroupRank"),  # another reward's rank within the group (kwargs: reward, kwargs)
     "edit-consistency": Registered("branchdiff.rewards.edit_consistency:EditConsistency"),  # editing: the source kept outside the edit
     "clip-consistency": Registered("branchdiff.rewards.clip_consistency:CLIPConsistencyReward",  # videos: adjacent frames' CLIP similarity
                                    weights=(("model", "openai/clip-vit-large-patch14", "config.json"),)),

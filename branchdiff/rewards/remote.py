@@ -195,7 +195,8 @@ class RemoteReward:
         backoff: seconds before the first retry. Default 1.0.
         image_format: "uint8" (default: 1 byte a value; the server scores `quantize(images)`),
             "float32" (exact, 4 bytes a value) or "png" (lossless 8-bit, smallest for flat images).
-        chunk_size: most images (videos) in one request; a larger batch is sent in order in several.
+        chunk_size: most images (videos) in one request; a larger batch is sent in order in several. A
+            group reward's server (one that scores a prompt's group at once) gets each group whole.
         token_file: a file holding the server's shared token (`serve-reward --token-file`), sent as
             `Authorization: Bearer <token>` with every request.
 
@@ -236,6 +237,8 @@ class RemoteReward:
         self.scale = str(health.get("scale", "unspecified"))
         self.higher_is_better = bool(health.get("higher_is_better", True))
         self.video = bool(health.get("video", False))  # the served reward scores videos whole (B, F, 3, H, W)
+        if health.get("group", False):  # the served reward scores a prompt's group at once (branchdiff/rewards/group.py)
+            self.score_group = self._score_group
 
     def __repr__(self) -> str:
         return f"RemoteReward({self.url!r}, name={self.name!r}, image_format={self.image_format!r})"
@@ -256,6 +259,11 @@ class RemoteReward:
             body = encode_batch(images[start:stop], prompts[start:stop], metadata[start:stop], self.image_format)
             chunks.append(self._scores(self._request("/score", body), stop - start))
         return torch.cat(chunks) if chunks else torch.zeros(0)
+
+    def _score_group(self, images: torch.Tensor, prompts: list[str], metadata: list[dict]) -> torch.Tensor:
+        """Scores (G,) of one group, sent whole in one request whatever `chunk_size` (the server scores each request as one group)."""
+        body = encode_batch(images, prompts, metadata or [{} for _ in prompts], self.image_format)
+        return self._scores(self._request("/score", body), len(prompts))
 
     def _scores(self, reply: object, expected: int) -> torch.Tensor:
         """The float32 scores (n,) of a /score reply, or one line naming the URL and what is wrong."""

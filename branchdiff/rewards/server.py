@@ -4,8 +4,10 @@ lives in its own environment or machine: `branchdiff serve-reward NAME` runs
 `reward: {remote: http://host:port}` (`branchdiff/rewards/remote.py`, docs/reward-server.md).
 
 Endpoints:
-- `GET /health`: 200 and `{"status": "ok", "name", "scale", "higher_is_better", "video", "device",
-  "branchdiff_version", "wire", "formats"}` (`video`: the reward scores videos (B, F, 3, H, W) whole);
+- `GET /health`: 200 and `{"status": "ok", "name", "scale", "higher_is_better", "video", "group", "device",
+  "branchdiff_version", "wire", "formats"}` (`video`: the reward scores videos (B, F, 3, H, W) whole;
+  `group`: it scores a prompt's group at once, so each request holds one group and is scored alone,
+  branchdiff/rewards/group.py);
 - `POST /score`: a batch in the wire format of `branchdiff/rewards/remote.py`, answered `{"scores": [B]}`
   (float32 values, a non-finite score as null), or `{"error": "one line"}` with status 400 for a
   malformed request and 500 when the reward raises or returns the wrong shape.
@@ -45,6 +47,7 @@ import torch
 
 from branchdiff.errors import one_line
 from branchdiff.rewards.base import check_scores
+from branchdiff.rewards.group import is_group_reward, score_by_group
 from branchdiff.rewards.remote import IMAGE_FORMATS, WIRE_VERSION, WireFormatError, decode_batch
 
 DEFAULT_PORT = 8765  # `branchdiff serve-reward` and docs/reward-server.md use it too
@@ -127,6 +130,13 @@ class Batcher:
             size += len(candidate.prompts)
         return batch
 
+    def _score(self, batch: list[_Request], images: torch.Tensor, prompts: list[str], metadata: list[dict]) -> torch.Tensor:
+        """The batch's scores (B,): one call of the reward, or for a group reward one `score_group` call per request (a request is one group)."""
+        if not is_group_reward(self.reward):
+            return check_scores(self.reward(images, prompts, metadata), len(prompts), self.name)
+        groups = torch.repeat_interleave(torch.arange(len(batch)), torch.tensor([len(r.prompts) for r in batch]))  # (B,)
+        return score_by_group(self.reward, self.name, images, prompts, metadata, groups)
+
     def _run(self) -> None:
         while True:
             batch = self._next_batch()
@@ -135,7 +145,7 @@ class Batcher:
                 prompts = [p for r in batch for p in r.prompts]
                 metadata = [m for r in batch for m in r.metadata]
                 with torch.inference_mode():  # grad mode is per thread: set it in the worker
-                    scores = check_scores(self.reward(images.to(self.device), prompts, metadata), len(prompts), self.name)  # (B,) on the CPU
+                    scores = self._score(batch, images.to(self.device), prompts, metadata)  # (B,) on the CPU
                 values = [value if math.isfinite(value) else None for value in scores.tolist()]
             except Exception as error:  # the reward is user code: every request of the batch gets its failure
                 logger.exception("reward %r failed on a batch", self.name)
@@ -170,6 +180,7 @@ def health_info(reward: object) -> dict:
         "scale": str(getattr(reward, "scale", "unspecified")),
         "higher_is_better": bool(getattr(reward, "higher_is_better", True)),
         "video": bool(getattr(reward, "video", False)),  # it scores videos (B, F, 3, H, W) whole
+        "group": is_group_reward(reward),  # it scores a prompt's group at once: each request is one group
         "device": str(getattr(reward, "device", "cpu")),
         "branchdiff_version": branchdiff_version,
         "wire": WIRE_VERSION,

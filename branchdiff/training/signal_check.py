@@ -56,8 +56,9 @@ def check_reward(
     images = adapter.decode(rollout.leaf_latents)  # (P·G, 3, H, W) or videos (P·G, F, 3, H, W), prompt-major
     image_prompts = [prompts[p] for p in tree.prompt[tree.leaf_index].tolist()]
     start = time.perf_counter()
-    scores, _, _ = score_component(reward, label, images, image_prompts, [metadata[p] for p in tree.prompt[tree.leaf_index].tolist()],
-                                   frames=frames)
+    leaf_prompts = tree.prompt[tree.leaf_index]  # (P·G,) each image's group, as in training
+    scores, _, _ = score_component(reward, label, images, image_prompts, [metadata[p] for p in leaf_prompts.tolist()], frames=frames,
+                                   groups=leaf_prompts)
     seconds = time.perf_counter() - start
     nonfinite = int((~torch.isfinite(scores)).sum())
     if nonfinite == len(scores):

@@ -1,0 +1,116 @@
+"""Rewards that see the group (branchdiff/rewards/group.py): the rank and tournament formulas against hand
+computations and scipy's ranks, the grouping every caller uses, `group-rank` through the combiners, the reward
+server and `rewards check`, and a tiny tree run whose leaf rewards are the ranks of its leaves' images among
+their prompt's leaves."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from scipy.stats import rankdata
+
+from branchdiff.cli import main
+from branchdiff.rewards.combine import RewardSpec, group_zscore
+from branchdiff.rewards.group import group_rows, ranks, tournament
+from branchdiff.rewards.multi import MultiReward, RewardError, score_component
+from branchdiff.rewards.registry import available, build_reward
+from branchdiff.settings.load import load_config
+from branchdiff.training.recipe import Trainer
+from rewards_for_tests import Redness  # tests/ is on sys.path
+
+RANK = {"name": "group-rank", "kwargs": {"reward": "rewards_for_tests:Redness"}}
+
+
+def _scipy_ranks(scores: torch.Tensor) -> torch.Tensor:
+    """(rank − 1) / (G − 1), ties averaged: an independent computation of `ranks`."""
+    return torch.tensor((rankdata(scores.numpy(), method="average") - 1) / (len(scores) - 1), dtype=torch.float32)
+
+
+def test_ranks_and_tournaments_against_hand_computations():
+    assert ranks(torch.tensor([0.3, -1.0, 2.0, 0.3])).tolist() == pytest.approx([1.5 / 3, 0, 1, 1.5 / 3])
+    assert ranks(torch.tensor([7.0])).tolist() == [0.5]  # nothing to compare with
+    assert torch.isnan(ranks(torch.tensor([1.0, float("nan"), 2.0]))).all()  # no order: the group is dropped
+    scores = torch.randn(9, generator=torch.Generator().manual_seed(0)).round(decimals=1)  # ties likely
+    assert torch.allclose(ranks(scores), _scipy_ranks(scores))
+    # a judge that prefers whatever it sees first by 0.2 over the truth: both orders cancel the bias
+    truth = torch.tensor([[0.5, 0.7, 0.8], [0.3, 0.5, 0.6], [0.2, 0.4, 0.5]])  # P(row beats column), truth + truth.T = 1
+    assert tournament(truth + 0.15).tolist() == pytest.approx([(0.7 + 0.8) / 2, (0.3 + 0.6) / 2, (0.2 + 0.4) / 2])
+    assert tournament(torch.tensor([[0.5]])).tolist() == [0.5]
+
+
+def test_groups_are_the_given_indices_or_the_shared_prompts():
+    assert group_rows(["a", "b", "a", "c", "b"], None) == [[0, 2], [1, 4], [3]]
+    assert group_rows(["a", "a", "a", "a"], torch.tensor([1, 1, 0, 0])) == [[0, 1], [2, 3]]
+
+
+def _images(count: int, seed: int = 0) -> torch.Tensor:
+    return torch.rand(count, 3, 8, 8, generator=torch.Generator().manual_seed(seed))
+
+
+def test_group_rank_is_the_rank_of_its_inner_reward_within_each_group_and_the_combiners_take_it():
+    images, groups = _images(10), torch.tensor([0, 0, 0, 0, 1, 1, 1, 2, 2, 2])
+    prompts = [f"p{g}" for g in groups.tolist()]
+    redness = Redness()(images, prompts)
+    expected = torch.cat([_scipy_ranks(redness[groups == g]) for g in range(3)])
+    reward = build_reward("group-rank", "cpu", RANK["kwargs"])
+    scores, _, failed = score_component(reward, "group-rank", images, prompts, [{}] * 10, groups=groups)
+    assert not failed and torch.allclose(scores, expected)
+    # a lower-is-better inner reward (mean pixel value) is ranked by its negative: the darkest image of each group ranks first
+    darkness = build_reward("group-rank", "cpu", {"reward": "rewards_for_tests:Darkness"})
+    darkest_first = torch.cat([_scipy_ranks(-images[groups == g].flatten(1).mean(1)) for g in range(3)])
+    assert torch.allclose(score_component(darkness, "group-rank", images, prompts, [{}] * 10, groups=groups)[0], darkest_first)
+    # both combiners: the rank enters like any component, the sum's normalisation acts on it per group
+    for mode in ("sum_then_normalize", "normalize_then_sum"):
+        batch = MultiReward([RewardSpec(**RANK, weight=2.0), RewardSpec("rewards_for_tests:Redness")], mode)(images, prompts, [{}] * 10, groups)
+        parts = (2 * expected + redness) if mode == "sum_then_normalize" else (2 * group_zscore(expected, groups) + group_zscore(redness, groups))
+        assert torch.allclose(batch.total, parts, atol=1e-6), mode
+        assert torch.allclose(batch.components["reward_group-rank"], expected)
+
+
+def test_group_rank_settings_and_videos_are_one_line():
+    with pytest.raises(ValueError, match=r"reward 'group-rank': reward='' must name the reward whose rank it gives"):
+        build_reward("group-rank", "cpu", {"reward": ""})
+    with pytest.raises(ValueError, match=r"unknown reward 'no-such'"):
+        build_reward("group-rank", "cpu", {"reward": "no-such"})
+    reward = build_reward("group-rank", "cpu", RANK["kwargs"])
+    with pytest.raises(RewardError, match=r"reward 'group-rank' ranks whole groups and scores images, and the model makes videos"):
+        score_component(reward, "group-rank", torch.rand(2, 3, 3, 8, 8), ["a", "a"], [{}, {}])
+    assert "group-rank" in [row["name"] for row in available()]
+
+
+def test_a_served_group_reward_gets_one_group_a_request():
+    from branchdiff.rewards.remote import RemoteReward
+    from branchdiff.rewards.server import BackgroundServer
+
+    images, groups = _images(9, seed=1), torch.tensor([0, 0, 0, 1, 1, 1, 2, 2, 2])
+    prompts = ["same prompt"] * 9  # groups by index, not by prompt: a tree's prompts may repeat across groups
+    local = score_component(build_reward("group-rank", "cpu", RANK["kwargs"]), "group-rank", images, prompts, [{}] * 9, groups=groups)[0]
+    with BackgroundServer(build_reward("group-rank", "cpu", RANK["kwargs"])) as server:
+        client = RemoteReward(server.url, image_format="float32", chunk_size=2)  # a group goes whole whatever chunk_size
+        assert client.health["group"] is True
+        served = score_component(client, "remote", images, prompts, [{}] * 9, groups=groups)[0]
+        assert server.batcher.requests == 3
+    assert torch.equal(served, local)
+
+
+def test_rewards_check_scores_a_group_reward_by_group(tiny_model_dir, capsys):
+    assert main(["rewards", "check", "group-rank", "--kwargs", "{reward: rewards_for_tests:Redness}", "--model", str(tiny_model_dir),
+                 "--num-prompts", "2", "--group-size", "3", "--steps", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "reward 'group-rank', scale: rank within the group" in out and " zero_spread_fraction  0\n" in out
+
+
+def test_a_tiny_tree_run_trains_on_each_leafs_rank_among_its_prompts_leaves(tiny_model_dir, tmp_path):
+    config = load_config(None, [
+        f"model.path={tiny_model_dir}", f"output_dir={tmp_path / 'run'}", "iterations=1", "seed=0", f"reward={RANK}".replace("'", ""),
+        "prompts.per_iteration=2", "tree.roots=1", "tree.splits=[[0, 2], [1, 3]]", "sampling.num_steps=3", "sampling.max_batch=8",
+        "train.minibatch=4", "model.finetune=lora", "train.learning_rate=1e-2", "final_eval=false", "logging.report_to=none"])
+    result = Trainer(config).run_iteration(0)
+    tree = result.rollout.tree
+    leaf_prompts = tree.prompt[tree.leaf_index]  # (12,) six leaves a prompt
+    leaf_rewards = result.node_rewards[tree.leaf_index].float()
+    redness = Redness()(result.leaf_images, result.prompts)
+    for group in range(2):
+        assert torch.allclose(leaf_rewards[leaf_prompts == group], _scipy_ranks(redness[leaf_prompts == group]))
+    assert result.metrics["reward_mean"] == pytest.approx(0.5)  # the ranks of a group average ½
+    assert result.metrics["edges_trained"] > 0 and result.metrics["grad_norm"] > 0
