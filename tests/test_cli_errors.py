@@ -172,7 +172,7 @@ def test_eval_missing_model(capsys, tmp_path):
         ([], "the following arguments are required: command; see branchdiff --help"),
         (["sample", "--seeds", "2"], "sample: the following arguments are required: --out; see branchdiff sample --help"),
         (["sample", "--prompt"], "sample: argument --prompt: expected one argument; see branchdiff sample --help"),
-        (["bench", "trees"], "bench: argument which: invalid choice: 'trees' (choose from 'tree', 'explore', 'curves', 'search', 'reward-server'); see branchdiff bench --help"),
+        (["bench", "trees"], "bench: argument which: invalid choice: 'trees' (choose from 'tree', 'explore', 'curves', 'search', 'reward-server', 'overlap'); see branchdiff bench --help"),
         (["sample", "--steps", "1000001", "--out", "x"], "sample: argument --steps: must be in [1, 1000], got 1000001; see branchdiff sample --help"),
         (["eval", "--bogus", "1"], "eval: unrecognized arguments: --bogus 1; see branchdiff eval --help"),
         (["train", "--resmue", "latest"], "train: unrecognized arguments: --resmue; see branchdiff train --help"),
@@ -215,7 +215,8 @@ def test_version_prints_the_installed_distributions_version(capsys, monkeypatch)
 
 BENCHMARKS = {"tree": ("branchdiff.bench.iteration", "bench_tree"), "explore": ("branchdiff.bench.iteration", "bench_explore"),
               "curves": ("branchdiff.bench.curves", "bench_curves"), "search": ("branchdiff.bench.search", "bench_search"),
-              "sampler": ("branchdiff.bench.sampler", "bench_sampler"), "reward-server": ("branchdiff.bench.reward_server", "bench_reward_server")}
+              "sampler": ("branchdiff.bench.sampler", "bench_sampler"), "reward-server": ("branchdiff.bench.reward_server", "bench_reward_server"),
+              "overlap": ("branchdiff.bench.overlap", "bench_overlap")}
 
 
 @pytest.fixture
@@ -238,7 +239,7 @@ def benchmarks(monkeypatch) -> dict[str, list]:
     (["bench", "tree", "--variants", "chain", "--task", "tiny-video"],
      "bench tree: --task is an option of bench curves, not of bench tree; see branchdiff bench curves --help"),
     (["bench", "search", "--images", "2", "prompts.per_iteration=2"],
-     "bench search: key=value overrides (prompts.per_iteration=2) are taken by bench tree, bench explore and bench curves, not by bench search; "
+     "bench search: key=value overrides (prompts.per_iteration=2) are taken by bench tree, bench explore, bench curves and bench overlap, not by bench search; "
      "see branchdiff bench tree --help"),
     (["bench", "search", "--temperature", "2"],
      "bench search: --temperature is λ of the reward-tilted target of bench search --sampler; add --sampler or leave --temperature out"),
@@ -263,7 +264,8 @@ def test_every_option_of_a_benchmark_reaches_it(benchmarks, tmp_path, capsys):
              "--task", "tiny-video", "--points", "3", "--eval-images", "2", "--clock", "modelled", "--first-seed", "3", "a.b=1"],
             ["bench", "search", "--images", "4", "--seeds", "2", "--out", str(out), "--variants", "dts"],
             ["bench", "search", "--sampler", "--temperature", "2", "--images", "4", "--seeds", "1", "--out", str(out), "--variants", "smc"],
-            ["bench", "reward-server", "--json", str(json_path)]]
+            ["bench", "reward-server", "--json", str(json_path)],
+            ["bench", "overlap", "--iterations", "2", "a.b=1", "--json", str(json_path)]]
     for argv in runs:
         assert main(argv) == 0, capsys.readouterr().err
     assert benchmarks == {
@@ -272,7 +274,8 @@ def test_every_option_of_a_benchmark_reaches_it(benchmarks, tmp_path, capsys):
         "curves": [((0.5, 2, None, out, 3, ["chain", "mix"], 2, ["a.b=1"], "modelled", "mix", "tiny-video", 3), {})],
         "search": [((4, 2, None, out, ["dts"]), {})],
         "sampler": [((4, 1, None, out), {"samplers": ["smc"], "temperature": 2.0})],
-        "reward-server": [((json_path,), {})]}
+        "reward-server": [((json_path,), {})],
+        "overlap": [((json_path, 2, ["a.b=1"]), {})]}
 
 
 BROKEN_VISION = {  # a package whose import fails as torchvision's did where pip had mixed a CPU torch with a CUDA torchvision

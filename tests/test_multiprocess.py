@@ -295,7 +295,7 @@ MODES = {"full": ["model.finetune=full"], "nft-lora": ["train.loss=nft"], "guard
          "layertuning-lora": ["train.loss=grpo-layertuning"], "awm-lora": ["train.loss=awm"], "dgpo-lora": ["train.loss=dgpo"],
          "dppo-lora": ["train.loss=dppo"], "dpo-lora": ["train.loss=dpo"],
          "median-lora": ["advantage.baseline=median", "tree.splits=[[0,3]]"], "sft-lora": ["train.loss=sft"],
-         "dpo-offline-lora": ["train.loss=dpo-offline"]}
+         "dpo-offline-lora": ["train.loss=dpo-offline"], "overlap-lora": ["reward_overlap=true", "sampling.max_batch=3"]}
 
 
 def _rates(mode: list[str]) -> list[str]:
@@ -344,7 +344,8 @@ def test_full_finetuning_trains_on_two_processes_like_one(tiny_model_dir, mode_r
     terms by global prompt key too, and DGPO's group statistic and DPO's pairs are per prompt, which
     one process holds whole; DPPO recovers rollout means as GRPO-Guard does; the median baseline's
     pivots are per (prompt, depth); SFT and offline DPO draw their rows as prompts are and their noise
-    levels by each row's global slot."""
+    levels by each row's global slot. Scoring overlapped with the rollout (one prompt a part) scores each
+    process's parts in its own worker."""
     mode = MODES[name]
     full = "model.finetune=full" in mode
     trained_two = _export(mode_runs / name, full)

@@ -198,15 +198,16 @@ BENCHMARKS = {"tree": "one training iteration of each algorithm, side by side (d
               "explore": "each low-precision explorer's ranking of a pool against the policy's, and its cost (docs/explore.md)",
               "curves": "held-out accuracy against training time, per variant and seed (docs/curves.md)",
               "search": "the best reward each search finds against its budget of network rows (docs/search.md)",
-              "reward-server": "a load test of a reward server on the loopback (docs/reward-server.md)"}
+              "reward-server": "a load test of a reward server on the loopback (docs/reward-server.md)",
+              "overlap": "a run scored by a reward server as slow as its rollout, sequential and overlapped (docs/rewards.md)"}
 
 
 def _bench_arguments(bench: argparse.ArgumentParser) -> None:
     """`bench NAME`: a parser per benchmark holding only the options it reads, so that an option of
     another is refused (`unrecognized`) rather than ignored."""
     which = bench.add_subparsers(dest="which", required=True)
-    tree, explore, curves, search, server = (which.add_parser(name, help=text, description=text) for name, text in BENCHMARKS.items())
-    for sub in (tree, explore, curves, search, server):
+    tree, explore, curves, search, server, overlap = (which.add_parser(name, help=text, description=text) for name, text in BENCHMARKS.items())
+    for sub in (tree, explore, curves, search, server, overlap):
         sub.add_argument("--json", type=Path, default=None, help="write the table and ratios to this JSON file")
     tree.add_argument("--repeats", type=at_least(1), default=3, help="timed repeats of each variant (median reported)")
     tree.add_argument("--variants", default=None, help="comma-separated variants (default: all: chain, tree, tree_depth_pruned, "
@@ -233,7 +234,8 @@ def _bench_arguments(bench: argparse.ArgumentParser) -> None:
     search.add_argument("--temperature", type=positive, default=None, help="with --sampler: λ of the target p·exp(λ·r) (default 4)")
     search.add_argument("--variants", default=None, help="comma-separated searches (default: all: best-of-n, tree, dts, dts-star); "
                                                          "with --sampler, samplers (dts, dts-unguided, best-of-n-is, smc)")
-    for sub in (tree, explore, curves):
+    overlap.add_argument("--iterations", type=at_least(1), default=5, help="timed iterations of each mode (median reported)")
+    for sub in (tree, explore, curves, overlap):
         sub.add_argument("overrides", nargs="*", help="dotted key=value overrides of every variant, e.g. prompts.per_iteration=2")
 
 

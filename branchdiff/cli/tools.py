@@ -38,6 +38,10 @@ def cmd_bench(args: argparse.Namespace) -> None:
         from branchdiff.bench.reward_server import bench_reward_server
 
         bench_reward_server(args.json)
+    elif args.which == "overlap":
+        from branchdiff.bench.overlap import bench_overlap
+
+        bench_overlap(args.json, args.iterations, args.overrides)
     elif args.which == "search" and args.sampler:
         from branchdiff.bench.sampler import bench_sampler
 

@@ -44,6 +44,13 @@ class Rollout:
         return self.latents[self.tree.leaf_index]
 
 
+def empty_rollout(adapter: ModelAdapter, tree: Tree, schedule: Schedule) -> Rollout:
+    """A rollout of `tree` with nothing sampled yet, for `grow_prompts` to fill."""
+    n = tree.num_nodes
+    latents = torch.empty((n, *adapter.latent_shape), device=adapter.device)
+    return Rollout(tree, schedule.to(adapter.device), latents, torch.zeros(n), torch.zeros(n), torch.zeros(n), 0, 0)
+
+
 @torch.no_grad()
 def grow(
     adapter: ModelAdapter,
@@ -57,32 +64,54 @@ def grow(
     """Sample every node of `tree` (embeds: one row per prompt of the batch) on the adapter's
     `schedule`. With `per_node`, every node is expanded by its own forward, as the BranchGRPO
     release does (for benchmarks)."""
-    schedule = schedule.to(adapter.device)
+    rollout = empty_rollout(adapter, tree, schedule)
+    grow_prompts(rollout, adapter, embeds, settings, address, list(range(tree.num_prompts)), per_node)
+    return rollout
+
+
+@torch.no_grad()
+def grow_prompts(
+    rollout: Rollout,
+    adapter: ModelAdapter,
+    embeds: PromptEmbeds,
+    settings: SamplerSettings,
+    address: NoiseAddress,
+    prompts: list[int],
+    per_node: bool = False,
+) -> None:
+    """Sample the nodes of the trees of `prompts` (indices into the rollout's tree) into `rollout`, in
+    place, and add their forwards to its counts. Each node's noise comes from its address, so the
+    trees of a part of the prompts are the trees they are in the whole; only the forwards' batches
+    are narrower (bit for bit the same under `exact`)."""
+    tree, schedule = rollout.tree, rollout.schedule
     if per_node:
         settings = replace(settings, max_batch=1, exact=False)  # one latent per forward (its CFG pair included)
-    shape = adapter.latent_shape
-    latents = torch.empty((tree.num_nodes, *shape), device=adapter.device)
-    log_prob = torch.zeros(tree.num_nodes)
-    std = torch.zeros(tree.num_nodes)
-    noise_level = torch.zeros(tree.num_nodes)
-    roots = torch.arange(tree.level_start[0], tree.level_start[1])
-    keys = [address.prompt_keys[p] for p in tree.prompt.tolist()]  # (N,) each node's prompt key
-    latents[roots] = initial_noise(address, [keys[r] for r in roots.tolist()], [tree.paths[r] for r in roots.tolist()], shape, adapter.device)
-    nfe = nfe_computed = 0
-    for depth in range(tree.spec.num_steps):
+    chosen = torch.zeros(tree.num_prompts, dtype=torch.bool)
+    chosen[prompts] = True
+    mine = chosen[tree.prompt]  # (N,) the node belongs to one of `prompts`
+
+    def nodes_at(depth: int) -> torch.Tensor:
         level = torch.arange(tree.level_start[depth], tree.level_start[depth + 1])
+        return level[mine[level]]
+
+    keys = [address.prompt_keys[p] for p in tree.prompt.tolist()]  # (N,) each node's prompt key
+    roots = nodes_at(0)
+    rollout.latents[roots] = initial_noise(address, [keys[r] for r in roots.tolist()], [tree.paths[r] for r in roots.tolist()],
+                                           adapter.latent_shape, adapter.device)
+    for depth in range(tree.spec.num_steps):
+        level = nodes_at(depth)  # ascending node indices
         if len(level) == 0:  # a sub-tree that ends above the leaves
             break
-        x = latents[level]  # (n_level, *shape)
+        x = rollout.latents[level]  # (n_level, *shape)
         output, rows, computed = predict(adapter, x, tree.depth[level], select_embeds(embeds, tree.prompt[level]), schedule, settings)
-        nfe += rows
-        nfe_computed += computed
-        children = torch.arange(tree.level_start[depth + 1], tree.level_start[depth + 2])
-        parent_row = tree.parent[children] - tree.level_start[depth]
+        rollout.nfe += rows
+        rollout.nfe_computed += computed
+        children = nodes_at(depth + 1)
+        parent_row = torch.searchsorted(level, tree.parent[children])  # each child's parent's row in `level`
         made = transition(tree.spec, schedule, settings, address, depth, x[parent_row], output[parent_row],
                           [keys[c] for c in children.tolist()], [tree.paths[c] for c in children.tolist()])
-        latents[children], log_prob[children], std[children], noise_level[children] = made.latents, made.log_prob, made.std, made.noise_level
-    return Rollout(tree, schedule, latents, log_prob, std, noise_level, nfe, nfe_computed)
+        rollout.latents[children], rollout.log_prob[children] = made.latents, made.log_prob
+        rollout.std[children], rollout.noise_level[children] = made.std, made.noise_level
 
 
 @torch.no_grad()

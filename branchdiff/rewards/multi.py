@@ -105,6 +105,18 @@ class RewardBatch:
     counts: dict[str, int]  # failures and non-finite scores per component, by metric name
 
 
+def join_batches(batches: list[RewardBatch], order: torch.Tensor) -> RewardBatch:
+    """The rewards of several calls as those of one: every per-image tensor concatenated and put in `order`
+    (indices into the concatenation, (B,)), the counts summed (failures count the calls that failed)."""
+    def joined(tensors: list[torch.Tensor]) -> torch.Tensor:
+        return torch.cat(tensors)[order]
+
+    first = batches[0]
+    return RewardBatch(joined([b.total for b in batches]), {k: joined([b.components[k] for b in batches]) for k in first.components},
+                       {k: joined([b.extras[k] for b in batches]) for k in first.extras},
+                       {k: sum(b.counts[k] for b in batches) for k in first.counts})
+
+
 def metric_name(label: str) -> str:
     """A component's label as a metric key: `reward_<label>` with characters other than letters,
     digits, '.', '-' and '_' replaced by '_' (URLs and dotted paths become tag-safe)."""

@@ -237,6 +237,7 @@ class TrainConfig:
     eval_rewards: list[str | dict] = field(default_factory=lambda: ["tiny-geneval"])  # rewards of the final base-vs-trained evaluation
     collective_timeout: float = in_range(600.0, 5.0, 7 * 86400.0)  # seconds a process waits for the others at a collective before the job ends, naming the silent rank
     reward_combine: str = choice("sum_then_normalize", "sum_then_normalize", "normalize_then_sum")  # how several rewards combine (branchdiff/rewards/combine.py)
+    reward_overlap: bool = False  # score each finished part of the rollout while the next part grows (branchdiff/training/overlap.py)
     model: ModelConfig = field(default_factory=ModelConfig)
     prompts: PromptConfig = field(default_factory=PromptConfig)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)

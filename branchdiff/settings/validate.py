@@ -105,6 +105,9 @@ def _validate_loss(config: TrainConfig, steps_family: str) -> None:
     if loss == "dpo" and config.dpo.pairs == "siblings" and not config.tree.splits:
         raise ConfigError("'dpo.pairs' = 'siblings' pairs leaves that share their last split; the rollouts have no 'tree.splits': "
                           "use dpo.pairs=group, or add splits")
+    if config.reward_overlap and config.explore.mode != "off":
+        raise ConfigError(f"'reward_overlap' scores parts of a plain rollout while the next grows; explore.mode={config.explore.mode} "
+                          "scores its candidate pool its own way: use reward_overlap=false with explore")
     if dataset_kind(loss) and config.explore.mode != "off":
         raise ConfigError(f"train.loss={loss} trains on its {dataset_kind(loss)} ({loss.replace('-', '_')}.data), not on rollouts: "
                           "explore.mode must stay off")

@@ -58,13 +58,13 @@ from accelerate.utils import DistributedDataParallelKwargs, InitProcessGroupKwar
 from tqdm.auto import tqdm
 
 from branchdiff.core.rollout import NoiseAddress, Rollout, SamplerSettings, grow
-from branchdiff.core.tree import build_tree
+from branchdiff.core.tree import TreeSpec, build_tree
 from branchdiff.data.prompts import PromptSet, draw_prompts, load_prompt_set
 from branchdiff.errors import CheckpointError, ConfigError, RunStopped, UserError, is_out_of_memory, out_of_memory
 from branchdiff.explore.pool import RolloutContext, latent_difference
 from branchdiff.models import load_adapter
 from branchdiff.models.attention import apply_backend
-from branchdiff.models.base import encode_for
+from branchdiff.models.base import PromptEmbeds, encode_for
 from branchdiff.models.compile import compile_denoiser
 from branchdiff.models.ema import WeightAverage
 from branchdiff.models.finetune import export, make_finetune
@@ -91,6 +91,7 @@ from branchdiff.training.hacking import WatchState
 from branchdiff.training.lr_schedule import LearningRateSchedule
 from branchdiff.training.metrics import dataset_iteration_metrics, iteration_metrics
 from branchdiff.training.optimizer import make_optimizer
+from branchdiff.training.overlap import grow_and_score, overlap_parts
 from branchdiff.training.run_control import Interrupted, InterruptRequest, ReportSchedule, progress_fields, stop_reason
 from branchdiff.training.update import UpdateLoop
 
@@ -257,6 +258,8 @@ class Trainer:
         address = NoiseAddress(self.config.seed, iteration, keys)
         context = RolloutContext(self.adapter, embeds, spec, self.schedule, self.settings, address)
         info: dict = {"embeds": embeds, "prompts": prompts, "address": address, "memory": {}}
+        if self.config.reward_overlap and not per_node:
+            return self._rollout_scored_in_parts(spec, prompts, metadata, embeds, address, info)
         start = time.perf_counter()
         with self.memory.phase("rollout", info["memory"]), self.accelerator.autocast(), self.objective.sampling_weights():
             if self.exploration is None:
@@ -281,6 +284,23 @@ class Trainer:
             every = self.config.explore.fidelity_every
             if every and iteration % every == 0 and self.config.explore.mode != "search":  # a search's pool has no fixed shape to regrow
                 info["explore_pool"] = (explored.pool_rewards, self.exploration.pool_rewards_under_policy(context, prompts, metadata))
+        return rollout, images, rewards, info
+
+    def _rollout_scored_in_parts(self, spec: TreeSpec, prompts: list[str], metadata: list[dict], embeds: PromptEmbeds, address: NoiseAddress,
+                                 info: dict) -> tuple[Rollout, torch.Tensor, RewardBatch, dict]:
+        """`rollout_and_score` with each part's leaves scored while the next part grows (`reward_overlap`, branchdiff/training/overlap.py)."""
+        tree = build_tree(spec, len(prompts))
+        leaf_prompts = tree.prompt[tree.leaf_index]  # (L,) the group of each leaf
+
+        def score(images: torch.Tensor, rows: torch.Tensor) -> RewardBatch:
+            groups = leaf_prompts[rows]
+            return self.reward(images, [prompts[p] for p in groups.tolist()], [metadata[p] for p in groups.tolist()], groups)
+
+        parts = overlap_parts(len(prompts), spec.leaves, self.settings.max_batch)
+        with self.memory.phase("rollout", info["memory"]), self.objective.sampling_weights():  # the decodes too; autocast around the growing only
+            rollout, images, rewards, seconds = grow_and_score(self.adapter, tree, embeds, self.schedule, self.settings, address, parts, score,
+                                                               self.accelerator.autocast)
+        info.update(seconds)
         return rollout, images, rewards, info
 
     def run_iteration(self, iteration: int, per_node: bool = False) -> IterationResult:

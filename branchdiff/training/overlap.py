@@ -1,0 +1,92 @@
+"""Scoring that overlaps the rollout (`reward_overlap: true`; docs/rewards.md): the iteration's prompts
+are grown in parts, and while part k + 1 rolls out, part k's leaves, decoded, are scored in a worker
+thread. A slow reward (a judge on another machine, a reward server) then costs an iteration
+
+    max(rollout, reward) + one part's reward    instead of    rollout + reward,
+
+so with n parts and a reward as slow as the rollout, 2n / (n + 1) times less (1.6× at 4 parts, 1.8×
+at 8). A part holds as many whole prompts as fill the sampler's `max_batch` with their leaves (at
+least one), so the leaf level keeps full forwards; every group lies inside one part, so a group
+reward and the combiners see the groups they see in one call.
+
+The rewards are those of scoring the same images in one call: the parts are scored in order and put
+back in leaf order, and a reward of one image does not depend on the others of its call. The images
+are those of the whole rollout bit for bit under `sampling.exact` (each node's noise comes from its
+address, and exact forwards do not depend on the batch); without it a narrower part may differ in the
+last bits, as any change of `max_batch` does. A reward that fails in the worker stops the iteration
+with its own one-line error as soon as the rollout loop sees it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import AbstractContextManager, nullcontext
+
+import torch
+
+from branchdiff.core.engine import NoiseAddress, SamplerSettings
+from branchdiff.core.rollout import Rollout, empty_rollout, grow_prompts
+from branchdiff.core.tree import Tree
+from branchdiff.models.base import ModelAdapter, PromptEmbeds
+from branchdiff.rewards.multi import RewardBatch, join_batches
+from branchdiff.schedulers.schedule import Schedule
+
+ScorePart = Callable[[torch.Tensor, torch.Tensor], RewardBatch]  # (images (L_k, 3, H, W), their leaf rows (L_k,)) → the part's rewards
+
+
+def overlap_parts(num_prompts: int, leaves_per_prompt: int, max_batch: int) -> list[list[int]]:
+    """Consecutive prompts in parts of max(1, ⌊max_batch / leaves per prompt⌋)."""
+    size = max(1, max_batch // max(1, leaves_per_prompt))
+    return [list(range(start, min(start + size, num_prompts))) for start in range(0, num_prompts, size)]
+
+
+def _score_without_grad(score: ScorePart, images: torch.Tensor, rows: torch.Tensor) -> tuple[RewardBatch, float]:
+    start = time.perf_counter()
+    with torch.no_grad():  # grad mode is per thread: set it in the worker
+        return score(images, rows), time.perf_counter() - start
+
+
+def _raise_first_failure(pending: list[Future]) -> None:
+    for future in pending:
+        if future.done() and future.exception() is not None:
+            future.result()
+
+
+def grow_and_score(adapter: ModelAdapter, tree: Tree, embeds: PromptEmbeds, schedule: Schedule, settings: SamplerSettings,
+                   address: NoiseAddress, parts: list[list[int]], score: ScorePart,
+                   autocast: Callable[[], AbstractContextManager] = nullcontext) -> tuple[Rollout, torch.Tensor, RewardBatch, dict[str, float]]:
+    """The rollout of `tree`, its leaf images (L, 3, H, W) in leaf order and their rewards, grown part by
+    part (`parts`: prompt indices, grown under `autocast`, decoded outside it as a whole rollout is) with each
+    part scored by `score` in a worker while the next grows;
+    and the seconds spent: `rollout_seconds` (growing), `decode_seconds`, `reward_seconds` (waiting for the
+    scores after the last part grew) and `reward_overlapped_seconds` (scoring hidden behind the rollout)."""
+    rollout = empty_rollout(adapter, tree, schedule)
+    leaf_prompts = tree.prompt[tree.leaf_index]  # (L,)
+    seconds = {"rollout_seconds": 0.0, "decode_seconds": 0.0}
+    images, rows, pending = [], [], []
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="branchdiff-reward") as worker:
+        try:
+            for part in parts:
+                start = time.perf_counter()
+                with autocast():
+                    grow_prompts(rollout, adapter, embeds, settings, address, part)
+                decoded = time.perf_counter()
+                seconds["rollout_seconds"] += decoded - start
+                part_rows = torch.isin(leaf_prompts, torch.tensor(part)).nonzero().flatten()  # (L_k,) this part's leaves
+                images.append(adapter.decode(rollout.latents[tree.leaf_index[part_rows]]))
+                rows.append(part_rows)
+                seconds["decode_seconds"] += time.perf_counter() - decoded
+                pending.append(worker.submit(_score_without_grad, score, images[-1], part_rows))
+                _raise_first_failure(pending)
+            waiting = time.perf_counter()
+            scored = [future.result() for future in pending]  # in order; the first failure is raised
+        except BaseException:
+            for future in pending:
+                future.cancel()
+            raise
+    seconds["reward_seconds"] = time.perf_counter() - waiting
+    seconds["reward_overlapped_seconds"] = max(0.0, sum(s for _, s in scored) - seconds["reward_seconds"])
+    order = torch.argsort(torch.cat(rows))  # leaf order, whatever the parts' order
+    return rollout, torch.cat(images)[order], join_batches([batch for batch, _ in scored], order), seconds
