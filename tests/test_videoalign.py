@@ -77,3 +77,38 @@ def test_bad_settings_and_inputs_are_one_line(folder, tmp_path):
     (broken / "videoalign.json").write_text(text)
     with pytest.raises(ValueError, match=r"the TA token '<\|TA_reward\|>' must be one token of the tokenizer and appear once in the template"):
         VideoAlignReward(str(broken))
+
+
+def test_the_release_preprocessing_rules_against_hand_computations():
+    from branchdiff.rewards.videoalign import release_frame_count, release_size
+
+    video = {"fps": 2.0, "num_frames": None, "min_frames": 4, "max_frames": 768, "frame_factor": 2, "size_factor": 28,
+             "min_pixels": 128 * 28 * 28, "max_pixels": 240 * 320}
+    assert release_frame_count(81, 16.0, video) == 10  # Wan's 81 frames at 16 fps: 5.06 s, 10.1 frames at 2 fps
+    assert release_frame_count(9, 8.0, video) == 4  # 2.25 raised to the minimum of 4
+    assert release_frame_count(3, 16.0, video) == 2  # never more frames than the clip has, rounded down to a pair
+    assert release_frame_count(81, 16.0, {**video, "num_frames": 9}) == 8  # 9 / 2 = 4.5 rounds half to even
+    with pytest.raises(ValueError, match="reads at least 2 frames of a video; got videos of 1"):
+        release_frame_count(1, 16.0, video)
+    # 480×832 is 476×840 at multiples of 28, over 76 800 pixels: scaled by √(480·832 / 76 800) and floored to multiples of 28
+    assert release_size(480, 832, video) == (196, 364)
+    assert release_size(24, 40, video) == (252, 420)  # under 128·28·28: scaled up and ceiled
+    assert release_size(270, 290, {**video, "min_pixels": 28 * 28, "max_pixels": 10**6}) == (280, 280)  # within the budget: the nearest multiples of 28
+
+
+def test_a_head_of_three_rows_reads_row_d_for_dimension_d(folder, tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    three = tmp_path / "three"
+    shutil.copytree(folder, three)
+    head = torch.randn(3, 32, generator=torch.Generator().manual_seed(1))
+    save_file({"weight": head}, str(three / "reward_head.safetensors"))
+    videos = torch.rand(2, 4, 3, 32, 32, generator=torch.Generator().manual_seed(2))
+    scores = build_component(parse_reward_specs([{"name": "videoalign", "kwargs": {"path": str(three)}}])[0], "cpu").score(videos, PROMPTS[:2])
+    for row, dimension in enumerate(VIDEOALIGN_TOKENS):  # row d alone as a one-row head gives dimension d's score
+        save_file({"weight": head[row : row + 1]}, str(three / "reward_head.safetensors"))
+        single = build_component(parse_reward_specs([{"name": "videoalign", "kwargs": {"path": str(three)}}])[0], "cpu").score(videos, PROMPTS[:2])
+        assert torch.allclose(scores[dimension], single[dimension], atol=1e-6)
+    assert load_file(str(three / "reward_head.safetensors"))["weight"].shape == (1, 32)

@@ -589,21 +589,17 @@ QWEN2_VL_CHAT = ("{% for message in messages %}<|im_start|>{{ message['role'] }}
                  "{% endfor %}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
-def save_videoalign(directory: Path, seed: int = 0) -> Path:
-    """A tiny random Qwen2-VL reward model in the `videoalign` reward's folder layout: a byte-level Qwen2
-    tokenizer with the chat and vision tokens and the three reward tokens, a Qwen2VLProcessor (patch 4,
-    merge 2: 32×32 frames are 4 tokens per pair of frames), a 1-layer Qwen2VLForConditionalGeneration,
-    a random head and a standardisation."""
-    import json
-
+def tiny_qwen2_vl(extra_tokens: list[str], seed: int = 0):
+    """(model, processor): a 1-layer Qwen2VLForConditionalGeneration and a Qwen2VLProcessor (patch 4, merge 2: 32×32
+    frames are 4 tokens per pair of frames) with a byte-level Qwen2 tokenizer holding the chat and vision tokens and
+    `extra_tokens`."""
     from open_clip.tokenizer import bytes_to_unicode
-    from safetensors.torch import save_file
     from transformers import Qwen2Tokenizer, Qwen2VLConfig, Qwen2VLForConditionalGeneration, Qwen2VLImageProcessor, Qwen2VLProcessor, Qwen2VLVideoProcessor
 
     torch.manual_seed(seed)
     tokenizer = Qwen2Tokenizer(vocab={t: i for i, t in enumerate(bytes_to_unicode().values())}, merges=[], unk_token=None, bos_token=None,
                                eos_token="<|im_end|>", pad_token="<|endoftext|>")
-    tokenizer.add_special_tokens({"additional_special_tokens": QWEN2_VL_SPECIALS[1:] + list(VIDEOALIGN_TOKENS.values())})
+    tokenizer.add_special_tokens({"additional_special_tokens": QWEN2_VL_SPECIALS[1:] + extra_tokens})
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in QWEN2_VL_SPECIALS}
     sizes = dict(patch_size=4, merge_size=2, temporal_patch_size=2, min_pixels=16, max_pixels=32 * 32)
     processor = Qwen2VLProcessor(image_processor=Qwen2VLImageProcessor(**sizes), video_processor=Qwen2VLVideoProcessor(**sizes),
@@ -615,7 +611,18 @@ def save_videoalign(directory: Path, seed: int = 0) -> Path:
         vision_config=dict(depth=1, embed_dim=16, hidden_size=32, num_heads=2, patch_size=4, spatial_merge_size=2, temporal_patch_size=2,
                            mlp_ratio=2),
         image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"])
-    Qwen2VLForConditionalGeneration(config).save_pretrained(directory)
+    return Qwen2VLForConditionalGeneration(config), processor
+
+
+def save_videoalign(directory: Path, seed: int = 0) -> Path:
+    """A tiny random Qwen2-VL reward model in the `videoalign` reward's folder layout (`tiny_qwen2_vl` with the three
+    reward tokens), a random head and a standardisation."""
+    import json
+
+    from safetensors.torch import save_file
+
+    model, processor = tiny_qwen2_vl(list(VIDEOALIGN_TOKENS.values()), seed)
+    model.save_pretrained(directory)
     processor.save_pretrained(directory)
     save_file({"weight": torch.randn(1, 32)}, str(directory / "reward_head.safetensors"))
     template = "Prompt: {prompt}. Visual quality <|VQ_reward|> motion quality <|MQ_reward|> alignment <|TA_reward|>"

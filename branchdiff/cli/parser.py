@@ -147,6 +147,15 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--every-frame", type=at_least(1), default=None, help="a video family: score every N-th frame with a reward of images")
     check.add_argument("--reduce", choices=["mean", "min"], default="mean", help="a video family: a video's score from its frames' scores")
 
+    convert = which.add_parser("convert", help="turn a reward's published checkpoint into the folder its reward loads (docs/rewards.md)")
+    convert.add_argument("format", choices=["videoalign"], help="the release's layout: videoalign (VideoReward's checkpoint)")
+    convert.add_argument("source", type=Path, help="the release folder (model_config.json and checkpoint-N/)")
+    convert.add_argument("destination", type=Path, help="the folder to write (the reward's path: kwargs: {path: DESTINATION})")
+    convert.add_argument("--template", type=Path, required=True, help="VideoAlign's prompt_template.py (read, not run), or a text file "
+                                                                     "holding the question the checkpoint was trained with")
+    convert.add_argument("--base", type=Path, default=None, help="local folder of the base model (default: model_config's model_name_or_path)")
+    convert.add_argument("--step", type=at_least(0), default=None, help="the checkpoint-N to convert (default: the highest N)")
+
     serve = commands.add_parser("serve-reward", help="serve a reward over HTTP (docs/reward-server.md)")
     serve.add_argument("name", help="registered name, entry point or dotted path 'package.module:Name'")
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default: this machine only)")

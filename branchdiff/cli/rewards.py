@@ -1,5 +1,6 @@
-"""`branchdiff rewards list | check` and `branchdiff serve-reward`: what rewards exist, whether one
-spreads within groups (what GRPO learns from), and a reward served over HTTP."""
+"""`branchdiff rewards list | check | convert` and `branchdiff serve-reward`: what rewards exist, whether one
+spreads within groups (what GRPO learns from), a published checkpoint turned into a reward's folder, and a
+reward served over HTTP."""
 
 from __future__ import annotations
 
@@ -24,6 +25,12 @@ def cmd_rewards(args: argparse.Namespace) -> None:
                   "keyword argument shown (kwargs: {checkpoint: PATH}; docs/rewards.md). missing: install it as shown. not used: an\n"
                   "installed entry point whose name is taken, shown with both sources.")
             print("\n".join(notes))
+        return
+    if args.rewards_command == "convert":
+        from branchdiff.rewards.videoalign_release import convert_videoalign
+
+        destination = convert_videoalign(args.source, args.destination, args.template, args.base, args.step)
+        print(f"wrote {destination}: reward {{name: videoalign, kwargs: {{path: {destination}}}}}")
         return
     from branchdiff.data.prompts import load_prompt_set
     from branchdiff.evaluation.preflight import check_prompt_set
