@@ -6,6 +6,7 @@ reward goes end to end."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 
@@ -96,3 +97,23 @@ def test_a_text_rendering_prompt_set_loads_and_a_tiny_run_scores_with_ocr(tmp_pa
                  "tree.roots=2", "sampling.num_steps=3", "final_eval=false", "logging.sample_every=0", "logging.report_to=none"]) == 0
     metrics = json.loads((run / "metrics.jsonl").read_text().splitlines()[0])
     assert metrics["reward_ocr"] == metrics["reward_mean"] == 0.0 and metrics["reward_ocr_failed"] == 0 and metrics["reward_zero_spread_fraction"] == 1.0
+
+
+def test_the_engine_is_checked_and_paddleocr_where_it_is_missing_is_one_line():
+    with pytest.raises(ValueError, match=r"engine='tesseract' must be one of rapidocr, paddleocr"):
+        build_reward("ocr", kwargs={"engine": "tesseract"})
+    if importlib.util.find_spec("paddleocr") is not None:
+        pytest.skip("PaddleOCR is installed here: test_paddleocr_reads_rendered_text runs it")
+    with pytest.raises(ImportError, match=r"engine: paddleocr needs PaddleOCR 3 and PaddlePaddle: pip install paddlepaddle paddleocr") as raised:
+        build_reward("ocr", kwargs={"engine": "paddleocr"})
+    assert "\n" not in str(raised.value)
+
+
+@pytest.mark.slow
+def test_paddleocr_reads_rendered_text_as_rapidocr_does(reward):
+    """Where PaddleOCR 3 is installed and its models can be fetched (slow: the first use downloads them)."""
+    pytest.importorskip("paddleocr", reason="PaddleOCR is not installed here")
+    paddle = build_reward("ocr", kwargs={"engine": "paddleocr"})
+    images = torch.stack([_rendered("OPEN LATE", 56, False, 0.0, 0), _rendered("Soup of the day", 48, True, 0.0, 1)])
+    prompts = PROMPTS[:2]
+    assert paddle(images, prompts, [{}, {}]).tolist() == pytest.approx(reward(images, prompts, [{}, {}]).tolist()) == [1.0, 1.0]

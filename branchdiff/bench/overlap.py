@@ -2,11 +2,14 @@
 (`reward_overlap: false`) and overlapped with the rollout (`reward_overlap: true`), side by side.
 
 The server (its own process on the loopback, as a judge on another machine would be) serves the built-in
-task's verifier behind a fixed delay per image; the delay is set so that scoring an iteration's images
-takes as long as the iteration's rollout, measured first with the verifier in process. Each mode then trains the same run from the same start for the
-same iterations; the table gives the median seconds per iteration and per phase, the ratio sequential
-÷ overlapped, and whether every leaf reward of every iteration is the same bit for bit (the rollouts are
-`sampling.exact`, so the parts' trees equal the whole's; branchdiff/training/overlap.py).
+task's verifier behind a delay per image, so that scoring an iteration's images takes as long as the
+iteration's rollout: the delay follows the median sequential rollout measured so far (the first,
+untimed iteration sets it). The two modes train the same run from the same start, iteration by
+iteration in turns (sequential k, then overlapped k, under the same delay), so that a slower or faster
+spell of the machine falls on both; the table gives the median seconds per iteration and per phase, the
+median of the iterations' ratios sequential ÷ overlapped with its range, and whether every leaf reward
+of every iteration is the same bit for bit (the rollouts are `sampling.exact`, so the parts' trees equal
+the whole's; branchdiff/training/overlap.py).
 """
 
 from __future__ import annotations
@@ -30,25 +33,27 @@ from branchdiff.rewards.tiny_geneval import TinyGenEval
 BASE = ["prompts.per_iteration=16", "tree.roots=4", "tree.mix_window=1", "sampling.max_batch=4", "sampling.exact=true",
         "train.optimizer_every=64", "final_eval=false", "eval_every=0", "logging.report_to=none", "logging.sample_every=0",
         "logging.checkpoint_every=1000"]
+PHASES = ("seconds", "rollout_seconds", "decode_seconds", "reward_seconds", "train_seconds")
 
 
 class Delayed:
-    """The built-in verifier answering after `seconds_per_image` per image: a judge of a set latency."""
+    """The built-in verifier answering after `seconds_per_image` (shared with the bench, which sets it) per image:
+    a judge of a set latency."""
 
     name = "tiny-geneval (delayed)"
     scale = TinyGenEval.scale
     higher_is_better = True
     device = torch.device("cpu")
 
-    def __init__(self, seconds_per_image: float) -> None:
+    def __init__(self, seconds_per_image) -> None:  # a multiprocessing Value of doubles
         self.seconds_per_image, self.inner = seconds_per_image, TinyGenEval()
 
     def __call__(self, images: torch.Tensor, prompts: list[str], metadata: list[dict]) -> torch.Tensor:
-        time.sleep(self.seconds_per_image * len(prompts))
+        time.sleep(self.seconds_per_image.value * len(prompts))
         return self.inner(images, prompts, metadata)
 
 
-def _serve_delayed(port: int, seconds_per_image: float) -> None:
+def _serve_delayed(port: int, seconds_per_image) -> None:
     serve(Delayed(seconds_per_image), port=port, log_level="warning")
 
 
@@ -58,65 +63,70 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
-def _train(reward: str, overlap: bool, iterations: int, output: Path, overrides: list[str]) -> list[dict]:
-    """Seconds, phases and leaf rewards of each iteration of one run scored by `reward` (a config value)."""
+def _trainer(url: str, overlap: bool, iterations: int, output: Path, overrides: list[str]):
     from branchdiff.settings.load import load_config
     from branchdiff.training.recipe import Trainer
 
-    config = load_config("tiny-chain-window", [*BASE, f"output_dir={output}", f"iterations={iterations}", f"reward={reward}",
-                                               f"reward_overlap={str(overlap).lower()}", *overrides])
-    trainer = Trainer(config)
-    rows = []
-    for iteration in range(iterations):
-        start = time.perf_counter()
-        result = trainer.run_iteration(iteration)
-        seconds = time.perf_counter() - start
-        tree = result.rollout.tree
-        rows.append({"seconds": seconds, **{k: result.metrics[k] for k in ("rollout_seconds", "decode_seconds", "reward_seconds", "train_seconds")},
-                     "leaf_rewards": result.node_rewards[tree.leaf_index].tolist()})
-    return rows
+    return Trainer(load_config("tiny-chain-window", [*BASE, f"output_dir={output}", f"iterations={iterations}", f"reward={{remote: '{url}'}}",
+                                                     f"reward_overlap={str(overlap).lower()}", *overrides]))
 
 
-def bench_overlap(json_path: Path | None, iterations: int = 3, overrides: list[str] | None = None) -> dict:
+def _iteration(trainer, iteration: int) -> dict:
+    """Seconds, phases and leaf rewards of one iteration."""
+    start = time.perf_counter()
+    result = trainer.run_iteration(iteration)
+    seconds = time.perf_counter() - start
+    return {"seconds": seconds, **{k: result.metrics[k] for k in PHASES[1:]},
+            "leaf_rewards": result.node_rewards[result.rollout.tree.leaf_index].tolist()}
+
+
+def bench_overlap(json_path: Path | None, iterations: int = 9, overrides: list[str] | None = None) -> dict:
     """The side-by-side measurement of the module doc; returns the table and the ratio."""
-    overrides = list(overrides or [])
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the tiny model gains nothing from a second thread; the scoring worker and the server then have a core
     try:
-        return _bench(json_path, iterations, overrides)
+        return _bench(json_path, iterations, list(overrides or []))
     finally:
         torch.set_num_threads(threads)
 
 
 def _bench(json_path: Path | None, iterations: int, overrides: list[str]) -> dict:
-    with tempfile.TemporaryDirectory() as folder:
-        calibration = _train("tiny-geneval", False, 2, Path(folder) / "calibration", overrides)[-1]  # the second: warmed up
-        images = len(calibration["leaf_rewards"])
-        seconds_per_image = calibration["rollout_seconds"] / images  # scoring an iteration takes a rollout's time
-        port = _free_port()
-        server = multiprocessing.get_context("spawn").Process(target=_serve_delayed, args=(port, seconds_per_image), daemon=True)
-        server.start()
-        try:
-            url = f"http://127.0.0.1:{port}"
-            RemoteReward(url, retries=8, backoff=0.5)  # waits until it answers /health
-            runs = {mode: _train(f"{{remote: '{url}'}}", mode == "overlapped", iterations, Path(folder) / mode, overrides)
-                    for mode in ("sequential", "overlapped")}
-        finally:
-            server.terminate()
-            server.join()
-    table = {mode: {key: statistics.median(row[key] for row in rows) for key in ("seconds", "rollout_seconds", "decode_seconds", "reward_seconds",
-                                                                              "train_seconds")} for mode, rows in runs.items()}
+    context = multiprocessing.get_context("spawn")
+    seconds_per_image = context.Value("d", 0.0)
+    port = _free_port()
+    server = context.Process(target=_serve_delayed, args=(port, seconds_per_image), daemon=True)
+    server.start()
+    runs: dict[str, list[dict]] = {"sequential": [], "overlapped": []}
+    try:
+        url = f"http://127.0.0.1:{port}"
+        RemoteReward(url, retries=8, backoff=0.5)  # waits until it answers /health
+        with tempfile.TemporaryDirectory() as folder:
+            trainers = {mode: _trainer(url, mode == "overlapped", iterations + 1, Path(folder) / mode, overrides) for mode in runs}
+            rollouts = []
+            for iteration in range(iterations + 1):  # the first is a warm-up that sets the delay
+                for mode, trainer in trainers.items():
+                    runs[mode].append(_iteration(trainer, iteration))
+                rollouts.append(runs["sequential"][-1]["rollout_seconds"])
+                images = len(runs["sequential"][-1]["leaf_rewards"])
+                seconds_per_image.value = statistics.median(rollouts) / images  # scoring an iteration takes a rollout's time
+    finally:
+        server.terminate()
+        server.join()
     identical = all(a["leaf_rewards"] == b["leaf_rewards"] for a, b in zip(runs["sequential"], runs["overlapped"]))
-    ratio = table["sequential"]["seconds"] / table["overlapped"]["seconds"]
-    print(f"reward overlap: a reward server as slow as the rollout ({seconds_per_image * 1000:.1f} ms an image, {images} images an iteration, "
-          f"calibrated rollout {calibration['rollout_seconds']:.2f} s); median of {iterations} iterations")
+    timed = {mode: rows[1:] for mode, rows in runs.items()}
+    table = {mode: {key: statistics.median(row[key] for row in rows) for key in PHASES} for mode, rows in timed.items()}
+    ratios = [a["seconds"] / b["seconds"] for a, b in zip(timed["sequential"], timed["overlapped"])]
+    ratio = statistics.median(ratios)
+    print(f"reward overlap: a reward server as slow as the rollout (last {seconds_per_image.value * 1000:.1f} ms an image, {images} images an "
+          f"iteration); median of {iterations} iterations a mode, run in turns")
     print(f"{'scoring':<12}{'iteration s':>13}{'rollout s':>11}{'decode s':>10}{'reward wait s':>15}{'train s':>9}")
     for mode, row in table.items():
         print(f"{mode:<12}{row['seconds']:>13.2f}{row['rollout_seconds']:>11.2f}{row['decode_seconds']:>10.3f}{row['reward_seconds']:>15.2f}"
               f"{row['train_seconds']:>9.2f}")
-    print(f"sequential ÷ overlapped, seconds per iteration: {ratio:.2f}; leaf rewards identical bit for bit: {identical}")
-    result = {"table": table, "ratio": ratio, "rewards_identical": identical, "seconds_per_image": seconds_per_image, "images": images,
-              "iterations": iterations}
+    print(f"sequential ÷ overlapped, seconds per iteration: {ratio:.2f} (median of {len(ratios)}; {min(ratios):.2f}–{max(ratios):.2f}); "
+          f"leaf rewards identical bit for bit: {identical}")
+    result = {"table": table, "ratio": ratio, "ratios": ratios, "rewards_identical": identical, "seconds_per_image": seconds_per_image.value,
+              "images": images, "iterations": iterations}
     if json_path:
         json_path.write_text(json.dumps(result, indent=1))
     return result

@@ -243,7 +243,7 @@ def _bench_arguments(bench: argparse.ArgumentParser) -> None:
     search.add_argument("--temperature", type=positive, default=None, help="with --sampler: λ of the target p·exp(λ·r) (default 4)")
     search.add_argument("--variants", default=None, help="comma-separated searches (default: all: best-of-n, tree, dts, dts-star); "
                                                          "with --sampler, samplers (dts, dts-unguided, best-of-n-is, smc)")
-    overlap.add_argument("--iterations", type=at_least(1), default=5, help="timed iterations of each mode (median reported)")
+    overlap.add_argument("--iterations", type=at_least(1), default=9, help="timed iterations of each mode (median reported)")
     for sub in (tree, explore, curves, overlap):
         sub.add_argument("overrides", nargs="*", help="dotted key=value overrides of every variant, e.g. prompts.per_iteration=2")
 

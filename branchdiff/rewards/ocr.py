@@ -12,8 +12,10 @@ otherwise (its code divides by zero), and an engine error stops the run with its
 scoring 0 (a broken engine would otherwise look like unreadable images).
 
 The engine is RapidOCR (`rapidocr-onnxruntime`: PaddleOCR's PP-OCRv4 detection and recognition models
-as ONNX, shipped inside its wheel, so the reward runs offline): `pip install 'branchdiff-rl[ocr]'`. It is
-given each image as 8-bit BGR pixels (its convention for arrays); it runs on the CPU.
+as ONNX, shipped inside its wheel, so the reward runs offline): `pip install 'branchdiff-rl[ocr]'`; it
+runs on the CPU. `engine: paddleocr` uses PaddleOCR 3 itself where it is installed (Flow-GRPO's engine;
+its models are fetched on first use), detection and recognition only. Either is given each image as
+8-bit BGR pixels (their convention for arrays).
 """
 
 from __future__ import annotations
@@ -56,26 +58,52 @@ def text_score(read: str, target: str) -> float:
     return 1.0 - min(distance, len(target)) / len(target)
 
 
+ENGINES = ("rapidocr", "paddleocr")
+
+
 class OCRReward:
     name = "ocr"
     scale = "1 − min(edit distance, |target|) / |target| in [0, 1]: the prompt's quoted text against what OCR reads (case and spaces ignored)"
 
-    def __init__(self, device: str | torch.device = "cpu", min_confidence: float = 0.0) -> None:
-        try:
-            from rapidocr_onnxruntime import RapidOCR
-        except ImportError:
-            raise ImportError("reward 'ocr' needs rapidocr-onnxruntime: pip install 'branchdiff-rl[ocr]'") from None
+    def __init__(self, device: str | torch.device = "cpu", min_confidence: float = 0.0, engine: str = "rapidocr") -> None:
+        if engine not in ENGINES:
+            raise ValueError(f"reward 'ocr': engine={engine!r} must be one of {', '.join(ENGINES)}")
         if not 0.0 <= min_confidence < 1.0:
             raise ValueError(f"reward 'ocr': min_confidence = {min_confidence} must lie in [0, 1)")
-        self.device = torch.device("cpu")  # the engine's ONNX sessions run on the CPU, whatever `device` the run names
-        self.min_confidence = min_confidence
-        self.engine = RapidOCR()
+        self.device = torch.device("cpu")  # RapidOCR's ONNX sessions run on the CPU, whatever `device` the run names
+        self.min_confidence, self.engine_name = min_confidence, engine
+        self.engine = rapidocr_engine() if engine == "rapidocr" else paddleocr_engine()
 
     def read(self, pixels: Any) -> str:
         """The text the engine reads in one (H, W, 3) uint8 RGB array, its lines joined in its order."""
-        lines, _ = self.engine(pixels[:, :, ::-1].copy())  # BGR
-        return "".join(text for _, text, confidence in lines or [] if float(confidence) > self.min_confidence)
+        bgr = pixels[:, :, ::-1].copy()  # both engines take arrays as OpenCV's BGR
+        if self.engine_name == "rapidocr":
+            lines, _ = self.engine(bgr)
+            read = [(text, confidence) for _, text, confidence in lines or []]
+        else:
+            read = [pair for result in self.engine.predict(bgr) for pair in zip(result["rec_texts"], result["rec_scores"])]
+        return "".join(text for text, confidence in read if float(confidence) > self.min_confidence)
 
     def __call__(self, images: torch.Tensor, prompts: list[str], metadata: list[dict] | None = None) -> torch.Tensor:
         pixels = to_uint8(images).permute(0, 2, 3, 1).numpy()  # (B, H, W, 3)
         return torch.tensor([text_score(self.read(image), target_text(prompt)) for image, prompt in zip(pixels, prompts)])
+
+
+def rapidocr_engine() -> Any:
+    try:
+        from rapidocr_onnxruntime import RapidOCR
+    except ImportError:
+        raise ImportError("reward 'ocr' needs rapidocr-onnxruntime: pip install 'branchdiff-rl[ocr]'") from None
+    return RapidOCR()
+
+
+def paddleocr_engine() -> Any:
+    """PaddleOCR 3's text pipeline, detection and recognition only (no document unwarping or orientation models)."""
+    try:
+        from paddleocr import PaddleOCR
+    except ImportError:
+        raise ImportError("reward 'ocr' with engine: paddleocr needs PaddleOCR 3 and PaddlePaddle: pip install paddlepaddle paddleocr "
+                          "(or the default engine, rapidocr, which ships its models)") from None
+    if not hasattr(PaddleOCR, "predict"):
+        raise ImportError("reward 'ocr' with engine: paddleocr needs PaddleOCR ≥ 3 (its predict API): pip install -U paddleocr")
+    return PaddleOCR(use_doc_orientation_classify=False, use_doc_unwarping=False, use_textline_orientation=False)
