@@ -117,3 +117,43 @@ def test_paddleocr_reads_rendered_text_as_rapidocr_does(reward):
     images = torch.stack([_rendered("OPEN LATE", 56, False, 0.0, 0), _rendered("Soup of the day", 48, True, 0.0, 1)])
     prompts = PROMPTS[:2]
     assert paddle(images, prompts, [{}, {}]).tolist() == pytest.approx(reward(images, prompts, [{}, {}]).tolist()) == [1.0, 1.0]
+
+
+WORDS = ["HI", "OK", "GO", "UP"]
+
+
+@pytest.mark.slow
+def test_a_tiny_model_taught_to_draw_words_trains_on_the_ocr_reward(reward, tmp_path, monkeypatch):
+    """The built-in model draws shapes, so every OCR score of its images is 0. Taught to draw two-letter words first
+    (SFT on 32×32 renderings, 1200 steps, ~100 s), its samples are read now and then: the reward has a spread within
+    groups, and GRPO trains on it (an update of the weights); each leaf's reward is the OCR score of its own image."""
+    from branchdiff.settings.load import load_config
+    from branchdiff.training.recipe import Trainer
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    rows = []
+    for index in range(32):
+        word = WORDS[index % 4]
+        image = Image.new("RGB", (32, 32), "white")
+        ImageDraw.Draw(image).text((2 + index % 4, 5 + index % 5), word, fill="black", font=ImageFont.load_default(size=18 + index % 3))
+        image.save(tmp_path / f"{index}.png")
+        rows.append(json.dumps({"prompt": f'a sign that says "{word}"', "image": f"{index}.png"}))
+    (tmp_path / "demos.jsonl").write_text("\n".join(rows) + "\n")
+    (tmp_path / "prompts.txt").write_text("\n".join(f'a sign that says "{w}"' for w in WORDS) + "\n")
+    common = ["final_eval=false", "logging.report_to=none", "model.finetune=full"]
+    taught = Trainer(load_config("tiny-chain", [f"output_dir={tmp_path / 'sft'}", "train.loss=sft", f"sft.data={tmp_path / 'demos.jsonl'}",
+                                                "iterations=1200", "prompts.per_iteration=8", "train.learning_rate=1e-3", "sft.timesteps=4", *common]))
+    for iteration in range(1200):
+        taught.run_iteration(iteration)
+    taught.adapter.save_pretrained(tmp_path / "model")
+    trainer = Trainer(load_config("tiny-chain", [f"output_dir={tmp_path / 'grpo'}", f"model.path={tmp_path / 'model'}", "reward=ocr",
+                                                 f"prompts.train={tmp_path / 'prompts.txt'}", "prompts.per_iteration=4", "tree.roots=4",
+                                                 "iterations=2", "train.learning_rate=1e-4", *common]))
+    before = {k: v.detach().clone() for k, v in trainer.adapter.denoiser.named_parameters()}
+    results = [trainer.run_iteration(iteration) for iteration in range(2)]
+    assert any(r.metrics["reward_zero_spread_fraction"] < 1 and r.metrics["reward_mean"] > 0 for r in results)
+    assert any(not torch.equal(before[k], v) for k, v in trainer.adapter.denoiser.named_parameters())
+    last = results[-1]
+    leaves = last.rollout.tree.leaf_index
+    prompts = [last.prompts[p] for p in last.rollout.tree.prompt[leaves].tolist()]
+    assert last.node_rewards[leaves].float().tolist() == pytest.approx(reward(last.leaf_images, prompts, [{}] * len(prompts)).tolist())

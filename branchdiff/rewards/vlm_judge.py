@@ -99,7 +99,7 @@ class VLMJudge:
         self.scale = ("win rate in [0, 1] against the group's other images, both orders averaged" if pairwise else
                       "P(yes) in [0, 1]: the judge's probability of yes over yes + no among its top answer tokens")
         if pairwise:
-            self.score_group = self.tournament
+            self.score_group = self.judge_group
 
     def request(self, pixels: list[torch.Tensor], prompt: str) -> bytes:
         """The chat-completions body asking about images (3, H, W) uint8, in the order shown (one, or two for a pair)."""
@@ -126,7 +126,7 @@ class VLMJudge:
                                     f"among its top {len(held)}: {one_line(held, 200)}; raise top_logprobs or add its spelling to {yes} / {no}")
         return probability
 
-    def tournament(self, images: torch.Tensor, prompts: list[str], metadata: list[dict] | None = None) -> torch.Tensor:
+    def judge_group(self, images: torch.Tensor, prompts: list[str], metadata: list[dict] | None = None) -> torch.Tensor:
         """Win rates (G,) of one group's images (G, 3, H, W): every ordered pair judged (module doc)."""
         pixels = to_uint8(images)  # (G, 3, H, W)
         count = len(pixels)
