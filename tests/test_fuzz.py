@@ -49,6 +49,7 @@ def no_work(monkeypatch):
     """Every place a command starts its work raises `ReachedWork`."""
     import branchdiff.bench.curves
     import branchdiff.bench.iteration
+    import branchdiff.bench.overlap
     import branchdiff.bench.reward_server
     import branchdiff.bench.sampler
     import branchdiff.bench.search
@@ -65,7 +66,8 @@ def no_work(monkeypatch):
     monkeypatch.setattr(branchdiff.rewards.server, "serve", _reached)
     for module, name in ((branchdiff.bench.iteration, "bench_tree"), (branchdiff.bench.iteration, "bench_explore"),
                          (branchdiff.bench.curves, "bench_curves"), (branchdiff.bench.search, "bench_search"),
-                         (branchdiff.bench.sampler, "bench_sampler"), (branchdiff.bench.reward_server, "bench_reward_server")):
+                         (branchdiff.bench.sampler, "bench_sampler"), (branchdiff.bench.reward_server, "bench_reward_server"),
+                         (branchdiff.bench.overlap, "bench_overlap")):
         monkeypatch.setattr(module, name, _reached)
     monkeypatch.setattr("huggingface_hub.HfApi.create_repo", _reached)
     monkeypatch.setattr("huggingface_hub.HfApi.upload_folder", _reached)

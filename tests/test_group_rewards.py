@@ -32,7 +32,7 @@ def test_ranks_and_tournaments_against_hand_computations():
     assert torch.isnan(ranks(torch.tensor([1.0, float("nan"), 2.0]))).all()  # no order: the group is dropped
     scores = torch.randn(9, generator=torch.Generator().manual_seed(0)).round(decimals=1)  # ties likely
     assert torch.allclose(ranks(scores), _scipy_ranks(scores))
-    # a judge that prefers whatever it sees first by 0.2 over the truth: both orders cancel the bias
+    # a judge that prefers whatever it sees first by 0.15 over the truth: both orders cancel the bias
     truth = torch.tensor([[0.5, 0.7, 0.8], [0.3, 0.5, 0.6], [0.2, 0.4, 0.5]])  # P(row beats column), truth + truth.T = 1
     assert tournament(truth + 0.15).tolist() == pytest.approx([(0.7 + 0.8) / 2, (0.3 + 0.6) / 2, (0.2 + 0.4) / 2])
     assert tournament(torch.tensor([[0.5]])).tolist() == [0.5]
@@ -114,3 +114,46 @@ def test_a_tiny_tree_run_trains_on_each_leafs_rank_among_its_prompts_leaves(tiny
         assert torch.allclose(leaf_rewards[leaf_prompts == group], _scipy_ranks(redness[leaf_prompts == group]))
     assert result.metrics["reward_mean"] == pytest.approx(0.5)  # the ranks of a group average ½
     assert result.metrics["edges_trained"] > 0 and result.metrics["grad_norm"] > 0
+
+
+class FailsOnRain:
+    """A group reward that ranks by redness, raises on the prompt 'rain' and answers the wrong shape for 'snow'."""
+
+    name = "fails-on-rain"
+    scale = "rank"
+
+    def score_group(self, images, prompts, metadata):
+        if prompts[0] == "rain":
+            raise RuntimeError("judge down")
+        return torch.zeros(len(prompts) + 1) if prompts[0] == "snow" else ranks(Redness()(images, prompts))
+
+
+def test_a_group_rewards_wrong_shape_stops_even_when_optional_and_its_failure_stays_with_its_request():
+    from concurrent.futures import Future
+
+    from branchdiff.rewards.remote import RemoteReward, RemoteRewardError
+    from branchdiff.rewards.server import BackgroundServer, Batcher, _Request
+
+    images = _images(4)
+    with pytest.raises(RewardError, match=r"reward 'fails-on-rain' returned shape \(3,\) for 2 images"):
+        score_component(FailsOnRain(), "fails-on-rain", images, ["snow", "snow", "sun", "sun"], [{}] * 4, required=False)
+    failed = score_component(FailsOnRain(), "fails-on-rain", images, ["rain", "rain", "sun", "sun"], [{}] * 4, required=False)
+    assert failed[2] and torch.isnan(failed[0]).all()  # optional and raising: missing for the batch, as any reward
+    # served: two groups taken in one batch are answered one by one, the failing one alone failing
+    batcher = Batcher(FailsOnRain(), "fails-on-rain", "cpu", 64)
+    requests = [_Request(images[:2], ["rain", "rain"], [{}, {}], Future()), _Request(images[2:], ["sun", "sun"], [{}, {}], Future())]
+    batcher._score_groups(requests)
+    assert isinstance(requests[0].answer.exception(), RuntimeError)
+    assert requests[1].answer.result() == ranks(Redness()(images[2:], ["sun", "sun"])).tolist()
+    with BackgroundServer(FailsOnRain()) as server:  # a client that does not send groups whole is refused
+        with pytest.raises(RemoteRewardError, match=r"scores one prompt's group a request and this request holds 2 prompts"):
+            RemoteReward(server.url, retries=0)(images[:2], ["sun", "moon"], None)
+
+
+def test_an_evaluation_refuses_a_group_reward_in_one_line(tiny_model_dir, tmp_path, capsys):
+    run = tmp_path / "run"
+    assert main(["train", "tiny-chain", f"model.path={tiny_model_dir}", f"output_dir={run}", "iterations=1", f"eval_rewards=[{RANK}]".replace("'", ""),
+                 "prompts.per_iteration=1", "tree.roots=2", "sampling.num_steps=2", "logging.report_to=none"]) != 0
+    error = [line for line in capsys.readouterr().err.splitlines() if line.startswith("branchdiff: error")]
+    assert len(error) == 1 and "'eval_rewards': 'group-rank' scores each sample against its group's others, so its mean is ½" in error[0]
+    assert not (run / "metrics.jsonl").exists()  # refused before training

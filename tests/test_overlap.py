@@ -74,14 +74,19 @@ class Recorded:
 
 
 def test_each_part_is_scored_while_the_next_grows_in_a_worker(tiny_model_dir, tmp_path, monkeypatch):
+    import branchdiff.training.overlap as overlap
+
     Recorded.calls, Recorded.fail_on = [], 0
-    threads = set()
-    original = Recorded.__call__
+    threads, grown = set(), []
+    original, grow = Recorded.__call__, overlap.grow_prompts
     monkeypatch.setattr(Recorded, "__call__", lambda self, *a: threads.add(threading.current_thread().name) or original(self, *a))
-    trainer = _trainer(tiny_model_dir, tmp_path / "run", True, "reward=test_overlap:Recorded")
-    result = trainer.run_iteration(0)
-    assert len(Recorded.calls) == 3 and all(name.startswith("branchdiff-reward") for name in threads)  # a part a prompt, in the worker
-    assert result.metrics["reward_seconds"] < 0.3 * 3  # the first parts were scored while later ones grew
+    monkeypatch.setattr(overlap, "grow_prompts", lambda *a, **k: (grow(*a, **k), grown.append(time.perf_counter()))[0])
+    result = _trainer(tiny_model_dir, tmp_path / "run", True, "reward=test_overlap:Recorded").run_iteration(0)
+    assert len(Recorded.calls) == len(grown) == 3 and all(name.startswith("branchdiff-reward") for name in threads)  # a part a prompt, in the worker
+    assert Recorded.calls[0][0] < grown[1] < grown[2]  # the first part was being scored while the second grew
+    assert all(end <= start for (_, end), (start, _) in zip(Recorded.calls, Recorded.calls[1:]))  # one worker: in order
+    hidden, waited = result.metrics["reward_overlapped_seconds"], result.metrics["reward_seconds"]
+    assert hidden > 0 and hidden + waited >= 0.3 * 3  # the scoring's three 0.3 s calls: partly behind the rollout, the rest waited for
 
 
 def test_a_failure_in_the_worker_stops_the_run_with_the_rewards_one_line(tiny_model_dir, tmp_path, capsys):

@@ -193,8 +193,46 @@ def test_a_folder_that_is_not_the_release_is_one_line(release, tmp_path, capsys)
         ([str(bare), str(tmp_path / "d"), "--template", template], "no checkpoint-N folder"),
         ([str(release / "lora"), str(tmp_path / "e"), "--template", template, "--step", "4"], "no checkpoint-4; it holds checkpoint-3"),
     ]
+    (tmp_path / "list").mkdir()
+    (tmp_path / "list" / "model_config.json").write_text("[1, 2]")
+    nameless = tmp_path / "nameless"
+    shutil.copytree(release / "lora", nameless)
+    settings = json.loads((nameless / "model_config.json").read_text())
+    del settings["model_config"]["model_name_or_path"]
+    (nameless / "model_config.json").write_text(json.dumps(settings))
+    other_base = tmp_path / "other-base"
+    shutil.copytree(release / "base", other_base)
+    weights = load_file(str(other_base / "model.safetensors"))
+    save_file({k.replace("model.embed_tokens.", "model.token_table."): v for k, v in weights.items()}, str(other_base / "model.safetensors"))
+    cases += [
+        ([str(tmp_path / "list"), str(tmp_path / "f"), "--template", template], "expected an object with the sections"),
+        ([str(nameless), str(tmp_path / "g"), "--template", template], "names no base model (model_config.model_name_or_path); give its local"),
+        ([str(release / "lora"), str(tmp_path / "h"), "--template", template, "--base", str(other_base)],
+         "trained weights have no counterpart in the base"),
+    ]
     for arguments, words in cases:
         assert main(["rewards", "convert", "videoalign", *arguments]) != 0
         error = capsys.readouterr().err.strip()
         assert words in error and len(error.splitlines()) == 1, error
     assert (tmp_path / "taken" / "keep.txt").read_text() == "mine" and not (tmp_path / "a").exists()
+
+
+def test_a_failed_write_leaves_nothing_and_a_converted_folder_refuses_num_frames(release, tmp_path, monkeypatch):
+    import branchdiff.rewards.videoalign_release as conversion
+
+    writes = []
+
+    def full_disk(tensors, path, **kwargs):
+        writes.append(path)
+        if len(writes) == 2:
+            raise OSError(28, "No space left on device")
+        return save_file(tensors, path, **kwargs)
+
+    monkeypatch.setattr(conversion, "save_file", full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        conversion.convert_videoalign(release / "lora", tmp_path / "out", release / "prompt_template.py")
+    assert len(writes) == 2 and not (tmp_path / "out").exists()
+    monkeypatch.undo()
+    conversion.convert_videoalign(release / "lora", tmp_path / "out", release / "prompt_template.py")
+    with pytest.raises(ValueError, match=r"is a converted release, which reads its frames by its own rule .*leave num_frames out"):
+        build_reward("videoalign", "cpu", {"path": str(tmp_path / "out"), "num_frames": 4})

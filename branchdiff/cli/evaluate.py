@@ -20,6 +20,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
     from branchdiff.evaluation.preflight import check_output_folder, check_prompt_set, check_video_rewards
     from branchdiff.models.registry import FAMILIES
     from branchdiff.rewards.combine import parse_reward_specs
+    from branchdiff.rewards.group import refuse_in_evaluation
     from branchdiff.rewards.multi import build_component, check_remote_kwargs
     from branchdiff.rewards.registry import check_reward_kwargs, resolve_reward
     from branchdiff.runtime.distributed import disconnect
@@ -44,6 +45,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
     check_prompt_set(prompt_set, settings.family, size, specs, factories)
     state = PartialState(cpu=args.device == "cpu")
     rewards = {spec.label: build_component(spec, args.device) for spec in specs}
+    refuse_in_evaluation(rewards, "eval --rewards")
     sampling = OdeSampling(settings.images_per_prompt, settings.steps, settings.shift, settings.guidance, settings.seed, settings.solver)
     result = evaluate(load_model(settings, args.weights, state.device), prompt_set, rewards, sampling,
                       ProcessShare(state.process_index, state.num_processes), frames={spec.label: spec.frames for spec in specs},

@@ -10,7 +10,8 @@ calls `score_group` once per group, in order of each group's first image. A grou
 
 - in training, the samples GRPO compares: a chain group's G samples, or every leaf of a prompt's
   tree (the leaves the last depth's advantage compares; inner nodes' rewards are fused from them);
-- everywhere else (evaluation, `rewards check`, search), the images that share a prompt.
+- elsewhere (`rewards check`, search), the images that share a prompt. Evaluation refuses a group reward
+  (`refuse_in_evaluation`): its mean is ½ for any model.
 
 The scores of a group reward depend on the other members of its group, so they are relative: a
 rank or a win rate says how a sample compares with its siblings, not how good it is. Two kinds:
@@ -36,6 +37,15 @@ def is_group_reward(reward: object) -> bool:
     return callable(getattr(reward, "score_group", None))
 
 
+def refuse_in_evaluation(rewards: dict[str, object], key: str) -> None:
+    """An evaluation compares models by a reward's mean; a group reward's mean is ½ for any model (ranks and win rates
+    within a group average ½), so one among `rewards` (by label) is refused in one line naming `key`."""
+    for label, reward in rewards.items():
+        if is_group_reward(reward):
+            raise ValueError(f"{key}: {label!r} scores each sample against its group's others, so its mean is ½ for any model and "
+                             "cannot compare models; evaluate with the reward it ranks (e.g. pickscore), or vlm-judge pointwise")
+
+
 def group_rows(prompts: list[str], groups: torch.Tensor | None) -> list[list[int]]:
     """The rows of each group, in order of each group's first row: by the group index `groups` (B,)
     when given, else by equal prompt."""
@@ -46,16 +56,30 @@ def group_rows(prompts: list[str], groups: torch.Tensor | None) -> list[list[int
     return list(rows.values())
 
 
-def score_by_group(reward: object, label: str, images: torch.Tensor, prompts: list[str], metadata: list[dict],
-                   groups: torch.Tensor | None) -> torch.Tensor:
-    """Scores (B,) of a group reward: `score_group` called once per group (`group_rows`), each answer
-    checked for its shape, and written back at its group's rows."""
-    scores = torch.empty(len(prompts))
+GroupAnswers = list[tuple[list[int], object]]  # each group's rows and what `score_group` returned for them
+
+
+def group_answers(reward: object, images: torch.Tensor, prompts: list[str], metadata: list[dict], groups: torch.Tensor | None) -> GroupAnswers:
+    """`score_group` called once per group (`group_rows`): each group's rows and the reward's answer, unchecked."""
+    answers = []
     for rows in group_rows(prompts, groups):
         index = torch.tensor(rows)
-        scored = reward.score_group(images[index], [prompts[r] for r in rows], [metadata[r] for r in rows])  # type: ignore[attr-defined]
-        scores[index] = check_scores(scored, len(rows), label)
+        answers.append((rows, reward.score_group(images[index], [prompts[r] for r in rows], [metadata[r] for r in rows])))  # type: ignore[attr-defined]
+    return answers
+
+
+def assemble(answers: GroupAnswers, count: int, label: str) -> torch.Tensor:
+    """The scores (B,) of `count` images from their groups' answers, each checked for its shape (`check_scores`)."""
+    scores = torch.empty(count)
+    for rows, answer in answers:
+        scores[torch.tensor(rows)] = check_scores(answer, len(rows), label)
     return scores
+
+
+def score_by_group(reward: object, label: str, images: torch.Tensor, prompts: list[str], metadata: list[dict],
+                   groups: torch.Tensor | None) -> torch.Tensor:
+    """Scores (B,) of a group reward: its answers for every group, checked and written back at their rows."""
+    return assemble(group_answers(reward, images, prompts, metadata, groups), len(prompts), label)
 
 
 def tournament(preferred_first: torch.Tensor) -> torch.Tensor:

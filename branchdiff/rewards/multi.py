@@ -24,7 +24,7 @@ from branchdiff.errors import one_line, quote
 from branchdiff.rewards.base import check_scores
 from branchdiff.rewards.combine import RewardSpec, combine
 from branchdiff.rewards.frames import FrameAggregation
-from branchdiff.rewards.group import is_group_reward, score_by_group
+from branchdiff.rewards.group import assemble, group_answers, is_group_reward
 from branchdiff.rewards.registry import build_reward, check_reward_kwargs, reward_key
 
 
@@ -71,8 +71,8 @@ def score_component(reward: object, label: str, images: torch.Tensor, prompts: l
                               "every N-th frame) and reduce: mean or min, e.g. {name: " + label + ", frames: 4, reduce: mean}")
         images, prompts, metadata = frames.frames_of(images, prompts, metadata)
     try:
-        if is_group_reward(reward):  # a reward that sees the group: one call per group
-            raw, more = score_by_group(reward, label, images, prompts, metadata, groups), {}
+        if is_group_reward(reward):  # a reward that sees the group: one call per group, the answers checked below
+            raw, more = group_answers(reward, images, prompts, metadata, groups), {}
         elif hasattr(reward, "score"):  # a reward that reports more than its score (tiny-geneval)
             every = reward.score(images, prompts)
             raw, more = every[reward_key(reward)], {k: every[k] for k in extra_keys(reward)}
@@ -89,7 +89,8 @@ def score_component(reward: object, label: str, images: torch.Tensor, prompts: l
         nan = torch.full((count,), float("nan"))
         return nan, {k: nan.clone() for k in extra_keys(reward)}, True
     try:
-        scores, more = check_scores(raw, len(prompts), label), {k: check_scores(v, len(prompts), label) for k, v in more.items()}
+        scores = assemble(raw, len(prompts), label) if is_group_reward(reward) else check_scores(raw, len(prompts), label)
+        more = {k: check_scores(v, len(prompts), label) for k, v in more.items()}
     except ValueError as error:
         raise RewardError(str(error)) from None
     if videos:

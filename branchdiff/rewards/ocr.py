@@ -13,8 +13,9 @@ scoring 0 (a broken engine would otherwise look like unreadable images).
 
 The engine is RapidOCR (`rapidocr-onnxruntime`: PaddleOCR's PP-OCRv4 detection and recognition models
 as ONNX, shipped inside its wheel, so the reward runs offline): `pip install 'branchdiff-rl[ocr]'`; it
-runs on the CPU. `engine: paddleocr` uses PaddleOCR 3 itself where it is installed (Flow-GRPO's engine;
-its models are fetched on first use), detection and recognition only. Either is given each image as
+runs on the CPU. `engine: paddleocr` uses PaddleOCR 3 itself where it is installed (English detection
+and recognition, its models fetched on first use); Flow-GRPO scores with PaddleOCR 2's English models,
+whose API PaddleOCR 3 replaced, so neither engine is its exact setup. Either is given each image as
 8-bit BGR pixels (their convention for arrays).
 """
 
@@ -98,7 +99,7 @@ def rapidocr_engine() -> Any:
 
 
 def paddleocr_engine() -> Any:
-    """PaddleOCR 3's text pipeline, detection and recognition only (no document unwarping or orientation models)."""
+    """PaddleOCR 3's English text pipeline, detection and recognition only (no document unwarping or orientation models)."""
     try:
         from paddleocr import PaddleOCR
     except ImportError:
@@ -106,4 +107,4 @@ def paddleocr_engine() -> Any:
                           "(or the default engine, rapidocr, which ships its models)") from None
     if not hasattr(PaddleOCR, "predict"):
         raise ImportError("reward 'ocr' with engine: paddleocr needs PaddleOCR ≥ 3 (its predict API): pip install -U paddleocr")
-    return PaddleOCR(use_doc_orientation_classify=False, use_doc_unwarping=False, use_textline_orientation=False)
+    return PaddleOCR(lang="en", use_doc_orientation_classify=False, use_doc_unwarping=False, use_textline_orientation=False)

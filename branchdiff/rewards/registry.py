@@ -40,8 +40,7 @@ BUILT_IN: dict[str, Registered] = {
     "tiny-video": Registered("branchdiff.rewards.tiny_video:TinyVideoVerifier"),  # clips of the built-in video task
     "videoalign": Registered("branchdiff.rewards.videoalign:VideoAlignReward"),  # videos: a Qwen2-VL reward model from a local folder (VQ, MQ, TA)
     "flicker": Registered("branchdiff.rewards.flicker:Flicker"),  # videos: frame-to-frame change
-    "ocr": Registered("branchdiff.rewards.ocr:OCRReward", needs=("rapidocr_onnxruntime",),  # rendered text: PP-OCRv4 inside its wheel
-                      install="pip install 'branchdiff-rl[ocr]'"),
+    "ocr": Registered("branchdiff.rewards.ocr:OCRReward"),  # rendered text: PP-OCRv4 inside rapidocr's wheel, or PaddleOCR (each engine names its install)
     "vlm-judge": Registered("branchdiff.rewards.vlm_judge:VLMJudge"),  # a VLM's P(yes), or its tournament (mode: pairwise), over an OpenAI-compatible API
     "group-rank": Registered("branchdiff.rewards.group_rank:GroupRank"),  # another reward's rank within the group (kwargs: reward, kwargs)
     "edit-consistency": Registered("branchdiff.rewards.edit_consistency:EditConsistency"),  # editing: the source kept outside the edit

@@ -47,7 +47,7 @@ import torch
 
 from branchdiff.errors import one_line
 from branchdiff.rewards.base import check_scores
-from branchdiff.rewards.group import is_group_reward, score_by_group
+from branchdiff.rewards.group import is_group_reward
 from branchdiff.rewards.remote import IMAGE_FORMATS, WIRE_VERSION, WireFormatError, decode_batch
 
 DEFAULT_PORT = 8765  # `branchdiff serve-reward` and docs/reward-server.md use it too
@@ -98,6 +98,7 @@ class Batcher:
 
     def __init__(self, reward: object, name: str, device: object, max_batch: int) -> None:
         self.reward, self.name, self.device, self.max_batch = reward, name, device, max_batch
+        self.group = is_group_reward(reward)  # each request one group, scored alone
         self.waiting: queue.Queue[_Request] = queue.Queue()
         self.held: _Request | None = None  # taken from the queue, not fitting the last batch: the next batch's first
         self.calls = self.requests = 0  # reward calls made, requests answered (stats for the load test)
@@ -130,22 +131,33 @@ class Batcher:
             size += len(candidate.prompts)
         return batch
 
-    def _score(self, batch: list[_Request], images: torch.Tensor, prompts: list[str], metadata: list[dict]) -> torch.Tensor:
-        """The batch's scores (B,): one call of the reward, or for a group reward one `score_group` call per request (a request is one group)."""
-        if not is_group_reward(self.reward):
-            return check_scores(self.reward(images, prompts, metadata), len(prompts), self.name)
-        groups = torch.repeat_interleave(torch.arange(len(batch)), torch.tensor([len(r.prompts) for r in batch]))  # (B,)
-        return score_by_group(self.reward, self.name, images, prompts, metadata, groups)
+    def _score_groups(self, batch: list[_Request]) -> None:
+        """A group reward: each request is one group, scored by its own `score_group` call and answered alone."""
+        for r in batch:
+            try:
+                with torch.inference_mode():
+                    scored = self.reward.score_group(r.images.to(self.device), r.prompts, r.metadata)  # type: ignore[attr-defined]
+                scores = check_scores(scored, len(r.prompts), self.name)
+            except Exception as error:  # user code: this request gets its failure, the others their scores
+                logger.exception("reward %r failed on a group", self.name)
+                r.answer.set_exception(error)
+                continue
+            r.answer.set_result([value if math.isfinite(value) else None for value in scores.tolist()])
+        self.calls += len(batch)
+        self.requests += len(batch)
 
     def _run(self) -> None:
         while True:
             batch = self._next_batch()
+            if self.group:
+                self._score_groups(batch)
+                continue
             try:
                 images = torch.cat([r.images for r in batch]) if len(batch) > 1 else batch[0].images
                 prompts = [p for r in batch for p in r.prompts]
                 metadata = [m for r in batch for m in r.metadata]
                 with torch.inference_mode():  # grad mode is per thread: set it in the worker
-                    scores = self._score(batch, images.to(self.device), prompts, metadata)  # (B,) on the CPU
+                    scores = check_scores(self.reward(images.to(self.device), prompts, metadata), len(prompts), self.name)  # (B,) on the CPU
                 values = [value if math.isfinite(value) else None for value in scores.tolist()]
             except Exception as error:  # the reward is user code: every request of the batch gets its failure
                 logger.exception("reward %r failed on a batch", self.name)
@@ -227,9 +239,15 @@ def create_app(reward: object, limits: Limits = Limits(), token: str | None = No
             images, prompts, metadata = decode_batch(body)  # (B, 3, H, W) or (B, F, 3, H, W) float32
         except WireFormatError as error:
             return JSONResponse({"error": f"bad request: {one_line(error)}"}, status_code=400)
+        if info["group"] and len(set(prompts)) > 1:
+            return JSONResponse({"error": f"reward {name!r} scores one prompt's group a request and this request holds {len(set(prompts))} "
+                                          "prompts: a client that knows group rewards (branchdiff ≥ this server's version) sends each group whole"},
+                                status_code=400)
         if len(prompts) > limits.max_images:
             return JSONResponse({"error": f"request too large: {len(prompts)} images, this server takes at most {limits.max_images} "
-                                          "(--max-images); send fewer per request (kwargs: {chunk_size: N})"}, status_code=413)
+                                          "(--max-images); send fewer per request (kwargs: {chunk_size: N}; a group reward's group goes whole: "
+                                          "raise --max-images)"},
+                                status_code=413)
         try:
             scores = await asyncio.wrap_future(batcher.submit(_Request(images, prompts, metadata)))
         except Exception as error:

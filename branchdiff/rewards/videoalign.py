@@ -127,6 +127,9 @@ class VideoAlignReward:
         self.template, self.tokens = settings["template"], settings["tokens"]
         self.mean, self.std = settings["mean"], settings["std"]
         self.preprocessing, self.video_fps = settings.get("video"), float(video_fps)  # a converted release's preprocessing
+        if self.preprocessing and num_frames is not None:
+            raise ValueError(f"reward 'videoalign': {str(folder)!r} is a converted release, which reads its frames by its own rule (2 a "
+                             "second of video_fps); leave num_frames out and give video_fps, the rate the videos play at")
         self.dimension, self.num_frames, self.batch_size = dimension, num_frames, batch_size
         self.reward_key, self.score_keys = dimension, ("overall", *DIMENSIONS)
         self.scale = ("VQ + MQ + TA, each standardised by the checkpoint's mean and std" if dimension == "overall"

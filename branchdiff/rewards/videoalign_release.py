@@ -29,6 +29,7 @@ from __future__ import annotations
 import ast
 import json
 import math
+import shutil
 from pathlib import Path
 
 import torch
@@ -115,9 +116,8 @@ def _base_weights(base: Path) -> dict[str, torch.Tensor]:
 
 
 def convert_videoalign(source: Path, destination: Path, template: Path, base: Path | None = None, step: int | None = None) -> Path:
-    """Write the `videoalign` folder of the release at `source` to `destination` (module doc); returns it."""
-    from transformers import AutoConfig, AutoProcessor
-
+    """Write the `videoalign` folder of the release at `source` to `destination` (module doc); returns it. Nothing is
+    left at `destination` when the conversion fails."""
     if destination.exists() and any(destination.iterdir()):
         raise ReleaseError(f"{destination} is not empty; give a new folder to write the converted reward to")
     if not template.is_file():
@@ -125,23 +125,53 @@ def convert_videoalign(source: Path, destination: Path, template: Path, base: Pa
     config_file = source / "model_config.json"
     if not config_file.is_file():
         raise ReleaseError(f"{source}: no model_config.json; expected VideoReward's release folder")
-    settings = json.loads(config_file.read_text())
-    data, model, peft = settings.get("data_config", {}), settings.get("model_config", {}), settings.get("peft_lora_config", {})
+    try:
+        settings = json.loads(config_file.read_text())
+    except ValueError as error:
+        raise ReleaseError(f"{config_file} is not JSON ({error})") from None
+    sections = ("data_config", "model_config", "peft_lora_config")
+    if not isinstance(settings, dict) or not all(isinstance(settings.get(key, {}), dict) for key in (*sections, "inference_config")):
+        raise ReleaseError(f"{config_file}: expected an object with the sections {', '.join(sections)} and inference_config")
+    data, model, peft = (settings.get(key, {}) for key in sections)
     if model.get("reward_token") != "special" or not model.get("use_special_tokens") or model.get("output_dim") not in (1, 3):
         raise ReleaseError(f"{config_file}: model_config must read its reward at the special tokens (reward_token: special, "
                            "use_special_tokens: true, output_dim 1 or 3) as VideoReward does")
     if data.get("sample_type", "uniform") != "uniform" or data.get("eval_dim") != list(DIMENSIONS):
         raise ReleaseError(f"{config_file}: data_config must sample frames uniformly over the dimensions {list(DIMENSIONS)}")
-    base = base or Path(str(model.get("model_name_or_path", ""))).expanduser()
+    if base is None:
+        named = model.get("model_name_or_path")
+        if not isinstance(named, str) or not named:
+            raise ReleaseError(f"{config_file} names no base model (model_config.model_name_or_path); give its local folder with --base")
+        base = Path(named).expanduser()
     prompt_template = release_template(template, data.get("prompt_template_type", ""))
     weights, lora = release_state(latest_checkpoint(source, step))
     head = weights.pop("rm_head.weight", None)
     if head is None or "model.embed_tokens.weight" not in weights:
         raise ReleaseError(f"{source}: the checkpoint holds no rm_head.weight or model.embed_tokens.weight (the reward head and the "
                            "reward tokens' embeddings)")
-    state = {**_base_weights(base), **weights}
+    state = _base_weights(base)
+    unknown = sorted(set(weights) - set(state))
+    if unknown:
+        raise ReleaseError(f"{source}: {len(unknown)} trained weights have no counterpart in the base {base}, e.g. {unknown[0]!r}; "
+                           "is --base the model the release was trained from?")
+    state.update(weights)
     if lora:
         merge_lora(state, lora, float(peft.get("lora_alpha", 16)), int(peft.get("lora_r", 8)), bool(peft.get("use_rslora", False)))
+    created = not destination.exists()
+    try:
+        _write(destination, state, head, base, settings, data, prompt_template, source)
+    except BaseException:
+        if created:
+            shutil.rmtree(destination, ignore_errors=True)
+        raise
+    return destination
+
+
+def _write(destination: Path, state: dict[str, torch.Tensor], head: torch.Tensor, base: Path, settings: dict, data: dict, prompt_template: str,
+           source: Path) -> None:
+    """The folder of the module doc: the model with its grown vocabulary, the processor, the head, videoalign.json."""
+    from transformers import AutoConfig, AutoProcessor
+
     processor = AutoProcessor.from_pretrained(base, padding_side="right")
     processor.tokenizer.add_special_tokens({"additional_special_tokens": list(RELEASE_TOKENS.values())})  # as the release adds them
     vocabulary = state["model.embed_tokens.weight"].shape[0]
@@ -169,5 +199,3 @@ def convert_videoalign(source: Path, destination: Path, template: Path, base: Pa
                   "frame_factor": FRAME_FACTOR, "size_factor": SIZE_FACTOR, "min_pixels": VIDEO_MIN_PIXELS,
                   "max_pixels": data.get("max_frame_pixels", 240 * 320)},
         "source": {"release": str(source), "base": str(base)}}, indent=1))
-    return destination
-

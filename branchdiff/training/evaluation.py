@@ -32,6 +32,7 @@ from branchdiff.evaluation.evaluate import (
 from branchdiff.models.base import ModelAdapter
 from branchdiff.models.finetune import FullFinetune, LoraFinetune
 from branchdiff.rewards.combine import RewardSpec, parse_reward_specs
+from branchdiff.rewards.group import refuse_in_evaluation
 from branchdiff.rewards.multi import MultiReward, build_component
 from branchdiff.runtime import storage
 from branchdiff.runtime.distributed import Collective
@@ -62,6 +63,7 @@ class RunEvaluation:
 
         evaluates = config.final_eval or config.eval_every
         rewards = {spec.label: component(spec) for spec in parse_reward_specs(config.eval_rewards)} if evaluates else {}
+        refuse_in_evaluation(rewards, "'eval_rewards'")
         return cls(config, accelerator, collective, memory, rewards, gold_score(config, rewards), lockstep)
 
     def sampling(self) -> OdeSampling:

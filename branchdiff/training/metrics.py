@@ -109,6 +109,7 @@ def iteration_metrics(
         "decode_seconds": info.get("decode_seconds", 0.0), "forward_backward_seconds": update.get("forward_backward_seconds", 0.0),
         "optimizer_seconds": update.get("optimizer_seconds", 0.0),
         **{f"explore_{k}": v for k, v in explore_stats.items() if not k.endswith(("_nfe", "_mean_abs_diff"))},
+        **{key: info[key] for key in ("reward_overlapped_seconds",) if key in info},  # reward_overlap: scoring hidden behind the rollout
     }
     # every process holds the same number of kept candidates, so the mean of the processes' means is the global mean
     means = {f"explore_{k}": v for k, v in explore_stats.items() if k.endswith("_mean_abs_diff")}

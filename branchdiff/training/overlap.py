@@ -10,10 +10,11 @@ least one), so the leaf level keeps full forwards; every group lies inside one p
 reward and the combiners see the groups they see in one call.
 
 The rewards are those of scoring the same images in one call: the parts are scored in order and put
-back in leaf order, and a reward of one image does not depend on the others of its call. The images
-are those of the whole rollout bit for bit under `sampling.exact` (each node's noise comes from its
-address, and exact forwards do not depend on the batch); without it a narrower part may differ in the
-last bits, as any change of `max_batch` does. A reward that fails in the worker stops the iteration
+back in leaf order, and a reward of one image does not depend on the others of its call. The rollout is
+the whole one bit for bit under `sampling.exact` (each node's noise comes from its address, and exact
+forwards do not depend on the batch), and so are the images where decoding does not depend on its batch
+(a VAE's narrower last chunk may change a GPU decode in the last bits); without `exact` a narrower part
+may differ in the last bits, as any change of `max_batch` does. A reward that fails in the worker stops the iteration
 with its own one-line error as soon as the rollout loop sees it.
 """
 
@@ -66,26 +67,26 @@ def grow_and_score(adapter: ModelAdapter, tree: Tree, embeds: PromptEmbeds, sche
     leaf_prompts = tree.prompt[tree.leaf_index]  # (L,)
     seconds = {"rollout_seconds": 0.0, "decode_seconds": 0.0}
     images, rows, pending = [], [], []
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="branchdiff-reward") as worker:
-        try:
-            for part in parts:
-                start = time.perf_counter()
-                with autocast():
-                    grow_prompts(rollout, adapter, embeds, settings, address, part)
-                decoded = time.perf_counter()
-                seconds["rollout_seconds"] += decoded - start
-                part_rows = torch.isin(leaf_prompts, torch.tensor(part)).nonzero().flatten()  # (L_k,) this part's leaves
-                images.append(adapter.decode(rollout.latents[tree.leaf_index[part_rows]]))
-                rows.append(part_rows)
-                seconds["decode_seconds"] += time.perf_counter() - decoded
-                pending.append(worker.submit(_score_without_grad, score, images[-1], part_rows))
-                _raise_first_failure(pending)
-            waiting = time.perf_counter()
-            scored = [future.result() for future in pending]  # in order; the first failure is raised
-        except BaseException:
-            for future in pending:
-                future.cancel()
-            raise
+    worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="branchdiff-reward")
+    try:
+        for part in parts:
+            start = time.perf_counter()
+            with autocast():
+                grow_prompts(rollout, adapter, embeds, settings, address, part)
+            decoded = time.perf_counter()
+            seconds["rollout_seconds"] += decoded - start
+            part_rows = torch.isin(leaf_prompts, torch.tensor(part)).nonzero().flatten()  # (L_k,) this part's leaves
+            images.append(adapter.decode(rollout.latents[tree.leaf_index[part_rows]]))
+            rows.append(part_rows)
+            seconds["decode_seconds"] += time.perf_counter() - decoded
+            pending.append(worker.submit(_score_without_grad, score, images[-1], part_rows))
+            _raise_first_failure(pending)
+        waiting = time.perf_counter()
+        scored = [future.result() for future in pending]  # in order; the first failure is raised
+    except BaseException:
+        worker.shutdown(wait=False, cancel_futures=True)  # a stop or failure does not wait for a slow judge's answer
+        raise
+    worker.shutdown()
     seconds["reward_seconds"] = time.perf_counter() - waiting
     seconds["reward_overlapped_seconds"] = max(0.0, sum(s for _, s in scored) - seconds["reward_seconds"])
     order = torch.argsort(torch.cat(rows))  # leaf order, whatever the parts' order
