@@ -83,7 +83,7 @@ def test_the_low_noise_experts_own_guidance_reproduces_guidance_scale_2(saved):
                   guidance_scale_2=1.5, latents=initial.clone(), output_type="pt", max_sequence_length=WanAdapter.max_sequence_length).frames
     assert (ours - theirs).abs().max().item() <= TOLERANCE
     assert (ours - _pipeline_video(pipe, initial, 5, adapter.default_guidance)).abs().max().item() > 1e-3
-    with pytest.raises(ValueError, match="model.guidance_2=1.5 is the guidance of Wan 2.2's low-noise expert .* has one transformer"):
+    with pytest.raises(ValueError, match=r"model.guidance_2=1.5 \(--guidance-2\) is the guidance of Wan 2.2's low-noise expert .* has one transformer"):
         WanAdapter.from_pretrained(str(saved["one"]), size=SIZE, frames=5, guidance_2=1.5)
 
 
@@ -398,3 +398,32 @@ def test_both_experts_train_in_one_run_and_their_loras_load_into_the_pipeline(sa
         load_config("tiny-chain", ["model.family=wan", f"model.path={saved['two']}", "model.expert=both", "model.finetune=full"])
     with pytest.raises(ValueError, match="model.expert=both trains Wan 2.2's low-noise expert \\(transformer_2\\) too, and this model has one transformer"):
         WanAdapter.from_pretrained(str(saved["one"]), size=SIZE, frames=5, expert="both")
+
+
+def test_guidance_2_on_the_command_line_sets_the_low_noise_experts_scale(saved, tmp_path, capsys):
+    """`sample --guidance-2` (and `eval`, which shares the option): the low-noise expert's scale, the pipeline's
+    guidance_scale_2. Equal to --guidance it changes nothing; another value changes the frames; an image family or a
+    model with one transformer refuses it in one line."""
+    import numpy
+    from PIL import Image
+
+    from branchdiff.cli import main
+
+    def strip(name: str, *extra: str) -> torch.Tensor:
+        assert main(["sample", "--family", "wan", "--model", str(saved["two"]), "--resolution", "16x32", "--frames", "5", "--steps", "2",
+                     "--images-per-prompt", "1", "--prompt", "a red circle", "--guidance", "3", "--out", str(tmp_path / name), *extra]) == 0
+        capsys.readouterr()
+        return torch.from_numpy(numpy.asarray(Image.open(tmp_path / name / "000-a_red_circle.png"))).float()
+
+    plain = strip("plain")
+    assert torch.equal(strip("same", "--guidance-2", "3"), plain)
+    assert (strip("other", "--guidance-2", "1.5") - plain).abs().max() >= 1
+    for argv, line in [
+        (["sample", "--prompt", "x", "--guidance-2", "2", "--out", str(tmp_path / "x")], "--guidance-2 2 is the guidance of Wan 2.2's low-noise "
+         "expert; the tiny family has one denoiser: leave --guidance-2 unset"),
+        (["eval", "--family", "wan", "--model", str(saved["one"]), "--resolution", "16x32", "--frames", "5", "--guidance-2", "2", "--rewards",
+          "tiny-video", "--prompts", "tiny-video:held_out", "--out", str(tmp_path / "y")], "model.guidance_2=2.0 (--guidance-2) is the guidance of Wan 2.2's low-noise expert"),
+    ]:
+        assert main(argv) == 2
+        error = capsys.readouterr().err.strip()
+        assert line in error and len(error.splitlines()) == 1, error

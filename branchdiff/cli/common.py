@@ -39,6 +39,9 @@ def check_model(settings: EvalSettings, weights: str | None) -> tuple[int, int]:
     adapter_class(settings.family).check_path(settings.model, "--model")
     if not settings.prompt_instruction and not FAMILIES[settings.family].instruction:
         raise ValueError(f"--no-prompt-instruction applies to families whose prompts carry an instruction (sana), not {settings.family}")
+    if settings.guidance_2 is not None and not FAMILIES[settings.family].video:
+        raise ValueError(f"--guidance-2 {settings.guidance_2:g} is the guidance of Wan 2.2's low-noise expert; the {settings.family} family "
+                         "has one denoiser: leave --guidance-2 unset (--guidance is its scale)")
     if settings.frames is not None and not FAMILIES[settings.family].video:
         raise ValueError(f"--frames {settings.frames}: the {settings.family} family makes images, not videos; leave --frames unset")
     size = check_size(settings.family, settings.model, settings.resolution)

@@ -89,6 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
         sub.add_argument("--steps", type=at_least(1, MAX_STEPS), default=None, help="ODE sampling steps (default: the run's, else 10)")
         sub.add_argument("--shift", type=finite, default=None, help="σ schedule shift s (default: the family's own schedule)")
         sub.add_argument("--guidance", type=finite, default=None, help="CFG scale, or FLUX's guidance embedding (default: the family's)")
+        sub.add_argument("--guidance-2", dest="guidance_2", type=positive, default=None,
+                         help="Wan 2.2 A14B: the low-noise expert's CFG scale, the pipeline's guidance_scale_2 (default: the run's "
+                              "model.guidance_2, else --guidance)")
         sub.add_argument("--images-per-prompt", "--seeds", dest="images_per_prompt", type=at_least(1), default=None,
                          help="images per prompt (fixed seeds; default: the run's prompts.eval_seeds, else 8)")
         sub.add_argument("--solver", choices=SOLVERS, default=None,

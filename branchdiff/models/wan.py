@@ -135,8 +135,8 @@ class WanAdapter(PipelineAdapter):
             raise ValueError(f"model.expert={expert} trains Wan 2.2's low-noise expert (transformer_2){' too' if expert == 'both' else ''}, "
                              "and this model has one transformer; use model.expert=high")
         if guidance_2 is not None and pipe.transformer_2 is None:
-            raise ValueError(f"model.guidance_2={guidance_2} is the guidance of Wan 2.2's low-noise expert (transformer_2), and this model "
-                             "has one transformer; leave model.guidance_2 unset")
+            raise ValueError(f"model.guidance_2={guidance_2} (--guidance-2) is the guidance of Wan 2.2's low-noise expert (transformer_2), "
+                             "and this model has one transformer; leave it unset")
         self.frames, self.expert, self.guidance_2 = frames, expert, guidance_2
         self.denoiser_name = "transformer_2" if expert == "low" else "transformer"  # the trained expert (both: the first), its export's folder
         super().__init__(pipe, device, size, offload)
