@@ -61,9 +61,9 @@ def score_component(reward: object, label: str, images: torch.Tensor, prompts: l
     group: `groups` (B,) each image's group index, or None for the images sharing a prompt
     (branchdiff/rewards/group.py)."""
     count, kind = len(prompts), "videos" if images.dim() == 5 else "images"
-    videos = images.dim() == 5 and not getattr(reward, "video", False)
+    videos, grouped = images.dim() == 5 and not getattr(reward, "video", False), is_group_reward(reward)
     if videos:
-        if is_group_reward(reward):
+        if grouped:
             raise RewardError(f"reward {label!r} ranks whole groups and scores images, and the model makes videos: a group reward of "
                               "videos must score them whole (video = True); rank a reward of videos instead")
         if frames is None:
@@ -71,7 +71,7 @@ def score_component(reward: object, label: str, images: torch.Tensor, prompts: l
                               "every N-th frame) and reduce: mean or min, e.g. {name: " + label + ", frames: 4, reduce: mean}")
         images, prompts, metadata = frames.frames_of(images, prompts, metadata)
     try:
-        if is_group_reward(reward):  # a reward that sees the group: one call per group, the answers checked below
+        if grouped:  # a reward that sees the group: one call per group, the answers checked below
             raw, more = group_answers(reward, images, prompts, metadata, groups), {}
         elif hasattr(reward, "score"):  # a reward that reports more than its score (tiny-geneval)
             every = reward.score(images, prompts)
@@ -89,7 +89,7 @@ def score_component(reward: object, label: str, images: torch.Tensor, prompts: l
         nan = torch.full((count,), float("nan"))
         return nan, {k: nan.clone() for k in extra_keys(reward)}, True
     try:
-        scores = assemble(raw, len(prompts), label) if is_group_reward(reward) else check_scores(raw, len(prompts), label)
+        scores = assemble(raw, len(prompts), label) if grouped else check_scores(raw, len(prompts), label)
         more = {k: check_scores(v, len(prompts), label) for k, v in more.items()}
     except ValueError as error:
         raise RewardError(str(error)) from None

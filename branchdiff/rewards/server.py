@@ -92,6 +92,11 @@ class _Request:
     answer: Future = field(default_factory=Future)
 
 
+def wire_values(scores: torch.Tensor) -> list[float | None]:
+    """Scores (n,) as a /score reply lists them: a non-finite score as null."""
+    return [value if math.isfinite(value) else None for value in scores.tolist()]
+
+
 class Batcher:
     """One worker thread scoring queued requests, batched: the oldest request and those after it that
     share its image shape, up to `max_batch` images; each request's future gets its own scores."""
@@ -142,7 +147,7 @@ class Batcher:
                 logger.exception("reward %r failed on a group", self.name)
                 r.answer.set_exception(error)
                 continue
-            r.answer.set_result([value if math.isfinite(value) else None for value in scores.tolist()])
+            r.answer.set_result(wire_values(scores))
         self.calls += len(batch)
         self.requests += len(batch)
 
@@ -158,7 +163,7 @@ class Batcher:
                 metadata = [m for r in batch for m in r.metadata]
                 with torch.inference_mode():  # grad mode is per thread: set it in the worker
                     scores = check_scores(self.reward(images.to(self.device), prompts, metadata), len(prompts), self.name)  # (B,) on the CPU
-                values = [value if math.isfinite(value) else None for value in scores.tolist()]
+                values = wire_values(scores)
             except Exception as error:  # the reward is user code: every request of the batch gets its failure
                 logger.exception("reward %r failed on a batch", self.name)
                 for r in batch:
