@@ -157,3 +157,21 @@ def test_an_evaluation_refuses_a_group_reward_in_one_line(tiny_model_dir, tmp_pa
     error = [line for line in capsys.readouterr().err.splitlines() if line.startswith("branchdiff: error")]
     assert len(error) == 1 and "'eval_rewards': 'group-rank' scores each sample against its group's others, so its mean is ½" in error[0]
     assert not (run / "metrics.jsonl").exists()  # refused before training
+
+
+def test_the_server_counts_a_request_before_answering_it():
+    """A client that holds its answer sees its request counted (CI once read 2 of 3: the count came after the answer)."""
+    from branchdiff.rewards.server import Batcher, _Request
+
+    images = _images(4)
+    for reward, name in ((build_reward("group-rank", "cpu", RANK["kwargs"]), "group-rank"), (Redness(), "redness")):
+        batcher = Batcher(reward, name, "cpu", 64)
+        seen: list[int] = []
+        requests = [_Request(images[i:i + 2], ["p", "p"], [{}, {}]) for i in (0, 2)]
+        for r in requests:
+            r.answer.add_done_callback(lambda _, b=batcher: seen.append(b.requests))  # runs inside set_result
+        for r in requests:
+            batcher.submit(r)
+        for r in requests:
+            r.answer.result(timeout=10)
+        assert seen and all(count >= i + 1 for i, count in enumerate(seen)) and batcher.requests == 2

@@ -106,7 +106,7 @@ class Batcher:
         self.group = is_group_reward(reward)  # each request one group, scored alone
         self.waiting: queue.Queue[_Request] = queue.Queue()
         self.held: _Request | None = None  # taken from the queue, not fitting the last batch: the next batch's first
-        self.calls = self.requests = 0  # reward calls made, requests answered (stats for the load test)
+        self.calls = self.requests = 0  # reward calls made, requests answered (stats; counted before the answer is set)
         self.thread = threading.Thread(target=self._run, name="reward-batcher", daemon=True)
         self.thread.start()
 
@@ -145,11 +145,11 @@ class Batcher:
                 scores = check_scores(scored, len(r.prompts), self.name)
             except Exception as error:  # user code: this request gets its failure, the others their scores
                 logger.exception("reward %r failed on a group", self.name)
+                self.calls, self.requests = self.calls + 1, self.requests + 1
                 r.answer.set_exception(error)
                 continue
+            self.calls, self.requests = self.calls + 1, self.requests + 1
             r.answer.set_result(wire_values(scores))
-        self.calls += len(batch)
-        self.requests += len(batch)
 
     def _run(self) -> None:
         while True:
@@ -169,12 +169,11 @@ class Batcher:
                 for r in batch:
                     r.answer.set_exception(error)
                 continue
-            self.calls += 1
+            self.calls, self.requests = self.calls + 1, self.requests + len(batch)
             start = 0
             for r in batch:
                 r.answer.set_result(values[start:start + len(r.prompts)])
                 start += len(r.prompts)
-            self.requests += len(batch)
 
 
 def _require(module: str):
