@@ -169,7 +169,7 @@ def test_the_server_counts_a_request_before_answering_it():
         seen: list[int] = []
         requests = [_Request(images[i:i + 2], ["p", "p"], [{}, {}]) for i in (0, 2)]
         for r in requests:
-            r.answer.add_done_callback(lambda _, b=batcher: seen.append(b.requests))  # runs inside set_result
+            r.answer.add_done_callback(lambda _, b=batcher, counts=seen: counts.append(b.requests))  # runs inside set_result
         for r in requests:
             batcher.submit(r)
         for r in requests:

@@ -115,7 +115,10 @@ def test_a_hub_that_never_answers_is_one_line_after_the_timeout(lora_run, silent
     ("flux2-klein", "lora", "from diffusers import Flux2KleinPipeline"),
     ("flux-kontext", "lora", "from diffusers import FluxKontextPipeline"),
     ("qwen-image-edit", "lora", "QwenImageEditPlusPipeline"),
-    ("wan", "lora", 'image = pipe("a photo of a red circle").frames[0]'),
+    ("wan", "lora", 'video = pipe("a photo of a red circle").frames[0]'),
+    ("wan-i2v", "lora", 'from diffusers.utils import load_image\n\npipe = WanImageToVideoPipeline.from_pretrained("owner/wan-i2v"'),
+    ("wan-i2v", "lora", 'video = pipe(image=load_image("source.png"), prompt="the red circle rolls to the left").frames[0]'),
+    ("flux-kontext", "lora", 'image = pipe(image=load_image("source.png"), prompt="make the circle blue").images[0]'),
     ("tiny-video", "transformer", "branchdiff sample --weights me/run"),
 ])
 def test_every_familys_card_says_how_to_load_it(lora_run, tmp_path, family, export, expected):
@@ -131,7 +134,8 @@ def test_every_familys_card_says_how_to_load_it(lora_run, tmp_path, family, expo
         (run / export / "config.json").write_text(json.dumps({"_class_name": {"unet": "UNet2DConditionModel"}.get(export, "Flux2Transformer2DModel")}))
     card = card_text(run, export, "me/run")
     assert expected in card, card
-    license = {"sd15": "creativeml-openrail-m", "wan": "apache-2.0", "qwen-image": "apache-2.0", "qwen-image-edit": "apache-2.0",
+    assert "\npipeline_tag: " + ("image-to-video" if family == "wan-i2v" else "text-to-video" if family in ("wan", "tiny-video") else "text-to-image") in card
+    license = {"sd15": "creativeml-openrail-m", "wan": "apache-2.0", "wan-i2v": "apache-2.0", "qwen-image": "apache-2.0", "qwen-image-edit": "apache-2.0",
                "z-image": "apache-2.0", "tiny-video": None}.get(family, "other")  # the base model's license, as the Hub names it
     assert (f"\nlicense: {license}\n" in card) if license else "license:" not in card
 

@@ -95,9 +95,10 @@ def test_rows_on_both_sides_of_the_boundary_equal_their_separate_calls(saved):
     with torch.no_grad():
         together = adapter.predict(latents, times, embeds)
         apart = torch.cat([adapter.predict(latents[i : i + 1], times[i : i + 1], {k: v[i : i + 1] for k, v in embeds.items()}) for i in (0, 1)])
-        first_only = call_expert(adapter.denoiser, latents[1:], times[1:], embeds["encoder_hidden_states"][1:], adapter.dtype)
+        inputs = {"hidden_states": latents[1:], "timestep": times[1:], "encoder_hidden_states": embeds["encoder_hidden_states"][1:]}
+        first_only = call_expert(adapter.denoiser, inputs, adapter.dtype)
     assert torch.allclose(together, apart, atol=1e-6)
-    assert not torch.allclose(first_only, call_expert(adapter.second, latents[1:], times[1:], embeds["encoder_hidden_states"][1:], adapter.dtype))
+    assert not torch.allclose(first_only, call_expert(adapter.second, inputs, adapter.dtype))
 
 
 def test_the_release_solver_reproduces_the_pipeline_with_unipc(saved):

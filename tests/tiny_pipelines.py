@@ -582,6 +582,39 @@ def build_wan(two_experts: bool = False, release: bool = False, seed: int = 0, t
     return pipe
 
 
+def build_wan_i2v(kind: str, seed: int = 0, release: bool = False) -> DiffusionPipeline:
+    """A tiny Wan image-to-video pipeline (`WanImageToVideoPipeline`; tests/test_wan_i2v.py) on `build_wan`'s text encoder
+    and VAE. `kind`: "2.1", Wan 2.1 I2V's layout (a CLIP vision encoder whose penultimate states the transformer reads
+    through its image projection and added key/value projections; the noise, the mask's r = 2 channels and the source's
+    latents concatenated: in_channels 4 + 2 + 4); "a14b", Wan 2.2 I2V-A14B's (no image encoder, two experts,
+    boundary_ratio 0.9); "ti2v", Wan 2.2 TI2V-5B's (`expand_timesteps`: the first frame's latent kept clean). `release`:
+    the released UniPC scheduler, as in `build_wan`."""
+    from diffusers import WanImageToVideoPipeline, WanTransformer3DModel
+    from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel
+
+    if kind not in ("2.1", "a14b", "ti2v"):
+        raise ValueError(f"kind={kind!r}")
+    base = build_wan(ti2v=kind == "ti2v", seed=seed, release=release)
+    channels = base.vae.config.z_dim
+    image = {"image_dim": 24, "added_kv_proj_dim": 16} if kind == "2.1" else {}
+
+    def transformer() -> WanTransformer3DModel:
+        inputs = channels if kind == "ti2v" else channels + base.vae_scale_factor_temporal + channels
+        return WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=8, in_channels=inputs, out_channels=channels,
+                                     text_dim=32, freq_dim=16, ffn_dim=32, num_layers=1, rope_max_seq_len=32, **image)
+
+    encoder = {}
+    if kind == "2.1":
+        encoder = {"image_encoder": CLIPVisionModel(CLIPVisionConfig(hidden_size=24, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2,
+                                                                     image_size=16, patch_size=8, projection_dim=24)),
+                   "image_processor": CLIPImageProcessor(size={"shortest_edge": 16}, crop_size={"height": 16, "width": 16})}
+    experts = {"transformer_2": transformer(), "boundary_ratio": 0.9} if kind == "a14b" else {}
+    pipe = WanImageToVideoPipeline(tokenizer=base.tokenizer, text_encoder=base.text_encoder, vae=base.vae, scheduler=base.scheduler,
+                                   transformer=transformer(), expand_timesteps=kind == "ti2v", **encoder, **experts)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
 VIDEOALIGN_TOKENS = {"VQ": "<|VQ_reward|>", "MQ": "<|MQ_reward|>", "TA": "<|TA_reward|>"}
 QWEN2_VL_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 QWEN2_VL_CHAT = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n{% for part in message['content'] %}"

@@ -100,7 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "sample":
             sub.add_argument("--prompt", action="append", help="prompt (repeatable; required unless --from-trace)")
             sub.add_argument("--image", action="append", type=Path, default=None,
-                             help="an editing family's source image: once for every prompt, or once per --prompt (docs/editing.md)")
+                             help="an editing family's source image, or an image-to-video family's first frame: once for every prompt, "
+                                  "or once per --prompt (docs/editing.md, docs/video.md)")
             sub.add_argument("--out", type=Path, required=True, help="output directory")
             sub.add_argument("--seed", type=at_least(0), default=None, help="noise seed (default: 1234)")
             search = sub.add_argument_group("search (docs/search.md): the best images of a search over each prompt's denoising tree")

@@ -1,5 +1,5 @@
 """`branchdiff sample`: ODE samples of each prompt as PNGs (a video family's: a frame strip PNG and
-an MP4 each; an editing family's edits of `--image`); with `--search`, the best images of an
+an MP4 each; an editing family's edits of `--image`, an image-to-video family's videos from it); with `--search`, the best images of an
 inference-time search (branchdiff/cli/search.py); with `--from-trace`, a search's best images regrown."""
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ def cmd_sample(args: argparse.Namespace) -> None:
         raise ValueError("--solver release samples the model's own ODE; a search grows SDE trees with branchdiff's steps: "
                          "leave --solver unset with --search or --from-trace")
     if args.image and (args.search or args.from_trace is not None):
-        raise ValueError("--image samples an editing family's ODE edits; searches and their traces take text prompts only: drop --search / --from-trace")
+        raise ValueError("--image samples an editing or image-to-video family's ODE samples; searches and their traces take text prompts only: "
+                         "drop --search / --from-trace")
     if args.search and args.budget is None:
         raise ValueError(f"--search {args.search} needs --budget: the network rows to spend per prompt (a {args.steps or 10}-step image costs "
                          f"{args.steps or 10}, twice that under CFG)")

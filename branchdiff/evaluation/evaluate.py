@@ -258,6 +258,7 @@ def format_summary(summary: dict, label: str = "score") -> str:
 def beside_sources(images: torch.Tensor, metadata: list[dict], per_prompt: int) -> torch.Tensor:
     """Images (P·N, 3, H, W), prompt-major, with each editing prompt's (first) source image, resized to
     H × W, before its N results: (P·(N + 1), 3, H, W) for a grid whose rows read source, then edits.
+    Videos (P·N, F, 3, H, W) from a first frame: the source as a still video of F frames before them.
     Prompts without sources: the images as they are."""
     sources = source_tensors(metadata)
     if sources is None:
@@ -265,6 +266,8 @@ def beside_sources(images: torch.Tensor, metadata: list[dict], per_prompt: int) 
     rows = []
     for prompt, chosen in enumerate(images.split(per_prompt)):
         source = torch.nn.functional.interpolate(sources[prompt][0][None], size=chosen.shape[-2:], mode="bilinear", antialias=True)
+        if chosen.dim() == 5:  # videos: the source held for every frame
+            source = source[:, None].expand(1, chosen.shape[1], *source.shape[1:])
         rows.append(torch.cat([source.clamp(0, 1).to(chosen), chosen]))
     return torch.cat(rows)
 

@@ -69,6 +69,7 @@ class ModelAdapter(ABC):
     uses_cfg: bool = False  # guidance as classifier-free guidance rows (else embedded, or none)
     edits: bool = False  # an instruction-editing family: each prompt comes with its source image(s) (docs/editing.md)
     max_sources: int = 0  # an editing family's most source images per prompt (0: any number)
+    source_use: str = "edits images"  # what an editing family does with its sources, as messages say it
     default_guidance: float = 1.0  # the family's guidance when the config leaves it unset (1: none)
     decode_batch: int = 8  # images per VAE decode call
     eval_batch: int = 32  # network rows per evaluation forward: fixed per family, so a sample is the same whatever else shares its batch
@@ -116,11 +117,12 @@ class ModelAdapter(ABC):
             if sizes is not None:
                 first = next(number for number, row in enumerate(sizes, start=1) if row)
                 raise ValueError(f"{where(first)} comes with a source image (\"image\", --image) and model.family={cls.family} makes images "
-                                 "from text alone: use an editing family (flux-kontext, qwen-image-edit), or drop the image (docs/editing.md)")
+                                 "from text alone: use an editing family (flux-kontext, qwen-image-edit) or image-to-video (wan-i2v), or drop the image "
+                                 "(docs/editing.md, docs/video.md)")
             return
         if sizes is None or len(sizes) != prompts or not all(sizes):
             missing = 1 if sizes is None or len(sizes) != prompts else next(n for n, row in enumerate(sizes, start=1) if not row)
-            raise ValueError(f"{where(missing)} has no source image and model.family={cls.family} edits images: give every prompt its "
+            raise ValueError(f"{where(missing)} has no source image and model.family={cls.family} {cls.source_use}: give every prompt its "
                              "source (sample --image, or an \"image\" field or column of a JSONL or CSV prompt set; docs/editing.md)")
         for number, row in enumerate(sizes, start=1):
             if cls.max_sources and len(row) > cls.max_sources:

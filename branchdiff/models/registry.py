@@ -50,6 +50,7 @@ BUILT_IN: dict[str, Family] = {
     "flux2": Family("branchdiff.models.flux2:Flux2Adapter", "flow", 1024, side_multiple=16),  # FLUX.2 [dev], Mistral 3 prompts
     "flux2-klein": Family("branchdiff.models.flux2:Flux2KleinAdapter", "flow", 1024, side_multiple=16),  # FLUX.2 [klein] 4B / 9B, Qwen3 prompts
     "wan": Family("branchdiff.models.wan:WanAdapter", "flow", (480, 832), frames=81, side_multiple=16),  # Wan 2.1 / 2.2 text-to-video at 480p
+    "wan-i2v": Family("branchdiff.models.wan_i2v:WanImageToVideoAdapter", "flow", (480, 832), frames=81, side_multiple=16),  # Wan image-to-video
 }
 FAMILY_REGISTRY = Registry("family", "branchdiff.families", BUILT_IN)
 

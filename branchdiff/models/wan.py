@@ -69,10 +69,8 @@ class WanExperts(torch.nn.Module):
         super().__init__()
         self.transformer, self.transformer_2 = transformer, transformer_2
 
-    def forward(self, high: torch.Tensor, latents: torch.Tensor, times: torch.Tensor, text: torch.Tensor, dtype: torch.dtype,
-                lockstep: bool) -> torch.Tensor:
-        return route(high, latents, times, text, dtype, {name: getattr(self, name) for name in self.denoisers},
-                     self.denoisers if lockstep else ())
+    def forward(self, high: torch.Tensor, inputs: dict[str, torch.Tensor], channels: int, dtype: torch.dtype, lockstep: bool) -> torch.Tensor:
+        return route(high, inputs, channels, dtype, {name: getattr(self, name) for name in self.denoisers}, self.denoisers if lockstep else ())
 
     def add_adapter(self, config) -> None:
         for expert in (self.transformer, self.transformer_2):
@@ -91,25 +89,30 @@ class WanExperts(torch.nn.Module):
         self.transformer_2.enable_gradient_checkpointing()
 
 
-def route(high: torch.Tensor, latents: torch.Tensor, times: torch.Tensor, text: torch.Tensor, dtype: torch.dtype,
-          experts: dict[str, torch.nn.Module | None], padded: tuple[str, ...]) -> torch.Tensor:
-    """The prediction (B, ...) of rows `high` (B,) by `transformer`, the others by `transformer_2`; an expert
-    of `padded` (sharded: module doc) without rows runs the first row, whose output enters times 0."""
+def route(high: torch.Tensor, inputs: dict[str, torch.Tensor], channels: int, dtype: torch.dtype, experts: dict[str, torch.nn.Module | None],
+          padded: tuple[str, ...]) -> torch.Tensor:
+    """The prediction (B, channels, F', h, w) of rows `high` (B,) by `transformer`, the others by `transformer_2`; `inputs`:
+    the transformer's keyword arguments, B rows each (`model_inputs`). An expert of `padded` (sharded: module doc) without
+    rows runs the first row, whose output enters times 0."""
     if bool(high.all()) and "transformer_2" not in padded:  # one expert takes every row (Wan 2.1 always): no gather, no scatter
-        return call_expert(experts["transformer"], latents, times, text, dtype)
-    out, idle = torch.empty_like(latents, dtype=dtype), None
+        return call_expert(experts["transformer"], inputs, dtype)
+    hidden = inputs["hidden_states"]
+    out, idle = hidden.new_empty((len(hidden), channels, *hidden.shape[2:]), dtype=dtype), None
     for name, rows in (("transformer", high), ("transformer_2", ~high)):
         if bool(rows.any()):
-            out[rows] = call_expert(experts[name], latents[rows], times[rows], text[rows], dtype)
+            out[rows] = call_expert(experts[name], {key: value[rows] for key, value in inputs.items()}, dtype)
         elif name in padded:
-            unused = call_expert(experts[name], latents[:1], times[:1], text[:1], dtype).sum() * 0  # the other processes' gathers
+            first = {key: value[:1] for key, value in inputs.items()}
+            unused = call_expert(experts[name], first, dtype).sum() * 0  # the other processes' gathers
             idle = unused if idle is None else idle + unused
     return out if idle is None else out + idle
 
 
-def call_expert(expert: torch.nn.Module | None, latents: torch.Tensor, times: torch.Tensor, text: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def call_expert(expert: torch.nn.Module | None, inputs: dict[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    """One expert's output for `inputs` (its keyword arguments; float tensors but the timesteps in the expert's `dtype`)."""
     assert expert is not None  # `route` calls only an expert that takes rows or is padded: the model has it
-    return expert(hidden_states=latents.to(dtype), timestep=times, encoder_hidden_states=text.to(dtype), return_dict=False)[0]
+    cast = {key: value if key == "timestep" else value.to(dtype) for key, value in inputs.items()}
+    return expert(**cast, return_dict=False)[0]
 
 
 class WanAdapter(PipelineAdapter):
@@ -180,7 +183,7 @@ class WanAdapter(PipelineAdapter):
 
     @property
     def latent_shape(self) -> tuple[int, ...]:
-        return (self.config.in_channels, self.latent_frames, *self.latent_grid())
+        return (self.config.out_channels, self.latent_frames, *self.latent_grid())  # the VAE's channels (an image-to-video model's input has more)
 
     def encode(self, prompts: list[str]) -> dict[str, torch.Tensor]:
         embeds, negative = self.pipe.encode_prompt(prompt=prompts, do_classifier_free_guidance=True,
@@ -206,12 +209,18 @@ class WanAdapter(PipelineAdapter):
     def forward(self, latents: torch.Tensor, times: torch.Tensor, embeds: dict[str, torch.Tensor], guidance: float) -> torch.Tensor:
         """Rows at timesteps ≥ the boundary through `transformer`, the others through `transformer_2`
         (under FSDP a sharded expert without rows runs one: module doc)."""
-        high, text, sharded = self.high_noise(times), embeds["encoder_hidden_states"], self.lockstep is not None
+        high, inputs, sharded = self.high_noise(times), self.model_inputs(latents, times, embeds), self.lockstep is not None
+        channels = self.latent_shape[0]
         if self.expert == "both":
-            return self.denoiser(high, latents, times, text, self.dtype, sharded)
+            return self.denoiser(high, inputs, channels, self.dtype, sharded)
         trained = "transformer" if self.expert == "high" else "transformer_2"
         experts = {trained: self.denoiser, ("transformer_2" if self.expert == "high" else "transformer"): self.second}
-        return route(high, latents, times, text, self.dtype, experts, (trained,) if sharded else ())
+        return route(high, inputs, channels, self.dtype, experts, (trained,) if sharded else ())
+
+    def model_inputs(self, latents: torch.Tensor, times: torch.Tensor, embeds: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The transformer's keyword arguments for latents (B, C, F', h, w) at times (B,): the text's states (the
+        image-to-video family adds the source's)."""
+        return {"hidden_states": latents, "timestep": times, "encoder_hidden_states": embeds["encoder_hidden_states"]}
 
     @staticmethod
     def _lora_parts(directory: Path) -> list[tuple[str, Path]]:

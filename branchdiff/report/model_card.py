@@ -62,7 +62,7 @@ def evaluation_table(evaluation: dict | None) -> str:
 def usage(config: dict, export: str, repo: str, denoiser: str | None) -> str:
     """The Python that loads the result: the pipeline with the LoRA, or the fine-tuned denoiser (of diffusers class
     `denoiser`, as its export's config.json names it) in it."""
-    from branchdiff.models import adapter_class
+    from branchdiff.models import FAMILIES, adapter_class
 
     model = config["model"]
     family = model["family"]
@@ -75,7 +75,7 @@ def usage(config: dict, export: str, repo: str, denoiser: str | None) -> str:
     lines = ["```python", "import torch", f"from diffusers import {pipeline}", ""]
     if export == "lora":
         lines += [f'pipe = {pipeline}.from_pretrained("{base}", torch_dtype=torch.bfloat16).to("cuda")']
-        if family == "wan" and model.get("expert") == "low":
+        if model.get("expert") == "low":  # Wan 2.2's low-noise expert
             lines += [f'pipe.load_lora_weights("{repo}", load_into_transformer_2=True)  # the low-noise expert\'s LoRA']
         else:
             lines += [f'pipe.load_lora_weights("{repo}")']
@@ -83,7 +83,12 @@ def usage(config: dict, export: str, repo: str, denoiser: str | None) -> str:
         lines[2] = f"from diffusers import {denoiser}, {pipeline}"
         lines += [f'{export} = {denoiser}.from_pretrained("{repo}", subfolder="{export}", torch_dtype=torch.bfloat16)',
                   f'pipe = {pipeline}.from_pretrained("{base}", {export}={export}, torch_dtype=torch.bfloat16).to("cuda")']
-    lines += ['image = pipe("a photo of a red circle").' + ("frames[0]" if family == "wan" else "images[0]"), "```"]
+    video, call = FAMILIES[family].video, 'pipe("a photo of a red circle")'
+    if adapter.edits:  # the prompt's source image: what the pipeline edits, or a video's first frame
+        lines[3:3] = ["from diffusers.utils import load_image"]
+        call = 'pipe(image=load_image("source.png"), prompt="the red circle rolls to the left")' if video else \
+            'pipe(image=load_image("source.png"), prompt="make the circle blue")'
+    lines += [("video = " if video else "image = ") + call + (".frames[0]" if video else ".images[0]"), "```"]
     return "\n".join(lines)
 
 
@@ -99,9 +104,12 @@ def card_text(run_dir: Path, export: str, repo: str | None = None) -> str:
     held_out, training = sample_grids(run_dir)
     grid = (held_out or training or [None])[-1]
     widget = [{"text": "sample grid", "output": {"url": f"samples/{grid[1].name}"}}] if grid else None
-    tags = ["text-to-image" if family != "wan" and family != "tiny-video" else "text-to-video", "diffusers", "diffusers-training", "branchdiff",
+    from branchdiff.models import FAMILIES, adapter_class
+
+    spec = FAMILIES.get(family)
+    kind = "text-to-image" if spec is None or not spec.video else "image-to-video" if adapter_class(family).edits else "text-to-video"
+    tags = [kind, "diffusers", "diffusers-training", "branchdiff",
             "grpo", *(["lora", "template:sd-lora"] if export == "lora" else [])]
-    from branchdiff.models import adapter_class
 
     license = adapter_class(family).license_of(base) if base and family not in BUILT_IN else None  # the base model's
     data = ModelCardData(library_name="diffusers", base_model=base, tags=tags, widget=widget, license=license, pipeline_tag=tags[0])
