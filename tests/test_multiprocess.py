@@ -417,22 +417,34 @@ def test_tiny_flux_trains_with_the_tree_preset_on_two_processes(tmp_path):
 
 
 @pytest.mark.slow  # release only: keeps the suite under 15 minutes on 2 cores
-def test_tiny_wan_trains_videos_on_two_processes(tmp_path):
-    """A video family on two processes: a tiny Wan pipeline (5 frames), a tree, an image reward scoring
-    every 2nd frame; the LoRA is identical on both ranks after every update, the ranks draw different
-    prompts, and the exported LoRA loads into the WanPipeline."""
-    from diffusers import WanPipeline
+@pytest.mark.parametrize("family", ["wan", "wan-i2v"])
+def test_tiny_wan_trains_videos_on_two_processes(tmp_path, family):
+    """A video family on two processes: a tiny Wan pipeline (5 frames; image-to-video: from a JSONL naming each prompt's
+    first frame), a tree, an image reward scoring every 2nd frame; the LoRA is identical on both ranks after every
+    update, the ranks draw different prompts, and the exported LoRA loads into the family's pipeline."""
+    import json
 
-    from tiny_pipelines import build_wan
+    from diffusers import WanImageToVideoPipeline, WanPipeline
+    from PIL import Image
 
-    build_wan().save_pretrained(tmp_path / "wan", safe_serialization=True)
+    from tiny_pipelines import build_wan, build_wan_i2v
+
+    (build_wan_i2v("2.1") if family == "wan-i2v" else build_wan()).save_pretrained(tmp_path / "wan", safe_serialization=True)
+    data = []
+    if family == "wan-i2v":
+        rows = []
+        for index in range(4):
+            Image.new("RGB", (32, 16), (60 * index, 200 - 40 * index, 90)).save(tmp_path / f"frame-{index}.png")
+            rows.append(json.dumps({"prompt": f"a shape moving {index}", "image": f"frame-{index}.png"}))
+        (tmp_path / "firsts.jsonl").write_text("\n".join(rows) + "\n")
+        data = [f"prompts.train={tmp_path / 'firsts.jsonl'}"]
     records = tmp_path / "records"
     records.mkdir()
     run = tmp_path / "run"
-    overrides = ["model.family=wan", f"model.path={tmp_path / 'wan'}", "model.resolution=[16,32]", "model.frames=5", "model.finetune=lora",
+    overrides = [f"model.family={family}", f"model.path={tmp_path / 'wan'}", "model.resolution=[16,32]", "model.frames=5", "model.finetune=lora",
                  f"output_dir={run}", "reward={name: rewards_for_tests:Redness, frames: 2}", "prompts.per_iteration=1", "iterations=2",
                  "sampling.num_steps=3", "tree.roots=2", "tree.splits=[[0,2]]", "final_eval=false", "logging.report_to=none",
-                 "train.learning_rate=5e-2", "logging.checkpoint_every=1"]
+                 "train.learning_rate=5e-2", "logging.checkpoint_every=1", *data]
     result = launch_two(records, ["train", "tiny-chain", *overrides])
     assert result.returncode == 0, result.stderr[-3000:]
     record = {(rank, it): torch.load(records / f"rank{rank}-iter{it}.pt", weights_only=True) for rank in (0, 1) for it in range(2)}
@@ -441,6 +453,6 @@ def test_tiny_wan_trains_videos_on_two_processes(tmp_path):
         assert a.keys() == b.keys() and len(a) > 0 and all(torch.equal(a[k], b[k]) for k in a), iteration
         assert not set(record[0, iteration]["prompt_ids"].tolist()) & set(record[1, iteration]["prompt_ids"].tolist())
     assert any(not torch.equal(v, torch.zeros_like(v)) for k, v in _lora(record[0, 1]).items() if "lora_B" in k)  # it trained
-    pipe = WanPipeline.from_pretrained(tmp_path / "wan")
+    pipe = (WanImageToVideoPipeline if family == "wan-i2v" else WanPipeline).from_pretrained(tmp_path / "wan")
     pipe.load_lora_weights(str(run / "lora"))
     assert any("lora" in name for name, _ in pipe.transformer.named_parameters())

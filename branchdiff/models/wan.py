@@ -118,7 +118,7 @@ def call_expert(expert: torch.nn.Module | None, inputs: dict[str, torch.Tensor],
 class WanAdapter(PipelineAdapter):
     family = "wan"
     pipeline_class_name = "WanPipeline"
-    helper_names = ("text_encoder", "vae")
+    helper_names: tuple[str, ...] = ("text_encoder", "vae")
     lora_target_sets = {"attention": WAN_ATTENTION, "attention+ff": WAN_ATTENTION + WAN_FEED_FORWARD, "all-linear": "all-linear"}
     quant_skip_modules: tuple[str, ...] = ("patch_embedding", "condition_embedder", "norm_out", "proj_out")
     uses_cfg = True
