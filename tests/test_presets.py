@@ -75,6 +75,16 @@ def test_wan_presets_are_branchgrpo_video_and_its_dancegrpo_baseline():
     assert (chain.model, chain.train.learning_rate) == (branch.model, branch.train.learning_rate)
 
 
+def test_the_image_to_video_preset_is_the_video_tree_on_ti2v_5b_at_its_published_size():
+    """wan-i2v-mq-branch: Wan 2.2 TI2V-5B from a first frame at the release's 1280×704 (sides multiples of its 32: VAE 16 ×
+    patch 2) and CFG 5, with wan-mq-branch's tree, SDE, reward and training; its prompt sets are JSONL (rows name images)."""
+    i2v, t2v = load_config("wan-i2v-mq-branch"), load_config("wan-mq-branch")
+    assert (i2v.model.family, i2v.model.path, i2v.model.resolution) == ("wan-i2v", "Wan-AI/Wan2.2-TI2V-5B-Diffusers", [704, 1280])
+    assert all(side % 32 == 0 for side in i2v.model.resolution) and i2v.sampling.guidance == 5.0
+    assert (i2v.tree, i2v.sampling, i2v.train, i2v.reward) == (t2v.tree, t2v.sampling, t2v.train, t2v.reward)
+    assert i2v.prompts.train.endswith(".jsonl") and i2v.prompts.eval.endswith(".jsonl")
+
+
 def test_flux_branch_preset_is_branchgrpo():
     """BranchGRPO: 20 steps, shift 3, k = 2 at steps 0, 3, 6, 9 (16 leaves, 203 forwards a tree), η 0.3."""
     config = load_config("flux-hps-branch")
