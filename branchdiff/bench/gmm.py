@@ -225,7 +225,7 @@ class GaussianMixtureAdapter(ModelAdapter):
     def schedule(self, num_steps: int, shift: float | None = None) -> FlowSchedule:
         return FlowSchedule.shifted(num_steps, 1.0 if shift is None else shift, time_scale=1.0)
 
-    def encode_prompts(self, prompts: list[str], sources: list[list] | None = None) -> PromptEmbeds:
+    def encode_prompts(self, prompts: list[str], sources: list[list] | None = None, negatives: list[str | None] | None = None) -> PromptEmbeds:
         self.check_sources(prompts, sources)
         return {"prompt": torch.zeros(len(prompts), 1, device=self.device)}
 

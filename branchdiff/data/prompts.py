@@ -10,7 +10,9 @@ A source is a named set or a file:
 - a `.txt` file (one prompt a line), a `.jsonl` file (one object a line with a "prompt" field; the
   other fields are the prompt's metadata), or a `.csv` file (a "prompt" column; the other columns
   are metadata). An "image" field or column names the prompt's source images for instruction
-  editing (`branchdiff.data.sources`: checked when the file is read, kept as `sources` paths).
+  editing and image-to-video (`branchdiff.data.sources`: checked when the file is read, kept as `sources`
+  paths); a "negative_prompt" field or column, a string, the prompt's own negative prompt for a CFG
+  family's unconditional rows (blank: the family's; docs/prompts.md).
 Every prompt carries a metadata dict (`style` for hpdv2), which rewards receive and evaluation
 groups its tables by.
 """
@@ -29,7 +31,7 @@ from pathlib import Path
 import torch
 
 from branchdiff.data import tiny_task, tiny_video_task
-from branchdiff.data.sources import MASK, SOURCES, check_mask, resolve_sources
+from branchdiff.data.sources import MASK, NEGATIVE_PROMPT, SOURCES, check_mask, resolve_sources
 from branchdiff.errors import quote, read_utf8
 
 
@@ -119,6 +121,8 @@ def _with_sources(record: dict, path: Path, where: str) -> dict:
     """A row's metadata with its "image" field, if any, checked and kept as absolute `sources` paths,
     and its "mask" as an absolute `mask` path."""
     metadata = {k: v for k, v in record.items() if k not in ("image", MASK)}
+    if not isinstance(record.get(NEGATIVE_PROMPT, ""), str):
+        raise ValueError(f"{where}: \"{NEGATIVE_PROMPT}\" must be a string (blank: the family's own), got {quote(json.dumps(record[NEGATIVE_PROMPT]))}")
     if "image" in record:
         metadata[SOURCES] = resolve_sources(record["image"], path.parent, where)
     if MASK in record:

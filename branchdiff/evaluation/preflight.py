@@ -15,7 +15,7 @@ import tempfile
 from pathlib import Path
 
 from branchdiff.data.prompts import PromptSet
-from branchdiff.data.sources import SOURCES
+from branchdiff.data.sources import NEGATIVE_PROMPT, SOURCES
 from branchdiff.data.sources import image_size as source_size
 from branchdiff.errors import UserError, quote
 from branchdiff.models import adapter_class
@@ -37,6 +37,10 @@ def check_prompt_set(prompt_set: PromptSet, family: str, size: tuple[int, int], 
     sizes = [[source_size(path) for path in row] for row in names] if any(SOURCES in m for m in prompt_set.metadata) else None
     adapter_class(family).check_source_sizes(sizes, len(prompt_set.prompts), size, lambda number: f"prompt {number} of {quote(prompt_set.name, 80)}",
                                              names)
+    family_class = adapter_class(family)
+    negatives = [number for number, row in enumerate(prompt_set.metadata, start=1) if str(row.get(NEGATIVE_PROMPT) or "").strip()]
+    if negatives and not family_class.uses_cfg:
+        raise ValueError(f"prompt {negatives[0]} of {quote(prompt_set.name, 80)} has a negative prompt and {family_class.no_negatives()}")
     limit = max_prompt_characters(family)
     for number, prompt in enumerate(prompt_set.prompts, start=1):
         if len(prompt) > limit:

@@ -36,7 +36,7 @@ from typing import Any, cast
 
 import torch
 
-from branchdiff.data.sources import check_aspect, source_images
+from branchdiff.data.sources import NEGATIVE_PROMPT, check_aspect, source_images
 from branchdiff.errors import quote
 from branchdiff.models import lora
 from branchdiff.schedulers.schedule import Schedule
@@ -70,6 +70,7 @@ class ModelAdapter(ABC):
     edits: bool = False  # an instruction-editing family: each prompt comes with its source image(s) (docs/editing.md)
     max_sources: int = 0  # an editing family's most source images per prompt (0: any number)
     source_use: str = "edits images"  # what an editing family does with its sources, as messages say it
+    negative_prompt: str = ""  # a CFG family's unconditional prompt where a prompt set's row names none (its pipeline's default)
     default_guidance: float = 1.0  # the family's guidance when the config leaves it unset (1: none)
     decode_batch: int = 8  # images per VAE decode call
     eval_batch: int = 32  # network rows per evaluation forward: fixed per family, so a sample is the same whatever else shares its batch
@@ -89,9 +90,27 @@ class ModelAdapter(ABC):
         anchors' σ = s·t / (1 + (s-1)·t) (flow families), None keeps the family's."""
 
     @abstractmethod
-    def encode_prompts(self, prompts: list[str], sources: list[list] | None = None) -> PromptEmbeds:
+    def encode_prompts(self, prompts: list[str], sources: list[list] | None = None, negatives: list[str | None] | None = None) -> PromptEmbeds:
         """Conditioning for each prompt, without gradients (encoders stay frozen); an editing family's
-        (`edits`) includes its source images, `sources` holding each prompt's as RGB PIL images."""
+        (`edits`) includes its source images, `sources` holding each prompt's as RGB PIL images. `negatives`:
+        each prompt's own negative prompt (None or blank: the family's `negative_prompt`), for a CFG family's
+        unconditional rows (`row_negatives`)."""
+
+    def row_negatives(self, negatives: list[str | None] | None, count: int) -> list[str] | None:
+        """Each of `count` prompts' negative prompt, the family's where a row has none; None when no row has one."""
+        given = negatives is not None and any(text is not None and text.strip() for text in negatives)
+        if not given:
+            return None
+        assert negatives is not None and len(negatives) == count
+        if not self.uses_cfg:
+            raise ValueError(self.no_negatives())
+        return [text if text is not None and text.strip() else self.negative_prompt for text in negatives]
+
+    @classmethod
+    def no_negatives(cls) -> str:
+        """The message refusing negative prompts on a family without classifier-free guidance."""
+        return (f"model.family={cls.family} has no classifier-free guidance, so it has no negative prompt: drop the \"negative_prompt\" "
+                "field or column, or use a family that guides with CFG (docs/prompts.md)")
 
     @classmethod
     def check_path(cls, path: str | Path | None, option: str = "model.path") -> None:
@@ -266,6 +285,10 @@ class ModelAdapter(ABC):
 
 
 def encode_for(adapter: ModelAdapter, prompts: list[str], metadata: list[dict]) -> PromptEmbeds:
-    """`adapter.encode_prompts` with the prompts' source images where their metadata names any (an editing prompt set)."""
+    """`adapter.encode_prompts` with the prompts' source images where their metadata names any (an editing prompt set),
+    and their negative prompts where any row names one."""
     sources = source_images(metadata)
-    return adapter.encode_prompts(prompts) if sources is None else adapter.encode_prompts(prompts, sources)
+    negatives = [row.get(NEGATIVE_PROMPT) for row in metadata] if any(row.get(NEGATIVE_PROMPT) for row in metadata) else None
+    if negatives is None:  # the families' own encode_prompts, plugins' included, need not know negatives
+        return adapter.encode_prompts(prompts) if sources is None else adapter.encode_prompts(prompts, sources)
+    return adapter.encode_prompts(prompts, sources, negatives)

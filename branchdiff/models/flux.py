@@ -43,7 +43,8 @@ class FluxAdapter(PackedLatentsAdapter):
     def model_times(self, timesteps: torch.Tensor) -> torch.Tensor:
         return timesteps / 1000
 
-    def encode(self, prompts: list[str]) -> dict[str, torch.Tensor]:
+    def encode(self, prompts: list[str], negatives: list[str] | None = None) -> dict[str, torch.Tensor]:
+        """Embedded guidance, no CFG: `negatives` is always None (`row_negatives` refuses a row's)."""
         embeds, pooled, _ = self.pipe.encode_prompt(prompt=prompts, prompt_2=None, device=self.device,
                                                     max_sequence_length=self.max_sequence_length)
         return {"encoder_hidden_states": embeds, "pooled_projections": pooled}

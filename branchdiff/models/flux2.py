@@ -88,7 +88,9 @@ class Flux2Adapter(PipelineAdapter):
     def model_times(self, timesteps: torch.Tensor) -> torch.Tensor:
         return timesteps / 1000
 
-    def encode(self, prompts: list[str]) -> dict[str, torch.Tensor]:
+    def encode(self, prompts: list[str], negatives: list[str] | None = None) -> dict[str, torch.Tensor]:
+        """[dev] embeds its guidance, no CFG: `negatives` is always None (`row_negatives` refuses a row's); [klein] encodes its
+        negatives through this too."""
         states, _ = self.pipe.encode_prompt(prompt=list(prompts), device=self.device, max_sequence_length=self.max_sequence_length,
                                             text_encoder_out_layers=self.text_layers)
         return {"encoder_hidden_states": states}  # (B, max_sequence_length, 3 · hidden)
@@ -135,6 +137,6 @@ class Flux2KleinAdapter(Flux2Adapter):
         """The loaded pipeline says whether it is distilled; else the CFG rule `cfg_rows` plans with."""
         return 1 if self.pipe.config.get("is_distilled", False) else super().cfg_rows(guidance)
 
-    def encode(self, prompts: list[str]) -> dict[str, torch.Tensor]:
-        conditional, negative = super().encode(prompts), super().encode([""] * len(prompts))
+    def encode(self, prompts: list[str], negatives: list[str] | None = None) -> dict[str, torch.Tensor]:
+        conditional, negative = super().encode(prompts), super().encode(negatives or [self.negative_prompt] * len(prompts))
         return {**conditional, **{f"negative_{key}": value for key, value in negative.items()}}

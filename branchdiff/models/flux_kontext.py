@@ -30,7 +30,8 @@ class FluxKontextAdapter(FluxAdapter):
     default_guidance = 2.5  # the model card's guidance_scale for Kontext [dev]
     example_hub_id = "black-forest-labs/FLUX.1-Kontext-dev"
 
-    def encode_edits(self, prompts: list[str], sources: list[list]) -> dict[str, torch.Tensor]:
+    def encode_edits(self, prompts: list[str], sources: list[list], negatives: list[str] | None = None) -> dict[str, torch.Tensor]:
+        """Embedded guidance, no CFG: `negatives` is always None (`row_negatives` refuses a row's)."""
         return {**self.encode(prompts), SOURCE_LATENTS: torch.cat([self.source_latents(images) for images in sources])}
 
     def source_latents(self, images: list) -> torch.Tensor:

@@ -121,19 +121,23 @@ class PipelineAdapter(ModelAdapter):
         """Latent (height, width) at the image size."""
         return self.height // self.vae_scale_factor, self.width // self.vae_scale_factor
 
-    def encode_prompts(self, prompts: list[str], sources: list[list] | None = None) -> dict[str, torch.Tensor]:
+    def encode_prompts(self, prompts: list[str], sources: list[list] | None = None, negatives: list[str | None] | None = None) -> dict[str, torch.Tensor]:
         self.check_sources(prompts, sources)
+        rows = self.row_negatives(negatives, len(prompts))
+        given = {} if rows is None else {"negatives": rows}  # a family's encode takes negatives only when a row has one
         encoders = [*self.text_encoders, self.pipe.vae] if self.edits else self.text_encoders  # an editing family encodes its sources too
         with torch.no_grad(), self.modules_on_device(*encoders):
-            embeds = self.encode_edits(prompts, cast(list[list], sources)) if self.edits else self.encode(prompts)  # sources checked above
+            embeds = self.encode_edits(prompts, cast(list[list], sources), **given) if self.edits else self.encode(prompts, **given)  # sources checked above
         return {key: value.to(self.device) for key, value in embeds.items()}
 
-    def encode(self, prompts: list[str]) -> dict[str, torch.Tensor]:
-        """Family part of `encode_prompts` (text encoders are on the device)."""
+    def encode(self, prompts: list[str], negatives: list[str] | None = None) -> dict[str, torch.Tensor]:
+        """Family part of `encode_prompts` (text encoders are on the device); a CFG family's unconditional rows encode
+        `negatives`, one a prompt (None: the family's `negative_prompt`)."""
         raise NotImplementedError
 
-    def encode_edits(self, prompts: list[str], sources: list[list]) -> dict[str, torch.Tensor]:
-        """An editing family's part of `encode_prompts`: the prompts and their source images (encoders and VAE on the device)."""
+    def encode_edits(self, prompts: list[str], sources: list[list], negatives: list[str] | None = None) -> dict[str, torch.Tensor]:
+        """An editing family's part of `encode_prompts`: the prompts, their source images (encoders and VAE on the device)
+        and, under CFG, their negative prompts (as `encode`)."""
         raise NotImplementedError
 
     def vae_input(self, latents: torch.Tensor) -> torch.Tensor:

@@ -43,6 +43,7 @@ class QwenImageAdapter(PackedLatentsAdapter):
                         "all-linear": "all-linear"}
     quant_skip_modules = ("img_in", "txt_in", "txt_norm", "time_text_embed", "norm_out", "proj_out")
     uses_cfg = True
+    negative_prompt = NEGATIVE_PROMPT
     default_guidance = 4.0  # the pipeline's default true_cfg_scale (the model card's example)
     example_hub_id = "Qwen/Qwen-Image"
     card_license = "apache-2.0"  # Qwen-Image and Qwen-Image-Edit
@@ -80,9 +81,9 @@ class QwenImageAdapter(PackedLatentsAdapter):
         combined = uncond + self.guidance_scale(times, guidance) * (cond - uncond)
         return combined * (cond.norm(dim=-1, keepdim=True) / combined.norm(dim=-1, keepdim=True))
 
-    def encode(self, prompts: list[str]) -> dict[str, torch.Tensor]:
+    def encode(self, prompts: list[str], negatives: list[str] | None = None) -> dict[str, torch.Tensor]:
         rows = {}
-        for prefix, texts in (("", prompts), ("negative_", [NEGATIVE_PROMPT] * len(prompts))):
+        for prefix, texts in (("", prompts), ("negative_", negatives or [self.negative_prompt] * len(prompts))):
             states, mask = self.pipe.encode_prompt(prompt=texts, device=self.device, max_sequence_length=self.max_sequence_length)
             rows.update(self.padded_text(states, mask, prefix))
         return rows

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from branchdiff.models.qwen_image import NEGATIVE_PROMPT, QwenImageAdapter
+from branchdiff.models.qwen_image import QwenImageAdapter
 
 SOURCE_LATENTS = "source_latents"  # embeds key: each prompt's encoded sources, packed and joined (B, N, 64)
 SOURCE_GRIDS = "source_grids"  # embeds key: the (frames, rows, columns) token grid of each source (B, K, 3)
@@ -35,12 +35,13 @@ class QwenImageEditAdapter(QwenImageAdapter):
     example_hub_id = "Qwen/Qwen-Image-Edit-2509"
     max_sequence_length = 1024  # the template, the sources' image tokens and the instruction, which the pipeline keeps whole
 
-    def encode_edits(self, prompts: list[str], sources: list[list]) -> dict[str, torch.Tensor]:
-        rows = [self.encode_edit(prompt, images) for prompt, images in zip(prompts, sources)]
+    def encode_edits(self, prompts: list[str], sources: list[list], negatives: list[str] | None = None) -> dict[str, torch.Tensor]:
+        negatives = negatives or [self.negative_prompt] * len(prompts)
+        rows = [self.encode_edit(prompt, images, negative) for prompt, images, negative in zip(prompts, sources, negatives)]
         return {key: torch.cat([row[key] for row in rows]) for key in rows[0]}
 
-    def encode_edit(self, prompt: str, images: list) -> dict[str, torch.Tensor]:
-        """One prompt and its sources (RGB PIL images) as the pipeline encodes them."""
+    def encode_edit(self, prompt: str, images: list, negative: str) -> dict[str, torch.Tensor]:
+        """One prompt, its sources (RGB PIL images) and its negative prompt as the pipeline encodes them."""
         from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit_plus as release
 
         processor, conditions, latents, grids = self.pipe.image_processor, [], [], []
@@ -55,7 +56,7 @@ class QwenImageEditAdapter(QwenImageAdapter):
             latents.append(self.pipe._pack_latents(encoded, 1, encoded.shape[1], rows, columns))
             grids.append((1, rows // 2, columns // 2))
         embeds = {}
-        for prefix, text in (("", prompt), ("negative_", NEGATIVE_PROMPT)):  # CFG's unconditional rows see the same sources
+        for prefix, text in (("", prompt), ("negative_", negative)):  # CFG's unconditional rows see the same sources
             states, mask = self.pipe.encode_prompt(prompt=[text], image=conditions, device=self.device)
             embeds.update(self.padded_text(states, mask, prefix))
             embeds.update({f"{prefix}{SOURCE_LATENTS}": torch.cat(latents, dim=1), f"{prefix}{SOURCE_GRIDS}": torch.tensor([grids])})

@@ -47,11 +47,11 @@ class SanaAdapter(PipelineAdapter):
     def model_times(self, timesteps: torch.Tensor) -> torch.Tensor:
         return timesteps * self.config.timestep_scale
 
-    def encode(self, prompts: list[str]) -> dict[str, torch.Tensor]:
+    def encode(self, prompts: list[str], negatives: list[str] | None = None) -> dict[str, torch.Tensor]:
         default = inspect.signature(type(self.pipe).__call__).parameters["complex_human_instruction"].default
         instruction = default if self.instruction else None  # model.prompt_instruction=false: the bare prompt
         embeds, mask, negative, negative_mask = self.pipe.encode_prompt(
-            prompts, do_classifier_free_guidance=True, negative_prompt="", device=self.device,
+            prompts, do_classifier_free_guidance=True, negative_prompt=negatives or self.negative_prompt, device=self.device,
             max_sequence_length=self.max_sequence_length, complex_human_instruction=instruction,
         )
         return {"encoder_hidden_states": embeds, "encoder_attention_mask": mask,

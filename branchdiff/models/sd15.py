@@ -61,8 +61,8 @@ class SD15Adapter(PipelineAdapter):
         after = torch.where(targets >= 0, alphas[targets.clamp(min=0)], final)  # (T,)
         return DDIMSchedule(torch.cat([alphas[timesteps[:1]], after]), timesteps)
 
-    def encode(self, prompts: list[str]) -> dict[str, torch.Tensor]:
-        embeds, negative = self.pipe.encode_prompt(prompts, self.device, 1, True)
+    def encode(self, prompts: list[str], negatives: list[str] | None = None) -> dict[str, torch.Tensor]:
+        embeds, negative = self.pipe.encode_prompt(prompts, self.device, 1, True, negative_prompt=negatives)
         return {"encoder_hidden_states": embeds, "negative_encoder_hidden_states": negative}
 
     def forward(self, latents: torch.Tensor, times: torch.Tensor, embeds: dict[str, torch.Tensor], guidance: float) -> torch.Tensor:

@@ -31,9 +31,9 @@ class SD3Adapter(PipelineAdapter):
     def latent_shape(self) -> tuple[int, ...]:
         return (self.config.in_channels, *self.latent_grid())
 
-    def encode(self, prompts: list[str]) -> dict[str, torch.Tensor]:
+    def encode(self, prompts: list[str], negatives: list[str] | None = None) -> dict[str, torch.Tensor]:
         embeds, negative, pooled, negative_pooled = self.pipe.encode_prompt(
-            prompt=prompts, prompt_2=None, prompt_3=None, device=self.device, do_classifier_free_guidance=True,
+            prompt=prompts, prompt_2=None, prompt_3=None, device=self.device, do_classifier_free_guidance=True, negative_prompt=negatives,
             max_sequence_length=self.max_sequence_length,
         )
         return {"encoder_hidden_states": embeds, "pooled_projections": pooled,

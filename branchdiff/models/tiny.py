@@ -140,8 +140,9 @@ class TinyAdapter(ModelAdapter):
         out = self.text_encoder(**tokens)
         return {"encoder_hidden_states": out.last_hidden_state, "pooled_projections": out.text_embeds}
 
-    def encode_prompts(self, prompts: list[str], sources: list[list] | None = None) -> PromptEmbeds:
+    def encode_prompts(self, prompts: list[str], sources: list[list] | None = None, negatives: list[str | None] | None = None) -> PromptEmbeds:
         self.check_sources(prompts, sources)
+        self.row_negatives(negatives, len(prompts))  # the tiny model has no CFG: a row's negative prompt is refused
         with torch.no_grad():
             return self.text_features(prompts)
 

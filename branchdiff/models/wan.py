@@ -185,8 +185,8 @@ class WanAdapter(PipelineAdapter):
     def latent_shape(self) -> tuple[int, ...]:
         return (self.config.out_channels, self.latent_frames, *self.latent_grid())  # the VAE's channels (an image-to-video model's input has more)
 
-    def encode(self, prompts: list[str]) -> dict[str, torch.Tensor]:
-        embeds, negative = self.pipe.encode_prompt(prompt=prompts, do_classifier_free_guidance=True,
+    def encode(self, prompts: list[str], negatives: list[str] | None = None) -> dict[str, torch.Tensor]:
+        embeds, negative = self.pipe.encode_prompt(prompt=prompts, negative_prompt=negatives, do_classifier_free_guidance=True,
                                                    max_sequence_length=self.max_sequence_length, device=self.device)
         return {"encoder_hidden_states": embeds, "negative_encoder_hidden_states": negative}
 

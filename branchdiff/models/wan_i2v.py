@@ -51,10 +51,10 @@ class WanImageToVideoAdapter(WanAdapter):
             self.lora_target_sets = {"attention": WAN_ATTENTION + IMAGE_ATTENTION, "attention+ff": WAN_ATTENTION + IMAGE_ATTENTION + WAN_FEED_FORWARD,
                                      "all-linear": "all-linear"}
 
-    def encode_edits(self, prompts: list[str], sources: list[list]) -> dict[str, torch.Tensor]:
+    def encode_edits(self, prompts: list[str], sources: list[list], negatives: list[str] | None = None) -> dict[str, torch.Tensor]:
         rows = [self.encode_source(images[0]) for images in sources]
         source = {key: torch.cat([row[key] for row in rows]) for key in rows[0]}
-        return {**self.encode(prompts), **source, **{NEGATIVE + key: value for key, value in source.items()}}
+        return {**self.encode(prompts, negatives), **source, **{NEGATIVE + key: value for key, value in source.items()}}
 
     def encode_source(self, image) -> dict[str, torch.Tensor]:
         """One prompt's source (an RGB PIL image of the video's aspect ratio) as the pipeline encodes it at the run's size."""

@@ -79,9 +79,10 @@ class ZImageAdapter(PipelineAdapter):
     def guidance_scale(self, times: torch.Tensor, guidance: float) -> float:
         return guidance + 1
 
-    def encode(self, prompts: list[str]) -> dict[str, torch.Tensor]:
-        # a copy: the pipeline writes each prompt's chat-templated text into the list it is given
-        embeds, negative = self.pipe.encode_prompt(prompt=list(prompts), device=self.device, do_classifier_free_guidance=True,
+    def encode(self, prompts: list[str], negatives: list[str] | None = None) -> dict[str, torch.Tensor]:
+        # copies: the pipeline writes each prompt's chat-templated text into the list it is given
+        embeds, negative = self.pipe.encode_prompt(prompt=list(prompts), negative_prompt=None if negatives is None else list(negatives),
+                                                   device=self.device, do_classifier_free_guidance=True,
                                                    max_sequence_length=self.max_sequence_length)
         (states, mask), (negative_states, negative_mask) = self._padded(embeds), self._padded(negative)
         return {"encoder_hidden_states": states, "encoder_attention_mask": mask,
