@@ -268,6 +268,35 @@ class ModelAdapter(ABC):
         lora.load_lora_state(self.denoiser, directory, self.lora_prefix)
 
     @contextmanager
+    def sized(self, size: tuple[int, int] | None = None, frames: int | None = None) -> Iterator[None]:
+        """Within the block the adapter makes (height, width) `size` and, a video family, `frames` frames (None: as
+        it is): an evaluation at its own size (`eval.resolution`, `eval.frames`), whatever size the weights trained at.
+        Refuses what the model cannot make (`check_size`, `check_frame_count`) before changing anything."""
+        before = (self.height, self.width, getattr(self, "frames", None))
+        size = size or (self.height, self.width)
+        if size != (self.height, self.width):
+            self.check_size(size)
+        if frames is not None and frames != before[2]:
+            self.check_frame_count(frames)
+        self.height, self.width = size
+        if frames is not None:
+            self.frames = frames
+        try:
+            yield
+        finally:
+            self.height, self.width = before[:2]
+            if before[2] is not None:
+                self.frames = before[2]
+
+    def check_size(self, size: tuple[int, int]) -> None:
+        """Refuse a (height, width) this model cannot make; a family with one size makes no other."""
+        raise ValueError(f"resolution {size[0]}x{size[1]}: model.family={self.family} makes only {self.height}×{self.width} images")
+
+    def check_frame_count(self, frames: int) -> None:
+        """Refuse a frame count this model cannot make; an image family or a fixed-length video family makes no other."""
+        raise ValueError(f"{frames} frames: model.family={self.family} makes {getattr(self, 'frames', 'no')} frame(s) a sample only")
+
+    @contextmanager
     def modules_on_device(self, *modules: torch.nn.Module | None) -> Iterator[None]:
         """With `offload`, move helper modules (text encoders, VAE) to the accelerator for the block
         and back to the CPU after it; without, they stay on the accelerator."""

@@ -72,6 +72,9 @@ class PipelineAdapter(ModelAdapter):
                                 "(gated models: hf auth login first)") from None
         return cls(pipe, device, size, offload, **options)
 
+    def check_size(self, size: tuple[int, int]) -> None:
+        check_multiple(size, self.resolution_multiple, self.family)
+
     def replace_denoiser(self, denoiser: torch.nn.Module) -> None:
         """The fine-tuned denoiser becomes the pipeline's component too."""
         super().replace_denoiser(denoiser)

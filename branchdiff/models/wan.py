@@ -160,6 +160,9 @@ class WanAdapter(PipelineAdapter):
     def resolution_multiple(self) -> int:
         return self.multiple_of(self.pipe.vae_scale_factor_spatial, self.pipe.transformer.config.patch_size[1])
 
+    def check_frame_count(self, frames: int) -> None:
+        check_frames(frames, self.pipe.vae_scale_factor_temporal)
+
     @classmethod
     def folder_frames(cls, path, frames: int) -> None:
         """Refuse a frame count the folder's VAE cannot make, from its config.json, before anything loads."""

@@ -34,7 +34,7 @@ from branchdiff.data.demonstrations import FIELDS
 from branchdiff.models.loading import quiet_loading
 from branchdiff.objectives.registry import dataset_kind, decoupled, needs_reference
 from branchdiff.plan.clock import GPU, GPUS, TARGET_GPU, UTILISATION, modelled_seconds
-from branchdiff.plan.families import Family, family_for, size_of
+from branchdiff.plan.families import Family, Size, eval_size_of, family_for, size_of
 from branchdiff.plan.measure import DTYPES, Measured, measure, reward_bytes
 
 GIB = 2**30
@@ -115,14 +115,16 @@ class Estimator:
             self.known = families()
         return family_for(config, self.known)
 
-    def measured(self, family: Family, config: Any) -> Measured:
+    def measured(self, family: Family, config: Any, size: Size | None = None) -> Measured:
+        """The family's figures for `config` at `size` (None: the training's, `size_of`)."""
         dtype = DTYPES[config.model.dtype]
         autocast = torch.bfloat16 if config.train.mixed_precision == "bf16" else None
         targets = config.model.lora_targets
-        key = (family.name, family.source, dtype, config.train.lora_rank, config.train.lora_alpha, size_of(config), autocast, str(targets))
+        size = size or size_of(config)
+        key = (family.name, family.source, dtype, config.train.lora_rank, config.train.lora_alpha, size, autocast, str(targets))
         if key not in self.cache:
             with quiet_loading():  # diffusers' notices about casting a model built from its config
-                self.cache[key] = measure(family, dtype, config.train.lora_rank, config.train.lora_alpha, size_of(config), autocast, targets)
+                self.cache[key] = measure(family, dtype, config.train.lora_rank, config.train.lora_alpha, size, autocast, targets)
         return self.cache[key]
 
 
@@ -191,10 +193,12 @@ def estimate(config: Any, target: Target, estimator: Estimator) -> Plan:
         "optimizer": grads + (2 * trained * 4 if config.train.optimizer == "adamw" and sharded else 0),  # only FSDP's AdamW is not fused
         "eval": 0.0,
     }
-    if config.final_eval or config.eval_every:
+    if config.final_eval or config.eval_every:  # at the evaluations' own size (eval.resolution, eval.frames)
+        evaluated = eval_size_of(config)
+        m_eval = m if evaluated == size else estimator.measured(family, config, evaluated)
         phases["eval"] = sum(reward_bytes(spec) for spec in parse_reward_specs(config.eval_rewards)) + max(
-            encoders if offload else 0, m.rollout(family.adapter.eval_batch),
-            (vae if offload else 0) + min(decode_batch, eval_images) * m.decode_image + eval_images * pixels * 4)
+            encoders if offload else 0, m_eval.rollout(family.adapter.eval_batch),
+            (vae if offload else 0) + min(decode_batch, eval_images) * m_eval.decode_image + eval_images * math.prod(evaluated) * 3 * 4)
     if config.explore.mode != "off" and config.explore.backend != "none":
         static["explore copy"] = m.copy_bytes
         explore = m.lora_base_params * 4  # quant._merged_tensors: W + B·A of every LoRA layer in fp32, all alive at once

@@ -318,6 +318,15 @@ def size_of(config: Any) -> Size:
     return ((config.model.frames or spec.frames) if spec.frames else 1, height, width)
 
 
+def eval_size_of(config: Any) -> Size:
+    """(frames, height, width) of the evaluations' samples: `eval.resolution` and `eval.frames`, else the training's."""
+    from branchdiff.models.registry import image_size
+
+    frames, height, width = size_of(config)
+    height, width = image_size(config.eval.resolution, (height, width))
+    return (config.eval.frames or frames, height, width)
+
+
 def _read(path: Path) -> dict:
     return {k: v for k, v in json.loads(path.read_text()).items() if not k.startswith("_")}
 

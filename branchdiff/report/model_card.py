@@ -55,7 +55,9 @@ def evaluation_table(evaluation: dict | None) -> str:
         cells = [f"{evaluation[m]['all'][name]['mean']:.4f} ± {evaluation[m]['all'][name]['std']:.4f}" for m in models]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     images = evaluation["trained"]["all"][scores[0]]["images"] if scores else 0
-    return (f"On `{evaluation.get('prompts')}`, {evaluation.get('images_per_prompt')} image(s) per prompt ({images} in all), the same "
+    size = evaluation.get("resolution")  # an evaluation at another size than the training's (eval.resolution)
+    where = (f", at {size[0]} × {size[1]}" if size else "") + (f", {evaluation['frames']} frames" if evaluation.get("frames") else "")
+    return (f"On `{evaluation.get('prompts')}`, {evaluation.get('images_per_prompt')} image(s) per prompt ({images} in all){where}, the same "
             f"noise for both models, after iteration {evaluation.get('after_iteration')}:\n\n" + "\n".join(lines))
 
 

@@ -147,6 +147,11 @@ def _heldout_table(run: Run, keys: list[str]) -> str:
         after = run.after_iteration()
         text += (f", the final one (★, eval.json) after the update of iteration {after}, at {x}" if after is not None
                  else f", the final one (★, eval.json) after the last logged iteration (eval.json does not say which), at {x}")
+    evaluated = run.evaluation or {}
+    if evaluated.get("resolution") or evaluated.get("frames"):  # eval.resolution / eval.frames: not the training's size
+        size = evaluated.get("resolution")
+        text += "; the evaluations sample at " + ", ".join([*([f"{size[0]} × {size[1]}"] if size else []),
+                                                            *([f"{evaluated['frames']} frames"] if evaluated.get("frames") else [])])
     return f"<p>{escape(text)}.</p>" + table(["held-out score", "base (iteration 0)", "last in training", FINAL_LABEL], body)
 
 

@@ -39,6 +39,12 @@ class ModelConfig:
 
 
 @dataclass
+class EvalConfig:
+    resolution: int | list[int] | None = None  # the evaluations' image size (final, periodic, their grids, `eval` of the run): H or [H, W]; None = model.resolution
+    frames: int | None = positive(None)  # video families: the evaluations' frames per video; None = model.frames
+
+
+@dataclass
 class PromptConfig:
     train: str = "tiny:train"  # prompt source: tiny:train | tiny:held_out | tiny:all | a .txt file, one prompt a line
     per_iteration: int = positive(8)  # prompts per iteration (per process)
@@ -240,6 +246,7 @@ class TrainConfig:
     reward_overlap: bool = False  # score each finished part of the rollout while the next part grows (branchdiff/training/overlap.py)
     model: ModelConfig = field(default_factory=ModelConfig)
     prompts: PromptConfig = field(default_factory=PromptConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)  # train at one size, evaluate at another (docs/models.md)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     tree: TreeConfig = field(default_factory=TreeConfig)
     advantage: AdvantageConfig = field(default_factory=AdvantageConfig)

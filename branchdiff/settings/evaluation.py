@@ -5,7 +5,8 @@ Weights of a run (the run folder `RUN`, `RUN/lora`, `RUN/lora/pytorch_lora_weigh
 a fully fine-tuned `RUN/transformer`, or a checkpoint `RUN/checkpoints/iter-N`) bring the run's
 `config.yaml`: its model (family, path, resolution,
 dtype) and its final evaluation's settings (prompts.eval, prompts.eval_seeds, sampling steps and
-shift, prompts.eval_guidance, eval_rewards). With those `branchdiff eval --weights RUN`
+shift, prompts.eval_guidance, eval_rewards, and eval.resolution / eval.frames where the run evaluated
+at another size than it trained at). With those `branchdiff eval --weights RUN`
 reproduces the `trained` column of the run's final evaluation (RUN/eval.json) exactly; a setting
 given on the command line that differs is named (`differences`).
 """
@@ -45,8 +46,8 @@ TASK_DEFAULTS = {"tiny-video": {"prompts": "tiny-video:held_out", "rewards": "ti
 
 SOLVERS = ("training", "release")  # the ODE of the steps branchdiff trains with, or the sampler the model folder ships
 
-# settings field → the key of a run's config that holds it
-FROM_RUN = {"family": "model.family", "model": "model.path", "resolution": "model.resolution", "frames": "model.frames",
+# settings field → the key of a run's config that holds it (keys joined by "|": the first that is set)
+FROM_RUN = {"family": "model.family", "model": "model.path", "resolution": "eval.resolution|model.resolution", "frames": "eval.frames|model.frames",
             "expert": "model.expert", "guidance_2": "model.guidance_2", "dtype": "model.dtype", "steps": "sampling.num_steps", "shift": "sampling.shift",
             "guidance": "prompts.eval_guidance", "images_per_prompt": "prompts.eval_seeds", "prompts": "prompts.eval",
             "rewards": "eval_rewards", "prompt_instruction": "model.prompt_instruction"}
@@ -64,10 +65,14 @@ def run_of(weights: str | None) -> Path | None:
 
 
 def _get(config: dict, dotted: str) -> Any:
-    value: Any = config
-    for key in dotted.split("."):
-        value = value.get(key) if isinstance(value, dict) else None
-    return value
+    """The value at `dotted` in `config`; "a.b|c.d": the first of them that is set."""
+    for path in dotted.split("|"):
+        value: Any = config
+        for key in path.split("."):
+            value = value.get(key) if isinstance(value, dict) else None
+        if value is not None:
+            return value
+    return None
 
 
 def resolve(given: dict[str, Any], weights: str | None) -> tuple[EvalSettings, Path | None, dict]:

@@ -54,9 +54,16 @@ def validate(config: TrainConfig) -> None:
     if config.model.guidance_2 is not None and not family.video:
         raise ConfigError(f"'model.guidance_2' = {config.model.guidance_2} is the guidance of Wan 2.2's low-noise expert; model.family="
                           f"{config.model.family} has one denoiser: leave model.guidance_2 unset")
-    if config.model.frames is not None and not family.video:
-        raise ConfigError(f"'model.frames' = {config.model.frames}: model.family={config.model.family} makes images, not videos; "
-                          "leave model.frames unset")
+    for key, frames in (("model.frames", config.model.frames), ("eval.frames", config.eval.frames)):
+        if frames is not None and not family.video:
+            raise ConfigError(f"'{key}' = {frames}: model.family={config.model.family} makes images, not videos; leave {key} unset")
+    try:
+        evaluated = image_size(config.eval.resolution, size)
+    except ValueError as error:
+        raise ConfigError(str(error).replace("'model.resolution'", "'eval.resolution'")) from None
+    if family.fixed_resolution and evaluated != size:
+        raise ConfigError(f"'eval.resolution' = {config.eval.resolution}: model.family={config.model.family} makes only "
+                          f"{family.resolution}×{family.resolution} images; leave eval.resolution unset")
     if not config.model.prompt_instruction and not family.instruction:
         raise ConfigError(f"'model.prompt_instruction' = false applies to families whose prompts carry an instruction (sana); "
                           f"model.family={config.model.family} has none: leave it unset")

@@ -31,6 +31,7 @@ from branchdiff.evaluation.evaluate import (
 )
 from branchdiff.models.base import ModelAdapter
 from branchdiff.models.finetune import FullFinetune, LoraFinetune
+from branchdiff.models.registry import FAMILIES, image_size
 from branchdiff.rewards.combine import RewardSpec, parse_reward_specs
 from branchdiff.rewards.group import refuse_in_evaluation
 from branchdiff.rewards.multi import MultiReward, build_component
@@ -70,11 +71,18 @@ class RunEvaluation:
         config = self.config
         return OdeSampling(config.prompts.eval_seeds, config.sampling.num_steps, config.sampling.shift, config.prompts.eval_guidance)
 
-    def evaluate(self, model: ModelAdapter, share: ProcessShare = ALONE) -> EvalResult:
-        """`model` on the eval prompts with the eval rewards (this process's `share` of them)."""
+    def sized(self, model: ModelAdapter) -> AbstractContextManager:
+        """`model` making the evaluations' size (`eval.resolution`, `eval.frames`; unset: the training's) within the block."""
         config = self.config
-        return evaluate(model, load_prompt_set(config.prompts.eval), self.rewards, self.sampling(), share,
-                        frames={spec.label: spec.frames for spec in parse_reward_specs(config.eval_rewards)})
+        trained = image_size(config.model.resolution, FAMILIES[config.model.family].resolution)
+        return model.sized(image_size(config.eval.resolution, trained), config.eval.frames)
+
+    def evaluate(self, model: ModelAdapter, share: ProcessShare = ALONE) -> EvalResult:
+        """`model` on the eval prompts with the eval rewards (this process's `share` of them), at the evaluations' size."""
+        config = self.config
+        with self.sized(model):
+            return evaluate(model, load_prompt_set(config.prompts.eval), self.rewards, self.sampling(), share,
+                            frames={spec.label: spec.frames for spec in parse_reward_specs(config.eval_rewards)})
 
     def shared(self, model: ModelAdapter) -> EvalResult:
         """`model` on the eval prompts, each process sampling its share, gathered on every process."""
@@ -100,7 +108,7 @@ class RunEvaluation:
         config = self.config
         prompt_set = load_prompt_set(config.prompts.eval)
         chosen, metadata = prompt_set.prompts[:prompts], prompt_set.metadata[:prompts]
-        with weights:
+        with weights, self.sized(policy):
             images = sample_ode(policy, chosen, replace(self.sampling(), images_per_prompt=images_per_prompt), metadata=metadata)[0]
         return beside_sources(images, metadata, images_per_prompt), chosen
 
@@ -115,8 +123,13 @@ class RunEvaluation:
         with weights:
             summaries["trained"] = summarize(self.shared(policy))
         scales = {label: getattr(reward, "scale", "unspecified") for label, reward in self.rewards.items()}
+        size: dict[str, object] = {}  # where the evaluations have their own size (eval.resolution, eval.frames)
+        if config.eval.resolution is not None:
+            size["resolution"] = list(image_size(config.eval.resolution, (policy.height, policy.width)))
+        if config.eval.frames is not None:
+            size["frames"] = config.eval.frames
         report = {"prompts": config.prompts.eval, "images_per_prompt": config.prompts.eval_seeds, "scales": scales,
-                  "after_iteration": config.iterations - 1, **summaries}
+                  "after_iteration": config.iterations - 1, **size, **summaries}
         if self.accelerator.is_main_process:
             storage.write_text(run_dir / "eval.json", json.dumps(report, indent=1))
         return {model: {name: row["mean"] for name, row in summary["all"].items()} for model, summary in summaries.items()}

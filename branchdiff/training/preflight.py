@@ -66,8 +66,15 @@ def check_inputs(config: TrainConfig) -> None:
     check_installed(tracker_names(config.logging.report_to))
     check_credentials(tracker_names(config.logging.report_to))
     check_frames(config.model.family, config.model.path, config.model.frames)
+    eval_size = size
+    if evaluates:  # the evaluations' own size (eval.resolution, eval.frames), where the run sets one
+        try:
+            eval_size = check_size(config.model.family, config.model.path, config.eval.resolution or config.model.resolution)
+        except ValueError as error:
+            raise ValueError(str(error).replace("model.resolution=", "eval.resolution=", 1)) from None
+        check_frames(config.model.family, config.model.path, config.eval.frames or config.model.frames)
     if FAMILIES[config.model.family].video:
         for key, specs in (("reward", train_specs), *((("eval_rewards", eval_specs),) if evaluates else ())):
             check_video_rewards(key, specs, factories)
-    for source, specs in (("train", train_specs), *((("eval", eval_specs),) if evaluates else ())):
-        check_prompt_set(load_prompt_set(getattr(config.prompts, source)), config.model.family, size, specs, factories)
+    for source, specs, made in (("train", train_specs, size), *((("eval", eval_specs, eval_size),) if evaluates else ())):
+        check_prompt_set(load_prompt_set(getattr(config.prompts, source)), config.model.family, made, specs, factories)
