@@ -26,12 +26,16 @@ from branchdiff.plan.measure import Measured, reward_params  # noqa: E402
 from branchdiff.settings.load import load_config, presets  # noqa: E402
 
 WAN_14B = "model.path=Wan-AI/Wan2.1-T2V-14B-Diffusers"
+WAN_I2V_14B = ("model.path=Wan-AI/Wan2.1-I2V-14B-480P-Diffusers", "model.resolution=[480,832]")
+WAN_I2V_A14B = ("model.path=Wan-AI/Wan2.2-I2V-A14B-Diffusers", "model.resolution=[480,832]")
 # (preset, its overrides): each row's preset and its -explore variant where there is one; Wan 14B is wan-mq-branch on the
-# 14B model; flux2-klein-pickscore plans its own 9B and, with the override, the 4B
+# 14B model; flux2-klein-pickscore plans its own 9B and, with the override, the 4B; wan-i2v-mq-branch plans TI2V-5B and, at
+# 480×832, the 14B image-to-video models
 PRESETS = [("sd35-pickscore", ()), ("flux-hps-branch", ()), ("flux-hps-mix", ()), ("sana-pickscore", ()), ("sd15-hps", ()),
            ("wan-mq-branch", ()), ("wan-mq-branch", (WAN_14B,)), ("qwen-image-pickscore", ()), ("flux2-pickscore", ()),
            ("flux2-klein-pickscore", (f"model.path={KLEIN.format('4B')}",)), ("flux2-klein-pickscore", ()), ("z-image-pickscore", ()),
-           ("flux-kontext-pickscore", ()), ("qwen-image-edit-pickscore", ())]
+           ("flux-kontext-pickscore", ()), ("qwen-image-edit-pickscore", ()), ("wan-i2v-mq-branch", ()), ("wan-i2v-mq-branch", WAN_I2V_14B),
+           ("wan-i2v-mq-branch", WAN_I2V_A14B)]
 
 
 def g(x: float) -> str:

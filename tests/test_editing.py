@@ -91,18 +91,19 @@ def _edits(adapter, metadata: list[dict], guidance: float | None = None) -> tupl
     return rollout.latents[roots], adapter.decode(rollout.leaf_latents)
 
 
-def _pipeline_edits(pipe, family: str, metadata: list[dict], initial: torch.Tensor, size: tuple[int, int], guidance: float) -> torch.Tensor:
+def _pipeline_edits(pipe, family: str, metadata: list[dict], initial: torch.Tensor, size: tuple[int, int], guidance: float,
+                    negatives: tuple[str, ...] = (" ", " ")) -> torch.Tensor:
     """The pipeline's edits of the same sources from the same initial latents. Kontext: `max_area` the output's
     (its default rescales any size to a megapixel) and the sources at the output size, so `_auto_resize=False`
     encodes them there, as branchdiff does. Qwen-Image-Edit: one prompt per call (its pipeline's limit), true CFG
-    against " "."""
+    against each prompt's of `negatives` (the family's " " by default)."""
     images = source_images(metadata)
     common = {"height": size[0], "width": size[1], "num_inference_steps": STEPS, "output_type": "pt"}
     if family == "flux-kontext":
         return pipe(prompt=list(PROMPTS), image=[row[0] for row in images], guidance_scale=guidance, latents=initial.clone(),
                     max_area=size[0] * size[1], _auto_resize=False, **common).images
-    return torch.cat([pipe(prompt=prompt, image=row, negative_prompt=" ", true_cfg_scale=guidance, latents=initial[index : index + 1].clone(),
-                           **common).images for index, (prompt, row) in enumerate(zip(PROMPTS, images))])
+    return torch.cat([pipe(prompt=prompt, image=row, negative_prompt=negatives[index], true_cfg_scale=guidance,
+                           latents=initial[index : index + 1].clone(), **common).images for index, (prompt, row) in enumerate(zip(PROMPTS, images))])
 
 
 @pytest.mark.parametrize(("family", "size"), [*((family, size) for family in EDITING for size in ((32, 32), (32, 16))),
@@ -136,6 +137,19 @@ def test_qwen_image_edit_takes_several_sources_as_its_pipeline(kontext):
     assert (ours - theirs).abs().max().item() <= TOLERANCE
     assert (_edits(adapter, [{SOURCES: row[SOURCES][:1]} for row in metadata])[1] - ours).abs().max().item() > 5 * TOLERANCE
 
+
+
+def test_qwen_image_edit_takes_each_rows_negative_prompt_as_its_pipeline(kontext):
+    """A row's negative prompt enters the true-CFG rows with the row's sources, as `pipe(..., negative_prompt=...)`; a row
+    without one keeps the family's " "."""
+    adapter = load_adapter("qwen-image-edit", str(kontext / "qwen-image-edit"), resolution=32)
+    metadata = [dict(row) for row in load_prompt_set(str(kontext / "data" / "edits.jsonl")).metadata]
+    metadata[0]["negative_prompt"] = "blurry, washed out"
+    initial, ours = _edits(adapter, metadata)
+    theirs = _pipeline_edits(_load(kontext, "qwen-image-edit"), "qwen-image-edit", metadata, initial, (32, 32), adapter.default_guidance,
+                             ("blurry, washed out", " "))
+    assert (ours - theirs).abs().max().item() <= TOLERANCE
+    assert (ours[0] - _edits(adapter, [{**metadata[0], "negative_prompt": ""}, metadata[1]])[1][0]).abs().max().item() > 1e-3
 
 @pytest.mark.parametrize("family", EDITING)
 def test_sources_of_another_shape_or_number_are_refused(kontext, family):

@@ -65,6 +65,25 @@ def test_the_newer_releases_count_their_published_sizes(estimator):
         assert low < estimate(load_config(preset), Target(), estimator).parameters["denoiser"] < high, preset
 
 
+def test_the_image_to_video_releases_and_wan_2_2s_second_expert(estimator):
+    """wan-i2v plans the release its model.path names: TI2V-5B (5.0 B), Wan 2.1 I2V 14B (T2V 14B with the image's added key and
+    value projections and 20 more input channels) and Wan 2.2 I2V-A14B, whose frozen second expert (as large as the trained
+    one) is resident; with model.expert=both the second expert carries a LoRA as large as the first."""
+    plans = {name: estimate(load_config("wan-i2v-mq-branch", overrides), Target(), estimator) for name, overrides in (
+        ("ti2v", []), ("i2v", ["model.path=Wan-AI/Wan2.1-I2V-14B-480P-Diffusers", "model.resolution=[480,832]"]),
+        ("a14b", ["model.path=Wan-AI/Wan2.2-I2V-A14B-Diffusers", "model.resolution=[480,832]"]),
+        ("both", ["model.path=Wan-AI/Wan2.2-I2V-A14B-Diffusers", "model.resolution=[480,832]", "model.expert=both"]))}
+    assert [plans[name].label for name in plans] == ["Wan 2.2 TI2V-5B from an image", "Wan 2.1 I2V 14B", "Wan 2.2 I2V-A14B", "Wan 2.2 I2V-A14B"]
+    assert abs(plans["ti2v"].parameters["denoiser"] - 5.0e9) < 0.05e9
+    width, blocks = 5120, 40
+    added = blocks * (2 * (width * width + width) + width)  # add_k_proj, add_v_proj and the added keys' RMS norm, per block
+    assert plans["i2v"].parameters["denoiser"] - plans["a14b"].parameters["denoiser"] > added  # and the image's projection
+    assert plans["a14b"].static["second expert"] == plans["a14b"].static["denoiser"] and plans["ti2v"].static["second expert"] == 0
+    assert plans["both"].static["trained state"] == 2 * plans["a14b"].static["trained state"]
+    t2v = estimate(load_config("wan-mq-branch", ["model.path=Wan-AI/Wan2.2-T2V-A14B-Diffusers"]), Target(), estimator)
+    assert t2v.static["second expert"] == t2v.static["denoiser"] > 0
+
+
 def test_qwen_images_trained_parameters_are_those_the_trainer_trains(estimator):
     """Regression: the plan counted LoRA on every attention projection, but the trainer leaves out the last block's
     text-stream output (no gradient reaches it: `unused_modules`), and full fine-tuning freezes it with that block's

@@ -147,7 +147,8 @@ def estimate(config: Any, target: Target, estimator: Estimator) -> Plan:
     sharded = target.sharding != "none"
     processes = target.processes
 
-    trained = m.denoiser_params - m.unused_params if full else m.lora_params
+    both = family.experts == 2 and config.model.expert == "both"  # Wan 2.2 A14B: a LoRA on each expert
+    trained = m.denoiser_params - m.unused_params if full else m.lora_params * (2 if both else 1)
     denoiser = (m.denoiser_params + m.denoiser_buffers) * (4 if full else dbytes)  # full fine-tuning trains float32 weights
     encoders = sum(m.encoders.values()) * dbytes
     vae = m.vae_params * dbytes
@@ -159,6 +160,7 @@ def estimate(config: Any, target: Target, estimator: Estimator) -> Plan:
 
     static = {
         "denoiser": denoiser,
+        "second expert": (m.denoiser_params + m.denoiser_buffers) * dbytes if family.experts == 2 else 0,  # frozen, or with both a LoRA's base
         "text encoders + VAE": 0 if offload else helpers,
         "reward models": reward,
         # (LoRA fp32 weights) + moments + DDP bucket + the weights' moving average (train.ema_decay: an fp32 copy beside them)
@@ -216,11 +218,13 @@ def estimate(config: Any, target: Target, estimator: Estimator) -> Plan:
     notes = []
     if sharded:
         gathered = 2 * m.block_params * (4 if full else dbytes)
-        shard = (static["denoiser"] + static["trained state"] + static["frozen copy"] + static["objective state"]) / processes
+        second = static["second expert"] if both else 0.0  # with expert both, the two experts are sharded (a frozen one is not)
+        shard = (static["denoiser"] + second + static["trained state"] + static["frozen copy"] + static["objective state"]) / processes
         if target.sharding == "fsdp-offload":
             shard = 0.0
             notes.append("fsdp-offload: the shards, their gradients and moments live in host memory; the GPU holds two gathered blocks")
         static["denoiser"], static["trained state"], static["frozen copy"], static["objective state"] = shard, 0.0, 0.0, 0.0
+        static["second expert"] -= second
         static["gathered blocks"] = gathered
         phases["train"] -= grads * (1 - 1 / processes)
         phases["optimizer"] *= 0 if target.sharding == "fsdp-offload" else 1 / processes

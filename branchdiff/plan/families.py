@@ -49,6 +49,7 @@ class Family:
     gpu: str  # the GPU its presets target (branchdiff/plan/clock.py GPUS)
     ckpt_units: tuple[str, ...] = ()  # module classes diffusers checkpoints (UNet: resnets and transformer blocks)
     source: str = "published"  # "published", or the local folder the configs were read from
+    experts: int = 1  # denoisers of this size the model holds (Wan 2.2 A14B: 2, each taking its own timesteps)
 
     def vae_latent(self, geometry: Geometry, size: Size) -> tuple[int, ...]:
         """The latent one decoded image (video) comes from."""
@@ -96,8 +97,20 @@ def _sd15_inputs(cfg: Any, g: Geometry, rows: int, size: Size, dtype: torch.dtyp
 
 def _wan_inputs(cfg: Any, g: Geometry, rows: int, size: Size, dtype: torch.dtype, text: int) -> dict:
     e = lambda *shape, dt=dtype: _empty(*shape, dtype=dt)
-    return dict(hidden_states=e(rows, *_wan_latent(cfg, g, size)), timestep=e(rows, dt=torch.float32),
+    return dict(hidden_states=e(rows, cfg["in_channels"], *_wan_latent(cfg, g, size)[1:]), timestep=e(rows, dt=torch.float32),
                 encoder_hidden_states=e(rows, text, cfg["text_dim"]), return_dict=False)
+
+
+def _wan_i2v_inputs(cfg: Any, g: Geometry, rows: int, size: Size, dtype: torch.dtype, text: int) -> dict:
+    """Image-to-video: the condition's channels in `in_channels`; Wan 2.1's image states; TI2V's timestep per token
+    (its input and output channels are equal: the first frame is a clean latent, not concatenated channels)."""
+    inputs = _wan_inputs(cfg, g, rows, size, dtype, text)
+    if cfg.get("image_dim"):
+        inputs["encoder_hidden_states_image"] = _empty(rows, P.CLIP_VIT_H_14_STATES, cfg["image_dim"], dtype=dtype)
+    if cfg["in_channels"] == cfg["out_channels"]:
+        frames, height, width = _wan_latent(cfg, g, size)[1:]
+        inputs["timestep"] = _empty(rows, frames * (height // cfg["patch_size"][1]) * (width // cfg["patch_size"][2]), dtype=torch.float32)
+    return inputs
 
 
 def _qwen_image_inputs(cfg: Any, g: Geometry, rows: int, size: Size, dtype: torch.dtype, text: int) -> dict:
@@ -146,8 +159,9 @@ def _qwen_edit_inputs(cfg: Any, g: Geometry, rows: int, size: Size, dtype: torch
 
 
 def _wan_latent(cfg: Any, g: Geometry, size: Size) -> tuple[int, int, int, int]:
-    """Wan's latent of a video of F frames at H×W: (C, (F − 1)/r + 1, H/f, W/f)."""
-    return (cfg["in_channels"], (size[0] - 1) // g.temporal + 1, size[1] // g.factor, size[2] // g.factor)
+    """Wan's latent of a video of F frames at H×W: (C, (F − 1)/r + 1, H/f, W/f), C the transformer's output channels (an
+    image-to-video transformer reads more)."""
+    return (cfg.get("out_channels") or cfg["in_channels"], (size[0] - 1) // g.temporal + 1, size[1] // g.factor, size[2] // g.factor)
 
 
 def _spatial_latent(cfg: Any, g: Geometry, size: Size) -> tuple[int, int, int]:
@@ -182,6 +196,8 @@ def _text_models() -> dict[str, Callable[[], torch.nn.Module]]:
         CLIPTextConfig,
         CLIPTextModel,
         CLIPTextModelWithProjection,
+        CLIPVisionConfig,
+        CLIPVisionModel,
         Gemma2Config,
         Gemma2Model,
         Mistral3Config,
@@ -209,6 +225,7 @@ def _text_models() -> dict[str, Callable[[], torch.nn.Module]]:
         "Qwen3-4B": lambda: Qwen3ForCausalLM(Qwen3Config(**P.QWEN3_4B)),
         "Qwen3-4B model": lambda: Qwen3Model(Qwen3Config(**P.QWEN3_4B)),
         "Qwen3-8B": lambda: Qwen3ForCausalLM(Qwen3Config(**P.QWEN3_8B)),
+        "CLIP ViT-H/14 image": lambda: CLIPVisionModel(CLIPVisionConfig(**P.CLIP_VIT_H_14)),
     }
 
 
@@ -221,11 +238,16 @@ def _flux2_family(name: str, label: str, config: dict, text: tuple[str, Callable
                   ("AutoencoderKLFlux2", {}), _flux2_latent, "80")
 
 
-def _wan_family(name: str, label: str, config: dict, text: dict) -> Family:
+def _wan_family(name: str, label: str, config: dict, text: dict, image: bool = False, vae: dict | None = None, experts: int = 1) -> Family:
+    """A Wan release; `image`: started from an image (`wan-i2v`), with Wan 2.1 I2V's CLIP image encoder where its config reads it;
+    `experts`: 2 for Wan 2.2 A14B."""
     from branchdiff.models.wan import WanAdapter
+    from branchdiff.models.wan_i2v import WanImageToVideoAdapter
 
-    return Family(name, label, WanAdapter, "WanTransformer3DModel", config, ("blocks",), dict(num_layers=1), _class_kind, _wan_inputs,
-                  WanAdapter.max_sequence_length, [("UMT5-XXL enc", text["UMT5-XXL enc"])], ("AutoencoderKLWan", {}), _wan_latent, "80")
+    adapter, inputs = (WanImageToVideoAdapter, _wan_i2v_inputs) if image else (WanAdapter, _wan_inputs)
+    encoders = [("UMT5-XXL enc", text["UMT5-XXL enc"]), *([("CLIP ViT-H/14 image", text["CLIP ViT-H/14 image"])] if config.get("image_dim") else [])]
+    return Family(name, label, adapter, "WanTransformer3DModel", config, ("blocks",), dict(num_layers=1), _class_kind, inputs,
+                  adapter.max_sequence_length, encoders, ("AutoencoderKLWan", vae or {}), _wan_latent, "80", experts=experts)
 
 
 def families() -> dict[str, Family]:
@@ -259,6 +281,12 @@ def families() -> dict[str, Family]:
                        ckpt_units=("ResnetBlock2D", "BasicTransformerBlock")),
         "wan": _wan_family("wan", "Wan 2.1 T2V 1.3B", P.WAN_T2V_1_3B_TRANSFORMER, text),
         "wan-14b": _wan_family("wan-14b", "Wan 2.1 T2V 14B", P.WAN_T2V_14B_TRANSFORMER, text),
+        "wan-ti2v-5b": _wan_family("wan-ti2v-5b", "Wan 2.2 TI2V-5B", P.WAN_TI2V_5B_TRANSFORMER, text, vae=P.VAE_WAN22),
+        "wan-i2v": _wan_family("wan-i2v", "Wan 2.1 I2V 14B", P.WAN_I2V_14B_TRANSFORMER, text, image=True),
+        "wan-a14b": _wan_family("wan-a14b", "Wan 2.2 T2V-A14B", P.WAN_T2V_14B_TRANSFORMER, text, experts=2),
+        "wan-i2v-a14b": _wan_family("wan-i2v-a14b", "Wan 2.2 I2V-A14B", P.WAN_I2V_A14B_TRANSFORMER, text, image=True, experts=2),
+        "wan-i2v-ti2v-5b": _wan_family("wan-i2v-ti2v-5b", "Wan 2.2 TI2V-5B from an image", P.WAN_TI2V_5B_TRANSFORMER, text, image=True,
+                                       vae=P.VAE_WAN22),
         "qwen-image": Family("qwen-image", "Qwen-Image", QwenImageAdapter, "QwenImageTransformer2DModel", P.QWEN_IMAGE_TRANSFORMER,
                              ("transformer_blocks",), dict(num_layers=1), _class_kind, _qwen_image_inputs, QwenImageAdapter.max_sequence_length,
                              [("Qwen2.5-VL-7B", text["Qwen2.5-VL-7B"])], ("AutoencoderKLQwenImage", {}), _packed_latent, "80"),
@@ -296,6 +324,10 @@ def family_key(config: Any) -> str:
     """The `families()` entry of a run's model: its family, Wan's 14B where the model path names it, FLUX.2 [klein]'s
     4B or 9B as the path names it (a local folder is planned from its own configs)."""
     family, path = config.model.family, str(config.model.path or "")
+    if family in ("wan", "wan-i2v") and "ti2v" in path.lower():
+        return "wan-ti2v-5b" if family == "wan" else "wan-i2v-ti2v-5b"
+    if family in ("wan", "wan-i2v") and "a14b" in path.lower():
+        return "wan-a14b" if family == "wan" else "wan-i2v-a14b"
     if family == "wan" and "14b" in path.lower():
         return "wan-14b"
     if family == "flux2-klein":
@@ -338,7 +370,8 @@ def _local_text_encoders(folder: Path) -> list[tuple[str, Callable[[], torch.nn.
     index = json.loads((folder / "model_index.json").read_text()) if (folder / "model_index.json").exists() else {}
     found = []
     for name, entry in sorted(index.items()):
-        if name.startswith("text_encoder") and isinstance(entry, list) and entry[1] and (folder / name / "config.json").exists():
+        encodes = name.startswith("text_encoder") or name == "image_encoder"  # the prompts' encoders, and an image-to-video model's image's
+        if encodes and isinstance(entry, list) and entry[1] and (folder / name / "config.json").exists():
             model_class = getattr(transformers, entry[1])
             config = model_class.config_class.from_pretrained(folder / name)
             found.append((f"{name} ({entry[1]})", lambda model_class=model_class, config=config: model_class(config)))
@@ -357,8 +390,9 @@ def from_folder(family: Family, folder: Path) -> Family:
     vae = family.vae
     if (folder / "vae" / "config.json").exists():
         vae = (json.loads((folder / "vae" / "config.json").read_text())["_class_name"], _read(folder / "vae" / "config.json"))
+    experts = 2 if (folder / "transformer_2" / "config.json").exists() else 1  # Wan 2.2 A14B's second expert
     return replace(family, config=config, vae=vae, text_encoders=_local_text_encoders(folder) or family.text_encoders, source=str(folder),
-                   label=f"{family.label} ({folder.name})")
+                   label=f"{family.label} ({folder.name})", experts=experts)
 
 
 def family_for(config: Any, known: dict[str, Family] | None = None) -> Family:

@@ -41,6 +41,22 @@ _WAN_T2V = dict(patch_size=[1, 2, 2], attention_head_dim=128, in_channels=16, ou
                 cross_attn_norm=True, qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024)
 WAN_T2V_1_3B_TRANSFORMER = dict(_WAN_T2V, num_attention_heads=12, ffn_dim=8960, num_layers=30)
 WAN_T2V_14B_TRANSFORMER = dict(_WAN_T2V, num_attention_heads=40, ffn_dim=13824, num_layers=40)
+# Image-to-video (wan/configs/wan_i2v_14B.py, wan_i2v_A14B.py and wan_ti2v_5B.py of Wan 2.1 and 2.2; the -Diffusers
+# folders' transformer/config.json): Wan 2.1 I2V 14B is T2V 14B's transformer reading 16 + 4 + 16 input channels (noise,
+# mask, the first frame's latents) and the CLIP ViT-H/14 image's states (width 1280) through added key/value
+# projections; each expert of Wan 2.2 I2V-A14B is the same without the image's states; TI2V-5B is width 3072 = 24 × 128,
+# FFN 14336, 30 blocks on 48 latent channels (its VAE compresses 16× in space).
+WAN_I2V_14B_TRANSFORMER = dict(WAN_T2V_14B_TRANSFORMER, in_channels=36, image_dim=1280, added_kv_proj_dim=5120)
+WAN_I2V_A14B_TRANSFORMER = dict(WAN_T2V_14B_TRANSFORMER, in_channels=36)
+WAN_TI2V_5B_TRANSFORMER = dict(_WAN_T2V, num_attention_heads=24, ffn_dim=14336, num_layers=30, in_channels=48, out_channels=48)
+# Wan 2.2's VAE (Wan2.2_VAE.pth; vae_stride (4, 16, 16)): 2×2 patches of 12 channels in, 48 latent channels, a wider decoder.
+VAE_WAN22 = dict(base_dim=160, decoder_base_dim=256, z_dim=48, dim_mult=[1, 2, 4, 4], num_res_blocks=2, temperal_downsample=[False, True, True],
+                 is_residual=True, in_channels=12, out_channels=12, patch_size=2, scale_factor_spatial=16, scale_factor_temporal=4)
+# Wan 2.1 I2V's image encoder (open-clip xlm-roberta-large-vit-huge-14's visual tower; image_encoder/config.json): width 1280,
+# 32 layers, 16 heads, MLP 5120, 224² images in 14² patches: 257 states a picture.
+CLIP_VIT_H_14 = dict(hidden_size=1280, intermediate_size=5120, num_hidden_layers=32, num_attention_heads=16, image_size=224, patch_size=14,
+                     projection_dim=1024, hidden_act="gelu")
+CLIP_VIT_H_14_STATES = 257  # (224 / 14)² patches and the class token
 
 # VAEs. SD3.5 and FLUX.1: vae/config.json, AutoencoderKL with 16 latent channels and no quant convs;
 # SD 1.5: vae/config.json, AutoencoderKL with 4 latent channels and quant convs; SANA: DC-AE f32c32
