@@ -102,3 +102,26 @@ def test_an_evaluation_size_off_the_folders_multiple_is_refused_before_loading(s
     overrides = _train_overrides("sd3", sd3, tmp_path / "run", "final_eval=true", "eval.resolution=[16,18]")
     assert main(["train", "tiny-chain", *overrides]) == 2
     assert "eval.resolution=[16, 18] (height, width) is not possible for sd3" in error_line(capsys) and not (tmp_path / "run").exists()
+
+
+def test_an_evaluation_size_is_checked_as_soon_as_the_model_loads(sd3, tmp_path):
+    """Where the folder's configs could not be read beforehand (a hub id), the trainer refuses an evaluation size the loaded
+    model cannot make before training, naming eval.resolution (the command line's preflight catches a local folder earlier)."""
+    from branchdiff.settings.load import load_config
+    from branchdiff.training.recipe import Trainer
+
+    overrides = _train_overrides("sd3", sd3, tmp_path / "run", "final_eval=true", "eval.resolution=[16,18]")
+    with pytest.raises(ValueError, match=r"eval.resolution=\[16, 18\] \(height, width\) is not possible for sd3"):
+        Trainer(load_config("tiny-chain", overrides))
+
+
+def test_sample_and_rewards_check_of_a_run_make_its_training_size_and_eval_its_evaluation_size(tmp_path):
+    from branchdiff.settings.evaluation import resolve
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("")
+    (run / "config.yaml").write_text("model: {family: wan, path: owner/wan, resolution: [16, 32], frames: 5}\neval: {resolution: [32, 64], frames: 9}\n")
+    trained, _, _ = resolve({}, str(run))
+    evaluated, _, _ = resolve({}, str(run), evaluation=True)
+    assert (trained.resolution, trained.frames) == ([16, 32], 5) and (evaluated.resolution, evaluated.frames) == ([32, 64], 9)

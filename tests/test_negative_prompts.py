@@ -108,6 +108,17 @@ def test_a_row_whose_negative_prompt_is_not_text_is_refused_naming_it(tmp_path, 
     assert message in error_line(capsys) and not (tmp_path / "run").exists()
 
 
+def test_a_negative_prompt_longer_than_the_encoders_read_is_refused_like_a_prompt(tmp_path, capsys):
+    from branchdiff.evaluation.preflight import max_prompt_characters
+
+    long = "blurry " * (max_prompt_characters("sd3") // 7 + 1)
+    (tmp_path / "rows.jsonl").write_text(json.dumps({"prompt": "x", "negative_prompt": long}) + "\n")
+    assert main(["train", "tiny-chain", "model.family=sd3", "model.path=owner/not-loaded", f"prompts.train={tmp_path / 'rows.jsonl'}",
+                 f"output_dir={tmp_path / 'run'}"]) == 2
+    line = error_line(capsys)
+    assert line.startswith("branchdiff: error: negative prompt 1 of ") and f"rows.jsonl' is {len(long):,} characters" in line
+
+
 def test_a_family_without_cfg_refuses_negative_prompts_before_loading(rows, tmp_path, capsys):
     for family, model in (("flux", ["model.path=owner/not-loaded"]), ("tiny", [])):
         assert main(["train", "tiny-chain", f"model.family={family}", *model, f"prompts.train={rows / 'rows.jsonl'}", f"output_dir={tmp_path / 'run'}"]) == 2

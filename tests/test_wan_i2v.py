@@ -45,10 +45,11 @@ def _source(path, size: tuple[int, int], seed: int) -> None:
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
-    """The three layouts (TI2V saved by its WanPipeline, as the release ships it), the 2.1 layout with UniPC, and a
-    prompt set whose rows name 16×32 and 16×16 sources."""
+    """The three layouts (TI2V saved by its WanPipeline, as the release ships it), the 2.1 and TI2V layouts with UniPC, a
+    text-to-video Wan, and a prompt set whose rows name 16×32 and 16×16 sources."""
     root = tmp_path_factory.mktemp("wan-i2v")
-    pipes = {kind: build_wan_i2v(kind) for kind in ("2.1", "a14b")} | {"ti2v": build_wan(ti2v=True), "release": build_wan_i2v("2.1", release=True)}
+    pipes = {kind: build_wan_i2v(kind) for kind in ("2.1", "a14b")} | {"ti2v": build_wan(ti2v=True), "release": build_wan_i2v("2.1", release=True),
+                                                                      "ti2v-release": build_wan(ti2v=True, release=True), "t2v": build_wan()}
     for name, pipe in pipes.items():
         pipe.save_pretrained(root / name, safe_serialization=True)
     data = root / "data"
@@ -127,15 +128,28 @@ def test_the_source_conditions_the_video_and_ti2v_adds_nothing_to_the_ratio_on_i
     assert torch.allclose(latents[:, :, 0] - sigma * before[:, :, 0], embeds["source_condition"][:, :, 0], atol=1e-5)
 
 
-def test_the_release_solver_reproduces_the_pipeline_with_unipc(saved):
-    adapter = load_adapter("wan-i2v", str(saved / "release"), resolution=[16, 32], frames=5)
+@pytest.mark.parametrize("folder", ["release", "ti2v-release"])
+def test_the_release_solver_reproduces_the_pipeline_with_unipc(saved, folder):
+    """Wan 2.1's layout and TI2V's with the released UniPC (whole-number timesteps): `--solver release` equals `pipe(...)`, and
+    under the training ODE on UniPC's schedule TI2V's first latent frame still ends on the source's."""
+    adapter = load_adapter("wan-i2v", str(saved / folder), resolution=[16, 32], frames=5)
     assert "UniPCMultistepScheduler" in adapter.solver_notice()
     metadata = _metadata(saved, (16, 32))
     initial = torch.randn((len(PROMPTS), *adapter.latent_shape), generator=torch.Generator().manual_seed(1))
+    embeds = encode_for(adapter, PROMPTS, metadata)
     with torch.no_grad():
-        ours = adapter.decode(adapter.release_denoise(initial.clone(), encode_for(adapter, PROMPTS, metadata), STEPS, adapter.default_guidance))
-    theirs = _pipeline_video(_pipe(saved / "release"), metadata, initial, (16, 32), adapter.default_guidance)
+        released = adapter.release_denoise(initial.clone(), embeds, STEPS, adapter.default_guidance)
+    ours = adapter.decode(released)
+    theirs = _pipeline_video(_pipe(saved / folder), metadata, initial, (16, 32), adapter.default_guidance)
     assert ours.std() > 1e-3 and (ours - theirs).abs().max().item() <= TOLERANCE
+    if folder == "ti2v-release":
+        assert adapter.schedule(STEPS).model_times.dtype == torch.float32 and torch.equal(adapter.schedule(STEPS).model_times,
+                                                                                          adapter.schedule(STEPS).model_times.round())
+        tree = build_tree(TreeSpec(STEPS, roots=1, sde_steps=frozenset()), len(PROMPTS))
+        with torch.no_grad():
+            leaves = grow(adapter, tree, embeds, adapter.schedule(STEPS), SamplerSettings(), NoiseAddress(3, 0, (0, 1))).leaf_latents
+        condition = embeds["source_condition"]
+        assert (released[:, :, :1] - condition).abs().max().item() <= 1e-5 and (leaves[:, :, :1] - condition).abs().max().item() <= 1e-5
 
 
 def _overrides(saved, layout: str, run, *extra: str) -> list[str]:
@@ -171,6 +185,7 @@ def test_a_run_trains_from_a_jsonl_of_images_and_its_export_loads_into_the_pipel
     assert (_pipeline_video(pipe, metadata, initial, (16, 32), adapter.default_guidance) - ours).abs().max().item() <= TOLERANCE
 
 
+@pytest.mark.slow  # release only: wan's own resume test runs the same loop in the suite
 def test_a_run_killed_mid_iteration_resumes_to_the_same_weights_and_evaluates(saved, tmp_path):
     """SIGKILL inside iteration 3's optimizer step (after iteration 2's checkpoint), then `--resume latest`: the LoRA and
     the metrics equal a run never stopped, bit for bit; `eval` of the run makes one MP4 per row's source."""
@@ -239,3 +254,8 @@ def test_image_to_video_input_is_checked_before_anything_loads(saved, tmp_path, 
     for argv, message in cases:
         assert main(argv) == 2
         assert message in error_line(capsys) and not (tmp_path / "run").exists()
+    with pytest.raises(ValueError, match=r"model.path holds a text-to-video Wan \(its transformer reads 4 channels, not the noise, a 2-channel mask "
+                                         r"and the first frame's latents: 10\); use model.family=wan"):
+        load_adapter("wan-i2v", str(saved / "t2v"), resolution=[16, 32], frames=5)
+    with pytest.raises(ValueError, match=r"model.path holds an image-to-video Wan \(its transformer reads 10 channels and makes 4\); use model.family=wan-i2v"):
+        load_adapter("wan", str(saved / "2.1"), resolution=[16, 32], frames=5)

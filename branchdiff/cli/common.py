@@ -21,7 +21,7 @@ def sampling_settings(args: argparse.Namespace) -> tuple[EvalSettings, Path | No
     from branchdiff.settings.evaluation import EvalSettings, differences, resolve
 
     given = {name: getattr(args, name, None) for name in EvalSettings.__dataclass_fields__}
-    settings, run, config = resolve(given, getattr(args, "weights", None))
+    settings, run, config = resolve(given, getattr(args, "weights", None), evaluation=args.command == "eval")
     if run is not None:
         differ = differences(settings, config) if args.command == "eval" else []
         note = ("; these differ from the run's final evaluation: " + ", ".join(differ)) if differ else (

@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from branchdiff.data import tiny_task, tiny_video_task
-from branchdiff.data.sources import MASK, NEGATIVE_PROMPT, SOURCES, check_mask, resolve_sources
+from branchdiff.data.sources import MASK, SOURCES, check_mask, resolve_sources
 from branchdiff.errors import quote, read_utf8
 
 
@@ -104,12 +104,12 @@ def load_prompt_set(source: str) -> PromptSet:
                 raise ValueError(f"{path}:{number}: expected a JSON object with a \"prompt\" field, got {quote(line)}") from None
             if not isinstance(record, dict) or "prompt" not in record:
                 raise ValueError(f"{path}:{number}: expected a JSON object with a \"prompt\" field")
-            rows.append((_prompt_text(record.pop("prompt"), path, number), _with_sources(record, path, f"{path}:{number}")))
+            rows.append((_prompt_text(record.pop("prompt"), path, number), _metadata(record, path, f"{path}:{number}")))
     elif path.suffix == ".csv":
         reader = csv.DictReader(io.StringIO(text, newline=""))
         if "prompt" not in (reader.fieldnames or []):
             raise ValueError(f"{path}:1: no \"prompt\" column (columns: {', '.join(reader.fieldnames or [])})")
-        rows = [(_prompt_text(row.pop("prompt"), path, reader.line_num), _with_sources(row, path, f"{path}:{reader.line_num}")) for row in reader]
+        rows = [(_prompt_text(row.pop("prompt"), path, reader.line_num), _metadata(row, path, f"{path}:{reader.line_num}")) for row in reader]
     else:
         rows = [(line.strip(), {}) for line in lines if line.strip()]
     if not rows:
@@ -117,12 +117,20 @@ def load_prompt_set(source: str) -> PromptSet:
     return PromptSet(source, [p for p, _ in rows], [m for _, m in rows])
 
 
+NEGATIVE_PROMPT = "negative_prompt"  # metadata key: a prompt's own negative prompt (CFG families; blank: the family's)
+
+
+def _metadata(record: dict, path: Path, where: str) -> dict:
+    """A row's metadata: its fields, the sources checked (`_with_sources`) and its negative prompt text (`NEGATIVE_PROMPT`)."""
+    if not isinstance(record.get(NEGATIVE_PROMPT, ""), str):
+        raise ValueError(f"{where}: \"{NEGATIVE_PROMPT}\" must be a string (blank: the family's own), got {quote(json.dumps(record[NEGATIVE_PROMPT]))}")
+    return _with_sources(record, path, where)
+
+
 def _with_sources(record: dict, path: Path, where: str) -> dict:
     """A row's metadata with its "image" field, if any, checked and kept as absolute `sources` paths,
     and its "mask" as an absolute `mask` path."""
     metadata = {k: v for k, v in record.items() if k not in ("image", MASK)}
-    if not isinstance(record.get(NEGATIVE_PROMPT, ""), str):
-        raise ValueError(f"{where}: \"{NEGATIVE_PROMPT}\" must be a string (blank: the family's own), got {quote(json.dumps(record[NEGATIVE_PROMPT]))}")
     if "image" in record:
         metadata[SOURCES] = resolve_sources(record["image"], path.parent, where)
     if MASK in record:

@@ -21,7 +21,6 @@ from branchdiff.errors import quote
 
 SOURCES = "sources"  # metadata key: the absolute paths of a prompt's source images
 MASK = "mask"  # metadata key: the absolute path of a prompt's edit mask (white where the edit may change the source)
-NEGATIVE_PROMPT = "negative_prompt"  # metadata key: a prompt's own negative prompt (CFG families; blank: the family's)
 SEPARATOR = "|"  # between paths in a CSV cell
 
 

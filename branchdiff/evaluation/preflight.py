@@ -14,8 +14,8 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
-from branchdiff.data.prompts import PromptSet
-from branchdiff.data.sources import NEGATIVE_PROMPT, SOURCES
+from branchdiff.data.prompts import NEGATIVE_PROMPT, PromptSet
+from branchdiff.data.sources import SOURCES
 from branchdiff.data.sources import image_size as source_size
 from branchdiff.errors import UserError, quote
 from branchdiff.models import adapter_class
@@ -42,11 +42,12 @@ def check_prompt_set(prompt_set: PromptSet, family: str, size: tuple[int, int], 
     if negatives and not family_class.uses_cfg:
         raise ValueError(f"prompt {negatives[0]} of {quote(prompt_set.name, 80)} has a negative prompt and {family_class.no_negatives()}")
     limit = max_prompt_characters(family)
-    for number, prompt in enumerate(prompt_set.prompts, start=1):
-        if len(prompt) > limit:
-            raise ValueError(f"prompt {number} of {quote(prompt_set.name, 80)} is {len(prompt):,} characters ({quote(prompt)}): more than "
-                             f"model.family={family}'s text encoders read ({adapter_class(family).max_sequence_length} tokens, at most "
-                             f"{limit:,} characters); shorten it or check the file (one prompt per line)")
+    for number, (prompt, row) in enumerate(zip(prompt_set.prompts, prompt_set.metadata), start=1):
+        for what, text in (("prompt", prompt), ("negative prompt", str(row.get(NEGATIVE_PROMPT) or ""))):
+            if len(text) > limit:
+                raise ValueError(f"{what} {number} of {quote(prompt_set.name, 80)} is {len(text):,} characters ({quote(text)}): more than "
+                                 f"model.family={family}'s text encoders read ({adapter_class(family).max_sequence_length} tokens, at most "
+                                 f"{limit:,} characters); shorten it or check the file (one prompt per line)")
     for spec in specs:
         check = getattr(factories.get(spec.name), "check_prompts", None)
         if check is not None:

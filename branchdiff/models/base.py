@@ -36,7 +36,8 @@ from typing import Any, cast
 
 import torch
 
-from branchdiff.data.sources import NEGATIVE_PROMPT, check_aspect, source_images
+from branchdiff.data.prompts import NEGATIVE_PROMPT
+from branchdiff.data.sources import check_aspect, source_images
 from branchdiff.errors import quote
 from branchdiff.models import lora
 from branchdiff.schedulers.schedule import Schedule
@@ -111,6 +112,12 @@ class ModelAdapter(ABC):
         """The message refusing negative prompts on a family without classifier-free guidance."""
         return (f"model.family={cls.family} has no classifier-free guidance, so it has no negative prompt: drop the \"negative_prompt\" "
                 "field or column, or use a family that guides with CFG (docs/prompts.md)")
+
+    @classmethod
+    def target_sets_for(cls, config: Any) -> dict[str, list[str] | str]:
+        """The LoRA target sets of a denoiser of `config` (its diffusers config, or a dict of it: `branchdiff plan` asks before
+        anything loads); most families' do not depend on it."""
+        return cls.lora_target_sets
 
     @classmethod
     def check_path(cls, path: str | Path | None, option: str = "model.path") -> None:

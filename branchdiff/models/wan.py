@@ -140,6 +140,9 @@ class WanAdapter(PipelineAdapter):
         if guidance_2 is not None and pipe.transformer_2 is None:
             raise ValueError(f"model.guidance_2={guidance_2} (--guidance-2) is the guidance of Wan 2.2's low-noise expert (transformer_2), "
                              "and this model has one transformer; leave it unset")
+        if self.pipeline_class_name == "WanPipeline" and pipe.transformer.config.in_channels != pipe.transformer.config.out_channels:
+            raise ValueError(f"model.path holds an image-to-video Wan (its transformer reads {pipe.transformer.config.in_channels} channels "
+                             f"and makes {pipe.transformer.config.out_channels}); use model.family=wan-i2v")
         self.frames, self.expert, self.guidance_2 = frames, expert, guidance_2
         self.denoiser_name = "transformer_2" if expert == "low" else "transformer"  # the trained expert (both: the first), its export's folder
         super().__init__(pipe, device, size, offload)

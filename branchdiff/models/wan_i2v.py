@@ -14,10 +14,13 @@ frame, of the video's aspect ratio (docs/video.md). It enters as the pipeline en
   in place of the first frame at the end. branchdiff's latents keep that frame too, and its predicted velocity
   there is (x − source)/σ, whose clean estimate x − σ·v is the source: an ODE ends on the source's latent as the
   pipeline's video does, and as the velocity does not depend on the weights, that frame adds nothing to the
-  log-probability ratios.
+  log-probability ratios. σ is the step's own, looked up from the schedules the adapter made (`step_sigmas`): the
+  released UniPC scheduler hands the transformer whole timesteps, ⌊1000·σ⌋, from which σ cannot be read back.
 
 Unconditional (CFG) rows see the same source as the conditional ones, as in the pipeline. The pipeline makes one
-source's videos per call; branchdiff encodes each prompt's source alone and batches the rows.
+source's videos per call; branchdiff encodes each prompt's source alone and batches the rows. A text-to-video folder
+under this family, or an image-to-video one under `wan`, is refused in one line (their transformers' input channels
+say which they are).
 tests/test_wan_i2v.py checks sampling against `pipe(...)` for the three layouts, `--solver release`, and the LoRA
 and full fine-tuning exports (docs/models.md).
 """
@@ -28,6 +31,7 @@ import torch
 
 from branchdiff.models.base import NEGATIVE
 from branchdiff.models.wan import WAN_ATTENTION, WAN_FEED_FORWARD, WanAdapter
+from branchdiff.schedulers.schedule import FlowSchedule, Schedule
 
 SOURCE_CONDITION = "source_condition"  # embeds key: (B, r + C, F', h, w) mask and source latents; TI2V: the first frame's latent (B, C, 1, h, w)
 SOURCE_IMAGE_STATES = "source_image_states"  # embeds key: (B, N, D) the CLIP vision encoder's penultimate states (Wan 2.1 I2V)
@@ -45,11 +49,33 @@ class WanImageToVideoAdapter(WanAdapter):
 
     def __init__(self, pipe, device: torch.device | str = "cpu", size: tuple[int, int] = (480, 832), offload: bool = False,
                  frames: int = 81, expert: str = "high", guidance_2: float | None = None) -> None:
-        super().__init__(pipe, device, size, offload, frames, expert, guidance_2)
         self.expand = bool(pipe.config.expand_timesteps)  # TI2V-5B: the first frame kept clean (module doc)
-        if self.config.image_dim is not None:  # the attention sets take the image's keys and values too: an I2V LoRA, as diffusers loads one
-            self.lora_target_sets = {"attention": WAN_ATTENTION + IMAGE_ATTENTION, "attention+ff": WAN_ATTENTION + IMAGE_ATTENTION + WAN_FEED_FORWARD,
-                                     "all-linear": "all-linear"}
+        config, temporal = pipe.transformer.config, pipe.vae_scale_factor_temporal
+        if not self.expand and config.in_channels != 2 * config.out_channels + temporal:
+            raise ValueError(f"model.path holds a text-to-video Wan (its transformer reads {config.in_channels} channels, not the noise, a "
+                             f"{temporal}-channel mask and the first frame's latents: {2 * config.out_channels + temporal}); use model.family=wan")
+        super().__init__(pipe, device, size, offload, frames, expert, guidance_2)
+        self.lora_target_sets = self.target_sets_for(self.config)
+        self.step_sigmas: dict[float, float] = {}  # the σ of each model time of the schedules made (module doc)
+
+    @classmethod
+    def target_sets_for(cls, config) -> dict[str, list[str] | str]:
+        """The LoRA target sets of a transformer of `config`: with Wan 2.1 I2V's image states (`image_dim`) the attention sets
+        take their keys and values too (`IMAGE_ATTENTION`), an image-to-video LoRA as diffusers loads one."""
+        if config.get("image_dim") is None:
+            return cls.lora_target_sets
+        return {"attention": WAN_ATTENTION + IMAGE_ATTENTION, "attention+ff": WAN_ATTENTION + IMAGE_ATTENTION + WAN_FEED_FORWARD, "all-linear": "all-linear"}
+
+    def schedule(self, num_steps: int, shift: float | None = None) -> Schedule:
+        schedule = super().schedule(num_steps, shift)
+        assert isinstance(schedule, FlowSchedule)  # Wan is a flow family
+        self.step_sigmas.update(zip(schedule.model_times.tolist(), schedule.sigmas[:-1].tolist()))
+        return schedule
+
+    @torch.no_grad()
+    def release_denoise(self, latents: torch.Tensor, embeds: dict[str, torch.Tensor], num_steps: int, guidance: float | None = None) -> torch.Tensor:
+        self.schedule(num_steps)  # the released scheduler's σ of each of its timesteps, for the clean first frame
+        return super().release_denoise(latents, embeds, num_steps, guidance)
 
     def encode_edits(self, prompts: list[str], sources: list[list], negatives: list[str] | None = None) -> dict[str, torch.Tensor]:
         rows = [self.encode_source(images[0]) for images in sources]
@@ -88,6 +114,7 @@ class WanImageToVideoAdapter(WanAdapter):
         output = super().forward(latents, times, embeds, guidance)
         if not self.expand:
             return output
-        sigma = (times / self.time_scale).view(-1, 1, 1, 1, 1)  # the transformer's timestep is σ·1000
+        sigma = torch.tensor([self.step_sigmas.get(t, t / self.time_scale) for t in times.tolist()], dtype=latents.dtype,
+                             device=latents.device).view(-1, 1, 1, 1, 1)  # the step's σ (module doc); a time of no schedule made: time / 1000
         pinned = (latents[:, :, :1] - embeds[SOURCE_CONDITION].to(latents.dtype)) / sigma  # x − σ·v = the source's latent
         return torch.cat([pinned.to(output.dtype), output[:, :, 1:]], dim=2)

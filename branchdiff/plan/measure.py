@@ -176,7 +176,7 @@ class Measured:
 def lora_targets(family: Family, targets: str | list[str]) -> list[str]:
     """The module-name suffixes LoRA wraps: a named set of the family's adapter, or the run's own list."""
     if isinstance(targets, str):
-        chosen = family.adapter.lora_target_sets[targets]
+        chosen = family.adapter.target_sets_for(family.config)[targets]
         return [chosen] if isinstance(chosen, str) else list(chosen)
     return list(targets)
 

@@ -47,10 +47,20 @@ TASK_DEFAULTS = {"tiny-video": {"prompts": "tiny-video:held_out", "rewards": "ti
 SOLVERS = ("training", "release")  # the ODE of the steps branchdiff trains with, or the sampler the model folder ships
 
 # settings field → the key of a run's config that holds it (keys joined by "|": the first that is set)
-FROM_RUN = {"family": "model.family", "model": "model.path", "resolution": "eval.resolution|model.resolution", "frames": "eval.frames|model.frames",
+FROM_RUN = {"family": "model.family", "model": "model.path", "resolution": "model.resolution", "frames": "model.frames",
             "expert": "model.expert", "guidance_2": "model.guidance_2", "dtype": "model.dtype", "steps": "sampling.num_steps", "shift": "sampling.shift",
             "guidance": "prompts.eval_guidance", "images_per_prompt": "prompts.eval_seeds", "prompts": "prompts.eval",
             "rewards": "eval_rewards", "prompt_instruction": "model.prompt_instruction"}
+
+
+# `eval` of a run evaluates at the run's evaluation size where it had one (eval.resolution, eval.frames); `sample` and
+# `rewards check` make what the run trained on
+EVALUATED = {**FROM_RUN, "resolution": "eval.resolution|model.resolution", "frames": "eval.frames|model.frames"}
+
+
+def eval_keys(message: str) -> str:
+    """A size check's message about a run's evaluation size: it names eval.resolution and eval.frames, not the model's keys."""
+    return message.replace("model.resolution=", "eval.resolution=", 1).replace("model.frames=", "eval.frames=", 1)
 
 
 def run_of(weights: str | None) -> Path | None:
@@ -75,8 +85,10 @@ def _get(config: dict, dotted: str) -> Any:
     return None
 
 
-def resolve(given: dict[str, Any], weights: str | None) -> tuple[EvalSettings, Path | None, dict]:
-    """(settings, the run, its config) from the options `given` (None where unset) and the weights' run."""
+def resolve(given: dict[str, Any], weights: str | None, evaluation: bool = False) -> tuple[EvalSettings, Path | None, dict]:
+    """(settings, the run, its config) from the options `given` (None where unset) and the weights' run; `evaluation`:
+    for `eval`, the run's evaluation size (`EVALUATED`)."""
+    keys = EVALUATED if evaluation else FROM_RUN
     run = run_of(weights)
     config = yaml.safe_load((run / "config.yaml").read_text()) if run else {}
     config = config if isinstance(config, dict) else {}
@@ -84,8 +96,8 @@ def resolve(given: dict[str, Any], weights: str | None) -> tuple[EvalSettings, P
     for spec in fields(EvalSettings):
         if given.get(spec.name) is not None:
             values[spec.name] = given[spec.name]
-        elif spec.name in FROM_RUN and _get(config, FROM_RUN[spec.name]) is not None:
-            values[spec.name] = _get(config, FROM_RUN[spec.name])
+        elif spec.name in keys and _get(config, keys[spec.name]) is not None:
+            values[spec.name] = _get(config, keys[spec.name])
     for name, value in TASK_DEFAULTS.get(values.get("family", EvalSettings.family), {}).items():
         values.setdefault(name, value)
     return EvalSettings(**values), run, config
@@ -94,7 +106,7 @@ def resolve(given: dict[str, Any], weights: str | None) -> tuple[EvalSettings, P
 def differences(settings: EvalSettings, config: dict) -> list[str]:
     """The settings that differ from those of the run's final evaluation, e.g. 'images per prompt 4 (run: 8)'."""
     out = []
-    for name, key in FROM_RUN.items():
+    for name, key in EVALUATED.items():
         mine, theirs = getattr(settings, name), _get(config, key)
         if name == "rewards" and isinstance(mine, str) and isinstance(theirs, list) and mine == ",".join(map(str, theirs)):
             continue

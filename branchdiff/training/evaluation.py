@@ -39,6 +39,7 @@ from branchdiff.runtime import storage
 from branchdiff.runtime.distributed import Collective
 from branchdiff.runtime.memory import PhaseMemory
 from branchdiff.settings.config import TrainConfig
+from branchdiff.settings.evaluation import eval_keys
 
 
 @dataclass
@@ -76,6 +77,17 @@ class RunEvaluation:
         config = self.config
         trained = image_size(config.model.resolution, FAMILIES[config.model.family].resolution)
         return model.sized(image_size(config.eval.resolution, trained), config.eval.frames)
+
+    def check_size(self, model: ModelAdapter) -> None:
+        """Refuse, as soon as the model has loaded, an evaluation size it cannot make (a hub id's configs are read only then),
+        naming the eval.* key: not at the first evaluation, after hours of training."""
+        if not (self.config.final_eval or self.config.eval_every):
+            return
+        try:
+            with self.sized(model):
+                pass
+        except ValueError as error:
+            raise ValueError(eval_keys(str(error))) from None
 
     def evaluate(self, model: ModelAdapter, share: ProcessShare = ALONE) -> EvalResult:
         """`model` on the eval prompts with the eval rewards (this process's `share` of them), at the evaluations' size."""

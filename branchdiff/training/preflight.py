@@ -29,6 +29,7 @@ from branchdiff.rewards.combine import parse_reward_specs
 from branchdiff.rewards.multi import check_remote_kwargs
 from branchdiff.rewards.registry import check_reward_kwargs, resolve_reward
 from branchdiff.settings.config import TrainConfig
+from branchdiff.settings.evaluation import eval_keys
 from branchdiff.settings.validate import tracker_names
 from branchdiff.training.trackers import check_credentials, check_installed
 
@@ -70,9 +71,9 @@ def check_inputs(config: TrainConfig) -> None:
     if evaluates:  # the evaluations' own size (eval.resolution, eval.frames), where the run sets one
         try:
             eval_size = check_size(config.model.family, config.model.path, config.eval.resolution or config.model.resolution)
+            check_frames(config.model.family, config.model.path, config.eval.frames or config.model.frames)
         except ValueError as error:
-            raise ValueError(str(error).replace("model.resolution=", "eval.resolution=", 1)) from None
-        check_frames(config.model.family, config.model.path, config.eval.frames or config.model.frames)
+            raise ValueError(eval_keys(str(error))) from None
     if FAMILIES[config.model.family].video:
         for key, specs in (("reward", train_specs), *((("eval_rewards", eval_specs),) if evaluates else ())):
             check_video_rewards(key, specs, factories)

@@ -148,6 +148,7 @@ class Trainer:
         model = config.model
         self.adapter = load_adapter(model.family, model.path, self.accelerator.device, model.resolution, DTYPES[model.dtype], model.offload,
                                     model.prompt_instruction, model.frames, model.expert, model.guidance_2)
+        self.evaluation.check_size(self.adapter)
         apply_backend(self.adapter.denoiser, model.attention_backend, model.family)
         notice = self.adapter.solver_notice()
         if notice and self.accelerator.is_main_process:
