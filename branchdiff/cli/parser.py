@@ -245,8 +245,10 @@ def _bench_arguments(bench: argparse.ArgumentParser) -> None:
     search.add_argument("--sampler", action="store_true", help="measure the searches as samplers of the reward-tilted target "
                                                                "(distance to p* on Gaussian-mixture flows) instead of the best reward on the tiny task")
     search.add_argument("--temperature", type=positive, default=None, help="with --sampler: λ of the target p·exp(λ·r) (default 4)")
-    search.add_argument("--variants", default=None, help="comma-separated searches (default: all: best-of-n, tree, dts, dts-star); "
-                                                         "with --sampler, samplers (dts, dts-unguided, best-of-n-is, smc)")
+    search.add_argument("--variants", default=None, help="comma-separated searches (default: all: best-of-n, tree, dts, dts-star, dts-is); "
+                                                         "with --sampler, samplers (dts, dts-unguided, dts-is, best-of-n-is, smc)")
+    search.add_argument("--testbeds", default=None, help="with --sampler: comma-separated testbeds as DIMS-D-REWARD (default: all: "
+                                                         "2-D-mode, 2-D-sharp, 2-D-smooth, 16-D-mode)")
     overlap.add_argument("--iterations", type=at_least(1), default=9, help="timed iterations of each mode (median reported)")
     for sub in (tree, explore, curves, overlap):
         sub.add_argument("overrides", nargs="*", help="dotted key=value overrides of every variant, e.g. prompts.per_iteration=2")

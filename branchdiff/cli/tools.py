@@ -43,14 +43,16 @@ def cmd_bench(args: argparse.Namespace) -> None:
 
         bench_overlap(args.json, args.iterations, args.overrides)
     elif args.which == "search" and args.sampler:
-        from branchdiff.bench.sampler import bench_sampler
+        from branchdiff.bench.sampler import bench_sampler, parse_testbeds
 
         given = {} if args.temperature is None else {"temperature": args.temperature}
+        if args.testbeds is not None:
+            given["testbeds"] = parse_testbeds(args.testbeds)
         bench_sampler(args.images, args.seeds, args.json, args.out, samplers=_variants(args.variants), **given)
     elif args.which == "search":
-        if args.temperature is not None:
-            raise UserError("bench search: --temperature is λ of the reward-tilted target of bench search --sampler; "
-                            "add --sampler or leave --temperature out")
+        for option, value, what in (("--temperature", args.temperature, "λ of the reward-tilted target"), ("--testbeds", args.testbeds, "the mixtures")):
+            if value is not None:
+                raise UserError(f"bench search: {option} is {what} of bench search --sampler; add --sampler or leave {option} out")
         from branchdiff.bench.search import bench_search
 
         bench_search(args.images, args.seeds, args.json, args.out, _variants(args.variants))

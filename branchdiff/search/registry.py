@@ -11,6 +11,7 @@ SEARCHES = Registry("search", "branchdiff.searches", {
     "tree": "branchdiff.search.fixed_tree:FixedTree",
     "dts": "branchdiff.search.dts:DTS",
     "dts-star": "branchdiff.search.dts:dts_star",
+    "dts-is": "branchdiff.search.dts_is:DTSIS",
 })
 
 

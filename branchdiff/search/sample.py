@@ -79,7 +79,7 @@ def encode_each(adapter: ModelAdapter, prompts: list[str]) -> PromptEmbeds:
 
 def search_of(settings: SearchSettings) -> object:
     """The search the settings name, with DTS's temperature and child cap where it takes them."""
-    if settings.search in ("dts", "dts-star"):
+    if settings.search in ("dts", "dts-star", "dts-is"):
         return make_search(settings.search, temperature=settings.temperature, max_children=settings.max_children,
                            root_children=settings.root_children, widening=settings.widening, exploration=settings.exploration,
                            x0_value=settings.x0_value)
