@@ -303,3 +303,23 @@ def test_explore_search_refuses_a_budget_below_one_image():
 
     with pytest.raises(ConfigError, match=r"'explore.search_budget' = 5 network rows cannot make one image: a 10-step image costs at least 10"):
         load_config("tiny-sol", ["explore.mode=search", "explore.search_budget=5", "sampling.sde=flow", "sampling.num_steps=10"])
+
+
+def test_early_stopped_rollouts_are_valued_by_their_predicted_clean_sample_and_stay_in_budget(tiny_adapter):
+    """DTS* with rollouts of at most 2 steps below the node they add (`rollout_depth`): every node where a rollout stopped
+    and that has no child yet holds the reward of its predicted clean sample; each prompt spends within its budget one row
+    per node predicted; the tree still reaches images, and the result lists only them."""
+    forest = _forest(tiny_adapter)
+    budget = 12 * STEPS
+    result = run_search(forest, make_search("dts-star", rollout_depth=2), budget, _brightness, seed=1)
+    stops = [n for n in range(len(forest.parent)) if 0 <= forest.depth[n] < STEPS and not forest.children[n]]
+    assert stops and all(forest.output[n] is not None for n in stops)
+    expected, _ = _brightness(tiny_adapter.decode(forest.predicted_x0(stops)), [forest.prompt[n] for n in stops])
+    assert torch.allclose(torch.tensor([forest.value[n] for n in stops], dtype=torch.float64), expected.double(), atol=1e-6)
+    for p in range(3):
+        computed = sum(1 for n in range(len(forest.parent)) if forest.prompt[n] == p and forest.output[n] is not None)
+        assert forest.nfe[p] == computed <= budget
+        assert result.leaves[p] and all(forest.depth[leaf] == STEPS for leaf in result.leaves[p])
+        assert result.trace[p][-1]["best"] == max(result.rewards[p])
+    with pytest.raises(ValueError, match="rollout_depth ≥ 0"):
+        make_search("dts", rollout_depth=-1)

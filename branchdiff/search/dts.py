@@ -53,14 +53,16 @@ class DTS:
     guided: bool = True  # the descent weighs children by value; False: uniformly (the tree then grows as an unbiased sample of p_θ)
     exploration: float = 0.0  # DTS*: c of a visit-count bonus, argmax V(c) + c·√(ln N(node) / N(c)) (UCT; 0: plain argmax)
     x0_value: bool = False  # a child whose first image is still in flight is worth the reward of its predicted clean sample (else its parent's value)
+    rollout_depth: int = 0  # early stops: a rollout goes k steps below the node it adds and is valued by r(x̂0) there (0: to the last depth; run.py)
     backup: str = "soft"
     exhausted: set[int] = field(default_factory=set)
 
     def __post_init__(self) -> None:
         if (self.temperature <= 0 or self.max_children < 1 or (self.root_children is not None and self.root_children < 1) or self.widening < 0
-                or self.exploration < 0):
-            raise ValueError(f"DTS needs a temperature λ > 0, max_children ≥ 1, root_children ≥ 1 (or unset), widening ≥ 0 and exploration ≥ 0; "
-                             f"got {self.temperature}, {self.max_children}, {self.root_children}, {self.widening} and {self.exploration}")
+                or self.exploration < 0 or self.rollout_depth < 0):
+            raise ValueError(f"DTS needs a temperature λ > 0, max_children ≥ 1, root_children ≥ 1 (or unset), widening ≥ 0, exploration ≥ 0 and "
+                             f"rollout_depth ≥ 0; got {self.temperature}, {self.max_children}, {self.root_children}, {self.widening}, "
+                             f"{self.exploration} and {self.rollout_depth}")
 
     def cap(self, forest: SearchForest, node: int) -> int:
         """Children `node` may have now: its cap (the root's own, if set), raised by progressive widening to

@@ -47,10 +47,10 @@ class DTSIS(DTS):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.greedy or self.widening > 0 or not 0 <= self.mix <= 1 or (not self.guided and self.mix != 1):
+        if self.greedy or self.widening > 0 or self.rollout_depth or not 0 <= self.mix <= 1 or (not self.guided and self.mix != 1):
             raise ValueError(f"dts-is draws with the probabilities its descent had: it needs the Boltzmann descent (not greedy), fixed caps "
-                             f"(widening 0) and a uniform share mix in [0, 1] (1 when unguided); got greedy={self.greedy}, widening={self.widening}, "
-                             f"mix={self.mix}, guided={self.guided}")
+                             f"(widening 0), rollouts to the last depth (rollout_depth 0) and a uniform share mix in [0, 1] (1 when unguided); "
+                             f"got greedy={self.greedy}, widening={self.widening}, rollout_depth={self.rollout_depth}, mix={self.mix}, guided={self.guided}")
 
     def close_new_leaves(self, forest: SearchForest) -> None:
         """Close each leaf made since the last call, and every ancestor that it leaves full down to its leaves."""

@@ -16,6 +16,12 @@ its forward (the forest pads each forward), and each prompt draws its selections
 generator, so with one selection in flight per prompt every prompt's search is exactly the sequential
 algorithm, image for image.
 
+A search may stop its rollouts early (`rollout_depth` k > 0: DTS's lever): a selection's rollout goes at
+most k steps below the node it was added to; where it stops before the last depth, the node is predicted
+(one row, which its next step would need anyway), the reward of its predicted clean sample x̂0 is its
+value, backed up as an image's would be, and later selections may grow it further. Such values are not
+images: the result's leaves, rewards and trace count finished images only.
+
 A selection is made only if the rows its prompt has spent, plus what its rollouts in flight and the new
 one still need (`_rows_left`; a prediction two of them share counted once), fit in the budget, so no
 prompt passes it; with nothing in flight that is the selection's own cost
@@ -76,6 +82,7 @@ class _Rollout:
     node: int  # the selected node until its child is added, then the newest node of its path
     fresh: bool  # `node` is the selected node: it gets one child (else the rollout's `branching`)
     since: int  # the forward count when it last stepped: who waited longest steps first
+    stop: int  # the depth it stops at: the last, or k below the selected node (module doc, early stops)
 
 
 @torch.no_grad()
@@ -100,7 +107,7 @@ def run_search(forest: SearchForest, search: Search, budget: int, score: Score, 
                 node = search.select(forest, prompt, generators[prompt])
                 if node == WAIT:
                     break
-                candidate = _Rollout(prompt, len(selected), node, True, forest.forwards) if node is not None else None
+                candidate = _Rollout(prompt, len(selected), node, True, forest.forwards, _stop_depth(forest, search, node)) if node is not None else None
                 if candidate is None or forest.nfe[prompt] + _rows_left(forest, [r for r in rollouts if r.prompt == prompt] + [candidate],
                                                                         branching) > budget:
                     selecting.discard(prompt)
@@ -120,9 +127,20 @@ def run_search(forest: SearchForest, search: Search, budget: int, score: Score, 
             if getattr(search, "x0_value", False):
                 _estimate(forest, score, predicted)
             ready = [r for r in rollouts if forest.output[r.node] is not None]
+        stopped = [r for r in ready if not r.fresh and forest.depth[r.node] == r.stop < forest.num_steps]  # early stops, predicted
+        if stopped:
+            _value_early_stops(forest, search, score, [r.node for r in stopped])
+            for r in stopped:
+                unfinished[r.selection] -= 1
+                if unfinished[r.selection] == 0:
+                    forest.reserve(selected[r.selection], -1, child=False)
+                    in_flight[r.prompt] -= 1
+                    _record(result, r.prompt, forest.nfe[r.prompt])
+            rollouts = [r for r in rollouts if r not in stopped]
+            ready = [r for r in ready if r not in stopped]
         widths = [1 if r.fresh or branching is None else branching[forest.depth[r.node]] for r in ready]
         children = iter(forest.add_children([r.node for r, width in zip(ready, widths) for _ in range(width)]))
-        grown = {id(r): [_Rollout(r.prompt, r.selection, next(children), False, forest.forwards) for _ in range(width)]
+        grown = {id(r): [_Rollout(r.prompt, r.selection, next(children), False, forest.forwards, r.stop) for _ in range(width)]
                  for r, width in zip(ready, widths)}
         for r, width in zip(ready, widths):
             forest.pending[r.node] -= width  # the children it was to add are there
@@ -152,10 +170,25 @@ def _rows_left(forest: SearchForest, rollouts: list[_Rollout], branching: list[i
         if depth >= 0 and forest.output[r.node] is None:
             to_predict.add(r.node)
         width = 1 if r.fresh or branching is None else branching[depth]
-        for below in range(depth + 1, forest.num_steps):
+        for below in range(depth + 1, min(r.stop, forest.num_steps - 1) + 1):  # each node it makes is predicted but one at the last depth
             rows += width
             width *= 1 if branching is None else branching[below]
     return (rows + len(to_predict)) * forest.rows_per_node()
+
+
+def _stop_depth(forest: SearchForest, search: Search, node: int) -> int:
+    """The depth a rollout from the selected `node` stops at: the last, or `rollout_depth` below the node (module doc)."""
+    below = getattr(search, "rollout_depth", 0)
+    return forest.num_steps if below == 0 else min(forest.num_steps, forest.depth[node] + below)
+
+
+def _value_early_stops(forest: SearchForest, search: Search, score: Score, nodes: list[int]) -> None:
+    """Each node where a rollout stopped early (predicted) valued by the reward of its predicted clean sample, backed up."""
+    rewards, _ = score(forest.adapter.decode(forest.predicted_x0(nodes)), [forest.prompt[n] for n in nodes])
+    for node, reward in zip(nodes, rewards.tolist()):
+        forest.value[node] = reward if math.isfinite(reward) else -math.inf
+        for above in backup_path(forest.parent, forest.children, forest.value, node, search.backup, search.temperature):
+            forest.visits[above] += 1
 
 
 def _estimate(forest: SearchForest, score: Score, nodes: list[int]) -> None:
@@ -180,5 +213,5 @@ def _score_and_back_up(forest: SearchForest, search: Search, score: Score, leave
 def _record(result: SearchResult, prompt: int, nfe: int) -> None:
     seen = result.rewards[prompt]
     finite = [reward for reward in seen if math.isfinite(reward)]
-    result.trace[prompt].append({"nfe": nfe, "best": max(seen), "mean": sum(finite) / len(finite) if finite else -math.inf,
+    result.trace[prompt].append({"nfe": nfe, "best": max(seen, default=-math.inf), "mean": sum(finite) / len(finite) if finite else -math.inf,
                                  "images": len(seen), "nonfinite": len(seen) - len(finite)})
