@@ -16,13 +16,16 @@ so with the closed leaves counted exactly,
 
     Ê_e[f] = Σ_{closed leaves ℓ} ω(ℓ)·f(ℓ) + ω(n_e)/q_e · f(ℓ_e)
 
-is an unbiased estimate of E_p[f] given the tree before e: importance sampling over the cut. Averaging over the E
-expansions with f = exp(λ·r)·[x = ℓ] gives each leaf the weight
+is an unbiased estimate of Σ_cut ω(n)·E_p[f | x_n] given the tree before e: importance sampling over the cut. That sum
+is E_p[f] when the cut's shape does not depend on the values below it; here it does (a node fills up because its first
+children scored well, and then its children stand for it), which leaves a smaller bias than DTS's, upward, shrinking as
+the tree grows (docs/search.md measures both). For f = 1 the cut's masses sum to 1 whatever its shape, so the weights'
+sum is unbiased. Averaging over the E expansions with f = exp(λ·r)·[x = ℓ] gives each leaf the weight
 
     W(ℓ) = exp(λ·r(ℓ))·( ω(n_e)/q_e  [its own expansion e]  +  ω(ℓ)·#{expansions after every ancestor of ℓ was full} )
 
-and `draw_leaf_is` resamples one leaf ∝ W (`mass_weights` are the bracket, over E): self-normalised importance sampling of p*, consistent whatever values
-guide the growth. Two choices make it so: a subtree full to its leaves is closed as soon as it is (DTS closes it
+and `draw_leaf_is` resamples one leaf ∝ W (`mass_weights` are the bracket, over E): self-normalised importance sampling
+of p*, which no longer trusts the values that guide the growth. Two choices make it so: a subtree full to its leaves is closed as soon as it is (DTS closes it
 when a descent first runs into it, which would make q depend on descents that were abandoned), and a share `mix` of
 each choice is uniform over the open children (defensive importance sampling: q_e ≥ mix^d·Π 1/K, so no weight
 explodes). Needs one selection in flight per prompt (`--parallel 1`: each expansion's leaf is known by its order)
