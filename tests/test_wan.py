@@ -234,13 +234,7 @@ def test_rewards_check_scores_videos_through_their_frames(saved, capsys):
 def test_a_video_run_killed_mid_iteration_resumes_to_the_same_weights(saved, tmp_path):
     """SIGKILL inside iteration 2's optimizer step (after the checkpoint of iteration 1), then
     `--resume latest`: the LoRA and the metrics equal a run never stopped, bit for bit."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    from branchdiff.cli import main
-    from resumed_runs import deterministic
+    from resumed_runs import assert_killed_lora_run_equals_straight
 
     def args(run):
         return ["train", "tiny-chain", "model.family=wan", f"model.path={saved['one']}", "model.resolution=[16,32]", "model.frames=5",
@@ -248,18 +242,7 @@ def test_a_video_run_killed_mid_iteration_resumes_to_the_same_weights(saved, tmp
                 "sampling.num_steps=3", "tree.roots=2", "tree.splits=[[0,2]]", "train.learning_rate=5e-2", "final_eval=false",
                 "logging.checkpoint_every=2", "logging.sample_every=0", "logging.report_to=none", "seed=4", f"output_dir={run}"]
 
-    assert main(args(tmp_path / "straight")) == 0
-    tests = Path(__file__).parent
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tests), os.environ.get("PYTHONPATH", "")]), "HF_HUB_OFFLINE": "1",
-           "OMP_NUM_THREADS": str(torch.get_num_threads())}  # as many threads as this process: the same sums
-    killed = subprocess.run([sys.executable, str(tests / "killed_run.py"), "optimizer_step", "3", *args(tmp_path / "killed")], env=env,
-                            capture_output=True, text=True, timeout=600)
-    assert killed.returncode == -9, killed.stderr[-2000:]
-    assert main([*args(tmp_path / "killed"), "--resume", "latest"]) == 0
-    final, expected = (load_file(tmp_path / run / "lora" / "pytorch_lora_weights.safetensors") for run in ("killed", "straight"))
-    assert final.keys() == expected.keys() and all(torch.equal(final[k], expected[k]) for k in expected)
-    lines = [[deterministic(json.loads(line)) for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()] for run in ("killed", "straight")]
-    assert lines[0] == lines[1] and len(lines[0]) == 4
+    assert_killed_lora_run_equals_straight(args, tmp_path, 4)
 
 
 def test_the_low_noise_expert_trains_and_its_lora_loads_into_transformer_2(saved, tmp_path):

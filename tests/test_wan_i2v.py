@@ -10,11 +10,8 @@ from __future__ import annotations
 
 import json
 
-import numpy as np
 import pytest
 import torch
-from PIL import Image
-from safetensors.torch import load_file
 
 from branchdiff.cli import main
 from branchdiff.core.rollout import NoiseAddress, SamplerSettings, grow
@@ -26,21 +23,13 @@ from branchdiff.models.base import encode_for
 from branchdiff.models.finetune import load_weights
 from branchdiff.models.wan_i2v import WanImageToVideoAdapter
 from test_cli_errors import error_line
+from test_editing import _source
 from tiny_pipelines import build_wan, build_wan_i2v
 
 PROMPTS = ["the circle rolls left", "the squares drift up"]
 STEPS = 4
 TOLERANCE = 1e-4  # max abs difference of frames in [0, 1], fp32
 LAYOUTS = ("2.1", "a14b", "ti2v")
-
-
-def _source(path, size: tuple[int, int], seed: int) -> None:
-    """A small RGB image (height, width): a coloured background with a brighter block."""
-    rng = np.random.default_rng(seed)
-    pixels = np.broadcast_to(rng.integers(0, 256, 3, dtype=np.uint8), (*size, 3)).copy()
-    pixels[size[0] // 4 : size[0] // 2, size[1] // 4 : size[1] // 2] = rng.integers(128, 256, 3, dtype=np.uint8)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    Image.fromarray(pixels).save(path)
 
 
 @pytest.fixture(scope="module")
@@ -189,28 +178,12 @@ def test_a_run_trains_from_a_jsonl_of_images_and_its_export_loads_into_the_pipel
 def test_a_run_killed_mid_iteration_resumes_to_the_same_weights_and_evaluates(saved, tmp_path):
     """SIGKILL inside iteration 3's optimizer step (after iteration 2's checkpoint), then `--resume latest`: the LoRA and
     the metrics equal a run never stopped, bit for bit; `eval` of the run makes one MP4 per row's source."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    from resumed_runs import deterministic
+    from resumed_runs import assert_killed_lora_run_equals_straight
 
     def args(run):
         return ["train", "tiny-chain", *_overrides(saved, "2.1", run, "model.finetune=lora", "iterations=4", "logging.checkpoint_every=2")]
 
-    assert main(args(tmp_path / "straight")) == 0
-    tests = Path(__file__).parent
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tests), os.environ.get("PYTHONPATH", "")]), "HF_HUB_OFFLINE": "1",
-           "OMP_NUM_THREADS": str(torch.get_num_threads())}  # as many threads as this process: the same sums
-    killed = subprocess.run([sys.executable, str(tests / "killed_run.py"), "optimizer_step", "3", *args(tmp_path / "killed")], env=env,
-                            capture_output=True, text=True, timeout=600)
-    assert killed.returncode == -9, killed.stderr[-2000:]
-    assert main([*args(tmp_path / "killed"), "--resume", "latest"]) == 0
-    final, expected = (load_file(tmp_path / run / "lora" / "pytorch_lora_weights.safetensors") for run in ("killed", "straight"))
-    assert final.keys() == expected.keys() and all(torch.equal(final[k], expected[k]) for k in expected)
-    lines = [[deterministic(json.loads(line)) for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()] for run in ("killed", "straight")]
-    assert lines[0] == lines[1] and len(lines[0]) == 4
+    assert_killed_lora_run_equals_straight(args, tmp_path, 4)
     assert main(["eval", "--weights", str(tmp_path / "straight"), "--images-per-prompt", "1", "--steps", "2", "--out", str(tmp_path / "eval")]) == 0
     assert len(list((tmp_path / "eval" / "images").rglob("*.mp4"))) == len(PROMPTS)
 

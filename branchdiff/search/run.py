@@ -101,6 +101,15 @@ def run_search(forest: SearchForest, search: Search, budget: int, score: Score, 
     unfinished: list[int] = []  # per selection: its rollouts not yet at the last depth
     rollouts: list[_Rollout] = []  # oldest first
     per_forward = max(1, forest.settings.max_batch // forest.rows_per_node())  # latents per forward
+
+    def finish(r: _Rollout) -> None:
+        """One rollout of a selection done (an image, or an early stop); with its selection's last, the selection is finished."""
+        unfinished[r.selection] -= 1
+        if unfinished[r.selection] == 0:
+            forest.reserve(selected[r.selection], -1, child=False)
+            in_flight[r.prompt] -= 1
+            _record(result, r.prompt, forest.nfe[r.prompt])
+
     while True:
         for prompt in sorted(selecting):
             while prompt in selecting and in_flight[prompt] < parallel:
@@ -131,13 +140,10 @@ def run_search(forest: SearchForest, search: Search, budget: int, score: Score, 
         if stopped:
             _value_early_stops(forest, search, score, [r.node for r in stopped])
             for r in stopped:
-                unfinished[r.selection] -= 1
-                if unfinished[r.selection] == 0:
-                    forest.reserve(selected[r.selection], -1, child=False)
-                    in_flight[r.prompt] -= 1
-                    _record(result, r.prompt, forest.nfe[r.prompt])
-            rollouts = [r for r in rollouts if r not in stopped]
-            ready = [r for r in ready if r not in stopped]
+                finish(r)
+            done = {id(r) for r in stopped}
+            rollouts = [r for r in rollouts if id(r) not in done]
+            ready = [r for r in ready if id(r) not in done]
         widths = [1 if r.fresh or branching is None else branching[forest.depth[r.node]] for r in ready]
         children = iter(forest.add_children([r.node for r, width in zip(ready, widths) for _ in range(width)]))
         grown = {id(r): [_Rollout(r.prompt, r.selection, next(children), False, forest.forwards, r.stop) for _ in range(width)]
@@ -154,11 +160,7 @@ def run_search(forest: SearchForest, search: Search, budget: int, score: Score, 
             rollouts = [r for r in rollouts if forest.depth[r.node] < forest.num_steps]
             _score_and_back_up(forest, search, score, [r.node for r in leaves], result)
             for r in leaves:
-                unfinished[r.selection] -= 1
-                if unfinished[r.selection] == 0:  # the selection's last image: it is finished
-                    forest.reserve(selected[r.selection], -1, child=False)
-                    in_flight[r.prompt] -= 1
-                    _record(result, r.prompt, forest.nfe[r.prompt])
+                finish(r)
 
 
 def _rows_left(forest: SearchForest, rollouts: list[_Rollout], branching: list[int] | None) -> int:
