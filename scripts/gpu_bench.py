@@ -35,10 +35,12 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import json
 import shutil
 import tempfile
 import time
+import traceback
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
@@ -314,6 +316,7 @@ def tree_iterations(bench: Bench, tiny: bool, variants: list[str]) -> dict:
                                         f"output_dir={folder / name}"])
             planned = estimate(config, Target(), estimator)
             trainer = None
+            leftover = torch.cuda.memory_allocated() / 2**30 if bench.device.type == "cuda" else 0.0  # what no variant should find
             try:
                 trainer = Trainer(config)
                 if not tiny:
@@ -324,7 +327,7 @@ def tree_iterations(bench: Bench, tiny: bool, variants: list[str]) -> dict:
                 synchronize(bench.device)
                 rows[name] = variant_row([{**metrics, "seconds": time.perf_counter() - start}])
                 peaks = {phase: (metrics[f"memory_{phase}_gb"], planned.phase_peak(phase) / 2**30) for phase in PHASES}
-                rows[name].update(logprob_check=metrics["logprob_check"], memory={
+                rows[name].update(logprob_check=metrics["logprob_check"], allocated_at_start_gib=leftover, memory={
                     phase: {"peak_gib": peak, "planned_gib": plan, "peak_over_plan": peak / plan} for phase, (peak, plan) in peaks.items()})
                 if name == "chain":
                     c = measure_trained_row_cost(trainer, rows=4, repeats=3)
@@ -332,6 +335,7 @@ def tree_iterations(bench: Bench, tiny: bool, variants: list[str]) -> dict:
             except torch.cuda.OutOfMemoryError as error:  # this variant only: the smaller trees may still fit
                 result["variants"][name] = f"skipped: out of memory ({str(error).splitlines()[0]}); plan's peak {planned.peak / 2**30:.1f} GiB"
             del trainer
+            gc.collect()  # a Trainer's reference cycles would otherwise keep its weights in the next variant's peaks
             if bench.device.type == "cuda":
                 torch.cuda.empty_cache()
             bench.save()
@@ -445,6 +449,7 @@ def main(argv: list[str] | None = None) -> int:
         except torch.cuda.OutOfMemoryError as error:
             bench.record["tree_iteration"] = f"skipped: out of memory ({str(error).splitlines()[0]})"
         except RuntimeError as error:
+            traceback.print_exc()  # the log keeps where it failed; the JSON its line
             bench.record["tree_iteration"] = f"failed: {type(error).__name__}: {str(error).splitlines()[0]}"
         if device.type == "cuda":
             torch.cuda.empty_cache()

@@ -52,3 +52,22 @@ def test_efficiency_lost_accounts_for_the_whole_gap():
                 "cost_model": 1.0 * (0.5 - 0.2) + 2.0 * (0.1 - 0.2)}
     assert tree["efficiency_lost"] == pytest.approx({k: v / 0.95 for k, v in expected.items()})
     assert tree["efficiency"] + sum(tree["efficiency_lost"].values()) == pytest.approx(1.0)
+
+
+def test_the_probe_rows_are_on_the_models_device():
+    """Regression (found on an H200): the cost probe drew its noise on the CPU, so `bench tree` and the GPU bench stopped with
+    "Input type (CPUBFloat16Type) and weight type (CUDABFloat16Type)". The device boundary is mocked here by a model on `meta`."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from branchdiff.bench.iteration import _probe
+
+    meta = torch.device("meta")
+    adapter = SimpleNamespace(device=meta, latent_shape=(4, 8, 8),
+                              encode_prompts=lambda prompts: {"prompt_embeds": torch.zeros(len(prompts), 3, 5, device=meta)})
+    trainer = SimpleNamespace(adapter=adapter, schedule=SimpleNamespace(model_times=torch.linspace(1, 0, 10, device=meta)),
+                              settings=SimpleNamespace(guidance=4.5))
+    noise, times, embeds, guidance = _probe(trainer, rows=6)
+    assert noise.shape == (6, 4, 8, 8) and times.shape == (6,) and embeds["prompt_embeds"].shape == (6, 3, 5)
+    assert {noise.device, times.device, embeds["prompt_embeds"].device} == {meta} and guidance == 4.5

@@ -81,7 +81,7 @@ def _probe(trainer: Trainer, rows: int) -> tuple:
     adapter = trainer.adapter
     step = trainer.schedule.model_times[len(trainer.schedule.model_times) // 2]
     embeds = select_embeds(adapter.encode_prompts(["one red circle on the left"]), torch.zeros(rows, dtype=torch.long))
-    return torch.randn(rows, *adapter.latent_shape), step.expand(rows), embeds, trainer.settings.guidance
+    return torch.randn(rows, *adapter.latent_shape, device=adapter.device), step.expand(rows), embeds, trainer.settings.guidance
 
 
 def measure_trained_row_cost(trainer: Trainer, rows: int = 64, repeats: int = 5) -> float:
