@@ -7,7 +7,11 @@ import math
 
 import pytest
 
-from branchdiff.bench.search import _curves, bench_search, nfe_ratio, parse_variant
+import torch
+
+from branchdiff.bench.gmm import target_reward
+from branchdiff.bench.search import _curves, bench_search, nfe_ratio, parse_variant, table_columns
+from branchdiff.search.sample import SearchSettings, search_of
 from branchdiff.search.run import SearchResult
 
 
@@ -58,3 +62,39 @@ def test_a_variant_is_a_search_with_settings_and_bad_ones_are_named():
     assert parse_variant("best-of-n") == ("best-of-n", {})
     with pytest.raises(ValueError, match="'depth=3' in 'dts:depth=3' is not key=value with a key of max_children"):
         parse_variant("dts:depth=3")
+
+
+def test_the_target_reward_is_the_gaussian_proximity_to_each_prompts_point():
+    """Targets (0, 0) and (3, 4) in 2-D, w = 1: a point at (3, 4) for prompt 0 is 25 away squared, r = exp(−25/4);
+    for prompt 1 it is the target itself, r = 1; (0, 1) for prompt 0: exp(−1/4)."""
+    reward = target_reward(torch.tensor([[0.0, 0.0], [3.0, 4.0]]), 1.0)
+    values = reward(torch.tensor([[3.0, 4.0], [3.0, 4.0], [0.0, 1.0]]), [0, 1, 0])
+    assert values.tolist() == pytest.approx([math.exp(-25 / 4), 1.0, math.exp(-1 / 4)])
+    with pytest.raises(ValueError, match="width w > 0"):
+        target_reward(torch.zeros(1, 2), 0.0)
+
+
+def test_the_mixture_task_searches_without_a_verifier_and_says_where_its_rows_went(tmp_path):
+    """Four prompts, four images' rows: best-of-N spends one row at every depth per image (4 per depth); every search's
+    rows by depth add up to its rows per prompt; the table has no strict rows; DTS* is best-of-N until it branches."""
+    result = bench_search(4, 1, tmp_path / "search.json", tmp_path, ["best-of-n", "dts-star", "dts-star:rollout_depth=2"], prompts=4, task="mixture")
+    assert result["task"] == "mixture" and result["prompts"] == 4 and result["grid_nfe"] == [10, 20, 30, 40]
+    searches = result["searches"]
+    assert searches["best-of-n"]["rows_by_depth"] == [4.0] * 10
+    for entry in searches.values():
+        assert "strict" not in entry and sum(entry["rows_by_depth"]) == pytest.approx(entry["nfe_mean"])
+    assert searches["dts-star"]["best_reward"]["mean"][:1] == searches["best-of-n"]["best_reward"]["mean"][:1]
+    assert searches["dts-star:rollout_depth=2"]["rows_by_depth"][9] < searches["dts-star"]["rows_by_depth"][9]  # stopped rollouts skip the last steps
+    markdown = (tmp_path / "search.md").read_text()
+    assert "winner strict" not in markdown and "| best-of-n | 4.0 | 4.0 |" in markdown and "mixture task" in markdown
+
+
+def test_the_table_shows_one_two_four_images_and_the_last():
+    assert table_columns(list(range(10, 130, 10))) == [0, 1, 3, 7, 11] and table_columns([10, 20, 30, 40]) == [0, 1, 3]
+
+
+def test_rollout_depth_is_a_search_setting_and_a_variant_key():
+    assert search_of(SearchSettings("dts-star", 100, rollout_depth=3)).rollout_depth == 3
+    assert parse_variant("dts-star:rollout_depth=3") == ("dts-star", {"rollout_depth": 3})
+    with pytest.raises(ValueError, match="--rollout-depth ≥ 0"):
+        SearchSettings("dts-star", 100, rollout_depth=-1).validate()

@@ -237,12 +237,14 @@ def benchmarks(monkeypatch) -> dict[str, list]:
     (["bench", "reward-server", "--json", "x.json", "--seeds", "2"],
      "bench reward-server: --seeds is an option of bench curves and bench search, not of bench reward-server; see branchdiff bench curves --help"),
     (["bench", "tree", "--variants", "chain", "--task", "tiny-video"],
-     "bench tree: --task is an option of bench curves, not of bench tree; see branchdiff bench curves --help"),
+     "bench tree: --task is an option of bench curves and bench search, not of bench tree; see branchdiff bench curves --help"),
     (["bench", "search", "--images", "2", "prompts.per_iteration=2"],
      "bench search: key=value overrides (prompts.per_iteration=2) are taken by bench tree, bench explore, bench curves and bench overlap, not by bench search; "
      "see branchdiff bench tree --help"),
     (["bench", "search", "--temperature", "2"],
      "bench search: --temperature is λ of the reward-tilted target of bench search --sampler; add --sampler or leave --temperature out"),
+    (["bench", "search", "--sampler", "--task", "mixture"],
+     "bench search: --task is the task of bench search's best-reward benchmark; --sampler measures on its --testbeds. Leave one of them out"),
     (["bench", "tree", "--bogus"], "bench tree: unrecognized arguments: --bogus; see branchdiff bench tree --help"),
     (["bench", "--sampler", "search"], "bench search: --sampler goes after the benchmark's name: branchdiff bench search --sampler; "
                                        "see branchdiff bench search --help"),

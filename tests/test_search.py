@@ -241,6 +241,21 @@ def test_sample_search_writes_the_best_images_and_a_trace_that_regrows_them(tiny
     assert "best tiny-geneval" in capsys.readouterr().err
 
 
+def test_sample_search_with_early_stops_records_them_and_regrows_its_images(tiny_model_dir, tmp_path):
+    """`--rollout-depth 3`: the trace records it, the kept images are finished ones, and their paths regrow them bit for bit."""
+    from branchdiff.cli import main
+
+    model = ["--model", str(tiny_model_dir), "--steps", str(STEPS)]
+    out = tmp_path / "stopped"
+    assert main(["sample", *model, "--prompt", PROMPTS[0], "--search", "dts-star", "--budget", str(6 * STEPS), "--max-children", "2",
+                 "--rollout-depth", "3", "--keep", "2", "--out", str(out)]) == 0
+    recorded = json.loads((out / "search.json").read_text())
+    assert recorded["settings"]["rollout_depth"] == 3 and all(len(b["path"]) == STEPS + 1 for b in recorded["prompts"][0]["best"])
+    written = {b["image"]: (out / b["image"]).read_bytes() for b in recorded["prompts"][0]["best"]}
+    assert main(["sample", *model, "--from-trace", str(out / "search.json"), "--out", str(tmp_path / "regrown")]) == 0
+    assert {name: (tmp_path / "regrown" / name).read_bytes() for name in written} == written
+
+
 def test_keeping_more_images_than_the_search_made_says_how_many_it_wrote(tiny_model_dir, tmp_path, capsys):
     """`--keep 100` wrote the few images a small budget makes without a word: a note names how many there were."""
     from branchdiff.cli import main

@@ -113,6 +113,20 @@ def make_reward(name: str, mixture: GaussianMixture) -> Reward:
 REWARDS = ("mode", "smooth", "sharp")
 
 
+def target_reward(targets: torch.Tensor, width: float) -> Callable[[torch.Tensor, list[int]], torch.Tensor]:
+    """A search reward per prompt: r(x) = exp(−‖x − x*_p‖² / (2·D·w²)) for prompt p's target x*_p, a row of `targets`
+    (P, D); points (N, D) and their prompts' indices (N) → rewards (N,) in (0, 1]. A draw of p near its own target's
+    component scores about exp(−1) at w equal to the components' scale; the nearest of N draws closes in slowly."""
+    if width <= 0:
+        raise ValueError(f"target_reward needs a width w > 0, got {width}")
+
+    def reward(points: torch.Tensor, prompt_index: list[int]) -> torch.Tensor:
+        squared = ((points.double() - targets.double()[prompt_index]) ** 2).sum(1)  # (N,)
+        return torch.exp(-squared / (2 * targets.shape[1] * width**2)).float()
+
+    return reward
+
+
 def grid_points(extent: float, cells: int) -> tuple[torch.Tensor, float]:
     """Centres of a cells × cells grid over [−extent, extent]² (cells², 2), and the cell side."""
     side = 2 * extent / cells

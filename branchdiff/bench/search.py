@@ -1,21 +1,31 @@
-"""`branchdiff bench search`: the best reward a search finds against its budget of network rows, on
-the built-in task, for best-of-N, fixed trees, DTS and DTS*, over seeds.
+"""`branchdiff bench search`: the best reward a search finds against its budget of network rows, for
+best-of-N, fixed trees, DTS and DTS*, over seeds, on one of two tasks (`--task`):
 
-Each search runs on the 36 held-out prompts of the tiny task (`tiny:held_out`) with the packaged
-model (or `$BRANCHDIFF_TINY_MODEL`), 10 SDE steps (flow, a = 0.7), maximising the tiny-geneval
-partial credit (the training reward), once per seed at the largest budget. A search is anytime, so
-the smaller budgets of the grid (1, 2, 4, … images' worth of rows, an image being 10 rows) are read
-from the same run: at budget b a prompt's winner is its best leaf among the rounds whose spending
-stayed within b. At every budget: the mean over prompts of the winner's reward, and the held-out
-strict accuracy of the winners (tiny-geneval.strict, the verifier that training reports), each with
-a 95% Student-t interval over seeds (branchdiff/bench/stats.py).
+- `tiny` (the default): the 36 held-out prompts of the tiny task (`tiny:held_out`) with the packaged
+  model (or `$BRANCHDIFF_TINY_MODEL`), maximising the tiny-geneval partial credit (the training
+  reward); beside it, the held-out strict accuracy of the winners (tiny-geneval.strict, the verifier
+  that training reports). Its reward saturates near 1 within a few dozen images.
+- `mixture`: a search that does not saturate within the budgets. The 16-D Gaussian-mixture flow of
+  `bench search --sampler` (its exact velocity as the model, branchdiff/bench/gmm.py), 32 prompts,
+  each an independent search for a point x*_p drawn once from p: r(x) = exp(−‖x − x*_p‖²/(2·D·w²)),
+  w = 0.5. A sample of p lands at r ≈ 0.05 on average and the best of N keeps closing in slowly
+  (in 16 dimensions the nearest of N draws approaches like N^(−1/16)), so best-of-N still gains from
+  160 to 640 rows, and a search that refines the prefixes of its best images has room to show it.
+
+Each search runs with 10 SDE steps (flow, a = 0.7) once per seed at the largest budget. A search is
+anytime, so every smaller budget of the grid (every image's worth of rows, an image being 10 rows) is
+read from the same run: at budget b a prompt's winner is its best leaf among the rounds whose spending
+stayed within b. At every budget: the mean over prompts of the winner's reward (and the tiny task's
+strict accuracy), each with a 95% Student-t interval over seeds (branchdiff/bench/stats.py); the table
+shows the budgets 1, 2, 4, … images. `rows_by_depth`: where each search's rows went, the mean over
+prompts and seeds of the network rows spent at each depth of its trees.
 
 `ratios.nfe_best_of_n_over_dts_star`: at best-of-N's mean best reward at the top of the grid, the
 rows best-of-N needs to first reach it over the rows DTS* needs (each linear between grid points),
 with a bootstrap interval over seeds; the paper behind DTS* reports up to 5× on SD 1.5 (arXiv 2506.20701).
 A variant is a search with settings, `dts-star:root_children=2:widening=1` (`parse_variant`), and
 every DTS* variant gets its ratio. Each prompt has one selection in flight (a variant may set `parallel`),
-so every search is the sequential algorithm and the anytime reading is exact; the 36 prompts' rollouts
+so every search is the sequential algorithm and the anytime reading is exact; the prompts' rollouts
 share forwards of MAX_BATCH rows (branchdiff/search/run.py), and `fill` is the share of the rows
 computed that were real, not padding.
 """
@@ -24,93 +34,150 @@ from __future__ import annotations
 
 import math
 import statistics
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from branchdiff.bench.gmm import GaussianMixtureAdapter, random_mixture, target_reward
 from branchdiff.bench.stats import first_time_reaching, t_interval
 from branchdiff.bench.tables import band, table, write_outputs
 from branchdiff.data.prompts import load_prompt_set
+from branchdiff.models.base import ModelAdapter
 from branchdiff.rewards.combine import parse_reward_specs
 from branchdiff.rewards.multi import build_component, score_component
+from branchdiff.search.forest import SearchForest
 from branchdiff.search.registry import SEARCHES
 from branchdiff.search.sample import SearchSettings, search_prompts
 
 STEPS = 10
-MAX_BATCH = 32  # network rows per forward: fewer than the 36 prompts' rollouts, so forwards fill with one selection in flight each
+MAX_BATCH = 32  # network rows per forward: fewer than the prompts' rollouts, so forwards fill with one selection in flight each
 VARIANT_KEYS = {"max_children": int, "root_children": int, "widening": float, "exploration": float, "temperature": float, "parallel": int,
-                "x0_value": lambda text: bool(int(text))}
-REWARD = "tiny-geneval"
+                "x0_value": lambda text: bool(int(text)), "rollout_depth": int}
 STRICT = "strict"
+TASKS = ("tiny", "mixture")
+MIXTURE_DIMS, MIXTURE_PROMPTS, TARGET_WIDTH, TARGET_SEED = 16, 32, 0.5, 123  # the mixture task (module doc)
+
+Score = Callable[[torch.Tensor, list[int]], tuple[torch.Tensor, dict[str, torch.Tensor]]]  # images, prompt indices → rewards (L,), extras
 
 
-def _curves(result, grid: list[int]) -> tuple[list[float], list[float]]:
-    """Mean over prompts of the winner's reward and strict score at each budget of the grid."""
-    rewards, stricts = [], []
+@dataclass(frozen=True)
+class SearchTask:
+    """What a search benchmark searches: the model, its prompts, the reward's name, the score of a batch, and the
+    verifier whose value of each winner is read beside its reward (None: none)."""
+    name: str
+    adapter: ModelAdapter
+    prompts: list[str]
+    reward: str
+    score: Score
+    verifier: str | None
+
+
+def tiny_task(prompts: int | None = None) -> SearchTask:
+    """The built-in task's held-out prompts (the first `prompts`, None: all 36), tiny-geneval searched, strict read."""
+    from branchdiff.models import load_adapter
+
+    texts = load_prompt_set("tiny:held_out").prompts
+    texts = texts[:prompts] if prompts else texts
+    reward_name = "tiny-geneval"
+    reward = build_component(parse_reward_specs([reward_name])[0], "cpu")
+
+    def score(batch: torch.Tensor, prompt_index: list[int]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        value, more, _ = score_component(reward, reward_name, batch, [texts[i] for i in prompt_index], [{} for _ in prompt_index])
+        return value, {STRICT: more[STRICT]}
+
+    return SearchTask("tiny", load_adapter("tiny", None), texts, reward_name, score, STRICT)
+
+
+def mixture_task(prompts: int | None = None) -> SearchTask:
+    """The 16-D mixture's target-point search (module doc): `prompts` searches (None: MIXTURE_PROMPTS), each its own x*_p."""
+    mixture = random_mixture(MIXTURE_DIMS)
+    count = prompts or MIXTURE_PROMPTS
+    reward = target_reward(mixture.sample(count, torch.Generator().manual_seed(TARGET_SEED)), TARGET_WIDTH)
+
+    def score(points: torch.Tensor, prompt_index: list[int]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        return reward(points, prompt_index), {}
+
+    return SearchTask("mixture", GaussianMixtureAdapter(mixture), [""] * count, "target proximity", score, None)
+
+
+def _curves(result, grid: list[int], verifier: str | None = STRICT) -> tuple[list[float], list[float]]:
+    """Mean over prompts of the winner's reward and of its `verifier` score (NaN without one) at each budget of the grid."""
+    rewards, checks = [], []
     for budget in grid:
-        best_rewards, best_stricts = [], []
+        best_rewards, best_checks = [], []
         for p, rounds in enumerate(result.trace):
             made = max((r["images"] for r in rounds if r["nfe"] <= budget), default=0)
             if made == 0:
                 continue
             index = max(range(made), key=lambda i: (result.rewards[p][i], -i))
             best_rewards.append(result.rewards[p][index])
-            best_stricts.append(result.extras[p][index][STRICT])
+            best_checks.append(result.extras[p][index][verifier] if verifier else math.nan)
         rewards.append(statistics.mean(best_rewards) if best_rewards else math.nan)
-        stricts.append(statistics.mean(best_stricts) if best_stricts else math.nan)
-    return rewards, stricts
+        checks.append(statistics.mean(best_checks) if best_checks else math.nan)
+    return rewards, checks
+
+
+def rows_by_depth(forest: SearchForest) -> list[float]:
+    """Network rows spent at each depth 0..T−1, mean over the forest's prompts: a node's row is its model output."""
+    rows = [0] * forest.num_steps
+    for depth, output in zip(forest.depth, forest.output):
+        if output is not None:
+            rows[depth] += 1
+    return [count / forest.num_prompts for count in rows]
 
 
 def bench_search(images: int, seeds: int, json_path: Path | None, out_dir: Path, searches: list[str] | None = None,
-                 prompts: int | None = None) -> dict:
+                 prompts: int | None = None, task: str = "tiny") -> dict:
     """Run every search (module doc) for `seeds` seeds at a budget of `images` images' rows per
-    prompt (`prompts`: the first n held-out prompts, None: all 36); write out_dir/search.png and
+    prompt on `task` (`prompts`: the first n prompts, None: the task's all); write out_dir/search.png and
     search.md, print the table, return (and write to `json_path`) the result."""
-    from branchdiff.models import load_adapter
-
     names = list(SEARCHES) if searches is None else searches
     variants = {name: parse_variant(name) for name in names}
     if images < 1 or seeds < 1:
         raise ValueError(f"bench search needs images ≥ 1 and seeds ≥ 1; got {images}, {seeds}")
-    prompt_set = load_prompt_set("tiny:held_out")
-    texts = prompt_set.prompts[:prompts] if prompts else prompt_set.prompts
-    adapter = load_adapter("tiny", None)
-    reward = build_component(parse_reward_specs([REWARD])[0], "cpu")
-    grid = [STEPS * 2**k for k in range(int(math.log2(images)) + 1)]
-    if grid[-1] != STEPS * images:
-        grid.append(STEPS * images)
-
-    def score(batch: torch.Tensor, prompt_index: list[int]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        value, more, _ = score_component(reward, REWARD, batch, [texts[i] for i in prompt_index], [{} for _ in prompt_index])
-        return value, {STRICT: more[STRICT]}
-
+    if task not in TASKS:
+        raise ValueError(f"bench search: unknown task {task!r}; allowed: {', '.join(TASKS)}")
+    chosen = tiny_task(prompts) if task == "tiny" else mixture_task(prompts)
+    grid = [STEPS * k for k in range(1, images + 1)]
     runs: dict[str, list[dict]] = {name: [] for name in names}
     for seed in range(seeds):
         for name in names:
             search, options = variants[name]
             settings = SearchSettings(search, STEPS * images, STEPS, seed=seed, max_batch=MAX_BATCH, **options)
-            forest, result = search_prompts(adapter, texts, settings, score)
-            best, strict = _curves(result, grid)
+            forest, result = search_prompts(chosen.adapter, chosen.prompts, settings, chosen.score)
+            best, checked = _curves(result, grid, chosen.verifier)
             fill = sum(forest.nfe) / forest.rows_computed if forest.rows_computed else math.nan  # NaN: no forward (nothing fit the budget)
-            runs[name].append({"best_reward": best, "strict": strict, "nfe": [forest.nfe[p] for p in range(len(texts))], "fill": fill})
-            print(f"seed {seed} {name}: best reward " + " ".join(f"{v:.3f}" for v in best) + " | strict " + " ".join(f"{v:.3f}" for v in strict)
+            runs[name].append({"best_reward": best, "strict": checked, "nfe": [forest.nfe[p] for p in range(len(chosen.prompts))], "fill": fill,
+                               "rows_by_depth": rows_by_depth(forest)})
+            shown = table_columns(grid)
+            print(f"seed {seed} {name}: best reward " + " ".join(f"{best[i]:.3f}" for i in shown)
+                  + (" | strict " + " ".join(f"{checked[i]:.3f}" for i in shown) if chosen.verifier else "")
                   + f" | rows per forward {fill:.1%} of {MAX_BATCH}".replace("nan%", "—"), flush=True)
-    result = _result(runs, grid, seeds, len(texts))
+    result = _result(runs, grid, seeds, chosen)
     print(format_table(result))
     print(format_ratio(result))
-    command = (f"branchdiff bench search --images {images} --seeds {seeds}" + (f" --variants {','.join(names)}" if searches else "")
-               + (f" --json {json_path}" if json_path else "") + f" --out {out_dir}")
-    write_outputs(out_dir, "search", "Best reward against network rows per prompt, tiny task", f"`{command}` (searches={names}, prompts={len(texts)})",
-                  f"{format_table(result, markdown=True)}\n\n{format_ratio(result)}", lambda path: plot_search(result, path), result, json_path)
+    command = (f"branchdiff bench search --images {images} --seeds {seeds}" + (f" --task {task}" if task != "tiny" else "")
+               + (f" --variants {','.join(names)}" if searches else "") + (f" --json {json_path}" if json_path else "") + f" --out {out_dir}")
+    write_outputs(out_dir, "search", f"Best reward against network rows per prompt, {task} task", f"`{command}` (searches={names}, "
+                  f"prompts={len(chosen.prompts)})", f"{format_table(result, markdown=True)}\n\n{format_ratio(result)}\n\n{format_depths(result)}",
+                  lambda path: plot_search(result, path), result, json_path)
     return result
 
 
-def _result(runs: dict[str, list[dict]], grid: list[int], seeds: int, prompts: int) -> dict:
+def table_columns(grid: list[int]) -> list[int]:
+    """Indices of the grid's budgets the table shows: 1, 2, 4, … images and the last."""
+    shown = [i for i in range(len(grid)) if (i + 1) & i == 0]
+    return shown if shown[-1] == len(grid) - 1 else [*shown, len(grid) - 1]
+
+
+def _result(runs: dict[str, list[dict]], grid: list[int], seeds: int, task: SearchTask) -> dict:
     searches = {}
     for name, seed_runs in runs.items():
-        entry = {}
-        for key in ("best_reward", "strict"):
+        entry: dict = {"rows_by_depth": [statistics.mean(v) for v in zip(*(r["rows_by_depth"] for r in seed_runs))]}
+        for key in ("best_reward", "strict") if task.verifier else ("best_reward",):
             per_point = [list(v) for v in zip(*(r[key] for r in seed_runs))]  # (points, seeds); NaN: no image within that budget yet
             entry[key] = {"seeds": [r[key] for r in seed_runs],
                           "mean": [statistics.mean(v) if all(map(math.isfinite, v)) else math.nan for v in per_point],
@@ -125,7 +192,8 @@ def _result(runs: dict[str, list[dict]], grid: list[int], seeds: int, prompts: i
             key = "nfe_best_of_n_over_" + name.replace("-", "_")
             ratios[key] = nfe_ratio(reference["mean"], variant["mean"], grid)
             ratios[key + "_ci"] = nfe_ratio_interval(reference["seeds"], variant["seeds"], grid)
-    return {"grid_nfe": grid, "seeds": seeds, "prompts": prompts, "steps": STEPS, "reward": REWARD, "searches": searches, "ratios": ratios}
+    return {"task": task.name, "grid_nfe": grid, "seeds": seeds, "prompts": len(task.prompts), "steps": STEPS, "reward": task.reward,
+            "searches": searches, "ratios": ratios}
 
 
 def parse_variant(variant: str) -> tuple[str, dict[str, float | int]]:
@@ -168,14 +236,25 @@ def nfe_ratio_interval(reference: list[list[float]], variant: list[list[float]],
 
 
 def format_table(result: dict, markdown: bool = False) -> str:
-    """Per search and budget: the mean best reward and the winners' strict accuracy [95% intervals]."""
-    header = ["search", "score", *(f"{n} rows" for n in result["grid_nfe"])]
+    """Per search and budget (1, 2, 4, … images): the mean best reward and the winners' strict accuracy [95% intervals]."""
+    shown = table_columns(result["grid_nfe"])
+    header = ["search", "score", *(f"{result['grid_nfe'][i]} rows" for i in shown)]
     rows = []
     for name, entry in result["searches"].items():
-        for key, label in (("best_reward", f"best {REWARD}"), ("strict", "winner strict")):
-            cells = ("—" if math.isnan(m) else f"{m:.3f} [{lo:.3f}, {hi:.3f}]" for m, (lo, hi) in zip(entry[key]["mean"], entry[key]["ci"]))
+        for key, label in (("best_reward", f"best {result['reward']}"), ("strict", "winner strict")):
+            if key not in entry:
+                continue
+            cells = ("—" if math.isnan(entry[key]["mean"][i]) else f"{entry[key]['mean'][i]:.3f} [{entry[key]['ci'][i][0]:.3f}, {entry[key]['ci'][i][1]:.3f}]"
+                     for i in shown)
             rows.append([name, label, *cells])
     return table(header, rows, markdown)
+
+
+def format_depths(result: dict) -> str:
+    """Where the rows went: per search, the mean rows per prompt spent at each depth."""
+    depths = len(next(iter(result["searches"].values()))["rows_by_depth"])
+    rows = [[name, *(f"{v:.1f}" for v in entry["rows_by_depth"])] for name, entry in result["searches"].items()]
+    return "Network rows per prompt at each depth (0: the initial noises' first step):\n\n" + table(["search", *map(str, range(depths))], rows, True)
 
 
 def format_ratio(result: dict) -> str:
@@ -199,13 +278,15 @@ def plot_search(result: dict, path: Path) -> None:
     """Mean best reward and winners' strict accuracy against rows per prompt (log scale), 95% bands."""
     from matplotlib.figure import Figure
 
-    figure = Figure(figsize=(10, 4))
+    panels = [("best_reward", f"best {result['reward']} (searched)"), ("strict", "winners' held-out strict accuracy")]
+    panels = [(key, label) for key, label in panels if key in next(iter(result["searches"].values()))]
+    figure = Figure(figsize=(5 * len(panels), 4))
     grid = result["grid_nfe"]
-    for column, (key, label) in enumerate((("best_reward", f"best {REWARD} (searched)"), ("strict", "winners' held-out strict accuracy"))):
-        axes = figure.add_subplot(1, 2, column + 1)
+    for column, (key, label) in enumerate(panels):
+        axes = figure.add_subplot(1, len(panels), column + 1)
         for name, entry in result["searches"].items():
-            band(axes, grid, entry[key], name, "network rows per prompt (10 per image)", label, marker="o", markersize=3)
+            band(axes, grid, entry[key], name, "network rows per prompt (10 per image)", label)
         axes.legend(fontsize=8)
-    figure.suptitle(f"tiny task, {result['prompts']} prompts, {result['seeds']} seed(s): mean and 95% interval")
+    figure.suptitle(f"{result['task']} task, {result['prompts']} prompts, {result['seeds']} seed(s): mean and 95% interval")
     figure.tight_layout()
     figure.savefig(path, dpi=110)

@@ -125,6 +125,9 @@ def build_parser() -> argparse.ArgumentParser:
                                 help="dts-star: c of a visit-count bonus c·√(ln N(node)/N(child)) on children's values (default 0: off)")
             search.add_argument("--x0-value", action="store_true", help="dts, dts-star with --parallel: a child whose image is still in flight "
                                                                         "is worth the reward of its predicted clean sample (else its parent's value)")
+            search.add_argument("--rollout-depth", type=at_least(0), default=0,
+                                help="dts, dts-star: early stops, a rollout goes at most k steps below the node it adds and is valued by "
+                                     "the reward of its x̂0 there (default 0: off)")
             search.add_argument("--from-trace", type=Path, default=None, help="regrow the best images of a search.json from their noise paths")
         else:
             sub.add_argument("--prompts", default=None, help="tiny:held_out, hpdv2[:style], or a .txt / .jsonl / .csv file (default: the run's prompts.eval)")
@@ -247,6 +250,9 @@ def _bench_arguments(bench: argparse.ArgumentParser) -> None:
     search.add_argument("--temperature", type=positive, default=None, help="with --sampler: λ of the target p·exp(λ·r) (default 4)")
     search.add_argument("--variants", default=None, help="comma-separated searches (default: all: best-of-n, tree, dts, dts-star, dts-is); "
                                                          "with --sampler, samplers (dts, dts-unguided, dts-is, best-of-n-is, smc)")
+    search.add_argument("--task", choices=["tiny", "mixture"], default=None, help="the task searched: the tiny task's held-out prompts "
+                                                                                 "(default), or mixture: a target point in a 16-D Gaussian mixture, "
+                                                                                 "a reward that does not saturate within the budgets")
     search.add_argument("--testbeds", default=None, help="with --sampler: comma-separated testbeds as DIMS-D-REWARD (default: all: "
                                                          "2-D-mode, 2-D-sharp, 2-D-smooth, 16-D-mode)")
     overlap.add_argument("--iterations", type=at_least(1), default=9, help="timed iterations of each mode (median reported)")

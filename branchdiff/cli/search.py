@@ -48,7 +48,7 @@ def check_search(args: argparse.Namespace, settings: EvalSettings, seed: int, si
                          f"{', '.join(STEP_KINDS[steps])}, or leave --sde unset")
     search = SearchSettings(args.search, args.budget, settings.steps, settings.shift, settings.guidance, args.sde, args.noise_level,
                             args.max_batch, seed, args.temperature, args.max_children, args.keep,
-                            args.root_children, args.widening, args.exploration, args.x0_value, args.parallel)
+                            args.root_children, args.widening, args.exploration, args.x0_value, args.parallel, args.rollout_depth)
     family = adapter_class(settings.family)
     search.validate(family.cfg_rows(family.default_guidance if settings.guidance is None else settings.guidance, settings.model))
     spec = one_reward(args.reward)

@@ -46,14 +46,16 @@ class SearchSettings:
     exploration: float = 0.0  # DTS*: c of the visit-count (UCT) bonus on children's values (0: off)
     x0_value: bool = False  # DTS / DTS*: in-flight children valued by the reward of their predicted clean sample
     parallel: int = 1  # selections in flight per prompt (branchdiff/search/run.py); 1: the sequential algorithm
+    rollout_depth: int = 0  # DTS / DTS*: early stops, a rollout goes k steps below the node it adds and is valued by r(x̂0) there (0: off)
 
     def validate(self, rows_per_prediction: int = 1) -> None:
         """Refuse settings no search can run with; `rows_per_prediction`: the network rows of one prediction (2 under CFG)."""
         if self.search not in SEARCHES:
             raise ValueError(f"unknown search {self.search!r}; allowed: {', '.join(SEARCHES)}")
-        if self.root_children is not None and self.root_children < 1 or self.widening < 0 or self.parallel < 1 or self.exploration < 0:
-            raise ValueError(f"--root-children and --parallel must be ≥ 1, --widening and --exploration ≥ 0; got {self.root_children}, "
-                             f"{self.parallel}, {self.widening} and {self.exploration}")
+        if (self.root_children is not None and self.root_children < 1 or self.widening < 0 or self.parallel < 1 or self.exploration < 0
+                or self.rollout_depth < 0):
+            raise ValueError(f"--root-children and --parallel must be ≥ 1, --widening, --exploration and --rollout-depth ≥ 0; got "
+                             f"{self.root_children}, {self.parallel}, {self.widening}, {self.exploration} and {self.rollout_depth}")
         if self.budget < 1 or self.steps < 1 or self.max_batch < 1 or self.keep < 1:
             raise ValueError(f"--budget, --steps, --max-batch and --keep must be ≥ 1; got {self.budget}, {self.steps}, {self.max_batch}, {self.keep}")
         image = self.steps * rows_per_prediction
@@ -82,7 +84,7 @@ def search_of(settings: SearchSettings) -> object:
     if settings.search in ("dts", "dts-star", "dts-is"):
         return make_search(settings.search, temperature=settings.temperature, max_children=settings.max_children,
                            root_children=settings.root_children, widening=settings.widening, exploration=settings.exploration,
-                           x0_value=settings.x0_value)
+                           x0_value=settings.x0_value, rollout_depth=settings.rollout_depth)
     return make_search(settings.search)
 
 
