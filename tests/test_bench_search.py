@@ -35,16 +35,28 @@ def test_the_nfe_ratio_compares_first_times_at_the_references_final():
     assert nfe_ratio([0.5, 0.7, 0.9], [0.5, 0.8, 0.85], grid) is None
     assert nfe_ratio([0.5, 0.7, 0.7], [0.5, 0.7, 0.7], grid) == 1.0
     assert nfe_ratio([0.5, 0.7, 0.9], [0.5, 0.6, 1.1], grid) == pytest.approx(40 / (20 + 20 * 0.3 / 0.5))
+    # a search with no image before 20 rows (early-stopped rollouts) that is above the target at 20: reached at 20, not NaN
+    assert nfe_ratio([0.5, 0.7, 0.9], [math.nan, 0.95, 0.97], grid) == 2.0
+
+
+def test_a_budget_where_a_prompt_has_no_image_yet_has_no_mean():
+    """Prompt 0 has an image at 10 rows, prompt 1 only at 30: the mean at 10 and 20 rows would be prompt 0's alone, so NaN."""
+    result = SearchResult(leaves=[[5], [8]], rewards=[[0.2], [0.4]], extras=[[{}], [{}]],
+                          trace=[[{"nfe": 10, "images": 1}], [{"nfe": 25, "images": 0}, {"nfe": 30, "images": 1}]])
+    rewards, checks = _curves(result, [10, 20, 30], verifier=None)
+    assert math.isnan(rewards[0]) and math.isnan(rewards[1]) and rewards[2] == pytest.approx(0.3) and all(map(math.isnan, checks))
 
 
 def test_a_small_bench_writes_its_table_plot_and_ratio(tmp_path, capsys):
+    (tmp_path / "search.md").write_text("a hand-written page")  # docs/search.md, where --out defaults to docs: not overwritten
     result = bench_search(2, 2, tmp_path / "search.json", tmp_path, ["best-of-n", "dts-star", "tree"], prompts=2)
+    assert (tmp_path / "search.md").read_text() == "a hand-written page"
     # it says where it wrote (it did not)
-    assert capsys.readouterr().out.splitlines()[-1] == f"wrote {tmp_path / 'search.md'}, {tmp_path / 'search.png'}, {tmp_path / 'search.json'}"
+    assert capsys.readouterr().out.splitlines()[-1] == f"wrote {tmp_path / 'search-bench.md'}, {tmp_path / 'search-bench.png'}, {tmp_path / 'search.json'}"
     assert "NaN" not in (tmp_path / "search.json").read_text()
     tree = result["searches"].pop("tree")  # a tree of 8 images does not fit in two images' rows: no winner yet
-    assert all(math.isnan(v) for v in tree["best_reward"]["mean"]) and "| tree | best tiny-geneval | — | — |" in (tmp_path / "search.md").read_text()
-    assert (tmp_path / "search.png").stat().st_size > 0 and "nfe_best_of_n_over_dts_star" in (tmp_path / "search.md").read_text()
+    assert all(math.isnan(v) for v in tree["best_reward"]["mean"]) and "| tree | best tiny-geneval | — | — |" in (tmp_path / "search-bench.md").read_text()
+    assert (tmp_path / "search-bench.png").stat().st_size > 0 and "nfe_best_of_n_over_dts_star" in (tmp_path / "search-bench.md").read_text()
     assert result["grid_nfe"] == [10, 20] and set(result["searches"]) == {"best-of-n", "dts-star"}
     for entry in result["searches"].values():
         assert len(entry["best_reward"]["seeds"]) == 2 and all(0 <= v <= 1 for v in entry["strict"]["mean"])
@@ -52,7 +64,7 @@ def test_a_small_bench_writes_its_table_plot_and_ratio(tmp_path, capsys):
     # with two images' rows and a cap of four children DTS* draws two new noises, as best-of-N does
     assert result["searches"]["dts-star"]["best_reward"] == result["searches"]["best-of-n"]["best_reward"]
     assert result["ratios"]["nfe_best_of_n_over_dts_star"] == pytest.approx(1.0)
-    assert all(0 < entry["fill"] <= 1 for entry in result["searches"].values()) and "rows per forward" in (tmp_path / "search.md").read_text()
+    assert all(0 < entry["fill"] <= 1 for entry in result["searches"].values()) and "rows per forward" in (tmp_path / "search-bench.md").read_text()
     with pytest.raises(ValueError, match="unknown search 'beam'"):
         bench_search(2, 1, None, tmp_path, ["beam"])
 
@@ -85,7 +97,7 @@ def test_the_mixture_task_searches_without_a_verifier_and_says_where_its_rows_we
         assert "strict" not in entry and sum(entry["rows_by_depth"]) == pytest.approx(entry["nfe_mean"])
     assert searches["dts-star"]["best_reward"]["mean"][:1] == searches["best-of-n"]["best_reward"]["mean"][:1]
     assert searches["dts-star:rollout_depth=2"]["rows_by_depth"][9] < searches["dts-star"]["rows_by_depth"][9]  # stopped rollouts skip the last steps
-    markdown = (tmp_path / "search.md").read_text()
+    markdown = (tmp_path / "search-bench.md").read_text()
     assert "winner strict" not in markdown and "| best-of-n | 4.0 | 4.0 |" in markdown and "mixture task" in markdown
 
 

@@ -338,3 +338,15 @@ def test_early_stopped_rollouts_are_valued_by_their_predicted_clean_sample_and_s
         assert result.trace[p][-1]["best"] == max(result.rewards[p])
     with pytest.raises(ValueError, match="rollout_depth ≥ 0"):
         make_search("dts", rollout_depth=-1)
+
+
+def test_an_early_stop_leaves_no_phantom_child_and_the_search_spends_its_budget(tiny_adapter):
+    """Regression: a node where a rollout stopped early kept the child its rollout was to add counted as pending, so it
+    looked fuller than it was and, once its real children were spent, made every selection wait: searches ended far
+    under their budget (the mixture task's DTS* at k = 3 spent 194 of 640 rows). After the search no node has a pending
+    child, and every prompt spends its budget but less than a rollout's rows."""
+    forest = _forest(tiny_adapter)
+    budget = 40 * STEPS
+    run_search(forest, make_search("dts-star", rollout_depth=2), budget, _brightness, seed=1)
+    assert not any(forest.pending) and not any(forest.inflight)
+    assert all(budget - STEPS < forest.nfe[p] <= budget for p in range(forest.num_prompts))

@@ -104,14 +104,16 @@ def mixture_task(prompts: int | None = None) -> SearchTask:
 
 
 def _curves(result, grid: list[int], verifier: str | None = STRICT) -> tuple[list[float], list[float]]:
-    """Mean over prompts of the winner's reward and of its `verifier` score (NaN without one) at each budget of the grid."""
+    """Mean over prompts of the winner's reward and of its `verifier` score (NaN without one) at each budget of the grid;
+    NaN at a budget where a prompt has no image yet (a mean over some of the prompts would not compare)."""
     rewards, checks = [], []
     for budget in grid:
         best_rewards, best_checks = [], []
         for p, rounds in enumerate(result.trace):
             made = max((r["images"] for r in rounds if r["nfe"] <= budget), default=0)
             if made == 0:
-                continue
+                best_rewards, best_checks = [], []
+                break
             index = max(range(made), key=lambda i: (result.rewards[p][i], -i))
             best_rewards.append(result.rewards[p][index])
             best_checks.append(result.extras[p][index][verifier] if verifier else math.nan)
@@ -132,8 +134,8 @@ def rows_by_depth(forest: SearchForest) -> list[float]:
 def bench_search(images: int, seeds: int, json_path: Path | None, out_dir: Path, searches: list[str] | None = None,
                  prompts: int | None = None, task: str = "tiny") -> dict:
     """Run every search (module doc) for `seeds` seeds at a budget of `images` images' rows per
-    prompt on `task` (`prompts`: the first n prompts, None: the task's all); write out_dir/search.png and
-    search.md, print the table, return (and write to `json_path`) the result."""
+    prompt on `task` (`prompts`: the first n prompts, None: the task's all); write out_dir/search-bench.png and
+    search-bench.md (not search.md: `--out` defaults to docs/, whose search.md is the guide), print the table, return (and write to `json_path`) the result."""
     names = list(SEARCHES) if searches is None else searches
     variants = {name: parse_variant(name) for name in names}
     if images < 1 or seeds < 1:
@@ -161,7 +163,7 @@ def bench_search(images: int, seeds: int, json_path: Path | None, out_dir: Path,
     print(format_ratio(result))
     command = (f"branchdiff bench search --images {images} --seeds {seeds}" + (f" --task {task}" if task != "tiny" else "")
                + (f" --variants {','.join(names)}" if searches else "") + (f" --json {json_path}" if json_path else "") + f" --out {out_dir}")
-    write_outputs(out_dir, "search", f"Best reward against network rows per prompt, {task} task", f"`{command}` (searches={names}, "
+    write_outputs(out_dir, "search-bench", f"Best reward against network rows per prompt, {task} task", f"`{command}` (searches={names}, "
                   f"prompts={len(chosen.prompts)})", f"{format_table(result, markdown=True)}\n\n{format_ratio(result)}\n\n{format_depths(result)}",
                   lambda path: plot_search(result, path), result, json_path)
     return result

@@ -34,11 +34,14 @@ def t_interval(values: list[float]) -> tuple[float, float]:
 def first_time_reaching(times: list[float], values: list[float], target: float) -> float | None:
     """First time the piecewise-linear curve through (times[k], values[k]) reaches `target`:
     times[0] if values[0] ≥ target; else, for the first k with values[k] ≥ target,
-    t = t_{k-1} + (target − v_{k-1}) / (v_k − v_{k-1}) · (t_k − t_{k-1}); None if no value reaches it."""
+    t = t_{k-1} + (target − v_{k-1}) / (v_k − v_{k-1}) · (t_k − t_{k-1}) (t_k itself where v_{k-1} is NaN: no value
+    before it, e.g. a search with no image yet); None if no value reaches it."""
     if values[0] >= target:
         return times[0]
     for k in range(1, len(values)):
         if values[k] >= target:
+            if math.isnan(values[k - 1]):
+                return times[k]
             fraction = (target - values[k - 1]) / (values[k] - values[k - 1])
             return times[k - 1] + fraction * (times[k] - times[k - 1])
     return None
