@@ -6,13 +6,12 @@ from __future__ import annotations
 import math
 
 import pytest
-
 import torch
 
 from branchdiff.bench.gmm import target_reward
 from branchdiff.bench.search import _curves, bench_search, nfe_ratio, parse_variant, table_columns
-from branchdiff.search.sample import SearchSettings, search_of
 from branchdiff.search.run import SearchResult
+from branchdiff.search.sample import SearchSettings, search_of
 
 
 def test_each_budget_takes_the_best_leaf_of_the_rounds_it_pays_for():

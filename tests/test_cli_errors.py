@@ -244,7 +244,10 @@ def benchmarks(monkeypatch) -> dict[str, list]:
     (["bench", "search", "--temperature", "2"],
      "bench search: --temperature is λ of the reward-tilted target of bench search --sampler; add --sampler or leave --temperature out"),
     (["bench", "search", "--sampler", "--task", "mixture"],
-     "bench search: --task is the task of bench search's best-reward benchmark; --sampler measures on its --testbeds. Leave one of them out"),
+     "bench search: --task is an option of bench search's best-reward benchmark, not of --sampler (its testbeds and seeds 0..n−1); leave one of them out"),
+    (["bench", "search", "--sampler", "--first-seed", "2"],
+     "bench search: --first-seed is an option of bench search's best-reward benchmark, not of --sampler (its testbeds and seeds 0..n−1); "
+     "leave one of them out"),
     (["bench", "tree", "--bogus"], "bench tree: unrecognized arguments: --bogus; see branchdiff bench tree --help"),
     (["bench", "--sampler", "search"], "bench search: --sampler goes after the benchmark's name: branchdiff bench search --sampler; "
                                        "see branchdiff bench search --help"),
@@ -264,7 +267,7 @@ def test_every_option_of_a_benchmark_reaches_it(benchmarks, tmp_path, capsys):
             ["bench", "explore", "--json", str(json_path), "a.b=1"],
             ["bench", "curves", "--minutes", "0.5", "--seeds", "2", "--out", str(out), "--variants", "chain,mix", "--reference", "mix",
              "--task", "tiny-video", "--points", "3", "--eval-images", "2", "--clock", "modelled", "--first-seed", "3", "a.b=1"],
-            ["bench", "search", "--images", "4", "--seeds", "2", "--out", str(out), "--variants", "dts"],
+            ["bench", "search", "--images", "4", "--seeds", "2", "--out", str(out), "--variants", "dts", "--task", "mixture", "--first-seed", "3"],
             ["bench", "search", "--sampler", "--temperature", "2", "--images", "4", "--seeds", "1", "--out", str(out), "--variants", "smc"],
             ["bench", "reward-server", "--json", str(json_path)],
             ["bench", "overlap", "--iterations", "2", "a.b=1", "--json", str(json_path)]]
@@ -274,7 +277,7 @@ def test_every_option_of_a_benchmark_reaches_it(benchmarks, tmp_path, capsys):
         "tree": [((json_path, 2, ["a.b=1", "c.d=2"], ["chain", "tree"]), {})],
         "explore": [((json_path,), {"extra_overrides": ["a.b=1"]})],
         "curves": [((0.5, 2, None, out, 3, ["chain", "mix"], 2, ["a.b=1"], "modelled", "mix", "tiny-video", 3), {})],
-        "search": [((4, 2, None, out, ["dts"]), {})],
+        "search": [((4, 2, None, out, ["dts"]), {"task": "mixture", "first_seed": 3})],
         "sampler": [((4, 1, None, out), {"samplers": ["smc"], "temperature": 2.0})],
         "reward-server": [((json_path,), {})],
         "overlap": [((json_path, 2, ["a.b=1"]), {})]}

@@ -132,8 +132,8 @@ def rows_by_depth(forest: SearchForest) -> list[float]:
 
 
 def bench_search(images: int, seeds: int, json_path: Path | None, out_dir: Path, searches: list[str] | None = None,
-                 prompts: int | None = None, task: str = "tiny") -> dict:
-    """Run every search (module doc) for `seeds` seeds at a budget of `images` images' rows per
+                 prompts: int | None = None, task: str = "tiny", first_seed: int = 0) -> dict:
+    """Run every search (module doc) for `seeds` seeds from `first_seed` at a budget of `images` images' rows per
     prompt on `task` (`prompts`: the first n prompts, None: the task's all); write out_dir/search-bench.png and
     search-bench.md (not search.md: `--out` defaults to docs/, whose search.md is the guide), print the table, return (and write to `json_path`) the result."""
     names = list(SEARCHES) if searches is None else searches
@@ -145,7 +145,7 @@ def bench_search(images: int, seeds: int, json_path: Path | None, out_dir: Path,
     chosen = tiny_task(prompts) if task == "tiny" else mixture_task(prompts)
     grid = [STEPS * k for k in range(1, images + 1)]
     runs: dict[str, list[dict]] = {name: [] for name in names}
-    for seed in range(seeds):
+    for seed in range(first_seed, first_seed + seeds):
         for name in names:
             search, options = variants[name]
             settings = SearchSettings(search, STEPS * images, STEPS, seed=seed, max_batch=MAX_BATCH, **options)
@@ -161,7 +161,8 @@ def bench_search(images: int, seeds: int, json_path: Path | None, out_dir: Path,
     result = _result(runs, grid, seeds, chosen)
     print(format_table(result))
     print(format_ratio(result))
-    command = (f"branchdiff bench search --images {images} --seeds {seeds}" + (f" --task {task}" if task != "tiny" else "")
+    command = (f"branchdiff bench search --images {images} --seeds {seeds}" + (f" --first-seed {first_seed}" if first_seed else "")
+               + (f" --task {task}" if task != "tiny" else "")
                + (f" --variants {','.join(names)}" if searches else "") + (f" --json {json_path}" if json_path else "") + f" --out {out_dir}")
     write_outputs(out_dir, "search-bench", f"Best reward against network rows per prompt, {task} task", f"`{command}` (searches={names}, "
                   f"prompts={len(chosen.prompts)})", f"{format_table(result, markdown=True)}\n\n{format_ratio(result)}\n\n{format_depths(result)}",

@@ -239,7 +239,8 @@ def _bench_arguments(bench: argparse.ArgumentParser) -> None:
                                                              "against (time_to_<reference>_final; e.g. mix to compare objectives with GRPO)")
     curves.add_argument("--task", choices=["tiny", "tiny-video"], default="tiny", help="the built-in task, images (tiny) or clips (tiny-video)")
     curves.add_argument("--points", type=at_least(2), default=7, help="evaluations over the budget")
-    curves.add_argument("--first-seed", type=at_least(0), default=0, help="the first seed (continue a benchmark's seeds in another process)")
+    for sub in (curves, search):
+        sub.add_argument("--first-seed", type=at_least(0), default=0, help="the first seed (continue a benchmark's seeds in another process)")
     curves.add_argument("--eval-images", type=at_least(1), default=4, help="held-out images per prompt at each evaluation")
     curves.add_argument("--clock", choices=["wall", "modelled"], default="wall",
                         help="the clock of the budget: measured wall time, or modelled GPU time (low-precision explorer rows "

@@ -43,9 +43,10 @@ def cmd_bench(args: argparse.Namespace) -> None:
 
         bench_overlap(args.json, args.iterations, args.overrides)
     elif args.which == "search" and args.sampler:
-        if args.task is not None:
-            raise UserError("bench search: --task is the task of bench search's best-reward benchmark; --sampler measures on its --testbeds. "
-                            "Leave one of them out")
+        if args.task is not None or args.first_seed:
+            option = "--task" if args.task is not None else "--first-seed"
+            raise UserError(f"bench search: {option} is an option of bench search's best-reward benchmark, not of --sampler (its testbeds and "
+                            "seeds 0..n−1); leave one of them out")
         from branchdiff.bench.sampler import bench_sampler, parse_testbeds
 
         given = {} if args.temperature is None else {"temperature": args.temperature}
@@ -58,7 +59,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
                 raise UserError(f"bench search: {option} is {what} of bench search --sampler; add --sampler or leave {option} out")
         from branchdiff.bench.search import bench_search
 
-        bench_search(args.images, args.seeds, args.json, args.out, _variants(args.variants), task=args.task or "tiny")
+        bench_search(args.images, args.seeds, args.json, args.out, _variants(args.variants), task=args.task or "tiny", first_seed=args.first_seed)
     else:
         from branchdiff.bench.curves import bench_curves
 
