@@ -283,13 +283,13 @@ def plot_search(result: dict, path: Path) -> None:
 
     panels = [("best_reward", f"best {result['reward']} (searched)"), ("strict", "winners' held-out strict accuracy")]
     panels = [(key, label) for key, label in panels if key in next(iter(result["searches"].values()))]
-    figure = Figure(figsize=(5 * len(panels), 4))
+    figure = Figure(figsize=(max(8, 5 * len(panels)), 4.5))
     grid = result["grid_nfe"]
     for column, (key, label) in enumerate(panels):
         axes = figure.add_subplot(1, len(panels), column + 1)
         for name, entry in result["searches"].items():
             band(axes, grid, entry[key], name, "network rows per prompt (10 per image)", label)
-        axes.legend(fontsize=8)
+        axes.legend(fontsize=7)
     figure.suptitle(f"{result['task']} task, {result['prompts']} prompts, {result['seeds']} seed(s): mean and 95% interval")
     figure.tight_layout()
     figure.savefig(path, dpi=110)
