@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from branchdiff.bench.gmm import target_reward
-from branchdiff.bench.search import _curves, bench_search, nfe_ratio, parse_variant, table_columns
+from branchdiff.bench.search import _curves, bench_search, mixture_task, nfe_ratio, parse_variant, table_columns
 from branchdiff.search.run import SearchResult
 from branchdiff.search.sample import SearchSettings, search_of
 
@@ -89,7 +89,9 @@ def test_the_mixture_task_searches_without_a_verifier_and_says_where_its_rows_we
     """Four prompts, four images' rows: best-of-N spends one row at every depth per image (4 per depth); every search's
     rows by depth add up to its rows per prompt; the table has no strict rows; DTS* is best-of-N until it branches."""
     result = bench_search(4, 1, tmp_path / "search.json", tmp_path, ["best-of-n", "dts-star", "dts-star:rollout_depth=2"], prompts=4, task="mixture")
-    assert result["task"] == "mixture" and result["prompts"] == 4 and result["grid_nfe"] == [10, 20, 30, 40]
+    assert result["task"] == "mixture" and result["prompts"] == 4 and result["grid_nfe"] == [10, 20, 30, 40] and result["first_seed"] == 0
+    points = torch.randn(4, 16)
+    assert torch.equal(mixture_task(4).score(points, [0, 1, 2, 3])[0], mixture_task().score(points, [0, 1, 2, 3])[0])  # the first 4 targets
     searches = result["searches"]
     assert searches["best-of-n"]["rows_by_depth"] == [4.0] * 10
     for entry in searches.values():

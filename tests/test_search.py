@@ -256,6 +256,19 @@ def test_sample_search_with_early_stops_records_them_and_regrows_its_images(tiny
     assert {name: (tmp_path / "regrown" / name).read_bytes() for name in written} == written
 
 
+def test_a_search_whose_early_stops_finish_no_image_is_one_line_and_writes_nothing(tiny_model_dir, tmp_path, capsys):
+    """Regression: `--rollout-depth 3` on 30 rows (the four first rounds stop early, none reaches an image) ended in an
+    IndexError traceback after the search; it is one line naming the prompt and the fix, exit 2, nothing written."""
+    from branchdiff.cli import main
+
+    out = tmp_path / "none"
+    assert main(["sample", "--model", str(tiny_model_dir), "--steps", str(STEPS), "--prompt", PROMPTS[0], "--search", "dts-star",
+                 "--budget", str(3 * STEPS), "--rollout-depth", "1", "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"--rollout-depth 1: the search finished no image of {PROMPTS[0]!r} within --budget {3 * STEPS}" in err[0]
+    assert not out.exists()
+
+
 def test_keeping_more_images_than_the_search_made_says_how_many_it_wrote(tiny_model_dir, tmp_path, capsys):
     """`--keep 100` wrote the few images a small budget makes without a word: a note names how many there were."""
     from branchdiff.cli import main

@@ -95,7 +95,8 @@ def mixture_task(prompts: int | None = None) -> SearchTask:
     """The 16-D mixture's target-point search (module doc): `prompts` searches (None: MIXTURE_PROMPTS), each its own x*_p."""
     mixture = random_mixture(MIXTURE_DIMS)
     count = prompts or MIXTURE_PROMPTS
-    reward = target_reward(mixture.sample(count, torch.Generator().manual_seed(TARGET_SEED)), TARGET_WIDTH)
+    targets = mixture.sample(max(count, MIXTURE_PROMPTS), torch.Generator().manual_seed(TARGET_SEED))[:count]  # the first n of the task's
+    reward = target_reward(targets, TARGET_WIDTH)
 
     def score(points: torch.Tensor, prompt_index: list[int]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         return reward(points, prompt_index), {}
@@ -123,11 +124,12 @@ def _curves(result, grid: list[int], verifier: str | None = STRICT) -> tuple[lis
 
 
 def rows_by_depth(forest: SearchForest) -> list[float]:
-    """Network rows spent at each depth 0..T−1, mean over the forest's prompts: a node's row is its model output."""
+    """Network rows spent at each depth 0..T−1, mean over the forest's prompts: a node's rows are its model output's
+    (two under CFG)."""
     rows = [0] * forest.num_steps
     for depth, output in zip(forest.depth, forest.output):
         if output is not None:
-            rows[depth] += 1
+            rows[depth] += forest.rows_per_node()
     return [count / forest.num_prompts for count in rows]
 
 
@@ -158,7 +160,7 @@ def bench_search(images: int, seeds: int, json_path: Path | None, out_dir: Path,
             print(f"seed {seed} {name}: best reward " + " ".join(f"{best[i]:.3f}" for i in shown)
                   + (" | strict " + " ".join(f"{checked[i]:.3f}" for i in shown) if chosen.verifier else "")
                   + f" | rows per forward {fill:.1%} of {MAX_BATCH}".replace("nan%", "—"), flush=True)
-    result = _result(runs, grid, seeds, chosen)
+    result = {**_result(runs, grid, seeds, chosen), "first_seed": first_seed}
     print(format_table(result))
     print(format_ratio(result))
     command = (f"branchdiff bench search --images {images} --seeds {seeds}" + (f" --first-seed {first_seed}" if first_seed else "")

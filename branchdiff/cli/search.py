@@ -76,6 +76,11 @@ def search_and_write(adapter: ModelAdapter, args: argparse.Namespace, settings: 
         return value, {f"{label}.{key}": scores for key, scores in more.items()}
 
     forest, result = search_prompts(adapter, prompts, search, score, first_round=True)
+    empty = [prompt for p, prompt in enumerate(prompts) if not result.leaves[p]]
+    if empty:  # only early stops leave a prompt without an image: every other first round finishes one
+        raise ValueError(f"--rollout-depth {search.rollout_depth}: the search finished no image of {', '.join(map(repr, empty))} within "
+                         f"--budget {search.budget} (its rollouts stopped early and were not extended in time); give a larger --budget, "
+                         "--max-children 1 --widening 0.5 (which extends stopped rollouts first), or --rollout-depth 0")
     recorded = trace(forest, result, prompts, search, {"family": settings.family, "model": settings.model or "built-in tiny",
                                                        "weights": args.weights, "reward": args.reward})
     args.out.mkdir(parents=True, exist_ok=True)

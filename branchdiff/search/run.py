@@ -140,7 +140,7 @@ def run_search(forest: SearchForest, search: Search, budget: int, score: Score, 
         if stopped:
             _value_early_stops(forest, search, score, [r.node for r in stopped])
             for r in stopped:
-                forest.pending[r.node] -= 1  # the child this rollout was to add below the node will not come
+                forest.pending[r.node] -= 1 if branching is None else branching[forest.depth[r.node]]  # the children it was to add will not come
                 finish(r)
             done = {id(r) for r in stopped}
             rollouts = [r for r in rollouts if id(r) not in done]
