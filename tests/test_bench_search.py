@@ -111,3 +111,5 @@ def test_rollout_depth_is_a_search_setting_and_a_variant_key():
     assert parse_variant("dts-star:rollout_depth=3") == ("dts-star", {"rollout_depth": 3})
     with pytest.raises(ValueError, match="--rollout-depth ≥ 0"):
         SearchSettings("dts-star", 100, rollout_depth=-1).validate()
+    with pytest.raises(ValueError, match="rollout_depth=3"):  # dts-is's own refusal, at validation (before `sample` loads a model)
+        SearchSettings("dts-is", 100, rollout_depth=3).validate()
