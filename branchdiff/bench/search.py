@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -50,6 +49,7 @@ from branchdiff.rewards.combine import parse_reward_specs
 from branchdiff.rewards.multi import build_component, score_component
 from branchdiff.search.forest import SearchForest
 from branchdiff.search.registry import SEARCHES
+from branchdiff.search.run import Score
 from branchdiff.search.sample import SearchSettings, search_prompts
 
 STEPS = 10
@@ -59,8 +59,6 @@ VARIANT_KEYS = {"max_children": int, "root_children": int, "widening": float, "e
 STRICT = "strict"
 TASKS = ("tiny", "mixture")
 MIXTURE_DIMS, MIXTURE_PROMPTS, TARGET_WIDTH, TARGET_SEED = 16, 32, 0.5, 123  # the mixture task (module doc)
-
-Score = Callable[[torch.Tensor, list[int]], tuple[torch.Tensor, dict[str, torch.Tensor]]]  # images, prompt indices → rewards (L,), extras
 
 
 @dataclass(frozen=True)
@@ -109,17 +107,14 @@ def _curves(result, grid: list[int], verifier: str | None = STRICT) -> tuple[lis
     NaN at a budget where a prompt has no image yet (a mean over some of the prompts would not compare)."""
     rewards, checks = [], []
     for budget in grid:
-        best_rewards, best_checks = [], []
-        for p, rounds in enumerate(result.trace):
-            made = max((r["images"] for r in rounds if r["nfe"] <= budget), default=0)
-            if made == 0:
-                best_rewards, best_checks = [], []
-                break
-            index = max(range(made), key=lambda i: (result.rewards[p][i], -i))
-            best_rewards.append(result.rewards[p][index])
-            best_checks.append(result.extras[p][index][verifier] if verifier else math.nan)
-        rewards.append(statistics.mean(best_rewards) if best_rewards else math.nan)
-        checks.append(statistics.mean(best_checks) if best_checks else math.nan)
+        made = [max((r["images"] for r in rounds if r["nfe"] <= budget), default=0) for rounds in result.trace]  # images per prompt
+        if 0 in made:
+            rewards.append(math.nan)
+            checks.append(math.nan)
+            continue
+        winners = [max(range(m), key=lambda i: (result.rewards[p][i], -i)) for p, m in enumerate(made)]
+        rewards.append(statistics.mean(result.rewards[p][i] for p, i in enumerate(winners)))
+        checks.append(statistics.mean(result.extras[p][i][verifier] for p, i in enumerate(winners)) if verifier else math.nan)
     return rewards, checks
 
 

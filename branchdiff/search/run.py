@@ -140,7 +140,6 @@ def run_search(forest: SearchForest, search: Search, budget: int, score: Score, 
         if stopped:
             _value_early_stops(forest, search, score, [r.node for r in stopped])
             for r in stopped:
-                forest.pending[r.node] -= 1 if branching is None else branching[forest.depth[r.node]]  # the children it was to add will not come
                 finish(r)
             done = {id(r) for r in stopped}
             rollouts = [r for r in rollouts if id(r) not in done]
@@ -152,7 +151,7 @@ def run_search(forest: SearchForest, search: Search, budget: int, score: Score, 
         for r, width in zip(ready, widths):
             forest.pending[r.node] -= width  # the children it was to add are there
             for new in grown[id(r)]:
-                if forest.depth[new.node] < forest.num_steps:  # and each new node waits for the children its rollout will add
+                if forest.depth[new.node] < new.stop:  # and each new node above its rollout's stop waits for the children it will add
                     forest.pending[new.node] += 1 if branching is None else branching[forest.depth[new.node]]
             unfinished[r.selection] += width - 1
         rollouts = [new for r in rollouts for new in grown.get(id(r), [r])]
@@ -186,19 +185,29 @@ def _stop_depth(forest: SearchForest, search: Search, node: int) -> int:
 
 
 def _value_early_stops(forest: SearchForest, search: Search, score: Score, nodes: list[int]) -> None:
-    """Each node where a rollout stopped early (predicted) valued by the reward of its predicted clean sample, backed up."""
-    rewards, _ = score(forest.adapter.decode(forest.predicted_x0(nodes)), [forest.prompt[n] for n in nodes])
-    for node, reward in zip(nodes, rewards.tolist()):
-        forest.value[node] = reward if math.isfinite(reward) else -math.inf
+    """Each node where a rollout stopped early (predicted) valued by the reward of its predicted clean sample (its
+    `estimate` where `x0_value` has scored it already), backed up."""
+    unscored = [n for n in nodes if math.isnan(forest.estimate[n])]
+    for node, reward in zip(unscored, _x0_rewards(forest, score, unscored)):
+        forest.estimate[node] = reward
+    for node in nodes:
+        forest.value[node] = forest.estimate[node]
         for above in backup_path(forest.parent, forest.children, forest.value, node, search.backup, search.temperature):
             forest.visits[above] += 1
 
 
 def _estimate(forest: SearchForest, score: Score, nodes: list[int]) -> None:
     """Each node's `estimate`: the reward of the clean sample its (just computed) output predicts, no network row spent."""
+    for node, reward in zip(nodes, _x0_rewards(forest, score, nodes)):
+        forest.estimate[node] = reward
+
+
+def _x0_rewards(forest: SearchForest, score: Score, nodes: list[int]) -> list[float]:
+    """The rewards of the nodes' predicted clean samples (a non-finite one counts as −inf, the worst)."""
+    if not nodes:
+        return []
     rewards, _ = score(forest.adapter.decode(forest.predicted_x0(nodes)), [forest.prompt[n] for n in nodes])
-    for node, reward in zip(nodes, rewards.tolist()):
-        forest.estimate[node] = reward if math.isfinite(reward) else -math.inf
+    return [reward if math.isfinite(reward) else -math.inf for reward in rewards.tolist()]
 
 
 def _score_and_back_up(forest: SearchForest, search: Search, score: Score, leaves: list[int], result: SearchResult) -> None:
