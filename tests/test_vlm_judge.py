@@ -60,26 +60,35 @@ class StandIn(JSONHandler):
             cls.peak = max(cls.peak, cls.in_flight)
             first = len(cls.requests) == 1
         try:
-            if cls.mode == "stall":
-                time.sleep(3)
-                return
-            if cls.mode == "refuse":
-                return self.send_json(401, b'{"error": {"message": "invalid api key"}}')
-            if cls.mode == "busy-once" and first:
-                return self.send_json(503, b'{"error": "loading"}')
-            if cls.mode == "garbage":
-                return self.send_json(200, b'{"choices": [{"message": {"content": "yes"}}]}')
-            time.sleep(0.05)  # long enough for requests to overlap
-            shown = [_decoded(part["image_url"]["url"]) for part in body["messages"][0]["content"] if part["type"] == "image_url"]
-            p = judged(shown[0]) if len(shown) == 1 else preferred_first(*shown)
-            words = (" Yes", "No") if len(shown) == 1 else (" First", "Second")
-            top = ([{"token": "maybe", "logprob": -3.0}, {"token": "perhaps", "logprob": -4.0}] if cls.mode == "neither" else
-                   [{"token": words[0], "logprob": math.log(p)}, {"token": words[1], "logprob": math.log(1 - p)}, {"token": "maybe", "logprob": -6.0}])
-            reply = {"choices": [{"message": {"content": "Yes"}, "logprobs": {"content": [{"token": " Yes", "top_logprobs": top}]}}]}
-            self.send_json(200, json.dumps(reply).encode())
+            answer = self.answer(body, first)
         finally:
+            # the request stops counting before its answer is written: the client can send its next request as
+            # soon as it reads this one, and a count taken after the write would see both at once
             with cls.lock:
                 cls.in_flight -= 1
+        if answer is not None:
+            self.send_json(*answer)
+
+    def answer(self, body: dict, first: bool) -> tuple[int, bytes] | None:
+        """The status and JSON body the stand-in answers in its mode, or None for a stall (no answer)."""
+        mode = type(self).mode
+        if mode == "stall":
+            time.sleep(3)
+            return None
+        if mode == "refuse":
+            return 401, b'{"error": {"message": "invalid api key"}}'
+        if mode == "busy-once" and first:
+            return 503, b'{"error": "loading"}'
+        if mode == "garbage":
+            return 200, b'{"choices": [{"message": {"content": "yes"}}]}'
+        time.sleep(0.05)  # long enough for requests to overlap
+        shown = [_decoded(part["image_url"]["url"]) for part in body["messages"][0]["content"] if part["type"] == "image_url"]
+        p = judged(shown[0]) if len(shown) == 1 else preferred_first(*shown)
+        words = (" Yes", "No") if len(shown) == 1 else (" First", "Second")
+        top = ([{"token": "maybe", "logprob": -3.0}, {"token": "perhaps", "logprob": -4.0}] if mode == "neither" else
+               [{"token": words[0], "logprob": math.log(p)}, {"token": words[1], "logprob": math.log(1 - p)}, {"token": "maybe", "logprob": -6.0}])
+        reply = {"choices": [{"message": {"content": "Yes"}, "logprobs": {"content": [{"token": " Yes", "top_logprobs": top}]}}]}
+        return 200, json.dumps(reply).encode()
 
 
 @pytest.fixture
