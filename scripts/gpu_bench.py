@@ -335,7 +335,7 @@ def tree_iterations(bench: Bench, tiny: bool, variants: list[str]) -> dict:
             except torch.cuda.OutOfMemoryError as error:  # this variant only: the smaller trees may still fit
                 result["variants"][name] = f"skipped: out of memory ({str(error).splitlines()[0]}); plan's peak {planned.peak / 2**30:.1f} GiB"
             del trainer
-            gc.collect()  # a Trainer's reference cycles would otherwise keep its weights in the next variant's peaks
+            gc.collect()  # torch.compile's caches or an out-of-memory error's traceback may still refer to the weights
             if bench.device.type == "cuda":
                 torch.cuda.empty_cache()
             bench.save()

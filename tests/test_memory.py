@@ -50,3 +50,31 @@ def test_the_memory_tables_forward_trace_counts_a_layers_output_per_row():
     input_cast = 64 * 2  # the fp32 input cast to bf16, per row
     assert peak.at(1) == weight_cast + input_cast + 128 * 2
     assert peak.at(100) - peak.at(1) == 99 * (input_cast + 128 * 2)
+
+
+def test_a_dropped_trainer_frees_its_model_without_waiting_for_the_cycle_collector(tiny_model_dir, tmp_path):
+    """`del trainer` frees the denoiser's weights (and the explorer's 4-bit copy's) at once: nothing the Trainer
+    keeps refers back to it. Reference cycles (the accelerator's checkpoint hooks as the Checkpointer's bound
+    methods, the Checkpointer's parts holding the Trainer's own method) kept a whole model allocated until
+    `gc.collect()`, so a second run in the same process (a benchmark's next variant, a notebook) peaked with both."""
+    import gc
+    import weakref
+
+    from branchdiff.settings.load import load_config
+    from branchdiff.training.recipe import Trainer
+
+    trainer = Trainer(load_config("tiny-explore-tree", [f"model.path={tiny_model_dir}", f"output_dir={tmp_path}", "prompts.per_iteration=1",
+                                                        "sampling.num_steps=4", "tree.splits=[[0,2],[1,2]]", "explore.keep=2",
+                                                        "train.minibatch=4", "train.optimizer_every=4", "final_eval=false",
+                                                        "logging.report_to=none"]))
+    trainer.run_iteration(0)
+    trainer.save_checkpoint(0)
+    assert trainer.exploration is not None
+    weights = [weakref.ref(p) for p in trainer.adapter.denoiser.parameters()]
+    explorer = weakref.ref(trainer.exploration)
+    gc.disable()
+    try:
+        del trainer
+        assert explorer() is None and sum(w() is not None for w in weights) == 0
+    finally:
+        gc.enable()

@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from branchdiff.runtime.distributed import AcceleratorCollective
     from branchdiff.runtime.sharding import ShardingSettings
     from branchdiff.settings.config import TrainConfig
+    from branchdiff.training.exploration import Exploration
 
 
 @dataclass
@@ -54,7 +55,7 @@ class TrainedParts:
     optimizer: torch.optim.Optimizer
     weight_average: WeightAverage | None
     objective: Objective
-    refresh_explorer: Callable[[], None]  # the 4-bit copy follows the restored weights
+    exploration: Exploration | None  # its 4-bit copy follows the restored weights
 
 
 class Checkpointer:
@@ -70,21 +71,15 @@ class Checkpointer:
     def attach(self, parts: TrainedParts) -> None:
         """The model's parts; accelerate saves and loads no model weights itself (`_save_trained` and `_load_trained` do)."""
         self._parts = parts
-        self.accelerator.register_save_state_pre_hook(self._save_hook)
-        self.accelerator.register_load_state_pre_hook(self._load_hook)
+        # plain functions: a bound method kept by the accelerator, which this object keeps, would be a reference
+        # cycle holding the model's weights after the run is dropped, until Python's cycle collector ran
+        self.accelerator.register_save_state_pre_hook(_save_no_model_weights)
+        self.accelerator.register_load_state_pre_hook(_load_no_model_weights)
 
     @property
     def parts(self) -> TrainedParts:
         assert self._parts is not None, "attach the model's parts before saving or loading a checkpoint"
         return self._parts
-
-    def _save_hook(self, models: list, weights: list, output_dir: str) -> None:
-        """accelerate writes no model weights: what is trained is saved by `_save_trained`."""
-        weights.clear()
-
-    def _load_hook(self, models: list, input_dir: str) -> None:
-        """accelerate loads no model weights: `_load_trained` does."""
-        models.clear()
 
     def _save_trained(self, folder: Path) -> None:
         """What is trained (the LoRA, or every weight of the denoiser; never a frozen base), its moving
@@ -216,13 +211,24 @@ class Checkpointer:
             hint = f"resume from an older one (--resume {older[-1]})" if older else "start a new run in another output_dir="
             reason = " ".join(str(error).split())[:200]
             raise CheckpointError(f"--resume: checkpoint {path} is damaged or not this run's ({type(error).__name__}: {reason}); {hint}") from None
-        self.parts.refresh_explorer()  # the 4-bit copy must follow the restored LoRA
+        if self.parts.exploration is not None:
+            self.parts.exploration.refresh()  # the 4-bit copy must follow the restored LoRA
         counters = self.counters
         counters.start_iteration = state["iteration"] + 1
         counters.run_state.update(state.get("run_state", {}))
         counters.watch_state = WatchState(**counters.run_state.get("watch", {}))
         if self.accelerator.is_main_process:
             metrics_log.truncate(self.run_dir / "metrics.jsonl", state["iteration"])  # a resumed run rewrites the later lines
+
+
+def _save_no_model_weights(models: list, weights: list, output_dir: str) -> None:
+    """accelerate writes no model weights: what is trained is saved by `Checkpointer._save_trained`."""
+    weights.clear()
+
+
+def _load_no_model_weights(models: list, input_dir: str) -> None:
+    """accelerate loads no model weights: `Checkpointer._load_trained` does."""
+    models.clear()
 
 
 def _saved_run_config(run_dir: Path) -> dict | None:
