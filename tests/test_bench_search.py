@@ -73,6 +73,12 @@ def test_a_variant_is_a_search_with_settings_and_bad_ones_are_named():
     assert parse_variant("best-of-n") == ("best-of-n", {})
     with pytest.raises(ValueError, match="'depth=3' in 'dts:depth=3' is not key=value with a key of max_children"):
         parse_variant("dts:depth=3")
+    # a DTS option on a search that grows no tree by values would be ignored: refused, naming it (it ran as plain best-of-N)
+    with pytest.raises(ValueError, match=r"'best-of-n:widening=0.5': --search best-of-n does not use --widening 0.5: these set how dts"):
+        parse_variant("best-of-n:widening=0.5")
+    with pytest.raises(ValueError, match=r"'dts-is:rollout_depth=2': dts-is draws with the probabilities"):  # the search's own refusal
+        parse_variant("dts-is:rollout_depth=2")
+    assert parse_variant("tree:parallel=2") == ("tree", {"parallel": 2})  # parallel selections are the search loop's, every search's
 
 
 def test_the_target_reward_is_the_gaussian_proximity_to_each_prompts_point():

@@ -334,6 +334,9 @@ CASES = [
     Case("search-early-stops-finish-no-image", lambda e: ["sample", "--model", str(e.model), "--prompt", "one red circle on the left", "--search",
                                                           "dts-star", "--budget", "30", "--rollout-depth", "1", "--out", str(e.tmp / "out")],
          r"--rollout-depth 1: the search finished no image of 'one red circle on the left' within --budget 30 \(its rollouts stopped early"),
+    Case("search-option-of-another-search", lambda e: ["sample", "--model", str(e.model), "--prompt", "one red circle on the left", "--search",
+                                                       "best-of-n", "--budget", "40", "--rollout-depth", "2", "--x0-value", "--out", str(e.tmp / "out")],
+         r"--search best-of-n does not use --x0-value, --rollout-depth 2: these set how dts, dts-star, dts-is grow their trees; leave them out"),
     Case("bench-search-bad-variant", lambda e: ["bench", "search", "--variants", "dts-star:depth=3", "--images", "2", "--seeds", "1",
                                                 "--out", str(e.tmp / "out")],
          r"bench search: 'depth=3' in 'dts-star:depth=3' is not key=value with a key of max_children, root_children, widening, exploration"),
@@ -486,7 +489,7 @@ def test_bad_input_gives_one_line_exit_2_and_loses_nothing(case, env, capsys):
 
 BEFORE_LOAD = ["sample-image-on-a-text-family", "sample-edit-without-image", "sample-source-of-another-shape", "sample-too-many-sources",
                "search-prompt-the-reward-cannot-score", "search-sde-of-another-family", "search-budget-below-one-image",
-               "eval-prompts-the-reward-cannot-score", "rewards-check-prompt-the-reward-cannot-score", "out-not-writable", "out-inside-a-file", "eval-model-missing",
+               "search-option-of-another-search", "eval-prompts-the-reward-cannot-score", "rewards-check-prompt-the-reward-cannot-score", "out-not-writable", "out-inside-a-file", "eval-model-missing",
                "sample-resolution-of-a-fixed-family", "lora-missing", "device-unavailable"]
 
 

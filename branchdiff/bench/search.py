@@ -50,7 +50,7 @@ from branchdiff.rewards.multi import build_component, score_component
 from branchdiff.search.forest import SearchForest
 from branchdiff.search.registry import SEARCHES
 from branchdiff.search.run import Score
-from branchdiff.search.sample import SearchSettings, search_prompts
+from branchdiff.search.sample import SearchSettings, search_of, search_prompts
 
 STEPS = 10
 MAX_BATCH = 32  # network rows per forward: fewer than the prompts' rollouts, so forwards fill with one selection in flight each
@@ -208,6 +208,10 @@ def parse_variant(variant: str) -> tuple[str, dict[str, float | int]]:
         if key not in VARIANT_KEYS or not value:
             raise ValueError(f"bench search: {option!r} in {variant!r} is not key=value with a key of {', '.join(VARIANT_KEYS)}")
         settings[key] = VARIANT_KEYS[key](value)
+    try:
+        search_of(SearchSettings(name, STEPS, STEPS, **settings))  # the search's own refusals (e.g. a DTS option on best-of-n)
+    except ValueError as error:
+        raise ValueError(f"bench search: {variant!r}: {error}") from None
     return name, settings
 
 

@@ -80,12 +80,21 @@ def encode_each(adapter: ModelAdapter, prompts: list[str]) -> PromptEmbeds:
     return {key: torch.cat([e[key] for e in encoded]) for key in encoded[0]}
 
 
+TREE_SEARCHES = ("dts", "dts-star", "dts-is")  # the searches that grow a tree by values, and take DTS_OPTIONS
+DTS_OPTIONS = ("temperature", "max_children", "root_children", "widening", "exploration", "x0_value", "rollout_depth")
+
+
 def search_of(settings: SearchSettings) -> object:
-    """The search the settings name, with DTS's temperature and child cap where it takes them."""
-    if settings.search in ("dts", "dts-star", "dts-is"):
-        return make_search(settings.search, temperature=settings.temperature, max_children=settings.max_children,
-                           root_children=settings.root_children, widening=settings.widening, exploration=settings.exploration,
-                           x0_value=settings.x0_value, rollout_depth=settings.rollout_depth)
+    """The search the settings name, with DTS's options where it takes them. Another search given any of
+    them away from its default is refused: it would run as if they were not there."""
+    options = {name: getattr(settings, name) for name in DTS_OPTIONS}
+    if settings.search in TREE_SEARCHES:
+        return make_search(settings.search, **options)
+    given = [name for name, value in options.items() if value != SearchSettings.__dataclass_fields__[name].default]
+    if given:
+        flags = ", ".join(f"--{name.replace('_', '-')}" + ("" if options[name] is True else f" {options[name]}") for name in given)
+        raise ValueError(f"--search {settings.search} does not use {flags}: these set how {', '.join(TREE_SEARCHES)} grow their trees; "
+                         f"leave them out, or choose one of those searches")
     return make_search(settings.search)
 
 
