@@ -127,6 +127,37 @@ def test_a_family_without_cfg_refuses_negative_prompts_before_loading(rows, tmp_
         assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize("family, path, overrides, message", [
+    ("sd3", "owner/not-loaded", ["sampling.guidance=1"], "has a negative prompt, and sampling.guidance=1 samples model.family=sd3 without "
+     "classifier-free guidance, so it would be ignored: raise sampling.guidance (the family's default is 4.5) or drop the \"negative_prompt\""),
+    ("z-image", "owner/not-loaded", ["sampling.guidance=0"], "and sampling.guidance=0 samples model.family=z-image without classifier-free"),
+    ("flux2-klein", "owner/FLUX.2-klein-4B", [], "has a negative prompt, and owner/FLUX.2-klein-4B samples without classifier-free guidance "
+     "(a step-distilled release), so it would be ignored: drop the \"negative_prompt\" field or column"),
+    ("sd3", "owner/not-loaded", ["prompts.eval_guidance=1", "prompts.eval={rows}/rows.jsonl", "prompts.train=tiny:train"],
+     "has a negative prompt, and prompts.eval_guidance=1 samples model.family=sd3 without"),
+])
+def test_negative_prompts_at_a_guidance_that_runs_no_cfg_are_refused_before_loading(rows, tmp_path, capsys, family, path, overrides, message):
+    """A CFG family sampled unguided (its scale at 1, z-image's at 0, a step-distilled FLUX.2 klein) never reads the
+    rows' negative prompts: they were ignored in silence."""
+    overrides = [override.format(rows=rows) for override in overrides]
+    assert main(["train", "tiny-chain", f"model.family={family}", f"model.path={path}", f"prompts.train={rows / 'rows.jsonl'}",
+                 f"output_dir={tmp_path / 'run'}", *overrides]) == 2
+    assert message in error_line(capsys) and not (tmp_path / "run").exists()
+
+
+def test_eval_refuses_negative_prompts_at_its_guidance_and_a_second_expert_that_guides_reads_them(rows, tmp_path, capsys):
+    from branchdiff.evaluation.preflight import Guidance, check_negatives_guided
+
+    assert main(["eval", "--family", "sd3", "--model", "owner/not-loaded", "--prompts", str(rows / "rows.jsonl"), "--guidance", "1",
+                 "--rewards", "rewards_for_tests:Redness", "--out", str(tmp_path / "out")]) == 2
+    assert "has a negative prompt, and --guidance=1 samples model.family=sd3 without classifier-free guidance" in error_line(capsys)
+    assert not (tmp_path / "out").exists()
+    # each of these guides at some step, so the negatives are read: no refusal
+    for family, guidance in (("wan", Guidance("sampling.guidance", 1.0, None, 3.0)), ("sd3", Guidance("sampling.guidance", None)),
+                             ("z-image", Guidance("sampling.guidance", 0.5)), ("flux2-klein", Guidance("sampling.guidance", None, "owner/FLUX.2-klein-base-4B"))):
+        check_negatives_guided("prompt 1", family, guidance)
+
+
 def test_a_video_familys_rows_negative_prompt_samples_as_its_pipeline(rows, tmp_path):
     """Wan (text-to-video; its image-to-video family encodes text the same way): the JSONL's negatives equal
     `WanPipeline(..., negative_prompt=[...])`."""

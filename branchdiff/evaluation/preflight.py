@@ -12,6 +12,7 @@ the settings, the prompt files and the headers of the images these name.
 from __future__ import annotations
 
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 from branchdiff.data.prompts import NEGATIVE_PROMPT, PromptSet
@@ -30,9 +31,20 @@ def max_prompt_characters(family: str) -> int:
     return adapter_class(family).max_sequence_length * CHARACTERS_PER_TOKEN
 
 
-def check_prompt_set(prompt_set: PromptSet, family: str, size: tuple[int, int], specs: list[RewardSpec], factories: dict) -> None:
+@dataclass(frozen=True)
+class Guidance:
+    """The guidance a command samples a prompt set with, and the key that sets it (for messages)."""
+    key: str  # e.g. sampling.guidance, --guidance
+    value: float | None  # None: the family's default
+    path: str | None = None  # the release (FLUX.2 klein's step-distilled ones sample unguided)
+    second: float | None = None  # Wan 2.2 A14B's low-noise expert's scale (model.guidance_2)
+
+
+def check_prompt_set(prompt_set: PromptSet, family: str, size: tuple[int, int], specs: list[RewardSpec], factories: dict,
+                     guidance: Guidance | None = None) -> None:
     """The source images' rule, the prompts' length and the rewards' own prompt checks (`factories`: name → the reward's
-    class or factory), each refused with the prompt's number and file."""
+    class or factory), each refused with the prompt's number and file; with the `guidance` a command samples at, negative
+    prompts where that guidance runs no classifier-free guidance (they would be ignored)."""
     names = [metadata.get(SOURCES, []) for metadata in prompt_set.metadata]
     sizes = [[source_size(path) for path in row] for row in names] if any(SOURCES in m for m in prompt_set.metadata) else None
     adapter_class(family).check_source_sizes(sizes, len(prompt_set.prompts), size, lambda number: f"prompt {number} of {quote(prompt_set.name, 80)}",
@@ -41,6 +53,8 @@ def check_prompt_set(prompt_set: PromptSet, family: str, size: tuple[int, int], 
     negatives = [number for number, row in enumerate(prompt_set.metadata, start=1) if str(row.get(NEGATIVE_PROMPT) or "").strip()]
     if negatives and not family_class.uses_cfg:
         raise ValueError(f"prompt {negatives[0]} of {quote(prompt_set.name, 80)} has a negative prompt and {family_class.no_negatives()}")
+    if negatives and guidance is not None:
+        check_negatives_guided(f"prompt {negatives[0]} of {quote(prompt_set.name, 80)}", family, guidance)
     limit = max_prompt_characters(family)
     for number, (prompt, row) in enumerate(zip(prompt_set.prompts, prompt_set.metadata), start=1):
         for what, text in (("prompt", prompt), ("negative prompt", str(row.get(NEGATIVE_PROMPT) or ""))):
@@ -55,6 +69,21 @@ def check_prompt_set(prompt_set: PromptSet, family: str, size: tuple[int, int], 
                 check(prompt_set.prompts)
             except ValueError as error:
                 raise ValueError(f"reward {spec.label!r} cannot score {quote(prompt_set.name, 80)}: {error}") from None
+
+
+def check_negatives_guided(where: str, family: str, guidance: Guidance) -> None:
+    """A negative prompt is the unconditional row of classifier-free guidance: at a guidance the family samples
+    unguided (`cfg_rows` 1: a CFG scale ≤ 1, z-image's 0, a step-distilled FLUX.2 klein), refused."""
+    family_class = adapter_class(family)
+    scales = [family_class.default_guidance if guidance.value is None else guidance.value, *([guidance.second] if guidance.second else [])]
+    if any(family_class.cfg_rows(scale, guidance.path) > 1 for scale in scales):
+        return
+    if family_class.cfg_rows(family_class.default_guidance, guidance.path) == 1:  # no scale guides this release
+        raise ValueError(f"{where} has a negative prompt, and {guidance.path} samples without classifier-free guidance (a step-distilled "
+                         "release), so it would be ignored: drop the \"negative_prompt\" field or column (docs/prompts.md)")
+    raise ValueError(f"{where} has a negative prompt, and {guidance.key}={scales[0]:g} samples model.family={family} without classifier-free "
+                     f"guidance, so it would be ignored: raise {guidance.key} (the family's default is {family_class.default_guidance:g}) or "
+                     "drop the \"negative_prompt\" field or column (docs/prompts.md)")
 
 
 def check_video_rewards(key: str, specs: list[RewardSpec], factories: dict) -> None:

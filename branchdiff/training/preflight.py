@@ -18,7 +18,7 @@ from typing import cast
 from branchdiff.data.demonstrations import load_image_set
 from branchdiff.data.prompts import load_prompt_set
 from branchdiff.errors import UserError
-from branchdiff.evaluation.preflight import check_prompt_set, check_video_rewards
+from branchdiff.evaluation.preflight import Guidance, check_prompt_set, check_video_rewards
 from branchdiff.models import adapter_class, check_frames, check_size
 from branchdiff.models.attention import check_backend
 from branchdiff.models.compile import check_compiler
@@ -77,5 +77,7 @@ def check_inputs(config: TrainConfig) -> None:
     if FAMILIES[config.model.family].video:
         for key, specs in (("reward", train_specs), *((("eval_rewards", eval_specs),) if evaluates else ())):
             check_video_rewards(key, specs, factories)
+    guidance = {"train": Guidance("sampling.guidance", config.sampling.guidance, config.model.path, config.model.guidance_2),
+                "eval": Guidance("prompts.eval_guidance", config.prompts.eval_guidance, config.model.path, config.model.guidance_2)}
     for source, specs, made in (("train", train_specs, size), *((("eval", eval_specs, eval_size),) if evaluates else ())):
-        check_prompt_set(load_prompt_set(getattr(config.prompts, source)), config.model.family, made, specs, factories)
+        check_prompt_set(load_prompt_set(getattr(config.prompts, source)), config.model.family, made, specs, factories, guidance[source])
