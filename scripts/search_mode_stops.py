@@ -13,7 +13,7 @@ from __future__ import annotations
 import statistics
 
 from branchdiff.bench.gmm import MIXTURES, GaussianMixtureAdapter, make_reward
-from branchdiff.bench.search import _curves
+from branchdiff.bench.search import best_curves
 from branchdiff.search.dts import DTS
 from branchdiff.search.run import run_search
 from branchdiff.search.sample import SearchSettings, new_forest
@@ -35,7 +35,7 @@ def main() -> None:
         for seed in range(SEEDS):
             forest = new_forest(adapter, [""] * RUNS, SearchSettings("dts-star", BUDGET, STEPS, seed=seed, max_batch=RUNS))
             result = run_search(forest, DTS(greedy=True, temperature=10.0, **settings), BUDGET, lambda x, _: (reward(x), {}), seed)
-            curves.append(_curves(result, GRID, None)[0])
+            curves.append(best_curves(result, GRID, None)[0])
         print(label + ": " + ", ".join(f"{rows} rows {statistics.mean(c[i] for c in curves):.3f} (seeds {', '.join(f'{c[i]:.3f}' for c in curves)})"
                                        for i, rows in enumerate(GRID)), flush=True)
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from branchdiff.bench.gmm import target_reward
-from branchdiff.bench.search import _curves, bench_search, mixture_task, nfe_ratio, parse_variant, table_columns
+from branchdiff.bench.search import bench_search, best_curves, mixture_task, nfe_ratio, parse_variant, table_columns
 from branchdiff.search.run import SearchResult
 from branchdiff.search.sample import SearchSettings, search_of
 
@@ -22,7 +22,7 @@ def test_each_budget_takes_the_best_leaf_of_the_rounds_it_pays_for():
         leaves=[[5, 6, 7], [8, 9]], rewards=[[0.2, 0.9, 0.5], [0.4, 0.8]],
         extras=[[{"strict": 0.0}, {"strict": 1.0}, {"strict": 0.0}], [{"strict": 1.0}, {"strict": 0.0}]],
         trace=[[{"nfe": 10, "images": 1}, {"nfe": 20, "images": 2}, {"nfe": 29, "images": 3}], [{"nfe": 10, "images": 1}, {"nfe": 30, "images": 2}]])
-    rewards, strict = _curves(result, [10, 20, 40])
+    rewards, strict = best_curves(result, [10, 20, 40])
     assert rewards == pytest.approx([0.3, 0.65, 0.85]) and strict == [0.5, 1.0, 0.5]
 
 
@@ -42,7 +42,7 @@ def test_a_budget_where_a_prompt_has_no_image_yet_has_no_mean():
     """Prompt 0 has an image at 10 rows, prompt 1 only at 30: the mean at 10 and 20 rows would be prompt 0's alone, so NaN."""
     result = SearchResult(leaves=[[5], [8]], rewards=[[0.2], [0.4]], extras=[[{}], [{}]],
                           trace=[[{"nfe": 10, "images": 1}], [{"nfe": 25, "images": 0}, {"nfe": 30, "images": 1}]])
-    rewards, checks = _curves(result, [10, 20, 30], verifier=None)
+    rewards, checks = best_curves(result, [10, 20, 30], verifier=None)
     assert math.isnan(rewards[0]) and math.isnan(rewards[1]) and rewards[2] == pytest.approx(0.3) and all(map(math.isnan, checks))
 
 

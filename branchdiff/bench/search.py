@@ -102,7 +102,7 @@ def mixture_task(prompts: int | None = None) -> SearchTask:
     return SearchTask("mixture", GaussianMixtureAdapter(mixture), [""] * count, "target proximity", score, None)
 
 
-def _curves(result, grid: list[int], verifier: str | None = STRICT) -> tuple[list[float], list[float]]:
+def best_curves(result, grid: list[int], verifier: str | None = STRICT) -> tuple[list[float], list[float]]:
     """Mean over prompts of the winner's reward and of its `verifier` score (NaN without one) at each budget of the grid;
     NaN at a budget where a prompt has no image yet (a mean over some of the prompts would not compare)."""
     rewards, checks = [], []
@@ -147,7 +147,7 @@ def bench_search(images: int, seeds: int, json_path: Path | None, out_dir: Path,
             search, options = variants[name]
             settings = SearchSettings(search, STEPS * images, STEPS, seed=seed, max_batch=MAX_BATCH, **options)
             forest, result = search_prompts(chosen.adapter, chosen.prompts, settings, chosen.score)
-            best, checked = _curves(result, grid, chosen.verifier)
+            best, checked = best_curves(result, grid, chosen.verifier)
             fill = sum(forest.nfe) / forest.rows_computed if forest.rows_computed else math.nan  # NaN: no forward (nothing fit the budget)
             runs[name].append({"best_reward": best, "strict": checked, "nfe": [forest.nfe[p] for p in range(len(chosen.prompts))], "fill": fill,
                                "rows_by_depth": rows_by_depth(forest)})
