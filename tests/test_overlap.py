@@ -77,10 +77,26 @@ def test_each_part_is_scored_while_the_next_grows_in_a_worker(tiny_model_dir, tm
     import branchdiff.training.overlap as overlap
 
     Recorded.calls, Recorded.fail_on = [], 0
-    threads, grown = set(), []
+    threads, grown, scoring = set(), [], threading.Event()
     original, grow = Recorded.__call__, overlap.grow_prompts
-    monkeypatch.setattr(Recorded, "__call__", lambda self, *a: threads.add(threading.current_thread().name) or original(self, *a))
-    monkeypatch.setattr(overlap, "grow_prompts", lambda *a, **k: (grow(*a, **k), grown.append(time.perf_counter()))[0])
+
+    def recorded(self, *args):
+        threads.add(threading.current_thread().name)
+        scoring.set()
+        return original(self, *args)
+
+    def grow_after_the_first_part_is_being_scored(*args, **kwargs):
+        # the second part waits (up to 10 s) for the first part's scoring to start, as a slow rollout would: a worker
+        # started late by the scheduler cannot lose the race, and sequential scoring (which starts only after the
+        # rollout) still fails the order asserted below
+        if grown:
+            scoring.wait(10)
+        out = grow(*args, **kwargs)
+        grown.append(time.perf_counter())
+        return out
+
+    monkeypatch.setattr(Recorded, "__call__", recorded)
+    monkeypatch.setattr(overlap, "grow_prompts", grow_after_the_first_part_is_being_scored)
     result = _trainer(tiny_model_dir, tmp_path / "run", True, "reward=test_overlap:Recorded").run_iteration(0)
     assert len(Recorded.calls) == len(grown) == 3 and all(name.startswith("branchdiff-reward") for name in threads)  # a part a prompt, in the worker
     assert Recorded.calls[0][0] < grown[1] < grown[2]  # the first part was being scored while the second grew

@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-NOT_SOURCE = shutil.ignore_patterns(".git", ".venv", "venv", "build", "dist", "*.egg-info", "__pycache__", ".pytest_cache", "runs")
+NOT_SOURCE = shutil.ignore_patterns(".git", ".venv", "venv", "build", "dist", "*.egg-info", "__pycache__", ".pytest_cache", "runs",
+                                    ".ruff_cache", ".mypy_cache", ".hypothesis", ".import_linter_cache", ".whl")
 
 
 def run(args: list[str | Path], cwd: Path, env: dict[str, str] | None = None) -> str:
