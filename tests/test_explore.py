@@ -123,6 +123,21 @@ def test_within_prompt_agreement_is_not_inflated_by_differences_between_prompts(
     assert agreement["kendall_within"] == pytest.approx(-1.0)
 
 
+def test_constant_rewards_have_no_ranking_agreement_and_warn_nothing():
+    """A pool whose rewards are all equal (a saturated reward, a tiny run): NaN agreement, and no warning from
+    scipy's correlation of a constant input in every such iteration's log."""
+    import math
+    import warnings
+
+    from branchdiff.explore.pool import ranking_agreement
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        agreement = ranking_agreement(torch.ones(2, 3), torch.tensor([[1.0, 2.0, 3.0], [3.0, 2.0, 1.0]]))
+    assert all(math.isnan(agreement[key]) for key in ("spearman", "kendall", "spearman_within", "kendall_within"))
+    assert agreement["topk_overlap"] == pytest.approx(0.5)  # ties keep their order: candidate 0 tops the pool of both prompts, the regrown only on the second
+
+
 def test_search_mode_keeps_the_best_and_worst_images_of_a_search_and_trains_nft_on_them(tiny_model_dir, tmp_path):
     """explore.mode=search with the policy as explorer: each prompt's DTS* search spends at most its
     budget; the kept images are the search's own (re-scored to the same rewards), its best and worst per

@@ -87,8 +87,10 @@ def ranking_agreement(pool: torch.Tensor, regenerated: torch.Tensor) -> dict[str
     prompts whose rewards are constant on either side have no ranking and are left out); and the
     mean top-half overlap within each prompt."""
     p, k = pool.shape
-    spearman = stats.spearmanr(pool.flatten().numpy(), regenerated.flatten().numpy()).statistic
-    kendall = stats.kendalltau(pool.flatten().numpy(), regenerated.flatten().numpy()).statistic
+    spearman = kendall = float("nan")  # rewards constant on either side (a saturated reward, a tiny run): no ranking to agree on
+    if pool.unique().numel() > 1 and regenerated.unique().numel() > 1:
+        spearman = stats.spearmanr(pool.flatten().numpy(), regenerated.flatten().numpy()).statistic
+        kendall = stats.kendalltau(pool.flatten().numpy(), regenerated.flatten().numpy()).statistic
     ranked = [i for i in range(p) if pool[i].unique().numel() > 1 and regenerated[i].unique().numel() > 1]
     within = {"spearman_within": float("nan"), "kendall_within": float("nan")}
     if ranked:
