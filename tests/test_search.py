@@ -280,6 +280,22 @@ def test_keeping_more_images_than_the_search_made_says_how_many_it_wrote(tiny_mo
     assert f"note: --keep 100: the search made 3 images of {PROMPTS[0]!r}; all are written" in capsys.readouterr().err
 
 
+def test_a_trace_recording_an_option_its_search_ignored_still_regrows(tiny_model_dir, tmp_path):
+    """Before DTS's options were refused on other searches, `--search best-of-n --widening 0.5` ran (ignoring it) and
+    recorded it in the trace: such a trace regrows its images, as regrowing runs no search."""
+    from branchdiff.cli import main
+
+    model = ["--model", str(tiny_model_dir), "--steps", str(STEPS)]
+    out = tmp_path / "old"
+    assert main(["sample", *model, "--prompt", PROMPTS[0], "--search", "best-of-n", "--budget", str(2 * STEPS), "--out", str(out)]) == 0
+    recorded = json.loads((out / "search.json").read_text())
+    recorded["settings"]["widening"] = 0.5
+    (out / "search.json").write_text(json.dumps(recorded))
+    written = {b["image"]: (out / b["image"]).read_bytes() for b in recorded["prompts"][0]["best"]}
+    assert main(["sample", *model, "--from-trace", str(out / "search.json"), "--out", str(tmp_path / "regrown")]) == 0
+    assert {name: (tmp_path / "regrown" / name).read_bytes() for name in written} == written
+
+
 def test_sample_search_without_a_budget_or_with_a_bad_trace_is_one_line(tiny_model_dir, tmp_path, capsys):
     from branchdiff.cli import main
 

@@ -48,8 +48,9 @@ class SearchSettings:
     parallel: int = 1  # selections in flight per prompt (branchdiff/search/run.py); 1: the sequential algorithm
     rollout_depth: int = 0  # DTS / DTS*: early stops, a rollout goes k steps below the node it adds and is valued by r(x̂0) there (0: off)
 
-    def validate(self, rows_per_prediction: int = 1) -> None:
-        """Refuse settings no search can run with; `rows_per_prediction`: the network rows of one prediction (2 under CFG)."""
+    def validate(self, rows_per_prediction: int = 1, search: bool = True) -> None:
+        """Refuse settings no search can run with; `rows_per_prediction`: the network rows of one prediction (2 under CFG);
+        `search`: also the search's own refusals (regrowing a trace runs no search)."""
         if self.search not in SEARCHES:
             raise ValueError(f"unknown search {self.search!r}; allowed: {', '.join(SEARCHES)}")
         if (self.root_children is not None and self.root_children < 1 or self.widening < 0 or self.parallel < 1 or self.exploration < 0
@@ -58,7 +59,8 @@ class SearchSettings:
                              f"{self.root_children}, {self.parallel}, {self.widening}, {self.exploration} and {self.rollout_depth}")
         if self.budget < 1 or self.steps < 1 or self.max_batch < 1 or self.keep < 1:
             raise ValueError(f"--budget, --steps, --max-batch and --keep must be ≥ 1; got {self.budget}, {self.steps}, {self.max_batch}, {self.keep}")
-        search_of(self)  # the search's own checks (dts-is takes no early stops), before any model loads
+        if search:
+            search_of(self)  # the search's own checks (dts-is takes no early stops), before any model loads
         image = self.steps * rows_per_prediction
         if self.budget < image:
             per = f" ({rows_per_prediction} rows a prediction under CFG)" if rows_per_prediction > 1 else ""
@@ -151,7 +153,9 @@ def read_trace(path: Path) -> dict:
     """A trace written by `sample --search`, with a one-line error when it is not one."""
     try:
         recorded = json.loads(Path(path).read_text())
-        SearchSettings(**recorded["settings"]).validate()
+        # the settings that decide the latents; not the search's own checks: a trace written before one existed (a DTS
+        # option recorded beside best-of-n, which ignored it) still regrows
+        SearchSettings(**recorded["settings"]).validate(search=False)
         if not all({"prompt", "prompt_key", "best"} <= set(entry) and all({"path", "image"} <= set(b) for b in entry["best"])
                    for entry in recorded["prompts"]):
             raise KeyError("prompts")
