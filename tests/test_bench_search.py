@@ -74,8 +74,9 @@ def test_a_variant_is_a_search_with_settings_and_bad_ones_are_named():
     with pytest.raises(ValueError, match="'depth=3' in 'dts:depth=3' is not key=value with a key of max_children"):
         parse_variant("dts:depth=3")
     # a DTS option on a search that grows no tree by values would be ignored: refused, naming it (it ran as plain best-of-N)
-    with pytest.raises(ValueError, match=r"'best-of-n:widening=0.5': --search best-of-n does not use --widening 0.5: these set how dts"):
-        parse_variant("best-of-n:widening=0.5")
+    with pytest.raises(ValueError, match=r"'best-of-n:widening=0.5:temperature=10': best-of-n does not use widening, temperature: these set "
+                                         r"how dts, dts-star, dts-is grow their trees; leave them out"):
+        parse_variant("best-of-n:widening=0.5:temperature=10")  # (10 is DTS's default temperature: still not best-of-N's)
     with pytest.raises(ValueError, match=r"'dts-is:rollout_depth=2': dts-is draws with the probabilities"):  # the search's own refusal
         parse_variant("dts-is:rollout_depth=2")
     assert parse_variant("tree:parallel=2") == ("tree", {"parallel": 2})  # parallel selections are the search loop's, every search's

@@ -259,6 +259,9 @@ def test_boundary_values_are_accepted():
         (["sampling.num_steps=4", "prune.depths=[2, 5, 6]"], "'prune.depths' [5, 6] outside 1..4 (child depths of the 4-step tree)"),
         (["tree.mix_window=5", "tree.mix_start=6"], "'tree.mix_start' + 'tree.mix_window' = 11 exceeds sampling.num_steps = 10"),
         (["prune.width_ratio=1.5"], "'prune.width_ratio' = 1.5 must be in (0, 1]"),
+        (["model.family=wan", "model.guidance_2=3", "sampling.guidance=1", "prompts.eval_guidance=0.5"],
+         "'model.guidance_2' = 3 is the CFG scale of Wan 2.2's low-noise expert, and sampling.guidance=1 and prompts.eval_guidance=0.5 run no "
+         "classifier-free guidance (above 1 guides), so it would be ignored: raise one of them, or leave model.guidance_2 unset"),
         (["prune.active_fraction=2"], "'prune.active_fraction' = 2 must be in (0, 1]"),
         (["train.step_fraction=1.01"], "'train.step_fraction' = 1.01 must be in (0, 1]"),
         (["train.train_steps_fraction=3"], "'train.train_steps_fraction' = 3 must be in (0, 1]"),

@@ -152,10 +152,12 @@ def test_eval_refuses_negative_prompts_at_its_guidance_and_a_second_expert_that_
                  "--rewards", "rewards_for_tests:Redness", "--out", str(tmp_path / "out")]) == 2
     assert "has a negative prompt, and --guidance=1 samples model.family=sd3 without classifier-free guidance" in error_line(capsys)
     assert not (tmp_path / "out").exists()
-    # each of these guides at some step, so the negatives are read: no refusal
-    for family, guidance in (("wan", Guidance("sampling.guidance", 1.0, None, 3.0)), ("sd3", Guidance("sampling.guidance", None)),
+    # each of these guides, so the negatives are read: no refusal
+    for family, guidance in (("wan", Guidance("sampling.guidance", 1.5)), ("sd3", Guidance("sampling.guidance", None)),
                              ("z-image", Guidance("sampling.guidance", 0.5)), ("flux2-klein", Guidance("sampling.guidance", None, "owner/FLUX.2-klein-base-4B"))):
         check_negatives_guided("prompt 1", family, guidance)
+    with pytest.raises(ValueError, match="sampling.guidance=1 samples model.family=wan without classifier-free guidance"):
+        check_negatives_guided("prompt 1", "wan", Guidance("sampling.guidance", 1.0))  # Wan 2.2's second scale is used only under CFG
 
 
 def test_a_video_familys_rows_negative_prompt_samples_as_its_pipeline(rows, tmp_path):

@@ -405,6 +405,10 @@ def test_guidance_2_on_the_command_line_sets_the_low_noise_experts_scale(saved, 
     for argv, line in [
         (["sample", "--prompt", "x", "--guidance-2", "2", "--out", str(tmp_path / "x")], "--guidance-2 2 is the guidance of Wan 2.2's low-noise "
          "expert; the tiny family has one denoiser: leave --guidance-2 unset"),
+        # Wan runs CFG only above a guidance of 1, as its pipeline: a second scale without it was ignored
+        (["sample", "--family", "wan", "--model", str(saved["two"]), "--resolution", "16x32", "--frames", "5", "--prompt", "x", "--guidance", "1",
+          "--guidance-2", "3", "--out", str(tmp_path / "z")], "--guidance-2 3 is the CFG scale of Wan 2.2's low-noise expert, and --guidance 1 runs "
+         "no classifier-free guidance (above 1 guides), so it would be ignored: give --guidance above 1, or leave --guidance-2 unset"),
         (["eval", "--family", "wan", "--model", str(saved["one"]), "--resolution", "16x32", "--frames", "5", "--guidance-2", "2", "--rewards",
           "tiny-video", "--prompts", "tiny-video:held_out", "--out", str(tmp_path / "y")], "model.guidance_2=2.0 (--guidance-2) is the guidance of Wan 2.2's low-noise expert"),
     ]:

@@ -50,7 +50,7 @@ from branchdiff.rewards.multi import build_component, score_component
 from branchdiff.search.forest import SearchForest
 from branchdiff.search.registry import SEARCHES
 from branchdiff.search.run import Score
-from branchdiff.search.sample import SearchSettings, search_of, search_prompts
+from branchdiff.search.sample import DTS_OPTIONS, TREE_SEARCHES, SearchSettings, search_of, search_prompts
 
 STEPS = 10
 MAX_BATCH = 32  # network rows per forward: fewer than the prompts' rollouts, so forwards fill with one selection in flight each
@@ -208,8 +208,12 @@ def parse_variant(variant: str) -> tuple[str, dict[str, float | int]]:
         if key not in VARIANT_KEYS or not value:
             raise ValueError(f"bench search: {option!r} in {variant!r} is not key=value with a key of {', '.join(VARIANT_KEYS)}")
         settings[key] = VARIANT_KEYS[key](value)
+    ignored = [key for key in settings if key in DTS_OPTIONS] if name not in TREE_SEARCHES else []
+    if ignored:  # it would run as if they were not there
+        raise ValueError(f"bench search: {variant!r}: {name} does not use {', '.join(ignored)}: these set how {', '.join(TREE_SEARCHES)} "
+                         "grow their trees; leave them out, or name one of those searches")
     try:
-        search_of(SearchSettings(name, STEPS, STEPS, **settings))  # the search's own refusals (e.g. a DTS option on best-of-n)
+        search_of(SearchSettings(name, STEPS, STEPS, **settings))  # the search's own refusals (dts-is takes no early stops)
     except ValueError as error:
         raise ValueError(f"bench search: {variant!r}: {error}") from None
     return name, settings

@@ -42,6 +42,10 @@ def check_model(settings: EvalSettings, weights: str | None) -> tuple[int, int]:
     if settings.guidance_2 is not None and not FAMILIES[settings.family].video:
         raise ValueError(f"--guidance-2 {settings.guidance_2:g} is the guidance of Wan 2.2's low-noise expert; the {settings.family} family "
                          "has one denoiser: leave --guidance-2 unset (--guidance is its scale)")
+    if settings.guidance_2 is not None and settings.guidance is not None and settings.guidance <= 1:  # Wan guides above 1, as its pipeline
+        raise ValueError(f"--guidance-2 {settings.guidance_2:g} is the CFG scale of Wan 2.2's low-noise expert, and --guidance "
+                         f"{settings.guidance:g} runs no classifier-free guidance (above 1 guides), so it would be ignored: give --guidance "
+                         "above 1, or leave --guidance-2 unset")
     if settings.frames is not None and not FAMILIES[settings.family].video:
         raise ValueError(f"--frames {settings.frames}: the {settings.family} family makes images, not videos; leave --frames unset")
     size = check_size(settings.family, settings.model, settings.resolution)

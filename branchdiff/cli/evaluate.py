@@ -42,7 +42,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
             check_remote_kwargs(spec)
     if FAMILIES[settings.family].video:  # before any reward loads
         check_video_rewards("--rewards", specs, factories)
-    check_prompt_set(prompt_set, settings.family, size, specs, factories, Guidance("--guidance", settings.guidance, settings.model, settings.guidance_2))
+    check_prompt_set(prompt_set, settings.family, size, specs, factories, Guidance("--guidance", settings.guidance, settings.model))
     state = PartialState(cpu=args.device == "cpu")
     rewards = {spec.label: build_component(spec, args.device) for spec in specs}
     refuse_in_evaluation(rewards, "eval --rewards")

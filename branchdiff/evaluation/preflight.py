@@ -37,7 +37,6 @@ class Guidance:
     key: str  # e.g. sampling.guidance, --guidance
     value: float | None  # None: the family's default
     path: str | None = None  # the release (FLUX.2 klein's step-distilled ones sample unguided)
-    second: float | None = None  # Wan 2.2 A14B's low-noise expert's scale (model.guidance_2)
 
 
 def check_prompt_set(prompt_set: PromptSet, family: str, size: tuple[int, int], specs: list[RewardSpec], factories: dict,
@@ -75,13 +74,13 @@ def check_negatives_guided(where: str, family: str, guidance: Guidance) -> None:
     """A negative prompt is the unconditional row of classifier-free guidance: at a guidance the family samples
     unguided (`cfg_rows` 1: a CFG scale ≤ 1, z-image's 0, a step-distilled FLUX.2 klein), refused."""
     family_class = adapter_class(family)
-    scales = [family_class.default_guidance if guidance.value is None else guidance.value, *([guidance.second] if guidance.second else [])]
-    if any(family_class.cfg_rows(scale, guidance.path) > 1 for scale in scales):
+    scale = family_class.default_guidance if guidance.value is None else guidance.value  # Wan 2.2's second scale applies only under CFG
+    if family_class.cfg_rows(scale, guidance.path) > 1:
         return
     if family_class.cfg_rows(family_class.default_guidance, guidance.path) == 1:  # no scale guides this release
         raise ValueError(f"{where} has a negative prompt, and {guidance.path} samples without classifier-free guidance (a step-distilled "
                          "release), so it would be ignored: drop the \"negative_prompt\" field or column (docs/prompts.md)")
-    raise ValueError(f"{where} has a negative prompt, and {guidance.key}={scales[0]:g} samples model.family={family} without classifier-free "
+    raise ValueError(f"{where} has a negative prompt, and {guidance.key}={scale:g} samples model.family={family} without classifier-free "
                      f"guidance, so it would be ignored: raise {guidance.key} (the family's default is {family_class.default_guidance:g}) or "
                      "drop the \"negative_prompt\" field or column (docs/prompts.md)")
 

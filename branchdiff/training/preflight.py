@@ -77,7 +77,7 @@ def check_inputs(config: TrainConfig) -> None:
     if FAMILIES[config.model.family].video:
         for key, specs in (("reward", train_specs), *((("eval_rewards", eval_specs),) if evaluates else ())):
             check_video_rewards(key, specs, factories)
-    guidance = {"train": Guidance("sampling.guidance", config.sampling.guidance, config.model.path, config.model.guidance_2),
-                "eval": Guidance("prompts.eval_guidance", config.prompts.eval_guidance, config.model.path, config.model.guidance_2)}
+    guidance = {"train": Guidance("sampling.guidance", config.sampling.guidance, config.model.path),
+                "eval": Guidance("prompts.eval_guidance", config.prompts.eval_guidance, config.model.path)}
     for source, specs, made in (("train", train_specs, size), *((("eval", eval_specs, eval_size),) if evaluates else ())):
         check_prompt_set(load_prompt_set(getattr(config.prompts, source)), config.model.family, made, specs, factories, guidance[source])
