@@ -54,12 +54,11 @@ def validate(config: TrainConfig) -> None:
     if config.model.guidance_2 is not None and not family.video:
         raise ConfigError(f"'model.guidance_2' = {config.model.guidance_2} is the guidance of Wan 2.2's low-noise expert; model.family="
                           f"{config.model.family} has one denoiser: leave model.guidance_2 unset")
-    unguided = [(key, g) for key, g in (("sampling.guidance", config.sampling.guidance), ("prompts.eval_guidance", config.prompts.eval_guidance))
-                if g is not None and g <= 1]
-    if config.model.guidance_2 is not None and len(unguided) == 2:  # Wan guides above 1, as its pipeline; an unset scale is its default 5
+    scales = {"sampling.guidance": config.sampling.guidance, "prompts.eval_guidance": config.prompts.eval_guidance}
+    if config.model.guidance_2 is not None and all(g is not None and g <= 1 for g in scales.values()):  # Wan guides above 1, as its pipeline
         raise ConfigError(f"'model.guidance_2' = {config.model.guidance_2} is the CFG scale of Wan 2.2's low-noise expert, and "
-                          f"{' and '.join(f'{key}={g:g}' for key, g in unguided)} run no classifier-free guidance (above 1 guides), so it would "
-                          "be ignored: raise one of them, or leave model.guidance_2 unset")
+                          f"{' and '.join(f'{key}={g:g}' for key, g in scales.items())} run no classifier-free guidance (above 1 guides), so it "
+                          "would be ignored: raise one of them, or leave model.guidance_2 unset")
     for key, frames in (("model.frames", config.model.frames), ("eval.frames", config.eval.frames)):
         if frames is not None and not family.video:
             raise ConfigError(f"'{key}' = {frames}: model.family={config.model.family} makes images, not videos; leave {key} unset")
