@@ -16,8 +16,10 @@ def folder(tmp_path_factory):
 
 
 def _reference(folder, video: torch.Tensor, prompt: str) -> dict[str, float]:
-    """One video alone (no padding): the processor's input, the model's last hidden state at each reward token
-    found by its place in the token list, the head, the folder's standardisation."""
+    """One video alone (no padding): the processor's input, the language model's last hidden state at each reward
+    token found by its place in the token list (the video's merged features in place of its tokens, the language
+    model called without position ids, as VideoReward's release calls it: tokens numbered 0, 1, 2, ...), the head,
+    the folder's standardisation."""
     import json
 
     from safetensors.torch import load_file
@@ -31,7 +33,11 @@ def _reference(folder, video: torch.Tensor, prompt: str) -> dict[str, float]:
     frames = (video * 255).round().to(torch.uint8)  # (F, 3, H, W)
     inputs = processor(text=[text], videos=[frames], return_tensors="pt", videos_kwargs={"do_rescale": True})
     with torch.no_grad():
-        hidden = model(**inputs, output_hidden_states=True).hidden_states[-1][0]  # (L, hidden)
+        inner = model.model
+        embeds = inner.language_model.embed_tokens(inputs["input_ids"])  # (1, L, hidden)
+        video = inner.visual(inputs["pixel_values_videos"], grid_thw=inputs["video_grid_thw"]).pooler_output
+        embeds[inputs["input_ids"] == model.config.video_token_id] = video
+        hidden = inner.language_model(inputs_embeds=embeds).last_hidden_state[0]  # (L, hidden)
     head = load_file(str(folder / "reward_head.safetensors"))["weight"][0]
     tokens = inputs["input_ids"][0].tolist()
     scores = {}

@@ -1,8 +1,11 @@
 """`branchdiff rewards convert videoalign` (branchdiff/rewards/videoalign_release.py) on a tiny random checkpoint in
-VideoReward's release layout: the converted `videoalign` reward equals the release's own inference path, written
-here from its code (its reward model's special-token head, its LoRA loading, its frame sampling at 2 frames a
-second and its resize into the pixel budget, its prompt template, right padding, its standardisation), on the
-same videos. Both checkpoint forms (LoRA with the other trained weights; the whole model) convert alike."""
+VideoReward's release layout, on a base that ties its output embeddings to its input ones (as Qwen2-VL-2B, the
+release's base, does): the converted `videoalign` reward equals the release's own inference path, written here from
+its code (its reward model's forward: the vision tower's merged features scattered at the video tokens, the language
+model called without position ids, which numbers the tokens 0, 1, 2, ... as the transformers it shipped with did, its
+special-token head; its LoRA loading, its frame sampling at 2 frames a second and its resize into the pixel budget,
+its prompt template, right padding, its standardisation), on the same videos, to 1e-5. Both checkpoint forms (LoRA
+with the other trained weights; the whole model) convert alike. A damaged release is one line naming its file."""
 
 from __future__ import annotations
 
@@ -30,21 +33,30 @@ def _release_model_class():
     from transformers import Qwen2VLForConditionalGeneration
 
     class ReleaseRewardModel(Qwen2VLForConditionalGeneration):
-        """The release's reward model, from its trainer.py: a bias-free head (output_dim 1) on the last hidden state,
-        read at the three special tokens of each sequence, in their order: logits (B, 3)."""
+        """The release's reward model, from its trainer.py (Qwen2VLRewardModelBT.forward), with today's module names:
+        a bias-free head (output_dim rows) on the language model's last hidden state, read at the three special tokens
+        of each sequence in their order; output_dim 3 reads row d at the d-th token. Logits (B, 3)."""
 
-        def __init__(self, config, special_token_ids=None):
+        def __init__(self, config, special_token_ids=None, output_dim=1):
             super().__init__(config)
-            self.rm_head = torch.nn.Linear(config.text_config.hidden_size, 1, bias=False)
-            self.special_token_ids = special_token_ids
+            self.rm_head = torch.nn.Linear(config.text_config.hidden_size, output_dim, bias=False)
+            self.special_token_ids, self.output_dim = special_token_ids, output_dim
 
-        def reward_logits(self, **batch) -> torch.Tensor:
-            hidden = self.model(**batch).last_hidden_state  # (B, L, D)
-            logits = self.rm_head(hidden)  # (B, L, 1)
-            mask = torch.zeros_like(batch["input_ids"], dtype=torch.bool)
+        def reward_logits(self, input_ids, attention_mask, pixel_values_videos, video_grid_thw) -> torch.Tensor:
+            inner = self.model
+            embeds = inner.language_model.embed_tokens(input_ids)  # (B, L, D)
+            video = inner.visual(pixel_values_videos.type(inner.visual.get_dtype()), grid_thw=video_grid_thw).pooler_output  # (N, D) merged
+            video_places = (input_ids == self.config.video_token_id).unsqueeze(-1).expand_as(embeds)
+            embeds = embeds.masked_scatter(video_places, video.to(embeds.dtype))
+            hidden = inner.language_model(input_ids=None, position_ids=None, attention_mask=attention_mask, inputs_embeds=embeds)[0]
+            logits = self.rm_head(hidden)  # (B, L, N)
+            mask = torch.zeros_like(input_ids, dtype=torch.bool)
             for token in self.special_token_ids:
-                mask |= batch["input_ids"] == token
-            return logits[mask].view(len(hidden), 3, -1).view(len(hidden), -1)
+                mask |= input_ids == token
+            pooled = logits[mask].view(len(hidden), 3, -1)  # (B, 3, N)
+            if self.output_dim == 3:
+                pooled = pooled.diagonal(dim1=1, dim2=2)
+            return pooled.reshape(len(hidden), -1)
 
     return ReleaseRewardModel
 
@@ -114,7 +126,7 @@ def _write_release(folder: Path, base: Path, whole: bool) -> None:
 @pytest.fixture(scope="module")
 def release(tmp_path_factory):
     folder = tmp_path_factory.mktemp("videoreward")
-    model, processor = tiny_qwen2_vl([], seed=1)
+    model, processor = tiny_qwen2_vl([], seed=1, tied=True)
     model.save_pretrained(folder / "base")
     processor.save_pretrained(folder / "base")
     _write_release(folder / "lora", folder / "base", whole=False)
@@ -129,7 +141,7 @@ def _release_scores(release_dir: Path, base: Path, videos: torch.Tensor) -> dict
     from torchvision.transforms.functional import InterpolationMode, resize
 
     settings = json.loads((release_dir / "model_config.json").read_text())
-    model, processor, _ = _release_model(base, rank=4, alpha=8)
+    model, processor, ids = _release_model(base, rank=4, alpha=8)
     checkpoint = release_dir / "checkpoint-3"
     lora = {_new_layout(k).replace(".lora_A.", ".lora_A.default.").replace(".lora_B.", ".lora_B.default."): v
             for k, v in load_file(str(checkpoint / "adapter_model.safetensors")).items()}
@@ -150,7 +162,12 @@ def _release_scores(release_dir: Path, base: Path, videos: torch.Tensor) -> dict
     batch = processor(text=processor.apply_chat_template(chats, tokenize=False, add_generation_prompt=True), videos=frames, padding=True,
                       return_tensors="pt", videos_kwargs={"do_rescale": True})
     with torch.no_grad():
-        logits = model.base_model.model.reward_logits(**batch)  # (B, 3)
+        logits = model.base_model.model.reward_logits(batch["input_ids"], batch["attention_mask"], batch["pixel_values_videos"],
+                                                      batch["video_grid_thw"])  # (B, 3)
+        stock = model.base_model.model.model(**batch).last_hidden_state  # Qwen2-VL's own forward: 3-D M-RoPE positions
+    tokens = torch.isin(batch["input_ids"], torch.tensor(ids))
+    stock_logits = model.base_model.model.rm_head(stock)[tokens].view(len(PROMPTS), 3)
+    assert (stock_logits - logits).abs().max() > 1e-3  # the positions matter here: a reward on the stock forward would fail below
     norm = settings["inference_config"]
     scores = {d: (logits[:, i] - norm[f"{d}_mean"]) / norm[f"{d}_std"] for i, d in enumerate(["VQ", "MQ", "TA"])}
     return {**scores, "overall": scores["VQ"] + scores["MQ"] + scores["TA"]}
@@ -166,7 +183,7 @@ def test_the_converted_release_scores_as_the_releases_own_inference(release, tmp
     scores = reward.score(videos, PROMPTS)
     expected = _release_scores(release / "lora", release / "base", videos)
     for key in ("VQ", "MQ", "TA", "overall"):
-        assert torch.allclose(scores[key], expected[key], atol=1e-4), (key, scores[key], expected[key])
+        assert torch.allclose(scores[key], expected[key], rtol=0, atol=1e-5), (key, scores[key], expected[key])
     assert expected["overall"].std() > 0.01  # the videos and prompts score differently: order and padding matter
     # the whole-model form of the same weights converts to the same folder
     whole = tmp_path / "whole"
@@ -174,7 +191,7 @@ def test_the_converted_release_scores_as_the_releases_own_inference(release, tmp
                  "--base", str(release / "base")]) == 0
     a, b = load_file(str(converted / "model.safetensors")), load_file(str(whole / "model.safetensors"))
     differ = [k for k in a if not torch.allclose(a[k], b[k], atol=1e-6)]
-    assert a.keys() == b.keys() and differ == ["lm_head.weight"], differ  # the language head (never read) holds the resize's random rows in the whole model
+    assert a.keys() == b.keys() and not differ and "lm_head.weight" not in a, differ  # tied: the output embeddings are the input ones
 
 
 def test_a_folder_that_is_not_the_release_is_one_line(release, tmp_path, capsys):
@@ -236,3 +253,56 @@ def test_a_failed_write_leaves_nothing_and_a_converted_folder_refuses_num_frames
     conversion.convert_videoalign(release / "lora", tmp_path / "out", release / "prompt_template.py")
     with pytest.raises(ValueError, match=r"is a converted release, which reads its frames by its own rule .*leave num_frames out"):
         build_reward("videoalign", "cpu", {"path": str(tmp_path / "out"), "num_frames": 4})
+
+
+def test_a_damaged_release_is_one_line_naming_its_file(release, tmp_path, capsys):
+    """Each damage a download or an edit can do: one line naming the file (and key), nothing written."""
+    template = release / "prompt_template.py"
+
+    def copy(name: str, form: str = "lora") -> Path:
+        shutil.copytree(release / form, tmp_path / name)
+        return tmp_path / name
+
+    rank_zero = copy("rank-zero")
+    settings = json.loads((rank_zero / "model_config.json").read_text())
+    settings["peft_lora_config"]["lora_r"] = 0
+    (rank_zero / "model_config.json").write_text(json.dumps(settings))
+    truncated_adapter = copy("truncated-adapter")
+    adapter = truncated_adapter / "checkpoint-3" / "adapter_model.safetensors"
+    adapter.write_bytes(adapter.read_bytes()[: adapter.stat().st_size // 2])
+    truncated_whole = copy("truncated-whole", "whole")
+    whole = truncated_whole / "checkpoint-5" / "model.pth"
+    whole.write_bytes(whole.read_bytes()[: whole.stat().st_size // 2])
+    misshapen = copy("misshapen")
+    others = torch.load(misshapen / "checkpoint-3" / "non_lora_state_dict.pth", weights_only=True)
+    embed = next(k for k in others if k.endswith("embed_tokens.weight"))
+    others[embed] = others[embed][:, :16].clone()
+    torch.save(others, misshapen / "checkpoint-3" / "non_lora_state_dict.pth")
+    wrong_rank = copy("wrong-rank")
+    factors = load_file(str(wrong_rank / "checkpoint-3" / "adapter_model.safetensors"))
+    a_key = next(k for k in factors if ".lora_A." in k)
+    factors[a_key] = factors[a_key][:2].clone()
+    save_file(factors, str(wrong_rank / "checkpoint-3" / "adapter_model.safetensors"))
+    three_heads = copy("three-heads")
+    settings = json.loads((three_heads / "model_config.json").read_text())
+    settings["model_config"]["output_dim"] = 3
+    (three_heads / "model_config.json").write_text(json.dumps(settings))
+    (tmp_path / "broken.py").write_text('DETAILED_PROMPT_WITH_SPECIAL_TOKEN = """unterminated\n')
+    (tmp_path / "latin1.txt").write_bytes("caf\xe9 {text_prompt}".encode("latin-1"))
+    cases = [
+        (rank_zero, template, "peft_lora_config.lora_r = 0: a LoRA has rank ≥ 1"),
+        (truncated_adapter, template, f"{adapter} could not be read (SafetensorError"),
+        (truncated_whole, template, f"{whole} could not be read ("),
+        (misshapen, template, "non_lora_state_dict.pth: 'model.embed_tokens.weight' is (266, 16) and the base"),
+        (wrong_rank, template, f"adapter_model.safetensors: the LoRA of {a_key.split('.lora_A.')[0].removeprefix('base_model.model.')!r} has A (2, "),
+        (three_heads, template, "non_lora_state_dict.pth: 'rm_head.weight' is (1, 32); model_config's output_dim 3"),
+        (release / "lora", tmp_path / "broken.py", f"--template {tmp_path / 'broken.py'} is not valid Python (line 1: "),
+        (release / "lora", tmp_path / "latin1.txt", "is not UTF-8 text"),
+    ]
+    for number, (source, template_file, words) in enumerate(cases):
+        destination = tmp_path / f"out-{number}"
+        arguments = ["rewards", "convert", "videoalign", str(source), str(destination), "--template", str(template_file)]
+        assert main([*arguments, "--base", str(release / "base")]) == 2
+        error = capsys.readouterr().err.strip()
+        assert words in error and len(error.splitlines()) == 1, (words, error)
+        assert not destination.exists()

@@ -622,10 +622,10 @@ QWEN2_VL_CHAT = ("{% for message in messages %}<|im_start|>{{ message['role'] }}
                  "{% endfor %}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
-def tiny_qwen2_vl(extra_tokens: list[str], seed: int = 0):
+def tiny_qwen2_vl(extra_tokens: list[str], seed: int = 0, tied: bool = False):
     """(model, processor): a 1-layer Qwen2VLForConditionalGeneration and a Qwen2VLProcessor (patch 4, merge 2: 32×32
     frames are 4 tokens per pair of frames) with a byte-level Qwen2 tokenizer holding the chat and vision tokens and
-    `extra_tokens`."""
+    `extra_tokens`; `tied`: its output embeddings are its input ones, as Qwen2-VL-2B's (saved without lm_head)."""
     from open_clip.tokenizer import bytes_to_unicode
     from transformers import Qwen2Tokenizer, Qwen2VLConfig, Qwen2VLForConditionalGeneration, Qwen2VLImageProcessor, Qwen2VLProcessor, Qwen2VLVideoProcessor
 
@@ -643,7 +643,8 @@ def tiny_qwen2_vl(extra_tokens: list[str], seed: int = 0):
                          rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0}),
         vision_config=dict(depth=1, embed_dim=16, hidden_size=32, num_heads=2, patch_size=4, spatial_merge_size=2, temporal_patch_size=2,
                            mlp_ratio=2),
-        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"])
+        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
+        tie_word_embeddings=tied)
     return Qwen2VLForConditionalGeneration(config), processor
 
 

@@ -12,6 +12,13 @@ and w the reward head (a linear map hidden → 1 without bias),
 (the head and the standardisation are VideoReward's; mean and std are the checkpoint's). The reward is
 `dimension`: `overall` (the default) or one of VQ, MQ, TA; `score` returns all four.
 
+h_d is computed as VideoReward's released reward model computes it, which is not Qwen2-VL's stock forward:
+its model calls the language model without position ids, which in the transformers it was released with
+(4.45) numbers the tokens 0, 1, 2, ... in all three sections of Qwen2-VL's rotary embedding (1-D positions),
+where the stock forward gives a video's tokens their (frame, row, column) places (3-D M-RoPE). The release's
+scores are defined by that path, so the reward passes those 1-D positions (the stock path moves a score by
+up to about 6e-3 on a tiny model of the release's layout).
+
 The model is a LOCAL FOLDER (nothing is downloaded) holding
 - the model (`save_pretrained` of the Qwen2-VL model: config.json, *.safetensors) and its processor
   (`Qwen2VLProcessor.save_pretrained`: tokenizer with the three special tokens, chat template, image
@@ -183,7 +190,9 @@ class VideoAlignReward:
             batch = self.processor(text=[self.text(p) for p in prompts[start : start + self.batch_size]],
                                    videos=list(frames[start : start + self.batch_size]), padding=True, return_tensors="pt",
                                    videos_kwargs={"do_rescale": True}).to(self.device)
-            hidden = self.model(**batch, output_hidden_states=True).hidden_states[-1].float()  # (b, L, hidden)
+            length = batch["input_ids"].shape[1]
+            positions = torch.arange(length, device=self.device).expand(len(batch["input_ids"]), length)  # (b, L) the release's 1-D positions
+            hidden = self.model.model(**batch, position_ids=positions).last_hidden_state.float()  # (b, L, hidden), after the final norm
             per_dimension = []
             for row, dimension in enumerate(DIMENSIONS):
                 positions = (batch["input_ids"] == self.token_ids[dimension]).int().argmax(dim=1)  # (b,) the token's first place
