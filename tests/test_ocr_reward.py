@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -16,7 +17,7 @@ import torch
 from PIL import Image, ImageDraw, ImageFont
 
 from branchdiff.cli import main
-from branchdiff.rewards.ocr import edit_distance, target_text, text_score
+from branchdiff.rewards.ocr import OCRReward, edit_distance, target_text, text_score
 from branchdiff.rewards.registry import available, build_reward
 
 # Flow-GRPO's text-rendering prompts: a scene, the text to render between double quotes
@@ -79,9 +80,80 @@ def test_the_real_models_read_rendered_text_and_score_it_as_computed_by_hand(rew
 
 def test_it_is_listed_and_its_settings_are_checked():
     _engine()
-    assert any(row["name"] == "ocr" for row in available())
-    with pytest.raises(ValueError, match="min_confidence = 1.5 must lie in"):
-        build_reward("ocr", kwargs={"min_confidence": 1.5})
+    assert any(row["name"] == "ocr" and row["status"] == "ready" for row in available())
+    for settings, words in (({"min_confidence": 1.5}, "min_confidence = 1.5 must be a number in [0, 1)"),
+                            ({"angle_classifier": "no"}, "angle_classifier = 'no' must be true or false"),
+                            ({"channels": "rbg"}, "channels='rbg' must be one of rgb, bgr"), ({"quotes": "curly"}, "quotes='curly' must be one of straight, any")):
+        with pytest.raises(ValueError, match=re.escape(words)):
+            build_reward("ocr", kwargs=settings)
+
+
+@pytest.mark.parametrize("prompt", ['A sign that reads "OPEN LATE" in neon', 'Say "hello', 'a "b" c "d"', '"" empty', 'x "y z"'])
+def test_the_target_is_flow_grpos_split_of_the_prompt(prompt):
+    """Flow-GRPO's rule, `prompt.split('"')[1]`: after the first straight quote, up to the next or the end (one unmatched
+    quote takes the rest of the prompt)."""
+    assert target_text(prompt) == prompt.split('"')[1]
+
+
+def test_curly_quotes_and_prompts_without_quotes():
+    assert target_text("A sign that reads \u201cOPEN\u201d") == "A sign that reads \u201cOPEN\u201d"  # straight quotes only, as Flow-GRPO
+    assert target_text("A sign that reads \u201cOPEN\u201d", quotes="any") == "OPEN"
+    assert target_text("no quotes here") == target_text("no quotes here", quotes="any") == "no quotes here"
+    assert OCRReward.check_prompts(['a "b"', "c \u201cd\u201d"], quotes="any") is None
+    warning = OCRReward.check_prompts(['a sign "OPEN"', "a sign \u201cOPEN\u201d", "a sign"])
+    assert warning.startswith("2 of 3 prompts (the first: prompt 2) hold no text between double quotes, so 'ocr' scores them against the "
+                              "whole prompt") and "prompt 2 uses curly quotes (“ ”), which kwargs {quotes: any} reads" in warning
+
+
+def test_a_prompt_set_without_quoted_text_is_warned_when_read(capsys):
+    from branchdiff.data.prompts import PromptSet
+    from branchdiff.evaluation.preflight import check_prompt_set
+    from branchdiff.rewards.combine import RewardSpec
+
+    prompts = PromptSet("signs.txt", ['a sign "OPEN"', "a sign that reads closed"], [{}, {}])
+    check_prompt_set(prompts, "tiny", (32, 32), [RewardSpec("ocr")], {"ocr": OCRReward})
+    assert [line for line in capsys.readouterr().err.splitlines() if line.startswith("branchdiff")] == [
+        "branchdiff: warning: reward 'ocr' on 'signs.txt': 1 of 2 prompts (the first: prompt 2) hold no text between double quotes, so 'ocr' "
+        "scores them against the whole prompt; quote the text to render, e.g. a sign that reads \"OPEN\""]
+    check_prompt_set(PromptSet("signs.txt", ['a sign "OPEN"'], [{}]), "tiny", (32, 32), [RewardSpec("ocr")], {"ocr": OCRReward})
+    assert "branchdiff" not in capsys.readouterr().err
+
+
+def test_it_reads_as_flow_grpo_by_default_angle_classifier_off_and_low_confidence_lines_kept_when_asked(reward):
+    """Upside-down text: with the angle classifier off (Flow-GRPO's setting, the default) PP-OCRv4 reads it as "NE" at a
+    confidence of about 0.49, below the default cut of 0.5 (nothing read: 0); with min_confidence 0.3 that line counts
+    ("ne" inside "openlate": 6 insertions, 1 − 6/8); with the classifier on it reads "OPEN LATE" (1)."""
+    upright = _rendered("OPEN LATE", 56, False, 0.0, 0)
+    images = torch.stack([upright, upright.flip(1).flip(2)])
+    prompts = [PROMPTS[0]] * 2
+    assert reward(images, prompts).tolist() == [1.0, 0.0]
+    assert build_reward("ocr", kwargs={"min_confidence": 0.3})(images, prompts).tolist() == [1.0, 1 - 6 / 8]
+    assert build_reward("ocr", kwargs={"angle_classifier": True})(images, prompts).tolist() == [1.0, 1.0]
+
+
+class RecordingEngine:
+    """RapidOCR's call signature: records each array and its keywords, reads one line per call."""
+
+    def __init__(self, lines):
+        self.lines, self.calls = lines, []
+
+    def __call__(self, image, **keywords):
+        self.calls.append((image.copy(), keywords))
+        return [[None, text, confidence] for text, confidence in self.lines], None
+
+
+def test_the_engine_gets_rgb_pixels_by_default_bgr_when_asked_and_the_confidence_cut(reward, monkeypatch):
+    import branchdiff.rewards.ocr as ocr
+
+    engine = RecordingEngine([("OPEN", 0.45), ("LATE", 0.9)])
+    monkeypatch.setattr(ocr, "rapidocr_engine", lambda angle_classifier, min_confidence: engine)
+    image = torch.rand(1, 3, 8, 12)
+    pixels = (image[0] * 255).round().to(torch.uint8).permute(1, 2, 0).numpy()  # (H, W, 3) RGB
+    for settings, expected, score in (({}, pixels, 1 - 4 / 8), ({"channels": "bgr", "min_confidence": 0.4}, pixels[:, :, ::-1], 1.0)):
+        engine.calls.clear()
+        assert build_reward("ocr", kwargs=settings)(image, [PROMPTS[0]]).tolist() == [score]
+        array, keywords = engine.calls[0]
+        assert np.array_equal(array, expected) and keywords == {"use_cls": False, "text_score": settings.get("min_confidence", 0.5)}
 
 
 def test_a_text_rendering_prompt_set_loads_and_a_tiny_run_scores_with_ocr(tmp_path, monkeypatch):

@@ -89,3 +89,31 @@ def test_every_built_in_name_has_its_row_in_the_docs(kind):
     first_cells = [line.split("|")[1] for line in (DOCS / page).read_text().splitlines() if line.startswith("| ")]
     missing = [name for name in registry.builtins if not any(f"`{name}`" in cell for cell in first_cells)]
     assert not missing, f"docs/{page} has no row for {missing}"
+
+
+def test_rewards_list_says_what_a_reward_still_needs(monkeypatch):
+    """A reward whose package is installed but fails to import is `broken`, not `ready`; one that needs settings says which
+    (it was `ready` for videoalign without its folder). Every built-in's required settings include those its class
+    takes without a default."""
+    import importlib
+    import inspect
+
+    from branchdiff.rewards.registry import BUILT_IN
+
+    real_import = importlib.import_module
+
+    def failing(name, *args):
+        if name == "rapidocr_onnxruntime":
+            raise ImportError("libGL.so.1: cannot open shared object file")
+        return real_import(name, *args)
+
+    monkeypatch.setattr(importlib, "import_module", failing)
+    rows = {row["name"]: row for row in available() if row["source"] == "built-in"}
+    assert rows["ocr"]["status"] == "broken rapidocr_onnxruntime" and "libGL.so.1" in rows["ocr"]["note"]
+    assert rows["videoalign"]["status"] == "needs kwargs path" and rows["vlm-judge"]["status"] == "needs kwargs url, model"
+    assert rows["group-rank"]["status"] == "needs kwargs reward" and rows["tiny-geneval"]["status"] == "ready"
+    monkeypatch.undo()
+    for name, registered in BUILT_IN.items():
+        parameters = inspect.signature(resolve_reward(name)).parameters.values() if name != "imagereward" else []
+        without_default = {p.name for p in parameters if p.default is inspect.Parameter.empty and p.kind is p.POSITIONAL_OR_KEYWORD}
+        assert without_default <= set(registered.required), (name, without_default)

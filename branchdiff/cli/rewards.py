@@ -22,8 +22,9 @@ def cmd_rewards(args: argparse.Namespace) -> None:
         notes = [f"  {row['name']}: {row['note']}" for row in rows if row["note"]]
         if notes:
             print("\nnot downloaded: fetched from the hub when first used online; offline, download it and pass its local path as the\n"
-                  "keyword argument shown (kwargs: {checkpoint: PATH}; docs/rewards.md). missing: install it as shown. not used: an\n"
-                  "installed entry point whose name is taken, shown with both sources.")
+                  "keyword argument shown (kwargs: {checkpoint: PATH}; docs/rewards.md). needs kwargs: settings a run must give it.\n"
+                  "missing: install it as shown; broken: installed, but its import fails. not used: an installed entry point whose\n"
+                  "name is taken, shown with both sources.")
             print("\n".join(notes))
         return
     if args.rewards_command == "convert":

@@ -2,7 +2,8 @@
 the settings, the prompt files and the headers of the images these name.
 
 - `check_prompt_set`: no prompt is longer than the family's text encoders read, every reward that can check
-  prompts (`check_prompts`, e.g. tiny-geneval's grammar) accepts them, and the source images follow the
+  prompts (`check_prompts`, e.g. tiny-geneval's grammar; given the reward's settings where it takes `**settings`)
+  accepts them (what it returns is printed once as a warning: `ocr`'s prompts without quoted text), and the source images follow the
   family's rule (`ModelAdapter.check_source_sizes`: an editing family's prompts name theirs, a text family's none);
 - `check_video_rewards`: on a video family, every reward scores videos or names the frames it scores;
 - `check_output_folder`: the folder a command will write into can be made and written, so that minutes of
@@ -11,6 +12,9 @@ the settings, the prompt files and the headers of the images these name.
 
 from __future__ import annotations
 
+import inspect
+import os
+import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -64,10 +68,19 @@ def check_prompt_set(prompt_set: PromptSet, family: str, size: tuple[int, int], 
     for spec in specs:
         check = getattr(factories.get(spec.name), "check_prompts", None)
         if check is not None:
+            takes_settings = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in inspect.signature(check).parameters.values())
             try:
-                check(prompt_set.prompts)
+                warning = check(prompt_set.prompts, **spec.kwargs) if takes_settings else check(prompt_set.prompts)
             except ValueError as error:
                 raise ValueError(f"reward {spec.label!r} cannot score {quote(prompt_set.name, 80)}: {error}") from None
+            if warning and is_main_process():
+                print(f"branchdiff: warning: reward {spec.label!r} on {quote(prompt_set.name, 80)}: {warning}", file=sys.stderr)
+
+
+def is_main_process() -> bool:
+    """Whether this is the launch's first process (the environment `accelerate launch` and torchrun set), which prints the
+    warnings every process would find alike."""
+    return os.environ.get("RANK", "0") == "0"
 
 
 def check_negatives_guided(where: str, family: str, guidance: Guidance) -> None:

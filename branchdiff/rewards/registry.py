@@ -33,16 +33,20 @@ class Registered:
     needs: tuple[str, ...] = ()  # importable modules it needs beyond branchdiff's own dependencies
     install: str = ""  # how to get them
     weights: tuple[tuple[str, str, str], ...] = ()  # (keyword argument, hub repo, a file of it) per weight it loads by default
+    required: tuple[str, ...] = ()  # keyword arguments a run must give it (those without a default, and videoalign's path)
 
 
 BUILT_IN: dict[str, Registered] = {
     "tiny-geneval": Registered("branchdiff.rewards.tiny_geneval:TinyGenEval"),
     "tiny-video": Registered("branchdiff.rewards.tiny_video:TinyVideoVerifier"),  # clips of the built-in video task
-    "videoalign": Registered("branchdiff.rewards.videoalign:VideoAlignReward"),  # videos: a Qwen2-VL reward model from a local folder (VQ, MQ, TA)
+    "videoalign": Registered("branchdiff.rewards.videoalign:VideoAlignReward",  # videos: a Qwen2-VL reward model from a local folder (VQ, MQ, TA)
+                             required=("path",)),
     "flicker": Registered("branchdiff.rewards.flicker:Flicker"),  # videos: frame-to-frame change
-    "ocr": Registered("branchdiff.rewards.ocr:OCRReward"),  # rendered text: PP-OCRv4 inside rapidocr's wheel, or PaddleOCR (each engine names its install)
-    "vlm-judge": Registered("branchdiff.rewards.vlm_judge:VLMJudge"),  # a VLM's P(yes), or its tournament (mode: pairwise), over an OpenAI-compatible API
-    "group-rank": Registered("branchdiff.rewards.group_rank:GroupRank"),  # another reward's rank within the group (kwargs: reward, kwargs)
+    "ocr": Registered("branchdiff.rewards.ocr:OCRReward", needs=("rapidocr_onnxruntime",),  # rendered text: PP-OCRv4 inside rapidocr's wheel
+                      install="pip install 'branchdiff-rl[ocr]'"),
+    "vlm-judge": Registered("branchdiff.rewards.vlm_judge:VLMJudge",  # a VLM's P(yes), or its tournament (mode: pairwise), over an OpenAI-compatible API
+                            required=("url", "model")),
+    "group-rank": Registered("branchdiff.rewards.group_rank:GroupRank", required=("reward",)),  # another reward's rank within the group
     "edit-consistency": Registered("branchdiff.rewards.edit_consistency:EditConsistency"),  # editing: the source kept outside the edit
     "clip-consistency": Registered("branchdiff.rewards.clip_consistency:CLIPConsistencyReward",  # videos: adjacent frames' CLIP similarity
                                    weights=(("model", "openai/clip-vit-large-patch14", "config.json"),)),
@@ -136,18 +140,35 @@ def _cached(repo: str, file: str) -> bool:
     return isinstance(try_to_load_from_cache(repo, file), str)
 
 
+def _import_failure(modules: tuple[str, ...]) -> str | None:
+    """The first of `modules` that is installed but fails to import (a missing system library, a broken build), with why."""
+    for module in modules:
+        try:
+            importlib.import_module(module)
+        except Exception as error:  # any import-time failure: ImportError, OSError of a shared library, ...
+            return f"{module} ({type(error).__name__}: {' '.join(str(error).split())[:120]})"
+    return None
+
+
 def available() -> list[dict[str, str]]:
     """One row per reward that can be named, built-ins and installed entry points (`branchdiff rewards
-    list`): its source, its status (`ready`: it runs now; `not downloaded`: a default weight is not in
-    the local hub cache, so it needs the hub or a local path; `missing X`: a package it needs) and its
-    default weights; `note` says how to get what is missing."""
+    list`): its source, its status (`ready`: it runs now; `needs kwargs X`: it runs once the run gives it
+    X (videoalign's folder, a judge's URL); `not downloaded`: a default weight is not in the local hub cache,
+    so it needs the hub or a local path; `missing X`: a package it needs; `broken X`: a package it needs is
+    installed and fails to import) and its default weights; `note` says how to get what is missing."""
     rows = []
     for name, registered in BUILT_IN.items():
         missing = [module for module in registered.needs if find_spec(module) is None]
+        broken = None if missing else _import_failure(registered.needs)
         absent = [(argument, repo, file) for argument, repo, file in registered.weights if not _cached(repo, file)]
         weights = ", ".join(dict.fromkeys(repo for _, repo, _ in registered.weights)) or "none"
         if missing:
             status, note = f"missing {', '.join(missing)}", registered.install
+        elif broken:
+            status, note = f"broken {broken.split(' ')[0]}", f"{broken} fails to import; reinstall it: {registered.install}"
+        elif registered.required:
+            status = f"needs kwargs {', '.join(registered.required)}"
+            note = f"give kwargs {{{', '.join(f'{key}: ...' for key in registered.required)}}} (docs/rewards.md, {name})"
         elif absent:
             status = "not downloaded"
             note = "; ".join(f"{argument + ' = ' if argument else ''}{repo}{'' if file.endswith('.json') else ' ' + file}"
