@@ -23,7 +23,7 @@ from PIL import Image
 from branchdiff.rewards.base import to_uint8
 from branchdiff.rewards.registry import build_reward
 from branchdiff.rewards.remote import RemoteRewardError
-from branchdiff.rewards.vlm_judge import yes_probability
+from branchdiff.rewards.vlm_judge import NO, YES, JudgeAnswerError, VLMJudge, yes_probability
 from json_handler import JSONHandler  # tests/ is on sys.path
 
 
@@ -46,7 +46,7 @@ def _decoded(url: str) -> np.ndarray:
 
 
 class StandIn(JSONHandler):
-    mode = "ok"  # ok | refuse | stall | garbage | neither | busy-once
+    mode = "ok"  # ok | refuse | stall | garbage | neither | busy-once | unknown-model | stall-after-first
     requests: list[dict] = []
     in_flight = peak = 0
     lock = threading.Lock()
@@ -75,8 +75,13 @@ class StandIn(JSONHandler):
         if mode == "stall":
             time.sleep(3)
             return None
+        if mode == "stall-after-first" and not first:
+            time.sleep(120)  # longer than any test waits: the client must not wait for it
+            return None
         if mode == "refuse":
             return 401, b'{"error": {"message": "invalid api key"}}'
+        if mode == "unknown-model":
+            return 404, b'{"error": {"message": "The model `judge-7b` does not exist."}}'
         if mode == "busy-once" and first:
             return 503, b'{"error": "loading"}'
         if mode == "garbage":
@@ -117,7 +122,31 @@ def test_p_yes_is_the_yes_mass_over_yes_and_no():
     top = [{"token": " Yes", "logprob": math.log(0.5)}, {"token": "yes", "logprob": math.log(0.1)}, {"token": "No", "logprob": math.log(0.2)},
            {"token": "Maybe", "logprob": math.log(0.2)}]
     assert yes_probability(top, ("yes", "Yes"), ("no", "No")) == pytest.approx(0.6 / 0.8)
-    assert yes_probability([{"token": "Maybe", "logprob": 0.0}], ("yes",), ("no",)) is None
+    with pytest.raises(JudgeAnswerError, match="^neither$"):
+        yes_probability([{"token": "Maybe", "logprob": 0.0}], ("yes",), ("no",))
+
+
+def test_a_side_missing_from_the_top_k_counts_at_the_smallest_listed_probability():
+    """Only yes listed (it scored 1.0, and with top_logprobs 1 every score was 0 or 1): no counts at the bound."""
+    top = [{"token": " Yes", "logprob": math.log(0.6)}, {"token": "The", "logprob": math.log(0.1)}]
+    assert yes_probability(top, YES, NO) == pytest.approx(0.6 / 0.7)
+    top = [{"token": "No", "logprob": math.log(0.7)}, {"token": "I", "logprob": math.log(0.2)}, {"token": "It", "logprob": math.log(0.05)}]
+    assert yes_probability(top, YES, NO) == pytest.approx(0.05 / 0.75)
+    with pytest.raises(ValueError, match=r"top_logprobs=1 must be an integer ≥ 2 \(with one, the answer's own token is all it lists"):
+        _judge("http://127.0.0.1:9/v1", top_logprobs=1)
+
+
+def test_log_probabilities_are_combined_in_log_space_and_the_floor_is_no_probability():
+    """Both far below exp's range (once "neither"); both at the servers' floor −9999 (once "neither" too); one side at
+    the floor; a log-probability of 1000 (once OverflowError: math range error)."""
+    tiny = [{"token": "yes", "logprob": -800.0}, {"token": "no", "logprob": -801.0}]
+    assert yes_probability(tiny, YES, NO) == pytest.approx(1 / (1 + math.exp(-1)))
+    with pytest.raises(JudgeAnswerError, match="^floor$"):
+        yes_probability([{"token": "Yes", "logprob": -9999.0}, {"token": "No", "logprob": -9999.0}, {"token": "A", "logprob": -0.1}], YES, NO)
+    assert yes_probability([{"token": "Yes", "logprob": -9999.0}, {"token": "No", "logprob": -0.2}], YES, NO) == 0.0
+    for value in (1000.0, float("nan"), "high"):
+        with pytest.raises(JudgeAnswerError, match=r"a log-probability of .* for the token 'yes', where a log-probability is a number ≤ 0"):
+            yes_probability([{"token": "yes", "logprob": value}], YES, NO)
 
 
 def test_scores_equal_the_judges_probabilities_in_order_with_bounded_concurrency(judge_url, monkeypatch):
@@ -144,12 +173,15 @@ def test_a_busy_answer_is_tried_again(judge_url):
 
 
 @pytest.mark.parametrize(("mode", "kwargs", "line"), [
-    ("refuse", {}, r"judge http://127\.0\.0\.1:\d+/v1/chat/completions answered HTTP 401: .*invalid api key"),
+    ("refuse", {}, r"judge http://127\.0\.0\.1:\d+/v1/chat/completions answered HTTP 401: .*invalid api key.*; no key was sent: set \$OPENAI_API_KEY, "
+                   r"or name the variable holding it with kwargs \{api_key_env: NAME\}"),
+    ("unknown-model", {}, r"answered HTTP 404: .*does not exist.*; does the server serve a model named 'judge-7b' \(its /v1/models\)\?"),
     ("stall", {"timeout": 0.5, "retries": 1, "backoff": 0.01}, r"judge .*/v1/chat/completions did not answer within 0\.5 s \(2 attempts\)"),
     ("garbage", {}, r"judge .* answered without the log-probabilities of its first token .*does the server take logprobs"),
     ("neither", {}, r"judge .* answered with neither a yes \['yes', 'Yes', 'YES'\] nor a no .* among its top 2: .*maybe.*raise top_logprobs"),
 ])
-def test_each_failure_is_one_line_naming_the_url(judge_url, mode, kwargs, line):
+def test_each_failure_is_one_line_naming_the_url(judge_url, mode, kwargs, line, monkeypatch):
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
     StandIn.mode = mode
     with pytest.raises(RemoteRewardError, match=line) as raised:
         _judge(judge_url, **kwargs)(_images(1), ["a"], [{}])
@@ -216,3 +248,102 @@ def test_a_tiny_run_trains_on_a_pairwise_tournament(judge_url, tiny_model_dir, t
     assert len(StandIn.requests) == 2 * 3 * 2
     assert result.metrics["reward_mean"] == pytest.approx(0.5)  # a tournament's win rates average ½
     assert result.metrics["edges_trained"] > 0 and result.metrics["grad_norm"] > 0
+
+
+def test_the_key_comes_from_the_named_variable_which_must_be_set(judge_url, monkeypatch):
+    monkeypatch.delenv("JUDGE_KEY", raising=False)
+    with pytest.raises(ValueError, match=r"api_key_env=JUDGE_KEY names an environment variable that is not set \(or empty\): export JUDGE_KEY="):
+        _judge(judge_url, api_key_env="JUDGE_KEY")
+    monkeypatch.setenv("JUDGE_KEY", "k-1")
+    monkeypatch.setenv("OPENAI_API_KEY", "k-2")
+    StandIn.mode = "refuse"
+    with pytest.raises(RemoteRewardError, match=r"answered HTTP 401: .*; the key in \$JUDGE_KEY was refused$"):
+        _judge(judge_url, api_key_env="JUDGE_KEY")(_images(1), ["a"], [{}])
+    assert StandIn.requests[-1]["authorization"] == "Bearer k-1"
+
+
+def test_the_defaults_report_a_silent_judge_within_a_minute():
+    """timeout · (retries + 1) plus the back-offs between the attempts (it was 183 s)."""
+    import inspect
+
+    defaults = {name: p.default for name, p in inspect.signature(VLMJudge).parameters.items()}
+    worst = defaults["timeout"] * (defaults["retries"] + 1) + sum(defaults["backoff"] * 2 ** k for k in range(defaults["retries"]))
+    assert worst <= 60
+
+
+def _train(tiny_model_dir, run, reward: str, *extra: str) -> list[str]:
+    return ["train", "tiny-chain", f"model.path={tiny_model_dir}", f"output_dir={run}", f"reward={reward}", "iterations=3",
+            "prompts.per_iteration=1", "tree.roots=2", "sampling.num_steps=3", "final_eval=false", "logging.report_to=none",
+            "model.compile=none", *extra]
+
+
+@pytest.mark.parametrize(("mode", "words"), [("unknown-model", "does the server serve a model named 'judge-7b'"),
+                                             ("garbage", "answered without the log-probabilities of its first token")])
+def test_a_judge_that_cannot_score_stops_train_before_anything_is_written(judge_url, closed_port, tiny_model_dir, tmp_path, capsys, mode, words):
+    """One question about a grey image before the model loads (it was asked only at the first rollout, after the run's
+    folder was made); a judge that is not there at all, too."""
+    from branchdiff.cli import main
+
+    StandIn.mode = mode
+    for url, expected in ((judge_url, words), (closed_port + "/v1", "is not reachable")):
+        run = tmp_path / f"run-{mode}"
+        reward = f"{{name: vlm-judge, kwargs: {{url: '{url}', model: judge-7b, retries: 0}}}}"
+        assert main(_train(tiny_model_dir, run, reward)) == 2
+        error = [line for line in capsys.readouterr().err.splitlines() if line.startswith("branchdiff")]
+        assert len(error) == 1 and expected in error[0] and error[0].startswith("branchdiff: error: judge "), error
+        assert not run.exists()
+    assert len(StandIn.requests) == 1 and StandIn.requests[0]["body"]["messages"][0]["content"][1]["text"] == (
+        'Does this image show "a plain grey square"? Answer yes or no.')
+
+
+class StalledRewardServer(JSONHandler):
+    """A reward server whose /health answers and whose /score never does."""
+
+    scoring = threading.Event()
+
+    def do_GET(self) -> None:
+        self.send_json(200, json.dumps({"wire": 1, "name": "slow", "scale": "test", "higher_is_better": True}).encode())
+
+    def do_POST(self) -> None:
+        type(self).scoring.set()
+        time.sleep(120)
+
+
+@pytest.mark.parametrize("kind", ["judge", "reward-server-overlapped"])
+def test_a_second_ctrl_c_aborts_at_once_while_the_reward_stalls(judge_url, tiny_model_dir, tmp_path, kind):
+    """Ctrl-C while the reward's request hangs (its timeout 60 s): the first asks to stop after the iteration, the second
+    aborts at once (the process was held until the request timed out: a judge's worker threads were joined, and so was
+    the overlapped scoring's worker)."""
+    import signal
+    import subprocess
+    import sys
+
+    if kind == "judge":
+        StandIn.mode = "stall-after-first"
+        reward, extra, started = f"{{name: vlm-judge, kwargs: {{url: '{judge_url}', model: judge-7b, timeout: 60, retries: 0}}}}", [], None
+    else:
+        StalledRewardServer.scoring.clear()
+        server = ThreadingHTTPServer(("127.0.0.1", 0), StalledRewardServer)
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        reward = f"{{remote: 'http://127.0.0.1:{server.server_address[1]}', kwargs: {{timeout: 60, retries: 0}}}}"
+        extra, started = ["reward_overlap=true"], StalledRewardServer.scoring
+    process = subprocess.Popen([sys.executable, "-m", "branchdiff.cli", *_train(tiny_model_dir, tmp_path / "run", reward, *extra)],
+                               stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 180
+        while not (started.is_set() if started else len(StandIn.requests) >= 2):  # the reward's request of the first rollout is in flight
+            assert process.poll() is None and time.monotonic() < deadline, process.stderr.read() if process.poll() is not None else "no request"
+            time.sleep(0.1)
+        time.sleep(0.5)
+        process.send_signal(signal.SIGINT)
+        time.sleep(0.5)
+        process.send_signal(signal.SIGINT)
+        aborted = time.monotonic()
+        assert process.wait(timeout=30) == 130
+        assert time.monotonic() - aborted < 10
+        assert "Ctrl-C again to abort now" in process.stderr.read()
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+        process.stderr.close()

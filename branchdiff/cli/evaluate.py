@@ -17,7 +17,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
 
     from branchdiff.data.prompts import load_prompt_set
     from branchdiff.evaluation.evaluate import OdeSampling, ProcessShare, evaluate, format_summary, gather_results, write_outputs
-    from branchdiff.evaluation.preflight import Guidance, check_output_folder, check_prompt_set, check_video_rewards
+    from branchdiff.evaluation.preflight import Guidance, check_output_folder, check_prompt_set, check_video_rewards, preflight_rewards
     from branchdiff.models.registry import FAMILIES
     from branchdiff.rewards.combine import parse_reward_specs
     from branchdiff.rewards.group import refuse_in_evaluation
@@ -43,6 +43,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
     if FAMILIES[settings.family].video:  # before any reward loads
         check_video_rewards("--rewards", specs, factories)
     check_prompt_set(prompt_set, settings.family, size, specs, factories, Guidance("--guidance", settings.guidance, settings.model))
+    preflight_rewards(specs, factories)
     state = PartialState(cpu=args.device == "cpu")
     rewards = {spec.label: build_component(spec, args.device) for spec in specs}
     refuse_in_evaluation(rewards, "eval --rewards")

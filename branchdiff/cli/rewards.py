@@ -34,7 +34,7 @@ def cmd_rewards(args: argparse.Namespace) -> None:
         print(f"wrote {destination}: reward {{name: videoalign, kwargs: {{path: {destination}}}}}")
         return
     from branchdiff.data.prompts import load_prompt_set
-    from branchdiff.evaluation.preflight import check_prompt_set
+    from branchdiff.evaluation.preflight import check_prompt_set, preflight_rewards
     from branchdiff.models.registry import FAMILIES
     from branchdiff.rewards.combine import RewardSpec
     from branchdiff.rewards.frames import FrameAggregation
@@ -49,6 +49,7 @@ def cmd_rewards(args: argparse.Namespace) -> None:
     settings, _ = sampling_settings(args)
     size = check_model(settings, None)  # everything that needs no weights, before the reward's and the model's load
     check_prompt_set(prompt_set, settings.family, size, [RewardSpec(args.name, kwargs=kwargs)], {args.name: factory})
+    preflight_rewards([RewardSpec(args.name, kwargs=kwargs)], {args.name: factory})
     prompts, metadata = prompt_set.prompts[: args.num_prompts], prompt_set.metadata[: args.num_prompts]
     sde = "ddim" if FAMILIES[settings.family].steps == "ddim" else "flow"
     frames = FrameAggregation(args.every_frame, args.reduce) if args.every_frame else None

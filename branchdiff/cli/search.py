@@ -36,7 +36,7 @@ def check_search(args: argparse.Namespace, settings: EvalSettings, seed: int, si
     against one image's cost, the SDE against the family's steps), and the reward (it resolves, takes its keyword
     arguments and can score the prompts)."""
     from branchdiff.data.prompts import PromptSet
-    from branchdiff.evaluation.preflight import check_prompt_set
+    from branchdiff.evaluation.preflight import check_prompt_set, preflight_rewards
     from branchdiff.models import adapter_class
     from branchdiff.models.registry import FAMILIES, STEP_KINDS
     from branchdiff.rewards.multi import check_remote_kwargs
@@ -59,6 +59,7 @@ def check_search(args: argparse.Namespace, settings: EvalSettings, seed: int, si
     else:
         check_remote_kwargs(spec)
     check_prompt_set(PromptSet("--prompt", list(args.prompt), [{} for _ in args.prompt]), settings.family, size, [spec], factories)
+    preflight_rewards([spec], factories)
     return search, spec
 
 

@@ -6,6 +6,7 @@ the settings, the prompt files and the headers of the images these name.
   accepts them (what it returns is printed once as a warning: `ocr`'s prompts without quoted text), and the source images follow the
   family's rule (`ModelAdapter.check_source_sizes`: an editing family's prompts name theirs, a text family's none);
 - `check_video_rewards`: on a video family, every reward scores videos or names the frames it scores;
+- `preflight_rewards`: a reward that calls a service (vlm-judge) asks it once;
 - `check_output_folder`: the folder a command will write into can be made and written, so that minutes of
   sampling are not lost at the first file.
 """
@@ -81,6 +82,19 @@ def is_main_process() -> bool:
     """Whether this is the launch's first process (the environment `accelerate launch` and torchrun set), which prints the
     warnings every process would find alike."""
     return os.environ.get("RANK", "0") == "0"
+
+
+def preflight_rewards(specs: list[RewardSpec], factories: dict) -> None:
+    """Each reward that calls a service before it can score (its class's `preflight`, e.g. vlm-judge's one question to
+    the judge) is asked once, with its settings, before a model loads: a judge that is down, stalls or names an unknown
+    model stops the command with one line, with nothing written."""
+    asked = set()
+    for spec in specs:
+        preflight = getattr(factories.get(spec.name), "preflight", None)
+        key = (spec.name, repr(sorted(spec.kwargs.items())))
+        if preflight is not None and key not in asked:
+            asked.add(key)
+            preflight(**spec.kwargs)
 
 
 def check_negatives_guided(where: str, family: str, guidance: Guidance) -> None:

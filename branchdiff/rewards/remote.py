@@ -287,11 +287,11 @@ class RemoteReward:
 
 def request_json(url: str, body: bytes | None, headers: dict[str, str], timeout: float, retries: int, backoff: float, who: str,
                  unreachable_hint: str = "", retried: tuple[int, ...] = (429, *RETRIED_STATUS),
-                 opener: urllib.request.OpenerDirector | None = None) -> object:
+                 opener: urllib.request.OpenerDirector | None = None, hints: dict[int, str] | None = None) -> object:
     """The JSON reply to a GET (`body` None) or POST of `body` to `url`, tried `retries` more times after a connection
     error, a timeout or a `retried` status (attempt k first waits `backoff · 2^(k−1)` s); any other HTTP error, an
-    answer that is not JSON or the last failure is a one-line `RemoteRewardError` starting "`who` `url`". Proxies
-    (HTTP_PROXY and friends) are ignored unless `opener` says otherwise."""
+    answer that is not JSON or the last failure is a one-line `RemoteRewardError` starting "`who` `url`", ending with
+    `hints[status]` for an HTTP error of that status. Proxies (HTTP_PROXY and friends) are ignored unless `opener` says otherwise."""
     opener = opener or urllib.request.build_opener(urllib.request.ProxyHandler({}))
     failure = unreachable = None
     for attempt in range(retries + 1):
@@ -305,7 +305,7 @@ def request_json(url: str, body: bytes | None, headers: dict[str, str], timeout:
         except urllib.error.HTTPError as error:
             failure = f"answered HTTP {error.code}: {_error_message(error)}"
             if error.code not in retried:
-                raise RemoteRewardError(f"{who} {url} {failure}") from None
+                raise RemoteRewardError(f"{who} {url} {failure}{(hints or {}).get(error.code, '')}") from None
         except TimeoutError:
             failure = f"did not answer within {timeout:g} s"
         except urllib.error.URLError as error:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from contextlib import AbstractContextManager, nullcontext
 
 import torch
@@ -32,6 +32,7 @@ from branchdiff.core.rollout import Rollout, empty_rollout, grow_prompts
 from branchdiff.core.tree import Tree
 from branchdiff.models.base import ModelAdapter, PromptEmbeds
 from branchdiff.rewards.multi import RewardBatch, join_batches
+from branchdiff.runtime.threads import DaemonPool
 from branchdiff.schedulers.schedule import Schedule
 
 ScorePart = Callable[[torch.Tensor, torch.Tensor], RewardBatch]  # (images (L_k, 3, H, W), their leaf rows (L_k,)) → the part's rewards
@@ -67,7 +68,7 @@ def grow_and_score(adapter: ModelAdapter, tree: Tree, embeds: PromptEmbeds, sche
     leaf_prompts = tree.prompt[tree.leaf_index]  # (L,)
     seconds = {"rollout_seconds": 0.0, "decode_seconds": 0.0}
     images, rows, pending = [], [], []
-    worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="branchdiff-reward")
+    worker = DaemonPool(1, "branchdiff-reward")  # a daemon: an aborted run does not wait for a stalled judge's answer
     try:
         for part in parts:
             start = time.perf_counter()
@@ -83,10 +84,8 @@ def grow_and_score(adapter: ModelAdapter, tree: Tree, embeds: PromptEmbeds, sche
             _raise_first_failure(pending)
         waiting = time.perf_counter()
         scored = [future.result() for future in pending]  # in order; the first failure is raised
-    except BaseException:
-        worker.shutdown(wait=False, cancel_futures=True)  # a stop or failure does not wait for a slow judge's answer
-        raise
-    worker.shutdown()
+    finally:
+        worker.shutdown()  # never waits: a stop or failure does not wait for a slow judge's answer
     seconds["reward_seconds"] = time.perf_counter() - waiting
     seconds["reward_overlapped_seconds"] = max(0.0, sum(s for _, s in scored) - seconds["reward_seconds"])
     order = torch.argsort(torch.cat(rows))  # leaf order, whatever the parts' order

@@ -6,7 +6,7 @@ evaluation rewards even when the run does not evaluate), the image size (and a v
 the model folder's config files, a tracker that logs online (W&B, SwanLab) has credentials, and each
 prompt set the run reads passes the checks `sample` and `eval` share (branchdiff/evaluation/preflight.py:
 length, the rewards' own prompt checks, source images, and on a video family every reward scores videos
-or names its frames).
+or names its frames), and a reward that calls a service (vlm-judge) has it answer one question.
 The run directory is then claimed (branchdiff/runtime/run_dir.py) and the checkpoint to resume chosen
 (`Checkpointer.select`, branchdiff/training/checkpoints.py), still before the model loads.
 """
@@ -18,7 +18,7 @@ from typing import cast
 from branchdiff.data.demonstrations import load_image_set
 from branchdiff.data.prompts import load_prompt_set
 from branchdiff.errors import UserError
-from branchdiff.evaluation.preflight import Guidance, check_prompt_set, check_video_rewards
+from branchdiff.evaluation.preflight import Guidance, check_prompt_set, check_video_rewards, preflight_rewards
 from branchdiff.models import adapter_class, check_frames, check_size
 from branchdiff.models.attention import check_backend
 from branchdiff.models.compile import check_compiler
@@ -81,3 +81,4 @@ def check_inputs(config: TrainConfig) -> None:
                 "eval": Guidance("prompts.eval_guidance", config.prompts.eval_guidance, config.model.path)}
     for source, specs, made in (("train", train_specs, size), *((("eval", eval_specs, eval_size),) if evaluates else ())):
         check_prompt_set(load_prompt_set(getattr(config.prompts, source)), config.model.family, made, specs, factories, guidance[source])
+    preflight_rewards([*train_specs, *(eval_specs if evaluates else [])], factories)  # last: it may wait on a service
