@@ -467,7 +467,7 @@ def test_sample_and_eval_refuse_a_size_or_missing_weights_before_the_model_loads
     for command in (["sample", "--prompt", "a red circle", "--out", str(tmp_path / "out")], ["eval", "--out", str(tmp_path / "out")]):
         assert main([*command, *common, "--resolution", "30x44"]) == 2  # the tiny pipeline's VAE factor 2 × patch 2
         assert error_line(capsys) == (f"{PREFIX}model.resolution=[30, 44] (height, width) is not possible for sd3: each side must be a "
-                                      "multiple of 4 (e.g. [32, 44])")
+                                      "multiple of 4 (e.g. [32, 44], or [44, 64] to keep its aspect ratio)")
         assert main([*command, *common, "--resolution", "32", "--weights", str(tmp_path / "runs" / "missing")]) == 2
         assert error_line(capsys).startswith(f"{PREFIX}no LoRA or fine-tuned denoiser at {tmp_path / 'runs' / 'missing'}; pass a run folder")
         assert not (tmp_path / "out").exists()

@@ -16,7 +16,7 @@ from branchdiff.cli import main
 from branchdiff.core.rollout import NoiseAddress, SamplerSettings, grow
 from branchdiff.core.tree import TreeSpec, build_tree
 from branchdiff.data.prompts import load_prompt_set
-from branchdiff.data.sources import MASK, SOURCES, source_images
+from branchdiff.data.sources import FIT, MASK, SOURCES, source_images
 from branchdiff.evaluation.evaluate import beside_sources
 from branchdiff.models import load_adapter
 from branchdiff.models.base import encode_for
@@ -153,12 +153,14 @@ def test_qwen_image_edit_takes_each_rows_negative_prompt_as_its_pipeline(kontext
 
 @pytest.mark.parametrize("family", EDITING)
 def test_sources_of_another_shape_or_number_are_refused(kontext, family):
-    """A source of another aspect ratio than the edits would be stretched (Kontext) or make other token grids
-    than its batch's (Qwen-Image-Edit); prompts of one batch carry as many sources (Kontext: one)."""
+    """A source of another aspect ratio than the edits is refused under sources.fit refuse (it would be stretched, or make
+    other token grids than its batch's), fitted otherwise; prompts of one batch carry as many sources (Kontext: one)."""
     adapter = load_adapter(family, str(kontext / family), resolution=32)
     images = kontext / "data" / "images"
-    with pytest.raises(ValueError, match=r"a source image is 96×32 \(width × height\) and the edits 32×32: crop or pad the source"):
-        encode_for(adapter, PROMPTS, [{SOURCES: [str(images / "square-0.png")]}, {SOURCES: [str(images / "wide.png")]}])
+    with pytest.raises(ValueError, match=r"a source image is 96×32 \(width × height\) and the edits 32×32, another aspect ratio, and "
+                                         r"sources.fit is refuse: fit it \(sources.fit / --fit resize, crop or pad\).*\(docs/editing.md\)"):
+        encode_for(adapter, PROMPTS, [{SOURCES: [str(images / "square-0.png")], FIT: "refuse"}, {SOURCES: [str(images / "wide.png")], FIT: "refuse"}])
+    encode_for(adapter, PROMPTS, [{SOURCES: [str(images / "square-0.png")]}, {SOURCES: [str(images / "wide.png")]}])  # resized: one grid
     with pytest.raises(ValueError, match=rf"prompt 2 has 2 source images and (model.family={family} takes at most 1 per prompt|prompt 1 has 1: "
                                          rf"model.family={family} takes the same number with every prompt)"):
         encode_for(adapter, PROMPTS, [{SOURCES: [str(images / "square-0.png")]}, {SOURCES: [str(images / "square-0.png")] * 2}])
@@ -243,7 +245,7 @@ def test_sample_edits_the_image_given(kontext, tmp_path, capsys):
     ({"prompt": "x", "image": "images/missing.png"}, "edits.jsonl:2: source image 'images/missing.png' not found"),
     ({"prompt": "x", "image": "notes.png"}, "edits.jsonl:2: source image 'notes.png' could not be read as an image"),
     ({"prompt": "x", "image": 3}, "edits.jsonl:2: \"image\" must be a path or a list of paths to source images, got '3'"),
-    ({"prompt": "x", "image": "images/square-0.png", "mask": "images/missing.png"}, "edits.jsonl:2: source image 'images/missing.png' not found"),
+    ({"prompt": "x", "image": "images/square-0.png", "mask": "images/missing.png"}, "edits.jsonl:2: mask 'images/missing.png' not found"),
 ])
 def test_bad_rows_are_refused_when_the_set_is_read_naming_the_row(kontext, tmp_path, capsys, row, message):
     data = tmp_path / "data"
@@ -263,7 +265,8 @@ def test_a_csv_row_names_several_sources_and_a_text_family_refuses_them(kontext,
     csv.write_text('prompt,image,mask\n"make it blue",images/square-0.png|images/square-1.png,images/square-1.png\n')
     prompt_set = load_prompt_set(str(csv))
     images = kontext / "data" / "images"
-    assert prompt_set.metadata == [{SOURCES: [str(images / "square-0.png"), str(images / "square-1.png")], MASK: str(images / "square-1.png")}]
+    assert prompt_set.metadata == [{SOURCES: [str(images / "square-0.png"), str(images / "square-1.png")], MASK: str(images / "square-1.png"),
+                                    FIT: "resize"}]
     sd3 = save_pipeline("sd3", tmp_path / "sd3")
     assert main(["train", "tiny-chain", *_train_overrides("sd3", sd3, tmp_path / "run", f"prompts.train={csv}")]) == 2
     assert "comes with a source image" in error_line(capsys) and not (tmp_path / "run").exists()
@@ -271,9 +274,10 @@ def test_a_csv_row_names_several_sources_and_a_text_family_refuses_them(kontext,
     text.write_text("make it blue\n")
     assert main(["train", "tiny-chain", *_train_overrides("flux-kontext", kontext / "flux-kontext", tmp_path / "run", f"prompts.train={text}")]) == 2
     assert "has no source image and model.family=flux-kontext edits images" in error_line(capsys)
-    wide = kontext / "data" / "wide.jsonl"  # a source of another shape than the edits: refused up front, naming the prompt
+    wide = kontext / "data" / "wide.jsonl"  # a source of another shape than the edits under sources.fit refuse: refused up front, naming the prompt
     wide.write_text(json.dumps({"prompt": "a", "image": "images/square-0.png"}) + "\n" + json.dumps({"prompt": "b", "image": "images/wide.png"}) + "\n")
-    assert main(["train", "tiny-chain", *_train_overrides("flux-kontext", kontext / "flux-kontext", tmp_path / "run", f"prompts.train={wide}")]) == 2
+    assert main(["train", "tiny-chain", *_train_overrides("flux-kontext", kontext / "flux-kontext", tmp_path / "run", f"prompts.train={wide}"),
+                 "sources.fit=refuse"]) == 2
     assert "prompt 2 of " in (line := error_line(capsys)) and "wide.png' is 96×32 (width × height) and the edits 32×32" in line
 
 

@@ -386,8 +386,9 @@ CASES = [
          r"use an editing family", lambda e: _image(e.tmp / "red.png")),
     Case("sample-edit-without-image", lambda e: _kontext(e),
          r"prompt 1 of '--prompt' has no source image and model.family=flux-kontext edits images: give every prompt its source \(sample --image"),
-    Case("sample-source-of-another-shape", lambda e: _kontext(e, "--image", str(e.tmp / "wide.png")),
-         r"prompt 1 of '--prompt': source image '.*wide.png' is 64×32 \(width × height\) and the edits 32×32: crop or pad the source",
+    Case("sample-source-of-another-shape", lambda e: _kontext(e, "--image", str(e.tmp / "wide.png"), "--fit", "refuse"),
+         r"prompt 1 of '--prompt': source image '.*wide.png' is 64×32 \(width × height\) and the edits 32×32, another aspect ratio, and "
+         r"sources.fit is refuse: fit it \(sources.fit / --fit resize, crop or pad\)",
          _edits({}, {"wide.png": (64, 32)})),
     Case("sample-too-many-sources", lambda e: _kontext(e, "--prompt", "make it red", "--image", str(e.tmp / "red.png"), "--image",
                                                        str(e.tmp / "red.png"), "--image", str(e.tmp / "red.png")),

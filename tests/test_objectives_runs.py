@@ -198,8 +198,8 @@ def test_image_sets_are_checked_when_read(tmp_path):
     cases = {
         '{"prompt": "a", "image": "good.png"}\n{"prompt": "b", "image": "wide.png"}':
             r'sets.jsonl:2: "image" \'wide.png\' is 64×32 \(width × height\) and the model makes 32×32; resize the demonstrations to 32×32',
-        '{"prompt": "a", "image": "missing.png"}': r"sets.jsonl:1: source image 'missing.png' not found",
-        '{"prompt": "a", "image": "notes.png"}': r"sets.jsonl:1: source image 'notes.png' could not be read as an image",
+        '{"prompt": "a", "image": "missing.png"}': r"sets.jsonl:1: \"image\" 'missing.png' not found",
+        '{"prompt": "a", "image": "notes.png"}': r"sets.jsonl:1: \"image\" 'notes.png' could not be read as an image",
         '{"prompt": "a"}': r'sets.jsonl:1: expected a JSON object with the fields "prompt", "image"',
         '{"prompt": "", "image": "good.png"}': r'sets.jsonl:1: "prompt" must be a non-empty string',
         "not json": r'sets.jsonl:1: expected a JSON object with the fields "prompt", "image", got',

@@ -222,7 +222,9 @@ def test_image_to_video_input_is_checked_before_anything_loads(saved, tmp_path, 
              "reward={name: rewards_for_tests:Redness, frames: 2}", f"output_dir={tmp_path / 'run'}"]
     cases = [
         (["train", "tiny-chain", *model, f"prompts.train={bare}"], "has no source image and model.family=wan-i2v starts each video from an image"),
-        (["train", "tiny-chain", *model, f"prompts.train={saved / 'data' / 'square.jsonl'}"], "is 16×16 (width × height)"),
+        (["train", "tiny-chain", *model, f"prompts.train={saved / 'data' / 'square.jsonl'}", "sources.fit=refuse"],
+         "is 16×16 (width × height) and the videos 32×16, another aspect ratio, and sources.fit is refuse: fit it (sources.fit / --fit "
+         "resize, crop or pad), crop or pad it to 32:16, or set model.resolution to its shape (docs/video.md)"),
     ]
     for argv, message in cases:
         assert main(argv) == 2

@@ -32,7 +32,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
     check_output_folder(out, "--out")
     if args.json:
         check_output_folder(args.json.parent, "--json")
-    prompt_set = load_prompt_set(settings.prompts)
+    prompt_set = load_prompt_set(settings.prompts, settings.fit)
     specs = reward_specs_from_text(settings.rewards) if isinstance(settings.rewards, str) else parse_reward_specs(settings.rewards)
     factories = {spec.name: resolve_reward(spec.name) for spec in specs if spec.remote is None}
     for spec in specs:

@@ -318,5 +318,8 @@ def _model_arguments(sub: argparse.ArgumentParser) -> None:
     sub.add_argument("--frames", type=at_least(1), default=None, help="a video family's frames per video, r·k + 1 (default: the run's, else "
                                                                        "the family's: wan 81)")
     sub.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"], help="weights' dtype (default: float32)")
+    sub.add_argument("--fit", default=None, choices=["resize", "crop", "pad", "refuse"],
+                     help="a source image (editing, image-to-video) of another aspect ratio than --resolution: resize (stretched, as the "
+                          "pipelines resize), crop, pad or refuse (default: the run's sources.fit, else resize)")
     sub.add_argument("--no-prompt-instruction", dest="prompt_instruction", action="store_const", const=False, default=None,
                      help="sana: the bare prompt, without the pipeline's instruction before it (default: the run's model.prompt_instruction)")

@@ -45,8 +45,8 @@ def cmd_rewards(args: argparse.Namespace) -> None:
     kwargs = reward_kwargs(args.kwargs)
     factory = resolve_reward(args.name)
     check_reward_kwargs(args.name, factory, kwargs)
-    prompt_set = load_prompt_set(args.prompts)
     settings, _ = sampling_settings(args)
+    prompt_set = load_prompt_set(args.prompts, settings.fit)
     size = check_model(settings, None)  # everything that needs no weights, before the reward's and the model's load
     check_prompt_set(prompt_set, settings.family, size, [RewardSpec(args.name, kwargs=kwargs)], {args.name: factory})
     preflight_rewards([RewardSpec(args.name, kwargs=kwargs)], {args.name: factory})

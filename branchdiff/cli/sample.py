@@ -47,7 +47,7 @@ def cmd_sample(args: argparse.Namespace) -> None:
         return
     from branchdiff.evaluation.evaluate import OdeSampling, sample_ode
 
-    metadata = source_metadata(args.image, len(args.prompt))
+    metadata = source_metadata(args.image, len(args.prompt), settings.fit)
     check_prompt_set(PromptSet("--prompt", list(args.prompt), metadata or [{} for _ in args.prompt]), settings.family, size, [], {})
     sampling = OdeSampling(settings.images_per_prompt, settings.steps, settings.shift, settings.guidance, seed, settings.solver)
     images, prompts = sample_ode(load_model(settings, args.weights), args.prompt, sampling, metadata=metadata)
@@ -57,13 +57,14 @@ def cmd_sample(args: argparse.Namespace) -> None:
             print(path)
 
 
-def source_metadata(images: list[Path] | None, prompts: int) -> list[dict] | None:
-    """Each prompt's metadata naming its source image (`--image`: one for every prompt, or one per prompt), checked now."""
+def source_metadata(images: list[Path] | None, prompts: int, fit: str = "resize") -> list[dict] | None:
+    """Each prompt's metadata naming its source image (`--image`: one for every prompt, or one per prompt), read now, and
+    how it is fitted to the model's size (`--fit`)."""
     if not images:
         return None
     if len(images) not in (1, prompts):
         raise ValueError(f"--image was given {len(images)} times for {prompts} prompts: give it once (every prompt edits that image) or once per --prompt")
-    from branchdiff.data.sources import SOURCES, resolve_sources
+    from branchdiff.data.sources import FIT, SOURCES, resolve_image
 
-    paths = [resolve_sources(str(image), Path.cwd(), "--image") for image in images]
-    return [{SOURCES: paths[index if len(paths) > 1 else 0]} for index in range(prompts)]
+    paths = [[resolve_image(str(image), Path.cwd(), "--image")] for image in images]
+    return [{SOURCES: paths[index if len(paths) > 1 else 0], FIT: fit} for index in range(prompts)]

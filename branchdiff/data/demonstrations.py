@@ -3,9 +3,10 @@ for SFT (`sft.data`, rows {"prompt", "image"}) and preference pairs for offline 
 (`dpo_offline.data`, rows {"prompt", "chosen", "rejected"}).
 
 A file source is JSONL, one row per line; image paths are relative to the file's folder. When the
-set is read, every row must have a non-empty prompt and each of its images must exist, decode, and
-have the size the model makes (`size`, width × height): the first row that does not is refused with
-its file and line, before any model loads. The built-in tasks have two sets each, made from their ground
+set is read, every row must have a non-empty prompt and each of its images must exist, decode whole
+(branchdiff/data/sources.py reads them: EXIF orientation, 16-bit levels) and have the size the model makes
+(`size`, width × height), and a pair's chosen and rejected images must differ: the first row that does not
+is refused with its file and line, before any model loads. The built-in tasks have two sets each, made from their ground
 truth: `tiny:demonstrations` (each training prompt drawn correctly) and `tiny:preferences` (the correct
 drawing chosen over one with the next colour, or the next count, every other row); for the video task,
 `tiny-video:demonstrations` (each training prompt's clip) and `tiny-video:preferences` (the correct clip
@@ -25,7 +26,7 @@ import numpy as np
 import torch
 
 from branchdiff.data import tiny_task, tiny_video_task
-from branchdiff.data.sources import _decode, image_size, resolve_sources
+from branchdiff.data.sources import _decode, image_size, resolve_image
 from branchdiff.errors import quote, read_utf8
 
 FIELDS = {"demonstrations": ("image",), "preferences": ("chosen", "rejected")}  # the image fields of each kind of set
@@ -125,12 +126,15 @@ def load_image_set(source: str, kind: str, size: tuple[int, int], frames: int = 
         for name in fields:
             if not isinstance(record[name], str):
                 raise ValueError(f"{where}: \"{name}\" must be the path of one image, got {quote(json.dumps(record[name]))}")
-            resolved = resolve_sources(record[name], path.parent, where)[0]
+            resolved = resolve_image(record[name].strip(), path.parent, where, f"\"{name}\"")
             if image_size(resolved) != size:
                 found = image_size(resolved)
                 raise ValueError(f"{where}: \"{name}\" {quote(record[name])} is {found[0]}×{found[1]} (width × height) and the model makes "
                                  f"{size[0]}×{size[1]}; resize the {kind} to {size[0]}×{size[1]} or set model.resolution")
             row.append(resolved)
+        if kind == "preferences" and (row[0] == row[1] or np.array_equal(np.asarray(_decode(row[0])), np.asarray(_decode(row[1])))):
+            raise ValueError(f"{where}: \"chosen\" and \"rejected\" are the same image, and a pair trains on their difference: give "
+                             "the rejected image of the pair, or drop the row")
         prompts.append(record["prompt"])
         images.append(tuple(row))
     if not prompts:

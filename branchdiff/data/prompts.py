@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from branchdiff.data import tiny_task, tiny_video_task
-from branchdiff.data.sources import MASK, SOURCES, check_mask, resolve_sources
+from branchdiff.data.sources import FIT, FITS, MASK, SOURCES, check_mask, resolve_image, resolve_sources
 from branchdiff.errors import quote, read_utf8
 
 
@@ -76,8 +76,11 @@ def _hpdv2_style(style: str) -> list[str]:
     return prompts
 
 
-def load_prompt_set(source: str) -> PromptSet:
-    """The prompts and metadata of a source (module doc)."""
+def load_prompt_set(source: str, fit: str = "resize") -> PromptSet:
+    """The prompts and metadata of a source (module doc); rows with source images carry `fit`, how the sources of another
+    aspect ratio than the model's are fitted to its size (`sources.fit`, branchdiff/data/sources.py)."""
+    if fit not in FITS:
+        raise ValueError(f"sources.fit={fit!r} must be one of {', '.join(FITS)}")
     if source in TINY_SOURCES:
         prompts = [p.text for p in TINY_SOURCES[source]()]
         return PromptSet(source, prompts, [{} for _ in prompts])
@@ -114,7 +117,7 @@ def load_prompt_set(source: str) -> PromptSet:
         rows = [(line.strip(), {}) for line in lines if line.strip()]
     if not rows:
         raise ValueError(f"prompt source {quote(source, 80)} holds no prompts")
-    return PromptSet(source, [p for p, _ in rows], [m for _, m in rows])
+    return PromptSet(source, [p for p, _ in rows], [{**m, FIT: fit} if SOURCES in m else m for _, m in rows])
 
 
 NEGATIVE_PROMPT = "negative_prompt"  # metadata key: a prompt's own negative prompt (CFG families; blank: the family's)
@@ -134,7 +137,9 @@ def _with_sources(record: dict, path: Path, where: str) -> dict:
     if "image" in record:
         metadata[SOURCES] = resolve_sources(record["image"], path.parent, where)
     if MASK in record:
-        metadata[MASK] = resolve_sources(record[MASK], path.parent, where)[0]
+        if not isinstance(record[MASK], str):
+            raise ValueError(f"{where}: \"{MASK}\" must be the path of one image, got {quote(json.dumps(record[MASK]))}")
+        metadata[MASK] = resolve_image(record[MASK].strip(), path.parent, where, "mask")
         if SOURCES in metadata:
             check_mask(metadata[MASK], metadata[SOURCES], where)
     return metadata

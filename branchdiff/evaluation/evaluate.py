@@ -260,7 +260,7 @@ def beside_sources(images: torch.Tensor, metadata: list[dict], per_prompt: int) 
     H × W, before its N results: (P·(N + 1), 3, H, W) for a grid whose rows read source, then edits.
     Videos (P·N, F, 3, H, W) from a first frame: the source as a still video of F frames before them.
     Prompts without sources: the images as they are."""
-    sources = source_tensors(metadata)
+    sources = source_tensors(metadata, tuple(images.shape[-2:]))  # fitted as the model saw them
     if sources is None:
         return images
     rows = []

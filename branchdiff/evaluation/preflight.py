@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from branchdiff.data.prompts import NEGATIVE_PROMPT, PromptSet
-from branchdiff.data.sources import SOURCES
+from branchdiff.data.sources import FIT, SOURCES
 from branchdiff.data.sources import image_size as source_size
 from branchdiff.errors import UserError, quote
 from branchdiff.models import adapter_class
@@ -52,7 +52,7 @@ def check_prompt_set(prompt_set: PromptSet, family: str, size: tuple[int, int], 
     names = [metadata.get(SOURCES, []) for metadata in prompt_set.metadata]
     sizes = [[source_size(path) for path in row] for row in names] if any(SOURCES in m for m in prompt_set.metadata) else None
     adapter_class(family).check_source_sizes(sizes, len(prompt_set.prompts), size, lambda number: f"prompt {number} of {quote(prompt_set.name, 80)}",
-                                             names)
+                                             names, [metadata.get(FIT, "resize") for metadata in prompt_set.metadata])
     family_class = adapter_class(family)
     negatives = [number for number, row in enumerate(prompt_set.metadata, start=1) if str(row.get(NEGATIVE_PROMPT) or "").strip()]
     if negatives and not family_class.uses_cfg:

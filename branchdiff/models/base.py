@@ -37,7 +37,7 @@ from typing import Any, cast
 import torch
 
 from branchdiff.data.prompts import NEGATIVE_PROMPT
-from branchdiff.data.sources import check_aspect, source_images
+from branchdiff.data.sources import check_aspect, fitted_sources
 from branchdiff.errors import quote
 from branchdiff.models import lora
 from branchdiff.schedulers.schedule import Schedule
@@ -71,6 +71,8 @@ class ModelAdapter(ABC):
     edits: bool = False  # an instruction-editing family: each prompt comes with its source image(s) (docs/editing.md)
     max_sources: int = 0  # an editing family's most source images per prompt (0: any number)
     source_use: str = "edits images"  # what an editing family does with its sources, as messages say it
+    made: str = "edits"  # what an editing family makes of its sources, as messages say it
+    source_docs: str = "docs/editing.md"  # the page that documents its sources
     negative_prompt: str = ""  # a CFG family's unconditional prompt where a prompt set's row names none (its pipeline's default)
     default_guidance: float = 1.0  # the family's guidance when the config leaves it unset (1: none)
     decode_batch: int = 8  # images per VAE decode call
@@ -126,19 +128,20 @@ class ModelAdapter(ABC):
         return None
 
     def check_sources(self, prompts: list[str], sources: list[list] | None) -> None:
-        """`check_source_sizes` on each prompt's source images (RGB PIL images) at this adapter's size."""
+        """`check_source_sizes` on each prompt's source images (RGB PIL images, fitted: `encode_for`) at this adapter's size."""
         sizes = None if sources is None else [[image.size for image in images] for images in sources]
-        self.check_source_sizes(sizes, len(prompts), (self.height, self.width))
+        self.check_source_sizes(sizes, len(prompts), (self.height, self.width), fits=["refuse"] * len(prompts))
 
     @classmethod
     def check_source_sizes(cls, sizes: list[list[tuple[int, int]]] | None, prompts: int, size: tuple[int, int],
-                           where: Callable[[int], str] = lambda number: f"prompt {number}", names: list[list[str]] | None = None) -> None:
-        """The one rule for source images (docs/editing.md), checked before anything loads (from the files' headers)
-        and again on the images an editing family encodes. `sizes`: each prompt's sources as (width, height), None
-        when no prompt names any; `size`: the edits' (height, width); `where(number)` names prompt `number` (1-based).
-        An editing family needs every prompt's sources, as many with every prompt as with the first and at most
-        `max_sources`, each of the edits' aspect ratio; a text-to-image family takes none. `names`: the sources' paths, for
-        the messages."""
+                           where: Callable[[int], str] = lambda number: f"prompt {number}", names: list[list[str]] | None = None,
+                           fits: list[str] | None = None) -> None:
+        """The one rule for source images (docs/editing.md, docs/video.md), checked before anything loads (from the files'
+        headers) and again on the images a family encodes. `sizes`: each prompt's sources as (width, height), None when no
+        prompt names any; `size`: the made images' (height, width); `where(number)` names prompt `number` (1-based). An
+        editing or image-to-video family needs every prompt's sources, as many with every prompt as with the first and at
+        most `max_sources`, each of the made images' aspect ratio where its row's `fits` (default resize) is refuse (the
+        others are fitted to it); a text-to-image family takes none. `names`: the sources' paths, for the messages."""
         if not cls.edits:
             if sizes is not None:
                 first = next(number for number, row in enumerate(sizes, start=1) if row)
@@ -149,17 +152,19 @@ class ModelAdapter(ABC):
         if sizes is None or len(sizes) != prompts or not all(sizes):
             missing = 1 if sizes is None or len(sizes) != prompts else next(n for n, row in enumerate(sizes, start=1) if not row)
             raise ValueError(f"{where(missing)} has no source image and model.family={cls.family} {cls.source_use}: give every prompt its "
-                             "source (sample --image, or an \"image\" field or column of a JSONL or CSV prompt set; docs/editing.md)")
+                             f"source (sample --image, or an \"image\" field or column of a JSONL or CSV prompt set; {cls.source_docs})")
         for number, row in enumerate(sizes, start=1):
             if cls.max_sources and len(row) > cls.max_sources:
                 raise ValueError(f"{where(number)} has {len(row)} source images and model.family={cls.family} takes at most "
-                                 f"{cls.max_sources} per prompt; give it {'one' if cls.max_sources == 1 else cls.max_sources} (docs/editing.md)")
+                                 f"{cls.max_sources} per prompt; give it {'one' if cls.max_sources == 1 else cls.max_sources} ({cls.source_docs})")
             if len(row) != len(sizes[0]):
                 raise ValueError(f"{where(number)} has {len(row)} source images and prompt 1 has {len(sizes[0])}: model.family={cls.family} "
-                                 "takes the same number with every prompt; split the set by number of sources (docs/editing.md)")
+                                 f"takes the same number with every prompt; split the set by number of sources ({cls.source_docs})")
+            if (fits or [])[number - 1:number] != ["refuse"]:
+                continue
             for index, source in enumerate(row):
                 what = f"source image {quote(names[number - 1][index], 80)}" if names else "a source image"
-                check_aspect(source, *size, f"{where(number)}: {what}")
+                check_aspect(source, *size, f"{where(number)}: {what}", cls.made, cls.source_docs)
 
     @abstractmethod
     def forward(self, latents: torch.Tensor, times: torch.Tensor, embeds: PromptEmbeds, guidance: float) -> torch.Tensor:
@@ -323,7 +328,7 @@ class ModelAdapter(ABC):
 def encode_for(adapter: ModelAdapter, prompts: list[str], metadata: list[dict]) -> PromptEmbeds:
     """`adapter.encode_prompts` with the prompts' source images where their metadata names any (an editing prompt set),
     and their negative prompts where any row names one."""
-    sources = source_images(metadata)
+    sources = fitted_sources(metadata, adapter.height, adapter.width)  # each row's sources.fit applied
     negatives = [row.get(NEGATIVE_PROMPT) for row in metadata] if any(row.get(NEGATIVE_PROMPT) for row in metadata) else None
     if negatives is None:  # the families' own encode_prompts, plugins' included, need not know negatives
         return adapter.encode_prompts(prompts) if sources is None else adapter.encode_prompts(prompts, sources)

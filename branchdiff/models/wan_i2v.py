@@ -45,6 +45,7 @@ class WanImageToVideoAdapter(WanAdapter):
     edits = True  # each prompt comes with a source image: the first frame
     max_sources = 1
     source_use = "starts each video from an image"
+    made, source_docs = "videos", "docs/video.md"
     example_hub_id = "Wan-AI/Wan2.1-I2V-14B-480P-Diffusers"
 
     def __init__(self, pipe, device: torch.device | str = "cpu", size: tuple[int, int] = (480, 832), offload: bool = False,

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from branchdiff.data.sources import MASK, mask_tensor
+from branchdiff.data.sources import FIT, MASK, mask_tensor
 
 
 class EditConsistency:
@@ -36,7 +36,7 @@ class EditConsistency:
             source = F.interpolate(own[0][None].to(self.device, torch.float32), size=size, mode="bilinear", antialias=True)[0].clamp(0, 1)
             weight = torch.ones(1, *size, device=self.device)  # (1, H, W)
             if row.get(MASK):
-                mask = mask_tensor(row[MASK])[None].to(self.device)
+                mask = mask_tensor(row[MASK], tuple(size), row.get(FIT, "resize"))[None].to(self.device)  # fitted as its source
                 weight = 1 - F.interpolate(mask, size=size, mode="bilinear", antialias=True)[0].clamp(0, 1)
             difference = ((image - source).abs() * weight).sum() / (3 * weight.sum().clamp_min(1e-8))
             scores.append(1 - difference)

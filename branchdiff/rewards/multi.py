@@ -77,7 +77,7 @@ def score_component(reward: object, label: str, images: torch.Tensor, prompts: l
             every = reward.score(images, prompts)
             raw, more = every[reward_key(reward)], {k: every[k] for k in extra_keys(reward)}
         elif takes_sources(reward):  # an editing reward: each image's source images as well
-            raw, more = reward(images, prompts, metadata, sources=source_tensors(metadata)), {}
+            raw, more = reward(images, prompts, metadata, sources=source_tensors(metadata, tuple(images.shape[-2:]))), {}  # as the model saw them
         else:
             raw, more = reward(images, prompts, metadata), {}
     except Exception as error:  # a reward is user code: any failure is reported at this boundary

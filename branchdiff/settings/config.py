@@ -1,6 +1,6 @@
 """The run's settings as typed dataclasses: every key of a run, its type, default and meaning.
 
-`TrainConfig` is the whole run; each section (`model`, `prompts`, `sampling`, `tree`, `advantage`,
+`TrainConfig` is the whole run; each section (`model`, `prompts`, `sources`, `sampling`, `tree`, `advantage`,
 `prune`, `train`, `nft`, `guard`, `layertuning`, `explore`, `watch`, `logging`) is a dataclass whose
 fields carry their allowed values (`choice`, `positive`, `non_negative`, `in_range`:
 branchdiff/settings/typed_yaml.py), so a wrong value is refused when the YAML is read. Reading presets,
@@ -51,6 +51,11 @@ class PromptConfig:
     eval: str = "tiny:held_out"  # prompts of the final base-vs-trained evaluation
     eval_seeds: int = positive(8)  # images per evaluation prompt (fixed seeds)
     eval_guidance: float | None = non_negative(None)  # guidance of evaluation sampling; None = the family's default
+
+
+@dataclass
+class SourcesConfig:
+    fit: str = choice("resize", "resize", "crop", "pad", "refuse")  # a source image (editing, image-to-video) of another aspect ratio than model.resolution: resize (stretched, as the pipelines resize), crop, pad or refuse (branchdiff/data/sources.py)
 
 
 @dataclass
@@ -247,6 +252,7 @@ class TrainConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     prompts: PromptConfig = field(default_factory=PromptConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)  # train at one size, evaluate at another (docs/models.md)
+    sources: SourcesConfig = field(default_factory=SourcesConfig)  # source images of editing and image-to-video prompts (docs/editing.md)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     tree: TreeConfig = field(default_factory=TreeConfig)
     advantage: AdvantageConfig = field(default_factory=AdvantageConfig)

@@ -39,6 +39,7 @@ class EvalSettings:
     seed: int = EVAL_RUN_SEED
     solver: str = "training"  # training: the ODE of the steps branchdiff trains with; release: the sampler the model folder ships
     prompt_instruction: bool = True  # sana: its pipeline's instruction before every prompt
+    fit: str = "resize"  # a source image of another aspect ratio than the model's: resize, crop, pad or refuse (branchdiff/data/sources.py)
 
 
 # a built-in task's family evaluates on that task unless told otherwise (the dataclass defaults are the image task's)
@@ -50,7 +51,7 @@ SOLVERS = ("training", "release")  # the ODE of the steps branchdiff trains with
 FROM_RUN = {"family": "model.family", "model": "model.path", "resolution": "model.resolution", "frames": "model.frames",
             "expert": "model.expert", "guidance_2": "model.guidance_2", "dtype": "model.dtype", "steps": "sampling.num_steps", "shift": "sampling.shift",
             "guidance": "prompts.eval_guidance", "images_per_prompt": "prompts.eval_seeds", "prompts": "prompts.eval",
-            "rewards": "eval_rewards", "prompt_instruction": "model.prompt_instruction"}
+            "rewards": "eval_rewards", "prompt_instruction": "model.prompt_instruction", "fit": "sources.fit"}
 
 
 # `eval` of a run evaluates at the run's evaluation size where it had one (eval.resolution, eval.frames); `sample` and

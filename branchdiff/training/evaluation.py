@@ -93,7 +93,7 @@ class RunEvaluation:
         """`model` on the eval prompts with the eval rewards (this process's `share` of them), at the evaluations' size."""
         config = self.config
         with self.sized(model):
-            return evaluate(model, load_prompt_set(config.prompts.eval), self.rewards, self.sampling(), share,
+            return evaluate(model, load_prompt_set(config.prompts.eval, config.sources.fit), self.rewards, self.sampling(), share,
                             frames={spec.label: spec.frames for spec in parse_reward_specs(config.eval_rewards)})
 
     def shared(self, model: ModelAdapter) -> EvalResult:
@@ -118,7 +118,7 @@ class RunEvaluation:
         with fixed seeds, and those prompts: the same noise at every call, so grids compare across
         iterations; an editing set's rows start with their source image. On a sharded denoiser every process calls it."""
         config = self.config
-        prompt_set = load_prompt_set(config.prompts.eval)
+        prompt_set = load_prompt_set(config.prompts.eval, config.sources.fit)
         chosen, metadata = prompt_set.prompts[:prompts], prompt_set.metadata[:prompts]
         with weights, self.sized(policy):
             images = sample_ode(policy, chosen, replace(self.sampling(), images_per_prompt=images_per_prompt), metadata=metadata)[0]

@@ -80,5 +80,5 @@ def check_inputs(config: TrainConfig) -> None:
     guidance = {"train": Guidance("sampling.guidance", config.sampling.guidance, config.model.path),
                 "eval": Guidance("prompts.eval_guidance", config.prompts.eval_guidance, config.model.path)}
     for source, specs, made in (("train", train_specs, size), *((("eval", eval_specs, eval_size),) if evaluates else ())):
-        check_prompt_set(load_prompt_set(getattr(config.prompts, source)), config.model.family, made, specs, factories, guidance[source])
+        check_prompt_set(load_prompt_set(getattr(config.prompts, source), config.sources.fit), config.model.family, made, specs, factories, guidance[source])
     preflight_rewards([*train_specs, *(eval_specs if evaluates else [])], factories)  # last: it may wait on a service

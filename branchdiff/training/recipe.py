@@ -181,7 +181,7 @@ class Trainer:
         self.update = UpdateLoop(config.train, self.accelerator, self.collective, self.finetune.params, wrapped, self.optimizer,
                                  self.weight_average, self.sharding.enabled)
         self.checkpoints.attach(TrainedParts(self.adapter, self.finetune, self.optimizer, self.weight_average, self.objective, self.exploration))
-        self.prompt_set = load_prompt_set(config.prompts.train)
+        self.prompt_set = load_prompt_set(config.prompts.train, config.sources.fit)
         if isinstance(self.objective, DatasetObjective):  # its rows are drawn as prompts are
             self.prompt_set = PromptSet(self.objective.rows.name, self.objective.rows.prompts, [{} for _ in self.objective.rows.prompts])
         self.prompts = self.prompt_set.prompts
