@@ -17,7 +17,7 @@ from branchdiff.cli import main
 from branchdiff.core.rollout import NoiseAddress, SamplerSettings, grow
 from branchdiff.core.tree import TreeSpec, build_tree
 from branchdiff.data.prompts import load_prompt_set
-from branchdiff.data.sources import SOURCES
+from branchdiff.data.sources import FIT, SOURCES
 from branchdiff.models import load_adapter
 from branchdiff.models.base import encode_for
 from branchdiff.models.finetune import load_weights
@@ -94,6 +94,20 @@ def test_ode_sampling_reproduces_the_image_to_video_pipeline(saved, layout, size
     if layout == "a14b":  # the schedule crosses the boundary: both experts ran
         times = adapter.schedule(STEPS).model_times
         assert (times >= adapter.boundary).any() and (times < adapter.boundary).any()
+
+
+@pytest.mark.parametrize("layout", ["2.1", "ti2v"])
+def test_a_first_frame_of_another_aspect_is_stretched_as_the_pipeline_stretches_it(saved, layout):
+    """16×16 sources for 16×32 videos (sources.fit: resize, the default): the video equals `pipe(image=...)`'s from the
+    same source (they were refused, 2.5 % off already); Wan 2.1's CLIP vision encoder reads the source whole, as the
+    pipeline's does. Under crop the video differs."""
+    adapter = load_adapter("wan-i2v", str(saved / layout), resolution=[16, 32], frames=5)
+    metadata = _metadata(saved, (16, 16))
+    initial, ours = _ode_video(adapter, metadata)
+    theirs = _pipeline_video(_pipe(saved / layout), metadata, initial, (16, 32), adapter.default_guidance)
+    assert ours.std() > 1e-3 and (ours - theirs).abs().max().item() <= TOLERANCE
+    cropped = _ode_video(adapter, [{**row, FIT: "crop"} for row in metadata])[1]
+    assert (cropped - ours).abs().max().item() > 1e-3
 
 
 def test_the_source_conditions_the_video_and_ti2v_adds_nothing_to_the_ratio_on_its_first_frame(saved):
@@ -221,7 +235,8 @@ def test_image_to_video_input_is_checked_before_anything_loads(saved, tmp_path, 
     model = ["model.family=wan-i2v", f"model.path={saved / '2.1'}", "model.resolution=[16,32]", "model.frames=5", "final_eval=false",
              "reward={name: rewards_for_tests:Redness, frames: 2}", f"output_dir={tmp_path / 'run'}"]
     cases = [
-        (["train", "tiny-chain", *model, f"prompts.train={bare}"], "has no source image and model.family=wan-i2v starts each video from an image"),
+        (["train", "tiny-chain", *model, f"prompts.train={bare}"], "has no source image and model.family=wan-i2v starts each video from an image: "
+         "give every prompt its source (sample --image, or an \"image\" field or column of a JSONL or CSV prompt set; docs/video.md)"),
         (["train", "tiny-chain", *model, f"prompts.train={saved / 'data' / 'square.jsonl'}", "sources.fit=refuse"],
          "is 16×16 (width × height) and the videos 32×16, another aspect ratio, and sources.fit is refuse: fit it (sources.fit / --fit "
          "resize, crop or pad), crop or pad it to 32:16, or set model.resolution to its shape (docs/video.md)"),

@@ -70,9 +70,9 @@ def unreadable(error: Exception) -> str:
 
     message = " ".join(str(error).split())
     if isinstance(error, Image.DecompressionBombError):
-        return (f"{message}; PIL refuses images this large as a guard against decompression bombs: resize it, or raise "
+        return (f"{type(error).__name__}: {message.rstrip('.')}; PIL refuses images this large as a guard against decompression bombs: resize it, or raise "
                 "PIL.Image.MAX_IMAGE_PIXELS if you trust the file")
-    if "truncated" in message:
+    if "truncated" in message.lower():
         return f"{type(error).__name__}: {message}; the file is cut short: copy or export it again"
     return f"{type(error).__name__}: {message}"
 

@@ -37,7 +37,7 @@ from typing import Any, cast
 import torch
 
 from branchdiff.data.prompts import NEGATIVE_PROMPT
-from branchdiff.data.sources import check_aspect, fitted_sources
+from branchdiff.data.sources import FIT, check_aspect, fit_source, source_images
 from branchdiff.errors import quote
 from branchdiff.models import lora
 from branchdiff.schedulers.schedule import Schedule
@@ -128,9 +128,14 @@ class ModelAdapter(ABC):
         return None
 
     def check_sources(self, prompts: list[str], sources: list[list] | None) -> None:
-        """`check_source_sizes` on each prompt's source images (RGB PIL images, fitted: `encode_for`) at this adapter's size."""
+        """`check_source_sizes` on each prompt's source images (RGB PIL images, fitted by `encode_for`) at this adapter's size."""
         sizes = None if sources is None else [[image.size for image in images] for images in sources]
-        self.check_source_sizes(sizes, len(prompts), (self.height, self.width), fits=["refuse"] * len(prompts))
+        self.check_source_sizes(sizes, len(prompts), (self.height, self.width))
+
+    def fit_source(self, image: Any, fit: str) -> Any:
+        """A source image (RGB PIL) of another aspect ratio than this adapter's size, fitted by `fit` (branchdiff/data/sources.py:
+        resize stretches it to the size); a family whose encoding resizes it as its pipeline does takes it as it is."""
+        return fit_source(image, self.height, self.width, fit)
 
     @classmethod
     def check_source_sizes(cls, sizes: list[list[tuple[int, int]]] | None, prompts: int, size: tuple[int, int],
@@ -328,7 +333,11 @@ class ModelAdapter(ABC):
 def encode_for(adapter: ModelAdapter, prompts: list[str], metadata: list[dict]) -> PromptEmbeds:
     """`adapter.encode_prompts` with the prompts' source images where their metadata names any (an editing prompt set),
     and their negative prompts where any row names one."""
-    sources = fitted_sources(metadata, adapter.height, adapter.width)  # each row's sources.fit applied
+    sources = source_images(metadata)
+    if sources is not None:  # each row's sources.fit: refused (fit refuse) or fitted to the adapter's size
+        fits = [row.get(FIT, "resize") for row in metadata]
+        adapter.check_source_sizes([[image.size for image in row] for row in sources], len(prompts), (adapter.height, adapter.width), fits=fits)
+        sources = [[adapter.fit_source(image, fit) for image in row] for row, fit in zip(sources, fits)]
     negatives = [row.get(NEGATIVE_PROMPT) for row in metadata] if any(row.get(NEGATIVE_PROMPT) for row in metadata) else None
     if negatives is None:  # the families' own encode_prompts, plugins' included, need not know negatives
         return adapter.encode_prompts(prompts) if sources is None else adapter.encode_prompts(prompts, sources)

@@ -2,7 +2,8 @@
 I2V-A14B (two experts, as text-to-video A14B: branchdiff/models/wan.py) and Wan 2.2 TI2V-5B started from an image.
 Everything but the source image is text-to-video Wan's (prompts, schedule, experts, guidance, VAE, LoRA); each
 prompt comes with one source image (`image` in a JSONL or CSV prompt set, `sample --image`), the video's first
-frame, of the video's aspect ratio (docs/video.md). It enters as the pipeline enters it:
+frame, of any size: like the pipeline, the adapter stretches it to the video's size (`sources.fit: resize`, the
+default; crop, pad and refuse fit it otherwise, docs/video.md). It enters as the pipeline enters it:
 
 - Wan 2.1 I2V and Wan 2.2 I2V-A14B concatenate to the noise, along the channels, a condition the size of the
   latent video: a mask (r channels, r the VAE's temporal factor: 1 on the first frame's latent, 0 after) and the
@@ -26,6 +27,8 @@ and full fine-tuning exports (docs/models.md).
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 
@@ -83,8 +86,14 @@ class WanImageToVideoAdapter(WanAdapter):
         source = {key: torch.cat([row[key] for row in rows]) for key in rows[0]}
         return {**self.encode(prompts, negatives), **source, **{NEGATIVE + key: value for key, value in source.items()}}
 
+    def fit_source(self, image: Any, fit: str) -> Any:
+        """Under resize, the source as it is: the pipeline's video processor stretches it to the video's size and Wan 2.1's
+        CLIP vision encoder reads it whole, as `encode_source` does."""
+        return image if fit == "resize" else super().fit_source(image, fit)
+
     def encode_source(self, image) -> dict[str, torch.Tensor]:
-        """One prompt's source (an RGB PIL image of the video's aspect ratio) as the pipeline encodes it at the run's size."""
+        """One prompt's source (an RGB PIL image; of another aspect ratio than the video's, stretched as the pipeline stretches
+        it, or fitted by sources.fit) as the pipeline encodes it at the run's size."""
         pipe, embeds = self.pipe, {}
         if self.config.image_dim is not None:
             embeds[SOURCE_IMAGE_STATES] = pipe.encode_image(image, self.device)  # (1, N, D)

@@ -17,8 +17,8 @@ from typing import cast
 
 from branchdiff.data.demonstrations import load_image_set
 from branchdiff.data.prompts import load_prompt_set
-from branchdiff.errors import UserError
-from branchdiff.evaluation.preflight import Guidance, check_prompt_set, check_video_rewards, preflight_rewards
+from branchdiff.errors import UserError, quote
+from branchdiff.evaluation.preflight import Guidance, check_prompt_set, check_video_rewards, max_prompt_characters, preflight_rewards
 from branchdiff.models import adapter_class, check_frames, check_size
 from branchdiff.models.attention import check_backend
 from branchdiff.models.compile import check_compiler
@@ -49,9 +49,14 @@ def check_inputs(config: TrainConfig) -> None:
             raise UserError(f"train.loss={config.train.loss} trains on images, which model.family={config.model.family} cannot encode "
                             f"into latents yet; families that can: {encoding}")
         try:
-            load_image_set(getattr(config, config.train.loss.replace("-", "_")).data, kind, size, model_frames(config))
+            image_set = load_image_set(getattr(config, config.train.loss.replace("-", "_")).data, kind, size, model_frames(config))
         except ValueError as error:
             raise UserError(str(error)) from None
+        limit = max_prompt_characters(config.model.family)
+        for number, prompt in enumerate(image_set.prompts, start=1):
+            if len(prompt) > limit:
+                raise UserError(f"prompt {number} of {kind} set {quote(image_set.name, 80)} is {len(prompt):,} characters ({quote(prompt)}): more "
+                                f"than model.family={config.model.family}'s text encoders read (at most {limit:,} characters); shorten it")
     train_specs, eval_specs = parse_reward_specs(config.reward), parse_reward_specs(config.eval_rewards)
     factories = {}
     for spec in (*train_specs, *eval_specs):
