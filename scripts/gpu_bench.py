@@ -416,13 +416,21 @@ def cudnn_backward(denoiser: torch.nn.Module, forward: Callable[[dict], Any], ba
             "speedup_over_native": native_seconds / cudnn_seconds}
 
 
+def row_counts(text: str) -> list[int]:
+    """A comma-separated list of whole numbers ≥ 1 (argparse refuses anything else in one line, before anything runs)."""
+    counts = [part.strip() for part in text.split(",") if part.strip()]
+    if not counts or not all(part.isdigit() and int(part) >= 1 for part in counts):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a list of row counts; give whole numbers ≥ 1 separated by commas, e.g. 1,2,4,8")
+    return [int(part) for part in counts]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=Path("gpu-bench.json"), help="the JSON written (default gpu-bench.json)")
     parser.add_argument("--budget", type=float, default=420.0, help="seconds after which no new measurement starts (default 420)")
     parser.add_argument("--families", default=",".join(RELEASES), help=f"comma-separated, of {', '.join(RELEASES)}")
-    parser.add_argument("--batches", default="1,2,4,8", help="forward batch sizes, network rows (default 1,2,4,8)")
-    parser.add_argument("--train-rows", default="1,2", help="training forward + backward batch sizes (default 1,2)")
+    parser.add_argument("--batches", type=row_counts, default="1,2,4,8", help="forward batch sizes, network rows (default 1,2,4,8)")
+    parser.add_argument("--train-rows", type=row_counts, default="1,2", help="training forward + backward batch sizes (default 1,2)")
     parser.add_argument("--compile", default="none", choices=["none", "blocks", "full"],
                         help="also time the forward at the largest batch compiled as model.compile does (default none)")
     parser.add_argument("--compile-backend", default="inductor", help="torch.compile's backend (default inductor; eager: the tests' quick one)")
@@ -455,8 +463,7 @@ def main(argv: list[str] | None = None) -> int:
             torch.cuda.empty_cache()
         bench.save()
         print(json.dumps({"tree_iteration": bench.record["tree_iteration"]}, indent=1), flush=True)
-    batches = [int(b) for b in args.batches.split(",")]
-    train_rows = [int(b) for b in args.train_rows.split(",")]
+    batches, train_rows = args.batches, args.train_rows
     for key in keys:
         size = TINY_SIZES[key] if args.tiny else RELEASES[key]
         start = time.perf_counter()

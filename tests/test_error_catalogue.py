@@ -164,8 +164,36 @@ def _unwritable(env: Env) -> None:
 
 LONG_PROMPT = "two red circles on the left " * 40  # 1,120 characters: within what the tiny family's text encoder takes (1,232)
 
+def _damaged_set(kind: str) -> Callable[[Env], None]:
+    """A one-row JSONL set in work/: `sft` names half a JPEG, `pair` names one image as both chosen and rejected, `long` a
+    demonstration prompt of 13,000 characters."""
+    def setup(env: Env) -> None:
+        from PIL import Image
+
+        Image.new("RGB", (32, 32), (200, 30, 30)).save(env.tmp / "good.png")
+        Image.new("RGB", (32, 32), (20, 130, 30)).save(env.tmp / "photo.jpg", quality=90)
+        whole = (env.tmp / "photo.jpg").read_bytes()
+        (env.tmp / "half.jpg").write_bytes(whole[: len(whole) // 2])
+        row = {"sft": {"prompt": "one red circle on the left", "image": "half.jpg"},
+               "pair": {"prompt": "one red circle on the left", "chosen": "good.png", "rejected": "good.png"},
+               "long": {"prompt": "one red circle on the left " * 500, "image": "good.png"}}[kind]
+        (env.tmp / "set.jsonl").write_text(json.dumps(row) + "\n")
+
+    return setup
+
+
+def _judge(env: Env, *settings: str) -> list[str]:
+    """`train` with a vlm-judge reward at a port nothing listens on (settings: more of its kwargs)."""
+    with socket.create_server(("127.0.0.1", 0)) as probe:
+        port = probe.getsockname()[1]
+    reward = f"{{name: vlm-judge, kwargs: {{url: 'http://127.0.0.1:{port}/v1', model: judge-7b, retries: 0{''.join(', ' + s for s in settings)}}}}}"
+    return env.fresh(f"reward={reward}")
+
+
 CASES = [
     # configuration
+    Case("list-for-a-text-key", lambda e: ["train", "model.family=[sd3]", f"output_dir={e.tmp / 'new'}"],
+         r"override 'model.family=\[sd3\]': 'model.family' = \['sd3'\] has the wrong type; expected str; allowed: tiny, "),
     Case("unknown-key", lambda e: e.fresh("tree.rots=2"), r"override 'tree.rots=2': unknown key 'tree.rots'; did you mean tree.roots\?"),
     Case("unknown-section", lambda e: e.fresh("trainer.learning_rate=1e-4"), r"unknown key 'trainer'; did you mean train\?"),
     Case("wrong-type", lambda e: e.fresh("iterations=ten"), r"'iterations' = 'ten' has the wrong type; expected int"),
@@ -337,6 +365,15 @@ CASES = [
     Case("search-option-of-another-search", lambda e: ["sample", "--model", str(e.model), "--prompt", "one red circle on the left", "--search",
                                                        "best-of-n", "--budget", "40", "--rollout-depth", "2", "--x0-value", "--out", str(e.tmp / "out")],
          r"--search best-of-n does not use --x0-value, --rollout-depth 2: these set how dts, dts-star, dts-is grow their trees; leave them out"),
+    Case("search-exploration-without-greedy", lambda e: _sample(e, "--search", "dts", "--budget", "40", "--exploration", "1"),
+         r"exploration 1.0 is DTS\*'s visit-count bonus on its greedy choice of a child, and dts and dts-is draw their children by their "
+         r"values, so it would be ignored: use dts-star, or leave exploration at 0"),
+    Case("search-x0-value-on-dts-is", lambda e: _sample(e, "--search", "dts-is", "--budget", "40", "--x0-value"),
+         r"x0_value values the children whose first image is still in flight, and dts-is keeps one selection in flight, so none is: "
+         r"leave x0_value out"),
+    Case("search-dts-is-in-parallel", lambda e: _sample(e, "--search", "dts-is", "--budget", "40", "--parallel", "2"),
+         r"--search dts-is keeps one selection in flight per prompt \(its weights follow each selection to its leaf\): leave --parallel "
+         r"at 1 \(got 2\)"),
     Case("bench-search-bad-variant", lambda e: ["bench", "search", "--variants", "dts-star:depth=3", "--images", "2", "--seeds", "1",
                                                 "--out", str(e.tmp / "out")],
          r"bench search: 'depth=3' in 'dts-star:depth=3' is not key=value with a key of max_children, root_children, widening, exploration"),
@@ -393,6 +430,25 @@ CASES = [
     Case("sample-too-many-sources", lambda e: _kontext(e, "--prompt", "make it red", "--image", str(e.tmp / "red.png"), "--image",
                                                        str(e.tmp / "red.png"), "--image", str(e.tmp / "red.png")),
          r"--image was given 3 times for 2 prompts: give it once \(every prompt edits that image\) or once per --prompt", lambda e: _image(e.tmp / "red.png")),
+    Case("set-image-unreadable", lambda e: e.fresh("train.loss=sft", f"sft.data={e.tmp / 'set.jsonl'}"),
+         r".*set.jsonl:1: \"image\" 'half.jpg' could not be read as an image \(OSError: .*; the file is cut short: copy or export it again\)",
+         _damaged_set("sft")),
+    Case("pair-of-one-image", lambda e: e.fresh("train.loss=dpo-offline", f"dpo_offline.data={e.tmp / 'set.jsonl'}"),
+         r".*set.jsonl:1: \"chosen\" and \"rejected\" are the same image, and a pair trains on their difference: give the rejected image "
+         r"of the pair, or drop the row", _damaged_set("pair")),
+    Case("demonstration-prompt-too-long", lambda e: e.fresh("train.loss=sft", f"sft.data={e.tmp / 'set.jsonl'}"),
+         r"prompt 1 of demonstrations set '.*set.jsonl' is 13,500 characters .*: more than model.family=tiny's text encoders read "
+         r"\(at most [\d,]+ characters\); shorten it", _damaged_set("long")),
+    Case("judge-unreachable", lambda e: _judge(e), r"judge http://127.0.0.1:\d+/v1/chat/completions is not reachable \(.*\) \(1 attempt\)"),
+    Case("judge-key-unset", lambda e: _judge(e, "api_key_env: BRANCHDIFF_NO_SUCH_KEY"),
+         r"reward 'vlm-judge': api_key_env=BRANCHDIFF_NO_SUCH_KEY names an environment variable that is not set \(or empty\): export "
+         r"BRANCHDIFF_NO_SUCH_KEY=<the judge's key>, or leave api_key_env out for a server that takes no key"),
+    Case("judge-top-logprobs-one", lambda e: _judge(e, "top_logprobs: 1"),
+         r"reward 'vlm-judge': top_logprobs=1 must be an integer ≥ 2 \(with one, the answer's own token is all it lists: P\(yes\) would be "
+         r"0, 1 or its bound ½\)"),
+    Case("eval-resolution-not-possible", lambda e: ["train", "tiny-chain", "model.family=flux-kontext", f"model.path={e.kontext}",
+                                                    "model.resolution=32", "eval.resolution=30", "final_eval=false", f"output_dir={e.tmp / 'new'}"],
+         r"eval.resolution=\[30, 30\] \(height, width\) is not possible for flux-kontext: each side must be a multiple of 4 \(e.g. \[32, 32\]\)"),
     Case("search-prompt-the-reward-cannot-score", lambda e: _sample(e, "--search", "dts", "--budget", "20", prompt="a photo of a cat"),
          r"reward 'tiny-geneval' cannot score '--prompt': prompt 1: prompt 'a photo of a cat' is not in the tiny grammar"),
     Case("search-sde-of-another-family", lambda e: _sample(e, "--search", "dts", "--budget", "20", "--sde", "ddim"),
@@ -536,6 +592,9 @@ TESTED_ELSEWHERE = {
     "tracker-no-answer": ["test_network::test_a_wandb_server_that_never_answers_ends_the_run_with_one_line",
                           "test_network::test_a_swanlab_server_that_never_answers_ends_the_run_with_one_line"],
     "model-hub-no-answer": ["test_network::test_a_hub_that_never_answers_while_a_model_loads_is_one_line"],
+    "videoalign-release-damaged": ["test_videoalign_release::test_a_damaged_release_is_one_line_naming_its_file"],
+    "judge-cannot-score": ["test_vlm_judge::test_a_judge_that_cannot_score_stops_train_before_anything_is_written"],
+    "group-rank-of-frames": ["test_video_rewards::test_a_group_reward_of_images_on_a_video_family_is_refused_before_the_model_loads"],
 }
 ALSO_TESTED = {"output-dir-in-use": "test_faults::test_two_runs_started_at_once_on_one_output_dir_one_trains_the_other_stops",
                "fsdp-version-1": "test_sharding::test_settings_come_from_accelerates_fsdp_variables",

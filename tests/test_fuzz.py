@@ -94,7 +94,7 @@ class Workspace:
 
 
 NUMBERS = ["-1", "0", "1", "2", "0.5", "5", "1e308", "-1e308", "nan", "inf", "-inf", "10000000000000000000000", "1.5e-320"]
-TEXTS = ["", " ", "x", "ü文字🙂", "x" * 300, "-", "--", "a=b", "[1, 2", "{a: 1}", "null", "http://127.0.0.1:9/", "\x00", "tiny:nope", "tiny:held_out"]
+TEXTS = ["", " ", "x", "ü文字🙂", "x" * 300, "-", "--", "a=b", "[1, 2", "{a: 1}", "[sd3]", "null", "http://127.0.0.1:9/", "\x00", "tiny:nope", "tiny:held_out"]
 PATH_KINDS = ["file", "folder", "missing", "inside-a-file", "unwritable", "run", "prompts"]
 
 
@@ -228,3 +228,20 @@ def test_any_input_to_any_command_is_accepted_or_refused_in_one_line(name, no_wo
             space.remove()
 
     example()
+
+
+SHAPES = ["[sd3, 1]", "{a: 1}", "-"]  # YAML reads a list, a mapping, and a list of one null
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_every_key_takes_a_list_or_a_mapping_or_refuses_it_in_one_line(shape, capsys):
+    """Every key with a value YAML reads as a list or a mapping, through `config` with no preset (the path that chose the
+    default preset: `model.family=[sd3]` was `TypeError: unhashable type: 'list'`, which the draws above reached only
+    sometimes): accepted, or one line."""
+    for key in sorted(KEYS):
+        code = main(["config", "", f"{key}={shape}"])
+        captured = capsys.readouterr()
+        assert "Traceback" not in captured.err and code in (0, 2), (key, code, captured.err)
+        if code == 2:
+            lines = [line for line in captured.err.splitlines() if line.strip()]
+            assert len(lines) == 1 and lines[0].startswith("branchdiff: error: "), (key, captured.err)

@@ -152,6 +152,13 @@ def test_incompatible_settings_are_refused_when_the_config_is_read(preset, overr
         load_config(preset, overrides)
 
 
+def test_a_dataset_objective_takes_more_noise_levels_than_sampling_steps():
+    """SFT and offline DPO draw their levels on the 1000-step schedule: sft.timesteps=20 at 10 sampling steps is accepted
+    (it was refused against sampling.num_steps)."""
+    assert load_config("tiny-sft", ["sft.timesteps=20"]).sft.timesteps == 20
+    assert load_config("tiny-dpo-offline", ["dpo_offline.timesteps=20"]).dpo_offline.timesteps == 20
+
+
 def test_dataset_objectives_draw_rows_and_noise_levels_by_address_and_pairs_share_them(tmp_path):
     """SFT's terms: the rows the iteration draws, noised at levels of the family's 1000-step schedule drawn at each
     row's address (logit-normal t), its loss the flow-matching error; offline DPO's chosen and rejected images share

@@ -132,3 +132,25 @@ def test_flicker_is_the_mean_change_of_blurred_adjacent_frames():
     assert (reward.video, reward.higher_is_better) == (True, False)
     with pytest.raises(ValueError, match=r"reward 'flicker' scores videos \(B, F, 3, H, W\), got \(3, 3, 8, 8\)"):
         reward(VIDEOS[:, 0], PROMPTS, [{}] * 3)
+
+
+def test_a_group_reward_of_images_on_a_video_family_is_refused_before_the_model_loads(tmp_path, monkeypatch, capsys):
+    """group-rank of a reward of images, with frames, on the video task: one line before anything loads (it stopped after
+    the first rollout, with config.yaml written); group-rank of a reward of videos scores them whole without frames."""
+    import branchdiff.models
+    from branchdiff.cli import main
+    from branchdiff.evaluation.preflight import check_video_rewards
+    from branchdiff.rewards.group_rank import GroupRank
+
+    def loaded(*args, **kwargs):
+        raise AssertionError("the model loaded before the reward was checked")
+
+    monkeypatch.setattr(branchdiff.models, "load_adapter", loaded)
+    reward = "{name: group-rank, kwargs: {reward: rewards_for_tests:Redness}, frames: 2}"
+    assert main(["train", "tiny-video", f"reward={reward}", f"output_dir={tmp_path / 'run'}", "final_eval=false", "logging.report_to=none"]) == 2
+    line = [line for line in capsys.readouterr().err.splitlines() if line.startswith("branchdiff")][-1]
+    assert line == ("branchdiff: error: 'reward' entry 'group-rank' ranks whole groups and scores images, and the model makes videos: a group "
+                    "reward of videos must score them whole (video = True); rank a reward of videos instead")
+    assert not (tmp_path / "run").exists()
+    of_videos = parse_reward_specs([{"name": "group-rank", "kwargs": {"reward": "flicker"}}])
+    check_video_rewards("reward", of_videos, {"group-rank": GroupRank})  # flicker scores videos: group-rank does too, no frames asked

@@ -26,6 +26,7 @@ from branchdiff.data.sources import image_size as source_size
 from branchdiff.errors import UserError, quote
 from branchdiff.models import adapter_class
 from branchdiff.rewards.combine import RewardSpec
+from branchdiff.rewards.group import is_group_reward
 
 CHARACTERS_PER_TOKEN = 16  # no token of the families' tokenizers spans more characters than this in a prompt (a generous bound)
 
@@ -116,14 +117,20 @@ def check_video_rewards(key: str, specs: list[RewardSpec], factories: dict) -> N
     """On a video family, each reward scores videos itself (`video = True`; a reward server says so on
     its /health, read here) or says how to score its frames (`frames`, `reduce`)."""
     for spec in specs:
-        if spec.frames is None and not _scores_videos(spec, factories):
+        videos = _scores_videos(spec, factories)
+        if spec.frames is None and not videos:
             raise ValueError(f"'{key}' entry {spec.label!r} scores images and the model makes videos: give it frames: N (score every N-th "
                              f"frame) and reduce: mean or min, e.g. {{name: {spec.label}, frames: 4, reduce: mean}}")
+        if spec.frames is not None and not videos and spec.remote is None and is_group_reward(factories.get(spec.name)):
+            raise ValueError(f"'{key}' entry {spec.label!r} ranks whole groups and scores images, and the model makes videos: a group reward "
+                             "of videos must score them whole (video = True); rank a reward of videos instead")
 
 
 def _scores_videos(spec: RewardSpec, factories: dict) -> bool:
     if spec.remote is None:
-        return bool(getattr(factories.get(spec.name), "video", False))
+        factory = factories.get(spec.name)
+        describe = getattr(factory, "scores_videos", None)  # a reward whose videos depend on its settings (group-rank's inner reward)
+        return bool(describe(**spec.kwargs)) if describe is not None else bool(getattr(factory, "video", False))
     from branchdiff.rewards.multi import check_remote_kwargs
     from branchdiff.rewards.remote import RemoteReward
 

@@ -34,6 +34,13 @@ class GroupRank:
         self.device = getattr(self.inner, "device", torch.device(device))
         self.sign = 1.0 if getattr(self.inner, "higher_is_better", True) else -1.0
 
+    @staticmethod
+    def scores_videos(reward: str = "", kwargs: dict | None = None, **settings: object) -> bool:
+        """Whether group-rank with these settings scores videos whole: its inner reward's `video`, read before anything is built."""
+        from branchdiff.rewards.registry import resolve_reward
+
+        return isinstance(reward, str) and bool(reward) and reward != GroupRank.name and bool(getattr(resolve_reward(reward), "video", False))
+
     def score_group(self, images: torch.Tensor, prompts: list[str], metadata: list[dict]) -> torch.Tensor:
         """Ranks (G,) of one group's images (G, 3, H, W) by the inner reward."""
         scores, _, _ = score_component(self.inner, self.inner_spec.label, images, prompts, metadata)

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 
@@ -56,6 +57,7 @@ class DTS:
     rollout_depth: int = 0  # early stops: a rollout goes k steps below the node it adds and is valued by r(x̂0) there (0: to the last depth; run.py)
     backup: str = "soft"
     exhausted: set[int] = field(default_factory=set)
+    one_selection_in_flight: ClassVar[bool] = False  # True: the search runs with parallel 1 only
 
     def __post_init__(self) -> None:
         if (self.temperature <= 0 or self.max_children < 1 or (self.root_children is not None and self.root_children < 1) or self.widening < 0
@@ -63,6 +65,9 @@ class DTS:
             raise ValueError(f"DTS needs a temperature λ > 0, max_children ≥ 1, root_children ≥ 1 (or unset), widening ≥ 0, exploration ≥ 0 and "
                              f"rollout_depth ≥ 0; got {self.temperature}, {self.max_children}, {self.root_children}, {self.widening}, "
                              f"{self.exploration} and {self.rollout_depth}")
+        if self.exploration > 0 and not self.greedy:
+            raise ValueError(f"exploration {self.exploration} is DTS*'s visit-count bonus on its greedy choice of a child, and dts and dts-is draw their children "
+                             "by their values, so it would be ignored: use dts-star, or leave exploration at 0")
 
     def cap(self, forest: SearchForest, node: int) -> int:
         """Children `node` may have now: its cap (the root's own, if set), raised by progressive widening to

@@ -35,6 +35,7 @@ and fixed caps (no widening); the descent is Boltzmann (DTS*'s argmax has q ∈ 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 
@@ -48,8 +49,13 @@ class DTSIS(DTS):
     records: dict[int, list[tuple[int, float]]] = field(default_factory=dict)  # per prompt: (node expanded, q) per selection, in order
     seen: int = 0  # nodes already looked at for closing (`close_new_leaves`)
 
+    one_selection_in_flight: ClassVar[bool] = True  # each selection's weight follows it to its leaf
+
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.x0_value:
+            raise ValueError("x0_value values the children whose first image is still in flight, and dts-is keeps one selection in flight, "
+                             "so none is: leave x0_value out")
         if self.greedy or self.widening > 0 or self.rollout_depth or not 0 <= self.mix <= 1 or (not self.guided and self.mix != 1):
             raise ValueError(f"dts-is draws with the probabilities its descent had: it needs the Boltzmann descent (not greedy), fixed caps "
                              f"(widening 0), rollouts to the last depth (rollout_depth 0) and a uniform share mix in [0, 1] (1 when unguided); "

@@ -59,8 +59,10 @@ class SearchSettings:
                              f"{self.root_children}, {self.parallel}, {self.widening}, {self.exploration} and {self.rollout_depth}")
         if self.budget < 1 or self.steps < 1 or self.max_batch < 1 or self.keep < 1:
             raise ValueError(f"--budget, --steps, --max-batch and --keep must be ≥ 1; got {self.budget}, {self.steps}, {self.max_batch}, {self.keep}")
-        if search:
-            search_of(self)  # the search's own checks (dts-is takes no early stops), before any model loads
+        if search:  # the search's own checks (dts-is takes no early stops, one selection in flight), before any model loads
+            if getattr(search_of(self), "one_selection_in_flight", False) and self.parallel > 1:
+                raise ValueError(f"--search {self.search} keeps one selection in flight per prompt (its weights follow each selection to its "
+                                 f"leaf): leave --parallel at 1 (got {self.parallel})")
         image = self.steps * rows_per_prediction
         if self.budget < image:
             per = f" ({rows_per_prediction} rows a prediction under CFG)" if rows_per_prediction > 1 else ""

@@ -54,7 +54,7 @@ def preset_or_default(source: str | None, overrides: Sequence[str]) -> str:
     if source:
         return source
     family = next((value for keys, value in map(parse_override, overrides) if keys == ["model", "family"]), "tiny")
-    if family == "tiny" or family not in FAMILIES:  # an unknown family is refused by the settings' own check
+    if not isinstance(family, str) or family == "tiny" or family not in FAMILIES:  # an unknown family (or a list) is refused by the settings' own check
         return DEFAULT_PRESET
     own = family_presets(family)
     start = (f"start from one of its presets ({', '.join(own)}), e.g. branchdiff train {own[0]} model.path=...; or from a YAML file "

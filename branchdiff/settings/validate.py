@@ -109,7 +109,8 @@ def _validate_loss(config: TrainConfig, steps_family: str) -> None:
                           "(DDIM) family: use train.loss=grpo")
     steps = config.sampling.num_steps
     own = getattr(config, loss.replace("-", "_"), None)  # the objective's own section, where it has one
-    if decoupled(loss) and own is not None and getattr(own, "timesteps", 0) > steps:
+    if decoupled(loss) and not dataset_kind(loss) and own is not None and getattr(own, "timesteps", 0) > steps:  # a dataset objective draws
+        # its noise levels on the 1000-step schedule, not the sampler's steps
         raise ConfigError(f"'{loss}.timesteps' = {own.timesteps} exceeds sampling.num_steps = {steps}; use {loss}.timesteps ≤ {steps}")
     if config.advantage.baseline == "median" and loss not in MEDIAN_BASELINE:
         raise ConfigError(f"'advantage.baseline' = 'median' applies to {', '.join(MEDIAN_BASELINE)}; train.loss={loss} ranks its samples "

@@ -73,7 +73,8 @@ def check_inputs(config: TrainConfig) -> None:
     check_credentials(tracker_names(config.logging.report_to))
     check_frames(config.model.family, config.model.path, config.model.frames)
     eval_size = size
-    if evaluates:  # the evaluations' own size (eval.resolution, eval.frames), where the run sets one
+    if evaluates or config.eval.resolution is not None or config.eval.frames is not None:  # the evaluations' own size, where the run sets one
+        # (checked when the run does not evaluate too: `branchdiff eval --weights RUN` evaluates at it)
         try:
             eval_size = check_size(config.model.family, config.model.path, config.eval.resolution or config.model.resolution)
             check_frames(config.model.family, config.model.path, config.eval.frames or config.model.frames)
