@@ -117,3 +117,12 @@ def test_rewards_list_says_what_a_reward_still_needs(monkeypatch):
         parameters = inspect.signature(resolve_reward(name)).parameters.values() if name != "imagereward" else []
         without_default = {p.name for p in parameters if p.default is inspect.Parameter.empty and p.kind is p.POSITIONAL_OR_KEYWORD}
         assert without_default <= set(registered.required), (name, without_default)
+
+
+def test_the_readme_names_every_objective():
+    """README's Concepts: each built-in `train.loss`, in backticks, in its Objectives entry (it named four of eleven)."""
+    from branchdiff.objectives.registry import OBJECTIVES
+
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    entry = readme[readme.index("- **Objectives**"):readme.index("- **Rewards**")]
+    assert all(f"`{name}`" in entry for name in OBJECTIVES.builtins) and "advantage.baseline: median" in entry
