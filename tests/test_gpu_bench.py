@@ -87,6 +87,16 @@ def test_the_released_sizes_are_refused_without_cuda(capsys):
     assert stopped.value.code == 2 and "--tiny runs every code path on the CPU" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("batches", ["one", "1,0", ""])
+def test_row_counts_that_are_not_whole_numbers_are_one_line(batches, capsys):
+    """`--batches one` was a ValueError traceback after the tree iterations had run."""
+    with pytest.raises(SystemExit) as stopped:
+        _bench().main(["--tiny", "--batches", batches])
+    err = capsys.readouterr().err
+    assert stopped.value.code == 2 and f"argument --batches: {batches!r} is not a list of row counts; give whole numbers ≥ 1" in err
+    assert "Traceback" not in err
+
+
 def test_the_cudnn_backward_check_compares_the_gradients_of_the_same_batch():
     """The check the GPU run makes of cuDNN's attention backward, on the CPU (where the switch changes nothing: equal)."""
     import torch

@@ -46,7 +46,7 @@ def _decoded(url: str) -> np.ndarray:
 
 
 class StandIn(JSONHandler):
-    mode = "ok"  # ok | refuse | stall | garbage | neither | busy-once | unknown-model | stall-after-first
+    mode = "ok"  # ok | refuse | stall | garbage | neither | floor | overflow | busy-once | unknown-model | stall-after-first
     requests: list[dict] = []
     in_flight = peak = 0
     lock = threading.Lock()
@@ -90,8 +90,10 @@ class StandIn(JSONHandler):
         shown = [_decoded(part["image_url"]["url"]) for part in body["messages"][0]["content"] if part["type"] == "image_url"]
         p = judged(shown[0]) if len(shown) == 1 else preferred_first(*shown)
         words = (" Yes", "No") if len(shown) == 1 else (" First", "Second")
-        top = ([{"token": "maybe", "logprob": -3.0}, {"token": "perhaps", "logprob": -4.0}] if mode == "neither" else
-               [{"token": words[0], "logprob": math.log(p)}, {"token": words[1], "logprob": math.log(1 - p)}, {"token": "maybe", "logprob": -6.0}])
+        top = {"neither": [{"token": "maybe", "logprob": -3.0}, {"token": "perhaps", "logprob": -4.0}],
+               "floor": [{"token": words[0], "logprob": -9999.0}, {"token": words[1], "logprob": -9999.0}, {"token": "The", "logprob": -0.01}],
+               "overflow": [{"token": words[0], "logprob": 1000.0}, {"token": words[1], "logprob": -2.0}]}.get(mode) or [
+            {"token": words[0], "logprob": math.log(p)}, {"token": words[1], "logprob": math.log(1 - p)}, {"token": "maybe", "logprob": -6.0}]
         reply = {"choices": [{"message": {"content": "Yes"}, "logprobs": {"content": [{"token": " Yes", "top_logprobs": top}]}}]}
         return 200, json.dumps(reply).encode()
 
@@ -179,6 +181,9 @@ def test_a_busy_answer_is_tried_again(judge_url):
     ("stall", {"timeout": 0.5, "retries": 1, "backoff": 0.01}, r"judge .*/v1/chat/completions did not answer within 0\.5 s \(2 attempts\)"),
     ("garbage", {}, r"judge .* answered without the log-probabilities of its first token .*does the server take logprobs"),
     ("neither", {}, r"judge .* answered with neither a yes \['yes', 'Yes', 'YES'\] nor a no .* among its top 2: .*maybe.*raise top_logprobs"),
+    ("floor", {}, r"judge .* answered with its yes and no tokens only at the floor log-probability \(-9999, no probability\) among its top 3"),
+    ("overflow", {}, r"judge .*/v1/chat/completions answered a log-probability of 1000.0 for the token ' Yes', where a log-probability is a "
+                     r"number ≤ 0: .*; check the server's logprobs$"),
 ])
 def test_each_failure_is_one_line_naming_the_url(judge_url, mode, kwargs, line, monkeypatch):
     monkeypatch.delenv("OPENAI_API_KEY", raising=False)

@@ -139,7 +139,7 @@ def test_sizes_and_frame_counts_it_cannot_make_are_refused(saved):
     with pytest.raises(ValueError, match=r"model.frames=6: a Wan video has r·k \+ 1 frames \(r = 2, the VAE's temporal factor\), e.g. 5"):
         WanAdapter.from_pretrained(str(saved["one"]), size=SIZE, frames=6)
     with pytest.raises(ValueError, match=r"model.resolution=\[24, 32\] \(height, width\) is not possible for wan: each side must be a multiple "
-                                         r"of 16 \(e.g. \[32, 32\]\)"):
+                                         r"of 16 \(e.g. \[32, 32\], or \[48, 64\] to keep its aspect ratio\)"):
         WanAdapter.from_pretrained(str(saved["one"]), size=(24, 32), frames=5)
     assert WanAdapter.folder_multiple(saved["one"]) == 16
 

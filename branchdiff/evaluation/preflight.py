@@ -117,11 +117,10 @@ def check_video_rewards(key: str, specs: list[RewardSpec], factories: dict) -> N
     """On a video family, each reward scores videos itself (`video = True`; a reward server says so on
     its /health, read here) or says how to score its frames (`frames`, `reduce`)."""
     for spec in specs:
-        videos = _scores_videos(spec, factories)
-        if spec.frames is None and not videos:
+        if spec.frames is None and not _scores_videos(spec, factories):
             raise ValueError(f"'{key}' entry {spec.label!r} scores images and the model makes videos: give it frames: N (score every N-th "
                              f"frame) and reduce: mean or min, e.g. {{name: {spec.label}, frames: 4, reduce: mean}}")
-        if spec.frames is not None and not videos and spec.remote is None and is_group_reward(factories.get(spec.name)):
+        if spec.frames is not None and spec.remote is None and is_group_reward(factories.get(spec.name)) and not _scores_videos(spec, factories):
             raise ValueError(f"'{key}' entry {spec.label!r} ranks whole groups and scores images, and the model makes videos: a group reward "
                              "of videos must score them whole (video = True); rank a reward of videos instead")
 

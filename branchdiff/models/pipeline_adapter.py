@@ -11,11 +11,10 @@ through the adapter reproduces `pipe(...)` itself.
 
 from __future__ import annotations
 
-import math
-
 import copy
 import inspect
 import json
+import math
 from pathlib import Path
 from typing import Any, cast
 

@@ -188,12 +188,10 @@ class VLMJudge:
         except JudgeAnswerError as error:
             held = [f"{entry.get('token')!s}: {entry.get('logprob')}" for entry in top]
             yes, no = self.labels
-            if str(error) == "neither":
-                why = f"neither a {yes} {list(self.positive)} nor a {no} {list(self.negative)} token"
-            elif str(error) == "floor":
-                why = f"its {yes} and {no} tokens only at the floor log-probability ({FLOOR:g}, no probability)"
-            else:
-                why = str(error)
+            if str(error) not in ("neither", "floor"):  # a value no log-probability takes: the server's fault
+                raise RemoteRewardError(f"judge {self.url} answered {error}: {one_line(held, 200)}; check the server's logprobs") from None
+            why = (f"neither a {yes} {list(self.positive)} nor a {no} {list(self.negative)} token" if str(error) == "neither" else
+                   f"its {yes} and {no} tokens only at the floor log-probability ({FLOOR:g}, no probability)")
             raise RemoteRewardError(f"judge {self.url} answered with {why} among its top {len(held)}: {one_line(held, 200)}; raise top_logprobs "
                                     f"or add its spelling to {yes} / {no}") from None
 

@@ -66,8 +66,8 @@ class DTS:
                              f"rollout_depth ≥ 0; got {self.temperature}, {self.max_children}, {self.root_children}, {self.widening}, "
                              f"{self.exploration} and {self.rollout_depth}")
         if self.exploration > 0 and not self.greedy:
-            raise ValueError(f"exploration {self.exploration} is DTS*'s visit-count bonus on its greedy choice of a child, and dts and dts-is draw their children "
-                             "by their values, so it would be ignored: use dts-star, or leave exploration at 0")
+            raise ValueError(f"exploration {self.exploration} is DTS*'s visit-count bonus on its greedy choice of a child, and dts and dts-is "
+                             "draw their children by their values, so it would be ignored: use dts-star, or leave exploration at 0")
 
     def cap(self, forest: SearchForest, node: int) -> int:
         """Children `node` may have now: its cap (the root's own, if set), raised by progressive widening to
