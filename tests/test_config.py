@@ -174,7 +174,9 @@ def test_a_key_given_without_its_section_suggests_the_section(capsys):
 def test_unknown_key_without_close_match_lists_allowed_keys():
     message = config_error(None, ["xyzzy=1"])
     assert "unknown key 'xyzzy'" in message
-    assert message.endswith("allowed: " + ", ".join(f.name for f in dataclasses.fields(TrainConfig)))
+    own = ", ".join(f.name for f in dataclasses.fields(TrainConfig) if f.name != "objectives")
+    assert message.endswith(f"allowed: {own}, and the objectives' guard, layertuning, nft, awm, dgpo, dppo, dpo, dpo_offline, sft")
+    assert config_error(None, ["nfft.beta=1"]).endswith("unknown key 'nfft'; did you mean nft?")
 
 
 @pytest.mark.parametrize(

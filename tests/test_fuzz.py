@@ -149,7 +149,10 @@ def _keys(section: object, prefix: str = "") -> dict[str, str]:
     keys = {}
     for item in fields(section):
         inner = getattr(section, item.name)
-        if is_dataclass(inner):
+        if item.metadata.get("sections"):  # the objectives' sections (nft.*, awm.*, ...), each its own dataclass
+            for name, keys_of in inner.items():
+                keys.update(_keys(keys_of, f"{name}."))
+        elif is_dataclass(inner):
             keys.update(_keys(inner, f"{prefix}{item.name}."))
         else:
             numeric = any(word in str(item.type) for word in ("int", "float"))

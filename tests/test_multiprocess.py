@@ -295,6 +295,7 @@ def test_a_full_disk_on_one_process_stops_both_at_the_checkpoint_and_keeps_the_l
 # LoRA with GRPO on two processes: two_process_run; on every layer: test_finetune.py
 MODES = {"full": ["model.finetune=full"], "nft-lora": ["train.loss=nft"], "guard-lora": ["train.loss=grpo-guard"],
          "layertuning-lora": ["train.loss=grpo-layertuning"], "awm-lora": ["train.loss=awm"], "dgpo-lora": ["train.loss=dgpo"],
+         "dgpo-ema-lora": ["train.loss=dgpo", "dgpo.reference=ema"],
          "dppo-lora": ["train.loss=dppo"], "dpo-lora": ["train.loss=dpo"],
          "median-lora": ["advantage.baseline=median", "tree.splits=[[0,3]]"], "sft-lora": ["train.loss=sft"],
          "dpo-offline-lora": ["train.loss=dpo-offline"], "overlap-lora": ["reward_overlap=true", "sampling.max_batch=3"]}
@@ -344,7 +345,7 @@ def test_full_finetuning_trains_on_two_processes_like_one(tiny_model_dir, mode_r
     edge's rollout mean from the noise at its global address; LayerTuning-RL's best paths are per
     prompt, so they are the same however the prompts are split. AWM, DGPO and online DPO draw their
     terms by global prompt key too, and DGPO's group statistic and DPO's pairs are per prompt, which
-    one process holds whole; DPPO recovers rollout means as GRPO-Guard does; the median baseline's
+    one process holds whole (DGPO's moving reference follows the same optimizer steps on both); DPPO recovers rollout means as GRPO-Guard does; the median baseline's
     pivots are per (prompt, depth); SFT and offline DPO draw their rows as prompts are and their noise
     levels by each row's global slot. Scoring overlapped with the rollout (one prompt a part) scores each
     process's parts in its own worker."""

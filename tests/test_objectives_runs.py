@@ -49,7 +49,7 @@ def _trainer(tmp_path, preset: str, *extra: str):
 
 
 def test_awm_terms_match_an_independent_forward_and_the_average_follows_its_recursion(tmp_path):
-    trainer = _trainer(tmp_path, "tiny-awm", "awm.average_decay=0.6", "train.learning_rate=1e-3")
+    trainer = _trainer(tmp_path, "tiny-awm", "awm.average_decay=0.6", "awm.average_decay_rate=0", "train.learning_rate=1e-3")
     objective, params = trainer.objective, trainer.finetune.params
     rollout, _, rewards, info = trainer.rollout_and_score(0)
     signal = objective.signal(rollout, rewards.total, 0)

@@ -21,10 +21,16 @@ The edge parent → n is trained with A(n), clipped to ±clip. Without splits, e
 chain group holds the G samples, so both scopes reduce to flat group GRPO
 (DanceGRPO's per-prompt z-score; Flow-GRPO-like batch std).
 
-Baseline "median" (MC-GRPO): r̄_g is the group's median instead of its mean (the std is as
-above). With an odd count, one node sits at the median, the group's pivot: its advantage is 0 and
-its edge is left out of the loss (`median_pivots`), so a group of G + 1 samples trains G. With an
-even count the median is the mean of the two middle rewards and no node is a pivot.
+Baseline "median" (MC-GRPO): r̄_g is the group's median instead of its mean. With an odd count, one
+node sits at the median, the group's pivot: its advantage is 0 and its edge is left out of the loss
+(`median_pivots`), so a group of G + 1 samples trains G. With an even count the median is the mean
+of the two middle rewards and no node is a pivot. Its scale (`scale`): "std" divides by the std as
+above; "mad" is MC-GRPO's public code (`mad_advantages`): the median absolute deviation plus 1e-3,
+then each group's non-zero advantages rescaled so that their count weighs as the group's,
+    A(n) = (R(n) − med_g) / (MAD_g + 1e-3),  MAD_g = median_{m ∈ g} |R(m) − med_g|,
+    A(n) ← A(n) · n_g / #{m ∈ g : A(m) ≠ 0}   for A(n) ≠ 0,
+so a group of 9 scores trains its 8 non-pivots as 9 (the public code's (G + 1)/G). A group of one
+node, or one whose advantages are all zero, gets 0.
 """
 
 from __future__ import annotations
@@ -37,6 +43,8 @@ from branchdiff.runtime.distributed import LOCAL, Collective
 FUSION_MODES = ("mean", "logprob_softmax", "max")
 SCOPES = ("tree", "batch")
 BASELINES = ("mean", "median")
+SCALES = ("std", "mad")
+MAD_FLOOR = 1e-3  # added to the median absolute deviation (MC-GRPO's public code)
 EPS = 1e-8
 MIN_STD = 1e-6
 
@@ -96,16 +104,21 @@ def depth_groups(tree: Tree) -> tuple[torch.Tensor, int]:
 
 
 def depthwise_advantages(tree: Tree, node_rewards: torch.Tensor, scope: str = "tree", collective: Collective = LOCAL,
-                         baseline: str = "mean") -> torch.Tensor:
+                         baseline: str = "mean", scale: str = "std") -> torch.Tensor:
     """Advantage of every node (N,) from its reward (N,), normalised per (prompt, depth) group;
     scope "batch" pools the std over the trees of every process of `collective`; baseline "median"
-    centres each group on its median (module doc)."""
+    centres each group on its median, and scale "mad" divides by its median absolute deviation (module doc)."""
     if scope not in SCOPES:
         raise ValueError(f"unknown advantage scope {scope!r}; allowed: {SCOPES}")
     if baseline not in BASELINES:
         raise ValueError(f"unknown advantage baseline {baseline!r}; allowed: {BASELINES}")
-    num_depths = tree.spec.num_steps + 1
+    if scale not in SCALES or (scale == "mad" and (baseline, scope) != ("median", "tree")):
+        raise ValueError(f"advantage scale {scale!r} with baseline {baseline!r} and scope {scope!r}; allowed: std, or mad with the median "
+                         "baseline within each tree")
     group, num_groups = depth_groups(tree)
+    if scale == "mad":
+        return mad_advantages(node_rewards, group, num_groups).to(node_rewards.dtype)
+    num_depths = tree.spec.num_steps + 1
     count, residual, squares = group_moments(node_rewards, group, num_groups)  # (P·(T+1),), (N,), (P·(T+1),)
     if scope == "tree":
         std = unbiased_std(count, squares)[group]  # (N,)
@@ -142,6 +155,26 @@ def group_medians(values: torch.Tensor, groups: torch.Tensor, num_groups: int) -
     odd = (count[present] % 2 == 1) & (count[present] > 1)
     pivots[low[odd]] = True
     return medians, pivots
+
+
+def resolve_scale(scale: str, baseline: str, scope: str = "tree") -> str:
+    """`advantage.scale`: "auto" is MC-GRPO's MAD under the median baseline within each tree, else the std; else as given."""
+    return ("mad" if (baseline, scope) == ("median", "tree") else "std") if scale == "auto" else scale
+
+
+def mad_advantages(values: torch.Tensor, groups: torch.Tensor, num_groups: int) -> torch.Tensor:
+    """MC-GRPO's advantages (N,; float64) of values (N,) in groups (N,) of 0..num_groups−1: each value's distance from
+    its group's median over the group's median absolute deviation + `MAD_FLOOR`, the non-zero ones rescaled by
+    n_g / #non-zero (module doc); 0 in a group of one."""
+    values = values.double()
+    medians, _ = group_medians(values, groups, num_groups)
+    residual = values - medians[groups]  # (N,)
+    deviations, _ = group_medians(residual.abs(), groups, num_groups)  # (G,) MAD_g
+    advantages = residual / (deviations[groups] + MAD_FLOOR)
+    count = torch.bincount(groups, minlength=num_groups).double()  # (G,)
+    advantages = torch.where(count[groups] > 1, advantages, torch.zeros_like(advantages))
+    nonzero = torch.zeros(num_groups, dtype=torch.float64).index_add_(0, groups, (advantages != 0).double())  # (G,)
+    return advantages * (count / nonzero.clamp(min=1))[groups]
 
 
 def median_pivots(tree: Tree, node_rewards: torch.Tensor) -> torch.Tensor:

@@ -154,6 +154,13 @@ def dgpo_group_weights(error: torch.Tensor, reference_error: torch.Tensor, advan
     return torch.sigmoid(sums)[groups].float()
 
 
+def epsilon_error(velocity_error: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
+    """The ε-prediction error of a velocity error at noise level σ (E,): with x_σ = (1 − σ)·x0 + σ·ε and
+    ε̂ = x_σ + (1 − σ)·v̂, ε̂ − ε = (1 − σ)·(v̂ − v), so mean((ε̂ − ε)²) = (1 − σ)²·mean((v̂ − v)²); Diffusion-DPO's β on
+    these errors is the paper's (ε-prediction) β, and β_v = β_ε·(1 − σ)² on velocity errors."""
+    return velocity_error * (1 - sigma.to(velocity_error)) ** 2
+
+
 def diffusion_dpo_loss(error_chosen: torch.Tensor, reference_chosen: torch.Tensor, error_rejected: torch.Tensor,
                        reference_rejected: torch.Tensor, beta: float) -> torch.Tensor:
     """Diffusion-DPO's Bradley–Terry loss of a (chosen, rejected) pair at a shared (σ, ε) (Wallace et

@@ -10,10 +10,12 @@ the rollout weights' matching loss at the same (σ, ε) (`loss.awm_surrogate`; `
 at the first step of an iteration ρ = 1 and the gradient is A·∇w_θ, advantage-weighted matching.
 
 Stabilisers (the public implementation's): + `awm.average_kl`·mean((v_θ − v_avg)²) toward a slowly
-moving average of the policy (θ_avg ← d·θ_avg + (1 − d)·θ after each iteration, d =
-`awm.average_decay`; saved in checkpoints as `policy_average.safetensors`), and
+moving average of the policy (θ_avg ← d·θ_avg + (1 − d)·θ after each iteration, d = min(`awm.average_decay`,
+`awm.average_decay_rate`·n) with n the optimizer steps so far: the public recipes' warm-up, min(0.3, 0.001·n);
+saved in checkpoints as `policy_average.safetensors`), and
 + `train.kl_beta`·mean((v_θ − v_ref)²) toward the base model. w_old and v_avg are computed before the
-iteration's first update, so every optimizer step compares with the same old policy.
+iteration's first update, so every optimizer step compares with the same old policy. `awm.skip_pure_noise` leaves
+the step at σ = 1 (x_t = ε) out of the steps drawn, as one public recipe does.
 """
 
 from __future__ import annotations
@@ -25,18 +27,25 @@ from typing import ClassVar
 
 import torch
 
+from branchdiff.core.advantage import resolve_scale
 from branchdiff.core.loss import awm_surrogate, awm_weighted_error, flow_matching_error
 from branchdiff.core.rollout import NoiseAddress, Rollout, SamplerSettings
 from branchdiff.models.base import ModelAdapter
 from branchdiff.models.ema import WeightAverage
 from branchdiff.models.finetune import FullFinetune, LoraFinetune
 from branchdiff.objectives.base import MetricKind, Objective, Signal
-from branchdiff.objectives.forward_process import ForwardTerms, draw_terms, idle_forward, leaf_signal, predict_all
+from branchdiff.objectives.forward_process import ForwardTerms, draw_terms, idle_forward, leaf_signal, predict_all, training_steps
 from branchdiff.runtime.distributed import Collective
 from branchdiff.schedulers.schedule import FlowSchedule
 from branchdiff.settings.config import TrainConfig
 
 POLICY_AVERAGE_FILE = "policy_average.safetensors"
+
+
+def average_decay(decay: float, rate: float, optimizer_steps: int) -> float:
+    """The decay d of the policy's average after `optimizer_steps` steps: min(decay, rate·n), the public AWM recipes' warm-up
+    (rate 0: `decay` from the start)."""
+    return decay if rate == 0 else min(decay, rate * optimizer_steps)
 
 
 @dataclass
@@ -58,13 +67,14 @@ class AdvantageWeightedMatching(Objective):
         self.policy_average.update(0.0)  # θ_avg = θ before the first update
 
     def signal(self, rollout: Rollout, rewards: torch.Tensor, iteration: int) -> Signal:
-        return leaf_signal(rollout, rewards, self.config.awm.advantage_clip, self.config.advantage.baseline)
+        advantage = self.config.advantage
+        return leaf_signal(rollout, rewards, self.config.awm.advantage_clip, advantage.baseline, resolve_scale(advantage.scale, advantage.baseline))
 
     def plan(self, rollout: Rollout, embeds: dict, signal: Signal, address: NoiseAddress) -> AWMPlan:
         return AWMPlan(self, rollout, embeds, signal, address)
 
     def after_update(self, optimizer_steps: int) -> None:
-        self.policy_average.update(self.config.awm.average_decay)
+        self.policy_average.update(average_decay(self.config.awm.average_decay, self.config.awm.average_decay_rate, optimizer_steps))
 
     def save_state(self, folder: Path, write: bool) -> None:
         self.policy_average.save(folder, POLICY_AVERAGE_FILE, write)
@@ -79,7 +89,7 @@ class AWMPlan:
     def __init__(self, objective: AdvantageWeightedMatching, rollout: Rollout, embeds: dict, signal: Signal, address: NoiseAddress) -> None:
         self.objective, self.rollout, self.embeds = objective, rollout, embeds
         config, schedule, guidance = objective.config, objective.schedule, objective.settings.guidance
-        learnable = objective.train_policy.trains_at(schedule.model_times).cpu()  # (T,)
+        learnable = training_steps(objective.train_policy, schedule, config.awm.skip_pure_noise)  # (T,)
         leaves = torch.nonzero(signal.trained).squeeze(1)
         self.terms_drawn: ForwardTerms = draw_terms(rollout, leaves, address, schedule, learnable, config.awm.timesteps, "awm")
         terms = self.terms_drawn

@@ -38,7 +38,8 @@ class Signal:
 
 
 class UpdatePlan(Protocol):
-    """One iteration's update on this process, as the update loop runs it."""
+    """One iteration's update on this process, as the update loop runs it. A plan may also define `after_step()`, which the
+    update loop calls after each optimizer step taken (DGPO's moving reference follows every step)."""
     terms: list[int]  # loss terms of each of this process's minibatches, in the order they are run
     stats: dict[str, float]  # named statistics, added to by `loss` (this process's sums; kinds in the objective's `metric_kinds`)
 

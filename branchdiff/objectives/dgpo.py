@@ -15,26 +15,39 @@ about `train.minibatch` terms): a group is never split between optimizer steps, 
 process grows whole prompts, never between processes. ℓ_θ is held (no gradient) where the ratio
 exp(ℓ_old − ℓ_θ) to the rollout weights' error has left [1 − ε, 1 + ε] on the side the advantage
 pushes (ε = `dgpo.clip_range`, the public recipe's stabiliser; 0: off); + `train.kl_beta`·
-mean((v_θ − v_ref)²).
+mean((v_θ − v_ref)²) toward the frozen base.
+
+`dgpo.reference: ema` is the public code's dynamic reference: ℓ_ref and the clip's ℓ_old are both the error of a
+fast-moving average of the policy, θ_ref ← d·θ_ref + (1 − d)·θ after every optimizer step with d = min(
+`dgpo.ema_decay_rate`·n, `dgpo.ema_decay_max`) (n the optimizer steps so far: min(0.001·n, 0.3) by default), computed
+with the average's weights at each minibatch (saved in checkpoints as `dgpo_reference.safetensors`). `base` (the
+default) keeps the paper's frozen reference and clips against the rollout's weights. `dgpo.skip_pure_noise` leaves
+out the step at σ = 1, where every sample of a group sees one input (x_σ = ε).
 """
 
 from __future__ import annotations
 
-from contextlib import nullcontext
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
+from pathlib import Path
 from typing import ClassVar
 
 import torch
 
+from branchdiff.core.advantage import resolve_scale
 from branchdiff.core.loss import dgpo_group_weights, flow_matching_error
 from branchdiff.core.rollout import NoiseAddress, Rollout, SamplerSettings
 from branchdiff.models.base import ModelAdapter
+from branchdiff.models.ema import WeightAverage
 from branchdiff.models.finetune import FullFinetune, LoraFinetune
 from branchdiff.objectives.base import MetricKind, Objective, Signal
-from branchdiff.objectives.forward_process import draw_terms, idle_forward, leaf_signal, predict_all
+from branchdiff.objectives.forward_process import draw_terms, idle_forward, leaf_signal, predict_all, training_steps
 from branchdiff.runtime.distributed import Collective
 from branchdiff.schedulers.schedule import FlowSchedule
 from branchdiff.settings.config import TrainConfig
+
+REFERENCE_FILE = "dgpo_reference.safetensors"
 
 
 @dataclass
@@ -51,8 +64,38 @@ class DGPO(Objective):
         "nfe_trained": "count",  # training forwards
     }
 
+    def __post_init__(self) -> None:
+        self.reference_average = None
+        if self.config.dgpo.reference == "ema":
+            self.reference_average = WeightAverage(self.finetune.params, decay=0.0)
+            self.reference_average.update(0.0)  # θ_ref = θ before the first update
+
+    def after_step(self) -> None:
+        """After each optimizer step (ema reference): the average moves toward the policy at d = min(rate·n, max)."""
+        if self.reference_average is not None:
+            keys = self.config.dgpo
+            self.reference_average.update(min(keys.ema_decay_rate * self.reference_average.steps, keys.ema_decay_max))
+
+    @contextmanager
+    def reference_weights(self) -> Iterator[ModelAdapter | None]:
+        """The model with the reference average's weights (ema reference), or None (the base reference)."""
+        if self.reference_average is None:
+            yield None
+            return
+        with self.reference_average.swapped_in():
+            yield self.finetune.adapter
+
+    def save_state(self, folder: Path, write: bool) -> None:
+        if self.reference_average is not None:
+            self.reference_average.save(folder, REFERENCE_FILE, write)
+
+    def load_state(self, folder: Path) -> None:
+        if self.reference_average is not None:
+            self.reference_average.load(folder, REFERENCE_FILE)
+
     def signal(self, rollout: Rollout, rewards: torch.Tensor, iteration: int) -> Signal:
-        return leaf_signal(rollout, rewards, self.config.dgpo.advantage_clip, self.config.advantage.baseline)
+        advantage = self.config.advantage
+        return leaf_signal(rollout, rewards, self.config.dgpo.advantage_clip, advantage.baseline, resolve_scale(advantage.scale, advantage.baseline))
 
     def plan(self, rollout: Rollout, embeds: dict, signal: Signal, address: NoiseAddress) -> DGPOPlan:
         return DGPOPlan(self, rollout, embeds, signal, address)
@@ -78,18 +121,21 @@ class DGPOPlan:
     def __init__(self, objective: DGPO, rollout: Rollout, embeds: dict, signal: Signal, address: NoiseAddress) -> None:
         self.objective, self.rollout, self.embeds = objective, rollout, embeds
         config, schedule, guidance = objective.config, objective.schedule, objective.settings.guidance
-        learnable = objective.train_policy.trains_at(schedule.model_times).cpu()
+        learnable = training_steps(objective.train_policy, schedule, config.dgpo.skip_pure_noise)  # (T,)
         leaves = torch.nonzero(signal.trained).squeeze(1)
         self.terms_drawn = terms = draw_terms(rollout, leaves, address, schedule, learnable, config.dgpo.timesteps, "dgpo", per_group=True)
         self.advantages = signal.node_advantages[terms.nodes].to(terms.x0.device)  # (E,)
         self.minibatches = whole_group_batches(terms.prompt, config.train.minibatch) if len(terms.nodes) else []
         self.terms = [len(b) for b in self.minibatches]
-        with objective.finetune.base() as base:
-            v_ref = predict_all(base, terms, self.minibatches, embeds, guidance, rollout, schedule)
+        self.dynamic = objective.reference_average is not None  # ℓ_ref and ℓ_old from the moving average, minibatch by minibatch
+        v_ref = None
+        if not self.dynamic or config.train.kl_beta > 0:
+            with objective.finetune.base() as base:
+                v_ref = predict_all(base, terms, self.minibatches, embeds, guidance, rollout, schedule)
         self.v_ref = v_ref if config.train.kl_beta > 0 else None
-        self.reference_error = flow_matching_error(v_ref, terms.x0, terms.noise) if v_ref is not None else None
+        self.reference_error = flow_matching_error(v_ref, terms.x0, terms.noise) if v_ref is not None and not self.dynamic else None
         self.old_error = None
-        if config.dgpo.clip_range > 0 and len(terms.nodes):
+        if config.dgpo.clip_range > 0 and len(terms.nodes) and not self.dynamic:
             v_old = predict_all(objective.finetune.adapter, terms, self.minibatches, embeds, guidance, rollout, schedule)
             assert v_old is not None  # there are terms, so minibatches
             self.old_error = flow_matching_error(v_old, terms.x0, terms.noise)
@@ -98,16 +144,23 @@ class DGPOPlan:
     def loss(self, index: int) -> torch.Tensor:
         objective, rows = self.objective, self.minibatches[index]
         config, guidance, terms = objective.config, objective.settings.guidance, self.terms_drawn
-        assert self.reference_error is not None  # predicted for every minibatch
+        if self.dynamic:  # the average as it is now (it moved with every optimizer step), before the trained forward
+            with torch.no_grad(), objective.reference_weights() as average:
+                assert average is not None  # the ema reference
+                reference = flow_matching_error(terms.predict(average, rows, self.embeds, guidance), terms.x0[rows], terms.noise[rows])
+            old = reference if config.dgpo.clip_range > 0 else None
+        else:
+            assert self.reference_error is not None  # predicted for every minibatch
+            reference, old = self.reference_error[rows], None if self.old_error is None else self.old_error[rows]
         v_theta = terms.predict(objective.train_policy, rows, self.embeds, guidance)  # (e, ...)
         error = flow_matching_error(v_theta, terms.x0[rows], terms.noise[rows])  # (e,)
         advantages = self.advantages[rows]
         _, groups = torch.unique(terms.prompt[rows] * terms.steps.max().add(1) + terms.steps[rows], return_inverse=True)  # (e,) (prompt, step)
         group_size = torch.bincount(groups).to(error.device)
-        weight = dgpo_group_weights(error, self.reference_error[rows], advantages, groups.to(error.device), config.dgpo.dpo_beta, group_size)
+        weight = dgpo_group_weights(error, reference, advantages, groups.to(error.device), config.dgpo.dpo_beta, group_size)
         held = torch.zeros_like(error, dtype=torch.bool)
-        if self.old_error is not None:
-            ratio = torch.exp(self.old_error[rows] - error.detach())
+        if old is not None:
+            ratio = torch.exp(old - error.detach())
             eps = config.dgpo.clip_range
             held = torch.where(advantages > 0, ratio > 1 + eps, ratio < 1 - eps)
             error = torch.where(held, error.detach(), error)
@@ -118,7 +171,7 @@ class DGPOPlan:
             per_term = per_term + config.train.kl_beta * kl
         self.stats["loss"] += per_term.detach().sum().item()
         self.stats["group_weight"] += weight.sum().item()
-        self.stats["error_gap"] += (error.detach() - self.reference_error[rows]).sum().item()
+        self.stats["error_gap"] += (error.detach() - reference).sum().item()
         self.stats["clip_fraction"] += held.sum().item()
         self.stats["kl"] += kl.detach().sum().item()
         self.stats["nfe_trained"] += len(rows)
@@ -129,4 +182,7 @@ class DGPOPlan:
         reference's and the old weights' forwards are made when the plan is built, not per minibatch."""
         objective = self.objective
         return idle_forward(objective.train_policy, self.terms_drawn, self.minibatches, self.embeds, objective.settings.guidance,
-                            self.rollout, objective.schedule, nullcontext())
+                            self.rollout, objective.schedule, objective.reference_weights() if self.dynamic else nullcontext())
+
+    def after_step(self) -> None:
+        self.objective.after_step()

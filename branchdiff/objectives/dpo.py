@@ -10,8 +10,12 @@ same ε (its address without the node path, tag "dpo"), so a pair's two samples 
 
 Loss of a pair at a step: −log σ(−(β/2)·[(ℓ_θ(w) − ℓ_ref(w)) − (ℓ_θ(l) − ℓ_ref(l))])
 (`loss.diffusion_dpo_loss`), ℓ the denoising error mean((v − (ε − x0))²) and ℓ_ref the frozen base
-model's, β = `dpo.beta` with the paper's T·ω(λ_t) folded in and the ½ of its public code:
-β = 2000–5000 in its SD 1.5 and SDXL runs. + `train.kl_beta`·mean((v_θ − v_ref)²) over both samples.
+model's, β = `dpo.beta` with the paper's T·ω(λ_t) folded in and the ½ of its public code. β is in the units of
+`dpo.error`: `velocity` (the default; ℓ the velocity error, the flow-matching recipes' β = 100 for SD3.5) or
+`epsilon` (ℓ_ε = (1 − σ)²·ℓ_v, `loss.epsilon_error`: the paper's units, β = 2000–5000 in its SD 1.5 and SDXL runs;
+β_v = β_ε·(1 − σ)², so the paper's 2000 on velocity errors is 2000–200 000 in its own units). + `train.kl_beta`·
+mean((v_θ − v_ref)²) over both samples. `dpo.skip_pure_noise` leaves out the step at σ = 1, where a pair's two
+samples see one input (x_σ = ε).
 A term is a (pair, step); statistics: the loss, `preference_accuracy` (pairs whose chosen sample
 the policy improved on the reference more than the rejected one) and the KL.
 """
@@ -24,13 +28,13 @@ from typing import ClassVar
 
 import torch
 
-from branchdiff.core.loss import diffusion_dpo_loss, flow_matching_error
+from branchdiff.core.loss import diffusion_dpo_loss, epsilon_error, flow_matching_error
 from branchdiff.core.rollout import NoiseAddress, Rollout, SamplerSettings
 from branchdiff.core.tree import Tree
 from branchdiff.models.base import ModelAdapter
 from branchdiff.models.finetune import FullFinetune, LoraFinetune
 from branchdiff.objectives.base import MetricKind, Objective, Signal
-from branchdiff.objectives.forward_process import draw_terms, idle_forward, leaf_signal, predict_all
+from branchdiff.objectives.forward_process import draw_terms, idle_forward, leaf_signal, predict_all, training_steps
 from branchdiff.objectives.nft import ancestors_at
 from branchdiff.runtime.distributed import Collective
 from branchdiff.schedulers.schedule import FlowSchedule
@@ -92,7 +96,7 @@ class DPOPlan:
         self.objective, self.rollout, self.embeds = objective, rollout, embeds
         config, schedule, guidance = objective.config, objective.schedule, objective.settings.guidance
         chosen, rejected = preference_pairs(rollout.tree, signal.node_rewards, signal.trained, config.dpo.pairs == "siblings")
-        learnable = objective.train_policy.trains_at(schedule.model_times).cpu()
+        learnable = training_steps(objective.train_policy, schedule, config.dpo.skip_pure_noise)  # (T,)
         leaves = torch.nonzero(signal.trained).squeeze(1)
         self.terms_drawn = terms = draw_terms(rollout, leaves, address, schedule, learnable, config.dpo.timesteps, "dpo", per_group=True)
         rows_of = {int(leaf): torch.nonzero(terms.nodes == leaf).squeeze(1) for leaf in leaves.tolist()}  # a leaf's term rows, step order shared in its group
@@ -123,6 +127,8 @@ class DPOPlan:
         v_theta = terms.predict(objective.train_policy, rows, self.embeds, guidance)
         error = flow_matching_error(v_theta, terms.x0[rows], terms.noise[rows])
         reference = self.reference_error[rows]
+        if config.dpo.error == "epsilon":  # β in the paper's units
+            error, reference = epsilon_error(error, terms.sigma[rows]), epsilon_error(reference, terms.sigma[rows])
         e = len(batch)
         per_term = diffusion_dpo_loss(error[:e], reference[:e], error[e:], reference[e:], config.dpo.beta)
         kl = torch.zeros_like(per_term)

@@ -7,7 +7,8 @@ as prompts are, each at `dpo_offline.timesteps` noise levels (uniform in t by de
 draws its timesteps; branchdiff/objectives/dataset.py), both images of a pair at the same (σ, ε).
 A term is a (pair, noise level) with online DPO's loss (branchdiff/objectives/dpo.py,
 `loss.diffusion_dpo_loss`): −log σ(−(β/2)·[(ℓ_θ(w) − ℓ_ref(w)) − (ℓ_θ(l) − ℓ_ref(l))]), ℓ_ref the
-frozen base model's denoising error, β = `dpo_offline.beta`; + `train.kl_beta`·mean((v_θ − v_ref)²).
+frozen base model's denoising error, β = `dpo_offline.beta` in the units of `dpo_offline.error` (velocity errors by
+default, or the paper's ε errors, as for online DPO: branchdiff/objectives/dpo.py); + `train.kl_beta`·mean((v_θ − v_ref)²).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import ClassVar
 
 import torch
 
-from branchdiff.core.loss import diffusion_dpo_loss, flow_matching_error
+from branchdiff.core.loss import diffusion_dpo_loss, epsilon_error, flow_matching_error
 from branchdiff.core.rollout import NoiseAddress, SamplerSettings
 from branchdiff.models.base import ModelAdapter
 from branchdiff.models.finetune import FullFinetune, LoraFinetune
@@ -83,6 +84,9 @@ class OfflineDPOPlan:
         error_w = flow_matching_error(v_theta[:e], chosen.x0[rows], chosen.noise[rows])
         error_l = flow_matching_error(v_theta[e:], rejected.x0[rows], rejected.noise[rows])
         ref_w, ref_l = self.reference_error[0][rows], self.reference_error[1][rows]
+        if config.dpo_offline.error == "epsilon":  # β in the paper's units (a pair shares its σ)
+            sigma = chosen.sigma[rows]
+            error_w, error_l, ref_w, ref_l = (epsilon_error(error, sigma) for error in (error_w, error_l, ref_w, ref_l))
         per_term = diffusion_dpo_loss(error_w, ref_w, error_l, ref_l, config.dpo_offline.beta)
         kl = torch.zeros_like(per_term)
         if config.train.kl_beta > 0:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from branchdiff.core.advantage import fuse_rewards, group_medians, group_moments, unbiased_std
+from branchdiff.core.advantage import fuse_rewards, group_medians, group_moments, mad_advantages, unbiased_std
 from branchdiff.core.noise import address_seed
 from branchdiff.core.rollout import NoiseAddress, Rollout
 from branchdiff.models.base import ModelAdapter, select_embeds
@@ -29,9 +29,10 @@ from branchdiff.objectives.base import Signal, drop_nonfinite_groups, zero_loss
 from branchdiff.schedulers.schedule import FlowSchedule, Schedule
 
 
-def leaf_signal(rollout: Rollout, rewards: torch.Tensor, clip: float, baseline: str = "mean") -> Signal:
+def leaf_signal(rollout: Rollout, rewards: torch.Tensor, clip: float, baseline: str = "mean", scale: str = "std") -> Signal:
     """Each leaf's group-normalised advantage (module doc), clipped to ±clip; the leaves of groups
-    with a finite reward on every leaf train, pivots excepted. Node rewards: the leaves' means below each node."""
+    with a finite reward on every leaf train, pivots excepted (scale "mad": MC-GRPO's, `advantage.mad_advantages`).
+    Node rewards: the leaves' means below each node."""
     tree = rollout.tree
     leaf_rewards, dropped = drop_nonfinite_groups(tree, rewards)
     groups = tree.prompt[tree.leaf_index]  # (L,)
@@ -42,7 +43,10 @@ def leaf_signal(rollout: Rollout, rewards: torch.Tensor, clip: float, baseline: 
         medians, pivots = group_medians(leaf_rewards, groups, tree.num_prompts)
         residual = leaf_rewards.double() - medians[groups]
         trained[tree.leaf_index[pivots]] = False
-    advantages = (residual / (unbiased_std(count, squares)[groups] + 1e-4)).clamp(-clip, clip).float()  # (L,)
+    if scale == "mad":
+        advantages = mad_advantages(leaf_rewards, groups, tree.num_prompts).clamp(-clip, clip).float()  # (L,)
+    else:
+        advantages = (residual / (unbiased_std(count, squares)[groups] + 1e-4)).clamp(-clip, clip).float()  # (L,)
     node_advantages = torch.zeros(tree.num_nodes)
     node_advantages[tree.leaf_index] = advantages
     node_rewards = fuse_rewards(tree, leaf_rewards, rollout.log_prob, "mean", 1.0)
@@ -64,6 +68,18 @@ class ForwardTerms:
     def predict(self, model: ModelAdapter, rows: torch.Tensor, embeds: dict, guidance: float | None) -> torch.Tensor:
         """(e, ...) `model`'s velocities at the terms `rows`."""
         return model.predict(self.x_t[rows], self.times[rows], select_embeds(embeds, self.prompt[rows]), guidance)
+
+
+PURE_NOISE = 1 - 1e-6  # a σ at or above this is the step at σ = 1, where x_t = ε
+
+
+def training_steps(train_policy: ModelAdapter, schedule: FlowSchedule, skip_pure_noise: bool) -> torch.Tensor:
+    """(T,) bool: the sampler steps a forward-process objective may train at: those the trained denoiser predicts
+    (`trains_at`), without the step at σ = 1 (x_t = ε whatever the sample) when `skip_pure_noise`."""
+    learnable = train_policy.trains_at(schedule.model_times).cpu()  # (T,)
+    if skip_pure_noise:
+        learnable = learnable & (schedule.sigmas[:-1].cpu() < PURE_NOISE)
+    return learnable
 
 
 def draw_terms(rollout: Rollout, leaves: torch.Tensor, address: NoiseAddress, schedule: FlowSchedule, learnable: torch.Tensor,

@@ -20,7 +20,7 @@ from typing import ClassVar
 import torch
 
 from branchdiff.core import prune
-from branchdiff.core.advantage import depthwise_advantages, fuse_rewards, median_pivots
+from branchdiff.core.advantage import depthwise_advantages, fuse_rewards, median_pivots, resolve_scale
 from branchdiff.core.loss import clipped_surrogate, kl_to_reference
 from branchdiff.core.rollout import NoiseAddress, Rollout, SamplerSettings
 from branchdiff.models.base import ModelAdapter, select_embeds
@@ -51,7 +51,8 @@ class ClippedGRPO(Objective):
         config, tree = self.config, rollout.tree
         leaf_rewards, dropped = drop_nonfinite_groups(tree, rewards)
         node_rewards = fuse_rewards(tree, leaf_rewards, rollout.log_prob, config.advantage.fusion, config.advantage.alpha)
-        node_advantages = depthwise_advantages(tree, node_rewards, config.advantage.scope, self.collective, config.advantage.baseline)
+        node_advantages = depthwise_advantages(tree, node_rewards, config.advantage.scope, self.collective, config.advantage.baseline,
+                                               resolve_scale(config.advantage.scale, config.advantage.baseline, config.advantage.scope))
         node_advantages = node_advantages.clamp(-config.advantage.clip, config.advantage.clip)
         trained = self.trainable_mask(rollout, node_advantages, iteration) & ~dropped[tree.prompt]
         if config.advantage.baseline == "median":  # each (prompt, depth) group's pivot trains nothing (MC-GRPO)

@@ -32,7 +32,7 @@ from typing import ClassVar
 
 import torch
 
-from branchdiff.core.advantage import depthwise_advantages, fuse_rewards, median_pivots
+from branchdiff.core.advantage import depthwise_advantages, fuse_rewards, median_pivots, resolve_scale
 from branchdiff.core.loss import nft_loss, nft_optimality
 from branchdiff.core.rollout import NoiseAddress, Rollout, SamplerSettings
 from branchdiff.core.tree import Tree
@@ -40,7 +40,7 @@ from branchdiff.models.base import ModelAdapter
 from branchdiff.models.ema import WeightAverage
 from branchdiff.models.finetune import FullFinetune, LoraFinetune
 from branchdiff.objectives.base import MetricKind, Objective, Signal, drop_nonfinite_groups
-from branchdiff.objectives.forward_process import draw_terms, idle_forward, leaf_signal, predict_all
+from branchdiff.objectives.forward_process import draw_terms, idle_forward, leaf_signal, predict_all, training_steps
 from branchdiff.runtime.distributed import Collective
 from branchdiff.schedulers.schedule import FlowSchedule
 from branchdiff.settings.config import TrainConfig
@@ -68,14 +68,16 @@ class DiffusionNFT(Objective):
     def signal(self, rollout: Rollout, rewards: torch.Tensor, iteration: int) -> Signal:
         tree, config = rollout.tree, self.config
         if config.nft.advantage == "leaf":
-            return leaf_signal(rollout, rewards, config.nft.advantage_clip, config.advantage.baseline)
+            return leaf_signal(rollout, rewards, config.nft.advantage_clip, config.advantage.baseline,
+                               resolve_scale(config.advantage.scale, config.advantage.baseline))
         # depthwise: every node's advantage, as clipped GRPO's signal has it
         leaf_rewards, dropped = drop_nonfinite_groups(tree, rewards)
         groups = tree.prompt[tree.leaf_index]  # (L,)
         trained = torch.zeros(tree.num_nodes, dtype=torch.bool)
         trained[tree.leaf_index] = ~dropped[groups]
         node_rewards = fuse_rewards(tree, leaf_rewards, rollout.log_prob, config.advantage.fusion, config.advantage.alpha)
-        node_advantages = depthwise_advantages(tree, node_rewards, config.advantage.scope, self.collective, config.advantage.baseline)
+        node_advantages = depthwise_advantages(tree, node_rewards, config.advantage.scope, self.collective, config.advantage.baseline,
+                                               resolve_scale(config.advantage.scale, config.advantage.baseline, config.advantage.scope))
         if config.advantage.baseline == "median":
             trained &= ~median_pivots(tree, node_rewards)
         return Signal(node_rewards, node_advantages.clamp(-config.advantage.clip, config.advantage.clip).float(), trained, int(dropped.sum()))
@@ -114,7 +116,7 @@ class NFTPlan:
         self.objective, self.embeds, self.rollout = objective, embeds, rollout
         config, tree, schedule = objective.config, rollout.tree, objective.schedule
         leaves = torch.nonzero(signal.trained).squeeze(1)  # (K,) leaf nodes trained
-        learnable = objective.train_policy.trains_at(schedule.model_times).cpu()  # (T,) steps the trained denoiser predicts
+        learnable = training_steps(objective.train_policy, schedule, config.nft.skip_pure_noise)  # (T,)
         self.terms_drawn = terms = draw_terms(rollout, leaves, address, schedule, learnable, config.nft.timesteps, "nft")
         self.nodes, self.steps = terms.nodes, terms.steps  # (E,) the leaf and the step of each term
         credited = self.nodes if config.nft.advantage == "leaf" else ancestors_at(tree, self.nodes, self.steps + 1)  # (E,) whose advantage each term takes

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from branchdiff.runtime.registry import Registry
+from branchdiff.runtime.registry import Registry, import_target
 
 
 @dataclass(frozen=True)
@@ -20,22 +20,48 @@ class Registered:
     decoupled: bool = False  # trains the final samples on the forward process (any sampler; no SDE edge needed)
     reference: bool = False  # compares with the frozen base model (full fine-tuning keeps a copy of it)
     dataset: str = ""  # trains on a dataset instead of rollouts: the kind of image set ("demonstrations", "preferences")
+    keys: str = ""  # "module:Class" of its keys' dataclass (branchdiff/objectives/keys.py); "": it has none
+    section: str = ""  # the section its keys are read from (`nft.beta`); "": its name, "-" read as "_"
 
 
+KEYS = "branchdiff.objectives.keys"
 OBJECTIVES = Registry("objective", "branchdiff.objectives", {
     "grpo": Registered("branchdiff.objectives.grpo:ClippedGRPO"),
-    "grpo-guard": Registered("branchdiff.objectives.grpo_guard:GRPOGuard", "weighs each step by its σ step size"),
-    "grpo-layertuning": Registered("branchdiff.objectives.layertuning:LayerTuningGRPO", "regresses flow-matching velocities toward the best sample"),
-    "nft": Registered("branchdiff.objectives.nft:DiffusionNFT", "trains on the flow-matching forward process", decoupled=True),
-    "awm": Registered("branchdiff.objectives.awm:AdvantageWeightedMatching", "trains on the flow-matching forward process", decoupled=True),
-    "dgpo": Registered("branchdiff.objectives.dgpo:DGPO", "trains on the flow-matching forward process", decoupled=True, reference=True),
-    "dppo": Registered("branchdiff.objectives.dppo:DPPO", "bounds each step by its Gaussian divergence on σ steps"),
-    "dpo": Registered("branchdiff.objectives.dpo:OnlineDPO", "trains on the flow-matching forward process", decoupled=True, reference=True),
+    "grpo-guard": Registered("branchdiff.objectives.grpo_guard:GRPOGuard", "weighs each step by its σ step size", keys=f"{KEYS}:GuardConfig",
+                             section="guard"),
+    "grpo-layertuning": Registered("branchdiff.objectives.layertuning:LayerTuningGRPO", "regresses flow-matching velocities toward the best sample",
+                                   keys=f"{KEYS}:LayerTuningConfig", section="layertuning"),
+    "nft": Registered("branchdiff.objectives.nft:DiffusionNFT", "trains on the flow-matching forward process", decoupled=True, keys=f"{KEYS}:NFTConfig"),
+    "awm": Registered("branchdiff.objectives.awm:AdvantageWeightedMatching", "trains on the flow-matching forward process", decoupled=True,
+                      keys=f"{KEYS}:AWMConfig"),
+    "dgpo": Registered("branchdiff.objectives.dgpo:DGPO", "trains on the flow-matching forward process", decoupled=True, reference=True,
+                       keys=f"{KEYS}:DGPOConfig"),
+    "dppo": Registered("branchdiff.objectives.dppo:DPPO", "bounds each step by its Gaussian divergence on σ steps", keys=f"{KEYS}:DPPOConfig"),
+    "dpo": Registered("branchdiff.objectives.dpo:OnlineDPO", "trains on the flow-matching forward process", decoupled=True, reference=True,
+                      keys=f"{KEYS}:DPOConfig"),
     "dpo-offline": Registered("branchdiff.objectives.dpo_offline:OfflineDPO", "trains on the flow-matching forward process", decoupled=True,
-                              reference=True, dataset="preferences"),
+                              reference=True, dataset="preferences", keys=f"{KEYS}:DPOOfflineConfig"),
     "sft": Registered("branchdiff.objectives.sft:SupervisedFineTuning", "trains on the flow-matching forward process", decoupled=True,
-                      dataset="demonstrations"),
+                      dataset="demonstrations", keys=f"{KEYS}:SFTConfig"),
 })
+
+
+def key_sections() -> dict[str, type]:
+    """Each objective's keys, by the section they are read from: the built-ins' (their registry line; imported here, a light
+    module) and then those of installed objectives (their class's `keys` dataclass and optional `section`), in that order."""
+    sections: dict[str, type] = {}
+    for name, registered in OBJECTIVES.builtins.items():
+        if registered.keys:
+            sections[registered.section or name.replace("-", "_")] = import_target(registered.keys)  # type: ignore[assignment]
+    for name in OBJECTIVES.installed:
+        keys = getattr(objective_class(name), "keys", None)
+        if keys is not None:
+            section = str(getattr(objective_class(name), "section", name.replace("-", "_")))
+            if section in sections:
+                raise ValueError(f"objective {OBJECTIVES.describe(name)} reads its keys from '{section}', another objective's section; "
+                                 "give its class another `section`")
+            sections[section] = keys
+    return sections
 
 
 def objective_class(name: str) -> Any:

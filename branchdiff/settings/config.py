@@ -1,18 +1,20 @@
 """The run's settings as typed dataclasses: every key of a run, its type, default and meaning.
 
 `TrainConfig` is the whole run; each section (`model`, `prompts`, `sources`, `sampling`, `tree`, `advantage`,
-`prune`, `train`, `nft`, `guard`, `layertuning`, `explore`, `watch`, `logging`) is a dataclass whose
-fields carry their allowed values (`choice`, `positive`, `non_negative`, `in_range`:
-branchdiff/settings/typed_yaml.py), so a wrong value is refused when the YAML is read. Reading presets,
+`prune`, `train`, `explore`, `watch`, `logging`) is a dataclass whose fields carry their allowed values (`choice`, `positive`, `non_negative`, `in_range`:
+branchdiff/settings/typed_yaml.py), so a wrong value is refused when the YAML is read. Each objective's own
+section (`nft`, `awm`, `dpo`, ...) is its keys' dataclass, which the objective registers (branchdiff/objectives/keys.py,
+branchdiff/objectives/registry.py): they are kept in `objectives` and read as `config.nft`, and written where they were. Reading presets,
 files and overrides: branchdiff/settings/load.py; checks across keys: branchdiff/settings/validate.py.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from typing import Any
 
 from branchdiff.models.registry import FAMILIES
-from branchdiff.objectives.registry import OBJECTIVES
+from branchdiff.objectives.registry import OBJECTIVES, key_sections
 from branchdiff.search.registry import SEARCHES
 from branchdiff.settings.typed_yaml import choice, in_range, non_negative, positive
 
@@ -87,6 +89,7 @@ class AdvantageConfig:
     scope: str = choice("tree", "tree", "batch")  # per-depth normalisation: within a tree, or std over the batch
     clip: float = positive(5.0)  # advantages clipped to ±clip
     baseline: str = choice("mean", "mean", "median")  # each group's centre: its mean, or its median (MC-GRPO: with an odd group one sample sits at the median and is left out of the loss; docs/objectives.md)
+    scale: str = choice("auto", "auto", "std", "mad")  # what a group's residuals are divided by: std, or mad (MC-GRPO's public code: the median absolute deviation + 1e-3, the non-zero advantages rescaled to the group's count); auto: mad with the median baseline, std with the mean
 
 
 @dataclass
@@ -121,89 +124,6 @@ class OptimConfig:
     weight_decay: float = non_negative(1e-4)  # AdamW weight decay
     ema_decay: float = in_range(0.0, 0.0, 1.0)  # moving average of the trained weights per optimizer step, for evaluation and export (branchdiff/models/ema.py; 0: off, < 1)
     mixed_precision: str = choice("no", "no", "bf16")  # autocast dtype of rollout and training forwards
-
-
-@dataclass
-class NFTConfig:
-    """DiffusionNFT's keys (train.loss=nft; branchdiff/objectives/nft.py, docs/objectives.md)."""
-    beta: float = positive(1.0)  # β of the implicit policies v± (the paper's 1; 0.1 for several rewards)
-    advantage_clip: float = positive(5.0)  # A_max: advantages clipped to ±A_max, optimality r = clip(A/A_max, −1, 1)/2 + 1/2
-    timesteps: int = positive(2)  # sampler steps each sample is trained at (drawn without replacement per sample and iteration)
-    old_decay_rate: float = non_negative(0.001)  # the sampling policy after each iteration: θ_old ← d·θ_old + (1 − d)·θ, d = min(rate·n, max), n = optimizer steps so far
-    old_decay_max: float = in_range(0.5, 0.0, 0.999)
-    advantage: str = choice("leaf", "leaf", "depthwise")  # leaf: each sample's group-normalised reward; depthwise: a term at step k takes the depth-wise tree advantage (advantage.*) of the leaf's ancestor at depth k + 1
-
-
-@dataclass
-class AWMConfig:
-    """Advantage Weighted Matching's keys (train.loss=awm; branchdiff/objectives/awm.py, docs/objectives.md). Defaults: the
-    public SD3.5-M PickScore recipe of Flow-Factory's AWM (ghuber p = 0.25, clip 1, advantages clipped to ±1, KL weight 1 to the average)."""
-    weighting: str = choice("ghuber", "uniform", "t", "t2", "huber", "ghuber")  # w(ℓ, σ) of the denoising error ℓ at noise level σ
-    power: float = positive(0.25)  # p of the ghuber weighting
-    timesteps: int = positive(2)  # sampler steps each sample is trained at (drawn without replacement per sample and iteration)
-    clip_range: float = positive(1.0)  # ε of the clipped matching ratio exp(w_old − w_θ)
-    advantage_clip: float = positive(1.0)  # advantages (group-normalised rewards) clipped to ±this
-    average_kl: float = non_negative(1.0)  # weight of mean((v_θ − v_avg)²) to the slowly moving average of the policy (0: off)
-    average_decay: float = in_range(0.3, 0.0, 0.999)  # after each iteration: θ_avg ← d·θ_avg + (1 − d)·θ
-
-
-@dataclass
-class DGPOConfig:
-    """DGPO's keys (train.loss=dgpo; branchdiff/objectives/dgpo.py, docs/objectives.md). Defaults: the paper's public recipe
-    (rollout with CFG, training without: dpo_beta 100, clip 1e-3)."""
-    dpo_beta: float = positive(100.0)  # β of the group preference σ(−z_g)
-    timesteps: int = positive(2)  # sampler steps each group is trained at (the same steps and noise for every sample of a group)
-    clip_range: float = non_negative(1e-3)  # ε of the clip on exp(ℓ_old − ℓ_θ) against the rollout's weights (0: off)
-    advantage_clip: float = positive(5.0)  # advantages clipped to ±this
-
-
-@dataclass
-class DPPOConfig:
-    """Flow-DPPO's keys (train.loss=dppo; branchdiff/objectives/dppo.py, docs/objectives.md)."""
-    kl_mask_threshold: float = positive(1e-6)  # an edge's gradient is held when KL(current ‖ rollout step) exceeds this and the update goes the wrong way
-
-
-@dataclass
-class DPOConfig:
-    """Online Diffusion-DPO's keys (train.loss=dpo; branchdiff/objectives/dpo.py, docs/objectives.md)."""
-    beta: float = positive(2000.0)  # β of −log σ(−β/2·[(ℓ_θ(w) − ℓ_ref(w)) − (ℓ_θ(l) − ℓ_ref(l))]) (the paper's SD1.5 setting 2000–5000)
-    timesteps: int = positive(2)  # sampler steps each pair is trained at (one (σ, ε) shared by a group's samples)
-    pairs: str = choice("group", "group", "siblings")  # group: each prompt's best with its worst, second best with second worst, ...; siblings: the same among leaves that share their last split
-
-
-@dataclass
-class SFTConfig:
-    """Supervised fine-tuning's keys (train.loss=sft; branchdiff/objectives/sft.py, docs/objectives.md)."""
-    data: str = "tiny:demonstrations"  # the demonstrations: JSONL rows {"prompt", "image"} (paths relative to the file), or tiny:demonstrations / tiny-video:demonstrations
-    timesteps: int = positive(2)  # noise levels each demonstration is trained at per iteration
-    sigma_sampling: str = choice("logit-normal", "logit-normal", "uniform")  # t ~ sigmoid(N(mean, std)) or U(0, 1), then σ the family's shifted schedule at t
-    logit_mean: float = 0.0  # the logit-normal's mean (SD3's 0)
-    logit_std: float = positive(1.0)  # and its std (SD3's 1)
-
-
-@dataclass
-class DPOOfflineConfig:
-    """Offline Diffusion-DPO's keys (train.loss=dpo-offline; branchdiff/objectives/dpo_offline.py, docs/objectives.md)."""
-    data: str = "tiny:preferences"  # the pairs: JSONL rows {"prompt", "chosen", "rejected"} (paths relative to the file), or tiny:preferences / tiny-video:preferences
-    beta: float = positive(2000.0)  # β of −log σ(−β/2·[(ℓ_θ(w) − ℓ_ref(w)) − (ℓ_θ(l) − ℓ_ref(l))]) (the paper's SD 1.5 setting 2000–5000)
-    timesteps: int = positive(2)  # noise levels each pair is trained at per iteration (one (σ, ε) for both images)
-    sigma_sampling: str = choice("uniform", "logit-normal", "uniform")  # the paper draws its timesteps uniformly
-    logit_mean: float = 0.0
-    logit_std: float = positive(1.0)
-
-
-@dataclass
-class GuardConfig:
-    """GRPO-Guard's keys (train.loss=grpo-guard; branchdiff/objectives/grpo_guard.py, docs/objectives.md)."""
-    clip_range: float = positive(2e-6)  # ε of the re-centred ratio ρ̃ (its log is about the per-step change of the mean: far smaller than plain GRPO's)
-    reweight: bool = True  # divide each step's loss by its σ step size (the paper's gradient reweighting)
-
-
-@dataclass
-class LayerTuningConfig:
-    """LayerTuning-RL's keys (train.loss=grpo-layertuning; branchdiff/objectives/layertuning.py, docs/objectives.md)."""
-    sft_weight: float = non_negative(0.01)  # λ: the SFT term toward each group's best sample, times the edge's positive advantage (0: off; 0.1 collapsed on the tiny task, docs/sweep.md)
-    clip_sensitivity: float = non_negative(1.0)  # η: the clip bound on an edge's side opens to ε·(1 + η·|A|) (0: plain clipping)
 
 
 @dataclass
@@ -258,15 +178,24 @@ class TrainConfig:
     advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
     prune: PruneConfig = field(default_factory=PruneConfig)
     train: OptimConfig = field(default_factory=OptimConfig)
-    nft: NFTConfig = field(default_factory=NFTConfig)
-    guard: GuardConfig = field(default_factory=GuardConfig)
-    layertuning: LayerTuningConfig = field(default_factory=LayerTuningConfig)
-    awm: AWMConfig = field(default_factory=AWMConfig)
-    dgpo: DGPOConfig = field(default_factory=DGPOConfig)
-    dppo: DPPOConfig = field(default_factory=DPPOConfig)
-    dpo: DPOConfig = field(default_factory=DPOConfig)
-    sft: SFTConfig = field(default_factory=SFTConfig)
-    dpo_offline: DPOOfflineConfig = field(default_factory=DPOOfflineConfig)
+    objectives: dict[str, Any] = field(default_factory=lambda: objective_keys(), metadata={"sections": True})  # each objective's keys by section (nft.*, awm.*, ...; branchdiff/objectives/keys.py): `config.nft`, `config.awm`, ...
     explore: ExploreConfig = field(default_factory=ExploreConfig)
     watch: WatchConfig = field(default_factory=WatchConfig)  # the reward-hacking watch (needs eval_every)
     logging: LogConfig = field(default_factory=LogConfig)
+
+    def __getattr__(self, name: str) -> Any:
+        """An objective's keys by its section's name (`config.nft.beta`): the objectives register them, the settings list none."""
+        sections = self.__dict__.get("objectives")
+        if sections is not None and name in sections:
+            return sections[name]
+        raise AttributeError(f"{type(self).__name__!r} has no key or objective section {name!r}")
+
+
+def objective_keys() -> dict[str, Any]:
+    """Every registered objective's keys at their defaults, by section (branchdiff/objectives/registry.py `key_sections`)."""
+    own = {f.name for f in fields(TrainConfig)}
+    sections = key_sections()
+    clash = sorted(own & set(sections))
+    if clash:
+        raise ValueError(f"an objective reads its keys from '{clash[0]}', a section of the settings themselves; give its class another `section`")
+    return {name: keys() for name, keys in sections.items()}

@@ -22,7 +22,7 @@ from branchdiff.errors import ConfigError
 from branchdiff.models.registry import FAMILIES
 from branchdiff.runtime import storage
 from branchdiff.settings.config import DEFAULT_PRESET, TrainConfig
-from branchdiff.settings.typed_yaml import build, merge, parse_override, read_yaml
+from branchdiff.settings.typed_yaml import build, close_keys, merge, parse_override, read_yaml
 from branchdiff.settings.validate import validate
 
 PRESET_DIR = Path(__file__).parents[1] / "configs"
@@ -86,13 +86,43 @@ def load_config(source: str | None = None, overrides: Sequence[str] = ()) -> Tra
             nested = {key: nested}
         data = merge(data, nested)
         where[".".join(keys)] = f"override {text!r}: "
-    config = build(TrainConfig, data, "", where, REPLACED_KEYS)
+    config = build_config(data, where)
     validate(config)
     return config
 
 
+def build_config(data: dict, where: dict[str, str]) -> TrainConfig:
+    """The run's settings from a mapping: the objectives' sections (`nft`, `awm`, ...) each built with its keys' dataclass,
+    the rest with `TrainConfig`'s (each checked key by key, typed_yaml.build)."""
+    config = TrainConfig()
+    sections = {name: data[name] for name in config.objectives if name in data}
+    own = [f.name for f in dataclasses.fields(TrainConfig) if not f.metadata.get("sections")]
+    for key in data:
+        if key in own or key in sections or key in REPLACED_KEYS:
+            continue
+        close = close_keys(TrainConfig, str(key), "", {name: type(keys) for name, keys in config.objectives.items()})
+        hint = f"did you mean {', '.join(close)}?" if close else f"allowed: {', '.join(own)}, and the objectives' {', '.join(config.objectives)}"
+        raise ConfigError(f"{where.get(str(key), '')}unknown key '{key}'; {hint}")
+    config = build(TrainConfig, {key: value for key, value in data.items() if key not in sections}, "", where, REPLACED_KEYS)
+    for name, value in sections.items():
+        keys = type(config.objectives[name])
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where.get(name, '')}'{name}' must be a mapping of its keys ({', '.join(f.name for f in dataclasses.fields(keys))}), "
+                              f"got {value!r}")
+        config.objectives[name] = build(keys, value, f"{name}.", where, REPLACED_KEYS)
+    return config
+
+
 def to_dict(config: TrainConfig) -> dict:
-    return dataclasses.asdict(config)
+    """The settings as a mapping, each objective's section at the top level beside the others (where a YAML file has it)."""
+    flat = dataclasses.asdict(config)
+    sections = flat.pop("objectives")
+    ordered: dict[str, Any] = {}
+    for key, value in flat.items():
+        ordered[key] = value
+        if key == "train":
+            ordered.update(sections)
+    return ordered
 
 
 def save_config(config: TrainConfig, path: Path) -> None:

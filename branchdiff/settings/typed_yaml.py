@@ -171,13 +171,16 @@ def _type_name(annotation: Any) -> str:
     return str(annotation).replace("typing.", "") if not isinstance(annotation, type) else annotation.__name__
 
 
-def _close_keys(cls: type, key: str, prefix: str) -> list[str]:
+def close_keys(cls: type, key: str, prefix: str, sections: dict[str, type] | None = None) -> list[str]:
     """Keys of `cls` close to an unknown `key`: its own fields, or a section's field when that is closer
-    (`learning_rate` → train.learning_rate, a key given without its section)."""
+    (`learning_rate` → train.learning_rate, a key given without its section); `sections`: more sections by name
+    (the objectives' keys), whose names and fields are candidates too."""
     hints = typing.get_type_hints(cls)
-    fields = [f.name for f in dataclasses.fields(cls)]
-    leaves = {f"{prefix}{name}.{field.name}": field.name for name in fields if dataclasses.is_dataclass(hints[name])
-              for field in dataclasses.fields(hints[name])}
+    fields = [f.name for f in dataclasses.fields(cls) if not f.metadata.get("sections")]
+    more = sections or {}
+    sections_by_name = {name: hints[name] for name in fields if dataclasses.is_dataclass(hints[name])} | more
+    fields += list(more)
+    leaves = {f"{prefix}{name}.{field.name}": field.name for name, section in sections_by_name.items() for field in dataclasses.fields(section)}
 
     def score(candidate: str) -> float:
         return difflib.SequenceMatcher(None, key, candidate).ratio()
@@ -200,9 +203,10 @@ def build(cls: type, data: dict, prefix: str, where: dict[str, str], replaced_ke
         loc = where.get(dotted, "")
         if key not in fields and dotted in replaced_keys:
             raise ConfigError(f"{loc}'{dotted}' was replaced: {replaced_keys[dotted]}")
-        if key not in fields:
-            close = _close_keys(cls, str(key), prefix)
-            hint = f"; did you mean {', '.join(close)}?" if close else f"; allowed: {', '.join(prefix + f for f in fields)}"
+        if key not in fields or fields[key].metadata.get("sections"):  # the objectives' sections are read by name, not as one key
+            close = close_keys(cls, str(key), prefix)
+            known = [prefix + f for f in fields if not fields[f].metadata.get("sections")]
+            hint = f"; did you mean {', '.join(close)}?" if close else f"; allowed: {', '.join(known)}"
             raise ConfigError(f"{loc}unknown key '{dotted}'{hint}")
         annotation = hints[key]
         if isinstance(annotation, type) and dataclasses.is_dataclass(annotation):

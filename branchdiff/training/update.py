@@ -81,6 +81,9 @@ class UpdateLoop:
                 self.optimizer.step()
                 if self.weight_average is not None:
                     self.weight_average.update()
+                after_step = getattr(plan, "after_step", None)  # a plan whose objective follows every step (DGPO's moving reference)
+                if after_step is not None:
+                    after_step()
                 stats["optimizer_steps"] += 1
                 stats["trailing_skips"] = 0
             else:
