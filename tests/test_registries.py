@@ -126,3 +126,77 @@ def test_the_readme_names_every_objective():
     readme = (Path(__file__).parents[1] / "README.md").read_text()
     entry = readme[readme.index("- **Objectives**"):readme.index("- **Rewards**")]
     assert all(f"`{name}`" in entry for name in OBJECTIVES.builtins) and "advantage.baseline: median" in entry
+
+
+PLUGIN_OBJECTIVE = '''
+from dataclasses import dataclass
+
+from branchdiff.objectives.grpo import ClippedGRPO
+from branchdiff.settings.typed_yaml import choice, positive
+
+
+@dataclass
+class ScaledKeys:
+    factor: float = positive(1.0)  # multiplies every advantage
+    mode: str = choice("on", "on", "off")
+
+
+class ScaledGRPO(ClippedGRPO):
+    keys = ScaledKeys
+
+    def signal(self, rollout, rewards, iteration):
+        signal = super().signal(rollout, rewards, iteration)
+        signal.node_advantages.mul_(self.config.scaled.factor)
+        return signal
+'''
+
+
+PLUGIN_SCRIPT = """
+import contextlib, io, json, sys
+from branchdiff.cli import main
+from branchdiff.settings.load import load_config
+
+config = load_config("tiny-chain", ["train.loss=scaled", "scaled.factor=0.5"])
+out = {"factor": config.scaled.factor, "mode": config.scaled.mode, "nft_beta": config.nft.beta, "runs": []}
+printed = io.StringIO()
+with contextlib.redirect_stdout(printed):
+    main(["config", "tiny-chain", "scaled.factor=2"])
+out["config"] = printed.getvalue()
+common = ["train", "tiny-chain", "train.loss=scaled", "output_dir=" + sys.argv[1], "iterations=1", "prompts.per_iteration=2",
+          "final_eval=false", "logging.report_to=none", "logging.sample_every=0"]
+for extra in sys.argv[2:]:
+    error = io.StringIO()
+    with contextlib.redirect_stderr(error), contextlib.redirect_stdout(io.StringIO()):
+        code = main([*common, extra])
+    lines = [line for line in error.getvalue().splitlines() if line.startswith("branchdiff")]
+    out["runs"].append([code, lines])
+print(json.dumps(out))
+"""
+
+
+def test_an_installed_objective_brings_its_own_keys_read_and_checked_like_the_built_ins(site, tmp_path):
+    """Its class's `keys` dataclass is read from the section of its name: set from the command line, printed by
+    `branchdiff config`, checked key by key (one line for a bad value, before anything is written), and it trains.
+    In a fresh process, as a user's (the settings read the installed objectives when they are imported)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from branchdiff.objectives.registry import OBJECTIVES
+
+    install(site, "scaled-objective", OBJECTIVES.group, ["scaled = scaled_objective:ScaledGRPO"], PLUGIN_OBJECTIVE)
+    bad = {"scaled.factor=abc": "'scaled.factor' = 'abc' has the wrong type; expected float",
+           "scaled.factor=-1": "'scaled.factor' = -1 is out of range; it must be > 0",
+           "scaled.mode=maybe": "'scaled.mode' = 'maybe' is not allowed; allowed: on, off",
+           "scaled.facter=2": "unknown key 'scaled.facter'; did you mean scaled.factor?"}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]), "HF_HUB_OFFLINE": "1"}
+    done = subprocess.run([sys.executable, "-c", PLUGIN_SCRIPT, str(tmp_path / "run"), *bad, "scaled.factor=0.5"], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.splitlines()[-1])
+    assert (out["factor"], out["mode"], out["nft_beta"]) == (0.5, "on", 1.0)
+    assert "scaled:\n  factor: 2\n  mode: 'on'\nexplore:" in out["config"]  # beside the built-ins' sections
+    for (code, lines), words in zip(out["runs"], bad.values()):
+        assert code == 2 and len(lines) == 1 and words in lines[0], lines
+    assert out["runs"][-1] == [0, []] and (tmp_path / "run" / "metrics.jsonl").is_file()
