@@ -112,7 +112,7 @@ def test_mc_grpos_mad_scaling_against_numpy_and_how_far_it_is_from_the_std():
     last = torch.arange(tree.level_start[2], tree.level_start[3])
     expected = np.stack([_mad_reference(row) for row in rewards])
     assert np.allclose(torch.stack([mad[last][tree.prompt[last] == g] for g in range(4)]).numpy(), expected, rtol=1e-12)
-    ratios = [float((mad[last][tree.prompt[last] == g].abs().sum() / std[last][tree.prompt[last] == g].abs().sum())) for g in range(4)]
+    ratios = [float(mad[last][tree.prompt[last] == g].abs().sum() / std[last][tree.prompt[last] == g].abs().sum()) for g in range(4)]
     assert max(ratios) - min(ratios) > 0.2 and all(r > 1 for r in ratios), ratios
     assert resolve_scale("auto", "median") == "mad" and resolve_scale("auto", "mean") == "std" and resolve_scale("auto", "median", "batch") == "std"
     assert load_config("tiny-mc-grpo").advantage.scale == "auto"
