@@ -96,6 +96,11 @@ VARIANTS: dict[str, tuple[str, list[str]]] = {  # name: (preset, overrides equal
     "mc_grpo": ("tiny-mc-grpo", []),  # MC-GRPO's median baseline on 9 chains, 8 trained
     "sft": ("tiny-sft", []),  # supervised fine-tuning on the task's ground truth (a ceiling, not a rival: it sees the answers)
     "dpo_offline": ("tiny-dpo-offline", []),  # offline Diffusion-DPO on ground truth over wrong drawings
+    "default": ("tiny-mix-full", []),  # the default run's recipe (GRPO-LayerTuning on Mix, compiled, cosine after decay_start, evaluated as its average)
+}
+WARM_STARTS: dict[str, tuple[str, str, float]] = {  # name: (first variant, then variant, the first's share of the budget)
+    "sft_then_default": ("sft", "default", 1 / 6),  # a minute of SFT on the task's ground truth, then the default's RL
+    "dpo_offline_then_default": ("dpo_offline", "default", 1 / 6),
 }
 SAMPLING_VARIANTS = ("chain", "branch", "branch_pruned", "mix", "explore_seeds", "explore_tree")  # the default run: clipped GRPO on each sampler
 REFERENCE = "chain"
@@ -107,6 +112,32 @@ TASKS: dict[str, tuple[str, str, list[str]]] = {  # task: (held-out prompts, ver
                                                          "watch.gold=tiny-video.strict", "sft.data=tiny-video:demonstrations",
                                                          "dpo_offline.data=tiny-video:preferences"]),
 }
+
+
+def split_variants(text: str) -> list[str]:
+    """`--variants`' comma-separated specs; commas inside brackets belong to a value (`mix:tree.splits=[[0,2],[1,2]]`)."""
+    specs, depth, current = [], 0, ""
+    for char in text:
+        depth += {"[": 1, "]": -1, "{": 1, "}": -1}.get(char, 0)
+        if char == "," and depth == 0:
+            specs.append(current)
+            current = ""
+        else:
+            current += char
+    return [spec for spec in [*specs, current] if spec]
+
+
+def variant_spec(spec: str) -> tuple[str, list[str]]:
+    """(variant, its extra overrides) of a spec `name[:key=value[:key=value...]]` (the tuning grids: `awm:train.learning_rate=1e-4`);
+    the spec is the variant's label in the tables."""
+    name, *overrides = spec.split(":")
+    if name not in VARIANTS and name not in WARM_STARTS:
+        raise ValueError(f"unknown variant {name!r} in {spec!r}; allowed: {', '.join([*VARIANTS, *WARM_STARTS])}, each optionally with "
+                         ":key=value overrides (e.g. awm:train.learning_rate=1e-4)")
+    bad = [item for item in overrides if "=" not in item]
+    if bad:
+        raise ValueError(f"variant {spec!r}: {bad[0]!r} is not key=value; write name:key=value:key=value")
+    return name, overrides
 
 
 def group_size(config: TrainConfig) -> int:
@@ -147,26 +178,35 @@ def time_to_reference_final_on(times: dict[str, list[float]], means: dict[str, l
     return {name: None if t is None else t / budget for name, t in reached.items()}
 
 
-def _train_and_evaluate(config: TrainConfig, grid_seconds: list[float], held_out_strict, base: float | None, clock: str) -> dict:
+def _train_and_evaluate(phases: list[tuple[TrainConfig, float]], grid_seconds: list[float], held_out_strict, base: float | None,
+                        clock: str) -> dict:
     """Train until the last grid time of `clock`; strict accuracy at each grid time (t_0: `base`,
-    evaluated here when None), with both clocks' training time at each evaluation."""
-    trainer = Trainer(config)
-    backend = config.explore.backend if config.explore.mode != "off" else None
+    evaluated here when None), with both clocks' training time at each evaluation. `phases`: each config with the
+    training time it runs until (a warm start: the first's weights carried into the next, whose own iterations
+    count from 0); a single config runs to the end."""
+    trainer = Trainer(phases[0][0])
     strict, at = [held_out_strict(trainer) if base is None else base], {"wall": [0.0], "modelled": [0.0]}
-    spent, iteration = {"wall": 0.0, "modelled": 0.0}, 0
-    while len(strict) < len(grid_seconds):
-        start = time.perf_counter()
-        metrics = trainer.run_iteration(iteration).metrics
-        spent["wall"] += time.perf_counter() - start
-        spent["modelled"] += modelled_seconds(metrics, backend)
-        iteration += 1
-        if spent[clock] >= grid_seconds[len(strict)]:
-            value = held_out_strict(trainer)
-            while len(strict) < len(grid_seconds) and spent[clock] >= grid_seconds[len(strict)]:  # one iteration may pass several
-                strict.append(value)
-                for name in at:
-                    at[name].append(spent[name] / 60)
-    return {"strict": strict, "eval_minutes": at, "iterations": iteration, "seconds": spent}
+    spent, iteration, total = {"wall": 0.0, "modelled": 0.0}, 0, 0
+    for index, (config, until) in enumerate(phases):
+        if index:  # the next phase starts from the weights the previous one trained
+            previous, trainer = trainer, Trainer(config)
+            trainer.adapter.denoiser.load_state_dict(previous.adapter.denoiser.state_dict())
+            iteration = 0
+        backend = config.explore.backend if config.explore.mode != "off" else None
+        while len(strict) < len(grid_seconds) and spent[clock] < until:
+            start = time.perf_counter()
+            metrics = trainer.run_iteration(iteration).metrics
+            spent["wall"] += time.perf_counter() - start
+            spent["modelled"] += modelled_seconds(metrics, backend)
+            iteration += 1
+            total += 1
+            if spent[clock] >= grid_seconds[len(strict)]:
+                value = held_out_strict(trainer)
+                while len(strict) < len(grid_seconds) and spent[clock] >= grid_seconds[len(strict)]:  # one iteration may pass several
+                    strict.append(value)
+                    for name in at:
+                        at[name].append(spent[name] / 60)
+    return {"strict": strict, "eval_minutes": at, "iterations": total, "seconds": spent}
 
 
 def bench_curves(minutes: float, seeds: int, json_path: Path | None, out_dir: Path, points: int = 7,
@@ -187,11 +227,9 @@ def bench_curves(minutes: float, seeds: int, json_path: Path | None, out_dir: Pa
         raise ValueError(f"bench curves needs minutes > 0, seeds ≥ 1, points ≥ 2 and a clock of {', '.join(CLOCKS)}; got {minutes}, "
                          f"{seeds}, {points}, {clock!r}")
     names = list(SAMPLING_VARIANTS) if variants is None else variants
-    unknown = [n for n in names if n not in VARIANTS]
-    if unknown:
-        raise ValueError(f"unknown variant {unknown[0]!r}; allowed: {', '.join(VARIANTS)}")
-    if reference not in VARIANTS:
-        raise ValueError(f"unknown reference {reference!r}; allowed: {', '.join(VARIANTS)}")
+    specs = {name: variant_spec(name) for name in names}  # label: (variant, its extra overrides)
+    if reference not in names and reference not in VARIANTS:
+        raise ValueError(f"unknown reference {reference!r}; allowed: {', '.join(VARIANTS)}, or one of the variants given")
     if task not in TASKS:
         raise ValueError(f"unknown task {task!r}; allowed: {', '.join(TASKS)}")
     grid = [minutes * k / (points - 1) for k in range(points)]
@@ -202,31 +240,41 @@ def bench_curves(minutes: float, seeds: int, json_path: Path | None, out_dir: Pa
 
     def held_out_strict(trainer: Trainer) -> float:
         sampling = trainer.config.sampling
-        result = evaluate(trainer.adapter, prompt_set, reward,
-                          OdeSampling(images_per_prompt, sampling.num_steps, sampling.shift, trainer.config.prompts.eval_guidance))
+        with trainer.evaluated_weights():  # the weights a run evaluates and exports: the moving average, where it keeps one
+            result = evaluate(trainer.adapter, prompt_set, reward,
+                              OdeSampling(images_per_prompt, sampling.num_steps, sampling.shift, trainer.config.prompts.eval_guidance))
         return summarize(result)["all"][score]["mean"]
 
     runs: dict[str, list[dict]] = {name: [] for name in names}
     load_start = os.getloadavg()[0]
     base = None  # held-out strict of the base model, from the first run
     with tempfile.TemporaryDirectory() as tmp:
-        def config(name: str, seed: int) -> TrainConfig:
-            preset, overrides = VARIANTS[name]
-            return load_config(preset, [*COMMON, *task_overrides, *overrides, f"seed={seed}", f"output_dir={tmp}/{name}-{seed}", *extra_overrides])
+        def config(variant: str, seed: int, extra: list[str], label: str) -> TrainConfig:
+            preset, overrides = VARIANTS[variant]
+            return load_config(preset, [*COMMON, *task_overrides, *overrides, *extra, f"seed={seed}", f"output_dir={tmp}/{len(label)}-{hash(label)}-{seed}",
+                                        *extra_overrides])
+
+        def phases(label: str, seed: int) -> list[tuple[TrainConfig, float]]:
+            variant, extra = specs[label]
+            if variant in WARM_STARTS:
+                first, then, share = WARM_STARTS[variant]
+                return [(config(first, seed, [], label + first), share * grid[-1] * 60), (config(then, seed, extra, label), math.inf)]
+            return [(config(variant, seed, extra, label), math.inf)]
 
         shapes = {}
         for name in names:  # every variant's settings and inputs, before any model loads
-            loaded = config(name, 0)
-            check_inputs(loaded)
-            if not dataset_kind(loaded.train.loss):  # a dataset objective draws rows, not groups: its shape is its own
-                shapes[name] = (loaded.prompts.per_iteration, group_size(loaded))
+            for loaded, _ in phases(name, 0):
+                check_inputs(loaded)
+                if not dataset_kind(loaded.train.loss):  # a dataset objective draws rows, not groups: its shape is its own
+                    shapes[name] = (loaded.prompts.per_iteration, group_size(loaded))
         if len(set(shapes.values())) > 1:
             raise ValueError(f"variants differ in (prompts per iteration, group size): {shapes}; equalise them in VARIANTS")
         for name in names:  # one untimed iteration of each variant: the process's one-time costs fall on none of them
-            Trainer(config(name, 0)).run_iteration(0)
+            for loaded, _ in phases(name, 0):
+                Trainer(loaded).run_iteration(0)
         for seed in range(first_seed, first_seed + seeds):
             for name in names:
-                run = _train_and_evaluate(config(name, seed), [t * 60 for t in grid], held_out_strict, base, clock)
+                run = _train_and_evaluate(phases(name, seed), [t * 60 for t in grid], held_out_strict, base, clock)
                 base = run["strict"][0]  # the base model: the same for every variant and seed (module doc)
                 runs[name].append(run)
                 print(f"seed {seed} {name}: {run['iterations']} iterations in {run['seconds'][clock]:.0f} s ({clock}), strict "
@@ -241,7 +289,8 @@ def bench_curves(minutes: float, seeds: int, json_path: Path | None, out_dir: Pa
     print(format_ratios(result))
     out_dir.mkdir(parents=True, exist_ok=True)
     plot_curves(result, out_dir / "curves.png")
-    command = (f"branchdiff bench curves --minutes {minutes:g} --seeds {seeds} --clock {clock}" + (f" --json {json_path}" if json_path else "")
+    command = (f"branchdiff bench curves --minutes {minutes:g} --seeds {seeds} --clock {clock}" + (f" --first-seed {first_seed}" if first_seed else "")
+               + f" --variants '{','.join(names)}'" + (f" --json {json_path}" if json_path else "")
                + (f" --reference {reference}" if reference != REFERENCE else "") + (f" --task {task}" if task != "tiny" else "")
                + f" --out {out_dir}")
     parameters = f"points={points}, images_per_prompt={images_per_prompt}, variants={names}, extra_overrides={list(extra_overrides)}"

@@ -68,8 +68,10 @@ def cmd_bench(args: argparse.Namespace) -> None:
 
 
 def _variants(text: str | None) -> list[str] | None:
-    """`--variants a,b`: the names given (None: every variant)."""
-    return [name for name in text.split(",") if name] if text else None
+    """`--variants a,b`: the names given, each with its overrides where it has any (None: every variant)."""
+    from branchdiff.bench.curves import split_variants
+
+    return split_variants(text) if text else None
 
 
 def cmd_report(args: argparse.Namespace) -> None:
