@@ -20,7 +20,9 @@ them), in bf16, fed the family's real input shapes at a stated real resolution, 
   on a pipeline saved from the published configs (random weights; the text encoders one layer deep at their real
   widths and token counts) and loaded by the real loading code: per-phase seconds, chain ÷ each, efficiency
   against the NFE-implied speed-up, CUDA's peak of each phase against `branchdiff plan`'s estimate of the same
-  settings, and the rollout's log-prob check at bf16 (max |log p_train − log p_rollout| before the update).
+  settings, and the rollout's log-prob check at bf16 (max |log p_train − log p_rollout| before the update); then
+  branchdiff's ODE rollout of 8 images against the pipeline's own `__call__` making 8 (`rollout_against_pipeline`:
+  the same forwards of the same rows, and the time ratio, target ≤ 1.02).
 An optional measurement (cuDNN, compiled) that a kernel or compiler refuses records its error and the rest go on.
 
     python scripts/gpu_bench.py --out gpu-bench.json                 # the four released sizes, stops itself after --budget s
@@ -327,7 +329,7 @@ def tree_iterations(bench: Bench, tiny: bool, variants: list[str]) -> dict:
                 synchronize(bench.device)
                 rows[name] = variant_row([{**metrics, "seconds": time.perf_counter() - start}])
                 peaks = {phase: (metrics[f"memory_{phase}_gb"], planned.phase_peak(phase) / 2**30) for phase in PHASES}
-                rows[name].update(logprob_check=metrics["logprob_check"], allocated_at_start_gib=leftover, memory={
+                rows[name].update(logprob_check=metrics["logprob_check"], allocated_at_start_gib=leftover, runtime=trainer.runtime, memory={
                     phase: {"peak_gib": peak, "planned_gib": plan, "peak_over_plan": peak / plan} for phase, (peak, plan) in peaks.items()})
                 if name == "chain":
                     c = measure_trained_row_cost(trainer, rows=4, repeats=3)
@@ -342,9 +344,55 @@ def tree_iterations(bench: Bench, tiny: bool, variants: list[str]) -> dict:
         if c is not None and len(rows) > 1:  # (the chain measured)
             result["trained_row_cost_c"] = c
             result["ratios"] = chain_ratios(rows, c)  # also puts speedup, nfe_speedup, efficiency and efficiency_lost in each row
+        result["rollout_vs_pipeline"] = optional(lambda: rollout_against_pipeline(folder / "pipeline", bench.device, resolution, tiny))
+        bench.save()
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     return result
+
+
+def rollout_against_pipeline(folder: Path, device: torch.device, resolution: int, tiny: bool, images: int = 8, steps: int = 10,
+                             guidance: float = 4.5, repeats: int = 3) -> dict:
+    """branchdiff's ODE rollout of `images` chains against `StableDiffusion3Pipeline.__call__` making as many images, at
+    equal steps, guidance and resolution, on the pipeline saved in `folder` (bf16): both from the same prompt embeddings,
+    to latents (no VAE decode, no prompt encoding), the mean of `repeats` timed calls after a warm-up. The tree's engine must
+    add nothing per forward: the two make the same denoiser forwards of the same rows (counted), and the time ratio
+    ours ÷ the pipeline's is what is left (target ≤ 1.02)."""
+    import diffusers
+
+    from branchdiff.core.rollout import NoiseAddress, SamplerSettings, grow
+    from branchdiff.core.tree import TreeSpec, build_tree
+    from branchdiff.models import load_adapter
+
+    adapter = load_adapter(TREE_FAMILY, str(folder), device, resolution, torch.bfloat16, False)
+    pipe = diffusers.StableDiffusion3Pipeline.from_pretrained(folder, torch_dtype=torch.bfloat16).to(device)
+    pipe.set_progress_bar_config(disable=True)
+    pipe.transformer = adapter.denoiser  # one denoiser for both: the same weights and kernels
+    embeds = adapter.encode_prompts(["a photo of a cat"])
+    tree = build_tree(TreeSpec(steps, roots=images, sde_steps=frozenset()), 1)
+    schedule = adapter.schedule(steps).to(device)
+    settings = SamplerSettings(max_batch=2 * images, guidance=guidance)
+    latents = torch.randn(images, *adapter.latent_shape, generator=torch.Generator().manual_seed(0)).to(device, torch.bfloat16)
+    conditional = {k: v for k, v in embeds.items() if not k.startswith("negative_")}
+    call = dict(prompt_embeds=conditional["prompt_embeds"].expand(images, -1, -1), pooled_prompt_embeds=conditional["pooled_prompt_embeds"].expand(images, -1),
+                negative_prompt_embeds=embeds["negative_prompt_embeds"].expand(images, -1, -1),
+                negative_pooled_prompt_embeds=embeds["negative_pooled_prompt_embeds"].expand(images, -1), num_inference_steps=steps,
+                guidance_scale=guidance, height=resolution, width=resolution, latents=latents, output_type="latent")
+    calls: list[int] = []
+    hook = adapter.denoiser.register_forward_pre_hook(lambda module, args, kwargs: calls.append(int(kwargs["hidden_states"].shape[0])),
+                                                      with_kwargs=True)
+    ours_run = lambda: grow(adapter, tree, embeds, schedule, settings, NoiseAddress(0, 0, (0,)))
+    theirs_run = lambda: pipe(**call)
+    with torch.no_grad():
+        ours_run()
+        ours_rows, calls[:] = list(calls), []
+        theirs_run()
+        theirs_rows, calls[:] = list(calls), []
+        hook.remove()
+        ours = timed(ours_run, device, repeats, warmup=0 if tiny else 1)
+        theirs = timed(theirs_run, device, repeats, warmup=0 if tiny else 1)
+    return {"images": images, "steps": steps, "guidance": guidance, "resolution": resolution, "forward_rows": {"ours": ours_rows, "pipeline": theirs_rows},
+            "seconds": {"ours": ours, "pipeline": theirs}, "ours_over_pipeline": ours / theirs}
 
 
 def optional(measure: Callable[[], dict]) -> dict | str:

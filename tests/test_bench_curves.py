@@ -162,3 +162,32 @@ def test_a_bench_of_dataset_objectives_alone_writes_its_result(tmp_path, capsys)
     assert "seed 3 sft: " in capsys.readouterr().out
     assert result["notes"]["shape"] == "dataset objectives only: each trains prompts.per_iteration rows an iteration"
     assert len(result["variants"]["sft"]["strict"][0]) == 2 and json.loads((tmp_path / "c.json").read_text())["reference"] == "sft"
+
+
+def test_variant_specs_and_merging_runs_over_other_seeds(tmp_path):
+    """A variant with its own overrides (commas inside brackets kept); two runs' seeds merged into one result equal to the
+    result of all the seeds at once (means, intervals, Welch's test)."""
+    from branchdiff.bench.curves import _result, merge_results, split_variants, variant_spec
+
+    assert split_variants("mix,awm:train.learning_rate=1e-4,mix:tree.splits=[[0,2],[1,2]]") == [
+        "mix", "awm:train.learning_rate=1e-4", "mix:tree.splits=[[0,2],[1,2]]"]
+    assert variant_spec("awm:train.learning_rate=1e-4:awm.average_kl=0.1") == ("awm", ["train.learning_rate=1e-4", "awm.average_kl=0.1"])
+    with pytest.raises(ValueError, match=r"unknown variant 'aw' in 'aw:x=1'"):
+        variant_spec("aw:x=1")
+
+    def run(strict, iterations):
+        return {"strict": strict, "iterations": iterations, "eval_minutes": {"wall": GRID, "modelled": GRID},
+                "seconds": {"wall": 3.0 * iterations, "modelled": 1.0 * iterations}}
+
+    seeds = {"mix": [[0.2, 0.3, 0.5, 0.6], [0.2, 0.4, 0.5, 0.5], [0.2, 0.3, 0.6, 0.7]],
+             "awm": [[0.2, 0.35, 0.55, 0.65], [0.2, 0.3, 0.4, 0.5], [0.2, 0.5, 0.6, 0.8]]}
+    everything = _result(3.0, 3, GRID, {n: [run(s, 60) for s in v] for n, v in seeds.items()}, 4, (8, 8), "wall", "mix")
+    for index, (first, count) in enumerate(((0, 2), (2, 1))):
+        part = _result(3.0, count, GRID, {n: [run(s, 60) for s in v[first:first + count]] for n, v in seeds.items()}, 4, (8, 8), "wall", "mix")
+        (tmp_path / f"{index}.json").write_text(json.dumps(part))
+    merged = merge_results([tmp_path / "0.json", tmp_path / "1.json"], tmp_path / "out", tmp_path / "merged.json")
+    for name in seeds:
+        for key in ("strict", "mean", "ci", "iterations", "seconds_per_iteration"):
+            assert merged["variants"][name][key] == pytest.approx(everything["variants"][name][key]), (name, key)
+    assert merged["ratios"]["final_vs_mix_p"] == pytest.approx(everything["ratios"]["final_vs_mix_p"])
+    assert (tmp_path / "out" / "curves.md").is_file() and json.loads((tmp_path / "merged.json").read_text())["seeds"] == 3

@@ -306,6 +306,46 @@ def bench_curves(minutes: float, seeds: int, json_path: Path | None, out_dir: Pa
     return result
 
 
+def merge_results(paths: list[Path], out_dir: Path, json_path: Path | None, reference: str | None = None) -> dict:
+    """One result of several `bench curves` runs of the same grid and clock, each over its own seeds (a benchmark split
+    over the cores, `--first-seed`): every variant's seeds in the files' order, the intervals, ratios and tests
+    recomputed on all of them; written as `bench_curves` writes its own (curves.md, curves.png, `json_path`)."""
+    results = [json.loads(path.read_text()) for path in paths]
+    first = results[0]
+    for path, result in zip(paths, results):
+        if (result["minutes"], result["grid_minutes"], result["clock"]) != (first["minutes"], first["grid_minutes"], first["clock"]):
+            raise ValueError(f"{path}: another budget, grid or clock than {paths[0]}; merge runs of the same --minutes, --points and --clock")
+    runs: dict[str, list[dict]] = {}
+    for result in results:
+        for name, v in result["variants"].items():
+            for index, strict in enumerate(v["strict"]):
+                iterations = v["iterations"][index]
+                runs.setdefault(name, []).append({
+                    "strict": strict, "iterations": iterations, "eval_minutes": {c: v["eval_minutes"][c][index] for c in CLOCKS},
+                    "seconds": {c: v["seconds_per_iteration"][c] * iterations for c in CLOCKS}})  # the file's mean rate: its total kept
+    seeds = min(len(r) for r in runs.values())
+    reference = reference or first["reference"]
+    shape_note = first["notes"]["shape"]
+    merged = _result(first["minutes"], seeds, first["grid_minutes"], runs, 0, None, first["clock"], reference)
+    merged["notes"] = {**first["notes"], **{k: v for k, v in merged["notes"].items() if k.startswith(("time_to_", "coarse_grid"))},
+                       "shape": shape_note, "merged": f"seeds of {', '.join(str(p) for p in paths)}, in that order",
+                       "machine": "; ".join(str(r["notes"].get("machine", "")) for r in results)}
+    out_dir.mkdir(parents=True, exist_ok=True)
+    plot_curves(merged, out_dir / "curves.png")
+    (out_dir / "curves.md").write_text(
+        f"# Held-out strict accuracy against training time ({merged['clock']} clock), merged\n\n`branchdiff bench curves --merge "
+        f"{','.join(str(p) for p in paths)} --reference '{reference}' --out {out_dir}`\n\n![curves](curves.png)\n\n"
+        f"{format_table(merged, markdown=True)}\n\n{format_ratios(merged)}\n\n{format_significance(merged)}\n\n"
+        + "".join(f"- {key}: {note}\n" for key, note in merged["notes"].items() if isinstance(note, str)))
+    if json_path:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps(merged, indent=1))
+    print(format_table(merged))
+    print(format_ratios(merged))
+    print(format_significance(merged))
+    return merged
+
+
 def _result(minutes: float, seeds: int, grid: list[float], runs: dict[str, list[dict]], images_per_prompt: int, shape: tuple[int, int] | None,
             clock: str, reference: str = REFERENCE, source: str = "tiny:held_out", score: str = "tiny-geneval.strict") -> dict:
     variants = {}

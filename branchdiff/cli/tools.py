@@ -60,6 +60,11 @@ def cmd_bench(args: argparse.Namespace) -> None:
         from branchdiff.bench.search import bench_search
 
         bench_search(args.images, args.seeds, args.json, args.out, _variants(args.variants), task=args.task or "tiny", first_seed=args.first_seed)
+    elif args.merge:
+        from branchdiff.bench.curves import merge_results
+
+        merge_results([Path(item) for item in args.merge.split(",") if item], args.out, args.json,
+                      args.reference if args.reference != "chain" else None)
     else:
         from branchdiff.bench.curves import bench_curves
 

@@ -7,6 +7,13 @@ the eager model; rollouts and training run the same compiled code, so the log-pr
 update still holds. Shapes vary with the tree's levels (a few rows at the root, many at the leaves): the
 first recompilation marks the batch dimension dynamic (torch.compile's default), so a run compiles a
 handful of times, then reuses them.
+
+`auto` (the default) compiles the blocks on CUDA for the families whose compiled forward the GPU bench
+measured faster at a released size (`MEASURED_GAINS`, docs/gpu.md), and leaves every other family, and every
+run on the CPU, eager (a preset may still name `blocks`: the built-in task's do). SANA is left out: compiled and
+then trained on an H200 it stopped with `(*bias): last dimension must be contiguous`, and naming `blocks` or
+`full` for it on CUDA is refused in one line until that is understood. The first compiled forward's time (the
+compilation's cost) is printed once.
 """
 
 from __future__ import annotations
@@ -15,11 +22,45 @@ import os
 import shutil
 import sys
 import sysconfig
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-MODES = ("none", "blocks", "full")
+MODES = ("none", "blocks", "full", "auto")
+MEASURED_GAINS = {  # family: the compiled blocks' forward against eager's, where the GPU bench measured it (docs/gpu.md, H200, 2026-11-27)
+    "sd3": "1.63× at SD3.5 Medium's 1024², 8 rows",
+    "flux2-klein": "1.40× at FLUX.2 [klein] 4B's 1024², 8 rows",
+}
+REFUSED_ON_CUDA = {  # family: why a compiled denoiser is refused there
+    "sana": "SANA compiled and then trained stopped on an H200 with '(*bias): last dimension must be contiguous' (docs/gpu.md)",
+}
+
+
+def on_cuda() -> bool:
+    """Whether a run here trains on CUDA (a GPU, and not `ACCELERATE_USE_CPU`, as `accelerate launch --cpu` sets)."""
+    from accelerate.utils import parse_flag_from_env
+
+    return torch.cuda.is_available() and not parse_flag_from_env("ACCELERATE_USE_CPU")
+
+
+def resolve_compile(mode: str, family: str, cuda: bool) -> tuple[str, str]:
+    """The compile mode a run uses (`auto` chosen here: module doc) and why, in a few words."""
+    if mode != "auto":
+        return mode, "as set"
+    if not cuda:
+        return "none", "auto: eager on the CPU"
+    if family in MEASURED_GAINS and family not in REFUSED_ON_CUDA:
+        return "blocks", f"auto: compiled blocks measured {MEASURED_GAINS[family]}"
+    return "none", f"auto: eager (no measured gain for {family})"
+
+
+def check_compile_family(mode: str, family: str, cuda: bool) -> None:
+    """Refuse, in one line before a model loads, a compiled denoiser of a family that failed compiled on CUDA."""
+    if cuda and mode in ("blocks", "full") and family in REFUSED_ON_CUDA:
+        raise ValueError(f"model.compile={mode} with model.family={family} on CUDA: {REFUSED_ON_CUDA[family]}; set model.compile=none "
+                         "(or auto, which leaves it eager)")
 RECOMPILE_LIMIT = 64  # versions Dynamo keeps of one compiled function before it runs it eagerly
 
 
@@ -42,12 +83,10 @@ def check_compiler(mode: str) -> None:
     `CC`, gcc or clang); on the CPU (no GPU, or `ACCELERATE_USE_CPU`, as `accelerate launch --cpu` sets) C++
     that includes Python's headers (a C++ compiler found by torch's own search: `CXX`, else g++, clang++ on
     macOS, cl on Windows; and Python.h)."""
-    if mode == "none":
+    if mode in ("none", "auto"):  # auto compiles only on CUDA, where it is checked once chosen (compile_denoiser's callers)
         return
     fix = "or set model.compile=none (eager: the same recipe, an iteration about 1.15× as long on the built-in model)"
-    from accelerate.utils import parse_flag_from_env
-
-    if torch.cuda.is_available() and not parse_flag_from_env("ACCELERATE_USE_CPU"):
+    if on_cuda():
         from torch.utils._triton import has_triton, has_triton_package
 
         if not has_triton_package():
@@ -73,11 +112,26 @@ def check_compiler(mode: str) -> None:
                          f"install your Python's development package (e.g. python3-dev), {fix}")
 
 
+def report_first_call(denoiser: torch.nn.Module, say: Callable[[str], None], what: str) -> None:
+    """Say once how long the denoiser's first (compiling) forward took: `say(line)` after it returns."""
+    started: list[float] = []
+
+    def before(module: torch.nn.Module, args: object) -> None:
+        started.append(time.perf_counter())
+
+    def after(module: torch.nn.Module, args: object, output: object) -> None:
+        pre.remove()
+        post.remove()
+        say(f"{what}: the first forward, which compiles them, took {time.perf_counter() - started[0]:.1f} s (later ones reuse them)")
+
+    pre, post = denoiser.register_forward_pre_hook(before), denoiser.register_forward_hook(after)
+
+
 def compile_denoiser(denoiser: torch.nn.Module, mode: str, backend: str = "inductor") -> int:
     """Compile `denoiser` (every diffusers model inside it: both of Wan 2.2's experts) in place with
     torch.compile's `backend`; returns how many modules were compiled. Raises ValueError naming the fix
     when `blocks` finds none."""
-    if mode == "none":
+    if mode in ("none", "auto"):  # auto is resolved by the caller (`resolve_compile`)
         return 0
     from diffusers import ModelMixin
 

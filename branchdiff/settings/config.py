@@ -36,8 +36,8 @@ class ModelConfig:
     finetune: str = choice("lora", "lora", "full")  # lora: a LoRA adapter (train.lora_rank, lora_alpha); full: every weight of the denoiser
     prompt_instruction: bool = True  # sana: prepend the pipeline's complex_human_instruction to every prompt (as SanaPipeline does); false: the bare prompt
     lora_targets: str | list[str] = "attention"  # LoRA's modules: attention | attention+ff | all-linear, or module-name patterns
-    compile: str = choice("none", "none", "blocks", "full")  # torch.compile the denoiser: blocks (each repeated block, regional) or full; rollouts and training (branchdiff/models/compile.py)
-    attention_backend: str = "native"  # the denoiser's attention kernel through diffusers' dispatcher: native (PyTorch SDPA), flash, _flash_3, sage, xformers, flex, _native_flash, ... (branchdiff/models/attention.py)
+    compile: str = choice("auto", "auto", "none", "blocks", "full")  # torch.compile the denoiser: blocks (each repeated block, regional) or full; rollouts and training; auto: blocks on CUDA where the GPU bench measured a gain, else eager (branchdiff/models/compile.py)
+    attention_backend: str = "auto"  # the denoiser's attention kernel: auto (per device and family, a gradient check first), native (PyTorch SDPA), flash, _flash_3, sage, xformers, flex, _native_cudnn, ... through diffusers' dispatcher (branchdiff/models/attention.py)
 
 
 @dataclass

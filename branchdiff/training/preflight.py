@@ -21,7 +21,7 @@ from branchdiff.errors import UserError, quote
 from branchdiff.evaluation.preflight import Guidance, check_prompt_set, check_video_rewards, max_prompt_characters, preflight_rewards
 from branchdiff.models import adapter_class, check_frames, check_size
 from branchdiff.models.attention import check_backend
-from branchdiff.models.compile import check_compiler
+from branchdiff.models.compile import check_compile_family, check_compiler, on_cuda, resolve_compile
 from branchdiff.models.registry import FAMILIES, image_size
 from branchdiff.objectives.dataset import model_frames
 from branchdiff.objectives.registry import dataset_kind
@@ -68,7 +68,9 @@ def check_inputs(config: TrainConfig) -> None:
             check_remote_kwargs(spec)
     check_size(config.model.family, config.model.path, config.model.resolution)
     check_backend(config.model.attention_backend)
-    check_compiler(config.model.compile)
+    cuda = on_cuda()
+    check_compile_family(config.model.compile, config.model.family, cuda)
+    check_compiler(resolve_compile(config.model.compile, config.model.family, cuda)[0])
     check_installed(tracker_names(config.logging.report_to))
     check_credentials(tracker_names(config.logging.report_to))
     check_frames(config.model.family, config.model.path, config.model.frames)

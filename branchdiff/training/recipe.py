@@ -42,6 +42,7 @@ responding for `collective_timeout` seconds ends the job with one line naming it
 from __future__ import annotations
 
 import copy
+import json
 import sys
 import time
 import uuid
@@ -63,9 +64,9 @@ from branchdiff.data.prompts import PromptSet, draw_prompts, load_prompt_set
 from branchdiff.errors import CheckpointError, ConfigError, RunStopped, UserError, is_out_of_memory, out_of_memory
 from branchdiff.explore.pool import RolloutContext, latent_difference
 from branchdiff.models import load_adapter
-from branchdiff.models.attention import apply_backend
+from branchdiff.models.attention import resolve_backend
 from branchdiff.models.base import PromptEmbeds, encode_for
-from branchdiff.models.compile import compile_denoiser
+from branchdiff.models.compile import compile_denoiser, report_first_call, resolve_compile
 from branchdiff.models.ema import WeightAverage
 from branchdiff.models.finetune import export, make_finetune
 from branchdiff.objectives.base import UpdatePlan
@@ -113,6 +114,7 @@ def sampler_settings(config: TrainConfig) -> SamplerSettings:
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+RUNTIME_FILE = "runtime.json"  # the run's attention kernel and compilation, as `auto` chose them
 
 
 class Trainer:
@@ -149,7 +151,11 @@ class Trainer:
         self.adapter = load_adapter(model.family, model.path, self.accelerator.device, model.resolution, DTYPES[model.dtype], model.offload,
                                     model.prompt_instruction, model.frames, model.expert, model.guidance_2)
         self.evaluation.check_size(self.adapter)
-        apply_backend(self.adapter.denoiser, model.attention_backend, model.family)
+        cuda = self.accelerator.device.type == "cuda"
+        attention, kernel = resolve_backend(model.attention_backend, self.adapter.denoiser, self.accelerator.device, model.family)
+        compile_mode, compile_why = resolve_compile(model.compile, model.family, cuda)
+        self.runtime = {"device": str(self.accelerator.device), "attention_backend": attention, "attention_kernel": kernel,
+                        "compile": compile_mode, "compile_choice": compile_why}
         notice = self.adapter.solver_notice()
         if notice and self.accelerator.is_main_process:
             print(f"branchdiff: {notice}", file=sys.stderr)
@@ -164,7 +170,9 @@ class Trainer:
         self.exploration = Exploration.build(config, self.adapter, self.reward, self.accelerator.device, self.accelerator.autocast)
         if self.sharding.enabled:
             self.finetune.shard(self.sharding, Lockstep(self.collective))
-        compile_denoiser(self.adapter.denoiser, model.compile)  # after LoRA, the explorer's copy and sharding: rollouts and training run it
+        compiled = compile_denoiser(self.adapter.denoiser, compile_mode)  # after LoRA, the explorer's copy and sharding: rollouts and training run it
+        if self.accelerator.is_main_process:
+            self._record_runtime(compiled, cuda)
         optimizer = make_optimizer(config, self.finetune.params)
         self.weight_average = WeightAverage(self.finetune.params, config.train.ema_decay) if config.train.ema_decay else None
         self.learning_rate = LearningRateSchedule(optimizer, config.train.lr_schedule, config.train.warmup_iterations, config.iterations,
@@ -187,6 +195,17 @@ class Trainer:
         self.prompts = self.prompt_set.prompts
         if resumed is not None:
             self.checkpoints.load(resumed)
+
+    def _record_runtime(self, compiled: int, cuda: bool) -> None:
+        """The kernel and compilation the run chose, in RUN/runtime.json (what `auto` picked, and why) and, on CUDA, one line;
+        the compiled forward's first call says once what it cost."""
+        storage.write_text(self.run_dir / RUNTIME_FILE, json.dumps(self.runtime, indent=1))
+        if cuda:
+            print(f"branchdiff: attention {self.runtime['attention_kernel']}; compile {self.runtime['compile']} "
+                  f"({self.runtime['compile_choice']})", file=sys.stderr)
+        if compiled:
+            report_first_call(self.adapter.denoiser, lambda line: print(f"branchdiff: {line}", file=sys.stderr),
+                              f"model.compile={self.runtime['compile']}: {compiled} modules compiled")
 
     def _accelerator(self) -> Accelerator:
         config = self.config
