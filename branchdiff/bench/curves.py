@@ -97,6 +97,7 @@ VARIANTS: dict[str, tuple[str, list[str]]] = {  # name: (preset, overrides equal
     "sft": ("tiny-sft", []),  # supervised fine-tuning on the task's ground truth (a ceiling, not a rival: it sees the answers)
     "dpo_offline": ("tiny-dpo-offline", []),  # offline Diffusion-DPO on ground truth over wrong drawings
     "default": ("tiny-mix-full", []),  # the default run's recipe (GRPO-LayerTuning on Mix, compiled, cosine after decay_start, evaluated as its average)
+    "video_default": ("tiny-video", []),  # the video task's default recipe (DiffusionNFT on Mix, KL 0.3, compiled, cosine, its average): --task tiny-video
 }
 WARM_STARTS: dict[str, tuple[str, str, float]] = {  # name: (first variant, then variant, the first's share of the budget)
     "sft_then_default": ("sft", "default", 1 / 6),  # a minute of SFT on the task's ground truth, then the default's RL
