@@ -21,7 +21,37 @@ def cmd_accelerate_config(args: argparse.Namespace) -> None:
         return
     if args.name not in configs:
         raise ValueError(f"no packaged accelerate config {args.name!r}; available: {', '.join(configs)}")
-    print(ACCELERATE_DIR / f"{args.name}.yaml")
+    path = ACCELERATE_DIR / f"{args.name}.yaml"
+    if args.name == "multi-node":
+        path = _scheduled(path) or path
+    print(path)
+
+
+def _scheduled(packaged: Path) -> Path | None:
+    """Inside a SLURM job: a copy of the multi-node config with the job's machine count, this node's rank, the first node's
+    address and the process count filled in (branchdiff/runtime/cluster.py), in the temporary folder, one per job and
+    node; None outside one (the packaged file, to edit or override with accelerate launch's own flags)."""
+    import os
+    import sys
+    import tempfile
+
+    from branchdiff.runtime import storage
+    from branchdiff.runtime.cluster import fill_config, slurm_launch
+
+    if not (os.environ.get("SLURM_JOB_NODELIST") or os.environ.get("SLURM_NODELIST")):
+        return None
+    gpus = 0
+    if not (os.environ.get("SLURM_GPUS_ON_NODE") or os.environ.get("SLURM_GPUS_PER_NODE")):
+        import torch
+
+        gpus = torch.cuda.device_count()
+    launch = slurm_launch(os.environ, gpus)
+    assert launch is not None  # a node list was there
+    filled = Path(tempfile.gettempdir()) / f"branchdiff-multi-node-{os.environ.get('SLURM_JOB_ID', 'job')}-{launch.machine_rank}.yaml"
+    storage.write_text(filled, fill_config(packaged.read_text(), launch))
+    print(f"branchdiff: multi-node from SLURM: {launch.num_machines} machines, {launch.num_processes} processes in all, this machine's rank "
+          f"{launch.machine_rank}, rendezvous at {launch.main_process_ip}:{launch.main_process_port}", file=sys.stderr)
+    return filled
 
 
 def cmd_bench(args: argparse.Namespace) -> None:

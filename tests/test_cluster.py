@@ -1,0 +1,52 @@
+"""A SLURM job's environment read for a multi-machine launch (branchdiff/runtime/cluster.py): SLURM's compressed host
+lists, the machine count, this node's rank, the rendezvous and the process count, and `branchdiff accelerate-config
+multi-node` writing them into a copy of the packaged config (with the variables set as SLURM sets them)."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from branchdiff.cli import main
+from branchdiff.runtime.cluster import Launch, expand_hosts, slurm_launch
+
+
+@pytest.mark.parametrize(("nodelist", "hosts"), [
+    ("gpu-01", ["gpu-01"]),
+    ("gpu-[01-03,07]", ["gpu-01", "gpu-02", "gpu-03", "gpu-07"]),
+    ("gpu-[8-10],login2", ["gpu-8", "gpu-9", "gpu-10", "login2"]),
+    ("a[001-002]x,b[1]", ["a001x", "a002x", "b1"]),
+])
+def test_slurms_host_lists_expand_in_order(nodelist, hosts):
+    assert expand_hosts(nodelist) == hosts
+
+
+def test_a_jobs_environment_gives_the_launch():
+    job = {"SLURM_JOB_NODELIST": "gpu-[01-02]", "SLURM_NNODES": "2", "SLURM_NODEID": "1", "SLURM_GPUS_PER_NODE": "gpu:h100:8"}
+    assert slurm_launch(job) == Launch(2, 1, "gpu-01", 29500, 16)
+    assert slurm_launch({**job, "SLURM_GPUS_PER_NODE": "", "MASTER_PORT": "29611"}, gpus_here=4) == Launch(2, 1, "gpu-01", 29611, 8)
+    assert slurm_launch({}) is None
+    with pytest.raises(ValueError, match=r"SLURM_NODEID=None for 2 nodes \(gpu-\[01-02\]\); run branchdiff accelerate-config multi-node inside"):
+        slurm_launch({k: v for k, v in job.items() if k != "SLURM_NODEID"})
+    with pytest.raises(ValueError, match=r"names no GPUs a node"):
+        slurm_launch({**job, "SLURM_GPUS_PER_NODE": ""})
+
+
+def test_accelerate_config_multi_node_fills_the_jobs_values(monkeypatch, tmp_path, capsys):
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", None)  # read TMPDIR again
+    for key, value in {"SLURM_JOB_NODELIST": "node[3-4]", "SLURM_NNODES": "2", "SLURM_NODEID": "0", "SLURM_GPUS_ON_NODE": "2",
+                       "SLURM_JOB_ID": "4242"}.items():
+        monkeypatch.setenv(key, value)
+    assert main(["accelerate-config", "multi-node"]) == 0
+    captured = capsys.readouterr()
+    path = captured.out.strip()
+    assert path == str(tmp_path / "branchdiff-multi-node-4242-0.yaml")
+    config = yaml.safe_load(open(path).read())
+    assert (config["num_machines"], config["machine_rank"], config["main_process_ip"], config["num_processes"]) == (2, 0, "node3", 4)
+    assert "this machine's rank 0, rendezvous at node3:29500" in captured.err
+    monkeypatch.setenv("SLURM_NODEID", "5")
+    assert main(["accelerate-config", "multi-node"]) == 2
+    assert "SLURM_NODEID='5' for 2 nodes" in capsys.readouterr().err
