@@ -50,3 +50,19 @@ def test_accelerate_config_multi_node_fills_the_jobs_values(monkeypatch, tmp_pat
     monkeypatch.setenv("SLURM_NODEID", "5")
     assert main(["accelerate-config", "multi-node"]) == 2
     assert "SLURM_NODEID='5' for 2 nodes" in capsys.readouterr().err
+
+
+def test_plan_counts_the_gradient_all_reduce_between_machines(capsys):
+    """2·(M − 1)/M of the fp32 gradients out of every machine per all-reduce, one all-reduce per optimizer step."""
+    from branchdiff.plan.estimate import internode_traffic
+
+    assert internode_traffic(100.0, 4, 3) == {"nodes": 4, "gradient_bytes": 100.0, "all_reduces": 3, "bytes_per_machine": 2 * 3 / 4 * 100 * 3}
+    assert internode_traffic(100.0, 1, 3)["bytes_per_machine"] == 0
+    assert main(["plan", "sd35-pickscore", "--gpus", "16", "--nodes", "2", "--json", "-"]) in (0, 1)
+    import json
+
+    plan = json.loads(capsys.readouterr().out)
+    lora = plan["parameters"]["trained"]
+    assert plan["network"]["gradient_bytes"] == lora * 4 and plan["network"]["bytes_per_machine"] == lora * 4 * plan["network"]["all_reduces"]
+    assert main(["plan", "sd35-pickscore", "--gpus", "3", "--nodes", "2"]) == 2
+    assert "--nodes 2 with --gpus 3: the processes are spread evenly" in capsys.readouterr().err

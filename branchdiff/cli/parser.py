@@ -179,6 +179,8 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("config", nargs="?", default=None, help=f"preset name or YAML file (default: {DEFAULT_PRESET})")
     plan.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. sampling.max_batch=8")
     plan.add_argument("--gpus", type=at_least(1), default=1, help="processes, one per GPU (default 1)")
+    plan.add_argument("--nodes", type=at_least(1), default=1, help="machines the --gpus are spread over (default 1): the gradients' "
+                                                                   "all-reduce traffic between them per iteration")
     plan.add_argument("--gpu", default=None, help="the GPU: h100-80gb, h200, a100-80gb, l40s, rtx4090 (default: the one the family's presets target)")
     plan.add_argument("--gpu-memory", type=positive, default=None, metavar="GB", help="the GPU's memory in GiB (overrides --gpu's)")
     plan.add_argument("--sharding", default="none", help="none | fsdp | fsdp-offload (FSDP2 over --gpus processes; docs/sharding.md)")

@@ -27,7 +27,10 @@ def target_from_args(args: argparse.Namespace):
     gpu = GPUS[args.gpu] if args.gpu else None
     if args.gpu_memory is not None:
         gpu = replace(gpu or GPUS["h100-80gb"], name=f"{(gpu.name if gpu else 'GPU')} with {args.gpu_memory:g} GB", memory=args.gpu_memory * 2**30)
-    return Target(args.gpus, args.sharding, gpu, args.gpu_tflops, args.utilisation)
+    if args.nodes > args.gpus or args.gpus % args.nodes:
+        raise UserError(f"--nodes {args.nodes} with --gpus {args.gpus}: the processes are spread evenly over the machines; give --gpus a multiple "
+                        "of --nodes (e.g. --gpus 16 --nodes 2)")
+    return Target(args.gpus, args.sharding, gpu, args.gpu_tflops, args.utilisation, args.nodes)
 
 
 def format_plan(name: str, plan) -> str:
@@ -57,6 +60,11 @@ def format_plan(name: str, plan) -> str:
     lines += ["", verdict, f"per iteration and process: {plan.rows['rollout']:,} rollout rows, {plan.rows['train']:,} trained rows (before "
               f"pruning); {plan.flops['total']:.3g} FLOPs; modelled {plan.seconds:.3g} s on {plan.gpu} (denoiser only, "
               f"{plan.settings['utilisation']:g} of its {'bf16' if plan.settings['bf16'] else 'TF32'} peak)"]
+    if plan.network:
+        net = plan.network
+        lines.append(f"network, {net['nodes']} machines: each sends {net['bytes_per_machine'] / 2**30:.3g} GiB an iteration (and receives as much) "
+                     f"in {net['all_reduces']} gradient all-reduce{'s' if net['all_reduces'] > 1 else ''} of {net['gradient_bytes'] / 2**20:.4g} MiB "
+                     f"(2·(M − 1)/M of them each; at 25 GB/s: {net['bytes_per_machine'] / 25e9:.3g} s)")
     lines += [f"note: {n}" for n in plan.notes]
     return "\n".join(lines)
 

@@ -52,6 +52,7 @@ class Target:
     gpu: GPU | None = None  # None: the family's target GPU
     tflops: float | None = None
     utilisation: float = UTILISATION
+    nodes: int = 1  # machines the processes are spread over (the network between them carries the gradients' all-reduce)
 
 
 @dataclass
@@ -73,6 +74,7 @@ class Plan:
     change: str = ""  # the smallest change that brings the peak under capacity − RESERVE ("" when it fits)
     change_peak: float = 0.0
     notes: list[str] = field(default_factory=list)
+    network: dict[str, float] = field(default_factory=dict)  # several machines: the all-reduce's bytes across the network (`internode_traffic`)
 
     def phase_peak(self, phase: str) -> float:
         """The peak while `phase` runs: static + what it adds (the start-up copy is absolute)."""
@@ -126,6 +128,14 @@ class Estimator:
             with quiet_loading():  # diffusers' notices about casting a model built from its config
                 self.cache[key] = measure(family, dtype, config.train.lora_rank, config.train.lora_alpha, size, autocast, targets)
         return self.cache[key]
+
+
+def internode_traffic(gradient_bytes: float, nodes: int, all_reduces: int) -> dict[str, float]:
+    """The bytes each machine sends over the network in an iteration's gradient all-reduces (DDP; NCCL's hierarchical
+    all-reduce: reduced within a machine, then a ring over the machines, then broadcast within it): each of the
+    `all_reduces` moves 2·(M − 1)/M of the `gradient_bytes` out of every one of the M machines (and as many in)."""
+    per_reduce = 2 * (nodes - 1) / nodes * gradient_bytes
+    return {"nodes": nodes, "gradient_bytes": gradient_bytes, "all_reduces": all_reduces, "bytes_per_machine": per_reduce * all_reduces}
 
 
 def estimate(config: Any, target: Target, estimator: Estimator) -> Plan:
@@ -245,8 +255,17 @@ def estimate(config: Any, target: Target, estimator: Estimator) -> Plan:
                 "utilisation": target.utilisation, "peak_tflops": target.tflops or (gpu.bf16_tflops if bf16 else gpu.tf32_tflops)}
     parameters = {"denoiser": m.denoiser_params, "trained": trained, "lora": m.lora_params, "text_encoders": dict(m.encoders), "vae": m.vae_params,
                   "blocks": dict(m.counts)}
+    network = {}
+    if target.nodes > 1:  # DDP all-reduces the trained weights' fp32 gradients once an optimizer step
+        terms = trained_rows // cfg_rows * processes  # every process's trained edges (or terms)
+        steps = 1 if config.train.optimizer_every == 0 else max(1, math.ceil(terms / config.train.optimizer_every))
+        network = internode_traffic(trained * 4, target.nodes, steps)
+        if sharded:
+            notes.append("FSDP2 over several machines also gathers the sharded weights over the network at every forward: not in the "
+                         "all-reduce figure")
+    settings["nodes"] = target.nodes
     return Plan(family.name, family.label, family.source, gpu.name, gpu.memory, settings, parameters, static, phases,
-                {"rollout": rollout_rows, "train": trained_rows}, flops, seconds, notes=notes)
+                {"rollout": rollout_rows, "train": trained_rows}, flops, seconds, notes=notes, network=network)
 
 
 def with_change(source: str | None, overrides: list[str], target: Target, estimator: Estimator) -> Plan:
@@ -287,7 +306,7 @@ def with_change(source: str | None, overrides: list[str], target: Target, estima
         for processes in (2, 4, 8):
             launch = (f"FSDP2 over {processes} GPUs: accelerate launch --config_file $(branchdiff accelerate-config fsdp) "
                       f"--num_processes {processes} (docs/sharding.md)")
-            sharded = Target(processes, "fsdp", target.gpu, target.tflops, target.utilisation)
+            sharded = Target(processes, "fsdp", target.gpu, target.tflops, target.utilisation, target.nodes)
             tries.append(lambda launch=launch, sharded=sharded: (launch, estimate(config, sharded, estimator)))
     for attempt in tries:
         found = attempt()
