@@ -130,11 +130,9 @@ def _scores_videos(spec: RewardSpec, factories: dict) -> bool:
         factory = factories.get(spec.name)
         describe = getattr(factory, "scores_videos", None)  # a reward whose videos depend on its settings (group-rank's inner reward)
         return bool(describe(**spec.kwargs)) if describe is not None else bool(getattr(factory, "video", False))
-    from branchdiff.rewards.multi import check_remote_kwargs
-    from branchdiff.rewards.remote import RemoteReward
+    from branchdiff.rewards.multi import remote_client
 
-    check_remote_kwargs(spec)
-    return RemoteReward(spec.remote, **spec.kwargs).video  # an unreachable server is one line here, before anything is written
+    return bool(getattr(remote_client(spec), "video", False))  # an unreachable server is one line here, before anything is written
 
 
 def check_output_folder(folder: Path, option: str) -> None:

@@ -33,7 +33,7 @@ class RewardSpec:
     """One component of the training signal, as a config names it."""
 
     name: str | None = None  # registered name, entry point name or dotted path 'package.module:Name'
-    remote: str | None = None  # or the URL of a reward server (`branchdiff serve-reward`)
+    remote: str | tuple[str, ...] | None = None  # or the URL of a reward server (`branchdiff serve-reward`), or the URLs of its replicas
     weight: float = 1.0
     required: bool = True  # False: a failure leaves the component out of that batch (counted), not the run
     kwargs: dict = field(default_factory=dict)  # keyword arguments of the class or factory
@@ -41,12 +41,14 @@ class RewardSpec:
 
     @property
     def label(self) -> str:
+        if isinstance(self.remote, tuple):  # replicas: the first server's URL, and how many more
+            return self.remote[0] + (f" (+{len(self.remote) - 1} replicas)" if len(self.remote) > 1 else "")
         return self.name or self.remote or "reward"
 
 
 SPEC_KEYS = ("name", "remote", "weight", "required", "kwargs", "frames", "reduce")
 SPEC_FORM = ("a reward name or dotted path, a mapping {name: ..., weight: 1.0, required: true, kwargs: {...}, frames: N, reduce: mean} "
-             "or {remote: URL, ...}, or a list of these")
+             "or {remote: URL, ...} ({remote: [URL1, URL2, ...]} for replicas), or a list of these")
 
 
 def parse_reward_specs(value: object, key: str = "reward") -> list[RewardSpec]:
@@ -67,7 +69,10 @@ def parse_reward_specs(value: object, key: str = "reward") -> list[RewardSpec]:
         if ("name" in entry) == ("remote" in entry):
             raise ValueError(f"'{key}' entry {entry!r} needs exactly one of 'name' and 'remote'")
         given = "name" if "name" in entry else "remote"
-        if not isinstance(entry[given], str) or not entry[given].strip():
+        replicas = given == "remote" and isinstance(entry[given], list)
+        if replicas and (not entry[given] or not all(isinstance(u, str) and u.strip() for u in entry[given]) or len(set(entry[given])) != len(entry[given])):
+            raise ValueError(f"'{key}' entry {entry!r}: 'remote' must be a server's URL or a list of distinct URLs of its replicas")
+        if not replicas and (not isinstance(entry[given], str) or not entry[given].strip()):
             raise ValueError(f"'{key}' entry {entry!r}: '{given}' must be a non-empty string (a reward's name or dotted path; a server's URL)")
         weight = entry.get("weight", 1.0)
         if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight):
@@ -80,8 +85,8 @@ def parse_reward_specs(value: object, key: str = "reward") -> list[RewardSpec]:
                 frames = FrameAggregation(entry.get("frames", 1), entry.get("reduce", "mean"))
             except ValueError as error:
                 raise ValueError(f"'{key}' entry {entry!r}: {error}") from None
-        specs.append(RewardSpec(entry.get("name"), entry.get("remote"), float(weight), entry.get("required", True),
-                                dict(entry.get("kwargs", {})), frames))
+        remote = tuple(entry["remote"]) if replicas else entry.get("remote")
+        specs.append(RewardSpec(entry.get("name"), remote, float(weight), entry.get("required", True), dict(entry.get("kwargs", {})), frames))
     labels = [spec.label for spec in specs]
     if len(set(labels)) != len(labels):
         raise ValueError(f"'{key}' names a component twice: {labels}; give each reward once, with its weight")

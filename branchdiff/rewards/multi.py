@@ -129,16 +129,29 @@ def check_remote_kwargs(spec: RewardSpec) -> None:
     does not take, naming those it does, before anything is built."""
     from branchdiff.rewards.remote import RemoteReward
 
+    if isinstance(spec.remote, tuple):  # replicas: the client's keywords and `in_flight`
+        client_keys = {key: value for key, value in spec.kwargs.items() if key != "in_flight"}
+        check_reward_kwargs(spec.label, partial(RemoteReward, spec.remote[0]), client_keys)
+        return
     check_reward_kwargs(spec.label, partial(RemoteReward, spec.remote), spec.kwargs)
 
 
-def build_component(spec: RewardSpec, device: str) -> object:
-    """The reward a spec names: a `RemoteReward` for `remote`, else `registry.build_reward`."""
-    if spec.remote is not None:
-        from branchdiff.rewards.remote import RemoteReward
+def remote_client(spec: RewardSpec) -> object:
+    """The client of a spec's `remote`: a `RemoteReward` for one URL, a `ReplicaReward` for a list (its /health read now)."""
+    check_remote_kwargs(spec)
+    if isinstance(spec.remote, tuple):
+        from branchdiff.rewards.replicas import ReplicaReward
 
-        check_remote_kwargs(spec)
-        return RemoteReward(spec.remote, **spec.kwargs)
+        return ReplicaReward(spec.remote, **spec.kwargs)
+    from branchdiff.rewards.remote import RemoteReward
+
+    return RemoteReward(spec.remote, **spec.kwargs)
+
+
+def build_component(spec: RewardSpec, device: str) -> object:
+    """The reward a spec names: a reward server's client for `remote` (`remote_client`), else `registry.build_reward`."""
+    if spec.remote is not None:
+        return remote_client(spec)
     return build_reward(spec.name, device, spec.kwargs)
 
 

@@ -45,7 +45,13 @@ _ITEM_BYTES = {"uint8": 1, "float32": 4}
 
 
 class RemoteRewardError(RuntimeError):
-    """The reward server is unreachable or answered an error; the message is one line naming its URL."""
+    """The reward server is unreachable or answered an error; the message is one line naming its URL. `transport`: the
+    server did not answer (unreachable, a stall, a dropped connection, busy past the retries), as opposed to an answer
+    saying the request or the reward failed: a replica that did not answer is left out (branchdiff/rewards/replicas.py)."""
+
+    def __init__(self, message: str, transport: bool = False) -> None:
+        super().__init__(message)
+        self.transport = transport
 
 
 class WireFormatError(ValueError):
@@ -321,7 +327,7 @@ def request_json(url: str, body: bytes | None, headers: dict[str, str], timeout:
             except ValueError:
                 raise RemoteRewardError(f"{who} {url} answered something that is not JSON: {one_line(raw[:200])}") from None
     attempts = f"{retries + 1} attempt{'s' if retries else ''}"
-    raise RemoteRewardError(f"{who} {url} {failure} ({attempts}){unreachable_hint if unreachable else ''}")
+    raise RemoteRewardError(f"{who} {url} {failure} ({attempts}){unreachable_hint if unreachable else ''}", transport=True)
 
 
 def _error_message(error: urllib.error.HTTPError) -> str:
