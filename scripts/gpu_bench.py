@@ -374,9 +374,10 @@ def rollout_against_pipeline(folder: Path, device: torch.device, resolution: int
     settings = SamplerSettings(max_batch=2 * images, guidance=guidance)
     latents = torch.randn(images, *adapter.latent_shape, generator=torch.Generator().manual_seed(0)).to(device, torch.bfloat16)
     conditional = {k: v for k, v in embeds.items() if not k.startswith("negative_")}
-    call = dict(prompt_embeds=conditional["prompt_embeds"].expand(images, -1, -1), pooled_prompt_embeds=conditional["pooled_prompt_embeds"].expand(images, -1),
-                negative_prompt_embeds=embeds["negative_prompt_embeds"].expand(images, -1, -1),
-                negative_pooled_prompt_embeds=embeds["negative_pooled_prompt_embeds"].expand(images, -1), num_inference_steps=steps,
+    call = dict(prompt_embeds=conditional["encoder_hidden_states"].expand(images, -1, -1),  # the SD3 adapter's names for the pipeline's embeddings
+                pooled_prompt_embeds=conditional["pooled_projections"].expand(images, -1),
+                negative_prompt_embeds=embeds["negative_encoder_hidden_states"].expand(images, -1, -1),
+                negative_pooled_prompt_embeds=embeds["negative_pooled_projections"].expand(images, -1), num_inference_steps=steps,
                 guidance_scale=guidance, height=resolution, width=resolution, latents=latents, output_type="latent")
     calls: list[int] = []
     hook = adapter.denoiser.register_forward_pre_hook(lambda module, args, kwargs: calls.append(int(kwargs["hidden_states"].shape[0])),

@@ -10,7 +10,7 @@ handful of times, then reuses them.
 
 `auto` (the default) compiles the blocks on CUDA for the families whose compiled forward the GPU bench
 measured faster at a released size (`MEASURED_GAINS`, docs/gpu.md), and leaves every other family, and every
-run on the CPU, eager (a preset may still name `blocks`: the built-in task's do). SANA is left out: compiled and
+run on the CPU or sharded with FSDP, eager (a preset may still name `blocks`: the built-in task's do). SANA is left out: compiled and
 then trained on an H200 it stopped with `(*bias): last dimension must be contiguous`, and naming `blocks` or
 `full` for it on CUDA is refused in one line until that is understood. The first compiled forward's time (the
 compilation's cost) is printed once.
@@ -45,10 +45,12 @@ def on_cuda() -> bool:
     return torch.cuda.is_available() and not parse_flag_from_env("ACCELERATE_USE_CPU")
 
 
-def resolve_compile(mode: str, family: str, cuda: bool) -> tuple[str, str]:
-    """The compile mode a run uses (`auto` chosen here: module doc) and why, in a few words."""
+def resolve_compile(mode: str, family: str, cuda: bool, sharded: bool = False) -> tuple[str, str]:
+    """The compile mode a run uses (`auto` chosen here: module doc; a sharded denoiser stays eager) and why, in a few words."""
     if mode != "auto":
         return mode, "as set"
+    if sharded:
+        return "none", "auto: eager when sharded (FSDP)"
     if not cuda:
         return "none", "auto: eager on the CPU"
     if family in MEASURED_GAINS and family not in REFUSED_ON_CUDA:

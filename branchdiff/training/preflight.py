@@ -28,6 +28,7 @@ from branchdiff.objectives.registry import dataset_kind
 from branchdiff.rewards.combine import parse_reward_specs
 from branchdiff.rewards.multi import check_remote_kwargs
 from branchdiff.rewards.registry import check_reward_kwargs, resolve_reward
+from branchdiff.runtime.sharding import ShardingSettings
 from branchdiff.settings.config import TrainConfig
 from branchdiff.settings.evaluation import eval_keys
 from branchdiff.settings.validate import tracker_names
@@ -70,7 +71,7 @@ def check_inputs(config: TrainConfig) -> None:
     check_backend(config.model.attention_backend)
     cuda = on_cuda()
     check_compile_family(config.model.compile, config.model.family, cuda)
-    check_compiler(resolve_compile(config.model.compile, config.model.family, cuda)[0])
+    check_compiler(resolve_compile(config.model.compile, config.model.family, cuda, ShardingSettings.from_environment().enabled)[0])
     check_installed(tracker_names(config.logging.report_to))
     check_credentials(tracker_names(config.logging.report_to))
     check_frames(config.model.family, config.model.path, config.model.frames)

@@ -127,9 +127,9 @@ class Trainer:
         if self.sharding.enabled and config.explore.mode == "search":
             raise ConfigError("'explore.mode' = 'search' grows each prompt's tree a node at a time, which sharded forwards cannot follow "
                               "in lockstep; under FSDP use explore.mode=seeds or tree")
-        if self.sharding.enabled and config.model.compile != "none":
-            raise UserError(f"model.compile={config.model.compile} with FSDP: a sharded denoiser is not compiled yet; leave model.compile=none "
-                            "when sharding")
+        if self.sharding.enabled and config.model.compile in ("blocks", "full"):
+            raise UserError(f"model.compile={config.model.compile} with FSDP: a sharded denoiser is not compiled yet; set model.compile=none "
+                            "(or auto, which leaves it eager) when sharding")
         if self.sharding.enabled and config.train.optimizer == "adamw8bit":
             raise ConfigError("'train.optimizer' = 'adamw8bit' is not supported on a sharded (FSDP) denoiser; use train.optimizer=adamw "
                               "(its moments are sharded with the weights)")
@@ -153,7 +153,7 @@ class Trainer:
         self.evaluation.check_size(self.adapter)
         cuda = self.accelerator.device.type == "cuda"
         attention, kernel = resolve_backend(model.attention_backend, self.adapter.denoiser, self.accelerator.device, model.family)
-        compile_mode, compile_why = resolve_compile(model.compile, model.family, cuda)
+        compile_mode, compile_why = resolve_compile(model.compile, model.family, cuda, self.sharding.enabled)
         self.runtime = {"device": str(self.accelerator.device), "attention_backend": attention, "attention_kernel": kernel,
                         "compile": compile_mode, "compile_choice": compile_why}
         notice = self.adapter.solver_notice()
