@@ -182,11 +182,25 @@ def _trainer(model_dir, out, reward: str) -> Trainer:
         "train.minibatch=4", "model.finetune=lora", "train.learning_rate=1e-2", "final_eval=false", "logging.report_to=none", "reward_overlap=true"]))
 
 
+class CountedRedness(Redness):
+    """Redness that counts the images it scored."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scored = 0
+
+    def __call__(self, images, prompts, metadata):
+        self.scored += len(prompts)
+        return super().__call__(images, prompts, metadata)
+
+
 def test_training_with_replicas_equals_one_server_with_overlapped_scoring(tiny_model_dir, tmp_path):
-    with BackgroundServer(Redness()) as a, BackgroundServer(Redness()) as b:
+    second = CountedRedness()
+    with BackgroundServer(Redness()) as a, BackgroundServer(second) as b:
         one = _trainer(tiny_model_dir, tmp_path / "one", f"{{remote: '{a.url}', kwargs: {{chunk_size: 2}}}}")
         two = _trainer(tiny_model_dir, tmp_path / "two", f"{{remote: ['{a.url}', '{b.url}'], kwargs: {{chunk_size: 2}}}}")
         x, y = one.run_iteration(0), two.run_iteration(0)
     assert torch.equal(x.leaf_images, y.leaf_images) and torch.equal(x.node_rewards, y.node_rewards) and x.metrics["loss"] == y.metrics["loss"]
+    assert second.scored > 0  # the second replica scored a share
     weights = lambda t: {k: v for k, v in t.adapter.denoiser.named_parameters() if "lora_" in k}  # noqa: E731
     assert all(torch.equal(weights(one)[k], weights(two)[k]) for k in weights(one))

@@ -48,6 +48,7 @@ class ReplicaReward:
         self.clients: list[RemoteReward] = []
         self.down: dict[str, str] = {}  # url: why it was left out
         self._lock = threading.Lock()
+        self._turn = 0  # the replica the next call starts at
         for url in self.urls:
             try:
                 self.clients.append(RemoteReward(url, **client))
@@ -81,6 +82,8 @@ class ReplicaReward:
 
     def _run(self, tasks: list[Callable[[RemoteReward], torch.Tensor]]) -> list[torch.Tensor]:
         """Each task's result on some live replica, in the tasks' order (module doc)."""
+        if not tasks:
+            return []
         results: list[torch.Tensor | None] = [None] * len(tasks)
         todo: queue.SimpleQueue = queue.SimpleQueue()
         for index in range(len(tasks)):
@@ -88,8 +91,6 @@ class ReplicaReward:
         remaining = [len(tasks)]
         failure: list[BaseException] = []
         finished = threading.Event()
-        if not tasks:
-            return []
 
         def work(client: RemoteReward) -> None:
             while not finished.is_set() and client.url not in self.down:
@@ -122,8 +123,11 @@ class ReplicaReward:
         live = [c for c in self.clients if c.url not in self.down]
         if not live:
             raise RemoteRewardError(self._all_down())
-        threads = [threading.Thread(target=work, args=(client,), name=f"replica-{n}", daemon=True) for n, client in enumerate(live)
-                   for _ in range(self.in_flight)]
+        with self._lock:  # each call starts at the next replica, so small calls (overlapped scoring's) are spread too
+            turn, self._turn = self._turn % len(live), self._turn + 1
+        live = live[turn:] + live[:turn]
+        threads = [threading.Thread(target=work, args=(client,), name=f"replica-{client.url}", daemon=True) for _ in range(self.in_flight)
+                   for client in live]
         for thread in threads:
             thread.start()
         finished.wait()
