@@ -5,6 +5,7 @@
   already in the staging folder, the checkpoint is not published);
 - `sigint`: SIGINT (Ctrl-C) to itself at the start of the update of iteration N, on process 0 only;
 - `sigstop`: SIGSTOP to itself at the start of iteration N, on process 1 only (a frozen rank);
+- `rankkill`: SIGKILL to itself at the start of iteration N, on process 1 only (a rank that dies);
 - `enospc`: on process 0 only, accelerate's file writes into the N-th iteration's checkpoint fail
   with ENOSPC, as on a full disk (process 1 writes its part).
 Under `accelerate launch` every process runs this script.
@@ -65,6 +66,15 @@ elif point == "sigstop":
         return run_iteration(self, iteration, *args, **kwargs)
 
     Trainer.run_iteration = frozen_run_iteration
+elif point == "rankkill":
+    run_iteration = Trainer.run_iteration
+
+    def dying_run_iteration(self, iteration, *args, **kwargs):
+        if iteration == target and os.environ.get("RANK") == "1":
+            os.kill(os.getpid(), signal.SIGKILL)
+        return run_iteration(self, iteration, *args, **kwargs)
+
+    Trainer.run_iteration = dying_run_iteration
 elif point == "enospc":
     import errno
 

@@ -286,6 +286,11 @@ CASES = [
     Case("remote-reward-kwarg-unknown", lambda e: e.fresh(f"reward={{remote: http://127.0.0.1:9, kwargs: {{token_file: {e.tmp / 'token'}, colour: red}}}}"),
          r"reward 'http://127.0.0.1:9' takes no keyword argument 'colour'; it takes: timeout, retries, backoff, image_format, chunk_size, token_file$",
          _write("token", "a-shared-token-of-32-characters-\n")),
+    Case("remote-replicas-not-distinct", lambda e: e.fresh("reward={remote: [http://127.0.0.1:9, http://127.0.0.1:9]}"),
+         r"'reward' entry .*: 'remote' must be a server's URL or a list of distinct URLs of its replicas"),
+    Case("remote-replicas-all-down", lambda e: e.fresh("reward={remote: [http://127.0.0.1:9, http://127.0.0.1:7], kwargs: {retries: 0}}"),
+         r"every reward replica is down \(2 of 2\): http://127.0.0.1:9: reward server http://127.0.0.1:9/health is not reachable .*; "
+         r"http://127.0.0.1:7: reward server http://127.0.0.1:7/health is not reachable"),
     # rewards misbehaving during a run
     Case("reward-raises", lambda e: e.fresh("reward=rewards_for_tests:Failing"), r"reward 'rewards_for_tests:Failing' failed.*weights not found second line",
          creates_nothing=False),
@@ -443,6 +448,9 @@ CASES = [
     Case("judge-key-unset", lambda e: _judge(e, "api_key_env: BRANCHDIFF_NO_SUCH_KEY"),
          r"reward 'vlm-judge': api_key_env=BRANCHDIFF_NO_SUCH_KEY names an environment variable that is not set \(or empty\): export "
          r"BRANCHDIFF_NO_SUCH_KEY=<the judge's key>, or leave api_key_env out for a server that takes no key"),
+    Case("judge-replicas-not-distinct", lambda e: e.fresh("reward={name: vlm-judge, kwargs: {url: [http://127.0.0.1:9/v1, http://127.0.0.1:9/v1], "
+                                                          "model: judge-7b}}"),
+         r"reward 'vlm-judge': url=\[.*\] must be a URL or a list of distinct URLs \(replicas of one judge\)"),
     Case("judge-top-logprobs-one", lambda e: _judge(e, "top_logprobs: 1"),
          r"reward 'vlm-judge': top_logprobs=1 must be an integer ≥ 2 \(with one, the answer's own token is all it lists: P\(yes\) would be "
          r"0, 1 or its bound ½\)"),

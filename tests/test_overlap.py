@@ -129,3 +129,11 @@ def test_the_benchmark_runs_and_its_rewards_are_identical_at_a_tiny_size(tmp_pat
     result = bench_overlap(tmp_path / "overlap.json", iterations=1, overrides=["prompts.per_iteration=2", "sampling.num_steps=3"])
     assert result["rewards_identical"] and result["images"] == 8 and (tmp_path / "overlap.json").is_file()
     assert set(result["table"]) == {"sequential", "overlapped"} and result["ratio"] > 0
+
+
+def test_the_replicas_benchmark_runs_and_its_rewards_are_identical_at_a_tiny_size(tmp_path):
+    from branchdiff.bench.overlap import bench_replicas
+
+    result = bench_replicas(tmp_path / "replicas.json", 2, iterations=1, overrides=["prompts.per_iteration=2", "sampling.num_steps=3"])
+    assert result["rewards_identical"] and result["images"] == 8 and result["replicas"] == 2 and (tmp_path / "replicas.json").is_file()
+    assert set(result["table"]) == {"1 replica", "2 replicas"} and result["ratio"] > 0

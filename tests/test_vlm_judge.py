@@ -352,3 +352,67 @@ def test_a_second_ctrl_c_aborts_at_once_while_the_reward_stalls(judge_url, tiny_
             process.kill()
             process.wait()
         process.stderr.close()
+
+
+def _replica(mode: str = "ok"):
+    """A stand-in judge of its own (its own request log, mode and in-flight peak) on a free port: (server, handler, URL)."""
+    handler = type("Replica", (StandIn,), {"mode": mode, "requests": [], "in_flight": 0, "peak": 0, "lock": threading.Lock()})
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server, handler, f"http://127.0.0.1:{server.server_address[1]}/v1"
+
+
+def test_replicas_judge_like_one_server_spread_the_requests_and_bound_each(judge_url, capfd):
+    images, prompts = _images(12), [f"prompt {i}" for i in range(12)]
+    one = _judge(judge_url, concurrency=2)(images, prompts, [{} for _ in prompts])
+    servers = [_replica(), _replica()]
+    try:
+        judge = _judge([url for _, _, url in servers], concurrency=2)
+        both = judge(images, prompts, [{} for _ in prompts])
+        assert torch.equal(one, both)
+        counts = [len(handler.requests) for _, handler, _ in servers]
+        assert sum(counts) == 12 and min(counts) >= 3, counts  # both judged a share
+        assert all(handler.peak <= 2 for _, handler, _ in servers)  # at most `concurrency` in flight at each
+    finally:
+        for server, _, _ in servers:
+            server.shutdown()
+            server.server_close()
+    assert "left out" not in capfd.readouterr().err
+
+
+def test_a_judge_replica_down_is_left_out_once_and_every_one_down_is_one_line(judge_url, capfd):
+    images, prompts = _images(6), [f"prompt {i}" for i in range(6)]
+    expected = _judge(judge_url)(images, prompts, [{} for _ in prompts])
+    server, handler, live = _replica()
+    down = "http://127.0.0.1:9/v1"  # nothing listens on the discard port
+    try:
+        judge = _judge([down, live], retries=0, backoff=0.0)
+        assert torch.equal(judge(images, prompts, [{} for _ in prompts]), expected)
+        assert torch.equal(judge(images, prompts, [{} for _ in prompts]), expected)
+        assert len(handler.requests) == 12
+    finally:
+        server.shutdown()
+        server.server_close()
+    err = capfd.readouterr().err
+    assert err.count(f"branchdiff: judge replica {down}/chat/completions left out, the others judge its share: judge {down}") == 1, err
+    judge = _judge([down, "http://127.0.0.1:7/v1"], retries=0, backoff=0.0)
+    with pytest.raises(RemoteRewardError, match=r"^every judge replica is down \(2 of 2\): http://127.0.0.1:9/v1/chat/completions: judge .* is not "
+                                                r"reachable.*; http://127.0.0.1:7/v1/chat/completions: judge .* is not reachable") as caught:
+        judge(images, prompts, [{} for _ in prompts])
+    assert "\n" not in str(caught.value)
+
+
+def test_a_judge_replica_that_refuses_stops_the_call_and_bad_lists_are_refused(judge_url):
+    server, _, refusing = _replica("unknown-model")
+    try:
+        with pytest.raises(RemoteRewardError, match=r"judge http://127.0.0.1:\d+/v1/chat/completions answered HTTP 404.*does the server serve a "
+                                                    r"model named 'judge-7b'"):
+            _judge([judge_url, refusing], concurrency=1)(_images(4), ["a"] * 4, [{}] * 4)
+        with pytest.raises(RemoteRewardError, match="answered HTTP 404"):
+            VLMJudge.preflight(url=[judge_url, refusing], model="judge-7b")  # every replica is asked before a run
+    finally:
+        server.shutdown()
+        server.server_close()
+    for bad, why in (([], "a list of distinct URLs"), ([judge_url, judge_url], "a list of distinct URLs"), ([judge_url, "ftp://x"], "must start with")):
+        with pytest.raises(ValueError, match=why):
+            _judge(bad)

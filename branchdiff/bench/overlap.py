@@ -1,5 +1,7 @@
 """`branchdiff bench overlap`: a run whose reward is a server as slow as the rollout, its scoring sequential
-(`reward_overlap: false`) and overlapped with the rollout (`reward_overlap: true`), side by side.
+(`reward_overlap: false`) and overlapped with the rollout (`reward_overlap: true`), side by side; with
+`--replicas N`, a run whose reward is twice as slow as the rollout, served by one replica and by N
+(`reward: {remote: [URL1, ..., URLN]}`, both overlapped), side by side (`bench_replicas`).
 
 The server (its own process on the loopback, as a judge on another machine would be) serves the built-in
 task's verifier behind a delay per image, so that scoring an iteration's images takes as long as the
@@ -63,11 +65,12 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
-def _trainer(url: str, overlap: bool, iterations: int, output: Path, overrides: list[str]):
+def _trainer(url: str | list[str], overlap: bool, iterations: int, output: Path, overrides: list[str]):
     from branchdiff.settings.load import load_config
     from branchdiff.training.recipe import Trainer
 
-    return Trainer(load_config("tiny-chain-window", [*BASE, f"output_dir={output}", f"iterations={iterations}", f"reward={{remote: '{url}'}}",
+    remote = f"'{url}'" if isinstance(url, str) else "[" + ", ".join(f"'{u}'" for u in url) + "]"
+    return Trainer(load_config("tiny-chain-window", [*BASE, f"output_dir={output}", f"iterations={iterations}", f"reward={{remote: {remote}}}",
                                                      f"reward_overlap={str(overlap).lower()}", *overrides]))
 
 
@@ -127,6 +130,61 @@ def _bench(json_path: Path | None, iterations: int, overrides: list[str]) -> dic
           f"leaf rewards identical bit for bit: {identical}")
     result = {"table": table, "ratio": ratio, "ratios": ratios, "rewards_identical": identical, "seconds_per_image": seconds_per_image.value,
               "images": images, "iterations": iterations}
+    if json_path:
+        json_path.write_text(json.dumps(result, indent=1))
+    return result
+
+
+def bench_replicas(json_path: Path | None, replicas: int, iterations: int = 9, overrides: list[str] | None = None, slowness: float = 2.0) -> dict:
+    """One replica against `replicas` of a reward server `slowness` times as slow as the rollout, both overlapped: each
+    replica its own process serving the delayed verifier (one scoring worker each, as one GPU's server), the delay set
+    after each iteration so that scoring an iteration's images on one replica takes `slowness` × the median rollout.
+    The two runs train from the same start in turns, as `bench_overlap`'s modes; the ratio is one replica's seconds per
+    iteration ÷ N replicas' (target ≥ 1.6 at N = 2), and the leaf rewards must be the same bit for bit."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    context = multiprocessing.get_context("spawn")
+    seconds_per_image = context.Value("d", 0.0)
+    ports = [_free_port() for _ in range(replicas)]
+    servers = [context.Process(target=_serve_delayed, args=(port, seconds_per_image), daemon=True) for port in ports]
+    for server in servers:
+        server.start()
+    modes = {"1 replica": "one", f"{replicas} replicas": "all"}
+    runs: dict[str, list[dict]] = {mode: [] for mode in modes}
+    try:
+        urls = [f"http://127.0.0.1:{port}" for port in ports]
+        for url in urls:
+            RemoteReward(url, retries=8, backoff=0.5)  # waits until each answers /health
+        with tempfile.TemporaryDirectory() as folder:
+            trainers = {mode: _trainer(urls[0] if which == "one" else urls, True, iterations + 1, Path(folder) / which, list(overrides or []))
+                        for mode, which in modes.items()}
+            rollouts = []
+            for iteration in range(iterations + 1):  # the first is a warm-up that sets the delay
+                for mode, trainer in trainers.items():
+                    runs[mode].append(_iteration(trainer, iteration))
+                rollouts.append(runs["1 replica"][-1]["rollout_seconds"])
+                images = len(runs["1 replica"][-1]["leaf_rewards"])
+                seconds_per_image.value = slowness * statistics.median(rollouts) / images
+    finally:
+        for server in servers:
+            server.terminate()
+            server.join()
+        torch.set_num_threads(threads)
+    one, many = (rows[1:] for rows in runs.values())
+    identical = all(a["leaf_rewards"] == b["leaf_rewards"] for a, b in zip(*runs.values()))
+    table = {mode: {key: statistics.median(row[key] for row in rows[1:]) for key in PHASES} for mode, rows in runs.items()}
+    ratios = [a["seconds"] / b["seconds"] for a, b in zip(one, many)]
+    ratio = statistics.median(ratios)
+    print(f"reward replicas: a reward server {slowness:g}× as slow as the rollout on one replica (last {seconds_per_image.value * 1000:.1f} ms an "
+          f"image, {images} images an iteration), scoring overlapped; median of {iterations} iterations a mode, run in turns")
+    print(f"{'reward':<12}{'iteration s':>13}{'rollout s':>11}{'decode s':>10}{'reward wait s':>15}{'train s':>9}")
+    for mode, row in table.items():
+        print(f"{mode:<12}{row['seconds']:>13.2f}{row['rollout_seconds']:>11.2f}{row['decode_seconds']:>10.3f}{row['reward_seconds']:>15.2f}"
+              f"{row['train_seconds']:>9.2f}")
+    print(f"1 replica ÷ {replicas} replicas, seconds per iteration: {ratio:.2f} (median of {len(ratios)}; {min(ratios):.2f}–{max(ratios):.2f}; "
+          f"target ≥ 1.6 at 2); leaf rewards identical bit for bit: {identical}")
+    result = {"table": table, "ratio": ratio, "ratios": ratios, "rewards_identical": identical, "seconds_per_image": seconds_per_image.value,
+              "images": images, "iterations": iterations, "replicas": replicas, "slowness": slowness}
     if json_path:
         json_path.write_text(json.dumps(result, indent=1))
     return result

@@ -263,6 +263,8 @@ def _bench_arguments(bench: argparse.ArgumentParser) -> None:
     search.add_argument("--testbeds", default=None, help="with --sampler: comma-separated testbeds as DIMS-D-REWARD (default: all: "
                                                          "2-D-mode, 2-D-sharp, 2-D-smooth, 16-D-mode)")
     overlap.add_argument("--iterations", type=at_least(1), default=9, help="timed iterations of each mode (median reported)")
+    overlap.add_argument("--replicas", type=at_least(2), default=None, help="instead: a reward twice as slow as the rollout served by one "
+                                                                            "replica and by this many, both overlapped (docs/reward-server.md)")
     for sub in (tree, explore, curves, overlap):
         sub.add_argument("overrides", nargs="*", help="dotted key=value overrides of every variant, e.g. prompts.per_iteration=2")
 

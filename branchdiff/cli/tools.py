@@ -69,9 +69,12 @@ def cmd_bench(args: argparse.Namespace) -> None:
 
         bench_reward_server(args.json)
     elif args.which == "overlap":
-        from branchdiff.bench.overlap import bench_overlap
+        from branchdiff.bench.overlap import bench_overlap, bench_replicas
 
-        bench_overlap(args.json, args.iterations, args.overrides)
+        if args.replicas:
+            bench_replicas(args.json, args.replicas, args.iterations, args.overrides)
+        else:
+            bench_overlap(args.json, args.iterations, args.overrides)
     elif args.which == "search" and args.sampler:
         if args.task is not None or args.first_seed:
             option = "--task" if args.task is not None else "--first-seed"

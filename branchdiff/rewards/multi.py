@@ -177,6 +177,11 @@ class MultiReward:
         return RewardBatch(combine(components, weights, groups, self.combine_mode), components, extras, counts)
 
     @property
+    def concurrency(self) -> int:
+        """Calls that may score at once: the least of the components' (`concurrency`, e.g. a reward's replicas; 1 where unset)."""
+        return min(int(getattr(reward, "concurrency", 1)) for reward in self.rewards) if self.rewards else 1
+
+    @property
     def scale(self) -> str:
         parts = [f"{spec.weight:g}·{spec.label} ({getattr(reward, 'scale', 'unspecified')})" for spec, reward in zip(self.specs, self.rewards)]
         return f"{self.combine_mode}: " + " + ".join(parts)

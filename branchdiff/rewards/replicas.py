@@ -1,17 +1,18 @@
 """A reward served by several replicas of one reward server: `reward: {remote: [URL1, URL2, ...]}` (docs/reward-server.md).
 
 A reward model slower than the rollout makes the rollout wait; N servers of the same reward (one per GPU) score a
-batch N times as fast. `ReplicaReward` holds a `RemoteReward` client for each URL and splits each call's images into
-the chunks one server would get (`chunk_size`), which its replicas' workers take from one queue in order, at most
-`in_flight` requests in flight to each replica. The scores are put back in order, so they equal one server's bit for
-bit (each chunk is scored alone, by the same reward). A group reward's server gets each group whole, one request a
-group (`score_group`), on the next live replica.
+batch N times as fast. `ReplicaReward` holds a `RemoteReward` client for each URL and `in_flight` worker threads for
+each, which take requests from one queue shared by every call: at most `in_flight` requests are in flight to a replica
+at any time, however many calls (overlapped scoring's parts, `concurrency` of them at once) are waiting. A call's
+images go in the chunks one server would get (`chunk_size`) and its scores are put back in order, so they equal one
+server's bit for bit (each chunk is scored alone, by the same reward). A group reward's server gets each group whole,
+one request a group (`score_group`).
 
 A replica that does not answer (unreachable, a stall past its `timeout` and `retries`, a dropped connection, a busy
-answer that outlasts its retries) is left out with a one-line notice on stderr and its chunk goes back to the queue
-for the others; a replica found down when the client is built is left out the same way. The call stops, in one line
+answer that outlasts its retries) is left out with a one-line notice on stderr and its request goes back to the queue
+for the others; a replica found down when the client is built is left out the same way. A call stops, in one line
 naming every replica's failure, only when every replica is down. An answer that says the reward itself failed (a 4xx,
-a 500: the same on every replica) stops the call at once, as one server's would. The replicas must serve the same
+a 500: the same on every replica) fails its call at once, as one server's would. The replicas must serve the same
 reward: their `/health` must agree on its name, scale, direction, whether it scores videos and whether it scores
 groups.
 """
@@ -22,6 +23,8 @@ import queue
 import sys
 import threading
 from collections.abc import Callable
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 import torch
@@ -48,7 +51,8 @@ class ReplicaReward:
         self.clients: list[RemoteReward] = []
         self.down: dict[str, str] = {}  # url: why it was left out
         self._lock = threading.Lock()
-        self._turn = 0  # the replica the next call starts at
+        self._requests: queue.SimpleQueue = queue.SimpleQueue()  # (task, future), shared by every call
+        self._workers: list[threading.Thread] = []
         for url in self.urls:
             try:
                 self.clients.append(RemoteReward(url, **client))
@@ -80,60 +84,69 @@ class ReplicaReward:
         reasons = "; ".join(f"{url}: {one_line(why, 160)}" for url, why in self.down.items())
         return f"every reward replica is down ({len(self.down)} of {len(self.urls)}): {reasons}"
 
+    @property
+    def concurrency(self) -> int:
+        """Calls worth making at once: one per live replica (overlapped scoring scores as many parts at once)."""
+        return max(1, len(self.clients) - len(self.down))
+
+    def _start_workers(self) -> None:
+        with self._lock:
+            if self._workers:
+                return
+            for _ in range(self.in_flight):
+                for client in self.clients:
+                    if client.url not in self.down:
+                        thread = threading.Thread(target=self._work, args=(client,), name=f"replica-{client.url}", daemon=True)
+                        thread.start()
+                        self._workers.append(thread)
+
+    def _work(self, client: RemoteReward) -> None:
+        """Take requests from the shared queue while `client`'s replica answers (module doc)."""
+        while client.url not in self.down:
+            task, future = self._requests.get()
+            if not (future.running() or future.set_running_or_notify_cancel()):  # running: put back by a replica that went down
+                continue  # its call already ended
+            try:
+                future.set_result(task(client))
+            except RemoteRewardError as error:
+                if not error.transport:
+                    future.set_exception(error)
+                    continue
+                self._leave_out(client.url, str(error))
+                self._requests.put((task, future))  # another replica scores it
+            except BaseException as error:  # a malformed reply, or an error of this process: the call's own
+                future.set_exception(error)
+        if len(self.down) == len(self.urls):  # the last replica left out: what is queued fails now
+            while True:
+                try:
+                    _, future = self._requests.get_nowait()
+                except queue.Empty:
+                    return
+                if future.running() or future.set_running_or_notify_cancel():
+                    future.set_exception(RemoteRewardError(self._all_down()))
+
     def _run(self, tasks: list[Callable[[RemoteReward], torch.Tensor]]) -> list[torch.Tensor]:
         """Each task's result on some live replica, in the tasks' order (module doc)."""
-        if not tasks:
-            return []
-        results: list[torch.Tensor | None] = [None] * len(tasks)
-        todo: queue.SimpleQueue = queue.SimpleQueue()
-        for index in range(len(tasks)):
-            todo.put(index)
-        remaining = [len(tasks)]
-        failure: list[BaseException] = []
-        finished = threading.Event()
-
-        def work(client: RemoteReward) -> None:
-            while not finished.is_set() and client.url not in self.down:
-                try:
-                    index = todo.get(timeout=0.05)
-                except queue.Empty:
-                    continue
-                try:
-                    results[index] = tasks[index](client)
-                except RemoteRewardError as error:
-                    if not error.transport:
-                        failure.append(error)
-                        finished.set()
-                        return
-                    self._leave_out(client.url, str(error))
-                    todo.put(index)  # another replica scores it
-                    if all(c.url in self.down for c in self.clients):
-                        failure.append(RemoteRewardError(self._all_down()))
-                        finished.set()
-                    return
-                except BaseException as error:  # a malformed reply, or an error of this process: the call's own
-                    failure.append(error)
-                    finished.set()
-                    return
-                with self._lock:
-                    remaining[0] -= 1
-                    if remaining[0] == 0:
-                        finished.set()
-
-        live = [c for c in self.clients if c.url not in self.down]
-        if not live:
+        if len(self.down) == len(self.urls):
             raise RemoteRewardError(self._all_down())
-        with self._lock:  # each call starts at the next replica, so small calls (overlapped scoring's) are spread too
-            turn, self._turn = self._turn % len(live), self._turn + 1
-        live = live[turn:] + live[:turn]
-        threads = [threading.Thread(target=work, args=(client,), name=f"replica-{client.url}", daemon=True) for _ in range(self.in_flight)
-                   for client in live]
-        for thread in threads:
-            thread.start()
-        finished.wait()
-        if failure:
-            raise failure[0]
-        return [r for r in results if r is not None]
+        self._start_workers()
+        futures: list[Future] = [Future() for _ in tasks]
+        for task, future in zip(tasks, futures):
+            self._requests.put((task, future))
+        try:
+            results = []
+            for future in futures:
+                while True:
+                    try:
+                        results.append(future.result(timeout=0.5))
+                        break
+                    except FutureTimeout:
+                        if len(self.down) == len(self.urls):  # the last one went down as this call queued its requests
+                            raise RemoteRewardError(self._all_down()) from None
+            return results
+        finally:
+            for future in futures:
+                future.cancel()  # a failed call's requests not yet taken are skipped
 
     def __call__(self, images: torch.Tensor, prompts: list[str], metadata: list[dict] | None = None) -> torch.Tensor:
         """Scores (B,) float32 of images (B, 3, H, W) or videos (B, F, 3, H, W), as one replica's `__call__` gives them."""

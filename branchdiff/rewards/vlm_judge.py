@@ -35,6 +35,13 @@ the judge's position bias:
     vlm-judge pairwise_i = Σ_{j≠i} (p_ij + 1 − p_ji) / 2 / (G − 1)   in [0, 1]
 
 G (G − 1) requests a group of G, run `concurrency` at a time.
+
+`url` may be a list: replicas of one judge (a vLLM server a GPU). Each request goes to the replica with the
+fewest requests in flight, at most `concurrency` at once to each; a replica that does not answer (unreachable,
+a stall past `timeout` and `retries`, a dropped connection) is left out with a one-line notice and its request
+is asked of another; the call stops, in one line naming each replica's failure, only when every replica is
+down. An answer that says the request failed (a 4xx, a 500) stops the call as one server's would. Before a
+run, `preflight` asks every replica.
 """
 
 from __future__ import annotations
@@ -43,6 +50,8 @@ import base64
 import json
 import math
 import os
+import sys
+import threading
 
 import torch
 
@@ -106,12 +115,17 @@ class VLMJudge:
     name = "vlm-judge"
     device = torch.device("cpu")  # the model runs on the server
 
-    def __init__(self, url: str, model: str, mode: str = "pointwise", question: str | None = None, yes: list[str] | tuple[str, ...] = YES,
+    def __init__(self, url: str | list[str], model: str, mode: str = "pointwise", question: str | None = None, yes: list[str] | tuple[str, ...] = YES,
                  no: list[str] | tuple[str, ...] = NO, first: list[str] | tuple[str, ...] = FIRST, second: list[str] | tuple[str, ...] = SECOND,
                  top_logprobs: int = 20, concurrency: int = 8, timeout: float = 15.0, retries: int = 2, backoff: float = 1.0,
                  api_key_env: str | None = None) -> None:
-        if not isinstance(url, str) or not url.startswith(("http://", "https://")):
-            raise ValueError(f"reward 'vlm-judge': url={url!r} must start with http:// or https:// (the API's base, e.g. http://127.0.0.1:8000/v1)")
+        urls = list(url) if isinstance(url, (list, tuple)) else [url]
+        if not urls or len(set(map(str, urls))) != len(urls):
+            raise ValueError(f"reward 'vlm-judge': url={url!r} must be a URL or a list of distinct URLs (replicas of one judge)")
+        for each in urls:
+            if not isinstance(each, str) or not each.startswith(("http://", "https://")):
+                raise ValueError(f"reward 'vlm-judge': url={each!r} must start with http:// or https:// (the API's base, e.g. "
+                                 "http://127.0.0.1:8000/v1)")
         if not isinstance(model, str) or not model.strip():
             raise ValueError(f"reward 'vlm-judge': model={model!r} must be the name the server serves the judge under (its /v1/models)")
         if mode not in MODES:
@@ -131,7 +145,11 @@ class VLMJudge:
         for key, number in (("timeout", timeout), ("backoff", backoff)):
             if isinstance(number, bool) or not isinstance(number, (int, float)) or number < 0 or (key == "timeout" and number == 0):
                 raise ValueError(f"reward 'vlm-judge': {key}={number!r} must be a number of seconds {'> 0' if key == 'timeout' else '≥ 0'}")
-        self.url, self.model, self.mode, self.question = url.rstrip("/") + "/chat/completions", model, mode, question
+        self.urls = [each.rstrip("/") + "/chat/completions" for each in urls]
+        self.model, self.mode, self.question = model, mode, question
+        self.in_flight = dict.fromkeys(self.urls, 0)  # requests now waiting on each replica
+        self.down: dict[str, str] = {}  # replica: why it was left out
+        self.lock = threading.Condition()
         self.labels, self.positive, self.negative, self.top_logprobs = labels, tuple(positive), tuple(negative), top_logprobs
         self.concurrency, self.timeout, self.retries, self.backoff = concurrency, float(timeout), retries, float(backoff)
         self.key_variable, key = api_key(api_key_env)
@@ -148,9 +166,11 @@ class VLMJudge:
         cls(**settings).probe()  # type: ignore[arg-type]
 
     def probe(self) -> None:
+        """Every replica answers the grey image's question (module doc)."""
         grey = torch.full((3, 64, 64), 128, dtype=torch.uint8)
-        reply = self.ask([grey] * (2 if self.mode == "pairwise" else 1), PROBE_PROMPT)
-        self.top_of(reply)
+        body = self.request([grey] * (2 if self.mode == "pairwise" else 1), PROBE_PROMPT)
+        for url in self.urls:
+            self.top_of(self.send(url, body), url)
 
     def request(self, pixels: list[torch.Tensor], prompt: str) -> bytes:
         """The chat-completions body asking about images (3, H, W) uint8, in the order shown (one, or two for a pair)."""
@@ -160,39 +180,78 @@ class VLMJudge:
         return json.dumps({"model": self.model, "messages": [{"role": "user", "content": content}], "max_tokens": 1, "temperature": 0,
                            "logprobs": True, "top_logprobs": self.top_logprobs}).encode()
 
-    def ask(self, pixels: list[torch.Tensor], prompt: str) -> object:
-        """The judge's JSON reply about `pixels`; a refusal for want of a key names the variable it is read from."""
+    def send(self, url: str, body: bytes) -> object:
+        """The JSON reply of the replica `url` to a request body; a refusal for want of a key names the variable it is read from."""
         sent = "Authorization" in self.headers
         key_hint = (f"; the key in ${self.key_variable} was refused" if sent else
                     f"; no key was sent: set ${self.key_variable}, or name the variable holding it with kwargs {{api_key_env: NAME}}")
-        return request_json(self.url, self.request(pixels, prompt), self.headers, self.timeout, self.retries, self.backoff, "judge",
+        return request_json(url, body, self.headers, self.timeout, self.retries, self.backoff, "judge",
                             hints={401: key_hint, 403: key_hint, 404: f"; does the server serve a model named {self.model!r} (its /v1/models)?"})
 
-    def top_of(self, reply: object) -> list[dict]:
+    def ask(self, pixels: list[torch.Tensor], prompt: str) -> tuple[str, object]:
+        """(the replica that answered, its JSON reply) about `pixels`, asked of the least busy replica (module doc)."""
+        body = self.request(pixels, prompt)
+        while True:
+            url = self.take_replica()
+            try:
+                return url, self.send(url, body)
+            except RemoteRewardError as error:
+                if not error.transport or len(self.urls) == 1:
+                    raise
+                self.leave_out(url, str(error))
+            finally:
+                with self.lock:
+                    self.in_flight[url] -= 1
+                    self.lock.notify_all()
+
+    def take_replica(self) -> str:
+        """The live replica with the fewest requests in flight, once it has fewer than `concurrency` (counted as taken)."""
+        with self.lock:
+            while True:
+                live = [url for url in self.urls if url not in self.down]
+                if not live:
+                    reasons = "; ".join(f"{url}: {one_line(why, 160)}" for url, why in self.down.items())
+                    raise RemoteRewardError(f"every judge replica is down ({len(self.down)} of {len(self.urls)}): {reasons}")
+                url = min(live, key=lambda each: self.in_flight[each])
+                if self.in_flight[url] < self.concurrency:
+                    self.in_flight[url] += 1
+                    return url
+                self.lock.wait()
+
+    def leave_out(self, url: str, why: str) -> None:
+        with self.lock:
+            if url in self.down:
+                return
+            self.down[url] = why
+            self.lock.notify_all()
+        print(f"branchdiff: judge replica {url} left out, the others judge its share: {one_line(why, 300)}", file=sys.stderr)
+
+    def top_of(self, reply: object, url: str) -> list[dict]:
         """The first answer token's top log-probabilities of a reply, or one line saying the reply has none."""
         try:
             top = reply["choices"][0]["logprobs"]["content"][0]["top_logprobs"]  # type: ignore[index]
             if not isinstance(top, list) or not all(isinstance(entry, dict) and "logprob" in entry for entry in top):
                 raise TypeError
         except (KeyError, IndexError, TypeError):
-            raise RemoteRewardError(f"judge {self.url} answered without the log-probabilities of its first token "
+            raise RemoteRewardError(f"judge {url} answered without the log-probabilities of its first token "
                                     f"(choices[0].logprobs.content[0].top_logprobs): {one_line(reply, 200)}; does the server take "
                                     "logprobs and top_logprobs?") from None
         return top
 
     def probability(self, pixels: list[torch.Tensor], prompt: str) -> float:
         """The judge's P(yes) of one image, or P(first) of a pair."""
-        top = self.top_of(self.ask(pixels, prompt))
+        url, reply = self.ask(pixels, prompt)
+        top = self.top_of(reply, url)
         try:
             return yes_probability(top, self.positive, self.negative)
         except JudgeAnswerError as error:
             held = [f"{entry.get('token')!s}: {entry.get('logprob')}" for entry in top]
             yes, no = self.labels
             if str(error) not in ("neither", "floor"):  # a value no log-probability takes: the server's fault
-                raise RemoteRewardError(f"judge {self.url} answered {error}: {one_line(held, 200)}; check the server's logprobs") from None
+                raise RemoteRewardError(f"judge {url} answered {error}: {one_line(held, 200)}; check the server's logprobs") from None
             why = (f"neither a {yes} {list(self.positive)} nor a {no} {list(self.negative)} token" if str(error) == "neither" else
                    f"its {yes} and {no} tokens only at the floor log-probability ({FLOOR:g}, no probability)")
-            raise RemoteRewardError(f"judge {self.url} answered with {why} among its top {len(held)}: {one_line(held, 200)}; raise top_logprobs "
+            raise RemoteRewardError(f"judge {url} answered with {why} among its top {len(held)}: {one_line(held, 200)}; raise top_logprobs "
                                     f"or add its spelling to {yes} / {no}") from None
 
     def judge_group(self, images: torch.Tensor, prompts: list[str], metadata: list[dict] | None = None) -> torch.Tensor:
@@ -200,7 +259,7 @@ class VLMJudge:
         pixels = to_uint8(images)  # (G, 3, H, W)
         count = len(pixels)
         pairs = [(i, j) for i in range(count) for j in range(count) if i != j]
-        with DaemonPool(self.concurrency, "vlm-judge") as pool:
+        with DaemonPool(self.concurrency * len(self.urls), "vlm-judge") as pool:
             judged = pool.map(lambda pair: self.probability([pixels[pair[0]], pixels[pair[1]]], prompts[0]), pairs)
         preferred_first = torch.full((count, count), 0.5, dtype=torch.float64)  # (G, G); the diagonal is not read
         for (i, j), probability in zip(pairs, judged):
@@ -212,7 +271,7 @@ class VLMJudge:
         if self.mode == "pairwise":
             return score_by_group(self, self.name, images, prompts, metadata or [{} for _ in prompts], None)
         pixels = to_uint8(images)  # (B, 3, H, W)
-        with DaemonPool(self.concurrency, "vlm-judge") as pool:
+        with DaemonPool(self.concurrency * len(self.urls), "vlm-judge") as pool:
             scores = pool.map(lambda image, prompt: self.probability([image], prompt), pixels, prompts)  # in order; the first failure is raised
         return torch.tensor(scores, dtype=torch.float32)
 

@@ -5,7 +5,8 @@ thread. A slow reward (a judge on another machine, a reward server) then costs a
     max(rollout, reward) + one part's reward    instead of    rollout + reward,
 
 so with n parts and a reward as slow as the rollout, 2n / (n + 1) times less (1.6× at 4 parts, 1.8×
-at 8). A part holds as many whole prompts as fill the sampler's `max_batch` with their leaves (at
+at 8). A reward served by several replicas (docs/reward-server.md) scores as many parts at once as it has replicas
+answering. A part holds as many whole prompts as fill the sampler's `max_batch` with their leaves (at
 least one), so the leaf level keeps full forwards; every group lies inside one part, so a group
 reward and the combiners see the groups they see in one call.
 
@@ -58,17 +59,18 @@ def _raise_first_failure(pending: list[Future]) -> None:
 
 def grow_and_score(adapter: ModelAdapter, tree: Tree, embeds: PromptEmbeds, schedule: Schedule, settings: SamplerSettings,
                    address: NoiseAddress, parts: list[list[int]], score: ScorePart,
-                   autocast: Callable[[], AbstractContextManager] = nullcontext) -> tuple[Rollout, torch.Tensor, RewardBatch, dict[str, float]]:
+                   autocast: Callable[[], AbstractContextManager] = nullcontext,
+                   concurrency: int = 1) -> tuple[Rollout, torch.Tensor, RewardBatch, dict[str, float]]:
     """The rollout of `tree`, its leaf images (L, 3, H, W) in leaf order and their rewards, grown part by
     part (`parts`: prompt indices, grown under `autocast`, decoded outside it as a whole rollout is) with each
-    part scored by `score` in a worker while the next grows;
+    part scored by `score` in a worker while the next grows (`concurrency` parts at once: a reward served by replicas);
     and the seconds spent: `rollout_seconds` (growing), `decode_seconds`, `reward_seconds` (waiting for the
     scores after the last part grew) and `reward_overlapped_seconds` (scoring hidden behind the rollout)."""
     rollout = empty_rollout(adapter, tree, schedule)
     leaf_prompts = tree.prompt[tree.leaf_index]  # (L,)
     seconds = {"rollout_seconds": 0.0, "decode_seconds": 0.0}
     images, rows, pending = [], [], []
-    worker = DaemonPool(1, "branchdiff-reward")  # a daemon: an aborted run does not wait for a stalled judge's answer
+    worker = DaemonPool(concurrency, "branchdiff-reward")  # a daemon: an aborted run does not wait for a stalled judge's answer
     try:
         for part in parts:
             start = time.perf_counter()
