@@ -204,3 +204,26 @@ def test_training_with_replicas_equals_one_server_with_overlapped_scoring(tiny_m
     assert second.scored > 0  # the second replica scored a share
     weights = lambda t: {k: v for k, v in t.adapter.denoiser.named_parameters() if "lora_" in k}  # noqa: E731
     assert all(torch.equal(weights(one)[k], weights(two)[k]) for k in weights(one))
+
+
+class SlowChecksum(Checksum):
+    """Checksum taking 0.2 s a call: requests that overlap in time."""
+
+    def __call__(self, images, prompts, metadata):
+        time.sleep(0.2)
+        return super().__call__(images, prompts, metadata)
+
+
+def test_calls_at_once_go_to_the_least_busy_replicas():
+    """Overlapped scoring makes one-request calls two at a time: each pair must reach both replicas, not wait on one
+    (in_flight 2 would allow both at one; regression: a shared queue taken by whichever worker came first)."""
+    from branchdiff.runtime.threads import DaemonPool
+
+    first, second = SlowChecksum(), SlowChecksum()
+    images, prompts, metadata = batch(4)  # one request a call (chunk_size 16)
+    with BackgroundServer(first) as a, BackgroundServer(second) as b:
+        reward = ReplicaReward([a.url, b.url], in_flight=2, **FAST)
+        for calls in range(1, 4):
+            with DaemonPool(2, "caller") as pool:
+                pool.map(lambda _: reward(images, prompts, metadata), range(2))
+            assert first.scored == second.scored == 4 * calls

@@ -2,8 +2,9 @@
 
 A reward model slower than the rollout makes the rollout wait; N servers of the same reward (one per GPU) score a
 batch N times as fast. `ReplicaReward` holds a `RemoteReward` client for each URL and `in_flight` worker threads for
-each, which take requests from one queue shared by every call: at most `in_flight` requests are in flight to a replica
-at any time, however many calls (overlapped scoring's parts, `concurrency` of them at once) are waiting. A call's
+each, which take requests from one queue shared by every call, a request going to the least busy replica: at most
+`in_flight` requests are in flight to a replica at any time, however many calls (overlapped scoring's parts,
+`concurrency` of them at once) are waiting. A call's
 images go in the chunks one server would get (`chunk_size`) and its scores are put back in order, so they equal one
 server's bit for bit (each chunk is scored alone, by the same reward). A group reward's server gets each group whole,
 one request a group (`score_group`).
@@ -19,9 +20,9 @@ groups.
 
 from __future__ import annotations
 
-import queue
 import sys
 import threading
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -51,7 +52,9 @@ class ReplicaReward:
         self.clients: list[RemoteReward] = []
         self.down: dict[str, str] = {}  # url: why it was left out
         self._lock = threading.Lock()
-        self._requests: queue.SimpleQueue = queue.SimpleQueue()  # (task, future), shared by every call
+        self._changed = threading.Condition(self._lock)  # a request queued or finished, or a replica left out
+        self._requests: deque[tuple[Callable[[RemoteReward], torch.Tensor], Future]] = deque()  # shared by every call
+        self._busy = dict.fromkeys(self.urls, 0)  # requests now in flight to each replica
         self._workers: list[threading.Thread] = []
         for url in self.urls:
             try:
@@ -74,10 +77,11 @@ class ReplicaReward:
             self.score_group = self._score_group
 
     def _leave_out(self, url: str, why: str) -> None:
-        with self._lock:
+        with self._changed:
             if url in self.down:
                 return
             self.down[url] = why
+            self._changed.notify_all()
         print(f"branchdiff: reward replica {url} left out, the others score its share: {one_line(why, 300)}", file=sys.stderr)
 
     def _all_down(self) -> str:
@@ -100,28 +104,48 @@ class ReplicaReward:
                         thread.start()
                         self._workers.append(thread)
 
+    def _take(self, client: RemoteReward) -> tuple[Callable[[RemoteReward], torch.Tensor], Future] | None:
+        """The next queued request for `client`'s replica, once it is among the least busy live replicas and below
+        `in_flight` (so that two requests go to two idle replicas, not one); None once the replica is left out."""
+        with self._changed:
+            while True:
+                if client.url in self.down:
+                    return None
+                least = min(self._busy[url] for url in self.urls if url not in self.down)
+                if self._requests and self._busy[client.url] == least and least < self.in_flight:
+                    self._busy[client.url] += 1
+                    return self._requests.popleft()
+                self._changed.wait()
+
+    def _put(self, request: tuple[Callable[[RemoteReward], torch.Tensor], Future]) -> None:
+        with self._changed:
+            self._requests.append(request)
+            self._changed.notify_all()
+
     def _work(self, client: RemoteReward) -> None:
         """Take requests from the shared queue while `client`'s replica answers (module doc)."""
-        while client.url not in self.down:
-            task, future = self._requests.get()
-            if not (future.running() or future.set_running_or_notify_cancel()):  # running: put back by a replica that went down
-                continue  # its call already ended
+        while (request := self._take(client)) is not None:
+            task, future = request
             try:
+                if not (future.running() or future.set_running_or_notify_cancel()):  # running: put back by a replica that went down
+                    continue  # its call already ended
                 future.set_result(task(client))
             except RemoteRewardError as error:
                 if not error.transport:
                     future.set_exception(error)
                     continue
                 self._leave_out(client.url, str(error))
-                self._requests.put((task, future))  # another replica scores it
+                self._put(request)  # another replica scores it
             except BaseException as error:  # a malformed reply, or an error of this process: the call's own
                 future.set_exception(error)
+            finally:
+                with self._changed:
+                    self._busy[client.url] -= 1
+                    self._changed.notify_all()
         if len(self.down) == len(self.urls):  # the last replica left out: what is queued fails now
-            while True:
-                try:
-                    _, future = self._requests.get_nowait()
-                except queue.Empty:
-                    return
+            with self._changed:
+                left, self._requests = list(self._requests), deque()
+            for _, future in left:
                 if future.running() or future.set_running_or_notify_cancel():
                     future.set_exception(RemoteRewardError(self._all_down()))
 
@@ -132,7 +156,7 @@ class ReplicaReward:
         self._start_workers()
         futures: list[Future] = [Future() for _ in tasks]
         for task, future in zip(tasks, futures):
-            self._requests.put((task, future))
+            self._put((task, future))
         try:
             results = []
             for future in futures:
