@@ -1,9 +1,9 @@
 """Two machines on one host: two `accelerate launch --num_machines 2 --machine_rank 0|1 --main_process_ip
 127.0.0.1` launchers (one process each, gloo on CPU) train `tiny-chain` as one machine's launch of two
-processes does, bit for bit; a run stopped and resumed across the same layout ends with the same weights;
+processes does, bit for bit, and so do two `torchrun --nnodes 2` with a c10d rendezvous; a run stopped and resumed across the same layout ends with the same weights;
 a rank that dies on the second machine ends the job on both at once with one line.
 
-Slow (a release check, about 2.2 minutes of subprocesses on one core): python -m pytest -m slow tests/test_multinode.py
+Slow (a release check, about 3 minutes of subprocesses on one core): python -m pytest -m slow tests/test_multinode.py
 """
 
 from __future__ import annotations
@@ -109,6 +109,23 @@ def test_a_run_resumed_across_two_machines_ends_with_the_uninterrupted_weights(l
         assert status == 0, stderr[-3000:]
     whole, resumed = _lora(layouts["two"] / "whole"), _lora(layouts["two"] / "resumed")
     assert whole.keys() == resumed.keys() and all(torch.equal(whole[k], resumed[k]) for k in whole)
+
+
+def test_torchrun_on_two_machines_with_a_c10d_rendezvous_trains_the_same_weights(layouts, tmp_path):
+    """docs/sharding.md's plain-torchrun recipe: two `torchrun --nnodes 2 --rdzv_backend c10d` (no node rank, no accelerate
+    config) meeting at one endpoint train one machine's weights."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]), "OMP_NUM_THREADS": "1",
+           "HF_HUB_OFFLINE": "1", "ACCELERATE_USE_CPU": "true"}
+    endpoint = f"127.0.0.1:{_free_port()}"
+    run = tmp_path / "run"
+    command = [str(Path(sys.executable).parent / "torchrun"), "--nnodes", "2", "--nproc_per_node", "1", "--rdzv_backend", "c10d",
+               "--rdzv_endpoint", endpoint, "--rdzv_id", "branchdiff-test", "-m", "branchdiff.cli", "train", "tiny-chain",
+               *_overrides(layouts["model_dir"], run), "iterations=2"]
+    launched = [subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    outputs = [process.communicate(timeout=400)[1] for process in launched]
+    assert all(process.returncode == 0 for process in launched), [output[-3000:] for output in outputs]
+    mine, theirs = _lora(run), _lora(layouts["one"] / "whole")
+    assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
 
 
 def test_a_rank_that_dies_on_the_second_machine_ends_the_job_on_both_with_one_line(layouts, tmp_path):
