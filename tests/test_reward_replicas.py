@@ -227,3 +227,38 @@ def test_calls_at_once_go_to_the_least_busy_replicas():
             with DaemonPool(2, "caller") as pool:
                 pool.map(lambda _: reward(images, prompts, metadata), range(2))
             assert first.scored == second.scored == 4 * calls
+
+
+class SlowGroupRank:
+    """A group reward taking 0.2 s a group: each image's rank of redness in its group; it counts the groups it scored."""
+
+    name = "slow-group-rank"
+    scale = "rank"
+
+    def __init__(self) -> None:
+        self.groups = 0
+
+    def score_group(self, images, prompts, metadata):
+        time.sleep(0.2)
+        self.groups += 1
+        return Redness()(images, prompts).argsort().argsort().float()
+
+
+def test_urls_are_compared_as_the_client_reads_them_and_a_group_reward_scores_groups_on_every_replica():
+    """A trailing slash is the same server (refused twice; one given with it still works), `parallel_calls` counts the
+    live replicas (one found down at the start left out), and a group reward's groups go to the replicas at once."""
+    from branchdiff.rewards.group import score_by_group
+
+    first, second = SlowGroupRank(), SlowGroupRank()
+    images, prompts, _ = batch(8)
+    prompts = [f"group {i // 2}" for i in range(8)]  # four groups of two
+    with BackgroundServer(first) as a, BackgroundServer(second) as b:
+        with pytest.raises(ValueError, match="give a list of distinct server URLs"):
+            ReplicaReward([a.url, a.url + "/"], **FAST)
+        reward = ReplicaReward([a.url + "/", b.url, "http://127.0.0.1:9"], **FAST)
+        assert reward.parallel_calls == 2 and hasattr(reward, "score_group")
+        scores = score_by_group(reward, reward.name, images, prompts, [{} for _ in prompts], None)
+        alone = RemoteReward(a.url, **FAST)
+        expected = score_by_group(alone, alone.name, images, prompts, [{} for _ in prompts], None)
+    assert torch.equal(scores, expected)
+    assert first.groups - 4 == 2 and second.groups == 2  # the four groups shared out (then four more on the first alone)

@@ -416,3 +416,12 @@ def test_a_judge_replica_that_refuses_stops_the_call_and_bad_lists_are_refused(j
     for bad, why in (([], "a list of distinct URLs"), ([judge_url, judge_url], "a list of distinct URLs"), ([judge_url, "ftp://x"], "must start with")):
         with pytest.raises(ValueError, match=why):
             _judge(bad)
+
+
+def test_a_judge_replica_down_at_preflight_is_left_out_and_a_trailing_slash_is_the_same_url(judge_url, capfd):
+    VLMJudge.preflight(url=["http://127.0.0.1:9/v1", judge_url], model="judge-7b", retries=0, backoff=0.0)
+    assert capfd.readouterr().err.count("branchdiff: judge replica http://127.0.0.1:9/v1/chat/completions left out") == 1
+    with pytest.raises(RemoteRewardError, match=r"^every judge replica is down \(2 of 2\)"):
+        VLMJudge.preflight(url=["http://127.0.0.1:9/v1", "http://127.0.0.1:7/v1"], model="judge-7b", retries=0, backoff=0.0)
+    with pytest.raises(ValueError, match="a list of distinct URLs"):
+        _judge([judge_url, judge_url + "/"])

@@ -60,12 +60,21 @@ GroupAnswers = list[tuple[list[int], object]]  # each group's rows and what `sco
 
 
 def group_answers(reward: object, images: torch.Tensor, prompts: list[str], metadata: list[dict], groups: torch.Tensor | None) -> GroupAnswers:
-    """`score_group` called once per group (`group_rows`): each group's rows and the reward's answer, unchecked."""
-    answers = []
-    for rows in group_rows(prompts, groups):
+    """`score_group` called once per group (`group_rows`): each group's rows and the reward's answer, unchecked; as many
+    groups at once as the reward's `parallel_calls` (a reward served by replicas), else one after another."""
+    every = group_rows(prompts, groups)
+
+    def answer(rows: list[int]) -> object:
         index = torch.tensor(rows)
-        answers.append((rows, reward.score_group(images[index], [prompts[r] for r in rows], [metadata[r] for r in rows])))  # type: ignore[attr-defined]
-    return answers
+        return reward.score_group(images[index], [prompts[r] for r in rows], [metadata[r] for r in rows])  # type: ignore[attr-defined]
+
+    parallel = int(getattr(reward, "parallel_calls", 1))
+    if parallel > 1 and len(every) > 1:
+        from branchdiff.runtime.threads import DaemonPool
+
+        with DaemonPool(parallel, "group-reward") as pool:
+            return list(zip(every, pool.map(answer, every)))
+    return [(rows, answer(rows)) for rows in every]
 
 
 def assemble(answers: GroupAnswers, count: int, label: str) -> torch.Tensor:

@@ -129,9 +129,11 @@ def check_remote_kwargs(spec: RewardSpec) -> None:
     does not take, naming those it does, before anything is built."""
     from branchdiff.rewards.remote import RemoteReward
 
-    if isinstance(spec.remote, tuple):  # replicas: the client's keywords and `in_flight`
-        client_keys = {key: value for key, value in spec.kwargs.items() if key != "in_flight"}
-        check_reward_kwargs(spec.label, partial(RemoteReward, spec.remote[0]), client_keys)
+    if isinstance(spec.remote, tuple):  # replicas: the client's keywords and `in_flight` (ReplicaReward)
+        takes = [name for name in inspect.signature(RemoteReward).parameters if name not in ("url", "device")] + ["in_flight"]
+        unknown = sorted(set(spec.kwargs) - set(takes))
+        if unknown:
+            raise ValueError(f"reward {spec.label!r} takes no keyword argument {unknown[0]!r}; it takes: {', '.join(takes)}")
         return
     check_reward_kwargs(spec.label, partial(RemoteReward, spec.remote), spec.kwargs)
 
@@ -177,9 +179,10 @@ class MultiReward:
         return RewardBatch(combine(components, weights, groups, self.combine_mode), components, extras, counts)
 
     @property
-    def concurrency(self) -> int:
-        """Calls that may score at once: the least of the components' (`concurrency`, e.g. a reward's replicas; 1 where unset)."""
-        return min(int(getattr(reward, "concurrency", 1)) for reward in self.rewards) if self.rewards else 1
+    def parallel_calls(self) -> int:
+        """Calls that may score at once: the least of the components' `parallel_calls` (a reward served by replicas: one
+        a live replica); 1 where a component does not say (a reward in this process is called one batch at a time)."""
+        return min(int(getattr(reward, "parallel_calls", 1)) for reward in self.rewards) if self.rewards else 1
 
     @property
     def scale(self) -> str:

@@ -44,8 +44,10 @@ class ReplicaReward:
     device = torch.device("cpu")
 
     def __init__(self, urls: list[str] | tuple[str, ...], in_flight: int = 2, **client: Any) -> None:
-        if not isinstance(urls, (list, tuple)) or len(urls) < 1 or len(set(urls)) != len(urls):
-            raise ValueError(f"remote reward replicas {urls!r}: give a list of distinct server URLs")
+        given = urls
+        urls = [url.rstrip("/") if isinstance(url, str) else url for url in urls] if isinstance(urls, (list, tuple)) else []
+        if len(urls) < 1 or len(set(urls)) != len(urls):
+            raise ValueError(f"remote reward replicas {given!r}: give a list of distinct server URLs")
         if isinstance(in_flight, bool) or not isinstance(in_flight, int) or in_flight < 1:
             raise ValueError(f"remote reward in_flight={in_flight!r} must be an integer ≥ 1 (requests at once to each replica)")
         self.urls, self.in_flight = list(urls), in_flight
@@ -89,9 +91,10 @@ class ReplicaReward:
         return f"every reward replica is down ({len(self.down)} of {len(self.urls)}): {reasons}"
 
     @property
-    def concurrency(self) -> int:
-        """Calls worth making at once: one per live replica (overlapped scoring scores as many parts at once)."""
-        return max(1, len(self.clients) - len(self.down))
+    def parallel_calls(self) -> int:
+        """Calls worth making at once: one per live replica (overlapped scoring scores as many parts at once, and a
+        group reward as many groups)."""
+        return max(1, len(self.urls) - len(self.down))
 
     def _start_workers(self) -> None:
         with self._lock:
@@ -123,7 +126,15 @@ class ReplicaReward:
             self._changed.notify_all()
 
     def _work(self, client: RemoteReward) -> None:
-        """Take requests from the shared queue while `client`'s replica answers (module doc)."""
+        """Take requests from the shared queue while `client`'s replica answers (module doc); a worker that fails in
+        itself leaves its replica out, so that no call waits on it."""
+        try:
+            self._serve(client)
+        except BaseException as error:  # an error of this process outside a request (a request's own is settled in `_serve`)
+            self._leave_out(client.url, f"its worker failed: {type(error).__name__}: {error}")
+            self._fail_if_all_down()
+
+    def _serve(self, client: RemoteReward) -> None:
         while (request := self._take(client)) is not None:
             task, future = request
             try:
@@ -142,12 +153,17 @@ class ReplicaReward:
                 with self._changed:
                     self._busy[client.url] -= 1
                     self._changed.notify_all()
-        if len(self.down) == len(self.urls):  # the last replica left out: what is queued fails now
-            with self._changed:
-                left, self._requests = list(self._requests), deque()
-            for _, future in left:
-                if future.running() or future.set_running_or_notify_cancel():
-                    future.set_exception(RemoteRewardError(self._all_down()))
+        self._fail_if_all_down()
+
+    def _fail_if_all_down(self) -> None:
+        """Once the last replica is left out, what is queued fails with the line naming every replica's failure."""
+        if len(self.down) < len(self.urls):
+            return
+        with self._changed:
+            left, self._requests = list(self._requests), deque()
+        for _, future in left:
+            if future.running() or future.set_running_or_notify_cancel():
+                future.set_exception(RemoteRewardError(self._all_down()))
 
     def _run(self, tasks: list[Callable[[RemoteReward], torch.Tensor]]) -> list[torch.Tensor]:
         """Each task's result on some live replica, in the tasks' order (module doc)."""

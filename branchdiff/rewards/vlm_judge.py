@@ -120,12 +120,12 @@ class VLMJudge:
                  top_logprobs: int = 20, concurrency: int = 8, timeout: float = 15.0, retries: int = 2, backoff: float = 1.0,
                  api_key_env: str | None = None) -> None:
         urls = list(url) if isinstance(url, (list, tuple)) else [url]
-        if not urls or len(set(map(str, urls))) != len(urls):
-            raise ValueError(f"reward 'vlm-judge': url={url!r} must be a URL or a list of distinct URLs (replicas of one judge)")
         for each in urls:
             if not isinstance(each, str) or not each.startswith(("http://", "https://")):
                 raise ValueError(f"reward 'vlm-judge': url={each!r} must start with http:// or https:// (the API's base, e.g. "
                                  "http://127.0.0.1:8000/v1)")
+        if not urls or len({each.rstrip("/") for each in urls}) != len(urls):
+            raise ValueError(f"reward 'vlm-judge': url={url!r} must be a URL or a list of distinct URLs (replicas of one judge)")
         if not isinstance(model, str) or not model.strip():
             raise ValueError(f"reward 'vlm-judge': model={model!r} must be the name the server serves the judge under (its /v1/models)")
         if mode not in MODES:
@@ -166,11 +166,19 @@ class VLMJudge:
         cls(**settings).probe()  # type: ignore[arg-type]
 
     def probe(self) -> None:
-        """Every replica answers the grey image's question (module doc)."""
+        """The judge answers the grey image's question: every replica is asked; one that does not answer is left out with
+        a notice (the run stops only when none answers), one that answers wrongly stops the run (module doc)."""
         grey = torch.full((3, 64, 64), 128, dtype=torch.uint8)
         body = self.request([grey] * (2 if self.mode == "pairwise" else 1), PROBE_PROMPT)
         for url in self.urls:
-            self.top_of(self.send(url, body), url)
+            try:
+                self.top_of(self.send(url, body), url)
+            except RemoteRewardError as error:
+                if not error.transport or len(self.urls) == 1:
+                    raise
+                self.leave_out(url, str(error))
+        if len(self.down) == len(self.urls):
+            raise RemoteRewardError(self.all_down())
 
     def request(self, pixels: list[torch.Tensor], prompt: str) -> bytes:
         """The chat-completions body asking about images (3, H, W) uint8, in the order shown (one, or two for a pair)."""
@@ -210,13 +218,16 @@ class VLMJudge:
             while True:
                 live = [url for url in self.urls if url not in self.down]
                 if not live:
-                    reasons = "; ".join(f"{url}: {one_line(why, 160)}" for url, why in self.down.items())
-                    raise RemoteRewardError(f"every judge replica is down ({len(self.down)} of {len(self.urls)}): {reasons}")
+                    raise RemoteRewardError(self.all_down())
                 url = min(live, key=lambda each: self.in_flight[each])
                 if self.in_flight[url] < self.concurrency:
                     self.in_flight[url] += 1
                     return url
                 self.lock.wait()
+
+    def all_down(self) -> str:
+        reasons = "; ".join(f"{url}: {one_line(why, 160)}" for url, why in self.down.items())
+        return f"every judge replica is down ({len(self.down)} of {len(self.urls)}): {reasons}"
 
     def leave_out(self, url: str, why: str) -> None:
         with self.lock:

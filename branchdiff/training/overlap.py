@@ -10,8 +10,8 @@ answering. A part holds as many whole prompts as fill the sampler's `max_batch` 
 least one), so the leaf level keeps full forwards; every group lies inside one part, so a group
 reward and the combiners see the groups they see in one call.
 
-The rewards are those of scoring the same images in one call: the parts are scored in order and put
-back in leaf order, and a reward of one image does not depend on the others of its call. The rollout is
+The rewards are those of scoring the same images in one call: the parts' rewards are put back in leaf order
+(whatever order they finish in), and a reward of one image does not depend on the others of its call. The rollout is
 the whole one bit for bit under `sampling.exact` (each node's noise comes from its address, and exact
 forwards do not depend on the batch), and so are the images where decoding does not depend on its batch
 (a VAE's narrower last chunk may change a GPU decode in the last bits); without `exact` a narrower part
@@ -45,10 +45,23 @@ def overlap_parts(num_prompts: int, leaves_per_prompt: int, max_batch: int) -> l
     return [list(range(start, min(start + size, num_prompts))) for start in range(0, num_prompts, size)]
 
 
-def _score_without_grad(score: ScorePart, images: torch.Tensor, rows: torch.Tensor) -> tuple[RewardBatch, float]:
+def _score_without_grad(score: ScorePart, images: torch.Tensor, rows: torch.Tensor) -> tuple[RewardBatch, tuple[float, float]]:
+    """The part's rewards and when its scoring started and ended (`time.perf_counter`)."""
     start = time.perf_counter()
     with torch.no_grad():  # grad mode is per thread: set it in the worker
-        return score(images, rows), time.perf_counter() - start
+        batch = score(images, rows)
+    return batch, (start, time.perf_counter())
+
+
+def covered_before(spans: list[tuple[float, float]], end: float) -> float:
+    """Seconds of the union of the intervals `spans` that lie before `end` (parts scored at once counted once)."""
+    covered, reached = 0.0, -float("inf")
+    for start, stop in sorted(spans):
+        start, stop = max(start, reached), min(stop, end)
+        if stop > start:
+            covered += stop - start
+        reached = max(reached, min(stop, end))
+    return covered
 
 
 def _raise_first_failure(pending: list[Future]) -> None:
@@ -60,17 +73,17 @@ def _raise_first_failure(pending: list[Future]) -> None:
 def grow_and_score(adapter: ModelAdapter, tree: Tree, embeds: PromptEmbeds, schedule: Schedule, settings: SamplerSettings,
                    address: NoiseAddress, parts: list[list[int]], score: ScorePart,
                    autocast: Callable[[], AbstractContextManager] = nullcontext,
-                   concurrency: int = 1) -> tuple[Rollout, torch.Tensor, RewardBatch, dict[str, float]]:
+                   parallel_calls: int = 1) -> tuple[Rollout, torch.Tensor, RewardBatch, dict[str, float]]:
     """The rollout of `tree`, its leaf images (L, 3, H, W) in leaf order and their rewards, grown part by
     part (`parts`: prompt indices, grown under `autocast`, decoded outside it as a whole rollout is) with each
-    part scored by `score` in a worker while the next grows (`concurrency` parts at once: a reward served by replicas);
+    part scored by `score` in a worker while the next grows (`parallel_calls` parts at once: a reward served by replicas);
     and the seconds spent: `rollout_seconds` (growing), `decode_seconds`, `reward_seconds` (waiting for the
     scores after the last part grew) and `reward_overlapped_seconds` (scoring hidden behind the rollout)."""
     rollout = empty_rollout(adapter, tree, schedule)
     leaf_prompts = tree.prompt[tree.leaf_index]  # (L,)
     seconds = {"rollout_seconds": 0.0, "decode_seconds": 0.0}
     images, rows, pending = [], [], []
-    worker = DaemonPool(concurrency, "branchdiff-reward")  # a daemon: an aborted run does not wait for a stalled judge's answer
+    worker = DaemonPool(parallel_calls, "branchdiff-reward")  # a daemon: an aborted run does not wait for a stalled judge's answer
     try:
         for part in parts:
             start = time.perf_counter()
@@ -89,6 +102,6 @@ def grow_and_score(adapter: ModelAdapter, tree: Tree, embeds: PromptEmbeds, sche
     finally:
         worker.shutdown()  # never waits: a stop or failure does not wait for a slow judge's answer
     seconds["reward_seconds"] = time.perf_counter() - waiting
-    seconds["reward_overlapped_seconds"] = max(0.0, sum(s for _, s in scored) - seconds["reward_seconds"])
+    seconds["reward_overlapped_seconds"] = covered_before([span for _, span in scored], waiting)  # scoring hidden behind the rollout
     order = torch.argsort(torch.cat(rows))  # leaf order, whatever the parts' order
     return rollout, torch.cat(images)[order], join_batches([batch for batch, _ in scored], order), seconds

@@ -319,7 +319,7 @@ class Trainer:
         parts = overlap_parts(len(prompts), spec.leaves, self.settings.max_batch)
         with self.memory.phase("rollout", info["memory"]), self.objective.sampling_weights():  # the decodes too; autocast around the growing only
             rollout, images, rewards, seconds = grow_and_score(self.adapter, tree, embeds, self.schedule, self.settings, address, parts, score,
-                                                               self.accelerator.autocast, self.reward.concurrency)
+                                                               self.accelerator.autocast, self.reward.parallel_calls)
         info.update(seconds)
         return rollout, images, rewards, info
 
