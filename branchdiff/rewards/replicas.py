@@ -87,7 +87,7 @@ class ReplicaReward:
         print(f"branchdiff: reward replica {url} left out, the others score its share: {one_line(why, 300)}", file=sys.stderr)
 
     def _all_down(self) -> str:
-        reasons = "; ".join(f"{url}: {one_line(why, 160)}" for url, why in self.down.items())
+        reasons = "; ".join(f"{url}: {one_line(why, 160)}" for url in self.urls if (why := self.down.get(url)) is not None)
         return f"every reward replica is down ({len(self.down)} of {len(self.urls)}): {reasons}"
 
     @property

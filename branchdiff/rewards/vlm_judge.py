@@ -226,7 +226,7 @@ class VLMJudge:
                 self.lock.wait()
 
     def all_down(self) -> str:
-        reasons = "; ".join(f"{url}: {one_line(why, 160)}" for url, why in self.down.items())
+        reasons = "; ".join(f"{url}: {one_line(why, 160)}" for url in self.urls if (why := self.down.get(url)) is not None)
         return f"every judge replica is down ({len(self.down)} of {len(self.urls)}): {reasons}"
 
     def leave_out(self, url: str, why: str) -> None:
