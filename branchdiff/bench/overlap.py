@@ -115,25 +115,33 @@ def _bench(json_path: Path | None, iterations: int, overrides: list[str]) -> dic
     finally:
         server.terminate()
         server.join()
-    identical = all(a["leaf_rewards"] == b["leaf_rewards"] for a, b in zip(runs["sequential"], runs["overlapped"]))
-    timed = {mode: rows[1:] for mode, rows in runs.items()}
-    table = {mode: {key: statistics.median(row[key] for row in rows) for key in PHASES} for mode, rows in timed.items()}
-    ratios = [a["seconds"] / b["seconds"] for a, b in zip(timed["sequential"], timed["overlapped"])]
-    ratio = statistics.median(ratios)
-    print(f"reward overlap: a reward server as slow as the rollout (last {seconds_per_image.value * 1000:.1f} ms an image, {images} images an "
-          f"iteration); median of {iterations} iterations a mode, run in turns")
-    print(f"{'scoring':<12}{'iteration s':>13}{'rollout s':>11}{'decode s':>10}{'reward wait s':>15}{'train s':>9}")
-    for mode, row in table.items():
-        print(f"{mode:<12}{row['seconds']:>13.2f}{row['rollout_seconds']:>11.2f}{row['decode_seconds']:>10.3f}{row['reward_seconds']:>15.2f}"
-              f"{row['train_seconds']:>9.2f}")
-    print(f"sequential ÷ overlapped, seconds per iteration: {ratio:.2f} (median of {len(ratios)}; {min(ratios):.2f}–{max(ratios):.2f}); "
-          f"leaf rewards identical bit for bit: {identical}")
-    result = {"table": table, "ratio": ratio, "ratios": ratios, "rewards_identical": identical, "seconds_per_image": seconds_per_image.value,
-              "images": images, "iterations": iterations}
+    heading = (f"reward overlap: a reward server as slow as the rollout (last {seconds_per_image.value * 1000:.1f} ms an image, {{images}} "
+               f"images an iteration); median of {iterations} iterations a mode, run in turns")
+    result = _summarise(runs, "scoring", heading, "sequential ÷ overlapped, seconds per iteration: {ratio}")
+    result.update(seconds_per_image=seconds_per_image.value, iterations=iterations)
     if json_path:
         json_path.write_text(json.dumps(result, indent=1))
     return result
 
+
+def _summarise(runs: dict[str, list[dict]], what: str, heading: str, verdict: str) -> dict:
+    """Two modes' runs (the first iteration a warm-up) as the printed table and the result: the median seconds per
+    iteration and per phase of each mode, the iterations' ratios first mode ÷ second and their median, and whether every
+    leaf reward of every iteration is the same bit for bit. `heading` may hold {images}; `verdict` holds {ratio}."""
+    first, second = runs.values()
+    identical = all(a["leaf_rewards"] == b["leaf_rewards"] for a, b in zip(first, second))
+    table = {mode: {key: statistics.median(row[key] for row in rows[1:]) for key in PHASES} for mode, rows in runs.items()}
+    ratios = [a["seconds"] / b["seconds"] for a, b in zip(first[1:], second[1:])]
+    ratio = statistics.median(ratios)
+    images = len(first[-1]["leaf_rewards"])
+    print(heading.format(images=images))
+    print(f"{what:<12}{'iteration s':>13}{'rollout s':>11}{'decode s':>10}{'reward wait s':>15}{'train s':>9}")
+    for mode, row in table.items():
+        print(f"{mode:<12}{row['seconds']:>13.2f}{row['rollout_seconds']:>11.2f}{row['decode_seconds']:>10.3f}{row['reward_seconds']:>15.2f}"
+              f"{row['train_seconds']:>9.2f}")
+    spread = f"{ratio:.2f} (median of {len(ratios)}; {min(ratios):.2f}–{max(ratios):.2f})"
+    print(f"{verdict.format(ratio=spread)}; leaf rewards identical bit for bit: {identical}")
+    return {"table": table, "ratio": ratio, "ratios": ratios, "rewards_identical": identical, "images": images}
 
 def bench_replicas(json_path: Path | None, replicas: int, iterations: int = 9, overrides: list[str] | None = None, slowness: float = 2.0) -> dict:
     """One replica against `replicas` of a reward server `slowness` times as slow as the rollout, both overlapped: each
@@ -170,21 +178,10 @@ def bench_replicas(json_path: Path | None, replicas: int, iterations: int = 9, o
             server.terminate()
             server.join()
         torch.set_num_threads(threads)
-    one, many = (rows[1:] for rows in runs.values())
-    identical = all(a["leaf_rewards"] == b["leaf_rewards"] for a, b in zip(*runs.values()))
-    table = {mode: {key: statistics.median(row[key] for row in rows[1:]) for key in PHASES} for mode, rows in runs.items()}
-    ratios = [a["seconds"] / b["seconds"] for a, b in zip(one, many)]
-    ratio = statistics.median(ratios)
-    print(f"reward replicas: a reward server {slowness:g}× as slow as the rollout on one replica (last {seconds_per_image.value * 1000:.1f} ms an "
-          f"image, {images} images an iteration), scoring overlapped; median of {iterations} iterations a mode, run in turns")
-    print(f"{'reward':<12}{'iteration s':>13}{'rollout s':>11}{'decode s':>10}{'reward wait s':>15}{'train s':>9}")
-    for mode, row in table.items():
-        print(f"{mode:<12}{row['seconds']:>13.2f}{row['rollout_seconds']:>11.2f}{row['decode_seconds']:>10.3f}{row['reward_seconds']:>15.2f}"
-              f"{row['train_seconds']:>9.2f}")
-    print(f"1 replica ÷ {replicas} replicas, seconds per iteration: {ratio:.2f} (median of {len(ratios)}; {min(ratios):.2f}–{max(ratios):.2f}; "
-          f"target ≥ 1.6 at 2); leaf rewards identical bit for bit: {identical}")
-    result = {"table": table, "ratio": ratio, "ratios": ratios, "rewards_identical": identical, "seconds_per_image": seconds_per_image.value,
-              "images": images, "iterations": iterations, "replicas": replicas, "slowness": slowness}
+    heading = (f"reward replicas: a reward server {slowness:g}× as slow as the rollout on one replica (last {seconds_per_image.value * 1000:.1f} "
+               f"ms an image, {{images}} images an iteration), scoring overlapped; median of {iterations} iterations a mode, run in turns")
+    result = _summarise(runs, "reward", heading, f"1 replica ÷ {replicas} replicas, seconds per iteration: {{ratio}} (target ≥ 1.6 at 2)")
+    result.update(seconds_per_image=seconds_per_image.value, iterations=iterations, replicas=replicas, slowness=slowness)
     if json_path:
         json_path.write_text(json.dumps(result, indent=1))
     return result
