@@ -99,19 +99,13 @@ def _bench(json_path: Path | None, iterations: int, overrides: list[str]) -> dic
     port = _free_port()
     server = context.Process(target=_serve_delayed, args=(port, seconds_per_image), daemon=True)
     server.start()
-    runs: dict[str, list[dict]] = {"sequential": [], "overlapped": []}
+    modes = ("sequential", "overlapped")
     try:
         url = f"http://127.0.0.1:{port}"
         RemoteReward(url, retries=8, backoff=0.5)  # waits until it answers /health
         with tempfile.TemporaryDirectory() as folder:
-            trainers = {mode: _trainer(url, mode == "overlapped", iterations + 1, Path(folder) / mode, overrides) for mode in runs}
-            rollouts = []
-            for iteration in range(iterations + 1):  # the first is a warm-up that sets the delay
-                for mode, trainer in trainers.items():
-                    runs[mode].append(_iteration(trainer, iteration))
-                rollouts.append(runs["sequential"][-1]["rollout_seconds"])
-                images = len(runs["sequential"][-1]["leaf_rewards"])
-                seconds_per_image.value = statistics.median(rollouts) / images  # scoring an iteration takes a rollout's time
+            trainers = {mode: _trainer(url, mode == "overlapped", iterations + 1, Path(folder) / mode, overrides) for mode in modes}
+            runs = _in_turns(trainers, iterations, seconds_per_image, 1.0)  # scoring an iteration takes a rollout's time
     finally:
         server.terminate()
         server.join()
@@ -122,6 +116,21 @@ def _bench(json_path: Path | None, iterations: int, overrides: list[str]) -> dic
     if json_path:
         json_path.write_text(json.dumps(result, indent=1))
     return result
+
+
+def _in_turns(trainers: dict, iterations: int, seconds_per_image, slowness: float) -> dict[str, list[dict]]:
+    """Iterations 0..`iterations` of each trainer, in turns (the first a warm-up that sets the delay), so that a slower or
+    faster spell of the machine falls on every mode; after each turn the server's delay an image (a multiprocessing
+    Value) is set so that scoring an iteration takes `slowness` × the first mode's median rollout so far."""
+    runs: dict[str, list[dict]] = {mode: [] for mode in trainers}
+    first = runs[next(iter(trainers))]
+    rollouts = []
+    for iteration in range(iterations + 1):
+        for mode, trainer in trainers.items():
+            runs[mode].append(_iteration(trainer, iteration))
+        rollouts.append(first[-1]["rollout_seconds"])
+        seconds_per_image.value = slowness * statistics.median(rollouts) / len(first[-1]["leaf_rewards"])
+    return runs
 
 
 def _summarise(runs: dict[str, list[dict]], what: str, heading: str, verdict: str) -> dict:
@@ -158,7 +167,6 @@ def bench_replicas(json_path: Path | None, replicas: int, iterations: int = 9, o
     for server in servers:
         server.start()
     modes = {"1 replica": "one", f"{replicas} replicas": "all"}
-    runs: dict[str, list[dict]] = {mode: [] for mode in modes}
     try:
         urls = [f"http://127.0.0.1:{port}" for port in ports]
         for url in urls:
@@ -166,13 +174,7 @@ def bench_replicas(json_path: Path | None, replicas: int, iterations: int = 9, o
         with tempfile.TemporaryDirectory() as folder:
             trainers = {mode: _trainer(urls[0] if which == "one" else urls, True, iterations + 1, Path(folder) / which, list(overrides or []))
                         for mode, which in modes.items()}
-            rollouts = []
-            for iteration in range(iterations + 1):  # the first is a warm-up that sets the delay
-                for mode, trainer in trainers.items():
-                    runs[mode].append(_iteration(trainer, iteration))
-                rollouts.append(runs["1 replica"][-1]["rollout_seconds"])
-                images = len(runs["1 replica"][-1]["leaf_rewards"])
-                seconds_per_image.value = slowness * statistics.median(rollouts) / images
+            runs = _in_turns(trainers, iterations, seconds_per_image, slowness)
     finally:
         for server in servers:
             server.terminate()
