@@ -603,6 +603,9 @@ TESTED_ELSEWHERE = {
     "videoalign-release-damaged": ["test_videoalign_release::test_a_damaged_release_is_one_line_naming_its_file"],
     "judge-cannot-score": ["test_vlm_judge::test_a_judge_that_cannot_score_stops_train_before_anything_is_written"],
     "group-rank-of-frames": ["test_video_rewards::test_a_group_reward_of_images_on_a_video_family_is_refused_before_the_model_loads"],
+    "judge-answer-impossible": ["test_vlm_judge::test_each_failure_is_one_line_naming_the_url"],
+    "ocr-setting-not-allowed": ["test_ocr_reward::test_it_is_listed_and_its_settings_are_checked"],
+    "gpu-bench-row-counts": ["test_gpu_bench::test_row_counts_that_are_not_whole_numbers_are_one_line"],
 }
 ALSO_TESTED = {"output-dir-in-use": "test_faults::test_two_runs_started_at_once_on_one_output_dir_one_trains_the_other_stops",
                "fsdp-version-1": "test_sharding::test_settings_come_from_accelerates_fsdp_variables",

@@ -7,6 +7,7 @@ model loads and with nothing written, in an SFT set, an offline-DPO set, an imag
 from __future__ import annotations
 
 import json
+import zlib
 
 import numpy as np
 import pytest
@@ -73,9 +74,11 @@ def files(tmp_path, monkeypatch):
     (tmp_path / "half.jpg").write_bytes(whole[: len(whole) // 2])
     _pattern(32, 32).save("broken.png")
     data = bytearray((tmp_path / "broken.png").read_bytes())
-    start = data.index(b"IDAT") + 8
-    data[start : start + 40] = bytes(40)  # the compressed pixels overwritten: the header and chunk lengths still read
-    (tmp_path / "broken.png").write_bytes(bytes(data))
+    chunk = data.index(b"IDAT")  # length (4 bytes) before it; then the compressed pixels and their CRC
+    length = int.from_bytes(data[chunk - 4 : chunk], "big")
+    data[chunk + 8 : chunk + 48] = bytes(40)  # the compressed pixels overwritten, past zlib's 2-byte header
+    data[chunk + 4 + length : chunk + 8 + length] = zlib.crc32(data[chunk : chunk + 4 + length]).to_bytes(4, "big")  # a valid CRC:
+    (tmp_path / "broken.png").write_bytes(bytes(data))  # PIL's verify() passes, only decoding the pixels fails
     Image.new("RGB", (40, 40), "blue").save("huge.png")
     (tmp_path / "loop.png").symlink_to(tmp_path / "loop.png")
     Image.fromarray(np.full((32, 32), 30000, dtype=np.uint16)).save("deep.png")
@@ -138,3 +141,17 @@ def test_a_damaged_first_frame_or_source_is_one_line_naming_its_row(files, name,
     assert main(["sample", "--family", "flux-kontext", "--model", str(files), "--prompt", "make it red", "--image", name, "--out", "out"]) == 2
     line = error_line(capsys)
     assert line.startswith(f"{PREFIX}--image: source image '{name}' ") and words in line and not (files / "out").exists()
+
+
+@pytest.mark.parametrize(("size", "multiple"), [((720, 1280), 32), ((48, 80), 32), ((480, 854), 16), ((704, 1280), 32)])
+def test_the_suggested_size_keeps_the_aspect_ratio(size, multiple):
+    """The size a refusal suggests (`nearest_size`) against a search of every multiple: the one nearest in area among those
+    within 1 % of the aspect ratio (the hint once changed it: 48×80 → [64, 64]; 720×1280 at 32 → 704×1280, 2.3 % off)."""
+    import math
+
+    from branchdiff.models.pipeline_adapter import nearest_size
+
+    aspect, area = size[1] / size[0], size[0] * size[1]
+    kept = [(abs(math.log(r * c * multiple**2 / area)), [r * multiple, c * multiple]) for r in range(1, 100) for c in range(1, 100)
+            if abs(c / r - aspect) / aspect <= 0.01]
+    assert nearest_size(size, multiple) == min(kept)[1]

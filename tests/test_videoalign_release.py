@@ -225,7 +225,7 @@ def test_a_folder_that_is_not_the_release_is_one_line(release, tmp_path, capsys)
         ([str(tmp_path / "list"), str(tmp_path / "f"), "--template", template], "expected an object with the sections"),
         ([str(nameless), str(tmp_path / "g"), "--template", template], "names no base model (model_config.model_name_or_path); give its local"),
         ([str(release / "lora"), str(tmp_path / "h"), "--template", template, "--base", str(other_base)],
-         "trained weights have no counterpart in the base"),
+         f"{release / 'lora' / 'checkpoint-3' / 'non_lora_state_dict.pth'}: 1 trained weights have no counterpart in the base"),
     ]
     for arguments, words in cases:
         assert main(["rewards", "convert", "videoalign", *arguments]) != 0
@@ -287,6 +287,16 @@ def test_a_damaged_release_is_one_line_naming_its_file(release, tmp_path, capsys
     settings = json.loads((three_heads / "model_config.json").read_text())
     settings["model_config"]["output_dim"] = 3
     (three_heads / "model_config.json").write_text(json.dumps(settings))
+    headless = copy("headless")
+    others = torch.load(headless / "checkpoint-3" / "non_lora_state_dict.pth", weights_only=True)
+    torch.save({k: v for k, v in others.items() if not k.endswith("rm_head.weight")}, headless / "checkpoint-3" / "non_lora_state_dict.pth")
+    no_b = copy("no-b")
+    factors = load_file(str(no_b / "checkpoint-3" / "adapter_model.safetensors"))
+    save_file({k: v for k, v in factors.items() if k != a_key.replace(".lora_A.", ".lora_B.")}, str(no_b / "checkpoint-3" / "adapter_model.safetensors"))
+    grown = copy("grown")
+    others = torch.load(grown / "checkpoint-3" / "non_lora_state_dict.pth", weights_only=True)
+    others[embed] = torch.cat([others[embed], others[embed][-1:]])  # one row more than the base's tokenizer and the reward tokens
+    torch.save(others, grown / "checkpoint-3" / "non_lora_state_dict.pth")
     (tmp_path / "broken.py").write_text('DETAILED_PROMPT_WITH_SPECIAL_TOKEN = """unterminated\n')
     (tmp_path / "latin1.txt").write_bytes("caf\xe9 {text_prompt}".encode("latin-1"))
     cases = [
@@ -296,6 +306,9 @@ def test_a_damaged_release_is_one_line_naming_its_file(release, tmp_path, capsys
         (misshapen, template, "non_lora_state_dict.pth: 'model.embed_tokens.weight' is (266, 16) and the base"),
         (wrong_rank, template, f"adapter_model.safetensors: the LoRA of {a_key.split('.lora_A.')[0].removeprefix('base_model.model.')!r} has A (2, "),
         (three_heads, template, "non_lora_state_dict.pth: 'rm_head.weight' is (1, 32); model_config's output_dim 3"),
+        (headless, template, f"{headless / 'checkpoint-3'}: the checkpoint holds no rm_head.weight or model.embed_tokens.weight"),
+        (no_b, template, f"{no_b / 'checkpoint-3' / 'adapter_model.safetensors'}: the LoRA of {a_key.split('.lora_A.')[0].removeprefix('base_model.model.')!r} has no base weight "),
+        (grown, template, f"{grown / 'checkpoint-3'}: 'model.embed_tokens.weight' holds 267 tokens, the base's tokenizer with the reward tokens 266"),
         (release / "lora", tmp_path / "broken.py", f"--template {tmp_path / 'broken.py'} is not valid Python (line 1: "),
         (release / "lora", tmp_path / "latin1.txt", "is not UTF-8 text"),
     ]

@@ -301,6 +301,32 @@ def test_a_judge_that_cannot_score_stops_train_before_anything_is_written(judge_
         'Does this image show "a plain grey square"? Answer yes or no.')
 
 
+@pytest.mark.parametrize("command", ["eval", "rewards-check", "sample-search"])
+def test_eval_rewards_check_and_search_ask_the_judge_before_the_model_loads(judge_url, tiny_model_dir, tmp_path, capsys, monkeypatch,
+                                                                              command):
+    """The same one question before `eval`, `rewards check` and `sample --search` load the model: a judge serving
+    another model stops each with the judge's line, the model never loaded and no output folder made."""
+    import branchdiff.models
+    from branchdiff.cli import main
+
+    def loaded(*args, **kwargs):
+        raise AssertionError("the model loaded before the judge was asked")
+
+    monkeypatch.setattr(branchdiff.models, "load_adapter", loaded)
+    StandIn.mode = "unknown-model"
+    kwargs = f"{{url: '{judge_url}', model: judge-7b, retries: 0}}"
+    reward = f"{{name: vlm-judge, kwargs: {kwargs}}}"
+    out = tmp_path / "out"
+    argv = {"eval": ["eval", "--model", str(tiny_model_dir), "--prompts", "tiny:held_out", "--rewards", f"[{reward}]", "--out", str(out)],
+            "rewards-check": ["rewards", "check", "vlm-judge", "--kwargs", kwargs, "--model", str(tiny_model_dir), "--prompts", "tiny:held_out"],
+            "sample-search": ["sample", "--model", str(tiny_model_dir), "--prompt", "one red circle on the left", "--search", "best-of-n",
+                              "--budget", "20", "--reward", reward, "--out", str(out)]}[command]
+    assert main(argv) == 2
+    error = [line for line in capsys.readouterr().err.splitlines() if line.startswith("branchdiff")]
+    assert len(error) == 1 and error[0].startswith("branchdiff: error: judge ") and "does the server serve a model named 'judge-7b'" in error[0], error
+    assert len(StandIn.requests) == 1 and not out.exists()
+
+
 class StalledRewardServer(JSONHandler):
     """A reward server whose /health answers and whose /score never does."""
 
