@@ -91,3 +91,17 @@ def test_the_trainer_steps_with_the_scheduled_rate(tiny_model_dir, tmp_path):
     for iteration in range(2, 4):
         assert trainer.run_iteration(iteration).metrics["learning_rate"] == pytest.approx(3e-5 * (4 - iteration) / 4, rel=1e-12)
     assert seen == pytest.approx([3e-5 * 2 / 4, 3e-5 * 1 / 4], rel=1e-12)
+
+
+@pytest.mark.parametrize("decay_start", [0, 6])
+@pytest.mark.parametrize("schedule", ["linear", "cosine"])
+def test_past_the_runs_end_the_rate_stays_at_its_final_zero(schedule, decay_start):
+    """A loop that trains past `iterations` (bench curves trains for a time budget) keeps the final rate, 0: diffusers'
+    cosine curve, read past its end, rises again (½(1 + cos(π·1.5)) = 0.5 at 1.5× its length)."""
+    iterations = 12
+    optimizer = _optimizer([1e-4])
+    learning_rate = LearningRateSchedule(optimizer, schedule, 0, iterations, decay_start=decay_start)
+    assert learning_rate.set(iterations) == 0.0
+    for i in (iterations + 1, iterations + 3, 2 * iterations - decay_start, 3 * iterations):
+        assert learning_rate.set(i) == 0.0
+        assert optimizer.param_groups[0]["lr"] == 0.0

@@ -5,7 +5,9 @@ The multiplier is diffusers' `get_scheduler` curve evaluated at the iteration, w
 `iterations` as its length: for linear, lr_i = lr·(N − i)/(N − w); for cosine,
 lr_i = lr·½(1 + cos(π·(i − w)/(N − w))); during warm-up (i < w), lr_i = lr·i/w. Because it depends
 on the iteration only, a resumed run continues on the same curve with nothing extra in its
-checkpoint; a run resumed with a larger `iterations` stretches the rest of the curve to the new end.
+checkpoint; a run resumed with a larger `iterations` stretches the rest of the curve to the new end. Past
+`iterations` (a loop with a time budget, as `bench curves`) the rate stays at the curve's end: diffusers' cosine,
+read beyond its length, would rise again.
 
 `train.decay_start` = D > 0 holds the rate (after any warm-up) until iteration D and decays it from
 there to 0 at the run's end: lr_i = lr·c((i − D)/(N − D)) for i ≥ D, with c the linear or cosine
@@ -27,6 +29,7 @@ class LearningRateSchedule:
         self.optimizer = optimizer
         self.base_rates = [group["lr"] for group in optimizer.param_groups]
         name = "constant_with_warmup" if schedule == "constant" and warmup_iterations else schedule
+        self.iterations = iterations
         self.multiplier = None  # constant: the optimizer keeps the configured rate, untouched
         if name != "constant":
             from diffusers.optimization import get_scheduler  # diffusers loads with the model, not with the config
@@ -43,7 +46,7 @@ class LearningRateSchedule:
         """Apply iteration's rates; returns the first group's."""
         if self.multiplier is None:
             return self.base_rates[0]
-        factor = self.multiplier(iteration)
+        factor = self.multiplier(min(iteration, self.iterations))
         for group, rate in zip(self.optimizer.param_groups, self.base_rates):
             group["lr"] = rate * factor
         return self.base_rates[0] * factor
