@@ -194,3 +194,19 @@ def test_variant_specs_and_merging_runs_over_other_seeds(tmp_path):
                                        np.asarray(everything["variants"][name][key], dtype=float), err_msg=f"{name} {key}")
     assert merged["ratios"]["final_vs_mix_p"] == pytest.approx(everything["ratios"]["final_vs_mix_p"])
     assert (tmp_path / "out" / "curves.md").is_file() and json.loads((tmp_path / "merged.json").read_text())["seeds"] == 3
+
+
+def test_the_plot_keeps_a_long_legend_inside_the_image(tmp_path):
+    """The legend stands beside the axes; a variant's spec can be long (`dpo_offline_then_default:iterations=270:...`): the
+    saved image widens to hold it instead of cutting it (and the title and axis label) at the figure's 7 × 120 pixels."""
+    from PIL import Image
+
+    from branchdiff.bench.curves import plot_curves
+
+    grid = [0.0, 1.0, 2.0]
+    long_name = "dpo_offline_then_default:iterations=270:train.decay_start=162"
+    result = {"grid_minutes": grid, "seeds": 2, "clock": "wall", "reference": "mix",
+              "variants": {name: {"mean": [0.2, 0.3, 0.4], "ci": [[0.2, 0.2], [0.25, 0.35], [0.3, 0.5]]} for name in ("mix", long_name)}}
+    plot_curves(result, tmp_path / "curves.png")
+    width, _ = Image.open(tmp_path / "curves.png").size
+    assert width > 7 * 120 + 200

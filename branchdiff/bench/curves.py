@@ -464,8 +464,7 @@ def plot_curves(result: dict, path: Path) -> None:
     clock = {"wall": "training wall time", "modelled": "modelled GPU time (branchdiff/bench/clock.py)"}[result["clock"]]
     axes.set_xlabel(f"{clock}, minutes; evaluation not counted")
     axes.set_ylabel("held-out strict accuracy")
-    axes.set_title(f"tiny task, {result['seeds']} seed(s): mean and 95% interval")
+    axes.set_title(f"{result['seeds']} seed(s): mean and 95% interval")
     axes.grid(alpha=0.3)
     axes.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
+    figure.savefig(path, dpi=120, bbox_inches="tight")  # the image grows to hold the legend beside the axes
