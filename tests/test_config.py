@@ -335,6 +335,16 @@ CPS_ZERO = "where cps's std σ'·sin(aπ/2) is 0 (σ' = 0), so nothing would be 
          "explore.mode=tree) or use an SDE (sampling.sde=flow)"),
         (["sampling.sde=ode", "train.loss=nft", "model.family=sd15", "model.path=x"],
          "'sampling.sde' = 'ode' samples flow-matching chains; model.family=sd15 steps with DDIM: use sampling.sde=ddim"),
+        # a first-block cache: not under trained rollout log-probs, exact regeneration or a whole-model compile
+        (["sampling.block_cache=0.1"], "'sampling.block_cache' = 0.1 with train.loss=grpo: a cached step is not the policy's, so the log-probs "
+                                       "it trains would not be the rollout's (the ratio would not be 1 before the first update); use an objective "
+                                       "that trains final samples (nft, awm, dgpo, dpo) or sampling.block_cache=0"),
+        (["sampling.block_cache=0.1", "train.loss=nft", "sampling.exact=true"],
+         "'sampling.block_cache' = 0.1 with sampling.exact: a cached forward's skips depend on the rows it holds, so a node regrown alone "
+         "would not be bit for bit the same; set one of them off"),
+        (["sampling.block_cache=0.1", "train.loss=awm", "model.compile=full"],
+         "'sampling.block_cache' = 0.1 with model.compile=full: the cache wraps the denoiser's blocks, which a whole-model compilation traces "
+         "through; use model.compile=blocks (compiled blocks stay compiled) or none"),
         # cps: only the last step is SDE (its std is 0 there)
         (["sampling.sde=cps", "sampling.num_steps=1"], f"'sampling.sde' = 'cps' with sampling.num_steps = 1: the only step is the last, {CPS_ZERO}; "
                                                        "use sampling.num_steps ≥ 2 or sampling.sde=flow or dance"),

@@ -298,7 +298,8 @@ MODES = {"full": ["model.finetune=full"], "nft-lora": ["train.loss=nft"], "guard
          "dgpo-ema-lora": ["train.loss=dgpo", "dgpo.reference=ema"],
          "dppo-lora": ["train.loss=dppo"], "dpo-lora": ["train.loss=dpo"],
          "median-lora": ["advantage.baseline=median", "tree.splits=[[0,3]]"], "sft-lora": ["train.loss=sft"],
-         "dpo-offline-lora": ["train.loss=dpo-offline"], "overlap-lora": ["reward_overlap=true", "sampling.max_batch=3"]}
+         "dpo-offline-lora": ["train.loss=dpo-offline"], "overlap-lora": ["reward_overlap=true", "sampling.max_batch=3"],
+         "nft-block-cache-lora": ["train.loss=nft", "sampling.block_cache=1e9"]}
 
 
 def _rates(mode: list[str]) -> list[str]:
@@ -348,7 +349,9 @@ def test_full_finetuning_trains_on_two_processes_like_one(tiny_model_dir, mode_r
     one process holds whole (DGPO's moving reference follows the same optimizer steps on both); DPPO recovers rollout means as GRPO-Guard does; the median baseline's
     pivots are per (prompt, depth); SFT and offline DPO draw their rows as prompts are and their noise
     levels by each row's global slot. Scoring overlapped with the rollout (one prompt a part) scores each
-    process's parts in its own worker."""
+    process's parts in its own worker. DiffusionNFT's rollouts with the first-block cache skip every forward after
+    the roots' (a threshold every change falls under, so that one and two processes, whose forwards hold different
+    rows, decide alike): a skipped row's output depends on its own latent and its parent's cache only."""
     mode = MODES[name]
     full = "model.finetune=full" in mode
     trained_two = _export(mode_runs / name, full)

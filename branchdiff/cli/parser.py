@@ -217,15 +217,16 @@ BENCHMARKS = {"tree": "one training iteration of each algorithm, side by side (d
               "curves": "held-out accuracy against training time, per variant and seed (docs/curves.md)",
               "search": "the best reward each search finds against its budget of network rows (docs/search.md)",
               "reward-server": "a load test of a reward server on the loopback (docs/reward-server.md)",
-              "overlap": "a run scored by a reward server as slow as its rollout, sequential and overlapped (docs/rewards.md)"}
+              "overlap": "a run scored by a reward server as slow as its rollout, sequential and overlapped (docs/rewards.md)",
+              "cache": "rollouts with the first-block cache (sampling.block_cache) against uncached ones: speed and reward (docs/gpu.md)"}
 
 
 def _bench_arguments(bench: argparse.ArgumentParser) -> None:
     """`bench NAME`: a parser per benchmark holding only the options it reads, so that an option of
     another is refused (`unrecognized`) rather than ignored."""
     which = bench.add_subparsers(dest="which", required=True)
-    tree, explore, curves, search, server, overlap = (which.add_parser(name, help=text, description=text) for name, text in BENCHMARKS.items())
-    for sub in (tree, explore, curves, search, server, overlap):
+    tree, explore, curves, search, server, overlap, cache = (which.add_parser(name, help=text, description=text) for name, text in BENCHMARKS.items())
+    for sub in (tree, explore, curves, search, server, overlap, cache):
         sub.add_argument("--json", type=Path, default=None, help="write the table and ratios to this JSON file")
     tree.add_argument("--repeats", type=at_least(1), default=3, help="timed repeats of each variant (median reported)")
     tree.add_argument("--variants", default=None, help="comma-separated variants (default: all: chain, tree, tree_depth_pruned, "
@@ -265,7 +266,13 @@ def _bench_arguments(bench: argparse.ArgumentParser) -> None:
     overlap.add_argument("--iterations", type=at_least(1), default=9, help="timed iterations of each mode (median reported)")
     overlap.add_argument("--replicas", type=at_least(2), default=None, help="instead: a reward twice as slow as the rollout served by one "
                                                                             "replica and by this many, both overlapped (docs/reward-server.md)")
-    for sub in (tree, explore, curves, overlap):
+    cache.add_argument("--thresholds", default="0.1,0.2,0.4", help="comma-separated cache thresholds (each > 0; the uncached rollout is always measured)")
+    cache.add_argument("--draws", type=at_least(1), default=5, help="iterations' trees measured (prompts and noise of iterations --first-draw on)")
+    cache.add_argument("--first-draw", type=at_least(0), default=0, help="the first iteration drawn (tune on some draws, report others)")
+    cache.add_argument("--repeats", type=at_least(1), default=3, help="timed rollouts of each draw and threshold (median), after a warm-up")
+    cache.add_argument("--task", choices=["tiny-video", "tiny"], default="tiny-video", help="the built-in task: clips (its preset, DiffusionNFT) "
+                                                                                        "or images (tiny-mix with train.loss=nft)")
+    for sub in (tree, explore, curves, overlap, cache):
         sub.add_argument("overrides", nargs="*", help="dotted key=value overrides of every variant, e.g. prompts.per_iteration=2")
 
 

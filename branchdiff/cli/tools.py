@@ -75,6 +75,14 @@ def cmd_bench(args: argparse.Namespace) -> None:
             bench_replicas(args.json, args.replicas, args.iterations, args.overrides)
         else:
             bench_overlap(args.json, args.iterations, args.overrides)
+    elif args.which == "cache":
+        from branchdiff.bench.block_cache import bench_cache
+
+        try:
+            thresholds = [float(item) for item in args.thresholds.split(",") if item]
+        except ValueError:
+            raise UserError(f"bench cache --thresholds {args.thresholds}: give comma-separated numbers, e.g. 0.1,0.2") from None
+        bench_cache(args.json, thresholds, args.draws, args.first_draw, args.repeats, args.task, args.overrides)
     elif args.which == "search" and args.sampler:
         if args.task is not None or args.first_seed:
             option = "--task" if args.task is not None else "--first-seed"

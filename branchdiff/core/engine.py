@@ -19,6 +19,7 @@ the Gaussian log-density of the child under the step's mean and std (0 for an OD
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +28,7 @@ from branchdiff.core import noise
 from branchdiff.core.noise import NodePath
 from branchdiff.core.tree import TreeSpec
 from branchdiff.models.base import ModelAdapter, PromptEmbeds, select_embeds
+from branchdiff.models.block_cache import BlockCache
 from branchdiff.schedulers.flow import gaussian_log_prob
 from branchdiff.schedulers.schedule import Schedule
 
@@ -38,6 +40,7 @@ class SamplerSettings:
     max_batch: int = 64  # network rows per model forward (a CFG prediction costs 2)
     exact: bool = False  # pad forwards to max_batch so any node regenerates bit for bit
     guidance: float | None = None  # CFG scale or embedded guidance; None = the adapter's default
+    block_cache: float = 0.0  # first-block cache threshold of `rollout.grow`'s forwards (branchdiff/models/block_cache.py); 0: off
 
 
 @dataclass(frozen=True)
@@ -66,12 +69,14 @@ def forward_chunked(
     times: torch.Tensor,
     embeds: PromptEmbeds,
     settings: SamplerSettings,
+    cache: BlockCache | None = None,
 ) -> tuple[torch.Tensor, int]:
     """The guided model output for latents (B, ...) at times (B,) in forwards of at most
     `max_batch` network rows (max_batch // 2 latents under CFG), and the network rows computed;
     with `exact`, a short chunk is padded (its last latent repeated) to a full chunk and the
     padding dropped after. A sharded denoiser (`adapter.lockstep`) makes as many forwards as the
-    other processes do for their batch: the missing ones are padding forwards of one latent, dropped."""
+    other processes do for their batch: the missing ones are padding forwards of one latent, dropped.
+    `cache`: the rollout's block cache, told which of the depth's rows each forward holds."""
     rows_each = rows_per_latent(adapter, settings)
     chunk = max(1, settings.max_batch // rows_each)
     outputs, computed = [], 0
@@ -85,7 +90,8 @@ def forward_chunked(
         rows = torch.arange(start, min(start + chunk, latents.shape[0]))
         if settings.exact and len(rows) < chunk:
             rows = torch.cat([rows, rows[-1:].expand(chunk - len(rows))])
-        output = adapter.predict(latents[rows], times[rows], select_embeds(embeds, rows), settings.guidance)
+        with nullcontext() if cache is None else cache.forward(rows, rows_each):
+            output = adapter.predict(latents[rows], times[rows], select_embeds(embeds, rows), settings.guidance)
         outputs.append(output[: min(chunk, latents.shape[0] - start)])
         computed += len(rows) * rows_each
     return torch.cat(outputs), computed
@@ -98,11 +104,13 @@ def predict(
     embeds: PromptEmbeds,
     schedule: Schedule,
     settings: SamplerSettings,
+    cache: BlockCache | None = None,
 ) -> tuple[torch.Tensor, int, int]:
     """Model outputs (B, ...) of nodes with latents (B, ...) at depths (B,) (embeds: one row per
-    node); the network rows of the B nodes and the rows computed (padding included)."""
+    node); the network rows of the B nodes and the rows computed (padding included). `cache`: a
+    rollout's block cache (`rollout.grow`), the B nodes being one depth's rows."""
     times = schedule.model_times[depths.to(schedule.model_times.device)]  # (B,)
-    output, computed = forward_chunked(adapter, latents, times, embeds, settings)
+    output, computed = forward_chunked(adapter, latents, times, embeds, settings, cache)
     return output, len(latents) * rows_per_latent(adapter, settings), computed
 
 

@@ -18,6 +18,7 @@ are drawn as `mean + m·std·ε` while the log-prob keeps N(mean, std²), as the
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass, replace
 
 import torch
@@ -25,6 +26,7 @@ import torch
 from branchdiff.core.engine import NoiseAddress, SamplerSettings, initial_noise, predict, transition
 from branchdiff.core.tree import Tree
 from branchdiff.models.base import ModelAdapter, PromptEmbeds, select_embeds
+from branchdiff.models.block_cache import BlockCache
 from branchdiff.schedulers.schedule import Schedule
 
 
@@ -38,6 +40,8 @@ class Rollout:
     noise_level: torch.Tensor  # (N,) SDE noise level of the edge into each node (0 for roots and ODE edges)
     nfe: int  # network rows of real nodes (2 per node under CFG)
     nfe_computed: int  # network rows computed, padding included (= nfe unless exact)
+    forwards: int = 0  # forwards made under a block cache (`SamplerSettings.block_cache`; 0 without one)
+    forwards_cached: int = 0  # of those, forwards that skipped every block after the first (branchdiff/models/block_cache.py)
 
     @property
     def leaf_latents(self) -> torch.Tensor:
@@ -98,20 +102,28 @@ def grow_prompts(
     roots = nodes_at(0)
     rollout.latents[roots] = initial_noise(address, [keys[r] for r in roots.tolist()], [tree.paths[r] for r in roots.tolist()],
                                            adapter.latent_shape, adapter.device)
-    for depth in range(tree.spec.num_steps):
-        level = nodes_at(depth)  # ascending node indices
-        if len(level) == 0:  # a sub-tree that ends above the leaves
-            break
-        x = rollout.latents[level]  # (n_level, *shape)
-        output, rows, computed = predict(adapter, x, tree.depth[level], select_embeds(embeds, tree.prompt[level]), schedule, settings)
-        rollout.nfe += rows
-        rollout.nfe_computed += computed
-        children = nodes_at(depth + 1)
-        parent_row = torch.searchsorted(level, tree.parent[children])  # each child's parent's row in `level`
-        made = transition(tree.spec, schedule, settings, address, depth, x[parent_row], output[parent_row],
-                          [keys[c] for c in children.tolist()], [tree.paths[c] for c in children.tolist()])
-        rollout.latents[children], rollout.log_prob[children] = made.latents, made.log_prob
-        rollout.std[children], rollout.noise_level[children] = made.std, made.noise_level
+    cache = BlockCache(adapter.denoiser, settings.block_cache) if settings.block_cache > 0 else None
+    with nullcontext() if cache is None else cache:
+        for depth in range(tree.spec.num_steps):
+            level = nodes_at(depth)  # ascending node indices
+            if len(level) == 0:  # a sub-tree that ends above the leaves
+                break
+            x = rollout.latents[level]  # (n_level, *shape)
+            output, rows, computed = predict(adapter, x, tree.depth[level], select_embeds(embeds, tree.prompt[level]), schedule, settings,
+                                             cache)
+            rollout.nfe += rows
+            rollout.nfe_computed += computed
+            children = nodes_at(depth + 1)
+            parent_row = torch.searchsorted(level, tree.parent[children])  # each child's parent's row in `level`
+            if cache is not None:
+                cache.next_level(parent_row)
+            made = transition(tree.spec, schedule, settings, address, depth, x[parent_row], output[parent_row],
+                              [keys[c] for c in children.tolist()], [tree.paths[c] for c in children.tolist()])
+            rollout.latents[children], rollout.log_prob[children] = made.latents, made.log_prob
+            rollout.std[children], rollout.noise_level[children] = made.std, made.noise_level
+    if cache is not None:
+        rollout.forwards_cached += cache.skipped
+        rollout.forwards += cache.forwards
 
 
 @torch.no_grad()

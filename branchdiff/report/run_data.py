@@ -27,7 +27,7 @@ from branchdiff.report.figures import Column
 # keys of metrics.jsonl that are not reward components (branchdiff/training/metrics.py, recipe.py)
 NOT_COMPONENTS = frozenset({
     "iteration", "reward_mean", "reward_std", "reward_zero_spread_fraction", "reward_group_std",
-    "groups_dropped", "nfe_rollout", "nfe_rollout_computed", "nfe_trained",
+    "groups_dropped", "nfe_rollout", "nfe_rollout_computed", "nfe_trained", "rollout_forwards", "rollout_forwards_cached",
     "edges_trained", "rollout_seconds", "reward_seconds", "train_seconds", "eval_seconds", "learning_rate",
 }) | all_update_metrics()
 NOT_COMPONENT_PREFIXES = ("accuracy_", "eval_", "explore_", "advantage_", "watch_", "memory_")

@@ -69,6 +69,7 @@ class SamplingConfig:
     guidance: float | None = non_negative(None)  # CFG scale (sd3, sana, sd15, wan, qwen-image: > 1 guides; z-image: > 0, as its pipeline) or guidance embedding (flux) of rollouts and training; None = family default
     max_batch: int = positive(64)  # network rows per model forward in rollouts (a CFG prediction takes 2)
     exact: bool = False  # pad rollout forwards to max_batch rows: bit-exact regeneration, slower narrow levels
+    block_cache: float = non_negative(0.0)  # rollouts skip all but the denoiser's first block where its residual changed less than this (relative) since its last full step; 0: off. Objectives that train final samples only (nft, awm, dgpo, dpo); docs/gpu.md
 
 
 @dataclass

@@ -9,7 +9,7 @@ import difflib
 
 from branchdiff.errors import ConfigError
 from branchdiff.models.registry import FAMILIES, LORA_TARGET_SETS, STEP_KINDS, image_size
-from branchdiff.objectives.registry import dataset_kind, decoupled, flow_only
+from branchdiff.objectives.registry import OBJECTIVES, dataset_kind, decoupled, flow_only
 from branchdiff.rewards.combine import parse_reward_specs
 from branchdiff.settings.config import TrainConfig
 from branchdiff.settings.trees import tree_spec, validate_cps, validate_ode, validate_trainable, validate_tree
@@ -94,8 +94,27 @@ def validate(config: TrainConfig) -> None:
         validate_cps(config)
     _validate_loss(config, steps_family)
     _validate_explore(config)
+    _validate_block_cache(config)
     if not decoupled(config.train.loss):  # the GRPO objectives train SDE edges; the decoupled ones train final samples
         validate_trainable(config)
+
+
+def _validate_block_cache(config: TrainConfig) -> None:
+    """A first-block cache (`sampling.block_cache`) changes what rollouts sample: only where no rollout log-prob is trained."""
+    cache = config.sampling.block_cache
+    if not cache:
+        return
+    if not decoupled(config.train.loss):
+        on_samples = ", ".join(name for name in OBJECTIVES if decoupled(name) and not dataset_kind(name))
+        raise ConfigError(f"'sampling.block_cache' = {cache:g} with train.loss={config.train.loss}: a cached step is not the policy's, so the "
+                          f"log-probs it trains would not be the rollout's (the ratio would not be 1 before the first update); use an "
+                          f"objective that trains final samples ({on_samples}) or sampling.block_cache=0")
+    if config.sampling.exact:
+        raise ConfigError(f"'sampling.block_cache' = {cache:g} with sampling.exact: a cached forward's skips depend on the rows it "
+                          "holds, so a node regrown alone would not be bit for bit the same; set one of them off")
+    if config.model.compile == "full":
+        raise ConfigError(f"'sampling.block_cache' = {cache:g} with model.compile=full: the cache wraps the denoiser's blocks, which "
+                          "a whole-model compilation traces through; use model.compile=blocks (compiled blocks stay compiled) or none")
 
 
 MEDIAN_BASELINE = ("grpo", "grpo-guard", "grpo-layertuning", "dppo", "nft", "awm", "dgpo")  # objectives whose advantages take advantage.baseline

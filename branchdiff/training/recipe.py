@@ -66,6 +66,7 @@ from branchdiff.explore.pool import RolloutContext, latent_difference
 from branchdiff.models import load_adapter
 from branchdiff.models.attention import resolve_backend
 from branchdiff.models.base import PromptEmbeds, encode_for
+from branchdiff.models.block_cache import check_cacheable
 from branchdiff.models.compile import compile_denoiser, report_first_call, resolve_compile
 from branchdiff.models.ema import WeightAverage
 from branchdiff.models.finetune import export, make_finetune
@@ -110,7 +111,7 @@ class IterationResult:
 
 def sampler_settings(config: TrainConfig) -> SamplerSettings:
     s = config.sampling
-    return SamplerSettings(s.sde, s.noise_level, s.max_batch, s.exact, s.guidance)
+    return SamplerSettings(s.sde, s.noise_level, s.max_batch, s.exact, s.guidance, s.block_cache)
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -151,6 +152,14 @@ class Trainer:
         self.adapter = load_adapter(model.family, model.path, self.accelerator.device, model.resolution, DTYPES[model.dtype], model.offload,
                                     model.prompt_instruction, model.frames, model.expert, model.guidance_2)
         self.evaluation.check_size(self.adapter)
+        if config.sampling.block_cache > 0:
+            if self.sharding.enabled:
+                raise UserError("sampling.block_cache with FSDP: a forward that skips blocks on one process would leave the others' "
+                                "sharded blocks waiting; set sampling.block_cache=0 when sharding")
+            try:
+                check_cacheable(self.adapter)
+            except ValueError as error:
+                raise UserError(str(error)) from None
         cuda = self.accelerator.device.type == "cuda"
         attention, kernel = resolve_backend(model.attention_backend, self.adapter.denoiser, self.accelerator.device, model.family)
         compile_mode, compile_why = resolve_compile(model.compile, model.family, cuda, self.sharding.enabled)

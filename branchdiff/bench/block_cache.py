@@ -1,0 +1,107 @@
+"""`branchdiff bench cache`: a task's rollouts with the first-block cache (`sampling.block_cache`, docs/gpu.md)
+against the same rollouts without it, side by side in one process.
+
+The run is the task's preset (`tiny-video`: DiffusionNFT's default on the video task, its blocks compiled;
+`tiny` with `train.loss=nft`) and the overrides given. Each draw is one iteration's trees (that iteration's
+prompts and noise); for every draw the rollout is grown once per threshold, the uncached one (0) first,
+interleaved, and again `repeats` times, the first round discarded as a warm-up (it compiles). Per
+threshold: the uncached rollout's median seconds over the cached one's (the speed-up), the forwards that
+skipped every block after the first, the leaves' mean reward (the run's `reward`) beside the uncached
+leaves' — the difference paired by draw, with its 95 % t interval and p (a paired t-test) — and the mean
+|x_cached − x| of the leaves.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from dataclasses import replace
+from pathlib import Path
+
+from scipy import stats
+
+from branchdiff.bench.stats import t_interval
+from branchdiff.settings.load import load_config
+from branchdiff.training.preflight import check_inputs
+from branchdiff.training.recipe import Trainer
+
+TASKS = {"tiny-video": ("tiny-video", []), "tiny": ("tiny-mix", ["train.loss=nft"])}
+QUIET = ["logging.report_to=none", "final_eval=false", "eval_every=0", "output_dir=runs/bench-cache"]
+
+
+def paired_p(differences: list[float]) -> float:
+    """Two-sided p of a paired t-test (the mean of `differences` against 0); 1 for fewer than two or all zero."""
+    if len(differences) < 2 or all(d == 0 for d in differences):
+        return 1.0
+    if statistics.pstdev(differences) == 0:
+        return 0.0
+    return float(stats.ttest_1samp(differences, 0.0).pvalue)
+
+
+def bench_cache(json_path: Path | None, thresholds: list[float], draws: int = 5, first_draw: int = 0, repeats: int = 3,
+                task: str = "tiny-video", extra_overrides: list[str] = ()) -> dict:
+    """Rows per threshold (module doc); `draws` iterations' trees from `first_draw` on."""
+    if any(t <= 0 for t in thresholds):
+        raise ValueError(f"bench cache --thresholds {','.join(f'{t:g}' for t in thresholds)}: every threshold must be > 0 "
+                         "(the uncached rollout, 0, is always measured)")
+    preset, overrides = TASKS[task]
+    config = load_config(preset, [*overrides, *QUIET, *extra_overrides])
+    check_inputs(config)
+    trainer = Trainer(config)
+    levels = [0.0, *thresholds]
+    seconds: dict[float, list[list[float]]] = {t: [[] for _ in range(draws)] for t in levels}
+    rewards: dict[float, list[float]] = {t: [0.0] * draws for t in levels}
+    distance: dict[float, list[float]] = {t: [0.0] * draws for t in levels}
+    skipped: dict[float, list[float]] = {t: [0.0] * draws for t in levels}
+    plain = trainer.settings
+    for repeat in range(repeats + 1):  # round 0 warms up (compiles) and is discarded
+        for index in range(draws):
+            iteration = first_draw + index
+            uncached = None
+            for threshold in levels:
+                trainer.settings = replace(plain, block_cache=threshold)
+                rollout, _, scored, info = trainer.rollout_and_score(iteration)
+                if repeat:
+                    seconds[threshold][index].append(info["rollout_seconds"])
+                if threshold == 0:
+                    uncached = rollout.leaf_latents
+                assert uncached is not None
+                rewards[threshold][index] = float(scored.total.float().mean())
+                distance[threshold][index] = float((rollout.leaf_latents - uncached).abs().mean())
+                skipped[threshold][index] = rollout.forwards_cached / rollout.forwards if rollout.forwards else 0.0
+    trainer.settings = plain
+    base_seconds = [statistics.median(s) for s in seconds[0.0]]
+    rows = {}
+    for threshold in levels:
+        medians = [statistics.median(s) for s in seconds[threshold]]
+        gains = [b / m for b, m in zip(base_seconds, medians)]
+        differences = [r - b for r, b in zip(rewards[threshold], rewards[0.0])]
+        rows[f"{threshold:g}"] = {
+            "threshold": threshold, "rollout_seconds": statistics.median(medians), "speedup": statistics.mean(gains),
+            "speedup_interval": t_interval(gains), "forwards_skipped": statistics.mean(skipped[threshold]),
+            "reward": statistics.mean(rewards[threshold]), "reward_minus_uncached": statistics.mean(differences),
+            "reward_minus_uncached_interval": t_interval(differences), "p": paired_p(differences),
+            "leaf_mean_abs_diff": statistics.mean(distance[threshold]), "per_draw_reward": rewards[threshold],
+        }
+    result = {"task": task, "preset": preset, "overrides": [*overrides, *extra_overrides], "draws": draws, "first_draw": first_draw,
+              "repeats": repeats, "compile": trainer.runtime["compile"], "rows": rows}
+    print(format_cache(result))
+    if json_path:
+        json_path.write_text(json.dumps(result, indent=1))
+        print(f"wrote {json_path}")
+    return result
+
+
+def format_cache(result: dict) -> str:
+    lines = [f"bench cache: {result['task']} ({result['preset']} {' '.join(result['overrides'])}; compile {result['compile']}), "
+             f"{result['draws']} draws from iteration {result['first_draw']}, median of {result['repeats']}",
+             f"{'threshold':>9} {'rollout s':>9} {'speed-up':>17} {'skipped':>7} {'reward':>7} {'Δ reward [95 %]':>26} {'p':>6} {'|Δx|':>7}"]
+    for row in result["rows"].values():
+        low, high = row["speedup_interval"]
+        d_low, d_high = row["reward_minus_uncached_interval"]
+        p = "" if row["threshold"] == 0 else f"{row['p']:.3f}" if math.isfinite(row["p"]) else "nan"
+        lines.append(f"{row['threshold']:>9g} {row['rollout_seconds']:>9.3f} {row['speedup']:>6.2f}× [{low:.2f}, {high:.2f}] "
+                     f"{row['forwards_skipped']:>7.2f} {row['reward']:>7.3f} {row['reward_minus_uncached']:>+8.3f} [{d_low:+.3f}, {d_high:+.3f}] "
+                     f"{p:>6} {row['leaf_mean_abs_diff']:>7.4f}")
+    return "\n".join(lines)

@@ -1,0 +1,137 @@
+"""The rollouts' node-indexed first-block cache (branchdiff/models/block_cache.py, `sampling.block_cache`)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from branchdiff.core.engine import NoiseAddress, SamplerSettings, transition
+from branchdiff.core.rollout import grow
+from branchdiff.core.tree import Split, TreeSpec, build_tree
+from branchdiff.models.block_cache import BlockCache, check_cacheable
+
+PROMPTS = ["two red circles moving left", "a blue square moving up"]
+SPEC = TreeSpec(6, (Split(0, 2), Split(2, 2)), 1)  # 2 prompts × 4 leaves, SDE at every step
+
+
+@pytest.fixture(scope="module")
+def video_adapter():
+    from branchdiff.models.tiny_video import TinyVideoAdapter
+
+    return TinyVideoAdapter.random(seed=0)
+
+
+def _rollout(adapter, threshold: float, max_batch: int = 64, per_node: bool = False):
+    tree = build_tree(SPEC, len(PROMPTS))
+    settings = SamplerSettings(max_batch=max_batch, block_cache=threshold)
+    address = NoiseAddress(3, 0, (0, 1))
+    embeds = adapter.encode_prompts(PROMPTS)
+    return grow(adapter, tree, embeds, adapter.schedule(SPEC.num_steps), settings, address, per_node), embeds, settings, address
+
+
+def test_each_node_follows_diffusers_first_block_cache_along_its_root_path(video_adapter):
+    """One node per forward: every node's latent is the transition from its parent's latent and the output that
+    diffusers' own FirstBlockCache hooks give when the node's root path is replayed as one chain (a fresh cache a
+    path, fed the path's latents in order) — the node-indexed cache carries each parent's state to its children."""
+    from diffusers.hooks import FirstBlockCacheConfig, apply_first_block_cache
+    from diffusers.hooks.hooks import CacheContext, HookRegistry, _set_cache_context
+
+    threshold = 0.3
+    rollout, embeds, settings, address = _rollout(video_adapter, threshold, per_node=True)
+    assert 0 < rollout.forwards_cached < rollout.forwards == rollout.tree.num_nodes - len(rollout.tree.leaf_index)
+    tree, schedule = rollout.tree, rollout.schedule
+    denoiser = video_adapter.denoiser
+    apply_first_block_cache(denoiser, FirstBlockCacheConfig(threshold))
+    checked = 0
+    try:
+        for leaf in tree.leaf_index.tolist():
+            path = [leaf]
+            while tree.parent[path[0]] >= 0:
+                path.insert(0, int(tree.parent[path[0]]))
+            HookRegistry.check_if_exists_or_initialize(denoiser).reset_stateful_hooks(recurse=True)
+            _set_cache_context(denoiser, CacheContext("path"))
+            for node, child in zip(path[:-1], path[1:]):
+                depth = int(tree.depth[node])
+                prompt = tree.prompt[node : node + 1]
+                with torch.no_grad():
+                    output = video_adapter.predict(rollout.latents[node : node + 1], schedule.model_times[depth : depth + 1],
+                                                   {k: v[prompt] for k, v in embeds.items()})
+                made = transition(tree.spec, schedule, settings, address, depth, rollout.latents[node : node + 1], output,
+                                  [address.prompt_keys[int(tree.prompt[child])]], [tree.paths[child]])
+                torch.testing.assert_close(made.latents, rollout.latents[child : child + 1], rtol=0, atol=1e-5)
+                checked += 1
+            _set_cache_context(denoiser, None)
+    finally:
+        HookRegistry.check_if_exists_or_initialize(denoiser).remove_hook("fbc_leader_block_hook", recurse=True)
+        HookRegistry.check_if_exists_or_initialize(denoiser).remove_hook("fbc_block_hook", recurse=True)
+    assert checked == len(tree.leaf_index) * SPEC.num_steps
+
+
+def test_below_any_change_the_cache_computes_every_forward_as_without_it(tiny_adapter):
+    """A threshold no change falls under skips nothing: the rollout is the uncached one bit for bit, on a tree whose
+    levels are cut into several forwards (max_batch 4 rows), and the blocks are the model's own again after it."""
+    blocks = list(tiny_adapter.denoiser.transformer_blocks)
+    plain, _, _, _ = _rollout(tiny_adapter, 0.0, max_batch=4)
+    cached, _, _, _ = _rollout(tiny_adapter, 1e-12, max_batch=4)
+    assert cached.forwards_cached == 0 and cached.forwards > SPEC.num_steps
+    assert torch.equal(plain.latents, cached.latents)
+    assert list(tiny_adapter.denoiser.transformer_blocks) == blocks
+
+
+def test_above_every_change_each_level_reuses_the_roots_residual(tiny_adapter):
+    """A threshold every change falls under skips every forward after the roots' (one forward a depth), and a
+    skipped output differs from the network's: the cache changes the samples."""
+    plain, _, _, _ = _rollout(tiny_adapter, 0.0)
+    cached, _, _, _ = _rollout(tiny_adapter, 1e9)
+    assert (cached.forwards, cached.forwards_cached) == (SPEC.num_steps, SPEC.num_steps - 1)
+    assert not torch.allclose(plain.leaf_latents, cached.leaf_latents, atol=1e-3)
+
+
+def test_a_model_without_registered_blocks_is_refused_in_one_line():
+    denoiser = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="cannot be cached; set sampling.block_cache=0"):
+        BlockCache(denoiser, 0.1)
+
+
+def test_a_model_with_a_second_expert_is_refused_in_one_line(tiny_adapter):
+    """Wan 2.2 A14B routes a forward's rows between two transformers: a node's cached blocks would not be those it runs next."""
+    from types import SimpleNamespace
+
+    check_cacheable(tiny_adapter)  # one transformer with registered blocks: accepted
+    two_experts = SimpleNamespace(pipe=SimpleNamespace(transformer_2=torch.nn.Linear(1, 1)), denoiser=tiny_adapter.denoiser)
+    with pytest.raises(ValueError, match=r"^sampling.block_cache: this model has a second expert \(transformer_2\).*; set sampling.block_cache=0$"):
+        check_cacheable(two_experts)
+
+
+def test_a_cached_run_reports_its_skipped_forwards(tiny_model_dir, tmp_path):
+    """DiffusionNFT with the cache: the iteration's metrics count the forwards made and those skipped (every one after the
+    roots' at a threshold every change falls under) and the update trains; an uncached run reports neither count."""
+    from branchdiff.settings.load import load_config
+    from branchdiff.training.recipe import Trainer
+
+    def run(cache: float) -> Trainer:
+        overrides = [f"model.path={tiny_model_dir}", f"output_dir={tmp_path / str(cache)}", "train.loss=nft", "sampling.num_steps=4",
+                     "prompts.per_iteration=2", "tree.roots=1", "tree.splits=[[0,2],[1,2]]", "tree.mix_window=0", "model.finetune=lora",
+                     f"sampling.block_cache={cache}", "logging.report_to=none", "final_eval=false"]
+        return Trainer(load_config("tiny-mix", overrides))
+
+    cached, plain = run(1e9), run(0.0)
+    metrics = cached.run_iteration(0).metrics
+    assert (metrics["rollout_forwards"], metrics["rollout_forwards_cached"]) == (4, 3)
+    assert "rollout_forwards" not in plain.run_iteration(0).metrics
+    assert metrics["optimizer_steps"] > 0 and metrics["grad_norm"] > 0 and math.isfinite(metrics["loss"])
+
+
+def test_bench_cache_measures_the_uncached_rollout_beside_each_threshold(tiny_model_dir):
+    """`bench cache` at tiny size: the uncached row is 0 skipped and 0 apart from itself; a threshold every change falls
+    under skips every forward after the roots' (9 of the 10 steps' forwards), and its leaves move."""
+    from branchdiff.bench.block_cache import bench_cache
+
+    result = bench_cache(None, [1e9], draws=2, repeats=1, task="tiny",
+                         extra_overrides=[f"model.path={tiny_model_dir}", "model.compile=none", "prompts.per_iteration=2"])
+    plain, cached = result["rows"]["0"], result["rows"]["1e+09"]
+    assert (plain["forwards_skipped"], plain["leaf_mean_abs_diff"], plain["reward_minus_uncached"]) == (0.0, 0.0, 0.0)
+    assert cached["forwards_skipped"] == pytest.approx(0.9) and cached["leaf_mean_abs_diff"] > 0
+    assert len(cached["per_draw_reward"]) == 2 and cached["speedup"] > 0
