@@ -135,3 +135,15 @@ def test_bench_cache_measures_the_uncached_rollout_beside_each_threshold(tiny_mo
     assert (plain["forwards_skipped"], plain["leaf_mean_abs_diff"], plain["reward_minus_uncached"]) == (0.0, 0.0, 0.0)
     assert cached["forwards_skipped"] == pytest.approx(0.9) and cached["leaf_mean_abs_diff"] > 0
     assert len(cached["per_draw_reward"]) == 2 and cached["speedup"] > 0
+
+
+def test_a_sharded_run_is_refused_in_one_line(tmp_path, monkeypatch):
+    """Under FSDP every process must call the sharded blocks together; a forward that skips them on one would hang the others."""
+    from branchdiff.errors import UserError
+    from branchdiff.settings.load import load_config
+    from branchdiff.training.recipe import Trainer
+
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    monkeypatch.setenv("FSDP_VERSION", "2")
+    with pytest.raises(UserError, match=r"^sampling.block_cache with FSDP: .*; set sampling.block_cache=0 when sharding$"):
+        Trainer(load_config("tiny-mix", ["train.loss=nft", "sampling.block_cache=0.2", f"output_dir={tmp_path}", "logging.report_to=none"]))

@@ -216,7 +216,7 @@ def test_version_prints_the_installed_distributions_version(capsys, monkeypatch)
 BENCHMARKS = {"tree": ("branchdiff.bench.iteration", "bench_tree"), "explore": ("branchdiff.bench.iteration", "bench_explore"),
               "curves": ("branchdiff.bench.curves", "bench_curves"), "search": ("branchdiff.bench.search", "bench_search"),
               "sampler": ("branchdiff.bench.sampler", "bench_sampler"), "reward-server": ("branchdiff.bench.reward_server", "bench_reward_server"),
-              "overlap": ("branchdiff.bench.overlap", "bench_overlap")}
+              "overlap": ("branchdiff.bench.overlap", "bench_overlap"), "cache": ("branchdiff.bench.block_cache", "bench_cache")}
 
 
 @pytest.fixture
@@ -232,14 +232,15 @@ def benchmarks(monkeypatch) -> dict[str, list]:
 
 @pytest.mark.parametrize("argv, expected", [
     (["bench", "tree", "--sampler"], "bench tree: --sampler is an option of bench search, not of bench tree; see branchdiff bench search --help"),
-    (["bench", "explore", "--repeats", "2"], "bench explore: --repeats is an option of bench tree, not of bench explore; see branchdiff bench tree --help"),
+    (["bench", "explore", "--repeats", "2"], "bench explore: --repeats is an option of bench tree and bench cache, not of bench explore; see branchdiff bench tree --help"),
     (["bench", "search", "--minutes=1"], "bench search: --minutes is an option of bench curves, not of bench search; see branchdiff bench curves --help"),
     (["bench", "reward-server", "--json", "x.json", "--seeds", "2"],
      "bench reward-server: --seeds is an option of bench curves and bench search, not of bench reward-server; see branchdiff bench curves --help"),
     (["bench", "tree", "--variants", "chain", "--task", "tiny-video"],
-     "bench tree: --task is an option of bench curves and bench search, not of bench tree; see branchdiff bench curves --help"),
+     "bench tree: --task is an option of bench curves, bench search and bench cache, not of bench tree; see branchdiff bench curves --help"),
     (["bench", "search", "--images", "2", "prompts.per_iteration=2"],
-     "bench search: key=value overrides (prompts.per_iteration=2) are taken by bench tree, bench explore, bench curves and bench overlap, not by bench search; "
+     "bench search: key=value overrides (prompts.per_iteration=2) are taken by bench tree, bench explore, bench curves, bench overlap and bench cache, "
+     "not by bench search; "
      "see branchdiff bench tree --help"),
     (["bench", "search", "--temperature", "2"],
      "bench search: --temperature is λ of the reward-tilted target of bench search --sampler; add --sampler or leave --temperature out"),
@@ -249,6 +250,7 @@ def benchmarks(monkeypatch) -> dict[str, list]:
      "bench search: --first-seed is an option of bench search's best-reward benchmark, not of --sampler (its testbeds and seeds 0..n−1); "
      "leave one of them out"),
     (["bench", "tree", "--bogus"], "bench tree: unrecognized arguments: --bogus; see branchdiff bench tree --help"),
+    (["bench", "cache", "--thresholds", "0.1,high"], "bench cache --thresholds 0.1,high: give comma-separated numbers, e.g. 0.1,0.2"),
     (["bench", "--sampler", "search"], "bench search: --sampler goes after the benchmark's name: branchdiff bench search --sampler; "
                                        "see branchdiff bench search --help"),
 ])

@@ -131,6 +131,9 @@ class Trainer:
         if self.sharding.enabled and config.model.compile in ("blocks", "full"):
             raise UserError(f"model.compile={config.model.compile} with FSDP: a sharded denoiser is not compiled yet; set model.compile=none "
                             "(or auto, which leaves it eager) when sharding")
+        if self.sharding.enabled and config.sampling.block_cache > 0:
+            raise UserError("sampling.block_cache with FSDP: a forward that skips blocks on one process would leave the others' "
+                            "sharded blocks waiting; set sampling.block_cache=0 when sharding")
         if self.sharding.enabled and config.train.optimizer == "adamw8bit":
             raise ConfigError("'train.optimizer' = 'adamw8bit' is not supported on a sharded (FSDP) denoiser; use train.optimizer=adamw "
                               "(its moments are sharded with the weights)")
@@ -153,9 +156,6 @@ class Trainer:
                                     model.prompt_instruction, model.frames, model.expert, model.guidance_2)
         self.evaluation.check_size(self.adapter)
         if config.sampling.block_cache > 0:
-            if self.sharding.enabled:
-                raise UserError("sampling.block_cache with FSDP: a forward that skips blocks on one process would leave the others' "
-                                "sharded blocks waiting; set sampling.block_cache=0 when sharding")
             try:
                 check_cacheable(self.adapter)
             except ValueError as error:
