@@ -147,3 +147,65 @@ def test_a_sharded_run_is_refused_in_one_line(tmp_path, monkeypatch):
     monkeypatch.setenv("FSDP_VERSION", "2")
     with pytest.raises(UserError, match=r"^sampling.block_cache with FSDP: .*; set sampling.block_cache=0 when sharding$"):
         Trainer(load_config("tiny-mix", ["train.loss=nft", "sampling.block_cache=0.2", f"output_dir={tmp_path}", "logging.report_to=none"]))
+
+
+CACHED_FAMILIES = ("sd3", "flux", "flux2", "flux2-klein", "qwen-image")
+REFUSED_FAMILIES = {"sana": "blocks of class SanaTransformerBlock, which diffusers' block registry does not describe",
+                    "sd15": "fewer than two transformer blocks", "z-image": "blocks (ZImageTransformerBlock) take no 'hidden_states'"}
+
+
+@pytest.fixture(scope="module")
+def family_adapters(tmp_path_factory):
+    from branchdiff.models import load_adapter
+    from tiny_pipelines import RESOLUTION, save_pipeline  # tests/ is on sys.path
+
+    root = tmp_path_factory.mktemp("cache-families")
+    return {family: load_adapter(family, str(save_pipeline(family, root / family)), resolution=RESOLUTION[family])
+            for family in (*CACHED_FAMILIES, *REFUSED_FAMILIES)}
+
+
+@pytest.mark.parametrize("family", CACHED_FAMILIES)
+def test_a_child_at_its_parents_input_skips_to_the_full_output_on_every_family(family, family_adapters):
+    """Each family's block layout (SD3's last block without a text stream, FLUX's and FLUX.2's single-stream blocks —
+    FLUX.2 joins [text; image] before them —, Qwen-Image's two streams), under its default guidance (CFG's two halves
+    for SD3 and Qwen-Image): a parent computed in full, then two children at the parent's own input in one forward
+    skip every block after the first, and the skipped output is the full one — the kept residual is the one that
+    belongs there, for each row and half."""
+    adapter = family_adapters[family]
+    torch.manual_seed(0)
+    x = torch.randn(1, *adapter.latent_shape)
+    embeds = adapter.encode_prompts(["a red cube on a table"])
+    times = adapter.schedule(4).model_times[1:2]
+    with torch.no_grad():
+        full = adapter.predict(x, times, embeds)
+        cache = BlockCache(adapter.denoiser, 1e9)
+        halves = adapter.rows_per_sample(adapter.default_guidance)
+        with cache:
+            with cache.forward(torch.tensor([0]), halves):
+                parent = adapter.predict(x, times, embeds)
+            cache.next_level(torch.tensor([0, 0]))
+            with cache.forward(torch.tensor([0, 1]), halves):
+                children = adapter.predict(x.expand(2, *x.shape[1:]), times.expand(2), {k: v.expand(2, *v.shape[1:]) for k, v in embeds.items()})
+    assert (cache.forwards, cache.skipped) == (2, 1)
+    scale = full.abs().max()
+    assert (parent - full).abs().max() <= 1e-5 * scale
+    assert (children - full).abs().max() <= 1e-4 * scale
+
+
+@pytest.mark.parametrize("family", list(REFUSED_FAMILIES))
+def test_a_family_whose_blocks_the_cache_cannot_follow_is_refused_in_one_line(family, family_adapters):
+    with pytest.raises(ValueError, match=rf"^sampling.block_cache: the denoiser \w+(?:'s)? (?:has )?.*"
+                                         rf"{REFUSED_FAMILIES[family].replace('(', '.').replace(')', '.')}.*; set sampling.block_cache=0$"):
+        check_cacheable(family_adapters[family])
+
+
+def test_rows_keep_their_own_cache_however_a_level_is_cut_into_forwards(family_adapters):
+    """SD3 under CFG (each forward: [unconditional; conditional] halves of several nodes), every forward after the roots'
+    skipped: a rollout whose levels go through forwards of 2 nodes equals the one grown a node a forward (1e-4 of the
+    latents' scale: only the batch size differs), so every row and half is stored and gathered as its own node's."""
+    adapter = family_adapters["sd3"]
+    assert adapter.rows_per_sample(adapter.default_guidance) == 2
+    batched, _, _, _ = _rollout(adapter, 1e9, max_batch=4)
+    alone, _, _, _ = _rollout(adapter, 1e9, per_node=True)
+    assert batched.forwards_cached == batched.forwards - 1  # all but the two roots' forward
+    assert (batched.latents - alone.latents).abs().max() <= 1e-4 * alone.latents.abs().max()

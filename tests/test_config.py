@@ -345,6 +345,11 @@ CPS_ZERO = "where cps's std σ'·sin(aπ/2) is 0 (σ' = 0), so nothing would be 
         (["sampling.block_cache=0.1", "train.loss=awm", "model.compile=full"],
          "'sampling.block_cache' = 0.1 with model.compile=full: the cache wraps the denoiser's blocks, which a whole-model compilation traces "
          "through; use model.compile=blocks (compiled blocks stay compiled) or none"),
+        (["sampling.block_cache=0.1", "train.loss=sft"], "'sampling.block_cache' = 0.1 with train.loss=sft, which trains on a dataset and "
+                                                          "grows no rollouts: there is nothing to cache; set sampling.block_cache=0"),
+        (["sampling.block_cache=0.1", "train.loss=nft", "explore.mode=search"],
+         "'sampling.block_cache' = 0.1 with explore.mode=search, which grows its trees a node at a time: the cache follows a rollout's "
+         "levels only; set sampling.block_cache=0 or explore.mode=seeds or tree"),
         # cps: only the last step is SDE (its std is 0 there)
         (["sampling.sde=cps", "sampling.num_steps=1"], f"'sampling.sde' = 'cps' with sampling.num_steps = 1: the only step is the last, {CPS_ZERO}; "
                                                        "use sampling.num_steps ≥ 2 or sampling.sde=flow or dance"),

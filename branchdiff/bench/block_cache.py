@@ -46,9 +46,9 @@ def bench_cache(json_path: Path | None, thresholds: list[float], draws: int = 5,
         raise ValueError(f"bench cache --thresholds {','.join(f'{t:g}' for t in thresholds)}: every threshold must be > 0 "
                          "(the uncached rollout, 0, is always measured)")
     preset, overrides = TASKS[task]
-    config = load_config(preset, [*overrides, *QUIET, *extra_overrides])
+    config = load_config(preset, [*overrides, *QUIET, *extra_overrides, f"sampling.block_cache={max(thresholds)}"])  # the run's refusals
     check_inputs(config)
-    trainer = Trainer(config)
+    trainer = Trainer(config)  # (a model the cache cannot follow is refused here)
     levels = [0.0, *thresholds]
     seconds: dict[float, list[list[float]]] = {t: [[] for _ in range(draws)] for t in levels}
     rewards: dict[float, list[float]] = {t: [0.0] * draws for t in levels}

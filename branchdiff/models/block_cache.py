@@ -18,12 +18,15 @@ A skipped step's output is not the network's, so rollouts whose log-probabilitie
 family) must not use it; objectives that train their final samples on the forward process (DiffusionNFT,
 AWM, DGPO, online DPO) may (the settings check). Evaluation never caches. Which blocks, and where a block's
 output holds each stream, are read from diffusers' own block registry (the metadata its caches use); a
-model with no registered block list (SANA, SD 1.5's UNet) is refused in one line. Blocks compiled in place
+model with no registered block list (SANA, SD 1.5's UNet) or whose blocks take another input than the
+registry names (Z-Image's one sequence, padded per forward) is refused in one line. FLUX.2 joins its text
+and image tokens before its single-stream blocks: the residual kept is the image tokens' (the last ones). Blocks compiled in place
 (`model.compile: blocks`) stay compiled: the cache wraps them from outside, so its decisions run eagerly.
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -52,10 +55,16 @@ def block_lists(denoiser: torch.nn.Module) -> list[tuple[torch.nn.ModuleList, in
              if name in _ALL_TRANSFORMER_BLOCK_IDENTIFIERS and isinstance(child, torch.nn.ModuleList) and len(child)]
     blocks = [block for blocks, _ in lists for block in blocks]
     unknown = sorted({type(b).__name__ for b in blocks if _block_metadata(b) is None})
+    fix = "so its blocks cannot be cached; set sampling.block_cache=0"
     if len(blocks) < 2 or unknown:
         what = f"blocks of class {', '.join(unknown)}" if unknown else "fewer than two transformer blocks"
         raise ValueError(f"sampling.block_cache: the denoiser {type(denoiser).__name__} has {what}, which diffusers' block registry "
-                         "does not describe, so its blocks cannot be cached; set sampling.block_cache=0")
+                         f"does not describe, {fix}")
+    for block in blocks:  # Z-Image's blocks take one unified sequence `x`, padded per forward to its longest prompt
+        name = _block_metadata(block).hidden_states_argument_name
+        if name not in inspect.signature(type(block).forward).parameters:
+            raise ValueError(f"sampling.block_cache: the denoiser {type(denoiser).__name__}'s blocks ({type(block).__name__}) take no "
+                             f"'{name}', the input diffusers' block registry names for them, {fix}")
     return lists
 
 
@@ -98,6 +107,7 @@ class BlockCache:
         self._inputs: Cached | None = None  # the current forward's cache (None: nothing cached yet, compute)
         self._head_out: tuple[torch.Tensor, torch.Tensor | None] | None = None  # the current forward's first-block output
         self._skip = False
+        self._active = False  # inside `forward`: the blocks cache; outside (a sharded denoiser's padding forwards) they run plainly
 
     def __enter__(self) -> BlockCache:
         blocks = [(blocks, i) for blocks, n in self.lists for i in range(n)]
@@ -117,15 +127,17 @@ class BlockCache:
     def forward(self, rows: torch.Tensor, halves: int) -> Iterator[None]:
         """Around the forward of this depth's `rows` (n,), each `halves` times (2 under CFG: [unconditional;
         conditional]): gather their parents' cache before it, keep theirs after it."""
-        self._halves = halves
-        self._inputs = None
+        self._halves, self._inputs, self._active = halves, None, True
         if self._parents is not None and self._parent_row is not None:
             parents = self._parent_row[rows.cpu()]  # (n,) rows of the previous depth
             count = self._parents.head_residual.shape[0] // halves  # previous depth's rows
             index = (torch.arange(halves)[:, None] * count + parents[None, :]).reshape(-1)  # (halves · n,) half-major
             self._inputs = self._parents.rows(index.to(self._parents.head_residual.device))
         self.forwards += 1
-        yield
+        try:
+            yield
+        finally:
+            self._active = False
         if self._inputs is None:
             raise RuntimeError("sampling.block_cache: the forward did not pass through the denoiser's first block")
         n = len(rows)
@@ -135,10 +147,14 @@ class BlockCache:
 
     def next_level(self, parent_row: torch.Tensor) -> None:
         """The next depth's rows are children: `parent_row` (n_next,) holds each one's parent's row in this depth."""
+        if not len(parent_row):  # the leaves: nothing forwards from them
+            self._parents, self._level = None, {}
+            return
         count = len(self._level)
         if sorted(self._level) != list(range(count)):
             raise RuntimeError("sampling.block_cache: a depth's rows were not all computed before the next depth")
         rows = [self._level[r] for r in range(count)]
+        self._parents, self._level = None, {}  # (the previous depth's cache goes before this one is stacked)
 
         def stacked(tensors: list[torch.Tensor]) -> torch.Tensor:  # (halves, ...) each → (halves · count, ...), half-major
             return torch.stack(tensors, 1).flatten(0, 1)
@@ -146,7 +162,7 @@ class BlockCache:
         encoders = [c.tail_encoder for c in rows if c.tail_encoder is not None]
         self._parents = Cached(stacked([c.head_residual for c in rows]), stacked([c.tail_hidden for c in rows]),
                                stacked(encoders) if len(encoders) == count else None)
-        self._parent_row, self._level = parent_row.cpu(), {}
+        self._parent_row = parent_row.cpu()
 
     def head(self, hidden_in: torch.Tensor, output: Any, meta: Any) -> Any:
         """The first block's hook: decide, and return either its output or the output with the rest's cached residual."""
@@ -155,7 +171,8 @@ class BlockCache:
         cached = self._inputs
         if cached is not None and cached.head_residual.shape != residual.shape:
             raise RuntimeError(f"sampling.block_cache: the first block saw {tuple(residual.shape)} where the cache holds "
-                               f"{tuple(cached.head_residual.shape)}: the model splits a forward's rows (Wan 2.2's two experts?)")
+                               f"{tuple(cached.head_residual.shape)}: the model's forwards do not keep one row and sequence length "
+                               "per node; set sampling.block_cache=0")
         if cached is not None:
             change = (residual - cached.head_residual).abs().mean() / cached.head_residual.abs().mean()
             self._skip = bool(change < self.threshold)
@@ -173,6 +190,9 @@ class BlockCache:
         assert self._inputs is not None and self._head_out is not None
         hidden_out, encoder_out = _streams(output, meta)
         head_hidden, head_encoder = self._head_out
+        if encoder_out is None and hidden_out.shape[1] > head_hidden.shape[1]:
+            # FLUX.2 joins the streams, [text; image], before its single-stream blocks: the image tokens are the last ones
+            hidden_out = hidden_out[:, -head_hidden.shape[1] :]
         encoder = None if encoder_out is None or head_encoder is None else encoder_out - head_encoder
         self._inputs = Cached(self._inputs.head_residual, hidden_out - head_hidden, encoder)
 
@@ -205,6 +225,8 @@ class _CachedBlock(torch.nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         cache = self.cache
+        if not cache._active:
+            return self.block(*args, **kwargs)
         if self.role != "head" and cache._skip:  # passed through: the head's output already holds the rest's residual
             hidden = self.meta._get_parameter_from_args_kwargs(self.meta.hidden_states_argument_name, args, kwargs)
             encoder = None

@@ -104,6 +104,12 @@ def _validate_block_cache(config: TrainConfig) -> None:
     cache = config.sampling.block_cache
     if not cache:
         return
+    if dataset_kind(config.train.loss):
+        raise ConfigError(f"'sampling.block_cache' = {cache:g} with train.loss={config.train.loss}, which trains on a dataset and grows no "
+                          "rollouts: there is nothing to cache; set sampling.block_cache=0")
+    if config.explore.mode == "search":
+        raise ConfigError(f"'sampling.block_cache' = {cache:g} with explore.mode=search, which grows its trees a node at a time: the cache "
+                          "follows a rollout's levels only; set sampling.block_cache=0 or explore.mode=seeds or tree")
     if not decoupled(config.train.loss):
         on_samples = ", ".join(name for name in OBJECTIVES if decoupled(name) and not dataset_kind(name))
         raise ConfigError(f"'sampling.block_cache' = {cache:g} with train.loss={config.train.loss}: a cached step is not the policy's, so the "

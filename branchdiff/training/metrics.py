@@ -96,7 +96,7 @@ def iteration_metrics(
     explore_stats = info.get("explore_stats", {})
     counts = {
         "nfe_rollout": rollout.nfe, "nfe_rollout_computed": rollout.nfe_computed,
-        **({"rollout_forwards": rollout.forwards, "rollout_forwards_cached": rollout.forwards_cached} if rollout.forwards else {}),
+        **({"rollout_forwards": rollout.forwards, "rollout_forwards_cached": rollout.forwards_cached} if info.get("block_cache") else {}),
         **{name: update[name] for name, kind in kinds.items() if kind == "count"},
         "edges_trained": int(trained.sum()), "terms": update["terms"], "groups_dropped": info["groups_dropped"], "groups": groups,
         "zero_spread_groups": flat_groups, **rewards.counts,

@@ -342,6 +342,7 @@ class Trainer:
         rollout, images, rewards, info = self.rollout_and_score(iteration, per_node)
         signal = self.objective.signal(rollout, rewards.total, iteration)
         info["groups_dropped"] = signal.groups_dropped
+        info["block_cache"] = self.settings.block_cache > 0  # the same on every process: the counts below are reduced together
         learning_rate = self.learning_rate.set(iteration)
         train_stats = self._run_update(lambda: self.objective.plan(rollout, info["embeds"], signal, info["address"]), info)
         metrics = {"iteration": iteration, **iteration_metrics(self.collective, rollout, rewards, signal.node_advantages, signal.trained,
