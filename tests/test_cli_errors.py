@@ -172,7 +172,8 @@ def test_eval_missing_model(capsys, tmp_path):
         ([], "the following arguments are required: command; see branchdiff --help"),
         (["sample", "--seeds", "2"], "sample: the following arguments are required: --out; see branchdiff sample --help"),
         (["sample", "--prompt"], "sample: argument --prompt: expected one argument; see branchdiff sample --help"),
-        (["bench", "trees"], "bench: argument which: invalid choice: 'trees' (choose from 'tree', 'explore', 'curves', 'search', 'reward-server', 'overlap'); see branchdiff bench --help"),
+        (["bench", "trees"], "bench: argument which: invalid choice: 'trees' (choose from 'tree', 'explore', 'curves', 'search', 'reward-server', 'overlap', "
+         "'cache'); see branchdiff bench --help"),
         (["sample", "--steps", "1000001", "--out", "x"], "sample: argument --steps: must be in [1, 1000], got 1000001; see branchdiff sample --help"),
         (["eval", "--bogus", "1"], "eval: unrecognized arguments: --bogus 1; see branchdiff eval --help"),
         (["train", "--resmue", "latest"], "train: unrecognized arguments: --resmue; see branchdiff train --help"),

@@ -13,8 +13,6 @@ leaves' — the difference paired by draw, with its 95 % t interval and p (a pai
 
 from __future__ import annotations
 
-import json
-import math
 import statistics
 from dataclasses import replace
 from pathlib import Path
@@ -22,6 +20,7 @@ from pathlib import Path
 from scipy import stats
 
 from branchdiff.bench.stats import t_interval
+from branchdiff.bench.tables import print_result, table
 from branchdiff.settings.load import load_config
 from branchdiff.training.preflight import check_inputs
 from branchdiff.training.recipe import Trainer
@@ -86,22 +85,19 @@ def bench_cache(json_path: Path | None, thresholds: list[float], draws: int = 5,
         }
     result = {"task": task, "preset": preset, "overrides": [*overrides, *extra_overrides], "draws": draws, "first_draw": first_draw,
               "repeats": repeats, "compile": trainer.runtime["compile"], "rows": rows}
-    print(format_cache(result))
-    if json_path:
-        json_path.write_text(json.dumps(result, indent=1))
-        print(f"wrote {json_path}")
-    return result
+    return print_result(format_cache(result), result, json_path)
 
 
 def format_cache(result: dict) -> str:
-    lines = [f"bench cache: {result['task']} ({result['preset']} {' '.join(result['overrides'])}; compile {result['compile']}), "
-             f"{result['draws']} draws from iteration {result['first_draw']}, median of {result['repeats']}",
-             f"{'threshold':>9} {'rollout s':>9} {'speed-up':>17} {'skipped':>7} {'reward':>7} {'Δ reward [95 %]':>26} {'p':>6} {'|Δx|':>7}"]
+    """The heading line and one row per threshold (module doc)."""
+    heading = (f"bench cache: {result['task']} ({result['preset']} {' '.join(result['overrides'])}; compile {result['compile']}), "
+               f"{result['draws']} draws from iteration {result['first_draw']}, median of {result['repeats']}")
+    rows = []
     for row in result["rows"].values():
-        low, high = row["speedup_interval"]
-        d_low, d_high = row["reward_minus_uncached_interval"]
-        p = "" if row["threshold"] == 0 else f"{row['p']:.3f}" if math.isfinite(row["p"]) else "nan"
-        lines.append(f"{row['threshold']:>9g} {row['rollout_seconds']:>9.3f} {row['speedup']:>6.2f}× [{low:.2f}, {high:.2f}] "
-                     f"{row['forwards_skipped']:>7.2f} {row['reward']:>7.3f} {row['reward_minus_uncached']:>+8.3f} [{d_low:+.3f}, {d_high:+.3f}] "
-                     f"{p:>6} {row['leaf_mean_abs_diff']:>7.4f}")
-    return "\n".join(lines)
+        (low, high), (d_low, d_high) = row["speedup_interval"], row["reward_minus_uncached_interval"]
+        rows.append([f"{row['threshold']:g}", f"{row['rollout_seconds']:.3f}", f"{row['speedup']:.2f}× [{low:.2f}, {high:.2f}]",
+                     f"{row['forwards_skipped']:.2f}", f"{row['reward']:.3f}",
+                     f"{row['reward_minus_uncached']:+.3f} [{d_low:+.3f}, {d_high:+.3f}]",
+                     "" if row["threshold"] == 0 else f"{row['p']:.3f}", f"{row['leaf_mean_abs_diff']:.4f}"])
+    header = ["threshold", "rollout s", "speed-up [95 %]", "skipped", "reward", "Δ reward [95 %]", "p", "|Δx|"]
+    return heading + "\n" + table(header, rows)

@@ -26,7 +26,6 @@ at each batch size.
 
 from __future__ import annotations
 
-import json
 import statistics
 import time
 from dataclasses import replace
@@ -35,6 +34,7 @@ from pathlib import Path
 
 import torch
 
+from branchdiff.bench.tables import print_result
 from branchdiff.core.engine import forward_chunked
 from branchdiff.explore.pool import ranking_agreement
 from branchdiff.models.base import select_embeds
@@ -201,11 +201,7 @@ def bench_tree(json_path: Path | None = None, repeats: int = 3, extra_overrides:
                 rows[name][conf] = row
             ratios[conf] = conf_ratios
     result = {"variants": rows, "ratios": ratios, "repeats": repeats, "base": BASE, "overrides": VARIANTS, "exact_column": configurations["exact"]}
-    print(format_bench(rows, ratios))
-    if json_path:
-        json_path.write_text(json.dumps(result, indent=1))
-        print(f"wrote {json_path}")
-    return result
+    return print_result(format_bench(rows, ratios), result, json_path)
 
 
 def chain_ratios(rows: dict[str, dict], c: float) -> dict:
@@ -326,11 +322,7 @@ def bench_explore(json_path: Path | None = None, iterations: int = 4, extra_over
     if "fp8-emulated" in spearman and "nvfp4-emulated" in spearman:  # Hopper's explorer against Blackwell's
         ratios["spearman_fp8_minus_nvfp4"] = spearman["fp8-emulated"] - spearman["nvfp4-emulated"]
     result = {"backends": rows, "ratios": ratios, "iterations": iterations}
-    print(format_explore(rows))
-    if json_path:
-        json_path.write_text(json.dumps(result, indent=1))
-        print(f"wrote {json_path}")
-    return result
+    return print_result(format_explore(rows), result, json_path)
 
 
 def format_explore(rows: dict) -> str:

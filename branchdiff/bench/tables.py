@@ -42,3 +42,12 @@ def write_outputs(out_dir: Path, stem: str, heading: str, command: str, body: st
         json_path.parent.mkdir(parents=True, exist_ok=True)
         json_path.write_text(json.dumps(result, indent=1).replace("NaN", "null"))
     print(f"wrote {out_dir / f'{stem}.md'}, {out_dir / f'{stem}.png'}" + (f", {json_path}" if json_path else ""))
+
+
+def print_result(text: str, result: dict, json_path: Path | None) -> dict:
+    """Print a benchmark's table `text` and write `result` as JSON to `json_path` if given (saying where); returns `result`."""
+    print(text)
+    if json_path:
+        json_path.write_text(json.dumps(result, indent=1))
+        print(f"wrote {json_path}")
+    return result
