@@ -22,7 +22,8 @@ them), in bf16, fed the family's real input shapes at a stated real resolution, 
   against the NFE-implied speed-up, CUDA's peak of each phase against `branchdiff plan`'s estimate of the same
   settings, and the rollout's log-prob check at bf16 (max |log p_train − log p_rollout| before the update); then
   branchdiff's ODE rollout of 8 images against the pipeline's own `__call__` making 8 (`rollout_against_pipeline`:
-  the same forwards of the same rows, and the time ratio, target ≤ 1.02).
+  the same forwards of the same rows, and the time ratio, target ≤ 1.02), and the same rollout with the first-block
+  cache (`sampling.block_cache` 0.3): its speed-up, forwards skipped and how far its latents moved.
 An optional measurement (cuDNN, compiled) that a kernel or compiler refuses records its error and the rest go on.
 
     python scripts/gpu_bench.py --out gpu-bench.json                 # the four released sizes, stops itself after --budget s
@@ -44,6 +45,7 @@ import tempfile
 import time
 import traceback
 from collections.abc import Callable
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -352,12 +354,14 @@ def tree_iterations(bench: Bench, tiny: bool, variants: list[str]) -> dict:
 
 
 def rollout_against_pipeline(folder: Path, device: torch.device, resolution: int, tiny: bool, images: int = 8, steps: int = 10,
-                             guidance: float = 4.5, repeats: int = 3) -> dict:
+                             guidance: float = 4.5, repeats: int = 3, cache_threshold: float = 0.3) -> dict:
     """branchdiff's ODE rollout of `images` chains against `StableDiffusion3Pipeline.__call__` making as many images, at
     equal steps, guidance and resolution, on the pipeline saved in `folder` (bf16): both from the same prompt embeddings,
     to latents (no VAE decode, no prompt encoding), the mean of `repeats` timed calls after a warm-up. The tree's engine must
     add nothing per forward: the two make the same denoiser forwards of the same rows (counted), and the time ratio
-    ours ÷ the pipeline's is what is left (target ≤ 1.02)."""
+    ours ÷ the pipeline's is what is left (target ≤ 1.02). Then our rollout again with the first-block cache at
+    `cache_threshold` (branchdiff/models/block_cache.py): uncached ÷ cached seconds, the forwards that skipped, and the
+    mean |Δ| of its latents from the uncached ones against their mean |x|."""
     import diffusers
 
     from branchdiff.core.rollout import NoiseAddress, SamplerSettings, grow
@@ -384,16 +388,22 @@ def rollout_against_pipeline(folder: Path, device: torch.device, resolution: int
                                                       with_kwargs=True)
     ours_run = lambda: grow(adapter, tree, embeds, schedule, settings, NoiseAddress(0, 0, (0,)))
     theirs_run = lambda: pipe(**call)
+    cached_run = lambda: grow(adapter, tree, embeds, schedule, replace(settings, block_cache=cache_threshold), NoiseAddress(0, 0, (0,)))
     with torch.no_grad():
-        ours_run()
+        plain = ours_run().leaf_latents.float()
         ours_rows, calls[:] = list(calls), []
         theirs_run()
         theirs_rows, calls[:] = list(calls), []
         hook.remove()
         ours = timed(ours_run, device, repeats, warmup=0 if tiny else 1)
         theirs = timed(theirs_run, device, repeats, warmup=0 if tiny else 1)
+        cached_rollout = cached_run()
+        cached = timed(cached_run, device, repeats, warmup=0)
+    moved = float((cached_rollout.leaf_latents.float() - plain).abs().mean() / plain.abs().mean())
+    block_cache = {"threshold": cache_threshold, "seconds": cached, "uncached_over_cached": ours / cached,
+                   "forwards_skipped": cached_rollout.forwards_cached / cached_rollout.forwards, "latents_moved": moved}
     return {"images": images, "steps": steps, "guidance": guidance, "resolution": resolution, "forward_rows": {"ours": ours_rows, "pipeline": theirs_rows},
-            "seconds": {"ours": ours, "pipeline": theirs}, "ours_over_pipeline": ours / theirs}
+            "seconds": {"ours": ours, "pipeline": theirs}, "ours_over_pipeline": ours / theirs, "block_cache": block_cache}
 
 
 def optional(measure: Callable[[], dict]) -> dict | str:

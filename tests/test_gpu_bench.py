@@ -70,6 +70,9 @@ def test_whole_iterations_of_the_chain_and_the_best_tree_measure_their_phases_ra
     against = tree["rollout_vs_pipeline"]  # branchdiff's ODE rollout of 8 images and the pipeline's __call__ making 8 (CFG: 16 rows a step)
     assert against["forward_rows"]["ours"] == against["forward_rows"]["pipeline"] == [16] * 10
     assert against["ours_over_pipeline"] > 0  # the time ratio is the bench's figure, not a test's
+    cached = against["block_cache"]  # the same rollout with the first-block cache at 0.3: skips some forwards, moves the latents a little
+    assert cached["threshold"] == 0.3 and 0 <= cached["forwards_skipped"] < 1 and cached["uncached_over_cached"] > 0
+    assert (cached["latents_moved"] == 0) == (cached["forwards_skipped"] == 0)
 
 
 def test_a_spent_budget_skips_with_its_reason(tmp_path):
