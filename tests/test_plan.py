@@ -152,6 +152,20 @@ def test_the_objectives_own_tensors_are_counted(estimator):
         assert plan.static["tree latents"] == plan.phases["rollout"] == plan.phases["reward"] == plan.rows["rollout"] == 0
 
 
+def test_a_rollouts_block_cache_is_counted_in_its_phase(estimator):
+    """`sampling.block_cache` keeps, per network row, the first block's residual and the later blocks' residual of each stream:
+    at most twice SD3.5 Medium's first joint block output, (333 text + (512/16)² image tokens) × 1536 channels in bf16, for the
+    widest depth twice (stored and stacked) and one forward's gathered rows; the rest of the plan does not move."""
+    config = load_config("sd35-pickscore-awm")
+    plain = estimate(config, Target(), estimator)
+    cached = estimate(load_config("sd35-pickscore-awm", ["sampling.block_cache=0.3"]), Target(), estimator)
+    stream = (333 + (512 // 16) ** 2) * 1536 * 2
+    widest = config.tree.roots * config.prompts.per_iteration  # chains: every depth holds every root's node
+    nodes = 2 * widest + config.sampling.max_batch // 2
+    assert cached.phases["rollout"] - plain.phases["rollout"] == 2 * stream * 2 * nodes  # CFG: two rows a node
+    assert {k: v for k, v in cached.phases.items() if k != "rollout"} == {k: v for k, v in plain.phases.items() if k != "rollout"}
+
+
 def test_an_edit_step_holds_the_source_tokens_beside_the_image(estimator):
     """FLUX.1 Kontext at 384² runs FLUX.1's transformer over 2 × 576 image tokens: the FLOPs and the per-row
     rollout memory of FLUX.1 at 384 × 768 (the same sequence). Qwen-Image-Edit's forward takes one source at the

@@ -115,7 +115,7 @@ def grow_prompts(
             rollout.nfe_computed += computed
             children = nodes_at(depth + 1)
             parent_row = torch.searchsorted(level, tree.parent[children])  # each child's parent's row in `level`
-            if cache is not None:
+            if cache is not None and depth + 1 < tree.spec.num_steps:  # (the leaves make no forward)
                 cache.next_level(parent_row)
             made = transition(tree.spec, schedule, settings, address, depth, x[parent_row], output[parent_row],
                               [keys[c] for c in children.tolist()], [tree.paths[c] for c in children.tolist()])

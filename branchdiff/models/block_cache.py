@@ -103,7 +103,6 @@ class BlockCache:
         self._parents: Cached | None = None  # the previous depth's rows' cache, (halves · n_prev, ...)
         self._parent_row: torch.Tensor | None = None  # (n,) each row of this depth: its parent's row in the previous depth
         self._level: dict[int, Cached] = {}  # this depth's rows computed so far: row → its cache, (halves, ...)
-        self._halves = 1
         self._inputs: Cached | None = None  # the current forward's cache (None: nothing cached yet, compute)
         self._head_out: tuple[torch.Tensor, torch.Tensor | None] | None = None  # the current forward's first-block output
         self._skip = False
@@ -127,7 +126,7 @@ class BlockCache:
     def forward(self, rows: torch.Tensor, halves: int) -> Iterator[None]:
         """Around the forward of this depth's `rows` (n,), each `halves` times (2 under CFG: [unconditional;
         conditional]): gather their parents' cache before it, keep theirs after it."""
-        self._halves, self._inputs, self._active = halves, None, True
+        self._inputs, self._active = None, True
         if self._parents is not None and self._parent_row is not None:
             parents = self._parent_row[rows.cpu()]  # (n,) rows of the previous depth
             count = self._parents.head_residual.shape[0] // halves  # previous depth's rows

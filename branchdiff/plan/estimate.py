@@ -7,7 +7,7 @@ what each phase adds on top while it runs:
 | phase      | adds                                                                                          |
 |------------|-----------------------------------------------------------------------------------------------|
 | encode     | the text encoders, where `model.offload` keeps them on the host between uses                  |
-| rollout    | one chunk of `sampling.max_batch` network rows, no grad                                       |
+| rollout    | one chunk of `sampling.max_batch` network rows, no grad (+ a block cache's kept residuals)    |
 | reward     | the VAE decoding `decode_batch` leaves at a time, every decoded leaf (fp32)                   |
 | train      | the trained parameters' gradients + a minibatch's forward and backward (checkpointing: saved  |
 |            | set + one block recomputed); with a KL term, the reference forward while the graph is held    |
@@ -205,6 +205,10 @@ def estimate(config: Any, target: Target, estimator: Estimator) -> Plan:
         "optimizer": grads + (2 * trained * 4 if config.train.optimizer == "adamw" and sharded else 0),  # only FSDP's AdamW is not fused
         "eval": 0.0,
     }
+    if config.sampling.block_cache > 0 and not kind:  # the nodes' kept residuals: at most the previous depth's, the widest depth's
+        # stored and stacked at once, and one forward's gathered (branchdiff/models/block_cache.py)
+        widest = max(tree.level_start[d + 1] - tree.level_start[d] for d in range(tree.spec.num_steps))
+        phases["rollout"] += m.block_cache(2 * widest + chunk_rows // cfg_rows, cfg_rows)
     if config.final_eval or config.eval_every:  # at the evaluations' own size (eval.resolution, eval.frames)
         evaluated = eval_size_of(config)
         m_eval = m if evaluated == size else estimator.measured(family, config, evaluated)

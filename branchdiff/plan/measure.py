@@ -79,6 +79,7 @@ class Trace:
     count: dict[str, int] = field(default_factory=dict)  # blocks of each kind in the traced copy
     flops: float = 0.0  # of the whole traced forward, one row
     block_flops: dict[str, float] = field(default_factory=dict)  # per block kind, one row
+    stream_bytes: float = 0.0  # the first block's output (its hidden and text streams), one row: what a block cache keeps per tensor
 
 
 def units(model: torch.nn.Module, family: Family) -> list[tuple[str, torch.nn.Module]]:
@@ -103,6 +104,9 @@ def trace(model: torch.nn.Module, family: Family, shape: Geometry, size: Size, g
             starts[name] = (tracker.mark(), counter.get_total_flops())
 
         def post(mod, args, out, name=name, kind=kind):
+            if not result.stream_bytes:  # the first block's
+                outputs = out if isinstance(out, tuple) else (out,)
+                result.stream_bytes = float(sum(t.numel() * t.element_size() for t in outputs if isinstance(t, torch.Tensor)))
             result.delta[kind] = tracker.live - starts[name][0]  # the last block of a kind stands for all of them
             result.block_flops[kind] = counter.get_total_flops() - starts[name][1]
             if kind not in result.transient or tracker.local.at(1) > result.transient[kind].at(1):
@@ -166,6 +170,11 @@ class Measured:
     def rollout(self, rows: int) -> float:
         """Peak of a no-grad forward (rollout chunk, KL reference)."""
         return self.nograd.peak.at(rows)
+
+    def block_cache(self, nodes: int, rows_per_node: int) -> float:
+        """Bytes a rollout's block cache (`sampling.block_cache`) keeps for `nodes` nodes: per network row the first block's
+        residual and the later blocks' residual of each stream, at most twice the first block's output."""
+        return 2 * self.nograd.stream_bytes * rows_per_node * nodes
 
     def forward_flops(self) -> float:
         """Floating-point operations of one network row's forward at the real depth (multiply-add = 2)."""
