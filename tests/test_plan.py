@@ -155,7 +155,7 @@ def test_the_objectives_own_tensors_are_counted(estimator):
 def test_a_rollouts_block_cache_is_counted_in_its_phase(estimator):
     """`sampling.block_cache` keeps, per network row, the first block's residual and the later blocks' residual of each stream:
     at most twice SD3.5 Medium's first joint block output, (333 text + (512/16)² image tokens) × 1536 channels in bf16, for the
-    widest depth twice (stored and stacked) and one forward's gathered rows; the rest of the plan does not move."""
+    widest depth twice (kept per forward and joined) and one forward's gathered rows; the rest of the plan does not move."""
     config = load_config("sd35-pickscore-awm")
     plain = estimate(config, Target(), estimator)
     cached = estimate(load_config("sd35-pickscore-awm", ["sampling.block_cache=0.3"]), Target(), estimator)

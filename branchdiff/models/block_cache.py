@@ -102,7 +102,7 @@ class BlockCache:
         self.skipped = 0  # forwards whose blocks after the first were skipped
         self._parents: Cached | None = None  # the previous depth's rows' cache, (halves · n_prev, ...)
         self._parent_row: torch.Tensor | None = None  # (n,) each row of this depth: its parent's row in the previous depth
-        self._level: dict[int, Cached] = {}  # this depth's rows computed so far: row → its cache, (halves, ...)
+        self._level: list[tuple[torch.Tensor, Cached]] = []  # this depth's forwards so far: their rows (n,) and cache (halves · n, ...)
         self._inputs: Cached | None = None  # the current forward's cache (None: nothing cached yet, compute)
         self._head_out: tuple[torch.Tensor, torch.Tensor | None] | None = None  # the current forward's first-block output
         self._skip = False
@@ -139,28 +139,29 @@ class BlockCache:
             self._active = False
         if self._inputs is None:
             raise RuntimeError("sampling.block_cache: the forward did not pass through the denoiser's first block")
-        n = len(rows)
-        for j, row in enumerate(rows.tolist()):
-            self._level[row] = self._inputs.rows(torch.arange(halves, device=self._inputs.head_residual.device) * n + j)
+        self._level.append((rows.cpu(), self._inputs))
         self._head_out, self._skip = None, False
 
     def next_level(self, parent_row: torch.Tensor) -> None:
         """The next depth's rows are children: `parent_row` (n_next,) holds each one's parent's row in this depth."""
-        if not len(parent_row):  # the leaves: nothing forwards from them
-            self._parents, self._level = None, {}
+        forwards, self._parents, self._level = self._level, None, []  # (the previous depth's cache goes before this one is joined)
+        if not len(parent_row):  # a sub-tree that ends here: nothing forwards from it
             return
-        count = len(self._level)
-        if sorted(self._level) != list(range(count)):
+        rows = torch.cat([r for r, _ in forwards])  # (Σ n,) `exact` padding repeats a row: its copies hold the same values
+        count = int(rows.max()) + 1
+        if len(rows.unique()) != count:
             raise RuntimeError("sampling.block_cache: a depth's rows were not all computed before the next depth")
-        rows = [self._level[r] for r in range(count)]
-        self._parents, self._level = None, {}  # (the previous depth's cache goes before this one is stacked)
+        position = torch.empty(count, dtype=torch.long)
+        position[rows] = torch.arange(len(rows))  # each row's place among the forwards' rows
 
-        def stacked(tensors: list[torch.Tensor]) -> torch.Tensor:  # (halves, ...) each → (halves · count, ...), half-major
-            return torch.stack(tensors, 1).flatten(0, 1)
+        def joined(tensors: list[torch.Tensor]) -> torch.Tensor:  # (halves · n, ...) each → (halves · count, ...), half-major, in row order
+            halves = [t.unflatten(0, (-1, len(r))) for t, (r, _) in zip(tensors, forwards)]  # (halves, n, ...)
+            return torch.cat(halves, 1)[:, position.to(tensors[0].device)].flatten(0, 1)
 
-        encoders = [c.tail_encoder for c in rows if c.tail_encoder is not None]
-        self._parents = Cached(stacked([c.head_residual for c in rows]), stacked([c.tail_hidden for c in rows]),
-                               stacked(encoders) if len(encoders) == count else None)
+        caches = [c for _, c in forwards]
+        encoders = [c.tail_encoder for c in caches if c.tail_encoder is not None]
+        self._parents = Cached(joined([c.head_residual for c in caches]), joined([c.tail_hidden for c in caches]),
+                               joined(encoders) if len(encoders) == len(caches) else None)
         self._parent_row = parent_row.cpu()
 
     def head(self, hidden_in: torch.Tensor, output: Any, meta: Any) -> Any:
@@ -228,11 +229,10 @@ class _CachedBlock(torch.nn.Module):
             return self.block(*args, **kwargs)
         if self.role != "head" and cache._skip:  # passed through: the head's output already holds the rest's residual
             hidden = self.meta._get_parameter_from_args_kwargs(self.meta.hidden_states_argument_name, args, kwargs)
-            encoder = None
-            if self.meta.return_encoder_hidden_states_index is not None:
-                encoder = self.meta._get_parameter_from_args_kwargs(self.meta.encoder_hidden_states_argument_name, args, kwargs)
-            return _with_streams((None, None) if self.meta.return_encoder_hidden_states_index is not None else hidden, self.meta,
-                                 hidden, encoder)
+            if self.meta.return_encoder_hidden_states_index is None:
+                return hidden
+            encoder = self.meta._get_parameter_from_args_kwargs(self.meta.encoder_hidden_states_argument_name, args, kwargs)
+            return _with_streams((None, None), self.meta, hidden, encoder)
         output = self.block(*args, **kwargs)
         if self.role == "head":
             hidden_in = self.meta._get_parameter_from_args_kwargs(self.meta.hidden_states_argument_name, args, kwargs)

@@ -206,7 +206,7 @@ def estimate(config: Any, target: Target, estimator: Estimator) -> Plan:
         "eval": 0.0,
     }
     if config.sampling.block_cache > 0 and not kind:  # the nodes' kept residuals: at most the previous depth's, the widest depth's
-        # stored and stacked at once, and one forward's gathered (branchdiff/models/block_cache.py)
+        # kept per forward and joined at once, and one forward's gathered (branchdiff/models/block_cache.py)
         widest = max(tree.level_start[d + 1] - tree.level_start[d] for d in range(tree.spec.num_steps))
         phases["rollout"] += m.block_cache(2 * widest + chunk_rows // cfg_rows, cfg_rows)
     if config.final_eval or config.eval_every:  # at the evaluations' own size (eval.resolution, eval.frames)
