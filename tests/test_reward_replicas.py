@@ -262,3 +262,21 @@ def test_urls_are_compared_as_the_client_reads_them_and_a_group_reward_scores_gr
         expected = score_by_group(alone, alone.name, images, prompts, [{} for _ in prompts], None)
     assert torch.equal(scores, expected)
     assert first.groups - 4 == 2 and second.groups == 2  # the four groups shared out (then four more on the first alone)
+
+
+def test_a_replica_left_out_is_said_on_a_line_of_its_own_above_the_progress_bar(capsys):
+    """The notice was printed onto the training bar's line: it is written above the bar, which is drawn again below it."""
+    import sys
+
+    from tqdm.auto import tqdm
+
+    with BackgroundServer(Checksum()) as live:
+        dead = BackgroundServer(Checksum()).start()
+        dead_url = dead.url
+        dead.stop()
+        with tqdm(total=5, desc="train", file=sys.stderr) as bar:
+            bar.update(2)
+            ReplicaReward([dead_url, live.url], chunk_size=2, **FAST)
+    said = capsys.readouterr().err
+    notice = said.index(f"branchdiff: reward replica {dead_url} left out")
+    assert said[notice - 1] in "\r\n", repr(said)

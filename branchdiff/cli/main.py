@@ -54,8 +54,12 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt as interrupt:
         if debug:
             raise
-        print(f"branchdiff: {interrupt or 'interrupted'}", file=sys.stderr)
-        return 130
+        from branchdiff.runtime.abort import ABORT_STATUS, abort_on_next_interrupt
+
+        # a KeyboardInterrupt's message is empty unless the run gave one (`Interrupted`: where its checkpoint is)
+        print(f"branchdiff: {str(interrupt) or 'interrupted by Ctrl-C'}", file=sys.stderr)
+        abort_on_next_interrupt("aborted by a second Ctrl-C")  # the clean-up and the interpreter's exit are not waited for
+        return ABORT_STATUS
     except Exception as error:
         line = None if debug else _error_line(error, args.command)
         if line is None:
@@ -85,7 +89,8 @@ def _error_line(error: Exception, command: str) -> str | None:
     return None
 
 
-NOISY_LOGGERS = ("torch.utils._pytree", "bitsandbytes", "diffusers.quantizers")  # import-time notices about optional kernels
+# import-time notices about optional kernels; torch.compile for the CPU finding no CUDA runtime (a CUDA build of torch on a machine without a GPU)
+NOISY_LOGGERS = ("torch.utils._pytree", "bitsandbytes", "diffusers.quantizers", "torch.utils.cpp_extension")
 
 
 def _quiet_third_party_logs() -> None:

@@ -115,10 +115,12 @@ def check_compiler(mode: str) -> None:
 
 
 def report_first_call(denoiser: torch.nn.Module, say: Callable[[str], None], what: str) -> None:
-    """Say once how long the denoiser's first (compiling) forward took: `say(line)` after it returns."""
+    """Say once that the denoiser's first forward compiles (`say(line)` as it starts: on the CPU it takes a
+    minute or more, in which nothing else is printed) and how long it took, when it returns."""
     started: list[float] = []
 
     def before(module: torch.nn.Module, args: object) -> None:
+        say(f"{what}: compiling them in the first forward (once)...")
         started.append(time.perf_counter())
 
     def after(module: torch.nn.Module, args: object, output: object) -> None:

@@ -29,6 +29,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 import torch
+from tqdm.auto import tqdm
 
 from branchdiff.errors import one_line
 from branchdiff.rewards.remote import RemoteReward, RemoteRewardError
@@ -84,7 +85,8 @@ class ReplicaReward:
                 return
             self.down[url] = why
             self._changed.notify_all()
-        print(f"branchdiff: reward replica {url} left out, the others score its share: {one_line(why, 300)}", file=sys.stderr)
+        # on a line of its own above a training run's progress bar
+        tqdm.write(f"branchdiff: reward replica {url} left out, the others score its share: {one_line(why, 300)}", file=sys.stderr)
 
     def _all_down(self) -> str:
         reasons = "; ".join(f"{url}: {one_line(why, 160)}" for url in self.urls if (why := self.down.get(url)) is not None)

@@ -54,6 +54,7 @@ import sys
 import threading
 
 import torch
+from tqdm.auto import tqdm
 
 from branchdiff.errors import one_line
 from branchdiff.rewards.base import to_uint8
@@ -235,7 +236,8 @@ class VLMJudge:
                 return
             self.down[url] = why
             self.lock.notify_all()
-        print(f"branchdiff: judge replica {url} left out, the others judge its share: {one_line(why, 300)}", file=sys.stderr)
+        # on a line of its own above a training run's progress bar
+        tqdm.write(f"branchdiff: judge replica {url} left out, the others judge its share: {one_line(why, 300)}", file=sys.stderr)
 
     def top_of(self, reply: object, url: str) -> list[dict]:
         """The first answer token's top log-probabilities of a reply, or one line saying the reply has none."""

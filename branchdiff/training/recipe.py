@@ -212,9 +212,9 @@ class Trainer:
         if cuda:
             print(f"branchdiff: attention {self.runtime['attention_kernel']}; compile {self.runtime['compile']} "
                   f"({self.runtime['compile_choice']})", file=sys.stderr)
-        if compiled:
-            report_first_call(self.adapter.denoiser, lambda line: print(f"branchdiff: {line}", file=sys.stderr),
-                              f"model.compile={self.runtime['compile']}: {compiled} modules compiled")
+        if compiled:  # the lines go above the progress bar (tqdm.write)
+            report_first_call(self.adapter.denoiser, lambda line: tqdm.write(f"branchdiff: {line}", file=sys.stderr),
+                              f"model.compile={self.runtime['compile']}: {compiled} modules")
 
     def _accelerator(self) -> Accelerator:
         config = self.config
@@ -473,6 +473,10 @@ def _iteration(trainer: Trainer, iteration: int) -> dict[str, float]:
     config, accelerator, run_dir = trainer.config, trainer.accelerator, trainer.run_dir
     heldout = {}
     if config.eval_every and iteration % config.eval_every == 0:
+        if iteration == trainer.start_iteration and accelerator.is_local_main_process:  # the first one is a while without a bar's tick
+            policy = "the base model" if iteration == 0 else f"the policy of iteration {iteration}"
+            tqdm.write(f"branchdiff: evaluating {policy} on the held-out prompts first (every {config.eval_every} iterations)...",
+                       file=sys.stderr)
         heldout = trainer.heldout_metrics()
         if accelerator.is_main_process or trainer.sharding.enabled:
             images, prompts = trainer.fixed_samples()

@@ -9,6 +9,7 @@ import time
 from collections.abc import Callable
 from typing import cast
 
+from branchdiff.runtime.abort import abort_now
 from branchdiff.settings.config import TrainConfig
 from branchdiff.training.hacking import WatchState, stop_line
 
@@ -21,14 +22,14 @@ class Interrupted(KeyboardInterrupt):
 
 class InterruptRequest:
     """While active, a first SIGINT only sets `requested` (the loop stops at the end of the
-    iteration); a second one raises KeyboardInterrupt at once."""
+    iteration); a second one ends the process at once (`abort_now`)."""
 
     def __init__(self) -> None:
         self.requested = False
 
     def _handle(self, signum: int, frame: object) -> None:
         if self.requested:
-            raise KeyboardInterrupt
+            abort_now("aborted by a second Ctrl-C; checkpoints already saved are intact (continue from one with --resume latest)")
         self.requested = True
         print("\nbranchdiff: stopping after this iteration with a checkpoint (Ctrl-C again to abort now)", file=sys.stderr)
 
