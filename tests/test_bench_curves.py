@@ -2,6 +2,7 @@
 tiny end-to-end run (its numbers are for `branchdiff bench curves`, not for tests)."""
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -101,8 +102,9 @@ def test_time_ratio_interval_brackets_the_ratio_and_says_never():
 
 
 def test_significance_says_which_variant_differs():
-    result = {"seeds": 3, "variants": {"chain": {"mean": [0.1, 0.5], "ci": [[0.1, 0.1], [0.4, 0.6]]}, "mix": {"mean": [0.1, 0.8]},
-                                       "tree": {"mean": [0.1, 0.52]}},
+    three = [[0.0, 0.0]] * 3  # three seeds' curves (only their count is read here)
+    result = {"seeds": 3, "variants": {"chain": {"mean": [0.1, 0.5], "ci": [[0.1, 0.1], [0.4, 0.6]], "strict": three},
+                                       "mix": {"mean": [0.1, 0.8], "strict": three}, "tree": {"mean": [0.1, 0.52], "strict": three}},
               "ratios": {"final_vs_chain_p": {"mix": 0.001, "tree": 0.6},
                          "time_to_chain_final_ci": {"mix": [0.2, 0.4], "tree": [0.5, 1.3]}}}
     text = format_significance(result)
@@ -206,7 +208,99 @@ def test_the_plot_keeps_a_long_legend_inside_the_image(tmp_path):
     grid = [0.0, 1.0, 2.0]
     long_name = "dpo_offline_then_default:iterations=270:train.decay_start=162"
     result = {"grid_minutes": grid, "seeds": 2, "clock": "wall", "reference": "mix",
-              "variants": {name: {"mean": [0.2, 0.3, 0.4], "ci": [[0.2, 0.2], [0.25, 0.35], [0.3, 0.5]]} for name in ("mix", long_name)}}
+              "variants": {name: {"mean": [0.2, 0.3, 0.4], "ci": [[0.2, 0.2], [0.25, 0.35], [0.3, 0.5]], "strict": [[0.2, 0.3, 0.4]] * 2}
+                           for name in ("mix", long_name)}}
     plot_curves(result, tmp_path / "curves.png")
     width, _ = Image.open(tmp_path / "curves.png").size
     assert width > 7 * 120 + 200
+
+
+def _part(tmp_path, name: str, first: int, count: int, seed_ids: bool = True):
+    """A `bench curves` JSON result of seeds first..first+count-1 of mix and awm (as a run of --first-seed writes it)."""
+    from branchdiff.bench.curves import _result
+
+    curves = [[0.2, 0.3 + 0.01 * k, 0.5, 0.6 + 0.02 * k] for k in range(first, first + count)]
+    runs = {n: [{"strict": c, "iterations": 60 + k, "eval_minutes": {"wall": GRID, "modelled": GRID}, "seconds": {"wall": 180.0, "modelled": 60.0}}
+                for k, c in enumerate(curves)] for n in ("mix", "awm")}
+    result = _result(3.0, count, GRID, runs, 4, (8, 8), "wall", "mix")
+    if seed_ids:
+        result["seed_ids"] = list(range(first, first + count))
+    path = tmp_path / name
+    path.write_text(json.dumps(result))
+    return path
+
+
+def _broken(good: dict) -> dict[str, str]:
+    """File contents `--merge` refuses, each with the words of its one line."""
+    no_scores = json.loads(json.dumps(good))
+    del no_scores["variants"]["awm"]["strict"]
+    nan_list = json.dumps(good).replace('"iterations": [60, 61]', '"iterations": NaN', 1)
+    short = json.loads(json.dumps(good))
+    short["variants"]["mix"]["strict"][0] = short["variants"]["mix"]["strict"][0][:2]
+    no_variants = {k: v for k, v in good.items() if k != "variants"}
+    return {"[]": "it holds a list, not an object", '{"hello": 1}': "no 'minutes', 'grid_minutes', 'clock', 'reference', 'variants'",
+            json.dumps(no_variants): "no 'variants'", json.dumps(no_scores): "variant 'awm' has no per-seed scores",
+            nan_list: "variant 'mix': 'iterations' must hold one number per seed (2)", json.dumps(short): "variant 'mix' has no per-seed scores",
+            "": "is empty", '{"minutes": 3': "is not JSON"}
+
+
+def test_merge_checks_every_file_before_anything_merges(tmp_path):
+    """`[]` was a TypeError, `{"hello": 1}` a KeyError, a variant without its scores an IndexError, NaN where a list belongs a
+    TypeError: each is one line naming the file and what is wrong, and nothing is written."""
+    from branchdiff.bench.curves import merge_results
+    from branchdiff.errors import UserError
+
+    good = _part(tmp_path, "good.json", 0, 2)
+    for index, (text, words) in enumerate(_broken(json.loads(good.read_text())).items()):
+        bad = tmp_path / f"bad-{index}.json"
+        bad.write_text(text)
+        with pytest.raises(UserError, match="^bench curves --merge: " + str(bad).replace(".", r"\.") + " .*" + re.escape(words)):
+            merge_results([good, bad], tmp_path / "out", tmp_path / "merged.json")
+    with pytest.raises(UserError, match=r"missing.json does not exist; give the JSON files that bench curves --json wrote$"):
+        merge_results([good, tmp_path / "missing.json"], tmp_path / "out", None)
+    assert not (tmp_path / "out").exists() and not (tmp_path / "merged.json").exists()
+
+
+def test_merge_refuses_a_seed_counted_twice(tmp_path):
+    """The same file twice was merged as ten seeds (the default's interval narrowed from [0.584, 0.746] to [0.621, 0.709] by
+    duplicated seeds): a file named twice, two files sharing a seed (by the seed numbers they record) and, in files older than
+    those numbers, the same run in two files are refused; distinct seeds merge, their numbers kept."""
+    from branchdiff.bench.curves import merge_results
+    from branchdiff.errors import UserError
+
+    first, second, overlap = _part(tmp_path, "0-1.json", 0, 2), _part(tmp_path, "2.json", 2, 1), _part(tmp_path, "1-2.json", 1, 2)
+    with pytest.raises(UserError, match=r"^bench curves --merge: .*0-1.json is named twice; its seeds would count twice \(each file once\)$"):
+        merge_results([first, second, tmp_path / "." / "0-1.json"], tmp_path / "out", None)
+    with pytest.raises(UserError, match=r"^bench curves --merge: seed 1 of variant mix is in both .*0-1.json and .*1-2.json; merge files of "
+                                        r"different seeds \(each run's --first-seed\), each seed once$"):
+        merge_results([first, overlap], tmp_path / "out", None)
+    old_first, old_copy = _part(tmp_path, "old.json", 0, 2, seed_ids=False), tmp_path / "old-copy.json"
+    old_copy.write_text(old_first.read_text())
+    with pytest.raises(UserError, match=r"^bench curves --merge: a run of variant mix is in both .*old.json and .*old-copy.json"):
+        merge_results([old_first, old_copy], tmp_path / "out", None)
+    with pytest.raises(UserError, match=r"^bench curves --merge --reference nosuch: no such variant in the files merged \(mix, awm\)"):
+        merge_results([first, second], tmp_path / "out", None, "nosuch")
+    assert not (tmp_path / "out").exists()
+    merged = merge_results([first, second], tmp_path / "out", None)
+    assert merged["seed_ids"] == [0, 1, 2] and len(merged["variants"]["mix"]["strict"]) == 3
+
+
+def test_one_seed_says_n_a_where_a_statistic_needs_two_and_each_variant_its_count(tmp_path):
+    """One seed printed intervals [x, x], "Welch p = 1.000" and "significantly later or never"; merged files with other
+    variants were labelled with the smallest count."""
+    from branchdiff.bench.curves import _result, format_ratios, format_significance, format_table
+
+    def runs(count: int) -> list[dict]:
+        return [{"strict": [0.2, 0.3, 0.5, 0.6 + 0.01 * k], "iterations": 60, "eval_minutes": {"wall": GRID, "modelled": GRID},
+                 "seconds": {"wall": 180.0, "modelled": 60.0}} for k in range(count)]
+
+    one = _result(3.0, 1, GRID, {"mix": runs(1), "awm": runs(1)}, 4, (8, 8), "wall", "mix")
+    assert one["ratios"]["final_vs_mix_p"] == {"awm": None} and one["ratios"]["time_to_mix_final_ci"]["awm"] is None
+    table, significance = format_table(one), format_significance(one)
+    assert "[n/a]" in table and "[0.600, 0.600]" not in table
+    assert "- awm: final 0.600 vs mix's 0.600: n/a (a test needs two seeds of each; 1 and 1 here)." in significance
+    assert "Welch" not in significance and "never" not in significance and significance.startswith("Significance (1 seed):")
+    assert "awm 1.00 [n/a: one seed]" in format_ratios(one)
+    mixed = _result(3.0, 2, GRID, {"mix": runs(3), "awm": runs(2)}, 4, (8, 8), "wall", "mix")
+    assert format_significance(mixed).startswith("Significance (seeds: mix 3, awm 2):")
+    assert [line.split()[1] for line in format_table(mixed).splitlines()[1:]] == ["3", "2"]

@@ -117,7 +117,7 @@ def test_a_cached_run_reports_its_skipped_forwards(tiny_model_dir, tmp_path):
                      f"sampling.block_cache={cache}", "logging.report_to=none", "final_eval=false"]
         return Trainer(load_config("tiny-mix", overrides))
 
-    cached, plain = run(1e9), run(0.0)
+    cached, plain = run(0.999), run(0.0)  # every change of the tiny model's forwards falls under 0.999
     metrics = cached.run_iteration(0).metrics
     assert (metrics["rollout_forwards"], metrics["rollout_forwards_cached"]) == (4, 3)
     assert "rollout_forwards" not in plain.run_iteration(0).metrics
@@ -126,12 +126,12 @@ def test_a_cached_run_reports_its_skipped_forwards(tiny_model_dir, tmp_path):
 
 def test_bench_cache_measures_the_uncached_rollout_beside_each_threshold(tiny_model_dir):
     """`bench cache` at tiny size: the uncached row is 0 skipped and 0 apart from itself; a threshold every change falls
-    under skips every forward after the roots' (9 of the 10 steps' forwards), and its leaves move."""
+    under (0.999 on the tiny model) skips every forward after the roots' (9 of the 10 steps' forwards), and its leaves move."""
     from branchdiff.bench.block_cache import bench_cache
 
-    result = bench_cache(None, [1e9], draws=2, repeats=1, task="tiny",
+    result = bench_cache(None, [0.999], draws=2, repeats=1, task="tiny",
                          extra_overrides=[f"model.path={tiny_model_dir}", "model.compile=none", "prompts.per_iteration=2"])
-    plain, cached = result["rows"]["0"], result["rows"]["1e+09"]
+    plain, cached = result["rows"]["0"], result["rows"]["0.999"]
     assert (plain["forwards_skipped"], plain["leaf_mean_abs_diff"], plain["reward_minus_uncached"]) == (0.0, 0.0, 0.0)
     assert cached["forwards_skipped"] == pytest.approx(0.9) and cached["leaf_mean_abs_diff"] > 0
     assert len(cached["per_draw_reward"]) == 2 and cached["speedup"] > 0
@@ -209,3 +209,33 @@ def test_rows_keep_their_own_cache_however_a_level_is_cut_into_forwards(family_a
     alone, _, _, _ = _rollout(adapter, 1e9, per_node=True)
     assert batched.forwards_cached == batched.forwards - 1  # all but the two roots' forward
     assert (batched.latents - alone.latents).abs().max() <= 1e-4 * alone.latents.abs().max()
+
+
+def test_wan_22s_second_expert_is_refused_before_the_model_loads(tmp_path):
+    """A local folder whose model_index.json names transformer_2 (Wan 2.2 A14B) is refused by the preflight, before the model
+    loads (it was refused only once loaded); Wan 2.1's index, which lists transformer_2 as [null, null], is not."""
+    import json
+
+    from branchdiff.errors import UserError
+    from branchdiff.models.block_cache import check_cacheable_folder
+    from branchdiff.settings.load import load_config
+    from branchdiff.training.preflight import check_inputs
+
+    a14b, wan21 = tmp_path / "a14b", tmp_path / "wan21"
+    for folder, expert in ((a14b, ["diffusers", "WanTransformer3DModel"]), (wan21, [None, None])):
+        folder.mkdir()
+        (folder / "model_index.json").write_text(json.dumps({"_class_name": "WanPipeline", "transformer": ["diffusers", "WanTransformer3DModel"],
+                                                             "transformer_2": expert}))
+    config = load_config("tiny-mix", ["model.family=wan", f"model.path={a14b}", "train.loss=nft", "sampling.block_cache=0.3", "model.compile=none"])
+    with pytest.raises(UserError, match=r"^sampling.block_cache: this model has a second expert \(transformer_2\).*; set sampling.block_cache=0$"):
+        check_inputs(config)
+    check_cacheable_folder(str(wan21))
+    check_cacheable_folder("Wan-AI/Wan2.1-T2V-1.3B-Diffusers")  # a hub id: checked once it has loaded
+
+
+def test_a_family_the_cache_cannot_follow_is_named_in_the_registry_as_the_loaded_check_finds_it():
+    """The registry's reasons (refused before the model loads) name exactly the families `check_cacheable` refuses once loaded."""
+    from branchdiff.models.registry import FAMILIES
+
+    assert {name for name, family in FAMILIES.items() if family.uncacheable} == set(REFUSED_FAMILIES)
+    assert not any(FAMILIES[name].uncacheable for name in CACHED_FAMILIES)

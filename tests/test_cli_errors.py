@@ -254,6 +254,24 @@ def benchmarks(monkeypatch) -> dict[str, list]:
     (["bench", "cache", "--thresholds", "0.1,high"], "bench cache --thresholds 0.1,high: give comma-separated numbers, e.g. 0.1,0.2"),
     (["bench", "--sampler", "search"], "bench search: --sampler goes after the benchmark's name: branchdiff bench search --sampler; "
                                        "see branchdiff bench search --help"),
+    # degenerate values started a whole benchmark, wrote an empty table, or failed at the end
+    (["bench", "curves", "--merge", ""], "bench curves --merge '' names no file; give the JSON results to merge, comma-separated (e.g. --merge "
+                                         "seeds-0-2.json,seeds-3-4.json)"),
+    (["bench", "curves", "--merge", ",,"], "bench curves --merge ',,' names no file; give the JSON results to merge, comma-separated (e.g. --merge "
+                                           "seeds-0-2.json,seeds-3-4.json)"),
+    (["bench", "curves", "--variants", ""], "--variants '' names no variant; give comma-separated names (e.g. --variants chain,mix), or leave "
+                                            "--variants out for the benchmark's default set"),
+    (["bench", "tree", "--variants", ",,"], "--variants ',,' names no variant; give comma-separated names (e.g. --variants chain,mix), or leave "
+                                            "--variants out for the benchmark's default set"),
+    (["bench", "curves", "--reference", "nosuch"], "bench curves --reference nosuch: not one of the variants run (chain, branch, branch_pruned, "
+                                                   "mix, explore_seeds, explore_tree); name one of them, or add it to --variants"),
+    (["bench", "curves", "--variants", "mix,awm", "--reference", "chain"], "bench curves --reference chain: not one of the variants run (mix, "
+                                                                           "awm); name one of them, or add it to --variants"),
+    (["bench", "cache", "--thresholds", ""], "bench cache --thresholds '' names no threshold; give one or more in (0, 1), e.g. --thresholds 0.1,0.3"),
+    (["bench", "cache", "--json", "/sys/bench.json"], "--json /sys/bench.json: cannot write in /sys (Permission denied); pass --json a file in a "
+                                                      "folder you can write to"),
+    (["bench", "search", "--out", "/sys/bench-out"], "--out /sys/bench-out: cannot write in /sys (Permission denied); pass --out a folder you "
+                                                     "can write to"),
 ])
 def test_an_option_of_another_benchmark_is_refused_naming_the_one_that_takes_it(argv, expected, benchmarks, capsys):
     """`bench tree --sampler` (an option of bench search) was ignored and the whole tree benchmark ran: one
@@ -261,6 +279,34 @@ def test_an_option_of_another_benchmark_is_refused_naming_the_one_that_takes_it(
     assert main(argv) == 2
     assert only_line(capsys) == PREFIX + expected
     assert benchmarks == {}
+
+
+def test_bench_cache_refuses_thresholds_it_cannot_use_and_a_cache_override_before_any_work(capsys):
+    """`bench cache ... sampling.block_cache=abc` ran with the bad value silently replaced (the header printed it); a threshold
+    of 1 or more, which the setting refuses, ran too."""
+    for argv, expected in ((["bench", "cache", "--thresholds", "0.2,1.5"], "bench cache --thresholds 0.2,1.5: give one or more thresholds, each "
+                            "in (0, 1) as sampling.block_cache takes them, e.g. 0.1,0.3 (the uncached rollout, 0, is always measured)"),
+                           (["bench", "cache", "sampling.block_cache=abc"], "bench cache sampling.block_cache=abc: the benchmark sets "
+                            "sampling.block_cache itself, to each of --thresholds in turn; give the values as --thresholds (e.g. --thresholds 0.3)")):
+        assert main(argv) == 2
+        assert only_line(capsys) == PREFIX + expected
+
+
+def test_a_benchmarks_json_and_out_are_checked_before_it_runs_and_out_defaults_outside_docs(benchmarks, tmp_path, capsys, monkeypatch):
+    """`--json` on a folder failed only after the whole benchmark, and one in a missing folder too (bench cache): a folder is
+    refused at once, a missing one is made. `--out` defaulted to docs/, so the reproduce commands of docs/curves.md, run from
+    the repository's root, overwrote it: it defaults to runs/bench-<name>/."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["bench", "cache", "--json", str(tmp_path)]) == 2
+    assert only_line(capsys) == f"{PREFIX}--json {tmp_path} is a folder; pass --json the path of a file (e.g. {tmp_path / 'result.json'})"
+    (tmp_path / "a-file").write_text("")
+    assert main(["bench", "tree", "--json", "a-file/b.json"]) == 2
+    assert only_line(capsys) == f"{PREFIX}--json a-file/b.json: a-file is a file, not a folder; pass --json a file in a folder you can write to"
+    assert benchmarks == {}
+    for argv in (["bench", "curves"], ["bench", "search"], ["bench", "search", "--sampler"]):
+        assert main(argv) == 0
+    assert [call[0][3] for call in (benchmarks["curves"][0], benchmarks["search"][0], benchmarks["sampler"][0])] == [
+        Path("runs/bench-curves"), Path("runs/bench-search"), Path("runs/bench-sampler")]
 
 
 def test_every_option_of_a_benchmark_reaches_it(benchmarks, tmp_path, capsys):

@@ -347,6 +347,19 @@ CPS_ZERO = "where cps's std σ'·sin(aπ/2) is 0 (σ' = 0), so nothing would be 
          "through; use model.compile=blocks (compiled blocks stay compiled) or none"),
         (["sampling.block_cache=0.1", "train.loss=sft"], "'sampling.block_cache' = 0.1 with train.loss=sft, which trains on a dataset and "
                                                           "grows no rollouts: there is nothing to cache; set sampling.block_cache=0"),
+        # above 1 every forward after a node's first was skipped, in silence; families the cache cannot follow, before the model loads
+        (["sampling.block_cache=1.5", "train.loss=nft"], "'sampling.block_cache' = 1.5: the threshold is a relative change of the first "
+                                                         "block's residual, which is almost never 1 or more, so every forward after a node's "
+                                                         "first would be skipped; use a value below 1 (0.3 was measured on the video task: docs/gpu.md)"),
+        (["sampling.block_cache=1e6", "train.loss=awm"], "'sampling.block_cache' = 1e+06: the threshold is a relative change of the first "
+                                                         "block's residual, which is almost never 1 or more, so every forward after a node's "
+                                                         "first would be skipped; use a value below 1 (0.3 was measured on the video task: docs/gpu.md)"),
+        (["sampling.block_cache=0.3", "train.loss=nft", "model.family=sana", "model.path=x"],
+         "'sampling.block_cache' = 0.3 with model.family=sana: its blocks (SanaTransformerBlock) are not in diffusers' block registry, so the "
+         "cache cannot follow them; set sampling.block_cache=0"),
+        (["sampling.block_cache=0.3", "train.loss=nft", "model.family=z-image", "model.path=x"],
+         "'sampling.block_cache' = 0.3 with model.family=z-image: its blocks take one sequence of text and image tokens, padded per forward "
+         "to its longest prompt, so the cache cannot follow them; set sampling.block_cache=0"),
         (["sampling.block_cache=0.1", "train.loss=nft", "explore.mode=search"],
          "'sampling.block_cache' = 0.1 with explore.mode=search, which grows its trees a node at a time: the cache follows a rollout's "
          "levels only; set sampling.block_cache=0 or explore.mode=seeds or tree"),
@@ -583,3 +596,29 @@ def test_sde_and_shift_must_fit_the_family_steps():
         "'sampling.sde' = 'ddim' is not an SDE of model.family=flux (flow steps); allowed: dance, flow, cps")
     assert config_error(None, ["model.family=sd15", "model.path=x", "sampling.sde=ddim", "sampling.shift=3"]).startswith(
         "'sampling.shift' = 3 applies to flow families")
+
+
+@pytest.mark.parametrize("preset, override, owner", [
+    ("tiny-awm", "dpo.beta=5", "dpo"), ("tiny-chain", "awm.power=2", "awm"), ("tiny-chain", "nft.beta=0.5", "nft"),
+    ("tiny-awm", "dgpo.reference=ema", "dgpo"), ("tiny-awm", "guard={clip_range: 1e-3}", "grpo-guard"),
+    ("tiny-dpo", "dpo_offline.beta=50", "dpo-offline"), ("tiny-chain", "layertuning.sft_weight=0.5", "grpo-layertuning"),
+])
+def test_an_objectives_keys_on_a_run_of_another_objective_are_refused_naming_it(preset, override, owner):
+    """They were accepted, recorded in config.yaml, and did nothing."""
+    loss = load_config(preset).train.loss
+    key, _, value = override.partition("=")
+    section = key if "." not in key else key.split(".")[0]
+    message = config_error(preset, [override])
+    assert message.startswith(f"'{section}.") and message.endswith(f"is a key of train.loss={owner}, and this run trains train.loss={loss}, "
+                                                                   f"which never reads it; remove it (or set train.loss={owner})"), message
+
+
+def test_every_section_at_its_defaults_is_accepted_as_config_writes_it(tmp_path, capsys):
+    """`branchdiff config` writes every objective's section: a file it wrote loads, and changing the objective of a file whose
+    other sections hold defaults is accepted."""
+    from branchdiff.cli import main
+
+    assert main(["config", "tiny-awm"]) == 0
+    written = tmp_path / "awm.yaml"
+    written.write_text(capsys.readouterr().out)
+    assert load_config(str(written), ["train.loss=nft"]).train.loss == "nft"

@@ -160,14 +160,14 @@ config = load_config("tiny-chain", ["train.loss=scaled", "scaled.factor=0.5"])
 out = {"factor": config.scaled.factor, "mode": config.scaled.mode, "nft_beta": config.nft.beta, "runs": []}
 printed = io.StringIO()
 with contextlib.redirect_stdout(printed):
-    main(["config", "tiny-chain", "scaled.factor=2"])
+    main(["config", "tiny-chain", "train.loss=scaled", "scaled.factor=2"])
 out["config"] = printed.getvalue()
 common = ["train", "tiny-chain", "train.loss=scaled", "output_dir=" + sys.argv[1], "iterations=1", "prompts.per_iteration=2",
           "final_eval=false", "logging.report_to=none", "logging.sample_every=0"]
 for extra in sys.argv[2:]:
     error = io.StringIO()
     with contextlib.redirect_stderr(error), contextlib.redirect_stdout(io.StringIO()):
-        code = main([*common, extra])
+        code = main([*common, *extra.split()])
     lines = [line for line in error.getvalue().splitlines() if line.startswith("branchdiff")]
     out["runs"].append([code, lines])
 print(json.dumps(out))
@@ -189,7 +189,10 @@ def test_an_installed_objective_brings_its_own_keys_read_and_checked_like_the_bu
     bad = {"scaled.factor=abc": "'scaled.factor' = 'abc' has the wrong type; expected float",
            "scaled.factor=-1": "'scaled.factor' = -1 is out of range; it must be > 0",
            "scaled.mode=maybe": "'scaled.mode' = 'maybe' is not allowed; allowed: on, off",
-           "scaled.facter=2": "unknown key 'scaled.facter'; did you mean scaled.factor?"}
+           "scaled.facter=2": "unknown key 'scaled.facter'; did you mean scaled.factor?",
+           # its keys on a run of another objective did nothing, in silence
+           "train.loss=grpo scaled.factor=2": "'scaled.factor' = 2 is a key of train.loss=scaled, and this run trains train.loss=grpo, which never "
+                                              "reads it; remove it (or set train.loss=scaled)"}
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]), "HF_HUB_OFFLINE": "1"}
     done = subprocess.run([sys.executable, "-c", PLUGIN_SCRIPT, str(tmp_path / "run"), *bad, "scaled.factor=0.5"], env=env,
                           capture_output=True, text=True, timeout=600)

@@ -41,9 +41,14 @@ def paired_p(differences: list[float]) -> float:
 def bench_cache(json_path: Path | None, thresholds: list[float], draws: int = 5, first_draw: int = 0, repeats: int = 3,
                 task: str = "tiny-video", extra_overrides: list[str] = ()) -> dict:
     """Rows per threshold (module doc); `draws` iterations' trees from `first_draw` on."""
-    if any(t <= 0 for t in thresholds):
-        raise ValueError(f"bench cache --thresholds {','.join(f'{t:g}' for t in thresholds)}: every threshold must be > 0 "
-                         "(the uncached rollout, 0, is always measured)")
+    given = ",".join(f"{t:g}" for t in thresholds)
+    if not thresholds or any(not 0 < t < 1 for t in thresholds):
+        raise ValueError(f"bench cache --thresholds {given}: give one or more thresholds, each in (0, 1) as sampling.block_cache takes "
+                         "them, e.g. 0.1,0.3 (the uncached rollout, 0, is always measured)")
+    cached = [item for item in extra_overrides if item.partition("=")[0].strip() == "sampling.block_cache"]
+    if cached:
+        raise ValueError(f"bench cache {cached[0]}: the benchmark sets sampling.block_cache itself, to each of --thresholds in turn; "
+                         "give the values as --thresholds (e.g. --thresholds 0.3)")
     preset, overrides = TASKS[task]
     config = load_config(preset, [*overrides, *QUIET, *extra_overrides, f"sampling.block_cache={max(thresholds)}"])  # the run's refusals
     check_inputs(config)

@@ -61,7 +61,9 @@ import torch
 
 from branchdiff.bench.clock import modelled_seconds
 from branchdiff.bench.stats import first_time_reaching, t_interval, time_ratio_interval, welch_p
+from branchdiff.bench.tables import write_json
 from branchdiff.data.prompts import load_prompt_set
+from branchdiff.errors import UserError
 from branchdiff.evaluation.evaluate import OdeSampling, evaluate, summarize
 from branchdiff.objectives.registry import dataset_kind
 from branchdiff.rewards.combine import parse_reward_specs
@@ -110,8 +112,10 @@ TASKS: dict[str, tuple[str, str, list[str]]] = {  # task: (held-out prompts, ver
     "tiny": ("tiny:held_out", "tiny-geneval", []),
     "tiny-video": ("tiny-video:held_out", "tiny-video", ["model.family=tiny-video", "prompts.train=tiny-video:train",
                                                          "prompts.eval=tiny-video:held_out", "reward=tiny-video", "eval_rewards=[tiny-video]",
-                                                         "watch.gold=tiny-video.strict", "sft.data=tiny-video:demonstrations",
-                                                         "dpo_offline.data=tiny-video:preferences"]),
+                                                         "watch.gold=tiny-video.strict"]),
+}
+TASK_DATA: dict[str, dict[str, str]] = {  # task: the dataset objectives' own keys moving them onto it (set only on a run of that objective)
+    "tiny": {}, "tiny-video": {"sft": "sft.data=tiny-video:demonstrations", "dpo-offline": "dpo_offline.data=tiny-video:preferences"},
 }
 
 
@@ -252,8 +256,10 @@ def bench_curves(minutes: float, seeds: int, json_path: Path | None, out_dir: Pa
     with tempfile.TemporaryDirectory() as tmp:
         def config(variant: str, seed: int, extra: list[str], label: str) -> TrainConfig:
             preset, overrides = VARIANTS[variant]
-            return load_config(preset, [*COMMON, *task_overrides, *overrides, *extra, f"seed={seed}", f"output_dir={tmp}/{len(label)}-{hash(label)}-{seed}",
-                                        *extra_overrides])
+            chosen = [*COMMON, *task_overrides, *overrides, *extra, f"seed={seed}", f"output_dir={tmp}/{len(label)}-{hash(label)}-{seed}",
+                      *extra_overrides]
+            data = TASK_DATA[task].get(load_config(preset, chosen).train.loss)  # a dataset objective's set on this task
+            return load_config(preset, [*chosen, data] if data else chosen)
 
         def phases(label: str, seed: int) -> list[tuple[TrainConfig, float]]:
             variant, extra = specs[label]
@@ -281,6 +287,7 @@ def bench_curves(minutes: float, seeds: int, json_path: Path | None, out_dir: Pa
                 print(f"seed {seed} {name}: {run['iterations']} iterations in {run['seconds'][clock]:.0f} s ({clock}), strict "
                       + " ".join(f"{v:.3f}" for v in run["strict"]), flush=True)
     result = _result(minutes, seeds, grid, runs, images_per_prompt, next(iter(shapes.values()), None), clock, reference, source, score)
+    result["seed_ids"] = list(range(first_seed, first_seed + seeds))  # each run's seed, so that a merge can refuse one counted twice
     rows = [name for name in names if name not in shapes]
     if shapes and rows:  # beside the rollout variants, the dataset objectives' shape is their rows
         result["notes"]["shape"] += f"; {', '.join(rows)}: prompts.per_iteration rows of a dataset an iteration"
@@ -301,8 +308,7 @@ def bench_curves(minutes: float, seeds: int, json_path: Path | None, out_dir: Pa
         f"![curves](curves.png)\n\n{format_table(result, markdown=True)}\n\n{format_ratios(result)}\n\n{format_significance(result)}\n\n"
         + "".join(f"- {key}: {note}\n" for key, note in result["notes"].items() if isinstance(note, str) and key != "machine"))
     if json_path:
-        json_path.parent.mkdir(parents=True, exist_ok=True)
-        json_path.write_text(json.dumps(result, indent=1))
+        write_json(json_path, result)
     print(f"wrote {out_dir / 'curves.md'}, {out_dir / 'curves.png'}" + (f", {json_path}" if json_path else ""))
     return result
 
@@ -311,23 +317,39 @@ def merge_results(paths: list[Path], out_dir: Path, json_path: Path | None, refe
     """One result of several `bench curves` runs of the same grid and clock, each over its own seeds (a benchmark split
     over the cores, `--first-seed`): every variant's seeds in the files' order, the intervals, ratios and tests
     recomputed on all of them; written as `bench_curves` writes its own (curves.md, curves.png, `json_path`)."""
-    results = [json.loads(path.read_text()) for path in paths]
+    if len({path.resolve() for path in paths}) < len(paths):
+        twice = next(path for index, path in enumerate(paths) if path.resolve() in {p.resolve() for p in paths[:index]})
+        raise UserError(f"bench curves --merge: {twice} is named twice; its seeds would count twice (each file once)")
+    results = [read_result(path) for path in paths]
     first = results[0]
     for path, result in zip(paths, results):
         if (result["minutes"], result["grid_minutes"], result["clock"]) != (first["minutes"], first["grid_minutes"], first["clock"]):
-            raise ValueError(f"{path}: another budget, grid or clock than {paths[0]}; merge runs of the same --minutes, --points and --clock")
+            raise UserError(f"{path}: another budget, grid or clock than {paths[0]}; merge runs of the same --minutes, --points and --clock")
     runs: dict[str, list[dict]] = {}
-    for result in results:
+    seen: dict[tuple[str, int | str], Path] = {}  # (variant, seed or the run's own numbers): the file that holds it
+    for path, result in zip(paths, results):
+        seed_ids = result.get("seed_ids")
         for name, v in result["variants"].items():
             for index, strict in enumerate(v["strict"]):
                 iterations = v["iterations"][index]
+                # a seed is known by its number where the file records it; in older files, by its run's own numbers
+                key = seed_ids[index] if seed_ids else json.dumps([strict, iterations, v["eval_minutes"]["wall"][index]])
+                if (name, key) in seen:
+                    which = f"seed {key}" if seed_ids else "a run"
+                    raise UserError(f"bench curves --merge: {which} of variant {name} is in both {seen[name, key]} and {path}; merge files of "
+                                    "different seeds (each run's --first-seed), each seed once")
+                seen[name, key] = path
                 runs.setdefault(name, []).append({
                     "strict": strict, "iterations": iterations, "eval_minutes": {c: v["eval_minutes"][c][index] for c in CLOCKS},
                     "seconds": {c: v["seconds_per_iteration"][c] * iterations for c in CLOCKS}})  # the file's mean rate: its total kept
     seeds = min(len(r) for r in runs.values())
     reference = reference or first["reference"]
+    if reference not in runs:
+        raise UserError(f"bench curves --merge --reference {reference}: no such variant in the files merged ({', '.join(runs)}); name one of them")
     shape_note = first["notes"]["shape"]
     merged = _result(first["minutes"], seeds, first["grid_minutes"], runs, 0, None, first["clock"], reference)
+    if all("seed_ids" in r for r in results) and all(set(r["variants"]) == set(runs) for r in results):
+        merged["seed_ids"] = [seed for r in results for seed in r["seed_ids"]]
     merged["notes"] = {**first["notes"], **{k: v for k, v in merged["notes"].items() if k.startswith(("time_to_", "coarse_grid"))},
                        "shape": shape_note, "merged": f"seeds of {', '.join(str(p) for p in paths)}, in that order",
                        "machine": "; ".join(str(r["notes"].get("machine", "")) for r in results)}
@@ -339,12 +361,71 @@ def merge_results(paths: list[Path], out_dir: Path, json_path: Path | None, refe
         f"{format_table(merged, markdown=True)}\n\n{format_ratios(merged)}\n\n{format_significance(merged)}\n\n"
         + "".join(f"- {key}: {note}\n" for key, note in merged["notes"].items() if isinstance(note, str)))
     if json_path:
-        json_path.parent.mkdir(parents=True, exist_ok=True)
-        json_path.write_text(json.dumps(merged, indent=1))
+        write_json(json_path, merged)
     print(format_table(merged))
     print(format_ratios(merged))
     print(format_significance(merged))
     return merged
+
+
+def read_result(path: Path) -> dict:
+    """A `bench curves` JSON result, checked before anything is merged: one line naming the file and what is wrong with it
+    (missing, empty, not JSON, not a result, a variant without its per-seed scores or with numbers where lists belong)."""
+    if not path.is_file():
+        raise UserError(f"bench curves --merge: {path} " + ("is a folder" if path.is_dir() else "does not exist") + "; give the JSON files "
+                        "that bench curves --json wrote")
+    text = path.read_text(errors="replace")
+    if not text.strip():
+        raise UserError(f"bench curves --merge: {path} is empty; give the JSON file that bench curves --json wrote")
+    try:
+        result = json.loads(text)
+    except ValueError as error:
+        raise UserError(f"bench curves --merge: {path} is not JSON ({error}); a run cut short leaves no file: run its seeds again") from None
+    problem = _result_problem(result)
+    if problem:
+        raise UserError(f"bench curves --merge: {path} is not a bench curves result: {problem}")
+    return result
+
+
+def _numbers(value: object, length: int | None = None) -> bool:
+    """`value` is a list (of `length` items, where given) of finite numbers."""
+    return (isinstance(value, list) and (length is None or len(value) == length)
+            and all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in value))
+
+
+def _result_problem(result: object) -> str:
+    """What makes `result` unusable as a `bench curves` result ("" when it is one)."""
+    if not isinstance(result, dict):
+        return f"it holds a {type(result).__name__}, not an object"
+    missing = [key for key in ("minutes", "grid_minutes", "clock", "reference", "variants") if key not in result]
+    if missing:
+        return f"no {', '.join(repr(key) for key in missing)}"
+    grid = result["grid_minutes"]
+    if not _numbers(grid) or len(grid) < 2 or result["clock"] not in CLOCKS:
+        return "'grid_minutes' must be a list of two or more numbers and 'clock' one of " + ", ".join(CLOCKS)
+    variants = result["variants"]
+    if not isinstance(variants, dict) or not variants:
+        return "'variants' must map each variant's name to its runs, and it holds none"
+    for name, v in variants.items():
+        if not isinstance(v, dict):
+            return f"variant {name!r} is a {type(v).__name__}, not an object"
+        strict = v.get("strict")
+        if not isinstance(strict, list) or not strict or not all(_numbers(run, len(grid)) for run in strict):
+            return f"variant {name!r} has no per-seed scores ('strict': a list per seed of {len(grid)} numbers, one per grid point)"
+        seeds = len(strict)
+        if not _numbers(v.get("iterations"), seeds):
+            return f"variant {name!r}: 'iterations' must hold one number per seed ({seeds})"
+        minutes, rates = v.get("eval_minutes"), v.get("seconds_per_iteration")
+        if (not isinstance(minutes, dict) or not all(isinstance(minutes.get(c), list) and len(minutes[c]) == seeds
+                                                     and all(_numbers(run, len(grid)) for run in minutes[c]) for c in CLOCKS)):
+            return f"variant {name!r}: 'eval_minutes' must hold, for each clock ({', '.join(CLOCKS)}), a list per seed of {len(grid)} numbers"
+        if not isinstance(rates, dict) or not all(_numbers([rates.get(c)]) for c in CLOCKS):
+            return f"variant {name!r}: 'seconds_per_iteration' must hold a number for each clock ({', '.join(CLOCKS)})"
+    seed_ids = result.get("seed_ids")
+    if seed_ids is not None and (not isinstance(seed_ids, list) or len(set(map(str, seed_ids))) != len(seed_ids)
+                                 or any(len(v["strict"]) != len(seed_ids) for v in variants.values())):
+        return "'seed_ids' must list each variant's seeds once, as many as its runs"
+    return ""
 
 
 def _result(minutes: float, seeds: int, grid: list[float], runs: dict[str, list[dict]], images_per_prompt: int, shape: tuple[int, int] | None,
@@ -379,12 +460,15 @@ def _result(minutes: float, seeds: int, grid: list[float], runs: dict[str, list[
         key = f"time_to_{reference}_final"
         ratios[key], notes[key] = time_to_reference_final(grid, {name: v["mean"] for name, v in variants.items()}, reference)
         reference_runs = variants[reference]["strict"]
-        ratios[f"{key}_ci"] = {name: list(time_ratio_interval(reference_runs, v["strict"], grid)) for name, v in variants.items()}
+        # an interval or a test over fewer than two seeds of either side says nothing: None ("n/a" in the tables)
+        enough = {name: len(reference_runs) > 1 and len(v["strict"]) > 1 for name, v in variants.items()}
+        ratios[f"{key}_ci"] = {name: list(time_ratio_interval(reference_runs, v["strict"], grid)) if enough[name] else None
+                               for name, v in variants.items()}
         other = next(c for c in CLOCKS if c != clock)
         ratios[f"{key}_other_clock"] = time_to_reference_final_on(
             {name: [statistics.mean(t) for t in zip(*v["eval_minutes"][other])] for name, v in variants.items()},
             {name: v["mean"] for name, v in variants.items()}, reference)
-        ratios[f"final_vs_{reference}_p"] = {name: welch_p([r[-1] for r in v["strict"]], [r[-1] for r in reference_runs])
+        ratios[f"final_vs_{reference}_p"] = {name: welch_p([r[-1] for r in v["strict"]], [r[-1] for r in reference_runs]) if enough[name] else None
                                              for name, v in variants.items() if name != reference}
     return {"minutes": minutes, "seeds": seeds, "clock": clock, "grid_minutes": grid, "reference": reference, "variants": variants,
             "ratios": ratios, "notes": notes}
@@ -394,9 +478,10 @@ def format_table(result: dict, markdown: bool = False) -> str:
     """Per variant: the mean over seeds [95% interval] at each grid time (the last is the final),
     iterations, seconds per iteration on the run's clock."""
     clock = result["clock"]
-    header = ["variant", *(f"{t:.2f} min" for t in result["grid_minutes"]), "iterations", f"s/iter ({clock})"]
+    header = ["variant", "seeds", *(f"{t:.2f} min" for t in result["grid_minutes"]), "iterations", f"s/iter ({clock})"]
     header[-3] += " (final)"
-    rows = [[name, *(f"{m:.3f} [{low:.3f}, {high:.3f}]" for m, (low, high) in zip(v["mean"], v["ci"])),
+    rows = [[name, str(len(v["strict"])),
+             *(f"{m:.3f} [{low:.3f}, {high:.3f}]" if len(v["strict"]) > 1 else f"{m:.3f} [n/a]" for m, (low, high) in zip(v["mean"], v["ci"])),
              f"{statistics.mean(v['iterations']):.0f}", f"{v['seconds_per_iteration'][clock]:.2f}"] for name, v in result["variants"].items()]
     if markdown:
         return "\n".join("| " + " | ".join(row) + " |" for row in [header, ["---"] * len(header), *rows])
@@ -404,7 +489,10 @@ def format_table(result: dict, markdown: bool = False) -> str:
     return "\n".join(row[0].ljust(widths[0]) + "".join(c.rjust(w) for c, w in zip(row[1:], widths[1:])) for row in [header, *rows])
 
 
-def _interval(low: float, high: float) -> str:
+def _interval(bounds: list[float] | None) -> str:
+    if bounds is None:
+        return "[n/a: one seed]"
+    low, high = bounds
     return f"[{low:.2f}, {'never' if math.isinf(high) else f'{high:.2f}'}]"
 
 
@@ -417,7 +505,7 @@ def format_ratios(result: dict) -> str:
         return f"{key}: no {reference} variant in this run"
     notes, intervals = result["notes"][key], result["ratios"][f"{key}_ci"]
     target = result["variants"][reference]["mean"][-1]
-    cells = [f"{name} {notes[name] if value is None else f'{value:.2f}'} {_interval(*intervals[name])}" for name, value in ratios.items()]
+    cells = [f"{name} {notes[name] if value is None else f'{value:.2f}'} {_interval(intervals[name])}" for name, value in ratios.items()]
     other = next(c for c in CLOCKS if c != result["clock"])
     on_other = ", ".join(f"{name} {'never' if value is None else f'{value:.2f}'}"
                          for name, value in result["ratios"][f"{key}_other_clock"].items())
@@ -436,6 +524,10 @@ def format_significance(result: dict) -> str:
     lines = []
     for name, p in result["ratios"][f"final_vs_{reference}_p"].items():
         final = result["variants"][name]["mean"][-1]
+        if p is None:  # fewer than two seeds on a side: no interval, no test
+            counts = f"{len(result['variants'][name]['strict'])} and {len(result['variants'][reference]['strict'])}"
+            lines.append(f"- {name}: final {final:.3f} vs {own} {reference_final:.3f}: n/a (a test needs two seeds of each; {counts} here).")
+            continue
         low, high = result["ratios"][f"time_to_{reference}_final_ci"][name]
         accuracy = (f"final {final:.3f} vs {own} {reference_final:.3f}: " + (f"significantly {'higher' if final > reference_final else 'lower'}"
                     if p < 0.05 else "not significantly different") + f" (Welch p = {p:.3f})")
@@ -444,10 +536,19 @@ def format_significance(result: dict) -> str:
         lines.append(f"- {name}: {accuracy}; {speed}.")
     chosen = result["variants"][reference]
     base, (low, high) = chosen["mean"][0], chosen["ci"][-1]
-    if low <= base:
+    if len(chosen["strict"]) > 1 and low <= base:
         lines.append(f"- {own} own final is not significantly above the base ({base:.3f} within its interval "
                      f"[{low:.3f}, {high:.3f}]): times to reach it compare noise levels, not learning.")
-    return f"Significance ({result['seeds']} seeds):\n" + "\n".join(lines)
+    return f"Significance ({_seed_counts(result)}):\n" + "\n".join(lines)
+
+
+def _seed_counts(result: dict) -> str:
+    """"3 seeds", or each variant's own count where they differ (files merged over other variants)."""
+    counts = {len(v["strict"]) for v in result["variants"].values()}
+    if len(counts) == 1:
+        count = counts.pop()
+        return f"{count} seed{'' if count == 1 else 's'}"
+    return "seeds: " + ", ".join(f"{name} {len(v['strict'])}" for name, v in result["variants"].items())
 
 
 def plot_curves(result: dict, path: Path) -> None:
@@ -464,7 +565,7 @@ def plot_curves(result: dict, path: Path) -> None:
     clock = {"wall": "training wall time", "modelled": "modelled GPU time (branchdiff/bench/clock.py)"}[result["clock"]]
     axes.set_xlabel(f"{clock}, minutes; evaluation not counted")
     axes.set_ylabel("held-out strict accuracy")
-    axes.set_title(f"{result['seeds']} seed(s): mean and 95% interval")
+    axes.set_title(f"{_seed_counts(result)}: mean and 95% interval")
     axes.grid(alpha=0.3)
     axes.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))
     figure.savefig(path, dpi=120, bbox_inches="tight")  # the image grows to hold the legend beside the axes

@@ -16,7 +16,6 @@ the whole's; branchdiff/training/overlap.py).
 
 from __future__ import annotations
 
-import json
 import multiprocessing
 import socket
 import statistics
@@ -26,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from branchdiff.bench.tables import write_json
 from branchdiff.rewards.remote import RemoteReward
 from branchdiff.rewards.server import serve
 from branchdiff.rewards.tiny_geneval import TinyGenEval
@@ -114,7 +114,7 @@ def _bench(json_path: Path | None, iterations: int, overrides: list[str]) -> dic
     result = _summarise(runs, "scoring", heading, "sequential ÷ overlapped, seconds per iteration: {ratio}")
     result.update(seconds_per_image=seconds_per_image.value, iterations=iterations)
     if json_path:
-        json_path.write_text(json.dumps(result, indent=1))
+        write_json(json_path, result)
     return result
 
 
@@ -185,5 +185,5 @@ def bench_replicas(json_path: Path | None, replicas: int, iterations: int = 9, o
     result = _summarise(runs, "reward", heading, f"1 replica ÷ {replicas} replicas, seconds per iteration: {{ratio}} (target ≥ 1.6 at 2)")
     result.update(seconds_per_image=seconds_per_image.value, iterations=iterations, replicas=replicas, slowness=slowness)
     if json_path:
-        json_path.write_text(json.dumps(result, indent=1))
+        write_json(json_path, result)
     return result

@@ -9,13 +9,13 @@ mis-ordered. Run side by side with requests batched (`max_batch`) and one at a t
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 from pathlib import Path
 
 import torch
 
+from branchdiff.bench.tables import write_json
 from branchdiff.rewards.remote import RemoteReward, RemoteRewardError
 from branchdiff.rewards.server import BackgroundServer, Limits
 
@@ -106,5 +106,5 @@ def bench_reward_server(json_path: Path | None, clients: int = 8, seconds: float
     batched, single = rows.values()
     print(f"batched ÷ one at a time, images per second: {batched['images_per_second'] / single['images_per_second']:.2f}")
     if json_path:
-        json_path.write_text(json.dumps(rows, indent=1))
+        write_json(json_path, rows)
     return rows

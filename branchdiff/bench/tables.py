@@ -39,15 +39,21 @@ def write_outputs(out_dir: Path, stem: str, heading: str, command: str, body: st
         f"# {heading}\n\n{command}\n\n{datetime.datetime.now().isoformat(timespec='minutes')}, {len(os.sched_getaffinity(0))} CPU cores\n\n"
         f"![{stem}]({stem}.png)\n\n{body}\n")
     if json_path:
-        json_path.parent.mkdir(parents=True, exist_ok=True)
-        json_path.write_text(json.dumps(result, indent=1).replace("NaN", "null"))
+        write_json(json_path, result, nan_as_null=True)
     print(f"wrote {out_dir / f'{stem}.md'}, {out_dir / f'{stem}.png'}" + (f", {json_path}" if json_path else ""))
+
+
+def write_json(path: Path, result: object, nan_as_null: bool = False) -> None:
+    """`result` as indented JSON in `path`, its folders made (the command line checked before the benchmark ran that they can be)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    text = json.dumps(result, indent=1)
+    path.write_text(text.replace("NaN", "null") if nan_as_null else text)
 
 
 def print_result(text: str, result: dict, json_path: Path | None) -> dict:
     """Print a benchmark's table `text` and write `result` as JSON to `json_path` if given (saying where); returns `result`."""
     print(text)
     if json_path:
-        json_path.write_text(json.dumps(result, indent=1))
+        write_json(json_path, result)
         print(f"wrote {json_path}")
     return result

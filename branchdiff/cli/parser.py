@@ -234,7 +234,7 @@ def _bench_arguments(bench: argparse.ArgumentParser) -> None:
     curves.add_argument("--minutes", type=positive, default=2.0, help="training wall time of each variant and seed")
     for sub in (curves, search):
         sub.add_argument("--seeds", type=at_least(1), default=3, help="seeds of each variant")
-        sub.add_argument("--out", type=Path, default=Path("docs"), help="folder of the plot and the table")
+        sub.add_argument("--out", type=Path, default=None, help="folder of the plot and the table (default: runs/bench-<name>/)")
     curves.add_argument("--variants", default=None, help="comma-separated variants (default: chain, branch, branch_pruned, mix, explore_seeds, "
                                                          "explore_tree; the objectives guard, layertuning, nft_tree, nft_tree_depthwise, "
                                                          "nft_chain, sol, awm, dgpo, dppo, dpo, mc_grpo, sft, dpo_offline, the default run's "
@@ -242,8 +242,9 @@ def _bench_arguments(bench: argparse.ArgumentParser) -> None:
                                                          "named), each optionally with :key=value overrides (awm:train.learning_rate=1e-4)")
     curves.add_argument("--merge", default=None, help="comma-separated JSON results of runs over other seeds (--first-seed) to merge into one "
                                                       "table, plot and --json, with the intervals and tests on all their seeds; nothing is trained")
-    curves.add_argument("--reference", default="chain", help="the variant whose final accuracy the others' times are measured "
-                                                             "against (time_to_<reference>_final; e.g. mix to compare objectives with GRPO)")
+    curves.add_argument("--reference", default=None, help="the variant whose final accuracy the others' times are measured "
+                                                           "against (time_to_<reference>_final; e.g. mix to compare objectives with GRPO; "
+                                                           "default: chain, or with --merge the files' own)")
     curves.add_argument("--task", choices=["tiny", "tiny-video"], default="tiny", help="the built-in task, images (tiny) or clips (tiny-video)")
     curves.add_argument("--points", type=at_least(2), default=7, help="evaluations over the budget")
     for sub in (curves, search):

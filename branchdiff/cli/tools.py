@@ -54,8 +54,13 @@ def _scheduled(packaged: Path) -> Path | None:
     return filled
 
 
+BENCH_OUT = Path("runs")  # `--out` unset: runs/bench-<name>/ (a benchmark writes into docs/ only when named there)
+
+
 def cmd_bench(args: argparse.Namespace) -> None:
-    """Run the benchmark named with its own options (branchdiff/cli/parser.py gives each only those)."""
+    """Run the benchmark named with its own options (branchdiff/cli/parser.py gives each only those), once its inputs and
+    the files it will write are checked: nothing runs for minutes to fail on its last line."""
+    _check_bench_inputs(args)
     if args.which == "tree":
         from branchdiff.bench.iteration import bench_tree
 
@@ -78,11 +83,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
     elif args.which == "cache":
         from branchdiff.bench.block_cache import bench_cache
 
-        try:
-            thresholds = [float(item) for item in args.thresholds.split(",") if item]
-        except ValueError:
-            raise UserError(f"bench cache --thresholds {args.thresholds}: give comma-separated numbers, e.g. 0.1,0.2") from None
-        bench_cache(args.json, thresholds, args.draws, args.first_draw, args.repeats, args.task, args.overrides)
+        bench_cache(args.json, _thresholds(args.thresholds), args.draws, args.first_draw, args.repeats, args.task, args.overrides)
     elif args.which == "search" and args.sampler:
         if args.task is not None or args.first_seed:
             option = "--task" if args.task is not None else "--first-seed"
@@ -101,23 +102,65 @@ def cmd_bench(args: argparse.Namespace) -> None:
         from branchdiff.bench.search import bench_search
 
         bench_search(args.images, args.seeds, args.json, args.out, _variants(args.variants), task=args.task or "tiny", first_seed=args.first_seed)
-    elif args.merge:
+    elif args.merge is not None:
         from branchdiff.bench.curves import merge_results
 
-        merge_results([Path(item) for item in args.merge.split(",") if item], args.out, args.json,
-                      args.reference if args.reference != "chain" else None)
+        merge_results(_merged_files(args.merge), args.out, args.json, args.reference)
     else:
-        from branchdiff.bench.curves import bench_curves
+        from branchdiff.bench.curves import REFERENCE, SAMPLING_VARIANTS, bench_curves
 
-        bench_curves(args.minutes, args.seeds, args.json, args.out, args.points, _variants(args.variants), args.eval_images, args.overrides,
-                     args.clock, args.reference, args.task, args.first_seed)
+        names = _variants(args.variants)
+        if args.reference is not None and args.reference not in (names or SAMPLING_VARIANTS):
+            raise UserError(f"bench curves --reference {args.reference}: not one of the variants run ({', '.join(names or SAMPLING_VARIANTS)}); "
+                            "name one of them, or add it to --variants")
+        bench_curves(args.minutes, args.seeds, args.json, args.out, args.points, names, args.eval_images, args.overrides,
+                     args.clock, args.reference or REFERENCE, args.task, args.first_seed)
+
+
+def _check_bench_inputs(args: argparse.Namespace) -> None:
+    """The options every benchmark shares, checked before it starts: `--json` names a file that can be written (not a folder,
+    its nearest existing folder writable: the folders up to it are made), `--out` a folder that can be (unset: runs/bench-<name>)."""
+    from branchdiff.evaluation.preflight import check_output_file, check_output_folder
+
+    if "out" in vars(args) and args.out is None:
+        args.out = BENCH_OUT / f"bench-{'sampler' if getattr(args, 'sampler', False) else args.which}"
+    if args.json is not None:
+        check_output_file(args.json, "--json")
+    if "out" in vars(args):
+        check_output_folder(args.out, "--out")
 
 
 def _variants(text: str | None) -> list[str] | None:
-    """`--variants a,b`: the names given, each with its overrides where it has any (None: every variant)."""
+    """`--variants a,b`: the names given, each with its overrides where it has any (None: the option left out, every variant)."""
     from branchdiff.bench.curves import split_variants
 
-    return split_variants(text) if text else None
+    if text is None:
+        return None
+    names = split_variants(text)
+    if not names:
+        raise UserError(f"--variants {text!r} names no variant; give comma-separated names (e.g. --variants chain,mix), or leave --variants "
+                        "out for the benchmark's default set")
+    return names
+
+
+def _merged_files(text: str) -> list[Path]:
+    """`bench curves --merge a.json,b.json`: the files, at least one, none twice."""
+    paths = [Path(item) for item in text.split(",") if item.strip()]
+    if not paths:
+        raise UserError(f"bench curves --merge {text!r} names no file; give the JSON results to merge, comma-separated (e.g. --merge "
+                        "seeds-0-2.json,seeds-3-4.json)")
+    return paths
+
+
+def _thresholds(text: str) -> list[float]:
+    """`bench cache --thresholds 0.1,0.3`: one or more numbers (their range is the benchmark's to check)."""
+    try:
+        thresholds = [float(item) for item in text.split(",") if item.strip()]
+    except ValueError:
+        raise UserError(f"bench cache --thresholds {text}: give comma-separated numbers, e.g. 0.1,0.2") from None
+    if not thresholds:
+        raise UserError(f"bench cache --thresholds {text!r} names no threshold; give one or more in (0, 1), e.g. --thresholds 0.1,0.3")
+    return thresholds
 
 
 def cmd_report(args: argparse.Namespace) -> None:

@@ -135,18 +135,36 @@ def _scores_videos(spec: RewardSpec, factories: dict) -> bool:
     return bool(getattr(remote_client(spec), "video", False))  # an unreachable server is one line here, before anything is written
 
 
+def check_output_file(path: Path, option: str) -> None:
+    """`path` (its folders made later, when it is written) can be written: it is not a folder, and its folder could be made
+    and written (`check_output_folder`)."""
+    if path.is_dir():
+        raise UserError(f"{option} {path} is a folder; pass {option} the path of a file (e.g. {path / 'result.json'})")
+    problem = _unwritable(path.parent)
+    if problem:
+        raise UserError(f"{option} {path}: {problem}; pass {option} a file in a folder you can write to")
+
+
 def check_output_folder(folder: Path, option: str) -> None:
     """`folder` (made later, with its parents, once there is something to write) can be made and written: it is not a
     file, and its nearest existing folder takes a new file. Probed with a temporary file that is removed at once, so a
     read-only mount or a folder without write permission is named now, not after the sampling."""
+    problem = _unwritable(folder)
+    if problem:
+        raise UserError(f"{option} {folder}: {problem}; pass {option} a folder" + ("" if "is a file" in problem else " you can write to"))
+
+
+def _unwritable(folder: Path) -> str:
+    """Why `folder` could not be made and written ("" when it could): its nearest existing ancestor is a file, or takes no new
+    file (probed with a temporary file removed at once)."""
     existing = folder
     while not existing.exists():
         existing = existing.parent
     if not existing.is_dir():
-        raise UserError(f"{option} {folder}: {existing} is a file, not a folder; pass {option} a folder")
+        return f"{existing} is a file, not a folder"
     try:
         with tempfile.NamedTemporaryFile(dir=existing, prefix=".branchdiff-probe-"):
             pass
     except OSError as error:
-        raise UserError(f"{option} {folder}: cannot write in {existing} ({error.strerror or type(error).__name__}); pass {option} a folder "
-                        "you can write to") from None
+        return f"cannot write in {existing} ({error.strerror or type(error).__name__})"
+    return ""

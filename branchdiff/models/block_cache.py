@@ -27,9 +27,11 @@ and image tokens before its single-stream blocks: the residual kept is the image
 from __future__ import annotations
 
 import inspect
+import json
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -68,13 +70,30 @@ def block_lists(denoiser: torch.nn.Module) -> list[tuple[torch.nn.ModuleList, in
     return lists
 
 
+SECOND_EXPERT = ("sampling.block_cache: this model has a second expert (transformer_2), which takes part of a forward's rows, "
+                 "so a node's cached blocks would not be the ones its next step runs; set sampling.block_cache=0")
+
+
+def check_cacheable_folder(path: str | None) -> None:
+    """Before the model loads: refuse a local diffusers folder whose model_index.json names a second expert (Wan 2.2 A14B's
+    `transformer_2`; Wan 2.1's index lists it as [null, null]). A hub id is checked once loaded (`check_cacheable`)."""
+    index = Path(path) / "model_index.json" if path else None
+    if index is None or not index.is_file():
+        return
+    try:
+        entry = json.loads(index.read_text()).get("transformer_2")
+    except (OSError, ValueError, AttributeError):  # an unreadable index is the loader's to name
+        return
+    if isinstance(entry, list) and entry and entry[0] is not None:
+        raise ValueError(SECOND_EXPERT)
+
+
 def check_cacheable(adapter: Any) -> None:
     """Raise ValueError, in one line naming the fix, for a model whose rollouts the cache cannot follow: a second
     expert (Wan 2.2 A14B routes a forward's rows between two transformers by their noise level), or a denoiser
     without registered block lists (`block_lists`)."""
     if getattr(getattr(adapter, "pipe", None), "transformer_2", None) is not None:
-        raise ValueError("sampling.block_cache: this model has a second expert (transformer_2), which takes part of a forward's rows, "
-                         "so a node's cached blocks would not be the ones its next step runs; set sampling.block_cache=0")
+        raise ValueError(SECOND_EXPERT)
     block_lists(adapter.denoiser)
 
 

@@ -30,6 +30,7 @@ class Family:
     instruction: bool = False  # True: its pipeline prepends an instruction to every prompt (model.prompt_instruction turns it off)
     frames: int = 0  # a video family's default frames per video (0: the family makes images)
     side_multiple: int = 8  # the released models' image sides are multiples of this (the loaded folder's configs decide)
+    uncacheable: str = ""  # why a rollout's first-block cache (sampling.block_cache) cannot follow its blocks ("": it can; refused before loading)
 
     @property
     def video(self) -> bool:
@@ -42,9 +43,11 @@ BUILT_IN: dict[str, Family] = {
     "sd3": Family("branchdiff.models.sd3:SD3Adapter", "flow", 1024, side_multiple=16),
     "flux": Family("branchdiff.models.flux:FluxAdapter", "flow", 1024, side_multiple=16),
     "flux-kontext": Family("branchdiff.models.flux_kontext:FluxKontextAdapter", "flow", 1024, side_multiple=16),  # FLUX.1 Kontext: edits a source image
-    "sana": Family("branchdiff.models.sana:SanaAdapter", "flow", 1024, instruction=True, side_multiple=32),
-    "sd15": Family("branchdiff.models.sd15:SD15Adapter", "ddim", 512),
-    "z-image": Family("branchdiff.models.z_image:ZImageAdapter", "flow", 1024, side_multiple=16),  # Z-Image(-Turbo), Qwen3 prompts
+    "sana": Family("branchdiff.models.sana:SanaAdapter", "flow", 1024, instruction=True, side_multiple=32,
+                   uncacheable="its blocks (SanaTransformerBlock) are not in diffusers' block registry"),
+    "sd15": Family("branchdiff.models.sd15:SD15Adapter", "ddim", 512, uncacheable="its denoiser is a UNet, without a list of transformer blocks"),
+    "z-image": Family("branchdiff.models.z_image:ZImageAdapter", "flow", 1024, side_multiple=16,  # Z-Image(-Turbo), Qwen3 prompts
+                      uncacheable="its blocks take one sequence of text and image tokens, padded per forward to its longest prompt"),
     "qwen-image": Family("branchdiff.models.qwen_image:QwenImageAdapter", "flow", 1024, side_multiple=16),  # Qwen-Image, Qwen2.5-VL prompts
     "qwen-image-edit": Family("branchdiff.models.qwen_image_edit:QwenImageEditAdapter", "flow", 1024, side_multiple=16),  # edits source images
     "flux2": Family("branchdiff.models.flux2:Flux2Adapter", "flow", 1024, side_multiple=16),  # FLUX.2 [dev], Mistral 3 prompts

@@ -64,6 +64,16 @@ def key_sections() -> dict[str, type]:
     return sections
 
 
+def section_of(name: str) -> str | None:
+    """The section objective `name` reads its keys from (`nft`, `guard`, ...), or None when it has no keys: a built-in's
+    registry line, an installed class's `keys` and optional `section` (as `key_sections` reads them)."""
+    if name in OBJECTIVES.builtins:
+        registered = OBJECTIVES.builtins[name]
+        return (registered.section or name.replace("-", "_")) if registered.keys else None
+    cls = objective_class(name)
+    return str(getattr(cls, "section", name.replace("-", "_"))) if getattr(cls, "keys", None) is not None else None
+
+
 def objective_class(name: str) -> Any:
     """The class `train.loss` = `name` names (an `Objective`, branchdiff/objectives/base.py)."""
     return OBJECTIVES.load(name)

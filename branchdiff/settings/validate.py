@@ -6,10 +6,11 @@ trainable step, a group of one, cps without noise) are refused here too, before 
 from __future__ import annotations
 
 import difflib
+from dataclasses import fields
 
 from branchdiff.errors import ConfigError
 from branchdiff.models.registry import FAMILIES, LORA_TARGET_SETS, STEP_KINDS, image_size
-from branchdiff.objectives.registry import OBJECTIVES, dataset_kind, decoupled, flow_only
+from branchdiff.objectives.registry import OBJECTIVES, dataset_kind, decoupled, flow_only, section_of
 from branchdiff.rewards.combine import parse_reward_specs
 from branchdiff.settings.config import TrainConfig
 from branchdiff.settings.trees import tree_spec, validate_cps, validate_ode, validate_trainable, validate_tree
@@ -95,8 +96,27 @@ def validate(config: TrainConfig) -> None:
     _validate_loss(config, steps_family)
     _validate_explore(config)
     _validate_block_cache(config)
+    _validate_unread_sections(config)
     if not decoupled(config.train.loss):  # the GRPO objectives train SDE edges; the decoupled ones train final samples
         validate_trainable(config)
+
+
+def _validate_unread_sections(config: TrainConfig) -> None:
+    """An objective's keys (`dpo.beta`, `awm.power`, a plugin's own section) set on a run of another objective do nothing:
+    refused, naming the objective that reads them. A section at its defaults is accepted (`branchdiff config` writes
+    every section), so only a value that differs from its default is a key that was set."""
+    active = section_of(config.train.loss)
+    owners = {section: name for name in OBJECTIVES if (section := section_of(name)) is not None}
+    for section, keys in config.objectives.items():
+        if section == active:
+            continue
+        defaults = type(keys)()
+        for field in fields(keys):
+            value = getattr(keys, field.name)
+            if value != getattr(defaults, field.name):
+                owner = owners.get(section, section)
+                raise ConfigError(f"'{section}.{field.name}' = {value!r} is a key of train.loss={owner}, and this run trains "
+                                  f"train.loss={config.train.loss}, which never reads it; remove it (or set train.loss={owner})")
 
 
 def _validate_block_cache(config: TrainConfig) -> None:
@@ -104,6 +124,14 @@ def _validate_block_cache(config: TrainConfig) -> None:
     cache = config.sampling.block_cache
     if not cache:
         return
+    if cache >= 1:
+        raise ConfigError(f"'sampling.block_cache' = {cache:g}: the threshold is a relative change of the first block's residual, which "
+                          "is almost never 1 or more, so every forward after a node's first would be skipped; use a value below 1 "
+                          "(0.3 was measured on the video task: docs/gpu.md)")
+    uncacheable = FAMILIES[config.model.family].uncacheable
+    if uncacheable:
+        raise ConfigError(f"'sampling.block_cache' = {cache:g} with model.family={config.model.family}: {uncacheable}, so the cache cannot "
+                          "follow them; set sampling.block_cache=0")
     if dataset_kind(config.train.loss):
         raise ConfigError(f"'sampling.block_cache' = {cache:g} with train.loss={config.train.loss}, which trains on a dataset and grows no "
                           "rollouts: there is nothing to cache; set sampling.block_cache=0")

@@ -21,6 +21,7 @@ from branchdiff.errors import UserError, quote
 from branchdiff.evaluation.preflight import Guidance, check_prompt_set, check_video_rewards, max_prompt_characters, preflight_rewards
 from branchdiff.models import adapter_class, check_frames, check_size
 from branchdiff.models.attention import check_backend
+from branchdiff.models.block_cache import check_cacheable_folder
 from branchdiff.models.compile import check_compile_family, check_compiler, on_cuda, resolve_compile
 from branchdiff.models.registry import FAMILIES, image_size
 from branchdiff.objectives.dataset import model_frames
@@ -42,6 +43,11 @@ def check_inputs(config: TrainConfig) -> None:
     (evaluation prompts only when the run evaluates)."""
     evaluates = config.final_eval or config.eval_every
     adapter_class(config.model.family).check_path(config.model.path)
+    if config.sampling.block_cache:
+        try:
+            check_cacheable_folder(config.model.path)
+        except ValueError as error:
+            raise UserError(str(error)) from None
     size = image_size(config.model.resolution, FAMILIES[config.model.family].resolution)
     kind = dataset_kind(config.train.loss)
     if kind:  # a dataset objective's images: read and checked now; the family must turn them into latents
