@@ -14,6 +14,7 @@ Under `accelerate launch` every process runs this script.
 import os
 import signal
 import sys
+import time
 
 import torch
 
@@ -71,6 +72,9 @@ elif point == "rankkill":
 
     def dying_run_iteration(self, iteration, *args, **kwargs):
         if iteration == target and os.environ.get("RANK") == "1":
+            if os.environ.get("KILLED_AT"):  # when it died, for the survivors' time to end
+                with open(os.environ["KILLED_AT"], "w") as stamp:
+                    stamp.write(repr(time.time()))
             os.kill(os.getpid(), signal.SIGKILL)
         return run_iteration(self, iteration, *args, **kwargs)
 

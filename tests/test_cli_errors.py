@@ -549,3 +549,17 @@ def test_a_benchmarks_inputs_are_checked_before_any_model_loads(which, tmp_path,
     monkeypatch.chdir(tmp_path)  # a short path: a long one is shortened in the middle of the one-line error
     assert main(["bench", which, "prompts.train=missing.txt"]) == 2
     assert error_line(capsys).startswith(f"{PREFIX}prompt source 'missing.txt' is neither")
+
+
+def test_a_destination_that_is_a_file_is_named_as_such_not_as_space_or_permissions(tmp_path, capsys):
+    """`rewards convert videoalign SRC a-file` said "Not a directory: a-file (NotADirectoryError); free space or fix the path's
+    permissions": it names the file; and any such error left to the generic line says what is wrong with the path."""
+    from branchdiff.cli.main import _one_line
+
+    (tmp_path / "a-file").write_text("")
+    (tmp_path / "template.py").write_text("QUESTION = 'x'\n")
+    assert main(["rewards", "convert", "videoalign", str(tmp_path), str(tmp_path / "a-file"), "--template", str(tmp_path / "template.py")]) == 2
+    assert only_line(capsys) == f"{PREFIX}{tmp_path / 'a-file'} is a file; give a new folder to write the converted reward to"
+    assert _one_line(NotADirectoryError(20, "Not a directory", "runs/a-file/x")) == (
+        "runs/a-file/x: a part of this path is a file where a folder is needed (NotADirectoryError); give a path whose folders are folders")
+    assert "free space" not in _one_line(IsADirectoryError(21, "Is a directory", "runs"))

@@ -16,6 +16,9 @@ from branchdiff.runtime.cluster import Launch, expand_hosts, slurm_launch
     ("gpu-[01-03,07]", ["gpu-01", "gpu-02", "gpu-03", "gpu-07"]),
     ("gpu-[8-10],login2", ["gpu-8", "gpu-9", "gpu-10", "login2"]),
     ("a[001-002]x,b[1]", ["a001x", "a002x", "b1"]),
+    # two bracket groups in a name (refused as "without this node's place"): every combination, the last group fastest
+    ("rack[1-2]-n[01-02]", ["rack1-n01", "rack1-n02", "rack2-n01", "rack2-n02"]),
+    ("r[1]-n[01,03],login", ["r1-n01", "r1-n03", "login"]),
 ])
 def test_slurms_host_lists_expand_in_order(nodelist, hosts):
     assert expand_hosts(nodelist) == hosts
@@ -30,6 +33,12 @@ def test_a_jobs_environment_gives_the_launch():
         slurm_launch({k: v for k, v in job.items() if k != "SLURM_NODEID"})
     with pytest.raises(ValueError, match=r"names no GPUs a node"):
         slurm_launch({**job, "SLURM_GPUS_PER_NODE": ""})
+    # a step that asked for no GPUs sets SLURM_GPUS_ON_NODE=0: it overrode the nodes' 8 and stopped the launch
+    assert slurm_launch({**job, "SLURM_GPUS_ON_NODE": "0", "SLURM_GPUS_PER_NODE": "8"}) == Launch(2, 1, "gpu-01", 29500, 16)
+    four = {"SLURM_JOB_NODELIST": "rack[1-2]-n[01-02]", "SLURM_NNODES": "4", "SLURM_NODEID": "3", "SLURM_GPUS_PER_NODE": "8"}
+    assert slurm_launch(four) == Launch(4, 3, "rack1-n01", 29500, 32)
+    with pytest.raises(ValueError, match=r"SLURM host list 'gpu-\[a-b\]': 'a-b' is not a number or a range of numbers"):
+        expand_hosts("gpu-[a-b]")
 
 
 def test_accelerate_config_multi_node_fills_the_jobs_values(monkeypatch, tmp_path, capsys):

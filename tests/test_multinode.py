@@ -1,7 +1,7 @@
 """Two machines on one host: two `accelerate launch --num_machines 2 --machine_rank 0|1 --main_process_ip
 127.0.0.1` launchers (one process each, gloo on CPU) train `tiny-chain` as one machine's launch of two
 processes does, bit for bit, and so do two `torchrun --nnodes 2` with a c10d rendezvous; a run stopped and resumed across the same layout ends with the same weights;
-a rank that dies on the second machine ends the job on both at once with one line.
+a rank that dies on the second machine ends the job on both with one line naming it, seconds after it died.
 
 Slow (a release check, about 3 minutes of subprocesses on one core): python -m pytest -m slow tests/test_multinode.py
 """
@@ -39,11 +39,13 @@ def _overrides(model_dir: Path, run: Path) -> list[str]:
             "logging.report_to=none", "final_eval=false", "eval_every=0", "collective_timeout=60"]
 
 
-def _launch(folder: Path, program: list[str], machines: int, processes: int, timeout: float = 400) -> list[tuple[int, str]]:
+def _launch(folder: Path, program: list[str], machines: int, processes: int, timeout: float = 400,
+            ended: dict[int, float] | None = None) -> list[tuple[int, str]]:
     """`program` under `machines` launchers on this host (machine ranks 0..machines−1, `processes` in all, started
-    together); each launcher's exit status and stderr, in machine order."""
+    together); each launcher's exit status and stderr, in machine order. `ended`, where given, receives each launcher's
+    end (time.time(), polled every 50 ms); the killed rank's program writes when it died to `folder`/killed-at."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]), "OMP_NUM_THREADS": "1",
-           "HF_HUB_OFFLINE": "1", "ACCELERATE_USE_CPU": "true"}
+           "HF_HUB_OFFLINE": "1", "ACCELERATE_USE_CPU": "true", "KILLED_AT": str(folder / "killed-at")}
     port = _free_port()
     launched = []
     for machine in range(machines):
@@ -53,14 +55,18 @@ def _launch(folder: Path, program: list[str], machines: int, processes: int, tim
         log = open(folder / f"machine-{machine}.log", "w")
         launched.append((subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=log), log))
     deadline = time.monotonic() + timeout
+    ends = {} if ended is None else ended
+    while len(ends) < machines and time.monotonic() < deadline:
+        for machine, (process, _) in enumerate(launched):
+            if machine not in ends and process.poll() is not None:
+                ends[machine] = time.time()
+        time.sleep(0.05)
     results = []
     for machine, (process, log) in enumerate(launched):
-        try:
-            status = process.wait(timeout=max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
+        if process.poll() is None:
             for other, _ in launched:
                 other.kill()
-            status = process.wait()
+        status = process.wait()
         log.close()
         results.append((status, (folder / f"machine-{machine}.log").read_text()))
     return results
@@ -128,17 +134,21 @@ def test_torchrun_on_two_machines_with_a_c10d_rendezvous_trains_the_same_weights
     assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
 
 
-def test_a_rank_that_dies_on_the_second_machine_ends_the_job_on_both_with_one_line(layouts, tmp_path):
+def test_a_rank_that_dies_on_the_second_machine_ends_the_job_on_both_with_one_line(tiny_model_dir, tmp_path):
+    """The survivor's collective fails as soon as gloo sees the dead rank's connection drop (its words vary: "closed" or "reset
+    by peer"); the one line is the project's own and, the machines sharing this host, names the rank that ended. The seconds
+    from the kill to the survivor machine's exit are printed (docs/sharding.md quotes them) and bounded well below
+    collective_timeout plus the backend's margin."""
     run = tmp_path / "run"
-    arguments = ["train", "tiny-chain", *_overrides(layouts["model_dir"], run)[:-1], "collective_timeout=8", "iterations=3"]
-    start = time.monotonic()
-    machines = _launch(tmp_path, [str(TESTS / "killed_run.py"), "rankkill", "1", *arguments], machines=2, processes=2, timeout=240)
-    elapsed = time.monotonic() - start
+    arguments = ["train", "tiny-chain", *_overrides(tiny_model_dir, run)[:-1], "collective_timeout=8", "iterations=3"]
+    ended: dict[int, float] = {}
+    machines = _launch(tmp_path, [str(TESTS / "killed_run.py"), "rankkill", "1", *arguments], machines=2, processes=2, timeout=240, ended=ended)
     assert all(status != 0 for status, _ in machines), [stderr[-2000:] for _, stderr in machines]
     lines = [line for _, stderr in machines for line in stderr.replace("\r", "\n").splitlines() if line.startswith("branchdiff: error: ")]
     assert len(lines) == 1, [stderr[-3000:] for _, stderr in machines]
-    # the survivor's collective fails at once (gloo: the dead peer closed its connection), well before collective_timeout
-    assert re.match(r"branchdiff: error: a collective failed after waiting for another process \(.*Connection closed by peer.*\); the newest "
-                    r"complete checkpoint, .+/iter-000000, is intact; check the other processes' output \(the first error there is the cause\), "
-                    r"then continue with --resume latest$", lines[0]), lines[0]
-    assert elapsed < 150, elapsed
+    assert re.match(r"branchdiff: error: process rank 1 \(pid \d+ on .+, last in iteration 1\) ended while the others waited for it at a "
+                    r"collective, so the job ends; the newest complete checkpoint, .+/iter-000000, is intact; its own output says why it "
+                    r"ended \(killed, out of memory, an error\), then continue with --resume latest$", lines[0]), lines[0]
+    after = ended[0] - float((tmp_path / "killed-at").read_text())
+    print(f"the surviving machine's launcher ended {after:.1f} s after the kill")
+    assert 0 < after < 30, after

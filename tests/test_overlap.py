@@ -137,3 +137,30 @@ def test_the_replicas_benchmark_runs_and_its_rewards_are_identical_at_a_tiny_siz
     result = bench_replicas(tmp_path / "replicas.json", 2, iterations=1, overrides=["prompts.per_iteration=2", "sampling.num_steps=3"])
     assert result["rewards_identical"] and result["images"] == 8 and result["replicas"] == 2 and (tmp_path / "replicas.json").is_file()
     assert set(result["table"]) == {"1 replica", "2 replicas"} and result["ratio"] > 0
+
+
+def test_the_benchmarks_own_servers_are_waited_on_and_what_became_of_them_is_said():
+    """`bench overlap --replicas 2` on a loaded machine gave up after about 2 minutes of retries with "is `branchdiff serve-reward`
+    running there?" — about servers the user never started. It waits on the processes it started: one that ends is named
+    with its exit status at once, one that runs without answering is named once its time is up."""
+    import multiprocessing
+    import sys
+
+    from branchdiff.bench.overlap import wait_until_serving
+    from branchdiff.errors import UserError
+
+    context = multiprocessing.get_context("spawn")
+    ended, silent = context.Process(target=sys.exit, args=(3,)), context.Process(target=time.sleep, args=(30,), daemon=True)
+    for process in (ended, silent):
+        process.start()
+    ended.join()
+    with pytest.raises(UserError, match=r"^bench overlap: the reward server it started for http://127.0.0.1:7 ended \(exit status 3\) before "
+                                        r"it answered; its output above says why"):
+        wait_until_serving([silent, ended], ["http://127.0.0.1:9", "http://127.0.0.1:7"], 60)  # nothing listens on either port
+    started = time.monotonic()
+    with pytest.raises(UserError, match=r"^bench overlap: the reward server it started for http://127.0.0.1:9 is running but did not answer "
+                                        r"within 2 s .*; run it again when the machine is less busy$"):
+        wait_until_serving([silent], ["http://127.0.0.1:9"], 2)
+    assert time.monotonic() - started < 20
+    silent.kill()
+    silent.join()

@@ -297,10 +297,15 @@ def test_a_damaged_release_is_one_line_naming_its_file(release, tmp_path, capsys
     others = torch.load(grown / "checkpoint-3" / "non_lora_state_dict.pth", weights_only=True)
     others[embed] = torch.cat([others[embed], others[embed][-1:]])  # one row more than the base's tokenizer and the reward tokens
     torch.save(others, grown / "checkpoint-3" / "non_lora_state_dict.pth")
+    text_mean = copy("text-mean")  # "could not convert string to float: 'abc'" named neither the file nor the key, after the model was written
+    settings = json.loads((text_mean / "model_config.json").read_text())
+    settings.setdefault("inference_config", {})["VQ_mean"] = "abc"
+    (text_mean / "model_config.json").write_text(json.dumps(settings))
     (tmp_path / "broken.py").write_text('DETAILED_PROMPT_WITH_SPECIAL_TOKEN = """unterminated\n')
     (tmp_path / "latin1.txt").write_bytes("caf\xe9 {text_prompt}".encode("latin-1"))
     cases = [
         (rank_zero, template, "peft_lora_config.lora_r = 0: a LoRA has rank ≥ 1"),
+        (text_mean, template, f"{text_mean / 'model_config.json'}: inference_config.VQ_mean is 'abc'; the release writes a number there"),
         (truncated_adapter, template, f"{adapter} could not be read (SafetensorError"),
         (truncated_whole, template, f"{whole} could not be read ("),
         (misshapen, template, "non_lora_state_dict.pth: 'model.embed_tokens.weight' is (266, 16) and the base"),

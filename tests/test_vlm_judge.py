@@ -495,3 +495,15 @@ def test_a_replica_left_out_is_said_on_a_line_of_its_own_above_the_progress_bar(
     said = capsys.readouterr().err
     notice = said.index("branchdiff: judge replica http://127.0.0.1:9/v1 left out")
     assert said[notice - 1] in "\r\n" and said[notice:].split("\n", 1)[0].endswith("connection refused"), repr(said)
+
+
+def test_one_server_named_twice_by_two_host_names_is_refused():
+    """`127.0.0.1` and `localhost` for one server were taken as two replicas (a judge's and a reward server's)."""
+    from branchdiff.rewards.replicas import ReplicaReward
+
+    with pytest.raises(ValueError, match=r"^reward 'vlm-judge': http://127.0.0.1:8000/v1 and http://localhost:8000/v1/ are one server \(their "
+                                         r"hosts resolve to the same address\); list each replica once$"):
+        _judge(["http://127.0.0.1:8000/v1", "http://localhost:8000/v1/"])
+    with pytest.raises(ValueError, match=r"^remote reward replicas: http://localhost:8765 and http://127.0.0.1:8765 are one server"):
+        ReplicaReward(["http://localhost:8765", "http://127.0.0.1:8765"])
+    _judge(["http://127.0.0.1:8000/v1", "http://localhost:8001/v1"])  # two ports: two servers (built without a request)

@@ -77,3 +77,33 @@ def test_a_collective_timeout_is_explained_with_the_silent_rank_or_the_diverging
 def test_the_backend_waits_longer_than_the_heartbeat_watch():
     assert backend_timeout(600) == 900 and backend_timeout(8) == 18
     assert all(backend_timeout(t) > t for t in (0.5, 8, 60, 3600))
+
+
+def test_a_rank_whose_process_ended_on_this_machine_is_named_at_once(tmp_path):
+    """A rank killed mid-run drops its connections, so the survivors' collective fails at once ("Connection reset by peer"):
+    the line named no rank. A peer on this machine whose process has ended (gone, or a zombie its launcher has not yet
+    collected) is named; one that lives, or one on another machine, is not."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    watch = Heartbeat(tmp_path, rank=0, world=3, timeout=10, newest_checkpoint=lambda: tmp_path / "iter-000001", job="job-1")
+    watch.folder.mkdir()
+    watch.activity = "iteration 2"
+    zombie = subprocess.Popen([sys.executable, "-c", "pass"])
+    while not watchdog.process_ended(zombie.pid):  # it exits and stays a zombie until waited for
+        pass
+    host = socket.gethostname()
+    for rank, pid, where in ((1, zombie.pid, host), (2, os.getpid(), host)):
+        (watch.folder / f"rank-{rank}.json").write_text(json.dumps({"job": "job-1", "pid": pid, "ppid": 1, "host": where, "state": "running",
+                                                                   "activity": "iteration 2", "time": 1.0}))
+    explained = str(watch.explain(RuntimeError("[gloo/transport/tcp/pair.cc:545] Read error [127.0.0.1]:44971: Connection reset by peer")))
+    assert explained.startswith(f"process rank 1 (pid {zombie.pid} on {host}, last in iteration 2) ended while the others waited for it at a "
+                                "collective, so the job ends; "), explained
+    assert f"{tmp_path / 'iter-000001'}, is intact" in explained and "rank 2" not in explained
+    zombie.wait()
+    assert watchdog.process_ended(zombie.pid) and not watchdog.process_ended(os.getpid())
+    (watch.folder / "rank-1.json").write_text(json.dumps({"job": "job-1", "pid": zombie.pid, "ppid": 1, "host": "another-machine",
+                                                         "state": "running", "activity": "iteration 2", "time": 1.0}))
+    assert "ended while" not in str(watch.explain(RuntimeError("Connection reset by peer")))  # another machine's process is not looked at

@@ -21,12 +21,15 @@ import socket
 import statistics
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
 from branchdiff.bench.tables import write_json
-from branchdiff.rewards.remote import RemoteReward
+from branchdiff.errors import UserError
+from branchdiff.rewards.remote import RemoteReward, RemoteRewardError
 from branchdiff.rewards.server import serve
 from branchdiff.rewards.tiny_geneval import TinyGenEval
 
@@ -57,6 +60,50 @@ class Delayed:
 
 def _serve_delayed(port: int, seconds_per_image) -> None:
     serve(Delayed(seconds_per_image), port=port, log_level="warning")
+
+
+SERVER_START_SECONDS = 600.0  # how long the bench waits for the servers it started (each imports torch and the verifier: minutes on a loaded machine)
+
+
+@contextmanager
+def _delayed_servers(context, ports: list[int], seconds_per_image) -> Iterator[list[str]]:
+    """The delayed verifier served on each of `ports`, each in a process of its own, until the block ends; yields their URLs
+    once every one answers."""
+    servers = [context.Process(target=_serve_delayed, args=(port, seconds_per_image), daemon=True) for port in ports]
+    for server in servers:
+        server.start()
+    try:
+        urls = [f"http://127.0.0.1:{port}" for port in ports]
+        wait_until_serving(servers, urls, SERVER_START_SECONDS)
+        yield urls
+    finally:
+        for server in servers:
+            server.terminate()
+            server.join()
+
+
+def wait_until_serving(servers: list, urls: list[str], timeout: float) -> None:
+    """Wait until each of the reward servers this bench started (`servers[i]`, a process, serving `urls[i]`) answers /health.
+    One line, naming the server, when one's process ends first or none answers within `timeout` seconds: these servers are
+    the bench's own, so the line says what became of them (not to start one)."""
+    deadline = time.monotonic() + timeout
+    waiting = dict(zip(urls, servers))
+    while waiting:
+        for url, server in list(waiting.items()):
+            if not server.is_alive():
+                raise UserError(f"bench overlap: the reward server it started for {url} ended (exit status {server.exitcode}) before it "
+                                "answered; its output above says why (a port taken by another program, a failed import)")
+            try:
+                RemoteReward(url, retries=0, timeout=5.0)  # asks /health once
+            except RemoteRewardError:
+                continue
+            del waiting[url]
+        if waiting and time.monotonic() > deadline:
+            raise UserError(f"bench overlap: the reward server it started for {next(iter(waiting))} is running but did not answer within "
+                            f"{timeout:.0f} s (each starts by importing torch and the verifier, slow on a loaded machine); run it again "
+                            "when the machine is less busy")
+        if waiting:
+            time.sleep(0.5)
 
 
 def _free_port() -> int:
@@ -96,19 +143,10 @@ def bench_overlap(json_path: Path | None, iterations: int = 9, overrides: list[s
 def _bench(json_path: Path | None, iterations: int, overrides: list[str]) -> dict:
     context = multiprocessing.get_context("spawn")
     seconds_per_image = context.Value("d", 0.0)
-    port = _free_port()
-    server = context.Process(target=_serve_delayed, args=(port, seconds_per_image), daemon=True)
-    server.start()
     modes = ("sequential", "overlapped")
-    try:
-        url = f"http://127.0.0.1:{port}"
-        RemoteReward(url, retries=8, backoff=0.5)  # waits until it answers /health
-        with tempfile.TemporaryDirectory() as folder:
-            trainers = {mode: _trainer(url, mode == "overlapped", iterations + 1, Path(folder) / mode, overrides) for mode in modes}
-            runs = _in_turns(trainers, iterations, seconds_per_image, 1.0)  # scoring an iteration takes a rollout's time
-    finally:
-        server.terminate()
-        server.join()
+    with _delayed_servers(context, [_free_port()], seconds_per_image) as (url,), tempfile.TemporaryDirectory() as folder:
+        trainers = {mode: _trainer(url, mode == "overlapped", iterations + 1, Path(folder) / mode, overrides) for mode in modes}
+        runs = _in_turns(trainers, iterations, seconds_per_image, 1.0)  # scoring an iteration takes a rollout's time
     heading = (f"reward overlap: a reward server as slow as the rollout (last {seconds_per_image.value * 1000:.1f} ms an image, {{images}} "
                f"images an iteration); median of {iterations} iterations a mode, run in turns")
     result = _summarise(runs, "scoring", heading, "sequential ÷ overlapped, seconds per iteration: {ratio}")
@@ -162,23 +200,14 @@ def bench_replicas(json_path: Path | None, replicas: int, iterations: int = 9, o
     torch.set_num_threads(1)
     context = multiprocessing.get_context("spawn")
     seconds_per_image = context.Value("d", 0.0)
-    ports = [_free_port() for _ in range(replicas)]
-    servers = [context.Process(target=_serve_delayed, args=(port, seconds_per_image), daemon=True) for port in ports]
-    for server in servers:
-        server.start()
     modes = {"1 replica": "one", f"{replicas} replicas": "all"}
     try:
-        urls = [f"http://127.0.0.1:{port}" for port in ports]
-        for url in urls:
-            RemoteReward(url, retries=8, backoff=0.5)  # waits until each answers /health
-        with tempfile.TemporaryDirectory() as folder:
+        with _delayed_servers(context, [_free_port() for _ in range(replicas)], seconds_per_image) as urls, \
+                tempfile.TemporaryDirectory() as folder:
             trainers = {mode: _trainer(urls[0] if which == "one" else urls, True, iterations + 1, Path(folder) / which, list(overrides or []))
                         for mode, which in modes.items()}
             runs = _in_turns(trainers, iterations, seconds_per_image, slowness)
     finally:
-        for server in servers:
-            server.terminate()
-            server.join()
         torch.set_num_threads(threads)
     heading = (f"reward replicas: a reward server {slowness:g}× as slow as the rollout on one replica (last {seconds_per_image.value * 1000:.1f} "
                f"ms an image, {{images}} images an iteration), scoring overlapped; median of {iterations} iterations a mode, run in turns")

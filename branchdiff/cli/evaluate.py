@@ -17,7 +17,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
 
     from branchdiff.data.prompts import load_prompt_set
     from branchdiff.evaluation.evaluate import OdeSampling, ProcessShare, evaluate, format_summary, gather_results, write_outputs
-    from branchdiff.evaluation.preflight import Guidance, check_output_folder, check_prompt_set, check_video_rewards, preflight_rewards
+    from branchdiff.evaluation.preflight import Guidance, check_output_file, check_output_folder, check_prompt_set, check_video_rewards, preflight_rewards
     from branchdiff.models.registry import FAMILIES
     from branchdiff.rewards.combine import parse_reward_specs
     from branchdiff.rewards.group import refuse_in_evaluation
@@ -31,7 +31,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
     out = args.out or Path("eval-" + (run.name if run else Path(args.weights or "base").stem))
     check_output_folder(out, "--out")
     if args.json:
-        check_output_folder(args.json.parent, "--json")
+        check_output_file(args.json, "--json")
     prompt_set = load_prompt_set(settings.prompts, settings.fit)
     specs = reward_specs_from_text(settings.rewards) if isinstance(settings.rewards, str) else parse_reward_specs(settings.rewards)
     factories = {spec.name: resolve_reward(spec.name) for spec in specs if spec.remote is None}

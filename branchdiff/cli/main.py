@@ -107,6 +107,10 @@ def _one_line(error: BaseException) -> str:
     file (`[Errno 28] ...: 'path'`)."""
     from branchdiff.errors import bounded
 
+    if isinstance(error, (NotADirectoryError, IsADirectoryError)) and error.filename:  # not a matter of space or permissions
+        found, needed = ("a file", "a folder") if isinstance(error, NotADirectoryError) else ("a folder", "a file")
+        return bounded(f"{error.filename}: a part of this path is {found} where {needed} is needed ({type(error).__name__}); "
+                       "give a path whose folders are folders")
     if isinstance(error, OSError) and not isinstance(error, FileNotFoundError) and error.strerror:
         where = f": {error.filename}" if error.filename else ""
         return bounded(f"{error.strerror}{where} ({type(error).__name__}); free space or fix the path's permissions and run again")

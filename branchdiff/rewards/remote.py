@@ -291,6 +291,29 @@ class RemoteReward:
                             unreachable_hint="; is `branchdiff serve-reward` running there?", retried=RETRIED_STATUS, opener=self._opener)
 
 
+def one_server_twice(urls: list[str]) -> tuple[str, str] | None:
+    """The first two of `urls` that reach the same server (None when none do): the same scheme, port and path, and host
+    names that resolve to a shared address (`localhost` and `127.0.0.1`); a name that does not resolve is compared as written."""
+    import urllib.parse
+
+    def place(url: str) -> tuple[str, int | None, str, set[str]]:
+        parts = urllib.parse.urlsplit(url.rstrip("/"))
+        port = parts.port or {"http": 80, "https": 443}.get(parts.scheme)
+        host = parts.hostname or ""
+        try:
+            addresses = {info[4][0] for info in socket.getaddrinfo(host, port, proto=socket.IPPROTO_TCP)}
+        except (OSError, UnicodeError):
+            addresses = {host}
+        return parts.scheme, port, parts.path, addresses
+
+    places = [place(url) for url in urls]
+    for j, (scheme, port, path, addresses) in enumerate(places):
+        for i in range(j):
+            if places[i][:3] == (scheme, port, path) and places[i][3] & addresses:
+                return urls[i], urls[j]
+    return None
+
+
 def request_json(url: str, body: bytes | None, headers: dict[str, str], timeout: float, retries: int, backoff: float, who: str,
                  unreachable_hint: str = "", retried: tuple[int, ...] = (429, *RETRIED_STATUS),
                  opener: urllib.request.OpenerDirector | None = None, hints: dict[int, str] | None = None) -> object:

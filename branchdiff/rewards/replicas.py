@@ -32,7 +32,7 @@ import torch
 from tqdm.auto import tqdm
 
 from branchdiff.errors import one_line
-from branchdiff.rewards.remote import RemoteReward, RemoteRewardError
+from branchdiff.rewards.remote import RemoteReward, RemoteRewardError, one_server_twice
 
 AGREED = ("name", "scale", "higher_is_better", "video", "group")  # what every replica's /health must say alike
 
@@ -49,6 +49,10 @@ class ReplicaReward:
         urls = [url.rstrip("/") if isinstance(url, str) else url for url in urls] if isinstance(urls, (list, tuple)) else []
         if len(urls) < 1 or len(set(urls)) != len(urls):
             raise ValueError(f"remote reward replicas {given!r}: give a list of distinct server URLs")
+        twice = one_server_twice(urls) if all(isinstance(url, str) for url in urls) else None
+        if twice:
+            raise ValueError(f"remote reward replicas: {twice[0]} and {twice[1]} are one server (their hosts resolve to the same address); "
+                             "list each replica once")
         if isinstance(in_flight, bool) or not isinstance(in_flight, int) or in_flight < 1:
             raise ValueError(f"remote reward in_flight={in_flight!r} must be an integer ≥ 1 (requests at once to each replica)")
         self.urls, self.in_flight = list(urls), in_flight

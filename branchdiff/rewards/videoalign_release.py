@@ -170,6 +170,8 @@ def _base_weights(base: Path) -> tuple[dict[str, torch.Tensor], bool]:
 def convert_videoalign(source: Path, destination: Path, template: Path, base: Path | None = None, step: int | None = None) -> Path:
     """Write the `videoalign` folder of the release at `source` to `destination` (module doc); returns it. Nothing is
     left at `destination` when the conversion fails."""
+    if destination.exists() and not destination.is_dir():
+        raise ReleaseError(f"{destination} is a file; give a new folder to write the converted reward to")
     if destination.exists() and any(destination.iterdir()):
         raise ReleaseError(f"{destination} is not empty; give a new folder to write the converted reward to")
     if not template.is_file():
@@ -185,6 +187,13 @@ def convert_videoalign(source: Path, destination: Path, template: Path, base: Pa
     if not isinstance(settings, dict) or not all(isinstance(settings.get(key, {}), dict) for key in (*sections, "inference_config")):
         raise ReleaseError(f"{config_file}: expected an object with the sections {', '.join(sections)} and inference_config")
     data, model, peft = (settings.get(key, {}) for key in sections)
+    numbers = {"inference_config": [f"{d}_{kind}" for d in DIMENSIONS for kind in ("mean", "std")], "peft_lora_config": ["lora_alpha"],
+               "data_config": ["fps", "max_frame_pixels"]}
+    for section, keys in numbers.items():  # read as numbers once the model is written: checked now, before anything is
+        for key in keys:
+            value = (settings.get(section) or {}).get(key)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)):
+                raise ReleaseError(f"{config_file}: {section}.{key} is {value!r}; the release writes a number there")
     if model.get("reward_token") != "special" or not model.get("use_special_tokens") or model.get("output_dim") not in (1, 3):
         raise ReleaseError(f"{config_file}: model_config must read its reward at the special tokens (reward_token: special, "
                            "use_special_tokens: true, output_dim 1 or 3) as VideoReward does")

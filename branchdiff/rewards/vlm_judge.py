@@ -59,7 +59,7 @@ from tqdm.auto import tqdm
 from branchdiff.errors import one_line
 from branchdiff.rewards.base import to_uint8
 from branchdiff.rewards.group import score_by_group, tournament
-from branchdiff.rewards.remote import RemoteRewardError, encode_png, request_json
+from branchdiff.rewards.remote import RemoteRewardError, encode_png, one_server_twice, request_json
 from branchdiff.runtime.threads import DaemonPool
 
 DEFAULT_QUESTION = 'Does this image show "{prompt}"? Answer yes or no.'
@@ -127,6 +127,10 @@ class VLMJudge:
                                  "http://127.0.0.1:8000/v1)")
         if not urls or len({each.rstrip("/") for each in urls}) != len(urls):
             raise ValueError(f"reward 'vlm-judge': url={url!r} must be a URL or a list of distinct URLs (replicas of one judge)")
+        twice = one_server_twice(urls) if len(urls) > 1 else None
+        if twice:
+            raise ValueError(f"reward 'vlm-judge': {twice[0]} and {twice[1]} are one server (their hosts resolve to the same address); "
+                             "list each replica once")
         if not isinstance(model, str) or not model.strip():
             raise ValueError(f"reward 'vlm-judge': model={model!r} must be the name the server serves the judge under (its /v1/models)")
         if mode not in MODES:

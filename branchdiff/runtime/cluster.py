@@ -29,26 +29,48 @@ class Launch:
 
 def expand_hosts(nodelist: str) -> list[str]:
     """SLURM's compressed host list, expanded in order: `gpu-[01-03,07],login2` → gpu-01, gpu-02, gpu-03, gpu-07, login2
-    (zero padding kept; one bracket group a host name, as SLURM writes them)."""
+    (zero padding kept); a name with several bracket groups expands to every combination, the last group fastest
+    (`rack[1-2]-n[01-02]` → rack1-n01, rack1-n02, rack2-n01, rack2-n02), as SLURM's hostlist does."""
+    return [host for item in _outside_brackets(nodelist, ",") for host in _expand_name(item)]
+
+
+def _outside_brackets(text: str, separator: str) -> list[str]:
+    """`text` split at each `separator` that is not inside brackets; empty parts dropped."""
+    parts, depth, current = [], 0, ""
+    for char in text:
+        depth += {"[": 1, "]": -1}.get(char, 0)
+        if char == separator and depth == 0:
+            parts.append(current)
+            current = ""
+        else:
+            current += char
+    return [part for part in [*parts, current] if part]
+
+
+def _expand_name(name: str) -> list[str]:
+    """One host name's bracket groups expanded, the first outermost."""
+    match = re.fullmatch(r"([^\[]*)\[([^\]]*)\](.*)", name)
+    if not match:
+        return [name]
+    prefix, ranges, rest = match.groups()
+    tails = _expand_name(rest)
     hosts = []
-    for item in re.findall(r"[^,\[]+(?:\[[^\]]*\])?[^,]*", nodelist):
-        match = re.fullmatch(r"([^\[]*)\[([^\]]*)\](.*)", item)
-        if not match:
-            hosts.append(item)
-            continue
-        prefix, ranges, suffix = match.groups()
-        for part in ranges.split(","):
-            low, _, high = part.partition("-")
-            for number in range(int(low), int(high or low) + 1):
-                hosts.append(f"{prefix}{number:0{len(low)}d}{suffix}")
+    for part in ranges.split(","):
+        low, _, high = part.partition("-")
+        if not low.isdigit() or (high and not high.isdigit()):
+            raise ValueError(f"SLURM host list {name!r}: {part!r} is not a number or a range of numbers (e.g. 01-04)")
+        for number in range(int(low), int(high or low) + 1):
+            hosts.extend(f"{prefix}{number:0{len(low)}d}{tail}" for tail in tails)
     return hosts
 
 
 def _gpus_per_node(environ: Mapping[str, str]) -> int | None:
+    """The GPUs a node holds: the first of SLURM_GPUS_ON_NODE, SLURM_GPUS_PER_NODE that names a positive count (a step that
+    asked for no GPUs sets SLURM_GPUS_ON_NODE=0 while the job's nodes hold SLURM_GPUS_PER_NODE)."""
     for key in ("SLURM_GPUS_ON_NODE", "SLURM_GPUS_PER_NODE"):
         value = environ.get(key, "")
         match = re.search(r"(\d+)\s*$", value.split(",")[0]) if value else None  # "8", "gpu:8", "gpu:h100:8"
-        if match:
+        if match and int(match.group(1)) > 0:
             return int(match.group(1))
     return None
 

@@ -146,12 +146,40 @@ class Heartbeat:
                 "(raise collective_timeout= if it was only slow)")
 
     def explain(self, error: BaseException) -> CollectiveTimeout | None:
-        """A collective's failure as the one line (`explain_failure`), naming the silent ranks, else
-        the ranks last seen doing something else than this one."""
+        """A collective's failure as the one line (`explain_failure`), naming the ranks on this machine whose process has
+        ended (a rank killed or crashed: its connection dropped, so the collective failed at once), else the silent ranks,
+        else the ranks last seen doing something else than this one. A rank on another machine that died is not named
+        here (its process cannot be looked at from this one): its own machine's output says so."""
+        if not is_collective_failure(error):
+            return explain_failure(error, self.newest_checkpoint())
+        here = socket.gethostname()
+        ended = {r: b for r, b in self.peers().items() if b.get("state") == "running" and b.get("host") == here and process_ended(b.get("pid"))}
+        if ended:
+            who = "; ".join(f"rank {r} (pid {b.get('pid')} on {b.get('host')}, last in {b.get('activity')})" for r, b in sorted(ended.items()))
+            return CollectiveTimeout(f"process {who} ended while the others waited for it at a collective, so the job ends; "
+                                     f"{checkpoint_kept(self.newest_checkpoint())}; its own output says why it ended (killed, out of "
+                                     "memory, an error), then continue with --resume latest")
         silent = self.silent() or {r: b for r, b in self.peers().items() if b.get("activity") != self.activity}
-        if silent and is_collective_failure(error):
+        if silent:
             return CollectiveTimeout(self.line(silent))
         return explain_failure(error, self.newest_checkpoint())
+
+
+def process_ended(pid: object) -> bool:
+    """Whether the process `pid` of this machine has ended: gone, or a zombie its launcher has not yet collected."""
+    if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # alive, another user's
+        return False
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):  # no /proc (macOS): alive as far as can be told
+        return False
+    return state in ("Z", "X")
 
 
 def is_collective_failure(error: BaseException) -> bool:
