@@ -16,14 +16,14 @@ import argparse
 import sys
 from collections.abc import Callable
 
-from branchdiff.cli import evaluate, families, plan, push, rewards, sample, tools, train
+from branchdiff.cli import data, evaluate, families, plan, push, rewards, sample, tools, train
 from branchdiff.cli.parser import UsageError, build_parser, unrecognized
 
 COMMANDS: dict[str, Callable[[argparse.Namespace], int | None]] = {  # a command's exit status: what it returns, else 0
     "train": train.cmd_train, "config": train.cmd_config, "sample": sample.cmd_sample, "eval": evaluate.cmd_eval,
     "rewards": rewards.cmd_rewards, "serve-reward": rewards.cmd_serve_reward, "accelerate-config": tools.cmd_accelerate_config,
     "bench": tools.cmd_bench, "report": tools.cmd_report, "families": families.cmd_families,
-    "plan": plan.cmd_plan, "push": push.cmd_push,
+    "plan": plan.cmd_plan, "push": push.cmd_push, "data": data.cmd_data,
 }
 
 

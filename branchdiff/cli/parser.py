@@ -163,6 +163,12 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("--base", type=Path, default=None, help="local folder of the base model (default: model_config's model_name_or_path)")
     convert.add_argument("--step", type=at_least(0), default=None, help="the checkpoint-N to convert (default: the highest N)")
 
+    data = commands.add_parser("data", help="the public prompt sets benchmarks and recipes read: fetch them ahead of time, list what is cached")
+    data_which = data.add_subparsers(dest="data_command", required=True)
+    fetch = data_which.add_parser("fetch", help="download and check data sets into $BRANCHDIFF_DATA (default ~/.cache/branchdiff)")
+    fetch.add_argument("names", nargs="+", help="data sets (branchdiff data list), or 'all'")
+    data_which.add_parser("list", help="every data set: its files, source, licence and whether each is cached and checked")
+
     serve = commands.add_parser("serve-reward", help="serve a reward over HTTP (docs/reward-server.md)")
     serve.add_argument("name", help="registered name, entry point or dotted path 'package.module:Name'")
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default: this machine only)")

@@ -7,6 +7,9 @@ A source is a named set or a file:
   benchmark prompts (800 per style), read from `$BRANCHDIFF_DATA/hpdv2/<style>.json` (default
   `~/.cache/branchdiff/hpdv2`), or fetched once from the hub dataset `zhwang/HPDv2`
   (`benchmark/<style>.json`, a JSON list of prompts) when online and cached there;
+- the public sets branchdiff fetches and checks (branchdiff/data/datasets.py, docs/benchmarks.md): `geneval` (GenEval's 553
+  prompts, each with its tag and objects), `drawbench` (200), `flow-grpo-geneval:train|test`, `flow-grpo-ocr:train|test`,
+  `flow-grpo-pickscore:train|test` (Flow-GRPO's splits);
 - a `.txt` file (one prompt a line), a `.jsonl` file (one object a line with a "prompt" field; the
   other fields are the prompt's metadata), or a `.csv` file (a "prompt" column; the other columns
   are metadata). An "image" field or column names the prompt's source images for instruction
@@ -42,6 +45,11 @@ def _grammar_split(task, split: str) -> list:
 
 TINY_SOURCES = {f"{name}:{split}": partial(_grammar_split, task, split)
                 for name, task in (("tiny", tiny_task), ("tiny-video", tiny_video_task)) for split in ("train", "held_out", "all")}
+FETCHED_SOURCES = {  # prompt source: (data set, file) of branchdiff/data/datasets.py
+    "geneval": ("geneval", "evaluation_metadata.jsonl"), "drawbench": ("drawbench", "drawbench.json"),
+    **{f"flow-grpo-{task}:{split}": (f"flow-grpo-{task}", f"{split}{'_metadata.jsonl' if task == 'geneval' else '.txt'}")
+       for task in ("geneval", "ocr", "pickscore") for split in ("train", "test")},
+}
 HPDV2_STYLES = ("anime", "concept-art", "paintings", "photo")
 HPDV2_REPO = "zhwang/HPDv2"
 
@@ -91,9 +99,16 @@ def load_prompt_set(source: str, fit: str = "resize") -> PromptSet:
             raise ValueError(f"unknown HPDv2 style {unknown[0]!r}; allowed: {', '.join(HPDV2_STYLES)}")
         rows = [(prompt, {"style": style}) for style in styles for prompt in _hpdv2_style(style)]
         return PromptSet(source, [p for p, _ in rows], [m for _, m in rows])
+    if source in FETCHED_SOURCES:
+        from branchdiff.data.datasets import cached_path
+
+        path = cached_path(*FETCHED_SOURCES[source])
+        prompt_set = load_prompt_set(str(path), fit)
+        return PromptSet(source, prompt_set.prompts, prompt_set.metadata)
     path = Path(source)
     if not path.is_file():
-        raise FileNotFoundError(f"prompt source {quote(source, 80)} is neither {', '.join(TINY_SOURCES)}, hpdv2[:style] nor an existing file")
+        raise FileNotFoundError(f"prompt source {quote(source, 80)} is neither {', '.join(TINY_SOURCES)}, hpdv2[:style], "
+                                f"{', '.join(FETCHED_SOURCES)} nor an existing file")
     text = read_utf8(path)
     lines = text.splitlines()
     if path.suffix == ".jsonl":
@@ -113,6 +128,14 @@ def load_prompt_set(source: str, fit: str = "resize") -> PromptSet:
         if "prompt" not in (reader.fieldnames or []):
             raise ValueError(f"{path}:1: no \"prompt\" column (columns: {', '.join(reader.fieldnames or [])})")
         rows = [(_prompt_text(row.pop("prompt"), path, reader.line_num), _metadata(row, path, f"{path}:{reader.line_num}")) for row in reader]
+    elif path.suffix == ".json":  # a JSON list of prompts (DrawBench's copy)
+        try:
+            listed = json.loads(text)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{path}:{error.lineno}: not JSON ({error.msg}); a .json prompt file holds a list of prompts") from None
+        if not isinstance(listed, list) or not all(isinstance(item, str) and item.strip() for item in listed):
+            raise ValueError(f"{path}: a .json prompt file holds a list of non-empty prompts (strings)")
+        rows = [(item, {}) for item in listed]
     else:
         rows = [(line.strip(), {}) for line in lines if line.strip()]
     if not rows:

@@ -38,6 +38,14 @@ def extra_keys(reward: object) -> tuple[str, ...]:
     return tuple(k for k in getattr(reward, "score_keys", ()) if k != key)
 
 
+def takes_metadata(score: object) -> bool:
+    """Whether a reward's `score` takes the prompts' metadata as a third argument (geneval: each prompt's objects)."""
+    try:
+        return len(inspect.signature(score).parameters) >= 3  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return False
+
+
 def takes_sources(reward: object) -> bool:
     """Whether a reward's call takes `sources=`: each image's source images (editing; docs/editing.md)."""
     try:
@@ -73,8 +81,8 @@ def score_component(reward: object, label: str, images: torch.Tensor, prompts: l
     try:
         if grouped:  # a reward that sees the group: one call per group, the answers checked below
             raw, more = group_answers(reward, images, prompts, metadata, groups), {}
-        elif hasattr(reward, "score"):  # a reward that reports more than its score (tiny-geneval)
-            every = reward.score(images, prompts)
+        elif hasattr(reward, "score"):  # a reward that reports more than its score (tiny-geneval; geneval reads the metadata too)
+            every = reward.score(images, prompts, metadata) if takes_metadata(reward.score) else reward.score(images, prompts)
             raw, more = every[reward_key(reward)], {k: every[k] for k in extra_keys(reward)}
         elif takes_sources(reward):  # an editing reward: each image's source images as well
             raw, more = reward(images, prompts, metadata, sources=source_tensors(metadata, tuple(images.shape[-2:]))), {}  # as the model saw them

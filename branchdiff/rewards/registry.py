@@ -39,6 +39,8 @@ class Registered:
 BUILT_IN: dict[str, Registered] = {
     "tiny-geneval": Registered("branchdiff.rewards.tiny_geneval:TinyGenEval"),
     "tiny-video": Registered("branchdiff.rewards.tiny_video:TinyVideoVerifier"),  # clips of the built-in video task
+    "geneval": Registered("branchdiff.rewards.geneval:GenEvalReward",  # GenEval's verdict: a Mask2Former's detections, CLIP's colours, its rules
+                          weights=(("detector", "facebook/mask2former-swin-small-coco-instance", "config.json"),)),
     "videoalign": Registered("branchdiff.rewards.videoalign:VideoAlignReward",  # videos: a Qwen2-VL reward model from a local folder (VQ, MQ, TA)
                              required=("path",)),
     "flicker": Registered("branchdiff.rewards.flicker:Flicker"),  # videos: frame-to-frame change

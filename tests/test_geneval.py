@@ -1,0 +1,166 @@
+"""GenEval's decision rules (branchdiff/rewards/geneval_rules.py) against GenEval's own evaluator: on 330 recorded cases
+(tests/data/geneval_verdicts.json, made by scripts/record_geneval_verdicts.py from djghosh13/geneval at af4902f) every
+verdict equals the evaluator's; the relation and overlap rules on hand-worked boxes; the summary's overall."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from branchdiff.rewards.geneval_rules import Detection, iou, judge, keep_detections, relative_position, summarise
+
+RECORDED = json.loads((Path(__file__).parent / "data" / "geneval_verdicts.json").read_text())
+
+
+def _verdict(case: dict, classes: list[str]) -> bool:
+    rows = [case["boxes"].get(name, []) for name in classes]
+    detected = keep_detections(rows, None, classes, case["metadata"]["tag"], max_overlap=case["max_overlap"])
+    colours = case["colours"]
+    return judge(case["metadata"], detected, lambda classname, found: [colours[str(int(d.box[5]))] for d in found])[0]
+
+
+def test_every_recorded_verdict_equals_genevals_own():
+    classes, cases = RECORDED["classes"], RECORDED["cases"]
+    assert len(cases) >= 200 and len(classes) == 80
+    differences = [i for i, case in enumerate(cases) if _verdict(case, classes) != case["official_correct"]]
+    assert differences == []
+    # the cases reach every task and its edge cases, each way
+    tags = Counter((case["metadata"]["tag"], case["official_correct"]) for case in cases)
+    assert all(tags[(tag, verdict)] >= 5 for tag in ("single_object", "two_object", "counting", "colors", "position", "color_attr")
+               for verdict in (True, False)), tags
+    scores = [row[4] for case in cases for rows in case["boxes"].values() for row in rows]
+    assert scores.count(0.3) >= 20 and scores.count(0.9) >= 20  # at the thresholds
+    assert sum(1 for case in cases if not any(case["boxes"].values())) >= 5  # nothing detected
+    assert sum(1 for case in cases if any(len(rows) > 16 for rows in case["boxes"].values())) >= 5  # the cap
+    assert sum(1 for case in cases if case["max_overlap"] < 1) >= 20  # non-maximum suppression on
+    identical = sum(1 for case in cases for rows in case["boxes"].values() if len({tuple(row[:5]) for row in rows}) < len(rows))
+    assert identical >= 20  # two identical boxes of one class: overlapping, with tied scores
+
+
+def test_a_change_of_one_rule_is_caught_by_the_recorded_verdicts(monkeypatch):
+    """The cases are sharp enough to fail a rule that is off by a little: '>=' for '>' at the threshold, or the relation's
+    margin at 0.2 instead of 0.1."""
+    import branchdiff.rewards.geneval_rules as rules
+
+    classes, cases = RECORDED["classes"], RECORDED["cases"]
+    original = rules.keep_detections
+    monkeypatch.setattr(rules, "THRESHOLD", 0.3)
+    at_threshold = [case for case in cases if _verdict(case, classes) != (
+        judge(case["metadata"], original([case["boxes"].get(n, []) for n in classes], None, classes, case["metadata"]["tag"],
+                                         threshold=0.2999999, counting_threshold=0.8999999, max_overlap=case["max_overlap"]),
+              lambda c, found: [case["colours"][str(int(d.box[5]))] for d in found])[0])]
+    assert at_threshold  # admitting scores equal to the thresholds changes verdicts
+    wider = [case for case in cases if case["metadata"]["tag"] == "position" and case["official_correct"] != judge(
+        case["metadata"], keep_detections([case["boxes"].get(n, []) for n in classes], None, classes, "position",
+                                          max_overlap=case["max_overlap"]),
+        lambda c, found: [], position_threshold=0.2)[0]]
+    assert wider
+
+
+def test_the_relation_of_two_boxes_by_hand():
+    """A (0..10) beside B (30..40), same row: A's centre 5, B's 35, offset −30, shrunk by 0.1·(10 + 10) = 2 → 28 of 30: left of.
+    Boxes that overlap by most of their size are in no relation; diagonal by the same amount both ways: two relations."""
+    a, b = Detection(np.array([0, 0, 10, 10, 1.0])), Detection(np.array([30, 0, 40, 10, 1.0]))
+    assert relative_position(a, b) == {"left of"} and relative_position(b, a) == {"right of"}
+    near = Detection(np.array([1, 1, 11, 11, 1.0]))
+    assert relative_position(a, near) == set()  # |offset| 1 per axis, shrunk by 2: nothing left
+    diagonal = Detection(np.array([30, 30, 40, 40, 1.0]))
+    assert relative_position(a, diagonal) == {"left of", "above"}  # dx = dy = −28/√1800 ≈ −0.66
+    assert iou([0, 0, 9, 9], [0, 0, 9, 9]) == 1 and iou([0, 0, 9, 9], [10, 0, 19, 9]) == 0
+    assert iou([0, 0, 9, 9], [5, 0, 14, 9]) == pytest.approx(50 / 150)  # 5×10 of 100 + 100 − 50
+
+
+def test_the_overall_is_the_mean_of_the_tags_means():
+    tags = ["counting"] * 4 + ["position"] * 2
+    assert summarise(tags, [True, True, True, False, False, False]) == {"overall": pytest.approx((0.75 + 0.0) / 2), "counting": 0.75,
+                                                                      "position": 0.0}
+
+
+# ---------------------------------------------------------------- the reward: a detector and a colour classifier around the rules
+TINY_CLIP = "branchdiff-test-geneval-clip"
+
+
+@pytest.fixture(scope="module")
+def parts(tmp_path_factory):
+    """A tiny random Mask2Former (transformers' classes, 80 COCO labels) and a tiny open_clip checkpoint, saved."""
+    import open_clip
+    import torch
+    from transformers import Mask2FormerConfig, Mask2FormerForUniversalSegmentation, Mask2FormerImageProcessor, SwinConfig
+
+    folder = tmp_path_factory.mktemp("geneval-parts")
+    backbone = SwinConfig(embed_dim=16, depths=[1, 1, 1, 1], num_heads=[1, 1, 1, 1], window_size=4, image_size=64,
+                          out_features=["stage1", "stage2", "stage3", "stage4"])
+    config = Mask2FormerConfig(backbone_config=backbone, num_labels=80, num_queries=12, hidden_dim=32, mask_feature_size=32, feature_size=32,
+                               encoder_layers=1, decoder_layers=2, num_attention_heads=2, dim_feedforward=32, encoder_feedforward_dim=32,
+                               common_stride=4)
+    torch.manual_seed(0)
+    Mask2FormerForUniversalSegmentation(config).save_pretrained(folder / "detector")
+    Mask2FormerImageProcessor().save_pretrained(folder / "detector")
+    (folder / f"{TINY_CLIP}.json").write_text(json.dumps({"embed_dim": 16, "vision_cfg": {"image_size": 32, "layers": 1, "width": 32,
+                                                                                              "head_width": 16, "patch_size": 16},
+                                                          "text_cfg": {"context_length": 16, "vocab_size": 49408, "width": 32, "heads": 2,
+                                                                       "layers": 1}}))
+    open_clip.add_model_config(folder / f"{TINY_CLIP}.json")
+    torch.save({"state_dict": open_clip.create_model(TINY_CLIP).state_dict()}, folder / "clip.pt")
+    return folder
+
+
+def test_the_detector_scores_and_labels_as_transformers_own_post_processing_on_a_square_image(parts):
+    """On an image of the network's own input size (no resize, no padding) the mmdetection-style post-processing here and
+    transformers' `post_process_instance_segmentation` compute the same thing: the same (class, score) pairs, best first."""
+    import torch
+    from PIL import Image
+
+    from branchdiff.rewards.geneval import Mask2FormerDetector
+
+    detector = Mask2FormerDetector(str(parts / "detector"), shortest_edge=384, longest_edge=384)
+    image = Image.fromarray((np.random.default_rng(0).random((384, 384, 3)) * 255).astype("uint8"))
+    boxes, _ = detector(image)
+    mine = sorted(((round(float(row[4]), 6), label) for label, rows in enumerate(boxes) for row in rows), reverse=True)[:12]
+    inputs = detector.processor(images=image, return_tensors="pt")
+    with torch.no_grad():
+        outputs = detector.model(**inputs)
+    theirs = detector.processor.post_process_instance_segmentation(outputs, threshold=0.0)[0]["segments_info"]
+    assert sorted(((s["score"], s["label_id"]) for s in theirs), reverse=True) == mine
+
+
+def test_a_masks_box_is_its_extent_with_the_end_pixel_past_it():
+    import torch
+
+    from branchdiff.rewards.geneval import mask_box
+
+    mask = torch.zeros(10, 12, dtype=torch.bool)
+    mask[2:5, 3:9] = True
+    assert mask_box(mask).tolist() == [3, 2, 9, 5] and mask_box(torch.zeros(4, 4, dtype=torch.bool)).tolist() == [0, 0, 0, 0]
+
+
+def test_the_reward_turns_detections_into_genevals_verdicts_and_runs_whole_on_tiny_models(parts, monkeypatch):
+    """With the detector answering a recorded case's boxes and the colours its recorded ones, the reward gives GenEval's own
+    verdict on every case of each tag; with the tiny random models it scores images end to end (0 or 1, partial in [0, 1])."""
+    import torch
+
+    from branchdiff.rewards.geneval import GenEvalReward
+    from branchdiff.rewards.multi import score_component
+
+    classes = RECORDED["classes"]
+    reward = GenEvalReward(detector=str(parts / "detector"), clip=TINY_CLIP, clip_checkpoint=str(parts / "clip.pt"), classes=classes,
+                           detector_shortest_edge=64)
+    images = torch.rand(3, 3, 48, 64, generator=torch.Generator().manual_seed(1))
+    metadata = [RECORDED["cases"][i]["metadata"] for i in (0, 3, 4)]  # single object, colors, position
+    scores, extra, failed = score_component(reward, "geneval", images, [m["prompt"] for m in metadata], metadata)
+    assert not failed and scores.shape == (3,) and set(scores.tolist()) <= {0.0, 1.0}
+    assert ((extra["partial"] >= 0) & (extra["partial"] <= 1)).all()
+    chosen = [case for tag in ("single_object", "two_object", "counting", "colors", "position", "color_attr")
+              for case in [c for c in RECORDED["cases"] if c["metadata"]["tag"] == tag and c["max_overlap"] == 1][:6]]
+    for case in chosen:
+        rows = [torch.tensor(case["boxes"].get(name, []), dtype=torch.float64).reshape(-1, 6) for name in classes]
+        monkeypatch.setattr(reward, "detect", lambda image, rows=rows: (rows, [[None] * len(r) for r in rows]))
+        monkeypatch.setattr(reward, "colours", lambda image, classname, found, case=case: [case["colours"][str(int(d.box[5]))] for d in found])
+        verdict = reward(images[:1], [case["metadata"]["prompt"]], [case["metadata"]])
+        assert verdict.tolist() == [float(case["official_correct"])], case["metadata"]
+    with pytest.raises(ValueError, match="reward 'geneval' scores prompts with GenEval metadata"):
+        reward(images[:1], ["a photo of a cat"], [{}])
