@@ -7,7 +7,7 @@ import argparse
 
 
 def cmd_data(args: argparse.Namespace) -> None:
-    from branchdiff.data.datasets import DATASETS, data_set, data_root, fetch, folder_of, status
+    from branchdiff.data.datasets import DATASETS, data_root, data_set, fetch, folder_of, status
 
     if args.data_command == "fetch":
         names = list(DATASETS) if args.names == ["all"] else args.names

@@ -157,7 +157,7 @@ class GenEvalReward:
             boxes, masks = self.detect(image)
             masks_np = [[None if m is None else m.numpy() for m in ms] for ms in masks]  # a detector may give boxes only
             detected = keep_detections([b.numpy() for b in boxes], masks_np, self.classes, row["tag"])
-            ok, reasons = judge(row, detected, lambda classname, found: self.colours(image, classname, found))
+            ok, reasons = judge(row, detected, lambda classname, found, image=image: self.colours(image, classname, found))
             clauses = len(row.get("include", [])) + len(row.get("exclude", []))
             correct.append(float(ok))
             partial.append(1.0 - len(reasons) / clauses if clauses else float(ok))
