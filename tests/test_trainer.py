@@ -294,3 +294,15 @@ def test_the_report_is_rewritten_when_its_time_is_at_most_a_tenth_of_the_run():
     assert not schedule.due()
     now[0] = 145.0
     assert schedule.due()
+
+
+def test_the_first_iterations_held_out_evaluation_is_said_as_it_starts(tiny_model_dir, tmp_path, capsys):
+    """The first iteration was silent for about 80 s on the default run (the base model's held-out evaluation, then the
+    compile): it says what it does, once, above the bar."""
+    eval_prompts = tmp_path / "held.txt"
+    eval_prompts.write_text("one red circle on the left\n")
+    run = tmp_path / "run"
+    assert main(["train", "tiny-chain", *_overrides(tiny_model_dir, run, 2), "eval_every=1", f"prompts.eval={eval_prompts}",
+                 "prompts.eval_seeds=1", "logging.report_to=none"]) == 0
+    said = capsys.readouterr().err
+    assert said.count("branchdiff: evaluating the base model on the held-out prompts first (every 1 iterations)...") == 1, said[-2000:]

@@ -136,8 +136,13 @@ def build_parser() -> argparse.ArgumentParser:
                                   "(default: the run's eval_rewards, else tiny-geneval)")
             sub.add_argument("--seed", type=at_least(0), default=None, help="noise seed, the same for base and LoRA (default: 1234, as a run's evaluations)")
             sub.add_argument("--device", default="cpu", help="device of the rewards (cpu, cuda, cuda:1)")
-            sub.add_argument("--out", type=Path, default=None, help="output directory (default: eval-<run or lora name, or base>)")
+            sub.add_argument("--out", type=Path, default=None, help="output directory (default: eval-<run or lora name, or base>); a "
+                                                                    "killed evaluation run again into it continues where it stopped")
             sub.add_argument("--json", type=Path, default=None, help="also write the summary to this JSON file")
+            sub.add_argument("--benchmark", default=None, help="a paper's benchmark (geneval, ocr, pickscore, drawbench, hpdv2): its prompts, "
+                                                               "scores, table and, for the family it was published on, its sampling protocol "
+                                                               "(docs/benchmarks.md); --rewards then gives its scorers in its order")
+            sub.add_argument("--compare", default=None, help="with --benchmark: a paper whose rows to print beside ours (e.g. flow-grpo)")
 
     rewards = commands.add_parser("rewards", help="list rewards, or check that one carries signal")
     which = rewards.add_subparsers(dest="rewards_command", required=True)

@@ -83,6 +83,11 @@ DATASETS: dict[str, DataSet] = {
                    "a64535eb9089a6064a4ebe5c9cd66a85b71164ca1dd637de5df68df81479947b", 200),),
         "MIT for the repository's copy; DrawBench itself is Imagen's (Saharia et al., 2022), published for research without a licence",
         "DrawBench's 200 prompts (Imagen), as a JSON list"),
+    "mixgrpo-hpdv2-test": DataSet("Tencent-Hunyuan/MixGRPO", "e5cdd6a427778d8c8b2e7a48ce16972141adbe7c", (
+        RemoteFile("data/prompts_test.txt", "69323d42374806447d4768a257f376a7db683e07",
+                   "6eb1c5561a58da305155ba00755822de4f8b0bc239175e20334e431e978f4a82", 400),),
+        "MixGRPO's own terms: academic research only, no commercial use (its License.txt)",
+        "the 400 HPDv2 test prompts MixGRPO and BranchGRPO report HPS-v2.1, PickScore and ImageReward on"),
 }
 
 

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import csv
 import json
+import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,6 +37,7 @@ from branchdiff.report.video import frame_strip, write_mp4
 from branchdiff.rewards.base import to_uint8
 from branchdiff.rewards.frames import FrameAggregation
 from branchdiff.rewards.multi import extra_keys, score_component
+from branchdiff.runtime import storage
 from branchdiff.settings.evaluation import EVAL_RUN_SEED, SOLVERS
 
 
@@ -166,38 +169,100 @@ def save_jpeg(image: torch.Tensor, path: Path) -> None:
 def evaluate(
     adapter: ModelAdapter, prompt_set: PromptSet, rewards: dict[str, object], sampling: OdeSampling, share: ProcessShare = ALONE,
     frames: dict[str, FrameAggregation | None] | None = None, out_dir: Path | None = None, progress: bool = False, chunk: int = 16,
+    records: ScoreRecords | None = None,
 ) -> EvalResult:
     """This process's share of the evaluation (`gather_results` joins the shares): its prompts sampled
     (`sampling`) `chunk` at a time and scored with `rewards` (by label); with `out_dir`, each image is
     written there as it is made (`image_path`), so no process holds more than a chunk of images;
     `progress` shows a bar. Under `share.lockstep` a shorter share is padded with its last prompt (or
     the first), whose images are dropped. `frames`: by reward label, how a reward of images scores a
-    video family's videos."""
+    video family's videos. `records`: each chunk's scores appended there as they are made, and the prompts
+    already recorded (by any process, in an earlier launch) taken from it instead of sampled again (a resumed
+    evaluation; images are the same whichever launch makes them: the noise is addressable)."""
     images_per_prompt = sampling.images_per_prompt
+    names = score_names(rewards)
     mine = list(range(share.process_index, len(prompt_set.prompts), share.num_processes))
+    done = records.done(images_per_prompt, names) if records is not None else {}
+    todo = [p for p in mine if p not in done]
     share_size = -(-len(prompt_set.prompts) // share.num_processes) if share.lockstep else len(mine)
-    sampled = mine + [mine[-1] if mine else 0] * (share_size - len(mine))
+    sampled = todo + [todo[-1] if todo else (mine[-1] if mine else 0)] * (share_size - len(mine))  # lockstep: as many forwards everywhere
     paths = benchmark_paths(prompt_set)
-    scores: dict[str, list[torch.Tensor]] = {name: [] for name in score_names(rewards)}
-    with tqdm(total=len(mine), desc="eval", unit="prompt", disable=not progress) as bar:  # closed (its line ended) on errors too
+    made: dict[int, dict[str, list[float]]] = {}  # prompt → score → its images' values
+    with tqdm(total=len(mine), initial=len(mine) - len(todo), desc="eval", unit="prompt", disable=not progress) as bar:  # closed on errors too
         for start in range(0, len(sampled), chunk):
             keys = sampled[start : start + chunk]
             prompts = [prompt_set.prompts[k] for k in keys]
             images, image_prompts = sample_ode(adapter, prompts, sampling, keys, [prompt_set.metadata[k] for k in keys])
-            keys = keys[: max(0, len(mine) - start)]  # the padding's images are dropped
+            keys = keys[: max(0, len(todo) - start)]  # the padding's images are dropped
             images, image_prompts = images[: len(keys) * images_per_prompt], image_prompts[: len(keys) * images_per_prompt]
             if not keys:
                 continue
             metadata = [prompt_set.metadata[k] for k in keys for _ in range(images_per_prompt)]
-            for name, values in score_images(rewards, images, image_prompts, metadata, frames).items():
-                scores[name].append(values)
+            scored = score_images(rewards, images, image_prompts, metadata, frames)
             if out_dir is not None:
                 for row, image in enumerate(images):
                     save_jpeg(image, out_dir / image_path(paths, keys[row // images_per_prompt], row % images_per_prompt))
+            for position, key in enumerate(keys):
+                rows = slice(position * images_per_prompt, (position + 1) * images_per_prompt)
+                made[key] = {name: values[rows].tolist() for name, values in scored.items()}
+            if records is not None:  # after the images: a recorded prompt always has its images on disk
+                records.append({key: made[key] for key in keys})
             bar.update(len(keys))
     index = torch.tensor(mine, dtype=torch.long).repeat_interleave(images_per_prompt)
     seeds = torch.arange(images_per_prompt).repeat(len(mine))
-    return EvalResult(prompt_set, images_per_prompt, index, seeds, {name: torch.cat(v) if v else torch.empty(0) for name, v in scores.items()})
+    per_prompt = [done.get(p) or made[p] for p in mine]
+    scores = {name: torch.tensor([value for prompt in per_prompt for value in prompt[name]], dtype=torch.float32) for name in names}
+    return EvalResult(prompt_set, images_per_prompt, index, seeds, scores)
+
+
+def resumable(out_dir: Path, fingerprint: dict, state) -> Path:
+    """The folder of an evaluation's score records (`ScoreRecords`) under `out_dir`: kept when it holds an evaluation of the
+    same `fingerprint` (model, weights, settings, rewards: a killed evaluation continues), emptied for another (and said).
+    `state`: the processes (accelerate's PartialState); the main one decides, the others wait for it."""
+    folder = out_dir / "records"
+    written = folder / "evaluation.json"
+    text = json.dumps(fingerprint, sort_keys=True, default=str)
+    if state.is_main_process:
+        if written.is_file() and written.read_text() != text:
+            print(f"eval: {out_dir} holds an evaluation with other settings; its scores are replaced", file=sys.stderr)
+            for old in folder.glob("rank-*.jsonl"):
+                old.unlink()
+        elif written.is_file() and any(folder.glob("rank-*.jsonl")):
+            print(f"eval: continuing the evaluation in {out_dir} (prompts already scored are not sampled again)", file=sys.stderr)
+        folder.mkdir(parents=True, exist_ok=True)
+        storage.write_text(written, text)
+    state.wait_for_everyone()
+    return folder
+
+
+class ScoreRecords:
+    """An evaluation's scores as they are made, one JSONL file per process (`folder/rank-R.jsonl`, a line per prompt:
+    {"prompt": index, "scores": {name: [one value per image]}}), appended and flushed to disk after every chunk, so a
+    killed evaluation keeps every prompt it finished. A line cut off by the kill is ignored (its prompt is made again)."""
+
+    def __init__(self, folder: Path, rank: int) -> None:
+        self.folder, self.path = folder, folder / f"rank-{rank}.jsonl"
+
+    def done(self, images_per_prompt: int, names: list[str]) -> dict[int, dict[str, list[float]]]:
+        """The prompts every process recorded whole (every score, every image), by index."""
+        found: dict[int, dict[str, list[float]]] = {}
+        for path in sorted(self.folder.glob("rank-*.jsonl")):
+            for line in path.read_text().splitlines():
+                try:
+                    row = json.loads(line)
+                    prompt, scores = int(row["prompt"]), row["scores"]
+                except (ValueError, KeyError, TypeError):
+                    continue  # the last line of a killed process, cut off
+                if isinstance(scores, dict) and all(len(scores.get(name) or []) == images_per_prompt for name in names):
+                    found[prompt] = {name: [float(v) for v in scores[name]] for name in names}
+        return found
+
+    def append(self, prompts: dict[int, dict[str, list[float]]]) -> None:
+        self.folder.mkdir(parents=True, exist_ok=True)
+        with self.path.open("a") as handle:
+            handle.write("".join(json.dumps({"prompt": key, "scores": scores}) + "\n" for key, scores in prompts.items()))
+            handle.flush()
+            os.fsync(handle.fileno())
 
 
 def gather_results(result: EvalResult, accelerator) -> EvalResult:

@@ -28,6 +28,7 @@ import torch
 
 from branchdiff.rewards.base import to_uint8
 from branchdiff.rewards.geneval_rules import COLORS, Detection, judge, keep_detections
+from branchdiff.rewards.model_reward import MissingWeightsError, first_line, load_pretrained
 
 DETECTOR = "facebook/mask2former-swin-small-coco-instance"
 TEMPLATES = ("a photo of a {c} {classname}", "a photo of a {c}-colored {classname}", "a photo of a {c} object")
@@ -43,9 +44,12 @@ class Mask2FormerDetector:
         from transformers import Mask2FormerForUniversalSegmentation, Mask2FormerImageProcessor
 
         self.device = torch.device(device)
-        self.model = Mask2FormerForUniversalSegmentation.from_pretrained(path).to(self.device).eval().requires_grad_(False)
-        self.processor = Mask2FormerImageProcessor.from_pretrained(path, size={"shortest_edge": shortest_edge, "longest_edge": longest_edge},
-                                                                   size_divisor=32, do_reduce_labels=False)
+        origin = f"https://huggingface.co/{DETECTOR}"
+        self.model = load_pretrained(Mask2FormerForUniversalSegmentation.from_pretrained, path, reward="geneval", what="detector",
+                                     origin=origin).to(self.device).eval().requires_grad_(False)
+        sizes = {"size": {"shortest_edge": shortest_edge, "longest_edge": longest_edge}, "size_divisor": 32, "do_reduce_labels": False}
+        self.processor = load_pretrained(lambda source: Mask2FormerImageProcessor.from_pretrained(source, **sizes), path, reward="geneval",
+                                         what="detector's image processor", origin=origin)
         self.num_classes = self.model.config.num_labels
 
     @torch.no_grad()
@@ -89,7 +93,12 @@ class ColourClassifier:
         import open_clip
 
         self.device = torch.device(device)
-        self.model, _, self.transform = open_clip.create_model_and_transforms(architecture, pretrained=checkpoint, device=self.device)
+        try:
+            self.model, _, self.transform = open_clip.create_model_and_transforms(architecture, pretrained=checkpoint, device=self.device)
+        except Exception as error:  # unknown architecture, offline, a damaged file: one line naming what to give
+            raise MissingWeightsError(f"reward 'geneval': cannot load the colour classifier open_clip {architecture} {checkpoint!r} "
+                                      f"({first_line(error)}); pass clip_checkpoint= a local open_clip checkpoint of {architecture} "
+                                      "(OpenAI's weights), or go online once") from error
         self.model.eval().requires_grad_(False)
         self.tokenizer = open_clip.get_tokenizer(architecture)
         self.weights: dict[str, torch.Tensor] = {}  # class name → (D, colours)
