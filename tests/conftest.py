@@ -73,3 +73,33 @@ def hub_at(monkeypatch):
         monkeypatch.setenv("HF_TOKEN", "hf_test_token_not_sent_anywhere")
 
     return point
+
+
+TINY_CLIP = "branchdiff-test-geneval-clip"
+
+
+@pytest.fixture(scope="module")
+def geneval_parts(tmp_path_factory):
+    """A tiny random Mask2Former (transformers' classes, 80 COCO labels) and a tiny open_clip checkpoint, saved."""
+    import json
+
+    import open_clip
+    import torch
+    from transformers import Mask2FormerConfig, Mask2FormerForUniversalSegmentation, Mask2FormerImageProcessor, SwinConfig
+
+    folder = tmp_path_factory.mktemp("geneval-parts")
+    backbone = SwinConfig(embed_dim=16, depths=[1, 1, 1, 1], num_heads=[1, 1, 1, 1], window_size=4, image_size=64,
+                          out_features=["stage1", "stage2", "stage3", "stage4"])
+    config = Mask2FormerConfig(backbone_config=backbone, num_labels=80, num_queries=12, hidden_dim=32, mask_feature_size=32, feature_size=32,
+                               encoder_layers=1, decoder_layers=2, num_attention_heads=2, dim_feedforward=32, encoder_feedforward_dim=32,
+                               common_stride=4)
+    torch.manual_seed(0)
+    Mask2FormerForUniversalSegmentation(config).save_pretrained(folder / "detector")
+    Mask2FormerImageProcessor().save_pretrained(folder / "detector")
+    (folder / f"{TINY_CLIP}.json").write_text(json.dumps({"embed_dim": 16, "vision_cfg": {"image_size": 32, "layers": 1, "width": 32,
+                                                                                              "head_width": 16, "patch_size": 16},
+                                                          "text_cfg": {"context_length": 16, "vocab_size": 49408, "width": 32, "heads": 2,
+                                                                       "layers": 1}}))
+    open_clip.add_model_config(folder / f"{TINY_CLIP}.json")
+    torch.save({"state_dict": open_clip.create_model(TINY_CLIP).state_dict()}, folder / "clip.pt")
+    return folder

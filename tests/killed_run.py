@@ -6,6 +6,7 @@
 - `sigint`: SIGINT (Ctrl-C) to itself at the start of the update of iteration N, on process 0 only;
 - `sigstop`: SIGSTOP to itself at the start of iteration N, on process 1 only (a frozen rank);
 - `rankkill`: SIGKILL to itself at the start of iteration N, on process 1 only (a rank that dies);
+- `eval_records`: SIGKILL to itself once `branchdiff eval` has recorded its N-th chunk of scores;
 - `enospc`: on process 0 only, accelerate's file writes into the N-th iteration's checkpoint fail
   with ENOSPC, as on a full disk (process 1 writes its part).
 Under `accelerate launch` every process runs this script.
@@ -92,6 +93,17 @@ elif point == "enospc":
         return save(obj, path, *args, **kwargs)
 
     accelerate.checkpointing.save = full_disk
+elif point == "eval_records":  # an evaluation killed after recording its N-th chunk of scores
+    from branchdiff.evaluation import evaluate
+
+    evaluate.ScoreRecords.append = counted(evaluate.ScoreRecords.append, lambda *args: None)
+
+    def killed_after(self, prompts):
+        recorded(self, prompts)
+        if calls == target:  # `counted` has counted this call
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    recorded, evaluate.ScoreRecords.append = evaluate.ScoreRecords.append, killed_after
 else:
     raise SystemExit(f"unknown point {point!r}")
 sys.exit(main(sys.argv[3:]))

@@ -80,3 +80,16 @@ class PromptColour:
         colours = torch.tensor([COLORS[parse_prompt(p).color] for p in prompts])  # (B, 3)
         distance = (images - colours[:, :, None, None]).norm(dim=1)  # (B, H, W)
         return (distance < 0.3).float().flatten(1).mean(dim=1)
+
+
+class Shifted:
+    """An image's mean brightness plus `offset`: a stand-in of any reward, distinct by its offset (a benchmark's several scores)."""
+
+    name = "shifted"
+    scale = "mean pixel value + offset"
+
+    def __init__(self, offset: float = 0.0) -> None:
+        self.offset = offset
+
+    def __call__(self, images: torch.Tensor, prompts: list[str], metadata: list[dict] | None = None) -> torch.Tensor:
+        return images.flatten(1).mean(dim=1) + self.offset

@@ -168,7 +168,7 @@ def test_eval_missing_model(capsys, tmp_path):
     "argv, expected",
     [
         (["eval", "--steps", "many"], "eval: argument --steps: invalid int value: 'many'; see branchdiff eval --help"),
-        (["trian"], "argument command: invalid choice: 'trian' (choose from 'train', 'config', 'sample', 'eval', 'rewards', 'serve-reward', 'plan', 'push', 'families', 'accelerate-config', 'bench', 'report'); see branchdiff --help"),
+        (["trian"], "argument command: invalid choice: 'trian' (choose from 'train', 'config', 'sample', 'eval', 'rewards', 'data', 'serve-reward', 'plan', 'push', 'families', 'accelerate-config', 'bench', 'report'); see branchdiff --help"),
         ([], "the following arguments are required: command; see branchdiff --help"),
         (["sample", "--seeds", "2"], "sample: the following arguments are required: --out; see branchdiff sample --help"),
         (["sample", "--prompt"], "sample: argument --prompt: expected one argument; see branchdiff sample --help"),

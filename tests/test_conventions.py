@@ -92,6 +92,32 @@ def _mad_reference(values: np.ndarray) -> np.ndarray:
     return advantages * (len(values) / nonzero if nonzero else 1.0)
 
 
+def test_median_lower_takes_an_even_groups_lower_middle_as_torch_median_does():
+    """`advantage.baseline: median-lower`, MC-GRPO's public code: an even group's median is torch.median's (the lower of the
+    two middle values), the node there is the pivot, and the MAD uses it too; against torch.median per group. On a tree depth
+    of two nodes the mean-of-two rule gave ±0.707 for any gap; the lower rule 0 and one full-gap residual."""
+    from branchdiff.core.advantage import group_medians
+
+    rng = np.random.default_rng(1)
+    values = torch.from_numpy(rng.normal(size=24))
+    groups = torch.tensor([0] * 4 + [1] * 6 + [2] * 2 + [3] * 5 + [4] * 7)
+    medians, pivots = group_medians(values, groups, 5, lower=True)
+    expected = torch.stack([values[groups == g].median() for g in range(5)])
+    assert torch.equal(medians, expected)
+    assert pivots.sum() == 5 and all(values[pivots][g] == expected[g] for g in range(5))
+    ours = mad_advantages(values, groups, 5, lower=True)
+    for g in range(5):  # the public code's MAD: torch.median both times
+        row = values[groups == g]
+        residual = row - row.median()
+        advantages = residual / ((residual.abs()).median() + 1e-3)
+        nonzero = int((advantages != 0).sum())
+        assert torch.allclose(ours[groups == g], advantages * len(row) / nonzero, rtol=1e-12)
+    two = torch.tensor([0.2, 0.9], dtype=torch.float64)
+    assert group_medians(two, torch.tensor([0, 0]), 1)[0].tolist() == [pytest.approx(0.55)]
+    assert group_medians(two, torch.tensor([0, 0]), 1, lower=True)[0].tolist() == [0.2]
+    assert load_config("tiny-mc-grpo", ["advantage.baseline=median-lower"]).advantage.baseline == "median-lower"
+
+
 def test_mc_grpos_mad_scaling_against_numpy_and_how_far_it_is_from_the_std():
     """4 groups of 9 normal rewards (the outside check's case): the MAD advantages equal numpy's computation, and their
     ratio to the std advantages differs from group to group (the step each prompt takes changes)."""
@@ -139,9 +165,10 @@ def test_awms_average_warms_up_as_the_public_recipes_do(tmp_path):
 
 
 def test_dgpos_ema_reference_follows_every_optimizer_step(tmp_path):
-    """`dgpo.reference: ema`: after each optimizer step θ_ref ← d·θ_ref + (1 − d)·θ with d = min(0.001·n, 0.3) (here a
-    rate of 0.2 so that the cap is reached), against the float64 recursion of the weights after each step; the plan's
-    reference error is the average's at the minibatch (ℓ_ref of the moving policy, not the frozen base)."""
+    """`dgpo.reference: ema`: after each optimizer step θ_ref ← d·θ_ref + (1 − d)·θ with d = min(0.001·n, 0.3), n the steps
+    before this one, as the public code's min(0.3, 0.001·global_step) (its first step copies θ; the average was one step
+    ahead: d = 0.001 at the first), here a rate of 0.2 so that the cap is reached, against the float64 recursion of the
+    weights after each step; the plan's reference error is the average's at the minibatch (ℓ_ref of the moving policy)."""
     from branchdiff.training.recipe import Trainer
 
     trainer = Trainer(load_config("tiny-dgpo", [f"output_dir={tmp_path}", "dgpo.reference=ema", "dgpo.ema_decay_rate=0.2",
@@ -153,8 +180,8 @@ def test_dgpos_ema_reference_follows_every_optimizer_step(tmp_path):
 
     def recording(self):
         nonlocal steps, expected
+        d = min(0.2 * steps, 0.3)  # the public code's global_step before its increment: 0 at the first step
         steps += 1
-        d = min(0.2 * steps, 0.3)
         expected = [d * a + (1 - d) * p.detach().double() for a, p in zip(expected, params)]
         original(self)
 

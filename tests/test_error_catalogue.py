@@ -212,8 +212,8 @@ CASES = [
     Case("unknown-preset", lambda e: ["train", "tiny-mixx"], r"no preset or file 'tiny-mixx'; did you mean tiny-mix, .*\? \(branchdiff train --help lists every preset\)"),
     Case("family-without-preset", lambda e: ["train", "model.family=sd3", f"model.path={e.tmp}", f"output_dir={e.tmp / 'new'}"],
          r"model.family=sd3 without a preset would train with the default preset tiny-mix-full, the built-in tiny model's recipe .*; "
-         r"start from one of its presets \(sd35-pickscore, sd35-pickscore-awm, sd35-pickscore-dgpo, sd35-pickscore-dpo, sd35-pickscore-dpo-offline, "
-         r"sd35-pickscore-dppo, sd35-pickscore-explore, sd35-pickscore-mc-grpo, sd35-pickscore-sft, sd35-pickscore-sol\), e.g. branchdiff train sd35-pickscore"),
+         r"start from one of its presets \(sd35-geneval-flow-grpo, sd35-ocr-flow-grpo, sd35-pickscore, sd35-pickscore-awm, sd35-pickscore-dgpo, "
+         r"sd35-pickscore-dpo, … \(12 in all: branchdiff train --help\)\), e.g. branchdiff train sd35-geneval-flow-grpo"),
     Case("expert-of-a-one-denoiser-family", lambda e: e.fresh("model.expert=low"),
          r"'model.expert' = 'low' chooses one of Wan 2.2's two experts; model.family=tiny has one denoiser: leave model.expert unset"),
     Case("both-experts-fully-fine-tuned", lambda e: ["config", "wan-mq-branch", "model.expert=both", "model.finetune=full", "model.dtype=float32"],
@@ -609,6 +609,10 @@ TESTED_ELSEWHERE = {
     "judge-answer-impossible": ["test_vlm_judge::test_each_failure_is_one_line_naming_the_url"],
     "ocr-setting-not-allowed": ["test_ocr_reward::test_it_is_listed_and_its_settings_are_checked"],
     "gpu-bench-row-counts": ["test_gpu_bench::test_row_counts_that_are_not_whole_numbers_are_one_line"],
+    "data-set-unavailable": ["test_benchmarks::test_a_changed_or_cut_download_is_refused_and_nothing_is_kept",
+                             "test_benchmarks::test_offline_or_a_damaged_copy_is_one_line_and_a_damaged_copy_is_fetched_again",
+                             "test_benchmarks::test_a_run_whose_prompt_set_cannot_be_fetched_stops_before_the_model_loads"],
+    "benchmark-options": ["test_benchmarks::test_bad_benchmark_options_are_one_line_before_the_model_loads"],
 }
 ALSO_TESTED = {"output-dir-in-use": "test_faults::test_two_runs_started_at_once_on_one_output_dir_one_trains_the_other_stops",
                "fsdp-version-1": "test_sharding::test_settings_come_from_accelerates_fsdp_variables",

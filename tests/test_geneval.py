@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from branchdiff.rewards.geneval_rules import Detection, iou, judge, keep_detections, relative_position, summarise
+from conftest import TINY_CLIP  # the tiny detector and CLIP of conftest's geneval_parts
 
 RECORDED = json.loads((Path(__file__).parent / "data" / "geneval_verdicts.json").read_text())
 
@@ -71,35 +72,7 @@ def test_the_overall_is_the_mean_of_the_tags_means():
 
 
 # ---------------------------------------------------------------- the reward: a detector and a colour classifier around the rules
-TINY_CLIP = "branchdiff-test-geneval-clip"
-
-
-@pytest.fixture(scope="module")
-def parts(tmp_path_factory):
-    """A tiny random Mask2Former (transformers' classes, 80 COCO labels) and a tiny open_clip checkpoint, saved."""
-    import open_clip
-    import torch
-    from transformers import Mask2FormerConfig, Mask2FormerForUniversalSegmentation, Mask2FormerImageProcessor, SwinConfig
-
-    folder = tmp_path_factory.mktemp("geneval-parts")
-    backbone = SwinConfig(embed_dim=16, depths=[1, 1, 1, 1], num_heads=[1, 1, 1, 1], window_size=4, image_size=64,
-                          out_features=["stage1", "stage2", "stage3", "stage4"])
-    config = Mask2FormerConfig(backbone_config=backbone, num_labels=80, num_queries=12, hidden_dim=32, mask_feature_size=32, feature_size=32,
-                               encoder_layers=1, decoder_layers=2, num_attention_heads=2, dim_feedforward=32, encoder_feedforward_dim=32,
-                               common_stride=4)
-    torch.manual_seed(0)
-    Mask2FormerForUniversalSegmentation(config).save_pretrained(folder / "detector")
-    Mask2FormerImageProcessor().save_pretrained(folder / "detector")
-    (folder / f"{TINY_CLIP}.json").write_text(json.dumps({"embed_dim": 16, "vision_cfg": {"image_size": 32, "layers": 1, "width": 32,
-                                                                                              "head_width": 16, "patch_size": 16},
-                                                          "text_cfg": {"context_length": 16, "vocab_size": 49408, "width": 32, "heads": 2,
-                                                                       "layers": 1}}))
-    open_clip.add_model_config(folder / f"{TINY_CLIP}.json")
-    torch.save({"state_dict": open_clip.create_model(TINY_CLIP).state_dict()}, folder / "clip.pt")
-    return folder
-
-
-def test_the_detector_scores_and_labels_as_transformers_own_post_processing_on_a_square_image(parts):
+def test_the_detector_scores_and_labels_as_transformers_own_post_processing_on_a_square_image(geneval_parts):
     """On an image of the network's own input size (no resize, no padding) the mmdetection-style post-processing here and
     transformers' `post_process_instance_segmentation` compute the same thing: the same (class, score) pairs, best first."""
     import torch
@@ -107,7 +80,7 @@ def test_the_detector_scores_and_labels_as_transformers_own_post_processing_on_a
 
     from branchdiff.rewards.geneval import Mask2FormerDetector
 
-    detector = Mask2FormerDetector(str(parts / "detector"), shortest_edge=384, longest_edge=384)
+    detector = Mask2FormerDetector(str(geneval_parts / "detector"), shortest_edge=384, longest_edge=384)
     image = Image.fromarray((np.random.default_rng(0).random((384, 384, 3)) * 255).astype("uint8"))
     boxes, _ = detector(image)
     mine = sorted(((round(float(row[4]), 6), label) for label, rows in enumerate(boxes) for row in rows), reverse=True)[:12]
@@ -128,7 +101,7 @@ def test_a_masks_box_is_its_extent_with_the_end_pixel_past_it():
     assert mask_box(mask).tolist() == [3, 2, 9, 5] and mask_box(torch.zeros(4, 4, dtype=torch.bool)).tolist() == [0, 0, 0, 0]
 
 
-def test_the_reward_turns_detections_into_genevals_verdicts_and_runs_whole_on_tiny_models(parts, monkeypatch):
+def test_the_reward_turns_detections_into_genevals_verdicts_and_runs_whole_on_tiny_models(geneval_parts, monkeypatch):
     """With the detector answering a recorded case's boxes and the colours its recorded ones, the reward gives GenEval's own
     verdict on every case of each tag; with the tiny random models it scores images end to end (0 or 1, partial in [0, 1])."""
     import torch
@@ -137,7 +110,7 @@ def test_the_reward_turns_detections_into_genevals_verdicts_and_runs_whole_on_ti
     from branchdiff.rewards.multi import score_component
 
     classes = RECORDED["classes"]
-    reward = GenEvalReward(detector=str(parts / "detector"), clip=TINY_CLIP, clip_checkpoint=str(parts / "clip.pt"), classes=classes,
+    reward = GenEvalReward(detector=str(geneval_parts / "detector"), clip=TINY_CLIP, clip_checkpoint=str(geneval_parts / "clip.pt"), classes=classes,
                            detector_shortest_edge=64)
     images = torch.rand(3, 3, 48, 64, generator=torch.Generator().manual_seed(1))
     metadata = [RECORDED["cases"][i]["metadata"] for i in (0, 3, 4)]  # single object, colors, position

@@ -297,9 +297,10 @@ MODES = {"full": ["model.finetune=full"], "nft-lora": ["train.loss=nft"], "guard
          "layertuning-lora": ["train.loss=grpo-layertuning"], "awm-lora": ["train.loss=awm"], "dgpo-lora": ["train.loss=dgpo"],
          "dgpo-ema-lora": ["train.loss=dgpo", "dgpo.reference=ema"],
          "dppo-lora": ["train.loss=dppo"], "dpo-lora": ["train.loss=dpo"],
-         "median-lora": ["advantage.baseline=median", "tree.splits=[[0,3]]"], "sft-lora": ["train.loss=sft"],
+         "median-lora": ["advantage.baseline=median", "tree.splits=[[0,3]]"],
+         "median-lower-lora": ["advantage.baseline=median-lower", "tree.splits=[[0,2]]"], "sft-lora": ["train.loss=sft"],
          "dpo-offline-lora": ["train.loss=dpo-offline"], "overlap-lora": ["reward_overlap=true", "sampling.max_batch=3"],
-         "nft-block-cache-lora": ["train.loss=nft", "sampling.block_cache=1e9"]}
+         "nft-block-cache-lora": ["train.loss=nft", "sampling.block_cache=0.999"]}  # above every change of the tiny model
 
 
 def _rates(mode: list[str]) -> list[str]:

@@ -76,7 +76,7 @@ def test_entry_point_is_found_by_name_and_listed(installed_entry_point):
 @pytest.mark.parametrize(
     "name, message",
     [
-        ("tiny-genval", "unknown reward 'tiny-genval' (did you mean tiny-geneval?); available: tiny-geneval"),
+        ("tiny-genval", "unknown reward 'tiny-genval' (did you mean tiny-geneval, geneval?); available: tiny-geneval"),
         ("no_such_module:Thing", "reward 'no_such_module:Thing' could not be imported (No module named 'no_such_module'); expected 'package.module:Name'"),
     ],
 )

@@ -37,9 +37,10 @@ def cmd_eval(args: argparse.Namespace) -> None:
     if args.json:
         check_output_file(args.json, "--json")
     prompt_set = load_prompt_set(settings.prompts, settings.fit)
-    specs = reward_specs_from_text(settings.rewards) if isinstance(settings.rewards, str) else parse_reward_specs(settings.rewards)
     if chosen is not None:
-        specs = _benchmark_scorers(args.benchmark, chosen.rewards, specs)
+        specs = _benchmark_scorers(args.benchmark, chosen.rewards, settings.rewards)
+    else:
+        specs = reward_specs_from_text(settings.rewards) if isinstance(settings.rewards, str) else parse_reward_specs(settings.rewards)
     factories = {spec.name: resolve_reward(spec.name) for spec in specs if spec.remote is None}
     for spec in specs:
         if spec.remote is None:
@@ -109,8 +110,16 @@ def _benchmark(args: argparse.Namespace) -> tuple[object | None, object | None]:
     return chosen, protocol
 
 
-def _benchmark_scorers(name: str, expected: tuple[str, ...], specs: list) -> list:
-    """The rewards scoring a benchmark, one per score of its own (`--rewards` in its order: kwargs, a reward server, a stand-in)."""
+def _benchmark_scorers(name: str, expected: tuple[str, ...], given: object) -> list:
+    """The rewards scoring a benchmark, one per score of its own (`--rewards` in its order: kwargs, a reward server, a stand-in),
+    each read on its own: they take the benchmark's names, so two may name the same reward."""
+    from branchdiff.cli.common import yaml_value
+    from branchdiff.rewards.combine import parse_reward_specs
+
+    if isinstance(given, str) and given.lstrip().startswith(("[", "{")):
+        given = yaml_value(given)
+    entries = given.split(",") if isinstance(given, str) else given if isinstance(given, list) else [given]
+    specs = [(reward_specs_from_text(entry) if isinstance(entry, str) else parse_reward_specs(entry))[0] for entry in entries if entry]
     if len(specs) != len(expected):
         raise UserError(f"--rewards with --benchmark {name}: give {len(expected)} reward(s), one per score in its order "
                         f"({', '.join(expected)}), e.g. to pass a weight's path: '[{{name: {expected[0]}, kwargs: {{...}}}}]'; got {len(specs)}")

@@ -24,7 +24,10 @@ chain group holds the G samples, so both scopes reduce to flat group GRPO
 Baseline "median" (MC-GRPO): r̄_g is the group's median instead of its mean. With an odd count, one
 node sits at the median, the group's pivot: its advantage is 0 and its edge is left out of the loss
 (`median_pivots`), so a group of G + 1 samples trains G. With an even count the median is the mean
-of the two middle rewards and no node is a pivot. Its scale (`scale`): "std" divides by the std as
+of the two middle rewards and no node is a pivot; baseline "median-lower" takes the lower of the two
+instead, as MC-GRPO's public code does (torch.median), and that node is the pivot. (On a tree's depths
+with two-way splits the two differ most: the mean's ±0.707 against the lower's 0 and one residual of the
+whole gap.) Its scale (`scale`): "std" divides by the std as
 above; "mad" is MC-GRPO's public code (`mad_advantages`): the median absolute deviation plus 1e-3,
 then each group's non-zero advantages rescaled so that their count weighs as the group's,
     A(n) = (R(n) − med_g) / (MAD_g + 1e-3),  MAD_g = median_{m ∈ g} |R(m) − med_g|,
@@ -42,7 +45,7 @@ from branchdiff.runtime.distributed import LOCAL, Collective
 
 FUSION_MODES = ("mean", "logprob_softmax", "max")
 SCOPES = ("tree", "batch")
-BASELINES = ("mean", "median")
+BASELINES = ("mean", "median", "median-lower")
 SCALES = ("std", "mad")
 MAD_FLOOR = 1e-3  # added to the median absolute deviation (MC-GRPO's public code)
 EPS = 1e-8
@@ -112,12 +115,12 @@ def depthwise_advantages(tree: Tree, node_rewards: torch.Tensor, scope: str = "t
         raise ValueError(f"unknown advantage scope {scope!r}; allowed: {SCOPES}")
     if baseline not in BASELINES:
         raise ValueError(f"unknown advantage baseline {baseline!r}; allowed: {BASELINES}")
-    if scale not in SCALES or (scale == "mad" and (baseline, scope) != ("median", "tree")):
+    if scale not in SCALES or (scale == "mad" and (not is_median(baseline) or scope != "tree")):
         raise ValueError(f"advantage scale {scale!r} with baseline {baseline!r} and scope {scope!r}; allowed: std, or mad with the median "
                          "baseline within each tree")
     group, num_groups = depth_groups(tree)
     if scale == "mad":
-        return mad_advantages(node_rewards, group, num_groups).to(node_rewards.dtype)
+        return mad_advantages(node_rewards, group, num_groups, baseline == "median-lower").to(node_rewards.dtype)
     num_depths = tree.spec.num_steps + 1
     count, residual, squares = group_moments(node_rewards, group, num_groups)  # (P·(T+1),), (N,), (P·(T+1),)
     if scope == "tree":
@@ -130,17 +133,22 @@ def depthwise_advantages(tree: Tree, node_rewards: torch.Tensor, scope: str = "t
         nodes_at, groups_at, pooled = collective.sum(torch.stack([nodes_at, groups_at, pooled])).unbind(0)
         std = torch.sqrt(pooled / (nodes_at - groups_at).clamp(min=1))[tree.depth]  # (N,)
         valid = (nodes_at > groups_at)[tree.depth] & (std >= MIN_STD)
-    if baseline == "median":
-        residual = node_rewards.double() - group_medians(node_rewards, group, num_groups)[0][group]
+    if is_median(baseline):
+        residual = node_rewards.double() - group_medians(node_rewards, group, num_groups, baseline == "median-lower")[0][group]
     advantages = torch.where(valid, residual / (std + EPS), torch.zeros_like(residual))
     return advantages.to(node_rewards.dtype)
 
 
-def group_medians(values: torch.Tensor, groups: torch.Tensor, num_groups: int) -> tuple[torch.Tensor, torch.Tensor]:
+def is_median(baseline: str) -> bool:
+    """Whether an `advantage.baseline` centres on the group's median (MC-GRPO's, either rule for an even group)."""
+    return baseline in ("median", "median-lower")
+
+
+def group_medians(values: torch.Tensor, groups: torch.Tensor, num_groups: int, lower: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Each group's median (G,; float64; 0 for an empty group) of values (N,) in groups (N,) of
     0..num_groups−1, and the pivots (N,) bool: in a group of odd count n > 1, one node whose value is the
     median (on ties, one of them); a group of even count has the mean of its two
-    middle values and no pivot."""
+    middle values and no pivot, or with `lower` the lower of the two (torch.median's rule), whose node is the pivot."""
     values = values.double()
     by_value = torch.argsort(values, stable=True)
     order = by_value[torch.argsort(groups[by_value], stable=True)]  # (N,) grouped, ascending values in each group
@@ -150,26 +158,26 @@ def group_medians(values: torch.Tensor, groups: torch.Tensor, num_groups: int) -
     low = order[(start + (count - 1) // 2)[present]]  # (G',) node at the lower middle of each non-empty group
     high = order[(start + count // 2)[present]]  # (G',) at the upper middle (the same node when the count is odd)
     medians = torch.zeros(num_groups, dtype=torch.float64)
-    medians[present] = (values[low] + values[high]) / 2
+    medians[present] = values[low] if lower else (values[low] + values[high]) / 2
     pivots = torch.zeros(len(values), dtype=torch.bool)
-    odd = (count[present] % 2 == 1) & (count[present] > 1)
-    pivots[low[odd]] = True
+    sits_at_median = ((count[present] % 2 == 1) | lower) & (count[present] > 1)
+    pivots[low[sits_at_median]] = True
     return medians, pivots
 
 
 def resolve_scale(scale: str, baseline: str, scope: str = "tree") -> str:
     """`advantage.scale`: "auto" is MC-GRPO's MAD under the median baseline within each tree, else the std; else as given."""
-    return ("mad" if (baseline, scope) == ("median", "tree") else "std") if scale == "auto" else scale
+    return ("mad" if is_median(baseline) and scope == "tree" else "std") if scale == "auto" else scale
 
 
-def mad_advantages(values: torch.Tensor, groups: torch.Tensor, num_groups: int) -> torch.Tensor:
+def mad_advantages(values: torch.Tensor, groups: torch.Tensor, num_groups: int, lower: bool = False) -> torch.Tensor:
     """MC-GRPO's advantages (N,; float64) of values (N,) in groups (N,) of 0..num_groups−1: each value's distance from
     its group's median over the group's median absolute deviation + `MAD_FLOOR`, the non-zero ones rescaled by
     n_g / #non-zero (module doc); 0 in a group of one."""
     values = values.double()
-    medians, _ = group_medians(values, groups, num_groups)
+    medians, _ = group_medians(values, groups, num_groups, lower)
     residual = values - medians[groups]  # (N,)
-    deviations, _ = group_medians(residual.abs(), groups, num_groups)  # (G,) MAD_g
+    deviations, _ = group_medians(residual.abs(), groups, num_groups, lower)  # (G,) MAD_g
     advantages = residual / (deviations[groups] + MAD_FLOOR)
     count = torch.bincount(groups, minlength=num_groups).double()  # (G,)
     advantages = torch.where(count[groups] > 1, advantages, torch.zeros_like(advantages))
@@ -177,8 +185,8 @@ def mad_advantages(values: torch.Tensor, groups: torch.Tensor, num_groups: int) 
     return advantages * (count / nonzero.clamp(min=1))[groups]
 
 
-def median_pivots(tree: Tree, node_rewards: torch.Tensor) -> torch.Tensor:
+def median_pivots(tree: Tree, node_rewards: torch.Tensor, lower: bool = False) -> torch.Tensor:
     """(N,) bool: the pivot of each (prompt, depth) group under the median baseline (`group_medians`)."""
     group, num_groups = depth_groups(tree)
-    return group_medians(node_rewards, group, num_groups)[1]
+    return group_medians(node_rewards, group, num_groups, lower)[1]
 

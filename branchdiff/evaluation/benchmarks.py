@@ -47,6 +47,7 @@ class Benchmark:
     prompts: str  # the prompt source (branchdiff/data/prompts.py)
     rewards: tuple[str, ...]  # the rewards that score it, by registered name (kwargs by --rewards)
     columns: tuple[tuple[str, str], ...]  # (score, the column title of the papers' table), in their order
+    images_per_prompt: Setting  # the images of each prompt its tables average over, whatever the family
     protocols: dict[str, Protocol] = field(default_factory=dict)  # by family
     by_tag: bool = False  # GenEval: scores per prompt tag, the overall their mean (geneval_rules.summarise)
     by_style: bool = False  # HPDv2: each style's mean beside the whole set's
@@ -77,35 +78,40 @@ def _nft(images_per_prompt: Setting) -> Protocol:
 
 
 PER_LINE_ONE = Setting(1, f"{FLOW_GRPO} scripts/train_sd3.py:59-69, 529-535 (one image per line of the test file)")
+GENEVAL_FOUR = Setting(4, f"{GENEVAL_REPO} generation/diffusers_generate.py:44 (--n_samples); {FLOW_GRPO} dataset/geneval/test_metadata.jsonl "
+                          "holds the 553 prompts 4 times each (2,212 lines)")
+DRAWBENCH_FIVE = Setting(5, f"{NFT} dataset/drawbench/test.txt: the 200 prompts, each 5 times (1,000 lines)")
 BENCHMARKS: dict[str, Benchmark] = {
     "geneval": Benchmark(
         "GenEval (Ghosh et al., 2023): 553 prompts of six tasks, 4 images each, judged by a detector and CLIP colours",
         "geneval", ("geneval",),
         (("overall", "Overall"), ("single_object", "Single obj."), ("two_object", "Two obj."), ("counting", "Counting"),
-         ("colors", "Colors"), ("position", "Position"), ("color_attr", "Attr. binding")),
-        {"sd3": _flow_grpo(Setting(4, f"{FLOW_GRPO} dataset/geneval/test_metadata.jsonl: the 553 prompts, each 4 times (2,212 lines)")),
+         ("colors", "Colors"), ("position", "Position"), ("color_attr", "Attr. binding")), GENEVAL_FOUR,
+        {"sd3": _flow_grpo(GENEVAL_FOUR),
          "sd15": Protocol("GenEval (arXiv 2310.11513)",
                           Setting(50, f"{GENEVAL_REPO} generation/diffusers_generate.py:50 (--steps)"),
                           Setting(9.0, f"{GENEVAL_REPO} generation/diffusers_generate.py:76 (--scale)"),
                           Setting(None, f"{GENEVAL_REPO} generation/diffusers_generate.py:64, 70 (--H, --W unset: the pipeline's own size)"),
-                          Setting(4, f"{GENEVAL_REPO} generation/diffusers_generate.py:44 (--n_samples)"),
+                          GENEVAL_FOUR,
                           Setting("seed_everything(42) before every prompt", f"{GENEVAL_REPO} generation/diffusers_generate.py:79-84, 116"),
                           Setting("release", f"{GENEVAL_REPO} generation/diffusers_generate.py (the pipeline's own scheduler)"))},
         by_tag=True),
     "ocr": Benchmark(
         "Flow-GRPO's visual text rendering test split: 1,018 prompts, the OCR reward's mean",
-        "flow-grpo-ocr:test", ("ocr",), (("ocr", "OCR acc."),), {"sd3": _flow_grpo(PER_LINE_ONE)}),
+        "flow-grpo-ocr:test", ("ocr",), (("ocr", "OCR acc."),), PER_LINE_ONE, {"sd3": _flow_grpo(PER_LINE_ONE)}),
     "pickscore": Benchmark(
         "Flow-GRPO's Pick-a-Pic test split: 2,048 prompts, PickScore's mean",
-        "flow-grpo-pickscore:test", ("pickscore",), (("pickscore", "PickScore"),), {"sd3": _flow_grpo(PER_LINE_ONE)}),
+        "flow-grpo-pickscore:test", ("pickscore",), (("pickscore", "PickScore"),), PER_LINE_ONE, {"sd3": _flow_grpo(PER_LINE_ONE)}),
     "drawbench": Benchmark(
         "DrawBench (Imagen): 200 prompts, 5 images each, the quality and preference scores DiffusionNFT tabulates",
         "drawbench", ("clip-score", "hpsv2.1", "aesthetic", "imagereward", "pickscore"),
         (("clip-score", "ClipScore"), ("hpsv2.1", "HPSv2.1"), ("aesthetic", "Aesthetic"), ("imagereward", "ImgRwd"), ("pickscore", "PickScore")),
-        {"sd3": _nft(Setting(5, f"{NFT} dataset/drawbench/test.txt: the 200 prompts, each 5 times (1,000 lines)"))}),
+        DRAWBENCH_FIVE, {"sd3": _nft(DRAWBENCH_FIVE)}),
     "hpdv2": Benchmark(
         "the HPS v2 benchmark: 3,200 prompts in four styles, HPS v2 and v2.1 per style",
-        "hpdv2", ("hpsv2", "hpsv2.1"), (("hpsv2", "HPS v2"), ("hpsv2.1", "HPS v2.1")), by_style=True),
+        "hpdv2", ("hpsv2", "hpsv2.1"), (("hpsv2", "HPS v2"), ("hpsv2.1", "HPS v2.1")),
+        Setting(1, "tgxs002/HPSv2@866735ec hpsv2/evaluation.py:148-151 (one image per prompt; a style's score the mean of its "
+                   "ten 80-prompt parts' means, equal to its mean)"), by_style=True),
 }
 
 
@@ -119,7 +125,8 @@ def protocol_settings(name: str, family: str) -> tuple[dict[str, object], Protoc
     """The eval settings a benchmark fixes for a family (steps, guidance, resolution, images per prompt, solver, prompts,
     rewards; None values left to the family), and its protocol (None: no paper's protocol for this family)."""
     chosen = benchmark(name)
-    settings: dict[str, object] = {"prompts": chosen.prompts, "rewards": ",".join(chosen.rewards)}
+    settings: dict[str, object] = {"prompts": chosen.prompts, "rewards": ",".join(chosen.rewards),
+                                   "images_per_prompt": chosen.images_per_prompt.value}
     found = chosen.protocols.get(family)
     if found is not None:
         settings.update(steps=found.steps.value, guidance=found.guidance.value, resolution=found.resolution.value,

@@ -19,7 +19,8 @@ mean((v_θ − v_ref)²) toward the frozen base.
 
 `dgpo.reference: ema` is the public code's dynamic reference: ℓ_ref and the clip's ℓ_old are both the error of a
 fast-moving average of the policy, θ_ref ← d·θ_ref + (1 − d)·θ after every optimizer step with d = min(
-`dgpo.ema_decay_rate`·n, `dgpo.ema_decay_max`) (n the optimizer steps so far: min(0.001·n, 0.3) by default), computed
+`dgpo.ema_decay_rate`·n, `dgpo.ema_decay_max`) (n the optimizer steps before this one, so the first step copies θ, as
+the public code's min(0.3, 0.001·global_step) does: min(0.001·n, 0.3) by default), computed
 with the average's weights at each minibatch (saved in checkpoints as `dgpo_reference.safetensors`). `base` (the
 default) keeps the paper's frozen reference and clips against the rollout's weights. `dgpo.skip_pure_noise` leaves
 out the step at σ = 1, where every sample of a group sees one input (x_σ = ε).
@@ -74,7 +75,9 @@ class DGPO(Objective):
         """After each optimizer step (ema reference): the average moves toward the policy at d = min(rate·n, max)."""
         if self.reference_average is not None:
             keys = self.config.dgpo
-            self.reference_average.update(min(keys.ema_decay_rate * self.reference_average.steps, keys.ema_decay_max))
+            # n counts the optimizer steps before this one (the average's first update, at construction, copied θ): the public
+            # code's decay at its first step is min(rate·0, max) = 0
+            self.reference_average.update(min(keys.ema_decay_rate * (self.reference_average.steps - 1), keys.ema_decay_max))
 
     @contextmanager
     def reference_weights(self) -> Iterator[ModelAdapter | None]:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from branchdiff.core.advantage import fuse_rewards, group_medians, group_moments, mad_advantages, unbiased_std
+from branchdiff.core.advantage import fuse_rewards, group_medians, group_moments, is_median, mad_advantages, unbiased_std
 from branchdiff.core.noise import address_seed
 from branchdiff.core.rollout import NoiseAddress, Rollout
 from branchdiff.models.base import ModelAdapter, select_embeds
@@ -39,12 +39,12 @@ def leaf_signal(rollout: Rollout, rewards: torch.Tensor, clip: float, baseline: 
     count, residual, squares = group_moments(leaf_rewards, groups, tree.num_prompts)
     trained = torch.zeros(tree.num_nodes, dtype=torch.bool)
     trained[tree.leaf_index] = ~dropped[groups]
-    if baseline == "median":
-        medians, pivots = group_medians(leaf_rewards, groups, tree.num_prompts)
+    if is_median(baseline):
+        medians, pivots = group_medians(leaf_rewards, groups, tree.num_prompts, baseline == "median-lower")
         residual = leaf_rewards.double() - medians[groups]
         trained[tree.leaf_index[pivots]] = False
     if scale == "mad":
-        advantages = mad_advantages(leaf_rewards, groups, tree.num_prompts).clamp(-clip, clip).float()  # (L,)
+        advantages = mad_advantages(leaf_rewards, groups, tree.num_prompts, baseline == "median-lower").clamp(-clip, clip).float()  # (L,)
     else:
         advantages = (residual / (unbiased_std(count, squares)[groups] + 1e-4)).clamp(-clip, clip).float()  # (L,)
     node_advantages = torch.zeros(tree.num_nodes)

@@ -20,7 +20,7 @@ from typing import ClassVar
 import torch
 
 from branchdiff.core import prune
-from branchdiff.core.advantage import depthwise_advantages, fuse_rewards, median_pivots, resolve_scale
+from branchdiff.core.advantage import depthwise_advantages, fuse_rewards, is_median, median_pivots, resolve_scale
 from branchdiff.core.loss import clipped_surrogate, kl_to_reference
 from branchdiff.core.rollout import NoiseAddress, Rollout, SamplerSettings
 from branchdiff.models.base import ModelAdapter, select_embeds
@@ -55,8 +55,8 @@ class ClippedGRPO(Objective):
                                                resolve_scale(config.advantage.scale, config.advantage.baseline, config.advantage.scope))
         node_advantages = node_advantages.clamp(-config.advantage.clip, config.advantage.clip)
         trained = self.trainable_mask(rollout, node_advantages, iteration) & ~dropped[tree.prompt]
-        if config.advantage.baseline == "median":  # each (prompt, depth) group's pivot trains nothing (MC-GRPO)
-            trained &= ~median_pivots(tree, node_rewards)
+        if is_median(config.advantage.baseline):  # each (prompt, depth) group's pivot trains nothing (MC-GRPO)
+            trained &= ~median_pivots(tree, node_rewards, config.advantage.baseline == "median-lower")
         return Signal(node_rewards, node_advantages, trained, int(dropped.sum()))
 
     def trainable_mask(self, rollout: Rollout, node_advantages: torch.Tensor, iteration: int) -> torch.Tensor:

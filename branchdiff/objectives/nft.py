@@ -32,7 +32,7 @@ from typing import ClassVar
 
 import torch
 
-from branchdiff.core.advantage import depthwise_advantages, fuse_rewards, median_pivots, resolve_scale
+from branchdiff.core.advantage import depthwise_advantages, fuse_rewards, is_median, median_pivots, resolve_scale
 from branchdiff.core.loss import nft_loss, nft_optimality
 from branchdiff.core.rollout import NoiseAddress, Rollout, SamplerSettings
 from branchdiff.core.tree import Tree
@@ -78,8 +78,8 @@ class DiffusionNFT(Objective):
         node_rewards = fuse_rewards(tree, leaf_rewards, rollout.log_prob, config.advantage.fusion, config.advantage.alpha)
         node_advantages = depthwise_advantages(tree, node_rewards, config.advantage.scope, self.collective, config.advantage.baseline,
                                                resolve_scale(config.advantage.scale, config.advantage.baseline, config.advantage.scope))
-        if config.advantage.baseline == "median":
-            trained &= ~median_pivots(tree, node_rewards)
+        if is_median(config.advantage.baseline):
+            trained &= ~median_pivots(tree, node_rewards, config.advantage.baseline == "median-lower")
         return Signal(node_rewards, node_advantages.clamp(-config.advantage.clip, config.advantage.clip).float(), trained, int(dropped.sum()))
 
     def plan(self, rollout: Rollout, embeds: dict, signal: Signal, address: NoiseAddress) -> NFTPlan:

@@ -54,7 +54,7 @@ def _expand_name(name: str) -> list[str]:
         return [name]
     prefix, ranges, rest = match.groups()
     tails = _expand_name(rest)
-    hosts = []
+    hosts: list[str] = []
     for part in ranges.split(","):
         low, _, high = part.partition("-")
         if not low.isdigit() or (high and not high.isdigit()):

@@ -89,7 +89,7 @@ class AdvantageConfig:
     alpha: float = 1.0  # temperature of logprob_softmax fusion
     scope: str = choice("tree", "tree", "batch")  # per-depth normalisation: within a tree, or std over the batch
     clip: float = positive(5.0)  # advantages clipped to ±clip
-    baseline: str = choice("mean", "mean", "median")  # each group's centre: its mean, or its median (MC-GRPO: with an odd group one sample sits at the median and is left out of the loss; docs/objectives.md)
+    baseline: str = choice("mean", "mean", "median", "median-lower")  # each group's centre: its mean, or its median (MC-GRPO: with an odd group one sample sits at the median and is left out of the loss; an even group's median is the mean of its two middle values, or with median-lower the lower one, as MC-GRPO's public code takes it; docs/objectives.md)
     scale: str = choice("auto", "auto", "std", "mad")  # what a group's residuals are divided by: std, or mad (MC-GRPO's public code: the median absolute deviation + 1e-3, the non-zero advantages rescaled to the group's count); auto: mad with the median baseline, std with the mean
 
 

@@ -57,7 +57,8 @@ def preset_or_default(source: str | None, overrides: Sequence[str]) -> str:
     if not isinstance(family, str) or family == "tiny" or family not in FAMILIES:  # an unknown family (or a list) is refused by the settings' own check
         return DEFAULT_PRESET
     own = family_presets(family)
-    start = (f"start from one of its presets ({', '.join(own)}), e.g. branchdiff train {own[0]} model.path=...; or from a YAML file "
+    listed = ", ".join(own[:6]) + (f", … ({len(own)} in all: branchdiff train --help)" if len(own) > 6 else "")
+    start = (f"start from one of its presets ({listed}), e.g. branchdiff train {own[0]} model.path=...; or from a YAML file "
              f"of your own (branchdiff config {own[0]} > my.yaml)" if own else
              "write a YAML file of your own (branchdiff config tiny-chain > my.yaml, then set model.family, model.path and the rest)")
     raise ConfigError(f"model.family={family} without a preset would train with the default preset {DEFAULT_PRESET}, the built-in tiny "
