@@ -205,9 +205,11 @@ def test_a_protocol_is_the_papers_for_its_family_with_a_source_for_every_value()
     assert protocol_settings("geneval", "sd15")[0] | {} == {"prompts": "geneval", "rewards": "geneval", "images_per_prompt": 4, "steps": 50,
                                                            "guidance": 9.0, "solver": "release"}
     assert protocol_settings("pickscore", "flux") == ({"prompts": "flow-grpo-pickscore:test", "rewards": "pickscore", "images_per_prompt": 1}, None)
-    for chosen in BENCHMARKS.values():  # every value says where it was read
+    tabled = (Path(__file__).parents[1] / "docs" / "benchmarks.md").read_text()
+    for chosen in BENCHMARKS.values():  # every value says where it was read, and docs/benchmarks.md tables it with that source
         for found in [chosen.images_per_prompt, *(getattr(p, f.name) for p in chosen.protocols.values() for f in fields(p) if f.name != "paper")]:
             assert "@" in found.source or "arXiv" in found.source, found
+            assert all(part.strip() in tabled for part in found.source.split(";")), found.source
     args = argparse.Namespace(benchmark="geneval", compare=None, prompts=None, family="sd3", weights=None, steps=20, guidance=None,
                               resolution=None, images_per_prompt=None, solver=None, rewards=None)
     _benchmark(args)

@@ -48,6 +48,8 @@ def test_the_cards_state_the_papers_numbers_and_the_plan_at_the_published_gpu_co
         card = cards[cards.index(f"### `{preset}`"):]
         card = card[: card.find("\n### ", 1) if "\n### " in card[1:] else len(card)]
         assert recipe["reported"] in card, preset
-        plan = with_change(preset_or_default(preset, []), [], Target(recipe["gpus"], "none", None, None, 0.4, 1), estimator)
-        expected = f"`branchdiff plan {preset} --gpus {recipe['gpus']}`: peak {plan.peak / GIB:.1f} GiB ({plan.peak_phase}) a process"
+        sharding = recipe.get("sharding", "none")
+        plan = with_change(preset_or_default(preset, []), [], Target(recipe["gpus"], sharding, None, None, 0.4, 1), estimator)
+        flag = "" if sharding == "none" else f" --sharding {sharding}"
+        expected = f"`branchdiff plan {preset} --gpus {recipe['gpus']}{flag}`: peak {plan.peak / GIB:.1f} GiB ({plan.peak_phase}) a process"
         assert expected in card and f"modelled {plan.seconds:.0f} s an iteration" in card, (preset, expected, re.findall(r"`branchdiff plan.*", card))
