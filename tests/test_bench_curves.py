@@ -278,6 +278,8 @@ def test_merge_refuses_a_seed_counted_twice(tmp_path):
     old_copy.write_text(old_first.read_text())
     with pytest.raises(UserError, match=r"^bench curves --merge: a run of variant mix is in both .*old.json and .*old-copy.json"):
         merge_results([old_first, old_copy], tmp_path / "out", None)
+    with pytest.raises(UserError, match=r"^bench curves --merge: a run of variant mix is in both .*old.json and .*0-1.json"):
+        merge_results([old_first, first], tmp_path / "out", None)  # an older file and a newer one holding the same seeds
     with pytest.raises(UserError, match=r"^bench curves --merge --reference nosuch: no such variant in the files merged \(mix, awm\)"):
         merge_results([first, second], tmp_path / "out", None, "nosuch")
     assert not (tmp_path / "out").exists()

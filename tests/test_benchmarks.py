@@ -67,8 +67,21 @@ def test_a_data_set_is_fetched_checked_and_kept_and_never_fetched_twice(served, 
     add("test-set", {"prompts/test.txt": b"a red car\na blue bird\n"})
     path = cached_path("test-set", "test.txt")
     assert path == tmp_path / "data" / "test-set" / "test.txt" and path.read_bytes() == b"a red car\na blue bird\n"
-    assert not list(path.parent.glob("*.partial")) and len(Quiet.requests) == 1
+    assert not list(path.parent.glob("*.partial*")) and len(Quiet.requests) == 1
     assert cached_path("test-set", "test.txt") == path and len(Quiet.requests) == 1  # checked, not fetched again
+
+
+def test_the_processes_of_a_launch_fetching_at_once_each_end_with_the_checked_file(served, tmp_path):
+    """Every process of a launch reads the prompt set: they fetched into one FILE.partial, truncating each other's (a false
+    "cut download", the file deleted) or renaming it from under one another (a traceback)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    add, _ = served
+    data = b"".join(b"prompt %d with some words in it\n" % i for i in range(20000))
+    add("test-set", {"prompts/big.txt": data})
+    with ThreadPoolExecutor(4) as pool:
+        paths = list(pool.map(lambda _: cached_path("test-set", "big.txt"), range(4)))
+    assert all(path.read_bytes() == data for path in paths) and not list(paths[0].parent.glob("*.partial*"))
 
 
 def test_a_changed_or_cut_download_is_refused_and_nothing_is_kept(served, tmp_path):
@@ -258,3 +271,41 @@ def test_a_killed_evaluation_resumes_where_it_stopped_without_sampling_again(tin
     assert main([*argv, "--out", str(tmp_path / "whole")]) == 0
     scores = [(tmp_path / folder / "scores.csv").read_text() for folder in ("resumed", "whole")]
     assert scores[0] == scores[1] and len(scores[0].splitlines()) == 145
+
+
+def test_an_evaluation_of_other_weights_or_prompts_at_the_same_path_starts_over(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    """The records were keyed by the weights' path: a model re-saved at the same path (a run exporting more) or an edited
+    prompt file found every prompt "already scored" and printed the old table. What they hold is in the fingerprint."""
+    import shutil
+
+    from branchdiff.evaluation import evaluate
+    from branchdiff.models.tiny import TinyAdapter
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model)
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("one red circle on the left\ntwo blue squares at the top\n")
+    sampled = []
+    sample_ode = evaluate.sample_ode
+    monkeypatch.setattr(evaluate, "sample_ode", lambda adapter, texts, *a, **k: sampled.extend(texts) or sample_ode(adapter, texts, *a, **k))
+    argv = ["eval", "--model", str(model), "--prompts", str(prompts), "--images-per-prompt", "1", "--steps", "2", "--out", str(tmp_path / "out")]
+    assert main(argv) == 0 and len(sampled) == 2
+    assert main(argv) == 0 and len(sampled) == 2  # the same: nothing sampled again
+    first = (tmp_path / "out" / "scores.csv").read_text()
+    TinyAdapter.random(seed=7).save_pretrained(model)  # other weights at the same path
+    assert main(argv) == 0 and len(sampled) == 4
+    assert "holds an evaluation of other settings, weights or prompts; its scores are replaced" in capsys.readouterr().err
+    assert (tmp_path / "out" / "scores.csv").read_text() != first
+    prompts.write_text("one green triangle at the bottom\ntwo blue squares at the top\n")
+    assert main(argv) == 0 and len(sampled) == 6
+
+
+def test_a_record_cut_off_by_a_kill_costs_only_its_own_prompt(tmp_path):
+    from branchdiff.evaluation.records import ScoreRecords
+
+    records = ScoreRecords(tmp_path, 0)
+    records.append({0: {"s": [0.5]}})
+    with records.path.open("a") as handle:
+        handle.write('{"prompt": 1, "scores": {"s": [0.')  # the kill
+    records.append({2: {"s": [0.25]}})
+    assert records.done(1, ["s"]) == {0: {"s": [0.5]}, 2: {"s": [0.25]}}

@@ -91,6 +91,32 @@ def test_the_detector_scores_and_labels_as_transformers_own_post_processing_on_a
     assert sorted(((s["score"], s["label_id"]) for s in theirs), reverse=True) == mine
 
 
+def test_a_non_square_image_is_resized_as_mmdetection_does_and_padded_not_stretched(geneval_parts):
+    """768 × 512: mmdetection's test pipeline resizes to 1200 × 800 (the shortest side to 800, the longest within 1333) and pads
+    to 1216 × 800 with zeros after normalising; transformers' size_divisor stretched it to 1216 × 800 instead."""
+    import torch
+    from PIL import Image
+
+    from branchdiff.rewards.geneval import Mask2FormerDetector
+
+    detector = Mask2FormerDetector(str(geneval_parts / "detector"))
+    image = Image.fromarray((np.random.default_rng(0).random((512, 768, 3)) * 255).astype("uint8"))
+    pixels, mask, resized = detector.network_input(image)
+    assert resized == (800, 1200) and pixels.shape == (1, 3, 800, 1216) and mask.shape == (1, 800, 1216)
+    assert int(mask.sum()) == 800 * 1200 and bool((mask[:, :, 1200:] == 0).all()) and bool((pixels[..., 1200:] == 0).all())
+    unpadded = detector.processor(images=image, return_tensors="pt")["pixel_values"]
+    assert torch.equal(pixels[..., :1200], unpadded)
+    boxes, masks = detector(image)
+    assert all(len(rows) == len(ms) for rows, ms in zip(boxes, masks)) and all(m.shape == (512, 768) for ms in masks for m in ms)
+
+
+def test_float32_scores_meet_the_thresholds_as_genevals_float32_comparison_does():
+    """mmdetection's scores are float32 and GenEval compares them in float32: float32(0.3) is not above 0.3 there. Cast to
+    float64 it is (0.30000001192...), and such a detection was kept."""
+    rows = np.array([[0, 0, 10, 10, 0.3], [0, 0, 10, 10, 0.9], [0, 0, 10, 10, 0.95]], dtype=np.float32)
+    assert [len(keep_detections([rows], None, ["cat"], tag).get("cat", [])) for tag in ("colors", "counting")] == [2, 1]
+
+
 def test_a_masks_box_is_its_extent_with_the_end_pixel_past_it():
     import torch
 

@@ -361,7 +361,7 @@ def _started(argv: list[str]) -> tuple[subprocess.Popen, list[str]]:
     return process, lines
 
 
-@pytest.mark.parametrize("kind", ["judge", "judge-overlapped", "judge-replicas"])
+@pytest.mark.parametrize("kind", ["judge", "judge-overlapped", "judge-replicas", "eval"])
 def test_a_second_ctrl_c_ends_the_process_at_once_while_the_judge_never_answers(judge_url, tiny_model_dir, tmp_path, kind):
     """Ctrl-C while the judge's requests hang: the first asks to stop after the iteration, the second ends the process within
     `ABORT_BOUND` seconds (it raised a KeyboardInterrupt, and the interpreter's teardown then garbage-collected the model and
@@ -373,13 +373,18 @@ def test_a_second_ctrl_c_ends_the_process_at_once_while_the_judge_never_answers(
     extra = ["reward_overlap=true"] if kind == "judge-overlapped" else []
     handlers = [StandIn, *(handler for _, handler, _ in servers)]
     preflights = len(handlers)  # the judge asks every replica one question before the model loads
-    process, stderr = _started(_train(tiny_model_dir, tmp_path / "run", reward, *extra))
+    argv = (["eval", "--model", str(tiny_model_dir), "--prompts", "tiny:held_out", "--rewards", f"[{reward}]", "--images-per-prompt", "1",
+             "--steps", "2", "--out", str(tmp_path / "out")] if kind == "eval" else _train(tiny_model_dir, tmp_path / "run", reward, *extra))
+    process, stderr = _started(argv)
     try:
         took = _second_ctrl_c_ends(process, lambda: sum(len(h.requests) for h in handlers) > preflights, stderr)
         assert took <= ABORT_BOUND, f"{took:.1f} s"
         said = "".join(stderr)
-        assert "Ctrl-C again to abort now" in said and said.rstrip().endswith("branchdiff: aborted by a second Ctrl-C; checkpoints already "
-                                                                                 "saved are intact (continue from one with --resume latest)")
+        if kind == "eval":  # the first stops the command (and the process, at once), the second any clean-up still under way
+            assert said.rstrip().splitlines()[-1] in ("branchdiff: interrupted by Ctrl-C", "branchdiff: aborted by a second Ctrl-C"), said[-2000:]
+        else:
+            assert "Ctrl-C again to abort now" in said and said.rstrip().endswith("branchdiff: aborted by a second Ctrl-C; checkpoints "
+                                                                                     "already saved are intact (continue from one with --resume latest)")
         assert "Traceback" not in said and "Exception ignored" not in said
         run = tmp_path / "run"
         assert not list(run.rglob("*.tmp*")) and not list((run / "checkpoints").glob("iter-*") if (run / "checkpoints").exists() else [])

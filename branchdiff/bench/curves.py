@@ -326,19 +326,21 @@ def merge_results(paths: list[Path], out_dir: Path, json_path: Path | None, refe
         if (result["minutes"], result["grid_minutes"], result["clock"]) != (first["minutes"], first["grid_minutes"], first["clock"]):
             raise UserError(f"{path}: another budget, grid or clock than {paths[0]}; merge runs of the same --minutes, --points and --clock")
     runs: dict[str, list[dict]] = {}
-    seen: dict[tuple[str, int | str], Path] = {}  # (variant, seed or the run's own numbers): the file that holds it
+    seen: dict[tuple[str, str], Path] = {}  # (variant, a seed's number or a run's own numbers): the file that holds it
     for path, result in zip(paths, results):
         seed_ids = result.get("seed_ids")
         for name, v in result["variants"].items():
             for index, strict in enumerate(v["strict"]):
                 iterations = v["iterations"][index]
-                # a seed is known by its number where the file records it; in older files, by its run's own numbers
-                key = seed_ids[index] if seed_ids else json.dumps([strict, iterations, v["eval_minutes"]["wall"][index]])
-                if (name, key) in seen:
-                    which = f"seed {key}" if seed_ids else "a run"
-                    raise UserError(f"bench curves --merge: {which} of variant {name} is in both {seen[name, key]} and {path}; merge files of "
-                                    "different seeds (each run's --first-seed), each seed once")
-                seen[name, key] = path
+                # a seed is known by its number where the file records it, and always by its run's own numbers (an older
+                # file holds no seed numbers: the same run there and in a newer file is caught by its numbers)
+                keys = [json.dumps([strict, iterations, v["eval_minutes"]["wall"][index]]), *([f"seed {seed_ids[index]}"] if seed_ids else [])]
+                for key in keys:
+                    if (name, key) in seen:
+                        which = key if key.startswith("seed ") else "a run"
+                        raise UserError(f"bench curves --merge: {which} of variant {name} is in both {seen[name, key]} and {path}; merge files "
+                                        "of different seeds (each run's --first-seed), each seed once")
+                    seen[name, key] = path
                 runs.setdefault(name, []).append({
                     "strict": strict, "iterations": iterations, "eval_minutes": {c: v["eval_minutes"][c][index] for c in CLOCKS},
                     "seconds": {c: v["seconds_per_iteration"][c] * iterations for c in CLOCKS}})  # the file's mean rate: its total kept

@@ -5,6 +5,6 @@ It may import every layer below it; nothing imports it. A command module parses 
 branchdiff/cli/parser.py builds the parser, branchdiff/cli/main.py runs the command and prints errors.
 """
 
-from branchdiff.cli.main import main
+from branchdiff.cli.main import main, run
 
-__all__ = ["main"]
+__all__ = ["main", "run"]

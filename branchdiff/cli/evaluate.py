@@ -7,10 +7,17 @@ import argparse
 import json
 from dataclasses import asdict
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from branchdiff.cli.common import check_device, check_model, load_model, reward_specs_from_text, sampling_settings
 from branchdiff.errors import UserError
 from branchdiff.runtime import storage
+
+if TYPE_CHECKING:
+    from branchdiff.evaluation.benchmarks import Benchmark, Protocol
+    from branchdiff.evaluation.evaluate import EvalResult
+    from branchdiff.rewards.combine import RewardSpec
+    from branchdiff.settings.evaluation import EvalSettings
 
 
 def cmd_eval(args: argparse.Namespace) -> None:
@@ -18,9 +25,13 @@ def cmd_eval(args: argparse.Namespace) -> None:
     gathers once; the main process prints and writes."""
     from accelerate import PartialState
 
+    from branchdiff.cli.parser import installed_version
     from branchdiff.data.prompts import load_prompt_set
-    from branchdiff.evaluation.evaluate import OdeSampling, ProcessShare, ScoreRecords, evaluate, format_summary, gather_results, resumable, write_outputs
+    from branchdiff.evaluation.evaluate import OdeSampling, ProcessShare, evaluate, format_summary, gather_results, write_outputs
     from branchdiff.evaluation.preflight import Guidance, check_output_file, check_output_folder, check_prompt_set, check_video_rewards, preflight_rewards
+    from branchdiff.evaluation.records import ScoreRecords, content_identity, prompts_digest, resumable
+    from branchdiff.models import adapter_class
+    from branchdiff.models.finetune import locate_weights
     from branchdiff.models.registry import FAMILIES
     from branchdiff.rewards.combine import parse_reward_specs
     from branchdiff.rewards.group import refuse_in_evaluation
@@ -56,8 +67,11 @@ def cmd_eval(args: argparse.Namespace) -> None:
     rewards = {label: build_component(spec, args.device) for label, spec in zip(labels, specs)}
     refuse_in_evaluation(rewards, "eval --rewards")
     sampling = OdeSampling(settings.images_per_prompt, settings.steps, settings.shift, settings.guidance, settings.seed, settings.solver)
-    records = resumable(out, {"settings": asdict(settings), "weights": args.weights, "benchmark": args.benchmark, "labels": labels,
-                              "rewards": [repr(spec) for spec in specs]}, state)
+    weights = locate_weights(args.weights, adapter_class(settings.family).denoiser_name)[1] if args.weights else None
+    records = resumable(out, {"settings": asdict(settings), "weights": args.weights, "weights_content": content_identity(weights),
+                              "model_content": content_identity(settings.model) if settings.model else None,
+                              "prompts": prompts_digest(prompt_set.prompts, prompt_set.metadata), "benchmark": args.benchmark,
+                              "labels": labels, "rewards": [repr(spec) for spec in specs], "version": installed_version()}, state)
     result = evaluate(load_model(settings, args.weights, state.device), prompt_set, rewards, sampling,
                       ProcessShare(state.process_index, state.num_processes), frames=dict(zip(labels, (spec.frames for spec in specs))),
                       out_dir=out, progress=state.is_local_main_process, records=ScoreRecords(records, state.process_index))
@@ -74,13 +88,13 @@ def cmd_eval(args: argparse.Namespace) -> None:
           f"{'weights ' + args.weights if args.weights else 'base model'}; images, scores.csv, grid.png in {out}/")
     print(format_summary(summary["summary"]))
     if chosen is not None:
-        summary["benchmark"] = _benchmark_table(args, chosen, protocol, result, settings, run)
+        summary["benchmark"] = _benchmark_table(args, chosen, protocol, result, settings)
         storage.write_text(out / "benchmark.json", json.dumps(summary["benchmark"], indent=1))
     if args.json:
         storage.write_text(args.json, json.dumps(summary, indent=1))
 
 
-def _benchmark(args: argparse.Namespace) -> tuple[object | None, object | None]:
+def _benchmark(args: argparse.Namespace) -> tuple[Benchmark | None, Protocol | None]:
     """With --benchmark: the benchmark, its protocol for the family (None: no paper's), and the settings it fixes set on
     `args` where the command line left them unset (the run's and the defaults come after them)."""
     if args.benchmark is None:
@@ -110,7 +124,7 @@ def _benchmark(args: argparse.Namespace) -> tuple[object | None, object | None]:
     return chosen, protocol
 
 
-def _benchmark_scorers(name: str, expected: tuple[str, ...], given: object) -> list:
+def _benchmark_scorers(name: str, expected: tuple[str, ...], given: object) -> list[RewardSpec]:
     """The rewards scoring a benchmark, one per score of its own (`--rewards` in its order: kwargs, a reward server, a stand-in),
     each read on its own: they take the benchmark's names, so two may name the same reward."""
     from branchdiff.cli.common import yaml_value
@@ -126,7 +140,7 @@ def _benchmark_scorers(name: str, expected: tuple[str, ...], given: object) -> l
     return specs
 
 
-def _benchmark_table(args: argparse.Namespace, chosen, protocol, result, settings, run) -> dict:
+def _benchmark_table(args: argparse.Namespace, chosen: Benchmark, protocol: Protocol | None, result: EvalResult, settings: EvalSettings) -> dict:
     """The benchmark's table printed in its papers' layout (with --compare, the paper's rows beside ours); returned for the JSON."""
     from branchdiff.evaluation.paper_tables import benchmark_row, format_table, paper_rows
 

@@ -46,27 +46,42 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if not debug:
         _quiet_third_party_logs()
+    from branchdiff.runtime.abort import ABORT_STATUS, abort_after_the_first_interrupt, abort_on_next_interrupt
     from branchdiff.runtime.hub import bound_hub_calls
 
+    restore_interrupts = abort_after_the_first_interrupt("aborted by a second Ctrl-C")  # train's loop takes over while it runs
     try:
         bound_hub_calls()  # model and reward weights named by a hub id, HPDv2 prompts (push: its --timeout)
         status = COMMANDS[args.command](args)
     except KeyboardInterrupt as interrupt:
         if debug:
             raise
-        from branchdiff.runtime.abort import ABORT_STATUS, abort_on_next_interrupt
-
         # a KeyboardInterrupt's message is empty unless the run gave one (`Interrupted`: where its checkpoint is)
         print(f"branchdiff: {str(interrupt) or 'interrupted by Ctrl-C'}", file=sys.stderr)
         abort_on_next_interrupt("aborted by a second Ctrl-C")  # the clean-up and the interpreter's exit are not waited for
         return ABORT_STATUS
     except Exception as error:
+        restore_interrupts()
         line = None if debug else _error_line(error, args.command)
         if line is None:
             raise
         print(f"branchdiff: error: {line}", file=sys.stderr)
         return 2
+    restore_interrupts()
     return status or 0
+
+
+def run() -> None:
+    """The `branchdiff` command and `python -m branchdiff.cli`: `main` with the process's arguments, then its exit. A command
+    stopped by Ctrl-C leaves at once (`abort.abort_now`'s exit, without the interpreter's teardown: its final garbage
+    collection of a loaded model took seconds to a minute, in which a second Ctrl-C was the default's), its line already
+    printed and everything it published whole."""
+    from branchdiff.runtime.abort import ABORT_STATUS, exit_now
+
+    status = main()
+    if status == ABORT_STATUS:
+        exit_now(status)
+    sys.exit(status)
 
 
 def _error_line(error: Exception, command: str) -> str | None:

@@ -130,7 +130,8 @@ def build_parser() -> argparse.ArgumentParser:
                                      "the reward of its x̂0 there (default 0: off)")
             search.add_argument("--from-trace", type=Path, default=None, help="regrow the best images of a search.json from their noise paths")
         else:
-            sub.add_argument("--prompts", default=None, help="tiny:held_out, hpdv2[:style], or a .txt / .jsonl / .csv file (default: the run's prompts.eval)")
+            sub.add_argument("--prompts", default=None, help="tiny:held_out, hpdv2[:style], geneval, drawbench, hpdv2-test, flow-grpo-ocr:test "
+                                                             "(docs/prompts.md), or a .txt / .jsonl / .csv / .json file (default: the run's prompts.eval)")
             sub.add_argument("--rewards", default=None,
                              help="comma-separated names, dotted paths or server URLs, or the config's form '[{name: hpsv2.1, kwargs: {checkpoint: PATH}}]' "
                                   "(default: the run's eval_rewards, else tiny-geneval)")

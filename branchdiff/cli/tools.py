@@ -145,7 +145,7 @@ def _variants(text: str | None) -> list[str] | None:
 
 def _merged_files(text: str) -> list[Path]:
     """`bench curves --merge a.json,b.json`: the files, at least one, none twice."""
-    paths = [Path(item) for item in text.split(",") if item.strip()]
+    paths = [Path(item.strip()) for item in text.split(",") if item.strip()]
     if not paths:
         raise UserError(f"bench curves --merge {text!r} names no file; give the JSON results to merge, comma-separated (e.g. --merge "
                         "seeds-0-2.json,seeds-3-4.json)")

@@ -2,8 +2,9 @@
 
 Each set is a few files of a public repository at a pinned commit. A file is fetched on first use, or ahead of time
 by `branchdiff data fetch NAME` (an offline cluster: fetch on a machine that is online and copy the folder), into
-`data_root()/NAME/` (`$BRANCHDIFF_DATA`, default `~/.cache/branchdiff`). A download goes to `FILE.partial` and takes
-the file's name only once its bytes match the pins: the git blob id the commit's tree names for it (SHA-1 over
+`data_root()/NAME/` (`$BRANCHDIFF_DATA`, default `~/.cache/branchdiff`). A download goes to a partial file of its own
+(`FILE.partial.PID.THREAD`: the processes of a launch fetch at once) and takes the file's name only once its bytes
+match the pins: the git blob id the commit's tree names for it (SHA-1 over
 "blob <size>\\0" and the bytes: every file has one) and its SHA-256 where recorded. So a partial or changed file is
 never read: a cached file that no longer matches is fetched again, and where it cannot be, one line names the URL,
 the file expected (its SHA-256 or blob id) and the folder to put it in. `$BRANCHDIFF_DATA_MIRROR` replaces
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import threading
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
@@ -50,7 +52,10 @@ class DataSet:
         return f"{base}/{self.repository}/{self.commit}/{file.path}"
 
     def file(self, name: str) -> RemoteFile:
-        return next(f for f in self.files if f.name == name)
+        found = [f for f in self.files if f.name == name]
+        if not found:
+            raise UserError(f"{self.repository}'s data set holds no file {name!r}; its files: {', '.join(f.name for f in self.files)}")
+        return found[0]
 
 
 GENEVAL_COMMIT = "af4902f24d3ca90ebbb446dd9891a59e0f82725f"
@@ -137,9 +142,10 @@ def cached_path(name: str, file_name: str, fetch: bool = True) -> Path:
 
 
 def _download(data_set_: DataSet, file: RemoteFile, path: Path, name: str, where: str) -> None:
-    """`file` fetched to `path` through `path`.partial, renamed only once it matches (module doc)."""
+    """`file` fetched to `path` through a partial file of this process and thread (processes of one launch fetch at once),
+    renamed only once it matches (module doc); one that another finished first is kept."""
     url = data_set_.url(file)
-    partial = path.with_name(path.name + ".partial")
+    partial = path.with_name(f"{path.name}.partial.{os.getpid()}.{threading.get_ident()}")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         with urllib.request.urlopen(url, timeout=FETCH_TIMEOUT) as response, partial.open("wb") as out:  # noqa: S310 (a pinned https URL)
@@ -149,10 +155,11 @@ def _download(data_set_: DataSet, file: RemoteFile, path: Path, name: str, where
         partial.unlink(missing_ok=True)
         why = error.reason if isinstance(error, urllib.error.URLError) and not isinstance(error, urllib.error.HTTPError) else error
         raise UserError(f"data set {name}: {url} could not be fetched ({one_line(why, 120)}); {where}") from None
-    if not matches(file, partial.read_bytes()):
-        blob, sha256 = digests(partial.read_bytes())
-        size = partial.stat().st_size
+    data = partial.read_bytes()
+    if not matches(file, data):
+        blob, sha256 = digests(data)
         partial.unlink()
+        size = len(data)
         raise UserError(f"data set {name}: {url} gave {size:,} bytes that do not match the pinned file (got SHA-256 {sha256}, git blob {blob}; "
                         f"a cut download or a changed file); nothing was kept; run again, or {where}")
     os.replace(partial, path)

@@ -79,7 +79,9 @@ def _hpdv2_style(style: str) -> list[str]:
                 f"HPDv2 prompts {path} not found and not fetched from the hub ({type(error).__name__}); download "
                 f"benchmark/{style}.json of the dataset {HPDV2_REPO} into {path.parent} (or set $BRANCHDIFF_DATA)") from None
         path.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(fetched, path)
+        partial = path.with_name(f"{path.name}.partial.{os.getpid()}")  # whole or not at all: a killed copy is never read
+        shutil.copyfile(fetched, partial)
+        os.replace(partial, path)
     prompts = json.loads(path.read_text())
     if not isinstance(prompts, list) or not all(isinstance(p, str) for p in prompts):
         raise ValueError(f"{path} is not a JSON list of prompts")

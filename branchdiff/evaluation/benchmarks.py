@@ -74,7 +74,7 @@ def _nft(images_per_prompt: Setting) -> Protocol:
         Setting(512, f"{NFT} scripts/evaluation.py:353-367 (resolution)"),
         images_per_prompt,
         Setting("none set: torch's default generator", f"{NFT} scripts/evaluation.py:242-249"),
-        Setting("training", f"{NFT} scripts/train_nft_sd3.py:273-280 (deterministic first-order flow ODE)"))
+        Setting("release", f"{NFT} scripts/evaluation.py:130, 242-249 (StableDiffusion3Pipeline's own call and scheduler)"))
 
 
 PER_LINE_ONE = Setting(1, f"{FLOW_GRPO} scripts/train_sd3.py:59-69, 529-535 (one image per line of the test file)")

@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import csv
 import json
-import os
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,13 +29,13 @@ from branchdiff.core.rollout import NoiseAddress, SamplerSettings, grow
 from branchdiff.core.tree import TreeSpec, build_tree
 from branchdiff.data.prompts import PromptSet
 from branchdiff.data.sources import source_tensors
+from branchdiff.evaluation.records import ScoreRecords
 from branchdiff.models.base import ModelAdapter, encode_for, select_embeds
 from branchdiff.report.figures import save_grid
 from branchdiff.report.video import frame_strip, write_mp4
 from branchdiff.rewards.base import to_uint8
 from branchdiff.rewards.frames import FrameAggregation
 from branchdiff.rewards.multi import extra_keys, score_component
-from branchdiff.runtime import storage
 from branchdiff.settings.evaluation import EVAL_RUN_SEED, SOLVERS
 
 
@@ -182,6 +180,8 @@ def evaluate(
     images_per_prompt = sampling.images_per_prompt
     names = score_names(rewards)
     mine = list(range(share.process_index, len(prompt_set.prompts), share.num_processes))
+    if records is not None and share.lockstep:  # a process's share of what is left would differ: forwards out of step
+        raise ValueError("an evaluation in lockstep (a sharded denoiser) cannot resume from score records; evaluate without them")
     done = records.done(images_per_prompt, names) if records is not None else {}
     todo = [p for p in mine if p not in done]
     share_size = -(-len(prompt_set.prompts) // share.num_processes) if share.lockstep else len(mine)
@@ -213,56 +213,6 @@ def evaluate(
     per_prompt = [done.get(p) or made[p] for p in mine]
     scores = {name: torch.tensor([value for prompt in per_prompt for value in prompt[name]], dtype=torch.float32) for name in names}
     return EvalResult(prompt_set, images_per_prompt, index, seeds, scores)
-
-
-def resumable(out_dir: Path, fingerprint: dict, state) -> Path:
-    """The folder of an evaluation's score records (`ScoreRecords`) under `out_dir`: kept when it holds an evaluation of the
-    same `fingerprint` (model, weights, settings, rewards: a killed evaluation continues), emptied for another (and said).
-    `state`: the processes (accelerate's PartialState); the main one decides, the others wait for it."""
-    folder = out_dir / "records"
-    written = folder / "evaluation.json"
-    text = json.dumps(fingerprint, sort_keys=True, default=str)
-    if state.is_main_process:
-        if written.is_file() and written.read_text() != text:
-            print(f"eval: {out_dir} holds an evaluation with other settings; its scores are replaced", file=sys.stderr)
-            for old in folder.glob("rank-*.jsonl"):
-                old.unlink()
-        elif written.is_file() and any(folder.glob("rank-*.jsonl")):
-            print(f"eval: continuing the evaluation in {out_dir} (prompts already scored are not sampled again)", file=sys.stderr)
-        folder.mkdir(parents=True, exist_ok=True)
-        storage.write_text(written, text)
-    state.wait_for_everyone()
-    return folder
-
-
-class ScoreRecords:
-    """An evaluation's scores as they are made, one JSONL file per process (`folder/rank-R.jsonl`, a line per prompt:
-    {"prompt": index, "scores": {name: [one value per image]}}), appended and flushed to disk after every chunk, so a
-    killed evaluation keeps every prompt it finished. A line cut off by the kill is ignored (its prompt is made again)."""
-
-    def __init__(self, folder: Path, rank: int) -> None:
-        self.folder, self.path = folder, folder / f"rank-{rank}.jsonl"
-
-    def done(self, images_per_prompt: int, names: list[str]) -> dict[int, dict[str, list[float]]]:
-        """The prompts every process recorded whole (every score, every image), by index."""
-        found: dict[int, dict[str, list[float]]] = {}
-        for path in sorted(self.folder.glob("rank-*.jsonl")):
-            for line in path.read_text().splitlines():
-                try:
-                    row = json.loads(line)
-                    prompt, scores = int(row["prompt"]), row["scores"]
-                except (ValueError, KeyError, TypeError):
-                    continue  # the last line of a killed process, cut off
-                if isinstance(scores, dict) and all(len(scores.get(name) or []) == images_per_prompt for name in names):
-                    found[prompt] = {name: [float(v) for v in scores[name]] for name in names}
-        return found
-
-    def append(self, prompts: dict[int, dict[str, list[float]]]) -> None:
-        self.folder.mkdir(parents=True, exist_ok=True)
-        with self.path.open("a") as handle:
-            handle.write("".join(json.dumps({"prompt": key, "scores": scores}) + "\n" for key, scores in prompts.items()))
-            handle.flush()
-            os.fsync(handle.fileno())
 
 
 def gather_results(result: EvalResult, accelerator) -> EvalResult:

@@ -75,8 +75,11 @@ def paper_rows(benchmark_name: str, paper: str) -> PaperRows:
 def benchmark_row(chosen: Benchmark, scores: dict[str, list[float]], tags: list[str], styles: list[str]) -> dict[str, dict[str, float]]:
     """Our table: {group: {column score: value}}; group "all", and each style for a benchmark by style. `scores`: per image,
     by score name; `tags`, `styles`: each image's prompt tag and style. GenEval's columns are its tags' means and their mean."""
-    if chosen.by_tag:
-        return {"all": summarise(tags, [value == 1.0 for value in scores[chosen.rewards[0]]])}
+    if chosen.by_tag:  # an image its scorer failed on (NaN) is left out, as the other benchmarks leave it out, and counted
+        verdicts = scores[chosen.rewards[0]]
+        kept = [(tag, value == 1.0) for tag, value in zip(tags, verdicts) if math.isfinite(value)]
+        table = summarise([tag for tag, _ in kept], [ok for _, ok in kept])
+        return {"all": {**table, **({"failed": float(len(verdicts) - len(kept))} if len(kept) < len(verdicts) else {})}}
     groups = {"all": [True] * len(styles)}
     if chosen.by_style:
         groups.update({style: [s == style for s in styles] for style in sorted(set(styles))})

@@ -10,7 +10,8 @@ recorded case: tests/test_geneval.py).
   `mask2former_swin-s-p4-w7-224_lsj_8x2_50e_coco`; GenEval's own stack, mmdet 2.x with mmcv-full, does not install from
   the package index without a compiler). Its weights are Meta's release converted by transformers, not mmdetection's own
   training run, so a detection's score can differ from GenEval's; everything around the weights is the evaluator's:
-  the image resized to a shortest side of 800 (longest at most 1333) and padded to a multiple of 32, mask logits
+  the image resized to a shortest side of 800 (longest at most 1333), normalised and padded with zeros to multiples of
+  32 (bottom and right), mask logits
   resized back to the image bilinearly, the 100 best (query, class) pairs by class probability, each scored by that
   probability times the mean mask probability inside its binary mask (logit > 0), its box the mask's extent
   [x_min, y_min, x_max + 1, y_max + 1].
@@ -25,6 +26,7 @@ Per image: 1.0 when correct, else 0.0; `score` adds `partial`, the share of the 
 from __future__ import annotations
 
 import torch
+from PIL import Image
 
 from branchdiff.rewards.base import to_uint8
 from branchdiff.rewards.geneval_rules import COLORS, Detection, judge, keep_detections
@@ -47,21 +49,32 @@ class Mask2FormerDetector:
         origin = f"https://huggingface.co/{DETECTOR}"
         self.model = load_pretrained(Mask2FormerForUniversalSegmentation.from_pretrained, path, reward="geneval", what="detector",
                                      origin=origin).to(self.device).eval().requires_grad_(False)
-        sizes = {"size": {"shortest_edge": shortest_edge, "longest_edge": longest_edge}, "size_divisor": 32, "do_reduce_labels": False}
+        # resized only: transformers' size_divisor stretches to a multiple of 32, where mmdetection pads (`network_input`)
+        sizes = {"size": {"shortest_edge": shortest_edge, "longest_edge": longest_edge}, "size_divisor": 0, "do_reduce_labels": False}
         self.processor = load_pretrained(lambda source: Mask2FormerImageProcessor.from_pretrained(source, **sizes), path, reward="geneval",
                                          what="detector's image processor", origin=origin)
         self.num_classes = self.model.config.num_labels
 
+    def network_input(self, image: Image.Image) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int]]:
+        """The image resized (shortest side to `shortest_edge`, longest at most `longest_edge`) and normalised by the
+        processor, then padded with zeros at the bottom and right to multiples of 32 as mmdetection's Pad does after its
+        Normalize: (pixels (1, 3, H', W'), mask (1, H', W') of the real pixels, the resized (h, w))."""
+        pixels = self.processor(images=image, return_tensors="pt")["pixel_values"]  # (1, 3, h, w)
+        height, width = pixels.shape[-2:]
+        padded = (-(-height // 32) * 32, -(-width // 32) * 32)
+        pixels = torch.nn.functional.pad(pixels, (0, padded[1] - width, 0, padded[0] - height))
+        mask = torch.zeros(1, *padded, dtype=torch.long)
+        mask[:, :height, :width] = 1
+        return pixels.to(self.device), mask.to(self.device), (height, width)
+
     @torch.no_grad()
-    def __call__(self, image) -> tuple[list[torch.Tensor], list[list[torch.Tensor]]]:
+    def __call__(self, image: Image.Image) -> tuple[list[torch.Tensor], list[list[torch.Tensor]]]:
         """Boxes (N_c, 5) and masks (N_c of (H, W) bool) for each class c of a PIL image."""
-        inputs = self.processor(images=image, return_tensors="pt").to(self.device)
-        outputs = self.model(**inputs)
+        pixels, pixel_mask, resized = self.network_input(image)
+        outputs = self.model(pixel_values=pixels, pixel_mask=pixel_mask)
         height, width = image.size[1], image.size[0]
-        resized = inputs["pixel_values"].shape[-2:]  # the padded network input
-        scale_h, scale_w = inputs["pixel_mask"][0].sum(0).max().item(), inputs["pixel_mask"][0].sum(1).max().item()  # the unpadded size
-        logits = torch.nn.functional.interpolate(outputs.masks_queries_logits, size=resized, mode="bilinear", align_corners=False)
-        logits = logits[..., : int(scale_h), : int(scale_w)]
+        logits = torch.nn.functional.interpolate(outputs.masks_queries_logits, size=pixels.shape[-2:], mode="bilinear", align_corners=False)
+        logits = logits[..., : resized[0], : resized[1]]  # the padding cut off
         logits = torch.nn.functional.interpolate(logits, size=(height, width), mode="bilinear", align_corners=False)[0]  # (Q, H, W)
         probabilities = outputs.class_queries_logits[0].softmax(-1)[:, :-1]  # (Q, C) without "no object"
         scores, flat = probabilities.flatten().topk(min(MAX_PER_IMAGE, probabilities.numel()), sorted=False)
@@ -115,9 +128,7 @@ class ColourClassifier:
         return self.weights[classname]
 
     @torch.no_grad()
-    def __call__(self, image, classname: str, found: list[Detection]) -> list[str]:
-        from PIL import Image
-
+    def __call__(self, image: Image.Image, classname: str, found: list[Detection]) -> list[str]:
         crops = []
         for detection in found:
             crop = image
@@ -155,8 +166,6 @@ class GenEvalReward:
         self.colours = ColourClassifier(clip, clip_checkpoint, device)
 
     def score(self, images: torch.Tensor, prompts: list[str], metadata: list[dict]) -> dict[str, torch.Tensor]:
-        from PIL import Image
-
         correct, partial = [], []
         for pixels, row in zip(to_uint8(images).cpu(), metadata):
             if "include" not in row or "tag" not in row:

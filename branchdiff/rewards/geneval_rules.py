@@ -65,7 +65,7 @@ def keep_detections(boxes: Sequence[np.ndarray], masks: Sequence[Sequence[np.nda
     limit = counting_threshold if tag == "counting" else threshold
     kept = {}
     for index, classname in enumerate(classnames):
-        found = np.asarray(boxes[index], dtype=np.float64)
+        found = np.asarray(boxes[index])  # its own dtype: a detector's float32 scores compare in float32, as the evaluator's
         found = found.reshape(-1, found.shape[-1] if found.ndim == 2 else 5)  # columns past the fifth ride along (an id)
         order = np.argsort(found[:, 4])[::-1]
         order = order[found[order, 4] > limit][:max_objects].tolist()

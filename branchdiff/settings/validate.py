@@ -8,6 +8,7 @@ from __future__ import annotations
 import difflib
 from dataclasses import fields
 
+from branchdiff.core.advantage import is_median
 from branchdiff.errors import ConfigError
 from branchdiff.models.registry import FAMILIES, LORA_TARGET_SETS, STEP_KINDS, image_size
 from branchdiff.objectives.registry import OBJECTIVES, dataset_kind, decoupled, flow_only, section_of
@@ -165,11 +166,11 @@ def _validate_loss(config: TrainConfig, steps_family: str) -> None:
     if decoupled(loss) and not dataset_kind(loss) and own is not None and getattr(own, "timesteps", 0) > steps:  # a dataset objective draws
         # its noise levels on the 1000-step schedule, not the sampler's steps
         raise ConfigError(f"'{loss}.timesteps' = {own.timesteps} exceeds sampling.num_steps = {steps}; use {loss}.timesteps ≤ {steps}")
-    if config.advantage.scale == "mad" and (config.advantage.baseline not in ("median", "median-lower") or config.advantage.scope != "tree"):
+    if config.advantage.scale == "mad" and (not is_median(config.advantage.baseline) or config.advantage.scope != "tree"):
         raise ConfigError(f"'advantage.scale' = 'mad' divides each group's distances from its median by their median (MC-GRPO); it needs "
                           f"advantage.baseline=median and advantage.scope=tree (got {config.advantage.baseline} and {config.advantage.scope}): "
                           "set those, or advantage.scale=std")
-    if config.advantage.baseline in ("median", "median-lower") and loss not in MEDIAN_BASELINE:
+    if is_median(config.advantage.baseline) and loss not in MEDIAN_BASELINE:
         raise ConfigError(f"'advantage.baseline' = '{config.advantage.baseline}' applies to {', '.join(MEDIAN_BASELINE)}; train.loss={loss} ranks its samples "
                           "its own way: use advantage.baseline=mean")
     if loss == "dpo" and config.dpo.pairs == "siblings" and not config.tree.splits:
