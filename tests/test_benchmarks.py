@@ -309,3 +309,20 @@ def test_a_record_cut_off_by_a_kill_costs_only_its_own_prompt(tmp_path):
         handle.write('{"prompt": 1, "scores": {"s": [0.')  # the kill
     records.append({2: {"s": [0.25]}})
     assert records.done(1, ["s"]) == {0: {"s": [0.5]}, 2: {"s": [0.25]}}
+
+
+def test_a_runs_benchmark_table_lands_in_its_report_beside_the_papers_rows(served, tiny_model_dir, tmp_path, capsys):
+    """`eval --benchmark NAME --weights RUN` keeps the table in RUN/benchmarks/NAME.json and rewrites the run's report, whose
+    Benchmarks section sets our row (its values) beside the compared paper's."""
+    add, _ = served
+    add("flow-grpo-pickscore", FIXTURES["flow-grpo-pickscore"])
+    run = tmp_path / "run"
+    assert main(["train", "tiny-chain", f"model.path={tiny_model_dir}", f"output_dir={run}", "iterations=1", "prompts.per_iteration=1",
+                 "tree.roots=2", "sampling.num_steps=2", "final_eval=false", "logging.report_to=none", "model.compile=none"]) == 0
+    assert main(["eval", "--weights", str(run), "--benchmark", "pickscore", "--rewards", f"[{STAND_IN}]", "--steps", "2",
+                 "--compare", "flow-grpo", "--out", str(tmp_path / "out")]) == 0
+    capsys.readouterr()
+    kept = json.loads((run / "benchmarks" / "pickscore.json").read_text())
+    report = (run / "report.html").read_text()
+    section = report[report.index('<h2 id="benchmarks">'):]
+    assert f"{kept['table']['all']['pickscore']:.4g}" in section and "SD3.5-M + Flow-GRPO [paper]" in section and "23.31" in section

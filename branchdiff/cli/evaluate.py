@@ -90,6 +90,12 @@ def cmd_eval(args: argparse.Namespace) -> None:
     if chosen is not None:
         summary["benchmark"] = _benchmark_table(args, chosen, protocol, result, settings)
         storage.write_text(out / "benchmark.json", json.dumps(summary["benchmark"], indent=1))
+        if run is not None:  # the run's report sets the table beside the papers' (RUN/benchmarks/NAME.json)
+            from branchdiff.report.run_report import write_report
+
+            storage.write_text(run / "benchmarks" / f"{args.benchmark}.json", json.dumps(summary["benchmark"], indent=1))
+            if (run / "metrics.jsonl").is_file():
+                write_report(run)
     if args.json:
         storage.write_text(args.json, json.dumps(summary, indent=1))
 
@@ -159,5 +165,6 @@ def _benchmark_table(args: argparse.Namespace, chosen: Benchmark, protocol: Prot
                                           if getattr(protocol, key).value is not None and getattr(settings, key) != getattr(protocol, key).value]
     if differ:
         print("differs from the protocol: " + ", ".join(differ))
-    return {"benchmark": args.benchmark, "table": ours, "protocol": None if protocol is None else asdict(protocol),
+    return {"benchmark": args.benchmark, "about": chosen.about, "columns": [list(column) for column in chosen.columns], "label": label,
+            "table": ours, "protocol": None if protocol is None else asdict(protocol),
             "differs_from_protocol": differ, "compare": None if compare is None else {"paper": args.compare, **asdict(compare)}}

@@ -360,6 +360,31 @@ def _figures(grids: list[Grid], alt: str) -> str:
     return html
 
 
+def _benchmarks(run: Run) -> str:
+    """Each benchmark `branchdiff eval --benchmark NAME --weights RUN` scored this run on (RUN/benchmarks/NAME.json): our
+    row in the paper's layout, the compared paper's rows under it, and what the sampling changed from the paper's protocol."""
+    files = sorted((run.run_dir / "benchmarks").glob("*.json"))
+    if not files:
+        return missing("Benchmark tables (branchdiff eval --benchmark NAME --weights RUN writes RUN/benchmarks/NAME.json)")
+    html = ""
+    for path in files:
+        data = json.loads(path.read_text())
+        columns = data["columns"]
+        rows = [[data["label"] + ("" if group == "all" else f" ({group})"), *(fmt(values.get(score)) for score, _ in columns)]
+                for group, values in data["table"].items()]
+        compare = data.get("compare")
+        if compare:
+            rows += [[f"{model} [paper]", *(fmt(values.get(score)) for score, _ in columns)] for model, values in compare["rows"].items()]
+        html += f"<h3>{escape(data['benchmark'])}</h3><p>{escape(data.get('about', ''))}</p>"
+        html += table(["model", *(title for _, title in columns)], rows)
+        protocol = data.get("protocol")
+        said = [f"the protocol of {protocol['paper']}" if protocol else "no paper's protocol for this family: its own settings"]
+        said += [f"differs: {', '.join(data['differs_from_protocol'])}"] if data.get("differs_from_protocol") else []
+        said += [f"[paper]: {compare['source']}"] if compare else []
+        html += f"<p>{escape('; '.join(said))}.</p>"
+    return html
+
+
 def _samples(run: Run) -> str:
     held_out, training = sample_grids(run.run_dir)
     html = "<h3>Held-out prompts across iterations</h3>"
@@ -378,7 +403,7 @@ def _samples(run: Run) -> str:
 
 
 SECTIONS: list[tuple[str, str, Callable[[Run], str]]] = [
-    ("rewards", "Rewards", _rewards), ("heldout", "Held-out evaluation", _heldout),
+    ("rewards", "Rewards", _rewards), ("heldout", "Held-out evaluation", _heldout), ("benchmarks", "Benchmarks", _benchmarks),
     ("advantages", "Advantages by depth", _advantages), ("cost", "Cost", _cost), ("update", "Update", _update),
     ("explore", "Explore", _explore), ("samples", "Samples", _samples),
 ]
