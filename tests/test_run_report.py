@@ -36,7 +36,7 @@ EVAL_EVERY = 4  # held-out evaluation (and its grid) every 4 iterations: 10 grid
 SAMPLE_EVERY = 10  # training grids at 0, 10, 20, 30 and the last iteration
 DEPTHS = 4
 ATTRIBUTES = ("strict", "count", "color", "shape", "position")
-SECTIONS = ("rewards", "heldout", "advantages", "cost", "update", "explore", "samples")
+SECTIONS = ("rewards", "heldout", "benchmarks", "advantages", "cost", "update", "explore", "samples")
 HELD_OUT_PROMPTS = ["a red cube left of a blue sphere", "two green cones", 'a photo of a cat & a <dog> "inside"']
 CAPTIONED_TRAINING = (30, ITERATIONS - 1)  # training grids saved with their prompts; the others are older, uncaptioned grids
 FINAL_LABEL = "final evaluation (eval.json)"
@@ -246,7 +246,7 @@ def test_a_full_run_gives_one_self_contained_page_with_every_section(full_run, f
         assert src.startswith("data:image/png;base64,") and alt and kind in ("plot", "grid")
         assert decode(src).size[0] > 0
     plots = {section for section, kind, _, _ in page.images if kind == "plot"}
-    assert plots == set(SECTIONS) - {"samples"}
+    assert plots == set(SECTIONS) - {"samples", "benchmarks"}  # a table, where the run scored a benchmark
     alts = [alt for _, _, alt, _ in page.images]
     assert {"reward curves", "held-out evaluation", "advantage heatmaps by depth", "explore ranking agreement", "peak memory per phase"} <= set(alts)
     assert page.table("peak over the run (GiB)") == [["rollout", f"{max(r['memory_rollout_gb'] for r in rows):.3f}"], ["reward", "1.200"],

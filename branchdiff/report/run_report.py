@@ -365,7 +365,7 @@ def _benchmarks(run: Run) -> str:
     row in the paper's layout, the compared paper's rows under it, and what the sampling changed from the paper's protocol."""
     files = sorted((run.run_dir / "benchmarks").glob("*.json"))
     if not files:
-        return missing("Benchmark tables (branchdiff eval --benchmark NAME --weights RUN writes RUN/benchmarks/NAME.json)")
+        return "<p>No benchmark scored this run yet: branchdiff eval --benchmark NAME --weights RUN adds its table here.</p>"
     html = ""
     for path in files:
         data = json.loads(path.read_text())
