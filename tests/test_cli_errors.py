@@ -155,7 +155,7 @@ def test_resume_from_a_directory_that_is_not_a_checkpoint(capsys, run_dir, tiny_
 
 def test_eval_missing_prompt_file(capsys, tiny_model_dir):
     assert main(["eval", "--model", str(tiny_model_dir), "--prompts", "/nonexistent.txt", "--seeds", "1", "--steps", "1"]) == 2
-    assert error_line(capsys) == PREFIX + "prompt source '/nonexistent.txt' is neither tiny:train, tiny:held_out, tiny:all, tiny-video:train, tiny-video:held_out, tiny-video:all, hpdv2[:style], geneval, drawbench, hpdv2-test, flow-grpo-geneval:train, flow-grpo-geneval:test, flow-grpo-ocr:train, flow-grpo-ocr:test, flow-grpo-pickscore:train, flow-grpo-pickscore:test nor an existing file"
+    assert error_line(capsys) == PREFIX + "prompt source '/nonexistent.txt' is neither tiny:train, tiny:held_out, tiny:all, tiny-video:train, tiny-video:held_out, tiny-video:all, hpdv2[:style], geneval, drawbench, hpdv2-test, hpd-train, flow-grpo-geneval:train, flow-grpo-geneval:test, flow-grpo-ocr:train, flow-grpo-ocr:test, flow-grpo-pickscore:train, flow-grpo-pickscore:test nor an existing file"
 
 
 def test_eval_missing_model(capsys, tmp_path):

@@ -88,6 +88,9 @@ DATASETS: dict[str, DataSet] = {
                    "a64535eb9089a6064a4ebe5c9cd66a85b71164ca1dd637de5df68df81479947b", 200),),
         "MIT for the repository's copy; DrawBench itself is Imagen's (Saharia et al., 2022), published for research without a licence",
         "DrawBench's 200 prompts (Imagen), as a JSON list"),
+    "dancegrpo-hpd": DataSet("XueZeyue/DanceGRPO", "15cc71d53cc2e6e18a68ee607d5fb6ba9a99e344", (
+        RemoteFile("assets/prompts.txt", "b47234e475645222ca9a0bb7742ebf4d08123855"),),
+        "Apache-2.0 (DanceGRPO)", "the HPD training prompts DanceGRPO and BranchGRPO train FLUX.1 on (BranchGRPO ships the same file)"),
     "mixgrpo-hpdv2-test": DataSet("Tencent-Hunyuan/MixGRPO", "e5cdd6a427778d8c8b2e7a48ce16972141adbe7c", (
         RemoteFile("data/prompts_test.txt", "69323d42374806447d4768a257f376a7db683e07",
                    "6eb1c5561a58da305155ba00755822de4f8b0bc239175e20334e431e978f4a82", 400),),

@@ -9,8 +9,8 @@ A source is a named set or a file:
   (`benchmark/<style>.json`, a JSON list of prompts) when online and cached there;
 - the public sets branchdiff fetches and checks (branchdiff/data/datasets.py, docs/benchmarks.md): `geneval` (GenEval's 553
   prompts, each with its tag and objects), `drawbench` (200), `hpdv2-test` (the 400 HPDv2 test prompts of MixGRPO and
-  BranchGRPO), `flow-grpo-geneval:train|test`, `flow-grpo-ocr:train|test`, `flow-grpo-pickscore:train|test` (Flow-GRPO's
-  splits);
+  BranchGRPO), `hpd-train` (the HPD training prompts of DanceGRPO and BranchGRPO), `flow-grpo-geneval:train|test`,
+  `flow-grpo-ocr:train|test`, `flow-grpo-pickscore:train|test` (Flow-GRPO's splits);
 - a `.txt` file (one prompt a line), a `.jsonl` file (one object a line with a "prompt" field; the
   other fields are the prompt's metadata), or a `.csv` file (a "prompt" column; the other columns
   are metadata). An "image" field or column names the prompt's source images for instruction
@@ -48,7 +48,7 @@ TINY_SOURCES = {f"{name}:{split}": partial(_grammar_split, task, split)
                 for name, task in (("tiny", tiny_task), ("tiny-video", tiny_video_task)) for split in ("train", "held_out", "all")}
 FETCHED_SOURCES = {  # prompt source: (data set, file) of branchdiff/data/datasets.py
     "geneval": ("geneval", "evaluation_metadata.jsonl"), "drawbench": ("drawbench", "drawbench.json"),
-    "hpdv2-test": ("mixgrpo-hpdv2-test", "prompts_test.txt"),
+    "hpdv2-test": ("mixgrpo-hpdv2-test", "prompts_test.txt"), "hpd-train": ("dancegrpo-hpd", "prompts.txt"),
     **{f"flow-grpo-{task}:{split}": (f"flow-grpo-{task}", f"{split}{'_metadata.jsonl' if task == 'geneval' else '.txt'}")
        for task in ("geneval", "ocr", "pickscore") for split in ("train", "test")},
 }
