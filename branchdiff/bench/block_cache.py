@@ -14,6 +14,7 @@ leaves' — the difference paired by draw, with its 95 % t interval and p (a pai
 from __future__ import annotations
 
 import statistics
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
@@ -39,7 +40,7 @@ def paired_p(differences: list[float]) -> float:
 
 
 def bench_cache(json_path: Path | None, thresholds: list[float], draws: int = 5, first_draw: int = 0, repeats: int = 3,
-                task: str = "tiny-video", extra_overrides: list[str] = ()) -> dict:
+                task: str = "tiny-video", extra_overrides: Sequence[str] = ()) -> dict:
     """Rows per threshold (module doc); `draws` iterations' trees from `first_draw` on."""
     given = ",".join(f"{t:g}" for t in thresholds)
     if not thresholds or any(not 0 < t < 1 for t in thresholds):
