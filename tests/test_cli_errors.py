@@ -267,6 +267,13 @@ def benchmarks(monkeypatch) -> dict[str, list]:
                                                    "mix, explore_seeds, explore_tree); name one of them, or add it to --variants"),
     (["bench", "curves", "--variants", "mix,awm", "--reference", "chain"], "bench curves --reference chain: not one of the variants run (mix, "
                                                                            "awm); name one of them, or add it to --variants"),
+    # an iteration budget beside a time one, or a budget given to a merge (which runs nothing), was not ignored but is named
+    (["bench", "curves", "--iterations", "100", "--clock", "wall"], "bench curves --iterations 100 --clock wall: an iteration budget has no clock "
+     "(each run records both clocks' minutes anyway); leave --clock out, or give --minutes instead of --iterations"),
+    (["bench", "curves", "--minutes", "2", "--iterations", "100"], "bench curves: argument --iterations: not allowed with argument --minutes; "
+                                                                   "see branchdiff bench curves --help"),
+    (["bench", "curves", "--merge", "a.json", "--minutes", "3"], "bench curves --merge: --minutes sets the budget of a run, and --merge runs "
+                                                                 "nothing (the files keep their own budget); leave --minutes out"),
     (["bench", "cache", "--thresholds", ""], "bench cache --thresholds '' names no threshold; give one or more in (0, 1), e.g. --thresholds 0.1,0.3"),
     (["bench", "cache", "--json", "/sys/bench.json"], "--json /sys/bench.json: cannot write in /sys (Permission denied); pass --json a file in a "
                                                       "folder you can write to"),
@@ -316,6 +323,7 @@ def test_every_option_of_a_benchmark_reaches_it(benchmarks, tmp_path, capsys):
             ["bench", "explore", "--json", str(json_path), "a.b=1"],
             ["bench", "curves", "--minutes", "0.5", "--seeds", "2", "--out", str(out), "--variants", "chain,mix", "--reference", "mix",
              "--task", "tiny-video", "--points", "3", "--eval-images", "2", "--clock", "modelled", "--first-seed", "3", "a.b=1"],
+            ["bench", "curves", "--iterations", "120", "--seeds", "2", "--out", str(out), "--variants", "mix,guard", "--reference", "mix"],
             ["bench", "search", "--images", "4", "--seeds", "2", "--out", str(out), "--variants", "dts", "--task", "mixture", "--first-seed", "3"],
             ["bench", "search", "--sampler", "--temperature", "2", "--images", "4", "--seeds", "1", "--out", str(out), "--variants", "smc"],
             ["bench", "reward-server", "--json", str(json_path)],
@@ -325,7 +333,8 @@ def test_every_option_of_a_benchmark_reaches_it(benchmarks, tmp_path, capsys):
     assert benchmarks == {
         "tree": [((json_path, 2, ["a.b=1", "c.d=2"], ["chain", "tree"]), {})],
         "explore": [((json_path,), {"extra_overrides": ["a.b=1"]})],
-        "curves": [((0.5, 2, None, out, 3, ["chain", "mix"], 2, ["a.b=1"], "modelled", "mix", "tiny-video", 3), {})],
+        "curves": [((0.5, 2, None, out, 3, ["chain", "mix"], 2, ["a.b=1"], "modelled", "mix", "tiny-video", 3), {}),
+                   ((120, 2, None, out, 7, ["mix", "guard"], 4, [], "iterations", "mix", "tiny", 0), {})],
         "search": [((4, 2, None, out, ["dts"]), {"task": "mixture", "first_seed": 3})],
         "sampler": [((4, 1, None, out), {"samplers": ["smc"], "temperature": 2.0})],
         "reward-server": [((json_path,), {})],

@@ -1,10 +1,11 @@
-"""`branchdiff bench curves`: held-out strict accuracy against training wall time, per variant.
+"""`branchdiff bench curves`: held-out strict accuracy against training wall time or iterations, per variant.
 
-Every variant trains on the built-in task for the same wall-time budget, for each seed 0..S-1,
-in one process, interleaved (seed 0: every variant, seed 1: every variant, ...). The clock counts
-only training (rollout + rewards + update: `time.perf_counter` around `Trainer.run_iteration`);
-evaluation pauses it. At each time of a fixed grid, t_k = k/(n-1) · budget, k = 0..n-1, the
-model of the first iteration boundary at or after t_k is evaluated: held-out strict accuracy
+Every variant trains on the built-in task for the same budget, for each seed 0..S-1, in one process,
+interleaved (seed 0: every variant, seed 1: every variant, ...). The budget is time (`--minutes`, on
+a clock below) or iterations (`--iterations`). The clock counts only training (rollout + rewards +
+update: `time.perf_counter` around `Trainer.run_iteration`); evaluation pauses it. At each point of a
+fixed grid, t_k = k/(n-1) · budget, k = 0..n-1 (whole iterations, rounded, for an iteration budget),
+the model of the first iteration boundary at or after t_k is evaluated: held-out strict accuracy
 (`tiny-geneval.strict`) on `tiny:held_out` (36 prompts; with `--task tiny-video`, `tiny-video.strict`
 on `tiny-video:held_out`, 24 prompts, the same presets moved onto the video model), `images_per_prompt` ODE images each
 (default 4, half of `prompts.eval_seeds`' 8, to keep evaluation cheap: 144 images, a standard
@@ -28,6 +29,12 @@ policy diagnostic is measurement, not training) and no logging, checkpoints or f
 The explore presets run the emulated NVFP4 explorer, slower than the policy on CPU (docs/explore.md):
 their wall time here is their CPU cost, not a GPU's.
 
+Time or iterations: on a shared machine a time budget also ranks the machine's load (a variant's seeds run while the
+machine is slower make fewer iterations), and an iteration budget hides what an iteration costs. Each run therefore
+records, at every evaluation, both clocks' minutes and the iterations done, and each run's seconds per iteration; every
+comparison with the reference is also read on the other axis, at equal iterations for a time budget and at equal wall
+time for an iteration budget (`equal`, branchdiff/bench/equal_budget.py), and the plot shows both.
+
 Clocks (`--clock`): `wall` counts the measured training time; `modelled` (branchdiff/bench/clock.py)
 charges the explorer's network rows at their number format's cost on the GPU it targets (NVFP4 a
 quarter of a BF16 row), so that the explore variants, whose 4-bit explorer is emulated and slow on
@@ -37,9 +44,10 @@ chosen clock; both clocks' times of every evaluation are kept in the JSON.
 Ratios: `time_to_chain_final[v]` is the first time v's mean curve reaches the chain's final mean
 (linear between grid points; `bench.stats.first_time_reaching`) over the budget. The chain gets the
 same rule, so its own value is ≤ 1 (below 1 when its mean curve peaked before the end); null when
-never reached. `time_to_chain_final_other_clock` is the same ratio on the other clock, from the same
-runs (`time_to_reference_final_on`): the explore variants' mechanism on the modelled clock beside
-their CPU cost on the wall clock, in one run. Confidence (branchdiff/bench/stats.py): a 95% Student-t interval over seeds at every
+never reached (with an iteration budget: iterations to reach it over the budget). `time_to_chain_final_other_clock`
+is the same ratio on the other time clock (the wall's for an iteration budget), from the same runs
+(`time_to_reference_final_on`): the explore variants' mechanism on the modelled clock beside their CPU cost on the
+wall clock, in one run. Confidence (branchdiff/bench/stats.py): a 95% Student-t interval over seeds at every
 grid point, a bootstrap interval for every `time_to_chain_final`, and Welch's test of each variant's
 final accuracy against the chain's; the markdown says which differences are significant.
 Before the timed runs, each variant runs one untimed iteration (a discarded trainer), so that the
@@ -49,21 +57,21 @@ process's one-time costs (allocations, kernel choices) are charged to no variant
 from __future__ import annotations
 
 import datetime
-import json
 import math
 import os
 import statistics
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
 from branchdiff.bench.clock import modelled_seconds
+from branchdiff.bench.equal_budget import compare_all, format_comparisons
 from branchdiff.bench.stats import first_time_reaching, t_interval, time_ratio_interval, welch_p
 from branchdiff.bench.tables import write_json
 from branchdiff.data.prompts import load_prompt_set
-from branchdiff.errors import UserError
 from branchdiff.evaluation.evaluate import OdeSampling, evaluate, summarize
 from branchdiff.objectives.registry import dataset_kind
 from branchdiff.rewards.combine import parse_reward_specs
@@ -107,7 +115,8 @@ WARM_STARTS: dict[str, tuple[str, str, float]] = {  # name: (first variant, then
 }
 SAMPLING_VARIANTS = ("chain", "branch", "branch_pruned", "mix", "explore_seeds", "explore_tree")  # the default run: clipped GRPO on each sampler
 REFERENCE = "chain"
-CLOCKS = ("wall", "modelled")
+TIME_CLOCKS = ("wall", "modelled")
+CLOCKS = (*TIME_CLOCKS, "iterations")  # the budget's: two clocks of time, or the iterations done
 TASKS: dict[str, tuple[str, str, list[str]]] = {  # task: (held-out prompts, verifier, overrides moving a tiny preset onto the task)
     "tiny": ("tiny:held_out", "tiny-geneval", []),
     "tiny-video": ("tiny-video:held_out", "tiny-video", ["model.family=tiny-video", "prompts.train=tiny-video:train",
@@ -183,61 +192,68 @@ def time_to_reference_final_on(times: dict[str, list[float]], means: dict[str, l
     return {name: None if t is None else t / budget for name, t in reached.items()}
 
 
-def _train_and_evaluate(phases: list[tuple[TrainConfig, float]], grid_seconds: list[float], held_out_strict, base: float | None,
+def _train_and_evaluate(phases: list[tuple[TrainConfig, float]], grid: list[float], held_out_strict, base: float | None,
                         clock: str) -> dict:
-    """Train until the last grid time of `clock`; strict accuracy at each grid time (t_0: `base`,
-    evaluated here when None), with both clocks' training time at each evaluation. `phases`: each config with the
-    training time it runs until (a warm start: the first's weights carried into the next, whose own iterations
-    count from 0); a single config runs to the end."""
+    """Train until the last grid point of `clock` (seconds on a time clock, iterations on `iterations`); strict accuracy
+    at each grid point (point 0: `base`, evaluated here when None), with both time clocks' training minutes and the
+    iterations done at each evaluation. `phases`: each config with the spend on `clock` it runs until (a warm start: the
+    first's weights carried into the next, whose own iterations count from 0); a single config runs to the end."""
     trainer = Trainer(phases[0][0])
     strict, at = [held_out_strict(trainer) if base is None else base], {"wall": [0.0], "modelled": [0.0]}
-    spent, iteration, total = {"wall": 0.0, "modelled": 0.0}, 0, 0
+    at_iterations = [0]
+    spent, iteration = {"wall": 0.0, "modelled": 0.0, "iterations": 0}, 0
     for index, (config, until) in enumerate(phases):
         if index:  # the next phase starts from the weights the previous one trained
             previous, trainer = trainer, Trainer(config)
             trainer.adapter.denoiser.load_state_dict(previous.adapter.denoiser.state_dict())
             iteration = 0
         backend = config.explore.backend if config.explore.mode != "off" else None
-        while len(strict) < len(grid_seconds) and spent[clock] < until:
+        while len(strict) < len(grid) and spent[clock] < until:
             start = time.perf_counter()
             metrics = trainer.run_iteration(iteration).metrics
             spent["wall"] += time.perf_counter() - start
             spent["modelled"] += modelled_seconds(metrics, backend)
             iteration += 1
-            total += 1
-            if spent[clock] >= grid_seconds[len(strict)]:
+            spent["iterations"] += 1
+            if spent[clock] >= grid[len(strict)]:
                 value = held_out_strict(trainer)
-                while len(strict) < len(grid_seconds) and spent[clock] >= grid_seconds[len(strict)]:  # one iteration may pass several
+                while len(strict) < len(grid) and spent[clock] >= grid[len(strict)]:  # one iteration may pass several
                     strict.append(value)
+                    at_iterations.append(spent["iterations"])
                     for name in at:
                         at[name].append(spent[name] / 60)
-    return {"strict": strict, "eval_minutes": at, "iterations": total, "seconds": spent}
+    return {"strict": strict, "eval_minutes": at, "eval_iterations": at_iterations, "iterations": spent["iterations"],
+            "seconds": {name: spent[name] for name in TIME_CLOCKS}}
 
 
-def bench_curves(minutes: float, seeds: int, json_path: Path | None, out_dir: Path, points: int = 7,
-                 variants: list[str] | None = None, images_per_prompt: int = 4, extra_overrides: list[str] = (), clock: str = "wall",
+def bench_curves(budget: float, seeds: int, json_path: Path | None, out_dir: Path, points: int = 7,
+                 variants: list[str] | None = None, images_per_prompt: int = 4, extra_overrides: Sequence[str] = (), clock: str = "wall",
                  reference: str = REFERENCE, task: str = "tiny", first_seed: int = 0) -> dict:
-    """Held-out strict accuracy of each variant at `points` equally spaced training times up to
-    `minutes` (module doc), over seeds first_seed..first_seed+seeds-1 (a later first seed continues a
+    """Held-out strict accuracy of each variant at `points` equally spaced points of the budget up to
+    `budget` (minutes on a time clock, iterations on `iterations`; module doc), over seeds first_seed..first_seed+seeds-1 (a later first seed continues a
     run's seeds in another process: the runs of each seed depend on nothing else); writes out_dir/curves.png and curves.md, prints
     the table and ratios, returns (and writes to `json_path`) the result.
 
     variants: names of VARIANTS (None: the sampling variants; the objectives' are named); images_per_prompt: held-out images per prompt at each
     evaluation; extra_overrides: appended to every variant's overrides (tests: `prompts.per_iteration=1`);
-    clock: `wall` or `modelled`, the clock of the budget and the grid (module doc); reference: the variant
+    clock: `wall`, `modelled` or `iterations`, the clock of the budget and the grid (module doc); reference: the variant
     whose final mean the others' times are measured against (`time_to_<reference>_final`); task: the built-in
     task trained and evaluated, `tiny` (images) or `tiny-video` (clips: the same presets on the video model,
     its prompts and its verifier)."""
-    if minutes <= 0 or seeds < 1 or points < 2 or clock not in CLOCKS:
-        raise ValueError(f"bench curves needs minutes > 0, seeds ≥ 1, points ≥ 2 and a clock of {', '.join(CLOCKS)}; got {minutes}, "
+    if budget <= 0 or seeds < 1 or points < 2 or clock not in CLOCKS:
+        raise ValueError(f"bench curves needs a budget > 0, seeds ≥ 1, points ≥ 2 and a clock of {', '.join(CLOCKS)}; got {budget}, "
                          f"{seeds}, {points}, {clock!r}")
+    if clock == "iterations" and (budget != int(budget) or budget < points - 1):
+        raise ValueError(f"bench curves --iterations {budget:g} --points {points}: give a whole number of iterations, at least one per "
+                         f"evaluation after the first ({points - 1}), e.g. --iterations {max(points - 1, math.ceil(budget))}")
     names = list(SAMPLING_VARIANTS) if variants is None else variants
     specs = {name: variant_spec(name) for name in names}  # label: (variant, its extra overrides)
     if reference not in names and reference not in VARIANTS:
         raise ValueError(f"unknown reference {reference!r}; allowed: {', '.join(VARIANTS)}, or one of the variants given")
     if task not in TASKS:
         raise ValueError(f"unknown task {task!r}; allowed: {', '.join(TASKS)}")
-    grid = [minutes * k / (points - 1) for k in range(points)]
+    grid = _grid(budget, points, clock)  # in the budget's unit: minutes, or iterations
+    grid_spend = [t * 60 for t in grid] if clock in TIME_CLOCKS else grid  # the clock's own: seconds, or iterations
     source, verifier, task_overrides = TASKS[task]
     prompt_set = load_prompt_set(source)
     reward = {verifier: build_component(parse_reward_specs([verifier])[0], "cpu")}
@@ -265,7 +281,7 @@ def bench_curves(minutes: float, seeds: int, json_path: Path | None, out_dir: Pa
             variant, extra = specs[label]
             if variant in WARM_STARTS:
                 first, then, share = WARM_STARTS[variant]
-                return [(config(first, seed, [], label + first), share * grid[-1] * 60), (config(then, seed, extra, label), math.inf)]
+                return [(config(first, seed, [], label + first), share * grid_spend[-1]), (config(then, seed, extra, label), math.inf)]
             return [(config(variant, seed, extra, label), math.inf)]
 
         shapes = {}
@@ -281,12 +297,12 @@ def bench_curves(minutes: float, seeds: int, json_path: Path | None, out_dir: Pa
                 Trainer(loaded).run_iteration(0)
         for seed in range(first_seed, first_seed + seeds):
             for name in names:
-                run = _train_and_evaluate(phases(name, seed), [t * 60 for t in grid], held_out_strict, base, clock)
+                run = _train_and_evaluate(phases(name, seed), grid_spend, held_out_strict, base, clock)
                 base = run["strict"][0]  # the base model: the same for every variant and seed (module doc)
                 runs[name].append(run)
-                print(f"seed {seed} {name}: {run['iterations']} iterations in {run['seconds'][clock]:.0f} s ({clock}), strict "
+                print(f"seed {seed} {name}: {run['iterations']} iterations in {run['seconds']['wall']:.0f} s (wall), strict "
                       + " ".join(f"{v:.3f}" for v in run["strict"]), flush=True)
-    result = _result(minutes, seeds, grid, runs, images_per_prompt, next(iter(shapes.values()), None), clock, reference, source, score)
+    result = summarize_runs(budget, seeds, grid, runs, images_per_prompt, next(iter(shapes.values()), None), clock, reference, source, score)
     result["seed_ids"] = list(range(first_seed, first_seed + seeds))  # each run's seed, so that a merge can refuse one counted twice
     rows = [name for name in names if name not in shapes]
     if shapes and rows:  # beside the rollout variants, the dataset objectives' shape is their rows
@@ -295,17 +311,20 @@ def bench_curves(minutes: float, seeds: int, json_path: Path | None, out_dir: Pa
                                   f"{load_start:.1f} at the start and {os.getloadavg()[0]:.1f} at the end (other processes slow the clock)")
     print(format_table(result))
     print(format_ratios(result))
+    print(format_equal(result))
     out_dir.mkdir(parents=True, exist_ok=True)
     plot_curves(result, out_dir / "curves.png")
-    command = (f"branchdiff bench curves --minutes {minutes:g} --seeds {seeds} --clock {clock}" + (f" --first-seed {first_seed}" if first_seed else "")
+    budget_options = f"--iterations {budget:g}" if clock == "iterations" else f"--minutes {budget:g} --clock {clock}"
+    command = (f"branchdiff bench curves {budget_options} --seeds {seeds}" + (f" --first-seed {first_seed}" if first_seed else "")
                + f" --variants '{','.join(names)}'" + (f" --json {json_path}" if json_path else "")
                + (f" --reference {reference}" if reference != REFERENCE else "") + (f" --task {task}" if task != "tiny" else "")
                + f" --out {out_dir}")
     parameters = f"points={points}, images_per_prompt={images_per_prompt}, variants={names}, extra_overrides={list(extra_overrides)}"
     (out_dir / "curves.md").write_text(
-        f"# Held-out strict accuracy against training time ({clock} clock)\n\n`{command}` ({parameters})\n\n"
+        f"# Held-out strict accuracy against {axis_title(clock)}\n\n`{command}` ({parameters})\n\n"
         f"{datetime.datetime.now().isoformat(timespec='minutes')}, {result['notes']['machine']}\n\n"
         f"![curves](curves.png)\n\n{format_table(result, markdown=True)}\n\n{format_ratios(result)}\n\n{format_significance(result)}\n\n"
+        f"{format_equal(result)}\n\n"
         + "".join(f"- {key}: {note}\n" for key, note in result["notes"].items() if isinstance(note, str) and key != "machine"))
     if json_path:
         write_json(json_path, result)
@@ -313,125 +332,11 @@ def bench_curves(minutes: float, seeds: int, json_path: Path | None, out_dir: Pa
     return result
 
 
-def merge_results(paths: list[Path], out_dir: Path, json_path: Path | None, reference: str | None = None) -> dict:
-    """One result of several `bench curves` runs of the same grid and clock, each over its own seeds (a benchmark split
-    over the cores, `--first-seed`): every variant's seeds in the files' order, the intervals, ratios and tests
-    recomputed on all of them; written as `bench_curves` writes its own (curves.md, curves.png, `json_path`)."""
-    if len({path.resolve() for path in paths}) < len(paths):
-        twice = next(path for index, path in enumerate(paths) if path.resolve() in {p.resolve() for p in paths[:index]})
-        raise UserError(f"bench curves --merge: {twice} is named twice; its seeds would count twice (each file once)")
-    results = [read_result(path) for path in paths]
-    first = results[0]
-    for path, result in zip(paths, results):
-        if (result["minutes"], result["grid_minutes"], result["clock"]) != (first["minutes"], first["grid_minutes"], first["clock"]):
-            raise UserError(f"{path}: another budget, grid or clock than {paths[0]}; merge runs of the same --minutes, --points and --clock")
-    runs: dict[str, list[dict]] = {}
-    seen: dict[tuple[str, str], Path] = {}  # (variant, a seed's number or a run's own numbers): the file that holds it
-    for path, result in zip(paths, results):
-        seed_ids = result.get("seed_ids")
-        for name, v in result["variants"].items():
-            for index, strict in enumerate(v["strict"]):
-                iterations = v["iterations"][index]
-                # a seed is known by its number where the file records it, and always by its run's own numbers (an older
-                # file holds no seed numbers: the same run there and in a newer file is caught by its numbers)
-                keys = [json.dumps([strict, iterations, v["eval_minutes"]["wall"][index]]), *([f"seed {seed_ids[index]}"] if seed_ids else [])]
-                for key in keys:
-                    if (name, key) in seen:
-                        which = key if key.startswith("seed ") else "a run"
-                        raise UserError(f"bench curves --merge: {which} of variant {name} is in both {seen[name, key]} and {path}; merge files "
-                                        "of different seeds (each run's --first-seed), each seed once")
-                    seen[name, key] = path
-                runs.setdefault(name, []).append({
-                    "strict": strict, "iterations": iterations, "eval_minutes": {c: v["eval_minutes"][c][index] for c in CLOCKS},
-                    "seconds": {c: v["seconds_per_iteration"][c] * iterations for c in CLOCKS}})  # the file's mean rate: its total kept
-    seeds = min(len(r) for r in runs.values())
-    reference = reference or first["reference"]
-    if reference not in runs:
-        raise UserError(f"bench curves --merge --reference {reference}: no such variant in the files merged ({', '.join(runs)}); name one of them")
-    shape_note = first["notes"]["shape"]
-    merged = _result(first["minutes"], seeds, first["grid_minutes"], runs, 0, None, first["clock"], reference)
-    if all("seed_ids" in r for r in results) and all(set(r["variants"]) == set(runs) for r in results):
-        merged["seed_ids"] = [seed for r in results for seed in r["seed_ids"]]
-    merged["notes"] = {**first["notes"], **{k: v for k, v in merged["notes"].items() if k.startswith(("time_to_", "coarse_grid"))},
-                       "shape": shape_note, "merged": f"seeds of {', '.join(str(p) for p in paths)}, in that order",
-                       "machine": "; ".join(str(r["notes"].get("machine", "")) for r in results)}
-    out_dir.mkdir(parents=True, exist_ok=True)
-    plot_curves(merged, out_dir / "curves.png")
-    (out_dir / "curves.md").write_text(
-        f"# Held-out strict accuracy against training time ({merged['clock']} clock), merged\n\n`branchdiff bench curves --merge "
-        f"{','.join(str(p) for p in paths)} --reference '{reference}' --out {out_dir}`\n\n![curves](curves.png)\n\n"
-        f"{format_table(merged, markdown=True)}\n\n{format_ratios(merged)}\n\n{format_significance(merged)}\n\n"
-        + "".join(f"- {key}: {note}\n" for key, note in merged["notes"].items() if isinstance(note, str)))
-    if json_path:
-        write_json(json_path, merged)
-    print(format_table(merged))
-    print(format_ratios(merged))
-    print(format_significance(merged))
-    return merged
-
-
-def read_result(path: Path) -> dict:
-    """A `bench curves` JSON result, checked before anything is merged: one line naming the file and what is wrong with it
-    (missing, empty, not JSON, not a result, a variant without its per-seed scores or with numbers where lists belong)."""
-    if not path.is_file():
-        raise UserError(f"bench curves --merge: {path} " + ("is a folder" if path.is_dir() else "does not exist") + "; give the JSON files "
-                        "that bench curves --json wrote")
-    text = path.read_text(errors="replace")
-    if not text.strip():
-        raise UserError(f"bench curves --merge: {path} is empty; give the JSON file that bench curves --json wrote")
-    try:
-        result = json.loads(text)
-    except ValueError as error:
-        raise UserError(f"bench curves --merge: {path} is not JSON ({error}); a run cut short leaves no file: run its seeds again") from None
-    problem = _result_problem(result)
-    if problem:
-        raise UserError(f"bench curves --merge: {path} is not a bench curves result: {problem}")
-    return result
-
-
-def _numbers(value: object, length: int | None = None) -> bool:
-    """`value` is a list (of `length` items, where given) of finite numbers."""
-    return (isinstance(value, list) and (length is None or len(value) == length)
-            and all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in value))
-
-
-def _result_problem(result: object) -> str:
-    """What makes `result` unusable as a `bench curves` result ("" when it is one)."""
-    if not isinstance(result, dict):
-        return f"it holds a {type(result).__name__}, not an object"
-    missing = [key for key in ("minutes", "grid_minutes", "clock", "reference", "variants") if key not in result]
-    if missing:
-        return f"no {', '.join(repr(key) for key in missing)}"
-    grid = result["grid_minutes"]
-    if not _numbers(grid) or len(grid) < 2 or result["clock"] not in CLOCKS:
-        return "'grid_minutes' must be a list of two or more numbers and 'clock' one of " + ", ".join(CLOCKS)
-    variants = result["variants"]
-    if not isinstance(variants, dict) or not variants:
-        return "'variants' must map each variant's name to its runs, and it holds none"
-    for name, v in variants.items():
-        if not isinstance(v, dict):
-            return f"variant {name!r} is a {type(v).__name__}, not an object"
-        strict = v.get("strict")
-        if not isinstance(strict, list) or not strict or not all(_numbers(run, len(grid)) for run in strict):
-            return f"variant {name!r} has no per-seed scores ('strict': a list per seed of {len(grid)} numbers, one per grid point)"
-        seeds = len(strict)
-        if not _numbers(v.get("iterations"), seeds):
-            return f"variant {name!r}: 'iterations' must hold one number per seed ({seeds})"
-        minutes, rates = v.get("eval_minutes"), v.get("seconds_per_iteration")
-        if (not isinstance(minutes, dict) or not all(isinstance(minutes.get(c), list) and len(minutes[c]) == seeds
-                                                     and all(_numbers(run, len(grid)) for run in minutes[c]) for c in CLOCKS)):
-            return f"variant {name!r}: 'eval_minutes' must hold, for each clock ({', '.join(CLOCKS)}), a list per seed of {len(grid)} numbers"
-        if not isinstance(rates, dict) or not all(_numbers([rates.get(c)]) for c in CLOCKS):
-            return f"variant {name!r}: 'seconds_per_iteration' must hold a number for each clock ({', '.join(CLOCKS)})"
-    seed_ids = result.get("seed_ids")
-    if seed_ids is not None and (not isinstance(seed_ids, list) or len(set(map(str, seed_ids))) != len(seed_ids)
-                                 or any(len(v["strict"]) != len(seed_ids) for v in variants.values())):
-        return "'seed_ids' must list each variant's seeds once, as many as its runs"
-    return ""
-
-
-def _result(minutes: float, seeds: int, grid: list[float], runs: dict[str, list[dict]], images_per_prompt: int, shape: tuple[int, int] | None,
-            clock: str, reference: str = REFERENCE, source: str = "tiny:held_out", score: str = "tiny-geneval.strict") -> dict:
+def summarize_runs(budget: float, seeds: int, grid: list[float], runs: dict[str, list[dict]], images_per_prompt: int, shape: tuple[int, int] | None,
+            clock: str, reference: str = REFERENCE, source: str = "tiny:held_out", score: str = "tiny-geneval.strict", paired: bool = True) -> dict:
+    """The result of `runs` (per variant, each seed's run as `_train_and_evaluate` returns it) on `grid` (the budget's unit):
+    the curves and their intervals, the ratios and tests against the reference at equal budget, and the same comparison
+    on the other axis (`equal`: branchdiff/bench/equal_budget.py; `paired`: the variants' runs are the same seeds in order)."""
     variants = {}
     for name, seed_runs in runs.items():
         per_time = [list(v) for v in zip(*(r["strict"] for r in seed_runs))]  # (points,) lists of per-seed values
@@ -441,23 +346,28 @@ def _result(minutes: float, seeds: int, grid: list[float], runs: dict[str, list[
             "std": [statistics.stdev(v) if len(v) > 1 else 0.0 for v in per_time],
             "ci": [list(t_interval(v)) for v in per_time],  # 95% Student-t interval of the mean, per point
             "iterations": [r["iterations"] for r in seed_runs],
-            # training time on both clocks at each evaluation (the iteration boundary at or after the grid time)
-            "eval_minutes": {c: [r["eval_minutes"][c] for r in seed_runs] for c in CLOCKS},
-            "seconds_per_iteration": {c: sum(r["seconds"][c] for r in seed_runs) / sum(r["iterations"] for r in seed_runs) for c in CLOCKS},
+            # training time on both clocks and iterations at each evaluation (the iteration boundary at or after the grid point)
+            "eval_minutes": {c: [r["eval_minutes"][c] for r in seed_runs] for c in TIME_CLOCKS},
+            "eval_iterations": [r["eval_iterations"] for r in seed_runs],  # (seeds, points)
+            "seconds_per_iteration": {c: sum(r["seconds"][c] for r in seed_runs) / sum(r["iterations"] for r in seed_runs) for c in TIME_CLOCKS},
+            "run_seconds_per_iteration": {c: [r["seconds"][c] / r["iterations"] for r in seed_runs] for c in TIME_CLOCKS},  # (seeds,)
         }
     notes = {
         "evaluation": f"{score} mean on {source}, {images_per_prompt} ODE images per prompt, fixed evaluation noise",
         "shape": (f"{shape[0]} prompts per iteration × {shape[1]} trained samples per prompt in every variant" if shape
                   else "dataset objectives only: each trains prompts.per_iteration rows an iteration"),
-        "clock": f"{clock}: the budget and the grid; eval_minutes holds both clocks (branchdiff/bench/clock.py)",
+        "clock": (f"{clock}: the budget and the grid; eval_minutes holds both time clocks (branchdiff/bench/clock.py) and "
+                  "eval_iterations the iterations at each evaluation"),
         "time_0": "the base model (LoRA B = 0), evaluated once and shared by every variant and seed",
         "confidence": "[low, high]: the 95% Student-t interval of the mean over seeds; the plot's band is that interval",
     }
-    step = grid[1] * 60
-    slow = [name for name, v in variants.items() if v["seconds_per_iteration"][clock] > step]
-    if slow:
-        notes["coarse_grid"] = f"{', '.join(slow)}: an iteration takes longer than the grid step ({step:.1f} s), so grid values repeat"
+    if clock in TIME_CLOCKS:
+        step = grid[1] * 60
+        slow = [name for name, v in variants.items() if v["seconds_per_iteration"][clock] > step]
+        if slow:
+            notes["coarse_grid"] = f"{', '.join(slow)}: an iteration takes longer than the grid step ({step:.1f} s), so grid values repeat"
     ratios: dict = {}
+    equal: dict = {}
     if reference in variants:
         key = f"time_to_{reference}_final"
         ratios[key], notes[key] = time_to_reference_final(grid, {name: v["mean"] for name, v in variants.items()}, reference)
@@ -466,29 +376,74 @@ def _result(minutes: float, seeds: int, grid: list[float], runs: dict[str, list[
         enough = {name: len(reference_runs) > 1 and len(v["strict"]) > 1 for name, v in variants.items()}
         ratios[f"{key}_ci"] = {name: list(time_ratio_interval(reference_runs, v["strict"], grid)) if enough[name] else None
                                for name, v in variants.items()}
-        other = next(c for c in CLOCKS if c != clock)
+        other = _other_clock(clock)
         ratios[f"{key}_other_clock"] = time_to_reference_final_on(
             {name: [statistics.mean(t) for t in zip(*v["eval_minutes"][other])] for name, v in variants.items()},
             {name: v["mean"] for name, v in variants.items()}, reference)
         ratios[f"final_vs_{reference}_p"] = {name: welch_p([r[-1] for r in v["strict"]], [r[-1] for r in reference_runs]) if enough[name] else None
                                              for name, v in variants.items() if name != reference}
-    return {"minutes": minutes, "seeds": seeds, "clock": clock, "grid_minutes": grid, "reference": reference, "variants": variants,
-            "ratios": ratios, "notes": notes}
+        axis = "iterations" if clock in TIME_CLOCKS else "wall minutes"
+        equal = {"axis": axis, "comparisons": compare_all(variants, reference, _spend_on(axis), paired)}
+    return {"budget": budget, "unit": "iterations" if clock == "iterations" else "minutes", "seeds": seeds, "clock": clock, "grid": grid,
+            "reference": reference, "variants": variants, "ratios": ratios, "equal": equal, "notes": notes}
+
+
+def _grid(budget: float, points: int, clock: str) -> list[float]:
+    """The evaluation points, equally spaced from 0 to the budget: minutes on a time clock, whole iterations on `iterations`."""
+    if clock == "iterations":
+        return [round(budget * k / (points - 1)) for k in range(points)]
+    return [budget * k / (points - 1) for k in range(points)]
+
+
+def _other_clock(clock: str) -> str:
+    """The time clock a result's ratios are also read on: the modelled clock for a wall budget, else the wall clock."""
+    return "modelled" if clock == "wall" else "wall"
+
+
+def _spend_on(axis: str):
+    """A variant's spend per run at each evaluation on `axis` ("iterations" or "wall minutes"), (runs, points)."""
+    if axis == "iterations":
+        return lambda v: v["eval_iterations"]
+    return lambda v: v["eval_minutes"]["wall"]
+
+
+def axis_title(clock: str) -> str:
+    return "training iterations" if clock == "iterations" else f"training time ({clock} clock)"
 
 
 def format_table(result: dict, markdown: bool = False) -> str:
-    """Per variant: the mean over seeds [95% interval] at each grid time (the last is the final),
-    iterations, seconds per iteration on the run's clock."""
-    clock = result["clock"]
-    header = ["variant", "seeds", *(f"{t:.2f} min" for t in result["grid_minutes"]), "iterations", f"s/iter ({clock})"]
+    """Per variant: the mean over seeds [95% interval] at each grid point (the last is the final), iterations, and seconds
+    per iteration (on the budget's clock; the wall's for an iteration budget) pooled over the seeds, with the seeds' range."""
+    clock = "wall" if result["clock"] == "iterations" else result["clock"]
+    unit = "it." if result["unit"] == "iterations" else "min"
+    header = ["variant", "seeds", *(f"{t:.0f} {unit}" if unit == "it." else f"{t:.2f} {unit}" for t in result["grid"]), "iterations",
+              f"s/iter ({clock}; seeds' range)"]
     header[-3] += " (final)"
+
+    def rate(v: dict) -> str:
+        each = v["run_seconds_per_iteration"][clock]
+        return f"{v['seconds_per_iteration'][clock]:.2f}" + (f" ({min(each):.2f}–{max(each):.2f})" if len(each) > 1 else "")
+
     rows = [[name, str(len(v["strict"])),
              *(f"{m:.3f} [{low:.3f}, {high:.3f}]" if len(v["strict"]) > 1 else f"{m:.3f} [n/a]" for m, (low, high) in zip(v["mean"], v["ci"])),
-             f"{statistics.mean(v['iterations']):.0f}", f"{v['seconds_per_iteration'][clock]:.2f}"] for name, v in result["variants"].items()]
+             f"{statistics.mean(v['iterations']):.0f}", rate(v)] for name, v in result["variants"].items()]
     if markdown:
         return "\n".join("| " + " | ".join(row) + " |" for row in [header, ["---"] * len(header), *rows])
     widths = [max(len(row[i]) for row in [header, *rows]) + 2 for i in range(len(header))]
     return "\n".join(row[0].ljust(widths[0]) + "".join(c.rjust(w) for c, w in zip(row[1:], widths[1:])) for row in [header, *rows])
+
+
+def format_equal(result: dict) -> str:
+    """The comparisons on the other axis (`equal`): at equal iterations for a time budget, at equal wall time for an
+    iteration budget."""
+    equal = result.get("equal")
+    if not equal:
+        return ""
+    axis, reference = equal["axis"], result["reference"]
+    estimated = " (estimated: see the notes)" if "eval_iterations" in result["notes"] and axis == "iterations" else ""
+    return (f"At equal {axis}{estimated}: each variant against {reference} at the most {axis} every run of both reached, each run "
+            f"read linearly between its evaluations (branchdiff/bench/equal_budget.py):\n"
+            + format_comparisons(equal["comparisons"], reference, axis))
 
 
 def _interval(bounds: list[float] | None) -> str:
@@ -508,10 +463,11 @@ def format_ratios(result: dict) -> str:
     notes, intervals = result["notes"][key], result["ratios"][f"{key}_ci"]
     target = result["variants"][reference]["mean"][-1]
     cells = [f"{name} {notes[name] if value is None else f'{value:.2f}'} {_interval(intervals[name])}" for name, value in ratios.items()]
-    other = next(c for c in CLOCKS if c != result["clock"])
+    other = _other_clock(result["clock"])
     on_other = ", ".join(f"{name} {'never' if value is None else f'{value:.2f}'}"
                          for name, value in result["ratios"][f"{key}_other_clock"].items())
-    return (f"time to reach {reference}'s final mean ({target:.3f}) / budget [95% bootstrap interval]: " + ", ".join(cells)
+    spend = "iterations" if result["clock"] == "iterations" else "time"
+    return (f"{spend} to reach {reference}'s final mean ({target:.3f}) / budget [95% bootstrap interval]: " + ", ".join(cells)
             + f"\n\nthe same on the {other} clock (each variant's mean {other} time at each evaluation; over the {reference}'s at its end): {on_other}")
 
 
@@ -554,20 +510,31 @@ def _seed_counts(result: dict) -> str:
 
 
 def plot_curves(result: dict, path: Path) -> None:
-    """Mean held-out strict over seeds against training minutes, one line per variant, its 95% interval as a band."""
+    """Mean held-out strict over seeds, one line per variant: on the left against the budget's axis with its 95% interval
+    as a band; on the right against the other axis (iterations, or wall minutes for an iteration budget), each point at
+    the seeds' mean spend there."""
     from matplotlib.figure import Figure
 
-    figure = Figure(figsize=(7, 4.5))
-    axes = figure.add_subplot()
-    grid = result["grid_minutes"]
+    figure = Figure(figsize=(12, 4.5))
+    budget_axes, other_axes = figure.subplots(1, 2, sharey=True)
+    grid = result["grid"]
+    other = "wall minutes" if result["clock"] == "iterations" else "iterations"
+    spend_of = _spend_on(other)
     for name, v in result["variants"].items():
         style = {"color": "black", "linestyle": "--"} if name == result.get("reference", REFERENCE) else {}
-        line, = axes.plot(grid, v["mean"], marker="o", markersize=3, label=name, **style)
-        axes.fill_between(grid, [low for low, _ in v["ci"]], [high for _, high in v["ci"]], color=line.get_color(), alpha=0.12)
-    clock = {"wall": "training wall time", "modelled": "modelled GPU time (branchdiff/bench/clock.py)"}[result["clock"]]
-    axes.set_xlabel(f"{clock}, minutes; evaluation not counted")
-    axes.set_ylabel("held-out strict accuracy")
-    axes.set_title(f"{_seed_counts(result)}: mean and 95% interval")
-    axes.grid(alpha=0.3)
-    axes.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))
+        line, = budget_axes.plot(grid, v["mean"], marker="o", markersize=3, label=name, **style)
+        budget_axes.fill_between(grid, [low for low, _ in v["ci"]], [high for _, high in v["ci"]], color=line.get_color(), alpha=0.12)
+        spend = [statistics.mean(point) for point in zip(*spend_of(v))]
+        other_axes.plot(spend, v["mean"], marker="o", markersize=3, color=line.get_color(), **{k: x for k, x in style.items() if k != "color"})
+    label = {"wall": "training wall time, minutes", "modelled": "modelled GPU time (branchdiff/bench/clock.py), minutes",
+             "iterations": "training iterations"}[result["clock"]]
+    budget_axes.set_xlabel(f"{label}; evaluation not counted")
+    other_axes.set_xlabel("iterations, the seeds' mean at each evaluation" if other == "iterations"
+                          else "training wall time, minutes, the seeds' mean at each evaluation")
+    budget_axes.set_ylabel("held-out strict accuracy")
+    budget_axes.set_title(f"{_seed_counts(result)}: mean and 95% interval")
+    other_axes.set_title(f"the same runs against {other}")
+    for axes in (budget_axes, other_axes):
+        axes.grid(alpha=0.3)
+    other_axes.legend(*budget_axes.get_legend_handles_labels(), fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))
     figure.savefig(path, dpi=120, bbox_inches="tight")  # the image grows to hold the legend beside the axes

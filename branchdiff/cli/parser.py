@@ -243,7 +243,12 @@ def _bench_arguments(bench: argparse.ArgumentParser) -> None:
     tree.add_argument("--repeats", type=at_least(1), default=3, help="timed repeats of each variant (median reported)")
     tree.add_argument("--variants", default=None, help="comma-separated variants (default: all: chain, tree, tree_depth_pruned, "
                                                        "tree_width_pruned, mix, best)")
-    curves.add_argument("--minutes", type=positive, default=2.0, help="training wall time of each variant and seed")
+    budget = curves.add_mutually_exclusive_group()
+    budget.add_argument("--minutes", type=positive, default=None, help="the budget of each variant and seed in training minutes on --clock "
+                                                                       "(default 2)")
+    budget.add_argument("--iterations", type=at_least(1), default=None, help="the budget of each variant and seed in training iterations "
+                                                                             "instead of time (the comparison of objectives on a shared "
+                                                                             "machine: docs/curves.md)")
     for sub in (curves, search):
         sub.add_argument("--seeds", type=at_least(1), default=3, help="seeds of each variant")
         sub.add_argument("--out", type=Path, default=None, help="folder of the plot and the table (default: runs/bench-<name>/)")
@@ -262,9 +267,9 @@ def _bench_arguments(bench: argparse.ArgumentParser) -> None:
     for sub in (curves, search):
         sub.add_argument("--first-seed", type=at_least(0), default=0, help="the first seed (continue a benchmark's seeds in another process)")
     curves.add_argument("--eval-images", type=at_least(1), default=4, help="held-out images per prompt at each evaluation")
-    curves.add_argument("--clock", choices=["wall", "modelled"], default="wall",
-                        help="the clock of the budget: measured wall time, or modelled GPU time (low-precision explorer rows "
-                             "charged at their format's cost; branchdiff/bench/clock.py)")
+    curves.add_argument("--clock", choices=["wall", "modelled"], default=None,
+                        help="the clock of a --minutes budget: measured wall time (default), or modelled GPU time (low-precision "
+                             "explorer rows charged at their format's cost; branchdiff/bench/clock.py)")
     search.add_argument("--images", type=at_least(1), default=32, help="the largest budget, in images' worth of network rows per prompt")
     search.add_argument("--sampler", action="store_true", help="measure the searches as samplers of the reward-tilted target "
                                                                "(distance to p* on Gaussian-mixture flows) instead of the best reward on the tiny task")

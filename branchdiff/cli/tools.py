@@ -103,7 +103,12 @@ def cmd_bench(args: argparse.Namespace) -> None:
 
         bench_search(args.images, args.seeds, args.json, args.out, _variants(args.variants), task=args.task or "tiny", first_seed=args.first_seed)
     elif args.merge is not None:
-        from branchdiff.bench.curves import merge_results
+        given = next((option for option, value in (("--minutes", args.minutes), ("--iterations", args.iterations), ("--clock", args.clock))
+                      if value is not None), None)
+        if given:
+            raise UserError(f"bench curves --merge: {given} sets the budget of a run, and --merge runs nothing (the files keep their "
+                            f"own budget); leave {given} out")
+        from branchdiff.bench.curves_merge import merge_results
 
         merge_results(_merged_files(args.merge), args.out, args.json, args.reference)
     else:
@@ -113,8 +118,12 @@ def cmd_bench(args: argparse.Namespace) -> None:
         if args.reference is not None and args.reference not in (names or SAMPLING_VARIANTS):
             raise UserError(f"bench curves --reference {args.reference}: not one of the variants run ({', '.join(names or SAMPLING_VARIANTS)}); "
                             "name one of them, or add it to --variants")
-        bench_curves(args.minutes, args.seeds, args.json, args.out, args.points, names, args.eval_images, args.overrides,
-                     args.clock, args.reference or REFERENCE, args.task, args.first_seed)
+        if args.iterations is not None and args.clock is not None:
+            raise UserError(f"bench curves --iterations {args.iterations} --clock {args.clock}: an iteration budget has no clock (each run "
+                            "records both clocks' minutes anyway); leave --clock out, or give --minutes instead of --iterations")
+        budget, clock = (args.iterations, "iterations") if args.iterations is not None else (args.minutes or 2.0, args.clock or "wall")
+        bench_curves(budget, args.seeds, args.json, args.out, args.points, names, args.eval_images, args.overrides,
+                     clock, args.reference or REFERENCE, args.task, args.first_seed)
 
 
 def _check_bench_inputs(args: argparse.Namespace) -> None:
