@@ -39,6 +39,8 @@ class Registered:
 BUILT_IN: dict[str, Registered] = {
     "tiny-geneval": Registered("branchdiff.rewards.tiny_geneval:TinyGenEval"),
     "tiny-video": Registered("branchdiff.rewards.tiny_video:TinyVideoVerifier"),  # clips of the built-in video task
+    "tiny-partial": Registered("branchdiff.rewards.partial_proxy:PartialProxy"),  # some of a built-in verifier's terms: a hackable proxy
+    "learned-proxy": Registered("branchdiff.rewards.learned_proxy:LearnedProxy", required=("path",)),  # small networks fit to a verifier, or their ensemble
     "geneval": Registered("branchdiff.rewards.geneval:GenEvalReward",  # GenEval's verdict: a Mask2Former's detections, CLIP's colours, its rules
                           weights=(("detector", "facebook/mask2former-swin-small-coco-instance", "config.json"),)),
     "videoalign": Registered("branchdiff.rewards.videoalign:VideoAlignReward",  # videos: a Qwen2-VL reward model from a local folder (VQ, MQ, TA)

@@ -130,6 +130,12 @@ def detect_objects(image: np.ndarray) -> list[DetectedObject]:
 
 def score_image(image: np.ndarray, prompt: TinyPrompt) -> dict[str, float]:
     """Binary attributes, strict and partial scores of one image against its prompt."""
+    return scores_and_terms(image, prompt)[0]
+
+
+def scores_and_terms(image: np.ndarray, prompt: TinyPrompt) -> tuple[dict[str, float], dict[str, float]]:
+    """`score_image`'s scores, and the four partial-credit terms whose mean is `partial` (count: max(0, 1 − |n − c| / 3);
+    colour, shape, position: f_a; module doc), by attribute."""
     objects = detect_objects(image)
     n = len(objects)
     y0, y1, x0, x1 = region_bounds(prompt.position)
@@ -139,13 +145,13 @@ def score_image(image: np.ndarray, prompt: TinyPrompt) -> dict[str, float]:
         "position": [y0 <= o.centroid_yx[0] < y1 and x0 <= o.centroid_yx[1] < x1 for o in objects],
     }
     scores = {"count": float(n == prompt.count)}
-    fractions = []
+    terms = {"count": max(0.0, 1 - abs(n - prompt.count) / 3)}
     for name, hits in matches.items():
         scores[name] = float(n > 0 and all(hits))
-        fractions.append(min(sum(hits), prompt.count) / max(n, prompt.count))
+        terms[name] = min(sum(hits), prompt.count) / max(n, prompt.count)
     scores["strict"] = float(all(scores[a] for a in ATTRIBUTES))
-    scores["partial"] = float(np.mean([max(0.0, 1 - abs(n - prompt.count) / 3), *fractions]))
-    return scores
+    scores["partial"] = float(np.mean([terms[a] for a in ATTRIBUTES]))
+    return scores, terms
 
 
 class PartialCreditVerifier:

@@ -71,6 +71,12 @@ def clip_direction(centroids: list[tuple[int, np.ndarray]], frames: int, directi
 
 def score_clip(clip: np.ndarray, prompt: TinyClipPrompt) -> dict[str, float]:
     """Binary attributes, strict and partial scores of one clip (F, 3, H, W) in [0, 1] against its prompt."""
+    return scores_and_terms(clip, prompt)[0]
+
+
+def scores_and_terms(clip: np.ndarray, prompt: TinyClipPrompt) -> tuple[dict[str, float], dict[str, float]]:
+    """`score_clip`'s scores, and the four partial-credit terms whose mean is `partial` (count, colour, shape averaged
+    over frames; direction), by attribute."""
     frames = clip.shape[0]
     binary = {name: [] for name in ("count", "color", "shape")}
     partial = {name: [] for name in ("count", "color", "shape")}
@@ -88,8 +94,9 @@ def score_clip(clip: np.ndarray, prompt: TinyClipPrompt) -> dict[str, float]:
     scores = {name: float(sum(hits) > frames / 2) for name, hits in binary.items()}
     scores["direction"], direction_partial = clip_direction(centroids, frames, prompt.direction)
     scores["strict"] = float(all(scores[a] for a in ATTRIBUTES))
-    scores["partial"] = float(np.mean([np.mean(partial["count"]), np.mean(partial["color"]), np.mean(partial["shape"]), direction_partial]))
-    return scores
+    terms = {**{name: float(np.mean(values)) for name, values in partial.items()}, "direction": direction_partial}
+    scores["partial"] = float(np.mean([terms[a] for a in ATTRIBUTES]))
+    return scores, terms
 
 
 class TinyVideoVerifier(PartialCreditVerifier):
