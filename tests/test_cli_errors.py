@@ -173,7 +173,7 @@ def test_eval_missing_model(capsys, tmp_path):
         (["sample", "--seeds", "2"], "sample: the following arguments are required: --out; see branchdiff sample --help"),
         (["sample", "--prompt"], "sample: argument --prompt: expected one argument; see branchdiff sample --help"),
         (["bench", "trees"], "bench: argument which: invalid choice: 'trees' (choose from 'tree', 'explore', 'curves', 'search', 'reward-server', 'overlap', "
-         "'cache'); see branchdiff bench --help"),
+         "'cache', 'proxies', 'hacking'); see branchdiff bench --help"),
         (["sample", "--steps", "1000001", "--out", "x"], "sample: argument --steps: must be in [1, 1000], got 1000001; see branchdiff sample --help"),
         (["eval", "--bogus", "1"], "eval: unrecognized arguments: --bogus 1; see branchdiff eval --help"),
         (["train", "--resmue", "latest"], "train: unrecognized arguments: --resmue; see branchdiff train --help"),
@@ -217,7 +217,9 @@ def test_version_prints_the_installed_distributions_version(capsys, monkeypatch)
 BENCHMARKS = {"tree": ("branchdiff.bench.iteration", "bench_tree"), "explore": ("branchdiff.bench.iteration", "bench_explore"),
               "curves": ("branchdiff.bench.curves", "bench_curves"), "search": ("branchdiff.bench.search", "bench_search"),
               "sampler": ("branchdiff.bench.sampler", "bench_sampler"), "reward-server": ("branchdiff.bench.reward_server", "bench_reward_server"),
-              "overlap": ("branchdiff.bench.overlap", "bench_overlap"), "cache": ("branchdiff.bench.block_cache", "bench_cache")}
+              "overlap": ("branchdiff.bench.overlap", "bench_overlap"), "cache": ("branchdiff.bench.block_cache", "bench_cache"),
+              "proxies": ("branchdiff.bench.proxies", "build_proxies"), "hacking": ("branchdiff.bench.hacking", "bench_hacking"),
+              "hacking-merge": ("branchdiff.bench.hacking", "merge_hacking")}
 
 
 @pytest.fixture
@@ -236,11 +238,14 @@ def benchmarks(monkeypatch) -> dict[str, list]:
     (["bench", "explore", "--repeats", "2"], "bench explore: --repeats is an option of bench tree and bench cache, not of bench explore; see branchdiff bench tree --help"),
     (["bench", "search", "--minutes=1"], "bench search: --minutes is an option of bench curves, not of bench search; see branchdiff bench curves --help"),
     (["bench", "reward-server", "--json", "x.json", "--seeds", "2"],
-     "bench reward-server: --seeds is an option of bench curves and bench search, not of bench reward-server; see branchdiff bench curves --help"),
+     "bench reward-server: --seeds is an option of bench curves, bench search, bench proxies and bench hacking, not of bench reward-server; "
+     "see branchdiff bench curves --help"),
     (["bench", "tree", "--variants", "chain", "--task", "tiny-video"],
-     "bench tree: --task is an option of bench curves, bench search and bench cache, not of bench tree; see branchdiff bench curves --help"),
+     "bench tree: --task is an option of bench curves, bench search, bench cache, bench proxies and bench hacking, not of bench tree; see "
+     "branchdiff bench curves --help"),
     (["bench", "search", "--images", "2", "prompts.per_iteration=2"],
-     "bench search: key=value overrides (prompts.per_iteration=2) are taken by bench tree, bench explore, bench curves, bench overlap and bench cache, "
+     "bench search: key=value overrides (prompts.per_iteration=2) are taken by bench tree, bench explore, bench curves, bench overlap, bench cache "
+     "and bench hacking, "
      "not by bench search; "
      "see branchdiff bench tree --help"),
     (["bench", "search", "--temperature", "2"],
@@ -274,6 +279,17 @@ def benchmarks(monkeypatch) -> dict[str, list]:
                                                                    "see branchdiff bench curves --help"),
     (["bench", "curves", "--merge", "a.json", "--minutes", "3"], "bench curves --merge: --minutes sets the budget of a run, and --merge runs "
                                                                  "nothing (the files keep their own budget); leave --minutes out"),
+    (["bench", "hacking"], "bench hacking needs --reward, the proxy to train on: e.g. --reward '{name: tiny-partial, kwargs: {terms: [count, "
+                           "color]}}' or a learned proxy of branchdiff bench proxies (docs/hacking.md)"),
+    (["bench", "hacking", "--merge", "a.json", "--reward", "tiny-partial"], "bench hacking --merge: --reward names the proxy of a run, and "
+                                                                            "--merge runs nothing (the files keep theirs); leave --reward out"),
+    (["bench", "hacking", "--reward", "{name: tiny-partial, weight: x}"], "bench hacking --reward '{name: tiny-partial, weight: x}': 'reward' "
+     "entry {'name': 'tiny-partial', 'weight': 'x'}: weight must be a finite number; give a reward's name or a mapping, e.g. --reward "
+     "'{name: tiny-partial, kwargs: {terms: [count, color]}}'"),
+    (["bench", "hacking", "--reward", "tiny-partial", "--variants", "none,kl:train.kl_beta"], "mitigation 'kl:train.kl_beta': 'train.kl_beta' "
+                                                                                            "is not key=value; write name:key=value:key=value"),
+    (["bench", "proxies", "--sizes", "64,x"], "bench proxies --sizes '64,x': give comma-separated whole numbers of samples, each at least 2, "
+                                              "e.g. 64,256,1024"),
     (["bench", "cache", "--thresholds", ""], "bench cache --thresholds '' names no threshold; give one or more in (0, 1), e.g. --thresholds 0.1,0.3"),
     (["bench", "cache", "--json", "/sys/bench.json"], "--json /sys/bench.json: cannot write in /sys (Permission denied); pass --json a file in a "
                                                       "folder you can write to"),
@@ -327,7 +343,12 @@ def test_every_option_of_a_benchmark_reaches_it(benchmarks, tmp_path, capsys):
             ["bench", "search", "--images", "4", "--seeds", "2", "--out", str(out), "--variants", "dts", "--task", "mixture", "--first-seed", "3"],
             ["bench", "search", "--sampler", "--temperature", "2", "--images", "4", "--seeds", "1", "--out", str(out), "--variants", "smc"],
             ["bench", "reward-server", "--json", str(json_path)],
-            ["bench", "overlap", "--iterations", "2", "a.b=1", "--json", str(json_path)]]
+            ["bench", "overlap", "--iterations", "2", "a.b=1", "--json", str(json_path)],
+            ["bench", "proxies", "--task", "tiny-video", "--sizes", "8,16", "--seeds", "2", "--steps", "5", "--out", str(out)],
+            ["bench", "hacking", "--reward", "{name: tiny-partial, kwargs: {terms: [count]}}", "--iterations", "20", "--seeds", "2", "--points", "3",
+             "--variants", "none,kl:train.kl_beta=0.1", "--ensemble", "a,b", "--eval-images", "2", "--kl-chains", "3", "--best-of-n", "8",
+             "--task", "tiny-video", "--first-seed", "4", "--out", str(out), "a.b=1"],
+            ["bench", "hacking", "--merge", "x.json,y.json", "--out", str(out)]]
     for argv in runs:
         assert main(argv) == 0, capsys.readouterr().err
     assert benchmarks == {
@@ -338,7 +359,11 @@ def test_every_option_of_a_benchmark_reaches_it(benchmarks, tmp_path, capsys):
         "search": [((4, 2, None, out, ["dts"]), {"task": "mixture", "first_seed": 3})],
         "sampler": [((4, 1, None, out), {"samplers": ["smc"], "temperature": 2.0})],
         "reward-server": [((json_path,), {})],
-        "overlap": [((json_path, 2, ["a.b=1"]), {})]}
+        "overlap": [((json_path, 2, ["a.b=1"]), {})],
+        "proxies": [(("tiny-video", [8, 16], 2, out, None, 5), {})],
+        "hacking": [(('{"name": "tiny-partial", "kwargs": {"terms": ["count"]}}', 20, 2, None, out, 3, ["none", "kl:train.kl_beta=0.1"], ["a", "b"],
+                      2, 3, 8, ["a.b=1"], "tiny-video", 4), {})],
+        "hacking-merge": [(([Path("x.json"), Path("y.json")], out, None), {})]}
 
 
 BROKEN_VISION = {  # a package whose import fails as torchvision's did where pip had mixed a CPU torch with a CUDA torchvision

@@ -230,15 +230,18 @@ BENCHMARKS = {"tree": "one training iteration of each algorithm, side by side (d
               "search": "the best reward each search finds against its budget of network rows (docs/search.md)",
               "reward-server": "a load test of a reward server on the loopback (docs/reward-server.md)",
               "overlap": "a run scored by a reward server as slow as its rollout, sequential and overlapped (docs/rewards.md)",
-              "cache": "rollouts with the first-block cache (sampling.block_cache) against uncached ones: speed and reward (docs/gpu.md)"}
+              "cache": "rollouts with the first-block cache (sampling.block_cache) against uncached ones: speed and reward (docs/gpu.md)",
+              "proxies": "learned proxies of a built-in verifier, fit on base samples, and their accuracy (docs/hacking.md)",
+              "hacking": "training on a proxy of the verifier: gold, proxy and KL over iterations, per mitigation (docs/hacking.md)"}
 
 
 def _bench_arguments(bench: argparse.ArgumentParser) -> None:
     """`bench NAME`: a parser per benchmark holding only the options it reads, so that an option of
     another is refused (`unrecognized`) rather than ignored."""
     which = bench.add_subparsers(dest="which", required=True)
-    tree, explore, curves, search, server, overlap, cache = (which.add_parser(name, help=text, description=text) for name, text in BENCHMARKS.items())
-    for sub in (tree, explore, curves, search, server, overlap, cache):
+    tree, explore, curves, search, server, overlap, cache, proxies, hacking = (which.add_parser(name, help=text, description=text)
+                                                                              for name, text in BENCHMARKS.items())
+    for sub in (tree, explore, curves, search, server, overlap, cache, proxies, hacking):
         sub.add_argument("--json", type=Path, default=None, help="write the table and ratios to this JSON file")
     tree.add_argument("--repeats", type=at_least(1), default=3, help="timed repeats of each variant (median reported)")
     tree.add_argument("--variants", default=None, help="comma-separated variants (default: all: chain, tree, tree_depth_pruned, "
@@ -249,7 +252,7 @@ def _bench_arguments(bench: argparse.ArgumentParser) -> None:
     budget.add_argument("--iterations", type=at_least(1), default=None, help="the budget of each variant and seed in training iterations "
                                                                              "instead of time (the comparison of objectives on a shared "
                                                                              "machine: docs/curves.md)")
-    for sub in (curves, search):
+    for sub in (curves, search, proxies, hacking):
         sub.add_argument("--seeds", type=at_least(1), default=3, help="seeds of each variant")
         sub.add_argument("--out", type=Path, default=None, help="folder of the plot and the table (default: runs/bench-<name>/)")
     curves.add_argument("--variants", default=None, help="comma-separated variants (default: chain, branch, branch_pruned, mix, explore_seeds, "
@@ -264,7 +267,7 @@ def _bench_arguments(bench: argparse.ArgumentParser) -> None:
                                                            "default: chain, or with --merge the files' own)")
     curves.add_argument("--task", choices=["tiny", "tiny-video"], default="tiny", help="the built-in task, images (tiny) or clips (tiny-video)")
     curves.add_argument("--points", type=at_least(2), default=7, help="evaluations over the budget")
-    for sub in (curves, search):
+    for sub in (curves, search, hacking):
         sub.add_argument("--first-seed", type=at_least(0), default=0, help="the first seed (continue a benchmark's seeds in another process)")
     curves.add_argument("--eval-images", type=at_least(1), default=4, help="held-out images per prompt at each evaluation")
     curves.add_argument("--clock", choices=["wall", "modelled"], default=None,
@@ -290,7 +293,23 @@ def _bench_arguments(bench: argparse.ArgumentParser) -> None:
     cache.add_argument("--repeats", type=at_least(1), default=3, help="timed rollouts of each draw and threshold (median), after a warm-up")
     cache.add_argument("--task", choices=["tiny-video", "tiny"], default="tiny-video", help="the built-in task: clips (its preset, DiffusionNFT) "
                                                                                         "or images (tiny-mix with train.loss=nft)")
-    for sub in (tree, explore, curves, overlap, cache):
+    proxies.add_argument("--task", choices=["tiny", "tiny-video"], default="tiny", help="the built-in task whose verifier the proxies learn")
+    proxies.add_argument("--sizes", default="64,256,1024,4096", help="comma-separated numbers of base samples a proxy is fit on")
+    proxies.add_argument("--steps", type=at_least(1), default=1000, help="Adam steps of 64 samples per proxy")
+    hacking.add_argument("--reward", default=None, help="the proxy trained on: a reward's name or a YAML mapping, e.g. '{name: learned-proxy, "
+                                                        "kwargs: {path: runs/bench-proxies/tiny-geneval-n64-s0}}' (required but with --merge)")
+    hacking.add_argument("--ensemble", default=None, help="comma-separated proxy folders of the ensemble-* and *-sum variants")
+    hacking.add_argument("--variants", default=None, help="comma-separated mitigations (default: none): none, kl, guard, nft, awm, "
+                                                          "ensemble-mean, ensemble-min, ensemble-mean-std, normalize-then-sum, sum-then-normalize, "
+                                                          "lora, watch-stop, gold-reward, each optionally with :key=value overrides")
+    hacking.add_argument("--iterations", type=at_least(1), default=200, help="training iterations of each variant and seed")
+    hacking.add_argument("--points", type=at_least(2), default=9, help="evaluations over the budget")
+    hacking.add_argument("--task", choices=["tiny", "tiny-video"], default="tiny", help="the built-in task, images or clips")
+    hacking.add_argument("--eval-images", type=at_least(1), default=4, help="held-out images per prompt at each evaluation")
+    hacking.add_argument("--kl-chains", type=at_least(1), default=2, help="SDE chains per held-out prompt of the KL's estimate")
+    hacking.add_argument("--best-of-n", type=at_least(1), default=32, help="the largest n of best-of-n on the proxy (base samples per prompt)")
+    hacking.add_argument("--merge", default=None, help="comma-separated JSON results of runs over other seeds to merge; nothing is trained")
+    for sub in (tree, explore, curves, overlap, cache, hacking):
         sub.add_argument("overrides", nargs="*", help="dotted key=value overrides of every variant, e.g. prompts.per_iteration=2")
 
 

@@ -102,6 +102,12 @@ def cmd_bench(args: argparse.Namespace) -> None:
         from branchdiff.bench.search import bench_search
 
         bench_search(args.images, args.seeds, args.json, args.out, _variants(args.variants), task=args.task or "tiny", first_seed=args.first_seed)
+    elif args.which == "proxies":
+        from branchdiff.bench.proxies import build_proxies
+
+        build_proxies(args.task, _sizes(args.sizes), args.seeds, args.out, args.json, args.steps)
+    elif args.which == "hacking":
+        _bench_hacking(args)
     elif args.merge is not None:
         given = next((option for option, value in (("--minutes", args.minutes), ("--iterations", args.iterations), ("--clock", args.clock))
                       if value is not None), None)
@@ -124,6 +130,35 @@ def cmd_bench(args: argparse.Namespace) -> None:
         budget, clock = (args.iterations, "iterations") if args.iterations is not None else (args.minutes or 2.0, args.clock or "wall")
         bench_curves(budget, args.seeds, args.json, args.out, args.points, names, args.eval_images, args.overrides,
                      clock, args.reference or REFERENCE, args.task, args.first_seed)
+
+
+def _bench_hacking(args: argparse.Namespace) -> None:
+    """`bench hacking`: its runs, or with --merge the files of runs over other seeds."""
+    from branchdiff.bench.hacking import bench_hacking, merge_hacking, parse_reward_option, parse_variants
+
+    if args.merge is not None:
+        if args.reward is not None:
+            raise UserError("bench hacking --merge: --reward names the proxy of a run, and --merge runs nothing (the files keep theirs); "
+                            "leave --reward out")
+        merge_hacking(_merged_files(args.merge), args.out, args.json)
+        return
+    if args.reward is None:
+        raise UserError("bench hacking needs --reward, the proxy to train on: e.g. --reward '{name: tiny-partial, kwargs: {terms: [count, color]}}' "
+                        "or a learned proxy of branchdiff bench proxies (docs/hacking.md)")
+    ensemble = [item.strip() for item in (args.ensemble or "").split(",") if item.strip()]
+    bench_hacking(parse_reward_option(args.reward), args.iterations, args.seeds, args.json, args.out, args.points, parse_variants(args.variants),
+                  ensemble, args.eval_images, args.kl_chains, args.best_of_n, args.overrides, args.task, args.first_seed)
+
+
+def _sizes(text: str) -> list[int]:
+    """`bench proxies --sizes 64,256`: whole numbers of samples, each at least 2."""
+    try:
+        sizes = [int(item) for item in text.split(",") if item.strip()]
+    except ValueError:
+        sizes = []
+    if not sizes or any(n < 2 for n in sizes):
+        raise UserError(f"bench proxies --sizes {text!r}: give comma-separated whole numbers of samples, each at least 2, e.g. 64,256,1024")
+    return sizes
 
 
 def _check_bench_inputs(args: argparse.Namespace) -> None:

@@ -1,0 +1,98 @@
+"""`bench hacking`: Gao et al.'s functional forms fit exactly where the data follow them, best-of-n's picks and KL by
+hand, the watch's stopped run keeping its best checkpoint, the mitigations' rewards, merging runs of other seeds, and one
+tiny end-to-end run."""
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from branchdiff.bench.hacking import (
+    _kept_checkpoint,
+    bench_hacking,
+    best_of_n,
+    fit_form,
+    merge_hacking,
+    mitigation_spec,
+    reward_overrides,
+    summarize_hacking,
+)
+from branchdiff.errors import UserError
+
+
+@pytest.mark.parametrize("form, alpha, beta", [("rl", 0.3, 0.05), ("bon", 0.2, 0.04)])
+def test_each_form_is_recovered_from_points_on_it(form, alpha, beta):
+    d = np.array([0.0, 0.5, 1.0, 2.0, 3.0, 5.0])
+    gain = alpha * d - beta * (d * np.log(np.where(d > 0, d, 1.0)) if form == "rl" else d**2)
+    assert fit_form(d, gain, form) == pytest.approx((alpha, beta), rel=1e-9)
+
+
+def test_best_of_n_picks_the_proxys_best_of_each_group_and_its_kl():
+    # one prompt, four samples: proxy 0.1 0.9 0.5 0.2, gold 1 0 1 0
+    proxy, gold = np.array([0.1, 0.9, 0.5, 0.2]), np.array([1.0, 0.0, 1.0, 0.0])
+    rows = best_of_n(proxy, gold, 4)
+    assert rows[1] == {"proxy": pytest.approx(0.425), "gold": 0.5, "kl": 0.0}
+    assert rows[2]["gold"] == pytest.approx(0.5) and rows[2]["proxy"] == pytest.approx((0.9 + 0.5) / 2)  # picks 0.9 (gold 0), 0.5 (gold 1)
+    assert rows[4] == {"proxy": pytest.approx(0.9), "gold": 0.0, "kl": pytest.approx(math.log(4) - 3 / 4)}
+
+
+def test_a_run_the_watch_stopped_keeps_its_best_checkpoint_to_the_end():
+    record = {"eval_iterations": [0, 10, 20], "gold": [0.2, 0.5, 0.4], "gold_partial": [0.6, 0.7, 0.65], "proxy": [0.5, 0.6, 0.8],
+              "kl": [0.0, 3.0, 9.0]}
+    kept = _kept_checkpoint(record, [0, 10, 20, 30, 40])
+    assert kept["gold"] == [0.2, 0.5, 0.4, 0.5, 0.5] and kept["kl"] == [0.0, 3.0, 9.0, 3.0, 3.0] and kept["kept"] == 10
+    assert kept["eval_iterations"] == [0, 10, 20, 30, 40]
+
+
+def test_each_mitigation_trains_on_its_reward():
+    assert reward_overrides("none", "tiny-partial", [], "tiny-geneval") == ["reward=tiny-partial"]
+    assert reward_overrides("gold-reward", "tiny-partial", [], "tiny-geneval") == ["reward=tiny-geneval"]
+    one = json.loads(reward_overrides("ensemble-min", "x", ["a", "b"], "tiny-geneval")[0].removeprefix("reward="))
+    assert one == {"name": "learned-proxy", "kwargs": {"path": ["a", "b"], "reduce": "min"}}
+    separate, combine = reward_overrides("normalize-then-sum", "x", ["a", "b"], "tiny-geneval")
+    assert json.loads(separate.removeprefix("reward=")) == [{"name": "learned-proxy", "kwargs": {"path": p}} for p in ("a", "b")]
+    assert combine == "reward_combine=normalize_then_sum"
+    with pytest.raises(ValueError, match="mitigation ensemble-mean needs two or more proxies: give them as --ensemble"):
+        reward_overrides("ensemble-mean", "x", ["a"], "tiny-geneval")
+    assert mitigation_spec("kl:train.kl_beta=0.1") == ("kl", ["train.kl_beta=0.1"])
+    with pytest.raises(ValueError, match="unknown mitigation 'klx'"):
+        mitigation_spec("klx")
+
+
+def _run(seed: int, gold: list[float], alarm=None) -> dict:
+    return {"seed": seed, "eval_iterations": [0, 10, 20], "gold": gold, "gold_partial": gold, "proxy": [0.5, 0.6, 0.7], "kl": [0.0, 1.0, 4.0],
+            "train_reward": [0.5, 0.6, 0.7], "alarm": alarm, "stopped": None}
+
+
+def test_differences_from_none_are_paired_by_seed_and_merges_keep_each_seed_once(tmp_path):
+    runs = {"none": [_run(0, [0.2, 0.5, 0.3]), _run(1, [0.2, 0.4, 0.35])], "kl": [_run(0, [0.2, 0.45, 0.4]), _run(1, [0.2, 0.42, 0.44], alarm=20)]}
+    bon = {"1": {"proxy": 0.5, "gold": 0.2, "kl": 0.0}, "2": {"proxy": 0.6, "gold": 0.25, "kl": math.log(2) - 0.5},
+           "4": {"proxy": 0.7, "gold": 0.28, "kl": math.log(4) - 0.75}}
+    result = summarize_hacking(runs, [0, 10, 20], bon, {"reward": "tiny-partial"})
+    kl = result["variants"]["kl"]
+    assert kl["end_vs_none"]["per_seed"] == pytest.approx([0.1, 0.09]) and kl["peak_vs_none"]["per_seed"] == pytest.approx([-0.05, 0.04])
+    assert kl["alarms"] == [None, 20] and kl["peak_iterations"] == [10, 20] and result["variants"]["none"]["end_kl"] == 4.0
+    # split by seed into two files and merged: the same summary
+    for seed in (0, 1):
+        part = summarize_hacking({k: [r for r in v if r["seed"] == seed] for k, v in runs.items()}, [0, 10, 20], bon, {"reward": "tiny-partial"})
+        (tmp_path / f"{seed}.json").write_text(json.dumps(part))
+    merged = merge_hacking([tmp_path / "1.json", tmp_path / "0.json"], tmp_path / "out", None)
+    assert merged["variants"]["kl"]["end_vs_none"]["per_seed"] == pytest.approx(kl["end_vs_none"]["per_seed"])
+    assert merged["variants"]["kl"]["end_vs_none"]["p"] == pytest.approx(kl["end_vs_none"]["p"])
+    with pytest.raises(UserError, match="seed 0 of none is in two files"):
+        merge_hacking([tmp_path / "0.json", tmp_path / "0.json"], tmp_path / "out", None)
+
+
+def test_a_tiny_run_records_gold_proxy_kl_and_the_watch(tmp_path):
+    """Two iterations on the partial proxy: every evaluation's gold, proxy and KL (0 at the base model, above after
+    training), and best-of-n on the same proxy."""
+    result = bench_hacking('{"name": "tiny-partial", "kwargs": {"terms": ["count", "color"]}}', 2, 1, tmp_path / "h.json", tmp_path, points=2,
+                           variants=["none", "watch-stop"], images_per_prompt=1, kl_chains=1, bon_max=2,
+                           extra_overrides=["prompts.per_iteration=1", "model.compile=none"])
+    for v in result["variants"].values():
+        run = v["runs"][0]
+        assert run["eval_iterations"] == [0, 2] and len(run["gold"]) == len(run["proxy"]) == len(run["train_reward"]) == 2
+        assert run["kl"][0] == 0.0 and run["kl"][1] > 0 and 0 <= run["gold"][1] <= 1
+    assert set(result["best_of_n"]) == {"1", "2"} and (tmp_path / "hacking.png").is_file()
+    assert json.loads((tmp_path / "h.json").read_text())["grid"] == [0, 2]
