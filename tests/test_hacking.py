@@ -66,3 +66,30 @@ def test_a_hackable_proxy_is_flagged_and_stopped_and_the_verifier_is_not(tmp_pat
     assert main(_run(verifier, "tiny-geneval", "watch.stop=true")) == 0
     assert [w[3] for w in _watched(verifier)] == [0.0, 0.0, 0.0]
     assert "No divergence flagged" in (verifier / "report.html").read_text()
+
+
+def test_a_watched_run_keeps_the_weights_of_its_best_evaluation(tiny_model_dir, tmp_path):
+    """With watch.stop, every evaluation whose gold beats the earlier ones exports the weights it evaluated to RUN/best/;
+    a stopped run then keeps its best gold estimate, not its last iteration (before, only the last was saved)."""
+    from safetensors.torch import load_file
+
+    from watched_runs import assert_kept_best
+
+    run = tmp_path / "run"
+    # the gold here is the trained reward itself, so that it rises and the best is not the base model
+    assert main(["train", "tiny-chain", f"model.path={tiny_model_dir}", f"output_dir={run}", "iterations=3", "eval_every=1", "watch.stop=true",
+                 "reward=rewards_for_tests:Redness", "eval_rewards=[rewards_for_tests:Redness]",
+                 "watch.window=5", "prompts.per_iteration=2", "sampling.num_steps=3", "tree.roots=2", "model.finetune=lora",
+                 "train.learning_rate=5e-2", "prompts.eval_seeds=1", "final_eval=false", "logging.checkpoint_every=1", "logging.sample_every=0",
+                 "logging.report_to=none"]) == 0
+    assert_kept_best(run, lambda iteration: load_file(run / "checkpoints" / f"iter-{iteration:06d}" / "pytorch_lora_weights.safetensors"))
+    assert json.loads((run / "best" / "best.json").read_text())["iteration"] > 0
+
+
+def test_the_stop_line_names_the_kept_weights(tmp_path):
+    from branchdiff.training.hacking import stop_line
+
+    state = WatchState([0.1, 0.2, 0.5], [0.3, 0.35, 0.1])
+    line = stop_line(state, 2, "tiny-geneval.strict", 8, {"iteration": 4, "gold": 0.35}, tmp_path)
+    assert (f"(reward hacking); the weights of its best evaluation before the alarm (iteration 4, held-out tiny-geneval.strict 0.35) are in "
+            f"{tmp_path / 'best'}, the last iteration's in the checkpoint; look at the samples") in line

@@ -73,7 +73,7 @@ def two_process_run(tiny_model_dir, tmp_path_factory):
     records.mkdir()
     overrides = _overrides(tiny_model_dir, run, PER_PROCESS)
     trackers = {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "SWANLAB_MODE": "local"}  # W&B and SwanLab write their files under RUN/logs
-    first = launch_two(records, ["train", "tiny-chain", *overrides, "iterations=2", "final_eval=false", "eval_every=1",
+    first = launch_two(records, ["train", "tiny-chain", *overrides, "iterations=2", "final_eval=false", "eval_every=1", "watch.stop=true",
                                  "logging.report_to=[tensorboard,wandb,swanlab]"], env=trackers)
     assert first.returncode == 0, first.stderr[-3000:]
     resumed = launch_two(records, ["train", "tiny-chain", *overrides, "iterations=3", "--resume", "latest", "logging.report_to=[wandb,swanlab]"],
@@ -169,6 +169,15 @@ def test_resume_continues_and_the_run_ends_with_the_evaluation_table(two_process
     assert "held-out evaluation" in out and "base" in out and "trained" in out
     assert set(json.loads((run / "eval.json").read_text())) == {"prompts", "images_per_prompt", "scales", "after_iteration", "base", "trained"}
     assert (run / "lora" / "pytorch_lora_weights.safetensors").is_file()
+
+
+def test_a_watched_run_keeps_the_weights_of_its_best_evaluation_on_two_processes(two_process_run):
+    """With watch.stop, RUN/best/ holds the weights its best held-out gold evaluated (both processes evaluate, the main one
+    writes): those of the update before that evaluation."""
+    from watched_runs import assert_kept_best
+
+    assert_kept_best(two_process_run["run"], lambda iteration: {"transformer." + k.replace(".default", ""): v
+                                                                for k, v in _lora(two_process_run["record"][0, iteration]).items()})
 
 
 def test_heldout_evaluation_and_depth_statistics_equal_one_process(two_process_run):

@@ -13,13 +13,21 @@ reward, and the watch compares evaluation k with evaluation k − w (w = `watch.
 
 (`watch.tolerance` keeps the evaluation's sampling noise from raising the flag). The metrics carry
 `watch_reward`, `watch_gold` and `watch_diverging` at every evaluation, the report plots them, and
-with `watch.stop` the run stops after a checkpoint when the flag rises. What the watch keeps
+with `watch.stop` the run stops after a checkpoint when the flag rises. By then the policy has moved
+past its best: with `watch.stop`, every evaluation whose gold beats all earlier ones exports the weights
+it evaluated to RUN/best/ (as the run's final export, with best.json naming its iteration and gold), so
+a stopped run keeps the weights of its best gold estimate, not its last. What the watch keeps
 (`WatchState`) is part of the checkpoint, so a resumed run watches on unchanged.
 """
 
 from __future__ import annotations
 
+import json
+import math
 from dataclasses import dataclass, field
+from pathlib import Path
+
+BEST = "best"  # RUN/best/: the weights of the best held-out gold so far (watch.stop)
 
 
 def diverging(train: list[float], gold: list[float], window: int, tolerance: float) -> bool:
@@ -47,9 +55,23 @@ class WatchState:
         return {"train": list(self.train), "gold": list(self.gold)}
 
 
-def stop_line(state: WatchState, window: int, gold_name: str, iteration: int) -> str:
-    """Why a run stopped when the watch flagged divergence."""
+def is_new_best(state: WatchState, gold: float) -> bool:
+    """Whether an evaluation's `gold`, before it joins `state`, beats every earlier one (a non-finite gold never does)."""
+    return math.isfinite(gold) and all(gold > earlier for earlier in state.gold if math.isfinite(earlier))
+
+
+def kept_best(run_dir: Path) -> dict | None:
+    """RUN/best/best.json (the iteration, gold and score of the weights kept there), or None when nothing is kept."""
+    path = run_dir / BEST / "best.json"
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def stop_line(state: WatchState, window: int, gold_name: str, iteration: int, kept: dict | None = None, run_dir: Path | None = None) -> str:
+    """Why a run stopped when the watch flagged divergence, and where the weights of its best gold are (`kept`, in
+    run_dir/best/)."""
+    where = (f"the weights of its best evaluation before the alarm (iteration {kept['iteration']}, held-out {gold_name} {kept['gold']:.4g}) "
+             f"are in {run_dir / BEST}, the last iteration's in the checkpoint" if kept is not None and run_dir is not None else "the checkpoint is saved")
     return (f"the training reward rose from {state.train[-1 - window]:.4g} to {state.train[-1]:.4g} while held-out {gold_name} fell from "
             f"{state.gold[-1 - window]:.4g} to {state.gold[-1]:.4g} over the last {window} evaluations (up to iteration {iteration}): the "
-            "policy may be exploiting its reward (reward hacking); the checkpoint is saved; look at the samples in report.html, then "
+            f"policy may be exploiting its reward (reward hacking); {where}; look at the samples in report.html, then "
             "change the reward (or train with a KL term), or continue with watch.stop=false")

@@ -89,7 +89,7 @@ from branchdiff.training import trackers
 from branchdiff.training.checkpoints import Checkpointer, TrainedParts
 from branchdiff.training.evaluation import RunEvaluation
 from branchdiff.training.exploration import Exploration
-from branchdiff.training.hacking import WatchState
+from branchdiff.training.hacking import BEST, WatchState, is_new_best
 from branchdiff.training.lr_schedule import LearningRateSchedule
 from branchdiff.training.metrics import dataset_iteration_metrics, iteration_metrics
 from branchdiff.training.optimizer import make_optimizer
@@ -389,6 +389,15 @@ class Trainer:
         average when `train.ema_decay` is on (branchdiff/models/ema.py), else the live ones."""
         return self.weight_average.swapped_in() if self.weight_average is not None else nullcontext()
 
+    def keep_best(self, iteration: int, gold: float) -> None:
+        """The weights evaluated before `iteration` (the best held-out gold so far) exported to RUN/best/ as the run's final
+        export is, with best.json naming the iteration and the gold (branchdiff/training/hacking.py)."""
+        folder = self.run_dir / BEST
+        with self.evaluated_weights():
+            export(self.finetune, folder, write=self.accelerator.is_main_process)
+        if self.accelerator.is_main_process:
+            (folder / "best.json").write_text(json.dumps({"iteration": iteration, "gold": gold, "score": self.evaluation.gold_score}) + "\n")
+
     def heldout_metrics(self) -> dict[str, float]:
         return self.evaluation.heldout_metrics(self.adapter, self.evaluated_weights())
 
@@ -442,7 +451,7 @@ def _train(trainer: Trainer, heartbeat: Heartbeat | None) -> None:
                 metrics = _iteration(trainer, iteration)
                 progress.set_postfix(progress_fields(metrics))
                 reason = stop_reason(config, metrics, trainer.run_state["skipped_in_a_row"], accelerator.num_processes, trainer.watch_state,
-                                     trainer.evaluation.gold_score)
+                                     trainer.evaluation.gold_score, run_dir)
                 stop = trainer.collective.max(torch.tensor([float(interrupt.requested or reason is not None)])).item() > 0
                 every = config.logging.checkpoint_every
                 if stop or (every and (iteration + 1) % every == 0) or iteration == config.iterations - 1:
@@ -478,6 +487,8 @@ def _iteration(trainer: Trainer, iteration: int) -> dict[str, float]:
             tqdm.write(f"branchdiff: evaluating {policy} on the held-out prompts first (every {config.eval_every} iterations)...",
                        file=sys.stderr)
         heldout = trainer.heldout_metrics()
+        if config.watch.stop and is_new_best(trainer.watch_state, heldout[f"eval_{trainer.evaluation.gold_score}"]):
+            trainer.keep_best(iteration, heldout[f"eval_{trainer.evaluation.gold_score}"])  # what a run the watch stops keeps
         if accelerator.is_main_process or trainer.sharding.enabled:
             images, prompts = trainer.fixed_samples()
         if accelerator.is_main_process:

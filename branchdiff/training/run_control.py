@@ -7,11 +7,12 @@ import signal
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import cast
 
 from branchdiff.runtime.abort import abort_now
 from branchdiff.settings.config import TrainConfig
-from branchdiff.training.hacking import WatchState, stop_line
+from branchdiff.training.hacking import WatchState, kept_best, stop_line
 
 WEAK_SIGNAL = 0.25  # the progress bar warns when more than this fraction of groups has no reward spread
 
@@ -87,9 +88,10 @@ def progress_fields(metrics: dict[str, float]) -> dict[str, str]:
 
 
 def stop_reason(config: TrainConfig, metrics: dict[str, float], skipped_in_a_row: int, processes: int, watch_state: WatchState,
-                gold_score: str | None) -> str | None:
+                gold_score: str | None, run_dir: Path | None = None) -> str | None:
     """Why the run cannot go on after this iteration's `metrics`, or None: every group dropped, `skipped_in_a_row`
-    optimizer steps skipped, or the reward-hacking watch's stop (`watch.stop`)."""
+    optimizer steps skipped, or the reward-hacking watch's stop (`watch.stop`; the weights of its best gold are in
+    run_dir/best/)."""
     iteration = cast(int, metrics["iteration"])  # an int among the floats
     if metrics.get("groups_dropped") == config.prompts.per_iteration * processes:  # (none for a dataset objective)
         nonfinite = [k.removesuffix("_nonfinite") for k, v in metrics.items() if k.endswith("_nonfinite") and v]
@@ -102,5 +104,5 @@ def stop_reason(config: TrainConfig, metrics: dict[str, float], skipped_in_a_row
                 "the weights before them are saved; lower train.learning_rate or check the reward's scale, then start a new run")
     if config.watch.stop and metrics.get("watch_diverging"):
         assert gold_score is not None  # the watch flags only after an evaluation, which follows the gold score
-        return stop_line(watch_state, config.watch.window, gold_score, iteration)
+        return stop_line(watch_state, config.watch.window, gold_score, iteration, kept_best(run_dir) if run_dir else None, run_dir)
     return None
