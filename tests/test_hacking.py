@@ -56,10 +56,14 @@ def test_a_hackable_proxy_is_flagged_and_stopped_and_the_verifier_is_not(tmp_pat
     assert [w[0] for w in watched] == [0, 4, 8] and watched[-1][3] == 1.0  # flagged at the third evaluation
     (_, reward_0, gold_0, _), (_, reward_8, gold_8, _) = watched[0], watched[-1]
     assert reward_8 > reward_0 + 0.2 and gold_8 < gold_0 - 0.1  # the colour spreads, the objects go
+    kept = json.loads((proxy / "best" / "best.json").read_text())
+    assert kept["gold"] == max(w[2] for w in watched) and (proxy / "best" / "lora").is_dir()
     assert line == (f"{PREFIX}the training reward rose from {reward_0:.4g} to {reward_8:.4g} while held-out tiny-geneval.strict fell from "
                     f"{gold_0:.4g} to {gold_8:.4g} over the last 2 evaluations (up to iteration 8): the policy may be exploiting its reward "
-                    "(reward hacking); the checkpoint is saved; look at the samples in report.html, then change the reward (or train with "
-                    "a KL term), or continue with watch.stop=false")
+                    f"(reward hacking); the weights of its best evaluation before the alarm (iteration {kept['iteration']}, held-out "
+                    f"tiny-geneval.strict {kept['gold']:.4g}) are in {proxy / 'best'}, the last iteration's in the checkpoint; look at the "
+                    "samples in report.html, then "
+                    "change the reward (or train with a KL term), or continue with watch.stop=false")
     assert (proxy / "checkpoints" / "iter-000008").is_dir()
     assert "Divergence flagged at 1 evaluation(s)" in (proxy / "report.html").read_text()
     verifier = tmp_path / "verifier"
