@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import sys
 import tempfile
 from dataclasses import fields, is_dataclass
 from pathlib import Path
@@ -44,12 +45,24 @@ def _reached(*args, **kwargs):
     raise ReachedWork
 
 
+def _restore_imported_copies(originals: dict[str, object]) -> None:
+    """Put the real functions back into every module that imported a patched one by name while it was patched
+    (`from ... import build_component` in a module a command imported first under the patch); monkeypatch only
+    undoes the attributes it set."""
+    for module in [module for name, module in sys.modules.items() if name.startswith("branchdiff")]:
+        for name, value in list(vars(module).items()):
+            if value is _reached:
+                setattr(module, name, originals[name])
+
+
 @pytest.fixture
 def no_work(monkeypatch):
     """Every place a command starts its work raises `ReachedWork`."""
     import branchdiff.bench.curves
+    import branchdiff.bench.hacking
     import branchdiff.bench.iteration
     import branchdiff.bench.overlap
+    import branchdiff.bench.proxies
     import branchdiff.bench.reward_server
     import branchdiff.bench.sampler
     import branchdiff.bench.search
@@ -59,18 +72,21 @@ def no_work(monkeypatch):
     import branchdiff.rewards.server
     import branchdiff.training.recipe
 
-    monkeypatch.setattr(branchdiff.models, "load_adapter", _reached)
     monkeypatch.setattr(branchdiff.training.recipe.Trainer, "__init__", _reached)
-    monkeypatch.setattr(branchdiff.rewards.registry, "build_reward", _reached)
-    monkeypatch.setattr(branchdiff.rewards.multi, "build_component", _reached)
-    monkeypatch.setattr(branchdiff.rewards.server, "serve", _reached)
-    for module, name in ((branchdiff.bench.iteration, "bench_tree"), (branchdiff.bench.iteration, "bench_explore"),
+    originals: dict[str, object] = {}
+    for module, name in ((branchdiff.models, "load_adapter"), (branchdiff.rewards.registry, "build_reward"),
+                         (branchdiff.rewards.multi, "build_component"), (branchdiff.rewards.server, "serve"),
+                         (branchdiff.bench.iteration, "bench_tree"), (branchdiff.bench.iteration, "bench_explore"),
                          (branchdiff.bench.curves, "bench_curves"), (branchdiff.bench.search, "bench_search"),
                          (branchdiff.bench.sampler, "bench_sampler"), (branchdiff.bench.reward_server, "bench_reward_server"),
-                         (branchdiff.bench.overlap, "bench_overlap")):
+                         (branchdiff.bench.overlap, "bench_overlap"), (branchdiff.bench.proxies, "build_proxies"),
+                         (branchdiff.bench.hacking, "bench_hacking")):
+        originals[name] = getattr(module, name)
         monkeypatch.setattr(module, name, _reached)
     monkeypatch.setattr("huggingface_hub.HfApi.create_repo", _reached)
     monkeypatch.setattr("huggingface_hub.HfApi.upload_folder", _reached)
+    yield
+    _restore_imported_copies(originals)
 
 
 class Workspace:
