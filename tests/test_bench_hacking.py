@@ -9,16 +9,19 @@ import numpy as np
 import pytest
 
 from branchdiff.bench.hacking import (
+    MITIGATIONS,
     _kept_checkpoint,
     bench_hacking,
     best_of_n,
     fit_form,
     merge_hacking,
+    mitigation_config,
     mitigation_spec,
     reward_overrides,
     summarize_hacking,
 )
 from branchdiff.errors import UserError
+from branchdiff.rewards.combine import parse_reward_specs
 
 
 @pytest.mark.parametrize("form, alpha, beta", [("rl", 0.3, 0.05), ("bon", 0.2, 0.04)])
@@ -51,13 +54,25 @@ def test_each_mitigation_trains_on_its_reward():
     one = json.loads(reward_overrides("ensemble-min", "x", ["a", "b"], "tiny-geneval")[0].removeprefix("reward="))
     assert one == {"name": "learned-proxy", "kwargs": {"path": ["a", "b"], "reduce": "min"}}
     separate, combine = reward_overrides("normalize-then-sum", "x", ["a", "b"], "tiny-geneval")
-    assert json.loads(separate.removeprefix("reward=")) == [{"name": "learned-proxy", "kwargs": {"path": p}} for p in ("a", "b")]
+    assert json.loads(separate.removeprefix("reward=")) == [{"name": "learned-proxy", "label": f"proxy-{k}", "kwargs": {"path": p}}
+                                                            for k, p in enumerate(("a", "b"))]
     assert combine == "reward_combine=normalize_then_sum"
     with pytest.raises(ValueError, match="mitigation ensemble-mean needs two or more proxies: give them as --ensemble"):
         reward_overrides("ensemble-mean", "x", ["a"], "tiny-geneval")
     assert mitigation_spec("kl:train.kl_beta=0.1") == ("kl", ["train.kl_beta=0.1"])
     with pytest.raises(ValueError, match="unknown mitigation 'klx'"):
         mitigation_spec("klx")
+
+
+@pytest.mark.parametrize("task", ["tiny", "tiny-video"])
+@pytest.mark.parametrize("name", list(MITIGATIONS))
+def test_every_mitigation_loads_on_both_tasks_with_the_budgets_schedule(tmp_path, name, task):
+    config = mitigation_config(name, "tiny-partial", ["a", "b", "c"], task, 120, 3, str(tmp_path))
+    assert config.iterations == 120 and config.train.decay_start == 72 and config.train.lr_schedule == "cosine" and config.seed == 3
+    rewards = parse_reward_specs(config.reward)
+    if name in ("normalize-then-sum", "sum-then-normalize"):
+        assert [spec.label for spec in rewards] == ["proxy-0", "proxy-1", "proxy-2"]
+        assert config.reward_combine == name.replace("-then-", "_then_").replace("-", "_")
 
 
 def _run(seed: int, gold: list[float], alarm=None) -> dict:

@@ -116,11 +116,15 @@ def test_reward_specs_from_config_values():
     assert parse_reward_specs("tiny-geneval") == [RewardSpec(name="tiny-geneval")]
     specs = parse_reward_specs([{"name": "x:Y", "weight": 2, "kwargs": {"k": 1}}, {"remote": "http://127.0.0.1:9", "required": False}])
     assert specs[0] == RewardSpec("x:Y", None, 2.0, True, {"k": 1}) and specs[1].remote == "http://127.0.0.1:9" and not specs[1].required
+    two = parse_reward_specs([{"name": "learned-proxy", "label": "proxy-0"}, {"name": "learned-proxy", "label": "proxy-1", "weight": 2}])
+    assert [spec.label for spec in two] == ["proxy-0", "proxy-1"] and [spec.name for spec in two] == ["learned-proxy"] * 2
     for bad, message in [
         ([], "'reward' is an empty list"),
         ({"name": "a", "remote": "b"}, "needs exactly one of 'name' and 'remote'"),
         ({"name": "a", "wieght": 2}, "unknown keys ['wieght']; allowed: name, remote, weight, required, kwargs"),
         (["a", "a"], "names a component twice"),
+        ([{"name": "a", "label": "x"}, {"name": "b", "label": "x"}], "names a component twice: ['x', 'x']"),
+        ({"name": "a", "label": ""}, "label must be a non-empty string"),
         (3, "'reward' entry 3 must be"),
     ]:
         with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):

@@ -74,7 +74,7 @@ MITIGATIONS: dict[str, tuple[str, list[str]]] = {  # name: (the curves variant i
     "kl": ("default", ["train.kl_beta=0.01"]),
     "guard": ("default", ["train.loss=grpo-guard", "guard.clip_range=2e-5"]),
     "nft": ("default", ["train.loss=nft", "train.optimizer_every=32", "nft.beta=0.1"]),
-    "awm": ("awm", ["awm.average_kl=1.0"]),
+    "awm": ("awm", ["awm.average_kl=1.0", "train.lr_schedule=cosine"]),  # the others' schedule: held, then a cosine from decay_start
     **{name: ("default", []) for name in (*ENSEMBLES, *COMBINED)},
     "lora": ("default", ["model.finetune=lora", "train.lora_rank=8", "train.learning_rate=3e-4"]),  # rank and rate untuned here
     "watch-stop": ("default", []),
@@ -105,9 +105,23 @@ def reward_overrides(name: str, reward: str, ensemble: Sequence[str], verifier: 
             raise ValueError(f"mitigation {name} needs two or more proxies: give them as --ensemble PATH,PATH,... (bench proxies' folders)")
         if name in ENSEMBLES:
             return ["reward=" + json.dumps({"name": "learned-proxy", "kwargs": {"path": list(ensemble), "reduce": ENSEMBLES[name]}})]
-        return ["reward=" + json.dumps([{"name": "learned-proxy", "kwargs": {"path": path}} for path in ensemble]),
+        return ["reward=" + json.dumps([{"name": "learned-proxy", "label": f"proxy-{k}", "kwargs": {"path": path}} for k, path in enumerate(ensemble)]),
                 f"reward_combine={COMBINED[name]}"]
     return [f"reward={reward}"]
+
+
+def mitigation_config(label: str, reward: str, ensemble: Sequence[str], task: str, budget: int, seed: int, output_dir: str,
+                      extra_overrides: Sequence[str] = ()) -> TrainConfig:
+    """The training settings of mitigation `label` (`name[:key=value...]`) on `task` trained on `reward` for `budget`
+    iterations: the curves variant it starts from, its schedule sized to the budget (held, then decaying from 0.6 of
+    it), its own overrides, its reward, then `label`'s and `extra_overrides`."""
+    name, extra = mitigation_spec(label)
+    preset, base_overrides = VARIANTS[MITIGATIONS[name][0]]
+    _, verifier_name, task_overrides = TASKS[task]
+    schedule_size = [f"iterations={budget}", f"train.decay_start={round(0.6 * budget)}"]
+    chosen = [*COMMON, *task_overrides, *base_overrides, *schedule_size, *MITIGATIONS[name][1],
+              *reward_overrides(name, reward, ensemble, verifier_name), *extra, f"seed={seed}", f"output_dir={output_dir}", *extra_overrides]
+    return load_config(preset, chosen)
 
 
 def fit_form(d: np.ndarray, gain: np.ndarray, form: str) -> tuple[float, float]:
@@ -200,19 +214,13 @@ def bench_hacking(reward: str, budget: int, seeds: int, json_path: Path | None, 
         raise ValueError(f"unknown task {task!r}; allowed: {', '.join(TASKS)}")
     labels = variants or [REFERENCE]
     specs = {label: mitigation_spec(label) for label in labels}
-    source, verifier_name, task_overrides = TASKS[task]
+    source, verifier_name, _ = TASKS[task]
     prompt_set = load_prompt_set(source)
     verifier = build_component(parse_reward_specs([verifier_name])[0], "cpu")
     grid = _grid(budget, points)
-    schedule_size = [f"iterations={budget}", f"train.decay_start={round(0.6 * budget)}"]
 
     def config(label: str, seed: int, tmp: str) -> TrainConfig:
-        name, extra = specs[label]
-        preset, base_overrides = VARIANTS[MITIGATIONS[name][0]]
-        chosen = [*COMMON, *task_overrides, *base_overrides, *schedule_size, *MITIGATIONS[name][1],
-                  *reward_overrides(name, reward, ensemble, verifier_name), *extra, f"seed={seed}", f"output_dir={tmp}/{len(label)}-{hash(label)}",
-                  *extra_overrides]
-        return load_config(preset, chosen)
+        return mitigation_config(label, reward, ensemble, task, budget, seed, f"{tmp}/{len(label)}-{hash(label)}", extra_overrides)
 
     def components(config: TrainConfig) -> dict[str, object]:
         return proxy_rewards(config.reward)

@@ -38,16 +38,19 @@ class RewardSpec:
     required: bool = True  # False: a failure leaves the component out of that batch (counted), not the run
     kwargs: dict = field(default_factory=dict)  # keyword arguments of the class or factory
     frames: FrameAggregation | None = None  # how a reward of images scores videos (`frames: N`, `reduce: mean | min`)
+    given_label: str | None = None  # `label: NAME`: the component's name in metrics and messages, telling two of one reward apart
 
     @property
     def label(self) -> str:
+        if self.given_label is not None:
+            return self.given_label
         if isinstance(self.remote, tuple):  # replicas: the first server's URL, and how many more
             return self.remote[0] + (f" (+{len(self.remote) - 1} replicas)" if len(self.remote) > 1 else "")
         return self.name or self.remote or "reward"
 
 
-SPEC_KEYS = ("name", "remote", "weight", "required", "kwargs", "frames", "reduce")
-SPEC_FORM = ("a reward name or dotted path, a mapping {name: ..., weight: 1.0, required: true, kwargs: {...}, frames: N, reduce: mean} "
+SPEC_KEYS = ("name", "remote", "weight", "required", "kwargs", "frames", "reduce", "label")
+SPEC_FORM = ("a reward name or dotted path, a mapping {name: ..., weight: 1.0, required: true, kwargs: {...}, frames: N, reduce: mean, label: ...} "
              "or {remote: URL, ...} ({remote: [URL1, URL2, ...]} for replicas), or a list of these")
 
 
@@ -85,11 +88,15 @@ def parse_reward_specs(value: object, key: str = "reward") -> list[RewardSpec]:
                 frames = FrameAggregation(entry.get("frames", 1), entry.get("reduce", "mean"))
             except ValueError as error:
                 raise ValueError(f"'{key}' entry {entry!r}: {error}") from None
+        label = entry.get("label")
+        if label is not None and (not isinstance(label, str) or not label.strip()):
+            raise ValueError(f"'{key}' entry {entry!r}: label must be a non-empty string (it names the component's metrics)")
         remote = tuple(entry["remote"]) if replicas else entry.get("remote")
-        specs.append(RewardSpec(entry.get("name"), remote, float(weight), entry.get("required", True), dict(entry.get("kwargs", {})), frames))
+        specs.append(RewardSpec(entry.get("name"), remote, float(weight), entry.get("required", True), dict(entry.get("kwargs", {})), frames, label))
     labels = [spec.label for spec in specs]
     if len(set(labels)) != len(labels):
-        raise ValueError(f"'{key}' names a component twice: {labels}; give each reward once, with its weight")
+        raise ValueError(f"'{key}' names a component twice: {labels}; give each reward once, with its weight, or tell two of one reward "
+                         "apart with label: NAME")
     return specs
 
 
