@@ -19,6 +19,7 @@ from branchdiff.bench.hacking import (
     mitigation_spec,
     reward_overrides,
     summarize_hacking,
+    watch_sweep,
 )
 from branchdiff.errors import UserError
 from branchdiff.rewards.combine import parse_reward_specs
@@ -111,3 +112,20 @@ def test_a_tiny_run_records_gold_proxy_kl_and_the_watch(tmp_path):
         assert run["kl"][0] == 0.0 and run["kl"][1] > 0 and 0 <= run["gold"][1] <= 1
     assert set(result["best_of_n"]) == {"1", "2"} and (tmp_path / "hacking.png").is_file()
     assert json.loads((tmp_path / "h.json").read_text())["grid"] == [0, 2]
+
+
+def test_the_watch_replayed_gives_its_lead_the_gold_it_keeps_and_its_false_alarms():
+    hacked = _run(0, [0.2, 0.5, 0.3])  # training reward rises 0.5 → 0.6 → 0.7; gold peaks at iteration 10, then falls by 0.2
+    slow = _run(1, [0.4, 0.38, 0.1])  # peaks at 0: falls by 0.02 then 0.28
+    honest = _run(2, [0.2, 0.3, 0.25])  # trained on the gold: falls by 0.05 at the end
+    runs = {"none": [hacked], "kl:train.kl_beta=1": [slow], "watch-stop": [_run(3, [0.2, 0.1, 0.0])], "gold-reward": [honest]}
+    rows = {(row["window"], row["tolerance"]): row for row in watch_sweep(runs, (1, 2), (0.0, 0.1))}
+    strict = rows[1, 0.0]  # flags the first fall: hacked at 20 (peak 10), slow at 10 (peak 0); the honest run at 20
+    assert (strict["flagged"], strict["proxy_runs"], strict["median_lead"]) == (2, 2, 10.0)
+    assert strict["kept_gold"] == pytest.approx((0.5 + 0.4) / 2) and strict["end_gold"] == pytest.approx((0.3 + 0.1) / 2)
+    assert (strict["false_alarms"], strict["gold_runs"]) == (1, 1)
+    loose = rows[1, 0.1]  # slow's 0.02 at 10 is within it: slow at 20 (lead 20), hacked at 20 (lead 10); the honest 0.05 is too
+    assert (loose["flagged"], loose["median_lead"], loose["false_alarms"]) == (2, 15.0, 0)
+    wide = rows[2, 0.1]  # compares 20 with 0: hacked 0.3 vs 0.2 is no fall; slow 0.1 vs 0.4 is
+    assert (wide["flagged"], wide["median_lead"], wide["false_alarms"]) == (1, 20.0, 0)
+    assert wide["kept_gold"] == pytest.approx((0.3 + 0.4) / 2)

@@ -35,6 +35,10 @@ each group's pick by the proxy and its gold; its KL from the base, log n − (n 
 
 Fits (Gao et al.'s forms of the gold's rise over the base's, with d = √KL): RL: Δgold = d·(α − β·ln d); best-of-n:
 Δgold = d·(α − β·d); least squares over every seed's evaluations (`fit_form`).
+
+The watch's settings, measured (`watch_sweep`): the watch replayed on every run's record for each window and tolerance of
+WATCH_WINDOWS × WATCH_TOLERANCES: its lead on the runs trained on a proxy (alarm iteration − the iteration of the run's
+best gold), the gold a run it stopped keeps, and its false alarms on gold-reward's runs.
 """
 
 from __future__ import annotations
@@ -62,7 +66,7 @@ from branchdiff.rewards.combine import parse_reward_specs
 from branchdiff.rewards.multi import build_component
 from branchdiff.settings.config import TrainConfig
 from branchdiff.settings.load import load_config
-from branchdiff.training.hacking import WatchState
+from branchdiff.training.hacking import WatchState, diverging
 from branchdiff.training.preflight import check_inputs
 from branchdiff.training.recipe import Trainer
 
@@ -81,6 +85,7 @@ MITIGATIONS: dict[str, tuple[str, list[str]]] = {  # name: (the curves variant i
     "gold-reward": ("default", []),
 }
 REFERENCE = "none"
+WATCH_WINDOWS, WATCH_TOLERANCES = (1, 2), (0.0, 0.02, 0.05, 0.1)  # the watch's settings replayed on every run (watch_sweep)
 
 
 def mitigation_spec(spec: str) -> tuple[str, list[str]]:
@@ -273,6 +278,39 @@ def _best_of_n_base(config: TrainConfig, prompt_set, verifier, verifier_name: st
     return {str(n): row for n, row in best_of_n(proxy, gold, bon_max).items()}
 
 
+def first_alarm(run: dict, window: int, tolerance: float) -> int | None:
+    """The index of the first evaluation of `run` (its train_reward and gold series) the watch flags with these
+    settings, or None."""
+    for k in range(len(run["gold"])):
+        if diverging(run["train_reward"][: k + 1], run["gold"][: k + 1], window, tolerance):
+            return k
+    return None
+
+
+def watch_sweep(runs: dict[str, list[dict]], windows: Sequence[int] = WATCH_WINDOWS, tolerances: Sequence[float] = WATCH_TOLERANCES) -> list[dict]:
+    """The watch replayed on every run's record with each (window, tolerance). On the runs trained on a proxy to the
+    end (every variant but gold-reward and watch-stop): how many it flags, its lead (the alarm's iteration minus the
+    iteration of the run's best gold; > 0: after the peak), and the gold a run stopped there keeps (its best evaluation
+    up to the alarm; its end when never flagged) against the gold at the end without stopping. On gold-reward's runs:
+    its false alarms."""
+    proxy_runs = [run for label, label_runs in runs.items() if mitigation_spec(label)[0] not in ("gold-reward", "watch-stop") for run in label_runs]
+    gold_runs = [run for label, label_runs in runs.items() if mitigation_spec(label)[0] == "gold-reward" for run in label_runs]
+    rows = []
+    for window in windows:
+        for tolerance in tolerances:
+            leads, kept = [], []
+            for run in proxy_runs:
+                alarm = first_alarm(run, window, tolerance)
+                if alarm is not None:
+                    leads.append(run["eval_iterations"][alarm] - run["eval_iterations"][int(np.argmax(run["gold"]))])
+                kept.append(max(run["gold"][: alarm + 1]) if alarm is not None else run["gold"][-1])
+            rows.append({"window": window, "tolerance": tolerance, "flagged": len(leads), "proxy_runs": len(proxy_runs),
+                         "median_lead": float(np.median(leads)) if leads else None, "kept_gold": statistics.mean(kept) if kept else None,
+                         "end_gold": statistics.mean(run["gold"][-1] for run in proxy_runs) if proxy_runs else None,
+                         "false_alarms": sum(first_alarm(run, window, tolerance) is not None for run in gold_runs), "gold_runs": len(gold_runs)})
+    return rows
+
+
 def summarize_hacking(runs: dict[str, list[dict]], grid: list[int], bon: dict, settings: dict) -> dict:
     """Per variant: mean curves, peak and end gold with their intervals, KL at the end, differences from `none` paired by
     seed, the watch's alarms, Gao et al.'s RL fit; best-of-n and its fit."""
@@ -299,7 +337,7 @@ def summarize_hacking(runs: dict[str, list[dict]], grid: list[int], bon: dict, s
     bon_d = np.sqrt([row["kl"] for row in bon.values()])
     bon_gain = np.array([row["gold"] - bon["1"]["gold"] for row in bon.values()])
     return {"grid": grid, "base_gold": base, "variants": variants, "best_of_n": bon,
-            "bon_fit": list(fit_form(bon_d, bon_gain, "bon")) if (bon_d > 0).sum() >= 2 else None, "settings": settings}
+            "bon_fit": list(fit_form(bon_d, bon_gain, "bon")) if (bon_d > 0).sum() >= 2 else None, "watch": watch_sweep(runs), "settings": settings}
 
 
 def format_hacking(result: dict, markdown: bool = False) -> str:
@@ -317,9 +355,19 @@ def format_hacking(result: dict, markdown: bool = False) -> str:
     bon = result["best_of_n"]
     bon_rows = [[n, f"{row['kl']:.3f}", f"{row['proxy']:.3f}", f"{row['gold']:.3f}"] for n, row in bon.items()]
     fit = result["bon_fit"]
+    watch_rows = [[str(row["window"]), f"{row['tolerance']:g}", f"{row['flagged']} of {row['proxy_runs']}",
+                   "—" if row["median_lead"] is None else f"{row['median_lead']:+g}", _number(row["kept_gold"]), _number(row["end_gold"]),
+                   f"{row['false_alarms']} of {row['gold_runs']}"] for row in result.get("watch", [])]
     return (table(header, rows, markdown) + f"\n\nBase model's gold: {result['base_gold']:.3f}. Best-of-n on the same proxy (base samples):\n\n"
             + table(["n", "KL", "proxy of the pick", "gold of the pick"], bon_rows, markdown)
-            + (f"\n\nBest-of-n fit: Δgold = d·({fit[0]:.3f} − {fit[1]:.3f}·d), d = √KL" if fit else ""))
+            + (f"\n\nBest-of-n fit: Δgold = d·({fit[0]:.3f} − {fit[1]:.3f}·d), d = √KL" if fit else "")
+            + ("\n\nThe watch replayed on the proxy runs (every variant but gold-reward and watch-stop) and on gold-reward's:\n\n"
+               + table(["window", "tolerance", "proxy runs flagged", "median lead (its.)", "gold kept if stopped", "gold at end",
+                        "false alarms (gold-reward)"], watch_rows, markdown) if watch_rows else ""))
+
+
+def _number(value: float | None) -> str:
+    return "—" if value is None else f"{value:.3f}"
 
 
 def plot_hacking(result: dict, path: Path) -> None:
