@@ -129,3 +129,17 @@ def test_the_watch_replayed_gives_its_lead_the_gold_it_keeps_and_its_false_alarm
     wide = rows[2, 0.1]  # compares 20 with 0: hacked 0.3 vs 0.2 is no fall; slow 0.1 vs 0.4 is
     assert (wide["flagged"], wide["median_lead"], wide["false_alarms"]) == (1, 20.0, 0)
     assert wide["kept_gold"] == pytest.approx((0.3 + 0.4) / 2)
+
+
+@pytest.mark.parametrize("result", ["hacking-n64.json", "hacking-n4096.json"])
+def test_the_docs_tables_are_what_their_merge_computes(tmp_path, result):
+    """docs/hacking.md's tables hold the rows `bench hacking --merge docs/RESULT` prints."""
+    from pathlib import Path
+
+    from branchdiff.bench.hacking import format_hacking
+
+    docs = Path(__file__).resolve().parents[1] / "docs"
+    merged = merge_hacking([docs / result], tmp_path, None)
+    page = (docs / "hacking.md").read_text()
+    rows = [line for line in format_hacking(merged, markdown=True).splitlines() if line.startswith("| ") and "---" not in line]
+    assert len(rows) > 10 and all(row in page for row in rows), [row for row in rows if row not in page]
