@@ -376,12 +376,13 @@ def plot_hacking(result: dict, path: Path) -> None:
 
     figure = Figure(figsize=(11, 8))
     axes = figure.subplots(2, 2)
-    for label, v in result["variants"].items():
+    for k, (label, v) in enumerate(result["variants"].items()):
         root_kl = np.sqrt(np.maximum(v["mean_kl"], 0.0))
-        line, = axes[0, 0].plot(result["grid"], v["mean_gold"], marker="o", markersize=3, label=label)
-        axes[0, 1].plot(result["grid"], v["mean_proxy"], marker="o", markersize=3, color=line.get_color())
-        axes[1, 0].plot(root_kl, v["mean_gold"], marker="o", markersize=3, color=line.get_color())
-        axes[1, 1].plot(root_kl, v["mean_proxy"], marker="o", markersize=3, color=line.get_color())
+        line, = axes[0, 0].plot(result["grid"], v["mean_gold"], marker="o", markersize=3, label=label,
+                                linestyle=("-", "--", ":")[k // 10 % 3])  # matplotlib's 10 colours, then again dashed, dotted
+        axes[0, 1].plot(result["grid"], v["mean_proxy"], marker="o", markersize=3, color=line.get_color(), linestyle=line.get_linestyle())
+        axes[1, 0].plot(root_kl, v["mean_gold"], marker="o", markersize=3, color=line.get_color(), linestyle=line.get_linestyle())
+        axes[1, 1].plot(root_kl, v["mean_proxy"], marker="o", markersize=3, color=line.get_color(), linestyle=line.get_linestyle())
     bon = list(result["best_of_n"].values())
     bon_d = np.sqrt([row["kl"] for row in bon])
     axes[1, 0].plot(bon_d, [row["gold"] for row in bon], "k--", marker="s", markersize=3, label="best-of-n")
