@@ -141,17 +141,22 @@ def split_variants(text: str) -> list[str]:
     return [spec for spec in [*specs, current] if spec]
 
 
-def variant_spec(spec: str) -> tuple[str, list[str]]:
-    """(variant, its extra overrides) of a spec `name[:key=value[:key=value...]]` (the tuning grids: `awm:train.learning_rate=1e-4`);
-    the spec is the variant's label in the tables."""
+def split_spec(spec: str, allowed: Sequence[str], kind: str, example: str) -> tuple[str, list[str]]:
+    """(name, its extra overrides) of a benchmark's spec `name[:key=value[:key=value...]]`, the name one of `allowed`
+    (`kind` and `example` for the refusal); the spec is its label in the tables."""
     name, *overrides = spec.split(":")
-    if name not in VARIANTS and name not in WARM_STARTS:
-        raise ValueError(f"unknown variant {name!r} in {spec!r}; allowed: {', '.join([*VARIANTS, *WARM_STARTS])}, each optionally with "
-                         ":key=value overrides (e.g. awm:train.learning_rate=1e-4)")
+    if name not in allowed:
+        raise ValueError(f"unknown {kind} {name!r} in {spec!r}; allowed: {', '.join(allowed)}, each optionally with "
+                         f":key=value overrides (e.g. {example})")
     bad = [item for item in overrides if "=" not in item]
     if bad:
-        raise ValueError(f"variant {spec!r}: {bad[0]!r} is not key=value; write name:key=value:key=value")
+        raise ValueError(f"{kind} {spec!r}: {bad[0]!r} is not key=value; write name:key=value:key=value")
     return name, overrides
+
+
+def variant_spec(spec: str) -> tuple[str, list[str]]:
+    """(variant, its extra overrides) of a spec `name[:key=value[:key=value...]]` (the tuning grids: `awm:train.learning_rate=1e-4`)."""
+    return split_spec(spec, [*VARIANTS, *WARM_STARTS], "variant", "awm:train.learning_rate=1e-4")
 
 
 def group_size(config: TrainConfig) -> int:

@@ -54,7 +54,7 @@ import numpy as np
 import torch
 import yaml
 
-from branchdiff.bench.curves import COMMON, TASKS, VARIANTS, split_variants
+from branchdiff.bench.curves import COMMON, TASKS, VARIANTS, split_spec, split_variants
 from branchdiff.bench.equal_budget import paired_p
 from branchdiff.bench.stats import t_interval
 from branchdiff.bench.tables import table, write_outputs
@@ -90,14 +90,7 @@ WATCH_WINDOWS, WATCH_TOLERANCES = (1, 2), (0.0, 0.02, 0.05, 0.1)  # the watch's 
 
 def mitigation_spec(spec: str) -> tuple[str, list[str]]:
     """(mitigation, its extra overrides) of `name[:key=value...]` (the label in the tables is the spec)."""
-    name, *overrides = spec.split(":")
-    if name not in MITIGATIONS:
-        raise ValueError(f"unknown mitigation {name!r} in {spec!r}; allowed: {', '.join(MITIGATIONS)}, each optionally with :key=value "
-                         "overrides (e.g. kl:train.kl_beta=0.1)")
-    bad = [item for item in overrides if "=" not in item]
-    if bad:
-        raise ValueError(f"mitigation {spec!r}: {bad[0]!r} is not key=value; write name:key=value:key=value")
-    return name, overrides
+    return split_spec(spec, list(MITIGATIONS), "mitigation", "kl:train.kl_beta=0.1")
 
 
 def reward_overrides(name: str, reward: str, ensemble: Sequence[str], verifier: str) -> list[str]:
