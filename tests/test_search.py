@@ -379,3 +379,51 @@ def test_an_early_stop_leaves_no_phantom_child_and_the_search_spends_its_budget(
     run_search(forest, make_search("dts-star", rollout_depth=2), budget, _brightness, seed=1)
     assert not any(forest.pending) and not any(forest.inflight)
     assert all(budget - STEPS < forest.nfe[p] <= budget for p in range(forest.num_prompts))
+
+
+def _counting(calls: list[int]):
+    """_brightness, counting per prompt the samples it scores."""
+    def score(images: torch.Tensor, prompt_index: list[int]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        for p in prompt_index:
+            calls[p] += 1
+        return _brightness(images, prompt_index)
+    return score
+
+
+@pytest.mark.parametrize("name, options", [("best-of-n", {}), ("tree", {}), ("dts-star", {"rollout_depth": 2}), ("dts", {"x0_value": True})])
+def test_decodes_and_reward_calls_are_the_samples_scored(tiny_adapter, name, options):
+    """Each prompt's decodes and reward calls equal the samples its score was called on (counted apart): its images plus
+    one x̂0 per node valued by its x̂0 (an early stop, or with x0_value every predicted node), each scored once."""
+    forest, calls = _forest(tiny_adapter), [0, 0, 0]
+    result = run_search(forest, make_search(name, **options), 9 * STEPS, _counting(calls), seed=1)
+    for p in range(3):
+        nodes = [n for n in range(len(forest.parent)) if forest.prompt[n] == p]
+        valued = [n for n in nodes if not math.isnan(forest.estimate[n])]  # the nodes whose x̂0 was scored
+        stops = [n for n in nodes if 0 <= forest.depth[n] < STEPS and not forest.children[n]]
+        if options.get("x0_value"):
+            assert valued == [n for n in nodes if forest.output[n] is not None]
+        elif options.get("rollout_depth"):
+            assert set(stops) <= set(valued)
+        else:
+            assert not valued
+        assert forest.decodes[p] == forest.reward_calls[p] == calls[p] == len(result.leaves[p]) + len(valued)
+        assert result.trace[p][-1]["reward_calls"] == calls[p] and result.trace[p][-1]["decodes"] == calls[p]
+    assert calls[0] > len(result.leaves[0]) or not options
+
+
+@pytest.mark.parametrize("name, options", [("best-of-n", {}), ("dts-star", {"rollout_depth": 2}), ("dts", {"x0_value": True}), ("tree", {})])
+def test_a_budget_in_cost_counts_decodes_and_reward_calls_and_is_never_passed(tiny_adapter, name, options):
+    """With a decode priced at 3 rows and a reward call at 5, every prompt's rows + 3·decodes + 5·calls stays within the
+    budget; best-of-N spends it to within one image's cost (4 rows + 8) and makes budget // 12 images."""
+    from branchdiff.search.cost import Prices
+
+    prices, budget = Prices(decode=3.0, reward=5.0), 10 * (STEPS + 8) + 5
+    forest = _forest(tiny_adapter)
+    result = run_search(forest, make_search(name, **options), budget, _brightness, seed=1, prices=prices)
+    for p in range(3):
+        spent = forest.nfe[p] + 3 * forest.decodes[p] + 5 * forest.reward_calls[p]
+        assert spent == forest.spent(p, prices) <= budget and (result.leaves[p] or options.get("rollout_depth"))  # early stops may take it all
+        if name == "best-of-n":
+            assert len(result.leaves[p]) == 10 and forest.nfe[p] == 10 * STEPS and budget - (STEPS + 8) < spent
+    with pytest.raises(ValueError, match="must be ≥ 0"):
+        Prices(decode=-1.0)

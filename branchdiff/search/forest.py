@@ -24,6 +24,7 @@ from branchdiff.core.noise import NodePath
 from branchdiff.core.tree import TreeSpec
 from branchdiff.models.base import ModelAdapter, PromptEmbeds, select_embeds
 from branchdiff.schedulers.schedule import Schedule
+from branchdiff.search.cost import Prices
 
 WAIT = -1  # a selection rule's answer when every node it could pick waits on children still in flight (try again after a forward)
 
@@ -49,6 +50,8 @@ class SearchForest:
     inflight: list[int] = field(default_factory=list)  # selections in flight at or below the node
     estimate: list[float] = field(default_factory=list)  # the reward of the node's predicted clean sample, where a search asks for it (NaN: none)
     nfe: list[int] = field(default_factory=list)  # network rows spent per prompt
+    decodes: list[int] = field(default_factory=list)  # samples decoded per prompt (images and scored x̂0)
+    reward_calls: list[int] = field(default_factory=list)  # samples scored per prompt
     rows_computed: int = 0  # network rows the forwards computed, padding included (fill: sum(nfe) / rows_computed)
     forwards: int = 0  # forward calls made
 
@@ -58,6 +61,8 @@ class SearchForest:
         for p in range(len(self.address.prompt_keys)):
             self._append(-1, -1, p, (), None)
         self.nfe = [0] * self.num_prompts
+        self.decodes = [0] * self.num_prompts
+        self.reward_calls = [0] * self.num_prompts
 
     @property
     def num_prompts(self) -> int:
@@ -84,6 +89,16 @@ class SearchForest:
         if parent >= 0:
             self.children[parent].append(node)
         return node
+
+    def spent(self, prompt: int, prices: Prices) -> float:
+        """The prompt's cost so far in row-equivalents (branchdiff/search/cost.py)."""
+        return prices.cost(self.nfe[prompt], self.decodes[prompt], self.reward_calls[prompt])
+
+    def evaluate(self, nodes: list[int]) -> None:
+        """Charge each node's prompt one decode and one reward call (the node's latent or its x̂0, scored)."""
+        for node in nodes:
+            self.decodes[self.prompt[node]] += 1
+            self.reward_calls[self.prompt[node]] += 1
 
     def rows_per_node(self) -> int:
         """Network rows of one node's prediction (2 under CFG)."""

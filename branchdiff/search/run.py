@@ -22,11 +22,13 @@ most k steps below the node it was added to; where it stops before the last dept
 value, backed up as an image's would be, and later selections may grow it further. Such values are not
 images: the result's leaves, rewards and trace count finished images only.
 
-A selection is made only if the rows its prompt has spent, plus what its rollouts in flight and the new
-one still need (`_rows_left`; a prediction two of them share counted once), fit in the budget, so no
-prompt passes it; with nothing in flight that is the selection's own cost
-(`SearchForest.cost_of_child`). The trace records, after every selection of a prompt is finished, its
-network rows spent, the best reward found, the mean reward of its images so far (over the finite ones)
+The budget is in network rows, or in row-equivalents of rows, decodes and reward calls (`prices`,
+branchdiff/search/cost.py; every finished image and every scored x̂0 is one decode and one reward call).
+A selection is made only if what its prompt has spent, plus what its rollouts in flight and the new one
+still need (`_still_needed`: rows, a prediction two of them share counted once, and the samples they will
+score), fit in the budget, so no prompt passes it; in rows alone and with nothing in flight that is the
+selection's own cost (`SearchForest.cost_of_child`). The trace records, after every selection of a prompt
+is finished, its network rows, decodes and reward calls spent, the best reward found, the mean reward of its images so far (over the finite ones)
 and how many scored non-finite (NaN or infinite rewards count as −inf, the worst, and never stop a
 search); the result names each prompt's best images by their noise paths (`SearchForest.path`), which
 `regenerate_path` turns back into the same latents.
@@ -42,6 +44,7 @@ from typing import Protocol
 import torch
 
 from branchdiff.search.backup import backup_path
+from branchdiff.search.cost import ROWS, Prices
 from branchdiff.search.forest import WAIT, SearchForest
 
 # (images (L, 3, H, W), their prompts) → rewards (L,) and other scores by name, (L,) each (tiny-geneval's strict, ...)
@@ -62,7 +65,7 @@ class SearchResult:
     leaves: list[list[int]]  # per prompt: its leaves (node indices), in the order made
     rewards: list[list[float]]  # per prompt: each leaf's reward (−inf where it was not finite)
     extras: list[list[dict[str, float]]]  # per prompt: each leaf's other scores
-    trace: list[list[dict]] = field(default_factory=list)  # per prompt: {"nfe", "best", "mean", "images", "nonfinite"} after each round
+    trace: list[list[dict]] = field(default_factory=list)  # per prompt, after each round: nfe, decodes, reward_calls, best, mean, images, nonfinite
 
     def best(self, prompt: int, count: int = 1) -> list[int]:
         """The prompt's `count` best leaves (first made first among equal rewards)."""
@@ -86,10 +89,11 @@ class _Rollout:
 
 
 @torch.no_grad()
-def run_search(forest: SearchForest, search: Search, budget: int, score: Score, seed: int = 0, parallel: int = 1) -> SearchResult:
-    """Search every prompt of `forest` within `budget` network rows each (module doc), with up to
-    `parallel` selections in flight per prompt; `score` rewards decoded images; `seed` seeds the
-    selections' draws."""
+def run_search(forest: SearchForest, search: Search, budget: float, score: Score, seed: int = 0, parallel: int = 1,
+               prices: Prices = ROWS) -> SearchResult:
+    """Search every prompt of `forest` within `budget` each (module doc), in network rows or, with `prices`, in
+    row-equivalents, with up to `parallel` selections in flight per prompt; `score` rewards decoded images; `seed`
+    seeds the selections' draws."""
     if parallel < 1:
         raise ValueError(f"a search needs at least one selection in flight per prompt; got parallel={parallel}")
     generators = prompt_generators(seed, forest.num_prompts)
@@ -101,6 +105,7 @@ def run_search(forest: SearchForest, search: Search, budget: int, score: Score, 
     unfinished: list[int] = []  # per selection: its rollouts not yet at the last depth
     rollouts: list[_Rollout] = []  # oldest first
     per_forward = max(1, forest.settings.max_batch // forest.rows_per_node())  # latents per forward
+    x0_value = bool(getattr(search, "x0_value", False))
 
     def finish(r: _Rollout) -> None:
         """One rollout of a selection done (an image, or an early stop); with its selection's last, the selection is finished."""
@@ -108,7 +113,7 @@ def run_search(forest: SearchForest, search: Search, budget: int, score: Score, 
         if unfinished[r.selection] == 0:
             forest.reserve(selected[r.selection], -1, child=False)
             in_flight[r.prompt] -= 1
-            _record(result, r.prompt, forest.nfe[r.prompt])
+            _record(result, forest, r.prompt)
 
     while True:
         for prompt in sorted(selecting):
@@ -117,8 +122,8 @@ def run_search(forest: SearchForest, search: Search, budget: int, score: Score, 
                 if node == WAIT:
                     break
                 candidate = _Rollout(prompt, len(selected), node, True, forest.forwards, _stop_depth(forest, search, node)) if node is not None else None
-                if candidate is None or forest.nfe[prompt] + _rows_left(forest, [r for r in rollouts if r.prompt == prompt] + [candidate],
-                                                                        branching) > budget:
+                needed = _still_needed(forest, [r for r in rollouts if r.prompt == prompt] + [candidate], branching, x0_value) if candidate else None
+                if needed is None or forest.spent(prompt, prices) + prices.cost(*needed) > budget:
                     selecting.discard(prompt)
                     break
                 in_flight[prompt] += 1
@@ -133,7 +138,7 @@ def run_search(forest: SearchForest, search: Search, budget: int, score: Score, 
             first = sorted(range(len(rollouts)), key=lambda i: (forest.nfe[rollouts[i].prompt], rollouts[i].since, i))
             predicted = list(dict.fromkeys(rollouts[i].node for i in first))[:per_forward]
             forest.predict_nodes(predicted)
-            if getattr(search, "x0_value", False):
+            if x0_value:
                 _estimate(forest, score, predicted)
             ready = [r for r in rollouts if forest.output[r.node] is not None]
         stopped = [r for r in ready if not r.fresh and forest.depth[r.node] == r.stop < forest.num_steps]  # early stops, predicted
@@ -163,10 +168,12 @@ def run_search(forest: SearchForest, search: Search, budget: int, score: Score, 
                 finish(r)
 
 
-def _rows_left(forest: SearchForest, rollouts: list[_Rollout], branching: list[int] | None) -> int:
-    """Network rows the rollouts still need to reach the last depth: the prediction of every node they will
-    step from that has none (once, however many share it), and one per node they will make below it but the last."""
-    to_predict, rows = set(), 0
+def _still_needed(forest: SearchForest, rollouts: list[_Rollout], branching: list[int] | None, x0_value: bool) -> tuple[int, int, int]:
+    """(rows, decodes, reward calls) the rollouts still need to reach their stops: the prediction of every node they
+    will step from that has none (once, however many share it) and one per node they will make below it but the
+    last; one sample scored per image they will finish or per early stop (at most: a stop whose x̂0 is scored already
+    is not scored again), and with `x0_value` one per prediction."""
+    to_predict, rows, scored = set(), 0, 0
     for r in rollouts:
         depth = forest.depth[r.node]
         if depth >= 0 and forest.output[r.node] is None:
@@ -175,7 +182,10 @@ def _rows_left(forest: SearchForest, rollouts: list[_Rollout], branching: list[i
         for below in range(depth + 1, min(r.stop, forest.num_steps - 1) + 1):  # each node it makes is predicted but one at the last depth
             rows += width
             width *= 1 if branching is None else branching[below]
-    return (rows + len(to_predict)) * forest.rows_per_node()
+        scored += width if r.stop >= forest.num_steps else 1  # its images, or its early stop's x̂0
+    predictions = rows + len(to_predict)
+    scored += predictions if x0_value else 0
+    return predictions * forest.rows_per_node(), scored, scored
 
 
 def _stop_depth(forest: SearchForest, search: Search, node: int) -> int:
@@ -206,11 +216,13 @@ def _x0_rewards(forest: SearchForest, score: Score, nodes: list[int]) -> list[fl
     """The rewards of the nodes' predicted clean samples (a non-finite one counts as −inf, the worst)."""
     if not nodes:
         return []
+    forest.evaluate(nodes)
     rewards, _ = score(forest.adapter.decode(forest.predicted_x0(nodes)), [forest.prompt[n] for n in nodes])
     return [reward if math.isfinite(reward) else -math.inf for reward in rewards.tolist()]
 
 
 def _score_and_back_up(forest: SearchForest, search: Search, score: Score, leaves: list[int], result: SearchResult) -> None:
+    forest.evaluate(leaves)
     rewards, extras = score(forest.adapter.decode(forest.leaf_latents(leaves)), [forest.prompt[n] for n in leaves])  # (L,), {name: (L,)}
     for row, (leaf, reward) in enumerate(zip(leaves, rewards.tolist())):
         prompt = forest.prompt[leaf]
@@ -222,8 +234,9 @@ def _score_and_back_up(forest: SearchForest, search: Search, score: Score, leave
         result.extras[prompt].append({name: float(values[row]) for name, values in extras.items()})
 
 
-def _record(result: SearchResult, prompt: int, nfe: int) -> None:
+def _record(result: SearchResult, forest: SearchForest, prompt: int) -> None:
     seen = result.rewards[prompt]
     finite = [reward for reward in seen if math.isfinite(reward)]
-    result.trace[prompt].append({"nfe": nfe, "best": max(seen, default=-math.inf), "mean": sum(finite) / len(finite) if finite else -math.inf,
+    result.trace[prompt].append({"nfe": forest.nfe[prompt], "decodes": forest.decodes[prompt], "reward_calls": forest.reward_calls[prompt],
+                                 "best": max(seen, default=-math.inf), "mean": sum(finite) / len(finite) if finite else -math.inf,
                                  "images": len(seen), "nonfinite": len(seen) - len(finite)})
