@@ -20,6 +20,16 @@ strict accuracy), each with a 95% Student-t interval over seeds (branchdiff/benc
 shows the budgets 1, 2, 4, … images. `rows_by_depth`: where each search's rows went, the mean over
 prompts and seeds of the network rows spent at each depth of its trees.
 
+What each search spends per prompt: network rows, decodes and reward calls (every image, and every x̂0 an early stop or
+an in-flight value scores: branchdiff/search/cost.py), and their cost in row-equivalents under each price set of
+`prices` (`PRICE_SETS`: a reward call counted as one row, and the FLOP prices of a decode and a reward call at the tiny
+task's and three real families' weights and sizes, branchdiff/plan/search_prices.py). Under each price set the curves
+are read again on a grid of best-of-N's images in cost (an image: its rows, a decode and a call), and the ratios
+computed in cost.
+
+The mixture's targets are drawn with `target_seed`: TARGET_SEED, which no lever was tuned on, unless a run asks for
+the targets the levers were tuned on (TUNING_TARGET_SEED, with noise seed 0) to report them apart.
+
 `ratios.nfe_best_of_n_over_dts_star`: at best-of-N's mean best reward at the top of the grid, the
 rows best-of-N needs to first reach it over the rows DTS* needs (each linear between grid points),
 with a bootstrap interval over seeds; the paper behind DTS* reports up to 5× on SD 1.5 (arXiv 2506.20701).
@@ -47,6 +57,7 @@ from branchdiff.data.prompts import load_prompt_set
 from branchdiff.models.base import ModelAdapter
 from branchdiff.rewards.combine import parse_reward_specs
 from branchdiff.rewards.multi import build_component, score_component
+from branchdiff.search.cost import ROWS, Prices
 from branchdiff.search.forest import SearchForest
 from branchdiff.search.registry import SEARCHES
 from branchdiff.search.run import Score
@@ -58,7 +69,16 @@ VARIANT_KEYS = {"max_children": int, "root_children": int, "widening": float, "e
                 "x0_value": lambda text: bool(int(text)), "rollout_depth": int}
 STRICT = "strict"
 TASKS = ("tiny", "mixture")
-MIXTURE_DIMS, MIXTURE_PROMPTS, TARGET_WIDTH, TARGET_SEED = 16, 32, 0.5, 123  # the mixture task (module doc)
+MIXTURE_DIMS, MIXTURE_PROMPTS, TARGET_WIDTH = 16, 32, 0.5  # the mixture task (module doc)
+TUNING_TARGET_SEED, TARGET_SEED = 123, 2027  # the targets DTS*'s levers were tuned on (with noise seed 0), and held-out ones
+# price sets (module doc): fixed prices, or (preset, its overrides, the reward, its kwargs) priced by branchdiff/plan/search_prices.py
+PRICE_SETS: dict[str, Prices | tuple[str, list[str], str, dict]] = {
+    "call-as-row": Prices(reward=1.0),
+    "tiny": ("tiny-mix", [], "tiny-geneval", {}),
+    "sd35-pickscore-512": ("sd35-pickscore", ["model.resolution=512"], "pickscore", {}),
+    "flux-hps-1024": ("flux-hps-branchgrpo", ["model.resolution=1024"], "hpsv2.1", {}),
+    "wan-1.3b-videoalign": ("wan-mq-chain", [], "videoalign", {"num_frames": 9}),
+}
 
 
 @dataclass(frozen=True)
@@ -89,11 +109,12 @@ def tiny_task(prompts: int | None = None) -> SearchTask:
     return SearchTask("tiny", load_adapter("tiny", None), texts, reward_name, score, STRICT)
 
 
-def mixture_task(prompts: int | None = None) -> SearchTask:
-    """The 16-D mixture's target-point search (module doc): `prompts` searches (None: MIXTURE_PROMPTS), each its own x*_p."""
+def mixture_task(prompts: int | None = None, target_seed: int = TARGET_SEED) -> SearchTask:
+    """The 16-D mixture's target-point search (module doc): `prompts` searches (None: MIXTURE_PROMPTS), each its own x*_p,
+    the targets drawn with `target_seed`."""
     mixture = random_mixture(MIXTURE_DIMS)
     count = prompts or MIXTURE_PROMPTS
-    targets = mixture.sample(max(count, MIXTURE_PROMPTS), torch.Generator().manual_seed(TARGET_SEED))[:count]  # the first n of the task's
+    targets = mixture.sample(max(count, MIXTURE_PROMPTS), torch.Generator().manual_seed(target_seed))[:count]  # the first n of the task's
     reward = target_reward(targets, TARGET_WIDTH)
 
     def score(points: torch.Tensor, prompt_index: list[int]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -102,12 +123,40 @@ def mixture_task(prompts: int | None = None) -> SearchTask:
     return SearchTask("mixture", GaussianMixtureAdapter(mixture), [""] * count, "target proximity", score, None)
 
 
-def best_curves(result, grid: list[int], verifier: str | None = STRICT) -> tuple[list[float], list[float]]:
-    """Mean over prompts of the winner's reward and of its `verifier` score (NaN without one) at each budget of the grid;
-    NaN at a budget where a prompt has no image yet (a mean over some of the prompts would not compare)."""
+def price_sets(names: list[str]) -> dict[str, dict]:
+    """Each named price set of PRICE_SETS: {"decode", "reward"} in rows, and for a family's the FLOPs they come from."""
+    from branchdiff.plan.search_prices import price_search
+    from branchdiff.settings.load import load_config
+
+    unknown = [name for name in names if name not in PRICE_SETS]
+    if unknown or not names:
+        raise ValueError(f"bench search --prices: unknown price set(s) {', '.join(unknown) or '(none given)'}; allowed: {', '.join(PRICE_SETS)}")
+    priced = {}
+    for name in names:
+        chosen = PRICE_SETS[name]
+        if isinstance(chosen, Prices):
+            priced[name] = {"decode": chosen.decode, "reward": chosen.reward}
+            continue
+        preset, overrides, reward, kwargs = chosen
+        run = price_search(load_config(preset, overrides), reward, kwargs)
+        priced[name] = {"decode": run.prices.decode, "reward": run.prices.reward, "row_flops": run.row_flops, "decode_flops": run.decode_flops,
+                        "reward_flops": run.reward_flops, "from": f"{preset} {' '.join(overrides)} + {reward}".replace("  ", " ")}
+    return priced
+
+
+def cost_grid(prices: Prices, images: int) -> list[float]:
+    """1..`images` of best-of-N's images in cost: each its STEPS rows, a decode and a reward call."""
+    return [(STEPS + prices.evaluation) * k for k in range(1, images + 1)]
+
+
+def best_curves(result, grid: list[float], verifier: str | None = STRICT, prices: Prices = ROWS) -> tuple[list[float], list[float]]:
+    """Mean over prompts of the winner's reward and of its `verifier` score (NaN without one) at each budget of the grid
+    (in rows, or in cost under `prices`); NaN at a budget where a prompt has no image yet (a mean over some of the prompts
+    would not compare)."""
     rewards, checks = [], []
     for budget in grid:
-        made = [max((r["images"] for r in rounds if r["nfe"] <= budget), default=0) for rounds in result.trace]  # images per prompt
+        made = [max((r["images"] for r in rounds if prices.cost(r["nfe"], r["decodes"], r["reward_calls"]) <= budget), default=0)
+                for rounds in result.trace]  # images per prompt
         if 0 in made:
             rewards.append(math.nan)
             checks.append(math.nan)
@@ -129,18 +178,24 @@ def rows_by_depth(forest: SearchForest) -> list[float]:
 
 
 def bench_search(images: int, seeds: int, json_path: Path | None, out_dir: Path, searches: list[str] | None = None,
-                 prompts: int | None = None, task: str = "tiny", first_seed: int = 0) -> dict:
+                 prompts: int | None = None, task: str = "tiny", first_seed: int = 0, target_seed: int | None = None,
+                 prices: list[str] | None = None) -> dict:
     """Run every search (module doc) for `seeds` seeds from `first_seed` at a budget of `images` images' rows per
-    prompt on `task` (`prompts`: the first n prompts, None: the task's all); write out_dir/search-bench.png and
-    search-bench.md (not search.md: `--out` defaults to docs/, whose search.md is the guide), print the table, return (and write to `json_path`) the result."""
+    prompt on `task` (`prompts`: the first n prompts, None: the task's all; `target_seed`: the mixture's targets, None:
+    TARGET_SEED); read each in rows and under each price set of `prices` (None: all of PRICE_SETS); write
+    out_dir/search-bench.png and search-bench.md, print the tables, return (and write to `json_path`) the result."""
     names = list(SEARCHES) if searches is None else searches
     variants = {name: parse_variant(name) for name in names}
     if images < 1 or seeds < 1:
         raise ValueError(f"bench search needs images ≥ 1 and seeds ≥ 1; got {images}, {seeds}")
     if task not in TASKS:
         raise ValueError(f"bench search: unknown task {task!r}; allowed: {', '.join(TASKS)}")
-    chosen = tiny_task(prompts) if task == "tiny" else mixture_task(prompts)
+    if target_seed is not None and task != "mixture":
+        raise ValueError("bench search: --target-seed draws the mixture task's targets; add --task mixture or leave it out")
+    priced = price_sets(list(PRICE_SETS) if prices is None else prices)
+    chosen = tiny_task(prompts) if task == "tiny" else mixture_task(prompts, TARGET_SEED if target_seed is None else target_seed)
     grid = [STEPS * k for k in range(1, images + 1)]
+    grids = {name: cost_grid(Prices(p["decode"], p["reward"]), images) for name, p in priced.items()}
     runs: dict[str, list[dict]] = {name: [] for name in names}
     for seed in range(first_seed, first_seed + seeds):
         for name in names:
@@ -149,21 +204,29 @@ def bench_search(images: int, seeds: int, json_path: Path | None, out_dir: Path,
             forest, result = search_prompts(chosen.adapter, chosen.prompts, settings, chosen.score)
             best, checked = best_curves(result, grid, chosen.verifier)
             fill = sum(forest.nfe) / forest.rows_computed if forest.rows_computed else math.nan  # NaN: no forward (nothing fit the budget)
-            runs[name].append({"best_reward": best, "strict": checked, "nfe": [forest.nfe[p] for p in range(len(chosen.prompts))], "fill": fill,
-                               "rows_by_depth": rows_by_depth(forest)})
+            spent = {"rows": forest.nfe, "decodes": forest.decodes, "reward_calls": forest.reward_calls}
+            runs[name].append({"best_reward": best, "strict": checked, "nfe": list(forest.nfe), "fill": fill, "rows_by_depth": rows_by_depth(forest),
+                               "spent": {key: statistics.mean(values) for key, values in spent.items()},
+                               "priced": {set_name: best_curves(result, grids[set_name], None, Prices(p["decode"], p["reward"]))[0]
+                                          for set_name, p in priced.items()}})
             shown = table_columns(grid)
             print(f"seed {seed} {name}: best reward " + " ".join(f"{best[i]:.3f}" for i in shown)
                   + (" | strict " + " ".join(f"{checked[i]:.3f}" for i in shown) if chosen.verifier else "")
+                  + " | per prompt: rows {rows:.0f}, decodes {decodes:.1f}, reward calls {reward_calls:.1f}".format(**runs[name][-1]["spent"])
                   + f" | rows per forward {fill:.1%} of {MAX_BATCH}".replace("nan%", "—"), flush=True)
-    result = {**_result(runs, grid, seeds, chosen), "first_seed": first_seed}
+    result = {**_result(runs, grid, seeds, chosen, priced, grids), "first_seed": first_seed}
+    if task == "mixture":
+        result["target_seed"] = TARGET_SEED if target_seed is None else target_seed
     print(format_table(result))
+    print(format_spent(result))
     print(format_ratio(result))
     command = (f"branchdiff bench search --images {images} --seeds {seeds}" + (f" --first-seed {first_seed}" if first_seed else "")
-               + (f" --task {task}" if task != "tiny" else "")
-               + (f" --variants {','.join(names)}" if searches else "") + (f" --json {json_path}" if json_path else "") + f" --out {out_dir}")
+               + (f" --task {task}" if task != "tiny" else "") + (f" --target-seed {target_seed}" if target_seed is not None else "")
+               + (f" --variants {','.join(names)}" if searches else "") + (f" --prices {','.join(priced)}" if prices else "")
+               + (f" --json {json_path}" if json_path else "") + f" --out {out_dir}")
     write_outputs(out_dir, "search-bench", f"Best reward against network rows per prompt, {task} task", f"`{command}` (searches={names}, "
-                  f"prompts={len(chosen.prompts)})", f"{format_table(result, markdown=True)}\n\n{format_ratio(result)}\n\n{format_depths(result)}",
-                  lambda path: plot_search(result, path), result, json_path)
+                  f"prompts={len(chosen.prompts)})", f"{format_table(result, markdown=True)}\n\n{format_spent(result, markdown=True)}\n\n"
+                  f"{format_ratio(result, markdown=True)}\n\n{format_depths(result)}", lambda path: plot_search(result, path), result, json_path)
     return result
 
 
@@ -173,27 +236,41 @@ def table_columns(grid: list[int]) -> list[int]:
     return shown if shown[-1] == len(grid) - 1 else [*shown, len(grid) - 1]
 
 
-def _result(runs: dict[str, list[dict]], grid: list[int], seeds: int, task: SearchTask) -> dict:
+def _summary(per_seed: list[list[float]]) -> dict:
+    """Per point, the mean over seeds and its 95% interval (NaN where a seed has no image yet), beside the seeds' values."""
+    per_point = [list(v) for v in zip(*per_seed)]  # (points, seeds)
+    return {"seeds": per_seed, "mean": [statistics.mean(v) if all(map(math.isfinite, v)) else math.nan for v in per_point],
+            "ci": [list(t_interval(v)) if all(map(math.isfinite, v)) else [math.nan, math.nan] for v in per_point]}
+
+
+def _ratios(searches: dict, curve, grid: list[float]) -> dict:
+    """Each DTS* variant's `nfe_ratio` against best-of-N on the curves `curve(entry)` read on `grid`, with its interval."""
+    ratios: dict = {}
+    for name in searches:
+        if name.startswith("dts-star") and "best-of-n" in searches:
+            reference, variant = curve(searches["best-of-n"]), curve(searches[name])
+            key = "nfe_best_of_n_over_" + name.replace("-", "_")
+            ratios[key] = nfe_ratio(reference["mean"], variant["mean"], grid)
+            ratios[key + "_ci"] = nfe_ratio_interval(reference["seeds"], variant["seeds"], grid)
+    return ratios
+
+
+def _result(runs: dict[str, list[dict]], grid: list[int], seeds: int, task: SearchTask, priced: dict[str, dict],
+            grids: dict[str, list[float]]) -> dict:
     searches = {}
     for name, seed_runs in runs.items():
         entry: dict = {"rows_by_depth": [statistics.mean(v) for v in zip(*(r["rows_by_depth"] for r in seed_runs))]}
         for key in ("best_reward", "strict") if task.verifier else ("best_reward",):
-            per_point = [list(v) for v in zip(*(r[key] for r in seed_runs))]  # (points, seeds); NaN: no image within that budget yet
-            entry[key] = {"seeds": [r[key] for r in seed_runs],
-                          "mean": [statistics.mean(v) if all(map(math.isfinite, v)) else math.nan for v in per_point],
-                          "ci": [list(t_interval(v)) if all(map(math.isfinite, v)) else [math.nan, math.nan] for v in per_point]}
+            entry[key] = _summary([r[key] for r in seed_runs])
         entry["nfe_mean"] = statistics.mean(n for r in seed_runs for n in r["nfe"])
         entry["fill"] = statistics.mean(r["fill"] for r in seed_runs)
+        entry["spent"] = {key: statistics.mean(r["spent"][key] for r in seed_runs) for key in seed_runs[0]["spent"]}
+        entry["priced"] = {set_name: _summary([r["priced"][set_name] for r in seed_runs]) for set_name in priced}
         searches[name] = entry
-    ratios = {}
-    for name in searches:
-        if name.startswith("dts-star") and "best-of-n" in searches:
-            reference, variant = searches["best-of-n"]["best_reward"], searches[name]["best_reward"]
-            key = "nfe_best_of_n_over_" + name.replace("-", "_")
-            ratios[key] = nfe_ratio(reference["mean"], variant["mean"], grid)
-            ratios[key + "_ci"] = nfe_ratio_interval(reference["seeds"], variant["seeds"], grid)
     return {"task": task.name, "grid_nfe": grid, "seeds": seeds, "prompts": len(task.prompts), "steps": STEPS, "reward": task.reward,
-            "searches": searches, "ratios": ratios}
+            "searches": searches, "ratios": _ratios(searches, lambda entry: entry["best_reward"], grid), "prices": priced,
+            "grid_cost": grids, "ratios_cost": {set_name: _ratios(searches, lambda entry, s=set_name: entry["priced"][s], grids[set_name])
+                                                for set_name in priced}}
 
 
 def parse_variant(variant: str) -> tuple[str, dict[str, float | int]]:
@@ -265,21 +342,36 @@ def format_depths(result: dict) -> str:
     return "Network rows per prompt at each depth (0: the initial noises' first step):\n\n" + table(["search", *map(str, range(depths))], rows, True)
 
 
-def format_ratio(result: dict) -> str:
-    """One line per DTS* variant: the rows best-of-N needs over the rows it needs, with the interval; and rows per forward."""
-    top = result["grid_nfe"][-1]
-    lines = []
-    for key, ratio in result["ratios"].items():
-        if key.endswith("_ci"):
-            continue
-        low, high = result["ratios"][key + "_ci"]
-        value = "never reaches it within the budget" if ratio is None else f"{ratio:.2f}× fewer rows"
-        lines.append(f"{key} (rows best-of-N needs to first reach its mean best reward at {top} rows, over the rows the variant needs): "
-                     f"{value} [95% bootstrap interval over seeds {low:.2f}, {high:.2f}]")
-    if not lines:
-        lines.append("nfe_best_of_n_over_dts_star: needs both best-of-n and dts-star")
+def format_spent(result: dict, markdown: bool = False) -> str:
+    """Per search: the mean rows, decodes and reward calls a prompt spent over the whole budget, and their cost under each
+    price set (row-equivalents)."""
+    sets = result.get("prices", {})
+    header = ["search", "rows", "decodes", "reward calls", *(f"cost: {name}" for name in sets)]
+    rows = []
+    for name, entry in result["searches"].items():
+        spent = entry["spent"]
+        costs = (Prices(p["decode"], p["reward"]).cost(spent["rows"], spent["decodes"], spent["reward_calls"]) for p in sets.values())
+        rows.append([name, f"{spent['rows']:.0f}", f"{spent['decodes']:.1f}", f"{spent['reward_calls']:.1f}", *(f"{c:.0f}" for c in costs)])
+    prices = "; ".join(f"{name}: a decode {p['decode']:.3g} rows, a reward call {p['reward']:.3g}" for name, p in sets.items())
+    return f"Spent per prompt over the whole budget (prices: {prices}):\n\n" + table(header, rows, markdown)
+
+
+def format_ratio(result: dict, markdown: bool = False) -> str:
+    """Per DTS* variant, the rows best-of-N needs to first reach its mean best reward at the top of the grid over the rows
+    the variant needs, and the same in cost under each price set [95% bootstrap intervals]; and rows per forward."""
+    def cell(ratios: dict, key: str) -> str:
+        ratio, (low, high) = ratios[key], ratios[key + "_ci"]
+        return f"never [{low:.2f}, {high:.2f}]" if ratio is None else f"{ratio:.2f}× [{low:.2f}, {high:.2f}]"
+
+    keys = [key for key in result["ratios"] if not key.endswith("_ci")]
+    sets = list(result.get("ratios_cost", {}))
     fills = ", ".join(f"{name} {entry['fill']:.1%}".replace("nan%", "—") for name, entry in result["searches"].items())
-    return "\n".join(lines + [f"rows per forward, share of {MAX_BATCH}: {fills}"])
+    if not keys:
+        return f"nfe_best_of_n_over_dts_star: needs both best-of-n and dts-star\nrows per forward, share of {MAX_BATCH}: {fills}"
+    rows = [[key, cell(result["ratios"], key), *(cell(result["ratios_cost"][s], key) for s in sets)] for key in keys]
+    return ("What best-of-N needs to first reach its mean best reward at the top of the grid, over what the variant needs "
+            "(≥ 1: the variant is cheaper), in rows and in cost [95% bootstrap interval over seeds]:\n\n"
+            + table(["variant", "rows", *(f"cost: {s}" for s in sets)], rows, markdown) + f"\n\nrows per forward, share of {MAX_BATCH}: {fills}")
 
 
 def plot_search(result: dict, path: Path) -> None:

@@ -284,6 +284,10 @@ def _bench_arguments(bench: argparse.ArgumentParser) -> None:
                                                                                  "a reward that does not saturate within the budgets")
     search.add_argument("--testbeds", default=None, help="with --sampler: comma-separated testbeds as DIMS-D-REWARD (default: all: "
                                                          "2-D-mode, 2-D-sharp, 2-D-smooth, 16-D-mode)")
+    search.add_argument("--target-seed", type=at_least(0), default=None, help="with --task mixture: the seed of its target points (default: "
+                                                                               "2027, which no lever was tuned on; 123: the tuning's)")
+    search.add_argument("--prices", default=None, help="comma-separated price sets the searches' cost is read under (default: all: call-as-row, "
+                                                       "tiny, sd35-pickscore-512, flux-hps-1024, wan-1.3b-videoalign; docs/search.md)")
     overlap.add_argument("--iterations", type=at_least(1), default=9, help="timed iterations of each mode (median reported)")
     overlap.add_argument("--replicas", type=at_least(2), default=None, help="instead: a reward twice as slow as the rollout served by one "
                                                                             "replica and by this many, both overlapped (docs/reward-server.md)")

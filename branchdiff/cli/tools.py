@@ -85,10 +85,11 @@ def cmd_bench(args: argparse.Namespace) -> None:
 
         bench_cache(args.json, _thresholds(args.thresholds), args.draws, args.first_draw, args.repeats, args.task, args.overrides)
     elif args.which == "search" and args.sampler:
-        if args.task is not None or args.first_seed:
-            option = "--task" if args.task is not None else "--first-seed"
-            raise UserError(f"bench search: {option} is an option of bench search's best-reward benchmark, not of --sampler (its testbeds and "
-                            "seeds 0..n−1); leave one of them out")
+        given_options = [option for option, value in (("--task", args.task is not None), ("--first-seed", args.first_seed),
+                                                      ("--target-seed", args.target_seed is not None), ("--prices", args.prices is not None)) if value]
+        if given_options:
+            raise UserError(f"bench search: {given_options[0]} is an option of bench search's best-reward benchmark, not of --sampler (its "
+                            "testbeds and seeds 0..n−1); leave one of them out")
         from branchdiff.bench.sampler import bench_sampler, parse_testbeds
 
         given = {} if args.temperature is None else {"temperature": args.temperature}
@@ -101,7 +102,8 @@ def cmd_bench(args: argparse.Namespace) -> None:
                 raise UserError(f"bench search: {option} is {what} of bench search --sampler; add --sampler or leave {option} out")
         from branchdiff.bench.search import bench_search
 
-        bench_search(args.images, args.seeds, args.json, args.out, _variants(args.variants), task=args.task or "tiny", first_seed=args.first_seed)
+        bench_search(args.images, args.seeds, args.json, args.out, _variants(args.variants), task=args.task or "tiny", first_seed=args.first_seed,
+                     target_seed=args.target_seed, prices=None if args.prices is None else [n.strip() for n in args.prices.split(",") if n.strip()])
     elif args.which == "proxies":
         from branchdiff.bench.proxies import build_proxies
 

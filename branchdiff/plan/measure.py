@@ -144,6 +144,7 @@ class Measured:
     decode_image: float  # VAE decode peak per image
     geometry: Geometry
     config: dict  # the denoiser's full config (its class's defaults filled in)
+    decode_flops: float = 0.0  # of one VAE decode (0: a pixel-space model)
 
     def _scaled(self, t: Trace, per_kind: dict, base: Cost) -> Cost:
         """`base` (the traced copy) + Σ over block kinds (real − traced blocks) × per block: a kind the traced copy
@@ -239,12 +240,12 @@ def measure(family: Family, dtype: torch.dtype, rank: int, alpha: float, size: S
         model.enable_gradient_checkpointing(
             lambda module, *args: torch.utils.checkpoint.checkpoint(module.__call__, *args, use_reentrant=False, preserve_rng_state=False))
         ckpt = trace(model, family, shape, size, True, autocast)
-        decode_image = 0.0
+        decode_image = decode_flops = 0.0
         if vae is not None:
             vae.to_empty(device="cuda")
-            decode_image = trace_vae_decode(vae, family.vae_latent(shape, size))
+            decode_image, decode_flops = trace_vae_decode(vae, family.vae_latent(shape, size))
     return Measured(params, buffers, unused_params, lora, lora_base, copy_bytes, quantised, encoders, numel(vae) if vae is not None else 0, counts,
-                    block_params, plain, ckpt, nograd, decode_image, shape, dict(full.config))
+                    block_params, plain, ckpt, nograd, decode_image, shape, dict(full.config), decode_flops)
 
 
 REWARD_PARAMS: dict[str, int] = {}

@@ -170,11 +170,13 @@ def forward_peak(model: torch.nn.Module, inputs: dict, grad: bool, autocast: tor
     return peak
 
 
-def trace_vae_decode(vae: torch.nn.Module, latent: tuple[int, ...]) -> float:
-    """Peak bytes of decoding one image (no grad, the VAE's dtype, outside autocast as adapter.decode)."""
-    tracker = LiveBytes(set())
-    with efficient_attention(), torch.no_grad(), tracker:
+def trace_vae_decode(vae: torch.nn.Module, latent: tuple[int, ...]) -> tuple[float, float]:
+    """Peak bytes and floating-point operations (multiply-add = 2) of decoding one image (no grad, the VAE's dtype,
+    outside autocast as adapter.decode)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    tracker, counter = LiveBytes(set()), FlopCounterMode(display=False)
+    with efficient_attention(), torch.no_grad(), tracker, counter:
         z = torch.empty(1, *latent, device="cuda", dtype=vae.dtype)
         vae.decode(z, return_dict=False)
-    return tracker.peak.at(1)
-
+    return tracker.peak.at(1), float(counter.get_total_flops())
