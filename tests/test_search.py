@@ -427,3 +427,27 @@ def test_a_budget_in_cost_counts_decodes_and_reward_calls_and_is_never_passed(ti
             assert len(result.leaves[p]) == 10 and forest.nfe[p] == 10 * STEPS and budget - (STEPS + 8) < spent
     with pytest.raises(ValueError, match="must be ≥ 0"):
         Prices(decode=-1.0)
+
+
+def test_sample_search_takes_a_budget_in_cost_and_refuses_prices_without_it(tiny_model_dir, tmp_path, capsys):
+    """`--budget-unit cost --reward-cost 2`: each prompt spends rows + 2·calls within the budget (the tiny model decodes in
+    pixel space: the plan counts a decode at 0), recorded in the trace; a price without a budget in cost, a reward the
+    plan does not count without --reward-cost, and a budget below one priced image are each one line before any search."""
+    from branchdiff.cli import main
+
+    model = ["--model", str(tiny_model_dir), "--steps", str(STEPS)]
+    out = tmp_path / "cost"
+    assert main(["sample", *model, "--prompt", PROMPTS[0], "--search", "dts-star", "--rollout-depth", "2", "--budget", "60", "--budget-unit", "cost",
+                 "--reward-cost", "2", "--out", str(out)]) == 0
+    entry = json.loads((out / "search.json").read_text())["prompts"][0]
+    assert entry["cost"] == entry["nfe"] + 2 * entry["reward_calls"] <= 60 and entry["decodes"] == entry["reward_calls"] > 0
+    captured = capsys.readouterr()
+    assert "budget in cost: a decode is 0 network rows, a reward call 2 (given" in captured.out and "a cost of" in captured.err
+    for extra, line in ((["--reward-cost", "2"], "--reward-cost prices a budget in cost: add --budget-unit cost, or leave --reward-cost out"),
+                        (["--budget-unit", "cost", "--reward", "tests.nosuch.Reward"], "needs the price of reward 'tests.nosuch.Reward', which `branchdiff plan` does not count"),
+                        (["--budget-unit", "cost", "--reward-cost", "2", "--budget", "5"],
+                         "--budget 5 cannot make one image: a 4-step image costs at least 6 (4 network rows, a decode and a reward call: 2)")):
+        args = ["sample", *model, "--prompt", PROMPTS[0], "--search", "dts", "--budget", "40", "--out", str(tmp_path / "x"), *extra]
+        assert main(args) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and line in err and not (tmp_path / "x").exists()

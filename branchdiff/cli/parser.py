@@ -107,7 +107,15 @@ def build_parser() -> argparse.ArgumentParser:
             search = sub.add_argument_group("search (docs/search.md): the best images of a search over each prompt's denoising tree")
             search.add_argument("--search", choices=list(SEARCHES), default=None,
                                 help="search within --budget instead of ODE samples; writes the best images and OUT/search.json")
-            search.add_argument("--budget", type=at_least(1), default=None, help="network rows per prompt (a CFG prediction costs 2)")
+            search.add_argument("--budget", type=at_least(1), default=None, help="per prompt: network rows (a CFG prediction costs 2), or with "
+                                                                               "--budget-unit cost row-equivalents")
+            search.add_argument("--budget-unit", choices=["rows", "cost"], default="rows",
+                                help="rows: network rows only; cost: rows + each decode and reward call at its price in rows, from `branchdiff "
+                                     "plan`'s FLOP counts for the family, size and reward (docs/search.md)")
+            search.add_argument("--decode-cost", type=non_negative, default=None, help="with --budget-unit cost: one decode's price in rows "
+                                                                                      "(default: the plan's count)")
+            search.add_argument("--reward-cost", type=non_negative, default=None, help="with --budget-unit cost: one reward call's price in rows "
+                                                                                      "(default: the plan's count; needed for a reward it does not count)")
             search.add_argument("--reward", default="tiny-geneval", help="what the search maximises: a name, dotted path or server URL")
             search.add_argument("--keep", type=at_least(1), default=1, help="best images written per prompt")
             search.add_argument("--sde", choices=["dance", "flow", "cps", "ddim"], default=None,

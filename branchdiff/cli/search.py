@@ -46,12 +46,14 @@ def check_search(args: argparse.Namespace, settings: EvalSettings, seed: int, si
     if args.sde is not None and args.sde not in STEP_KINDS[steps]:
         raise ValueError(f"--sde {args.sde} is not an SDE of the {settings.family} family ({steps} steps); choose one of "
                          f"{', '.join(STEP_KINDS[steps])}, or leave --sde unset")
+    spec = one_reward(args.reward)
+    decode_cost, reward_cost = budget_prices(args, settings, spec)
     search = SearchSettings(args.search, args.budget, settings.steps, settings.shift, settings.guidance, args.sde, args.noise_level,
                             args.max_batch, seed, args.temperature, args.max_children, args.keep,
-                            args.root_children, args.widening, args.exploration, args.x0_value, args.parallel, args.rollout_depth)
+                            args.root_children, args.widening, args.exploration, args.x0_value, args.parallel, args.rollout_depth,
+                            decode_cost, reward_cost)
     family = adapter_class(settings.family)
     search.validate(family.cfg_rows(family.default_guidance if settings.guidance is None else settings.guidance, settings.model))
-    spec = one_reward(args.reward)
     factories = {}
     if spec.remote is None:
         factories[spec.name] = resolve_reward(spec.name)
@@ -61,6 +63,31 @@ def check_search(args: argparse.Namespace, settings: EvalSettings, seed: int, si
     check_prompt_set(PromptSet("--prompt", list(args.prompt), [{} for _ in args.prompt]), settings.family, size, [spec], factories)
     preflight_rewards([spec], factories)
     return search, spec
+
+
+def budget_prices(args: argparse.Namespace, settings: EvalSettings, spec: RewardSpec) -> tuple[float, float]:
+    """(a decode's, a reward call's) price in network rows of `--budget-unit cost`: `--decode-cost` / `--reward-cost`
+    where given, else `branchdiff plan`'s FLOP counts for the family at the sampled size and the reward
+    (branchdiff/plan/search_prices.py); (0, 0) for a budget in rows."""
+    if args.budget_unit == "rows":
+        given = [flag for flag, value in (("--decode-cost", args.decode_cost), ("--reward-cost", args.reward_cost)) if value is not None]
+        if given:
+            raise ValueError(f"{given[0]} prices a budget in cost: add --budget-unit cost, or leave {given[0]} out")
+        return 0.0, 0.0
+    if args.decode_cost is not None and args.reward_cost is not None:
+        return args.decode_cost, args.reward_cost
+    from branchdiff.plan.search_prices import price_search
+    from branchdiff.settings.load import load_config
+
+    sized = [f"model.family={settings.family}", f"model.dtype={settings.dtype}", *([f"model.path={settings.model}"] if settings.model else []),
+             *([f"model.resolution={json.dumps(settings.resolution)}"] if settings.resolution is not None else []),
+             *([f"model.frames={settings.frames}"] if settings.frames else [])]
+    priced = price_search(load_config(None, sized), spec.name or spec.label, spec.kwargs, args.reward_cost)
+    decode = priced.prices.decode if args.decode_cost is None else args.decode_cost
+    source = "given" if args.reward_cost is not None else "counted"
+    print(f"budget in cost: a decode is {decode:.3g} network rows, a reward call {priced.prices.reward:.3g} ({source}; FLOPs: a row "
+          f"{priced.row_flops:.3g}, a decode {priced.decode_flops:.3g}, a call {priced.reward_flops:.3g})", flush=True)
+    return decode, priced.prices.reward
 
 
 def search_and_write(adapter: ModelAdapter, args: argparse.Namespace, settings: EvalSettings,
@@ -96,9 +123,12 @@ def search_and_write(adapter: ModelAdapter, args: argparse.Namespace, settings: 
             print(f"note: --keep {search.keep}: the search made {len(entry['best'])} images of {entry['prompt']!r}; all are written",
                   file=sys.stderr)
         rounds = entry["rounds"]
+        calls = f"{entry['reward_calls']} reward calls"
+        spent = (f"{entry['nfe']} network rows, {entry['decodes']} decodes and {calls}, a cost of {entry['cost']:g} of {search.budget:g}"
+                 if search.prices.evaluation else f"{entry['nfe']} of {search.budget:g} network rows and {calls}")
         unscored = f"; {rounds[-1]['nonfinite']} scored NaN or ±inf, counted as the worst" if rounds[-1]["nonfinite"] else ""
         print(f"{entry['prompt']!r}: best {label} {entry['best'][0]['reward']:.4f} (mean {rounds[-1]['mean']:.4f} over "
-              f"{rounds[-1]['images']} images{unscored}) with {entry['nfe']} of {search.budget} network rows ({args.search})", file=sys.stderr)
+              f"{rounds[-1]['images']} images{unscored}) with {spent} ({args.search})", file=sys.stderr)
     storage.write_text(args.out / "search.json", json.dumps(recorded, indent=1))
     yield args.out / "search.json"
 

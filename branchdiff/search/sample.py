@@ -11,6 +11,7 @@ the same model and weights.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from branchdiff.core.engine import NoiseAddress, SamplerSettings
 from branchdiff.core.tree import TreeSpec
 from branchdiff.models.base import ModelAdapter, PromptEmbeds
 from branchdiff.schedulers.schedule import FlowSchedule
+from branchdiff.search.cost import Prices
 from branchdiff.search.forest import SearchForest, regenerate_path
 from branchdiff.search.registry import SEARCHES, make_search
 from branchdiff.search.run import SearchResult, run_search
@@ -30,7 +32,7 @@ SEARCH_ITERATION = -2  # the noise addresses' iteration field for search (traini
 @dataclass(frozen=True)
 class SearchSettings:
     search: str  # a name of SEARCHES
-    budget: int  # network rows per prompt (a CFG prediction costs 2)
+    budget: float  # per prompt: network rows (a CFG prediction costs 2), or row-equivalents where a decode or reward call has a cost
     steps: int = 10
     shift: float | None = None  # None: the family's own schedule
     guidance: float | None = None  # None: the family's default
@@ -47,6 +49,12 @@ class SearchSettings:
     x0_value: bool = False  # DTS / DTS*: in-flight children valued by the reward of their predicted clean sample
     parallel: int = 1  # selections in flight per prompt (branchdiff/search/run.py); 1: the sequential algorithm
     rollout_depth: int = 0  # DTS / DTS*: early stops, a rollout goes k steps below the node it adds and is valued by r(x̂0) there (0: off)
+    decode_cost: float = 0.0  # a budget in cost: one decode in network rows (0 with reward_cost 0: a budget in rows; branchdiff/search/cost.py)
+    reward_cost: float = 0.0  # a budget in cost: one reward call in network rows
+
+    @property
+    def prices(self) -> Prices:
+        return Prices(self.decode_cost, self.reward_cost)
 
     def validate(self, rows_per_prediction: int = 1, search: bool = True) -> None:
         """Refuse settings no search can run with; `rows_per_prediction`: the network rows of one prediction (2 under CFG);
@@ -63,11 +71,15 @@ class SearchSettings:
             if getattr(search_of(self), "one_selection_in_flight", False) and self.parallel > 1:
                 raise ValueError(f"--search {self.search} keeps one selection in flight per prompt (its weights follow each selection to its "
                                  f"leaf): leave --parallel at 1 (got {self.parallel})")
-        image = self.steps * rows_per_prediction
+        image = self.prices.cost(self.steps * rows_per_prediction, 1, 1)
         if self.budget < image:
             per = f" ({rows_per_prediction} rows a prediction under CFG)" if rows_per_prediction > 1 else ""
-            raise ValueError(f"--budget {self.budget} network rows cannot make one image: a {self.steps}-step image costs at least "
-                             f"{image}{per}; give --budget ≥ {image}, or fewer --steps")
+            if not self.prices.evaluation:
+                raise ValueError(f"--budget {self.budget:g} network rows cannot make one image: a {self.steps}-step image costs at least "
+                                 f"{image:g}{per}; give --budget ≥ {image:g}, or fewer --steps")
+            raise ValueError(f"--budget {self.budget:g} cannot make one image: a {self.steps}-step image costs at least {image:g} "
+                             f"({self.steps * rows_per_prediction} network rows{per}, a decode and a reward call: {self.prices.evaluation:.3g}); "
+                             f"give --budget ≥ {math.ceil(image)}, or fewer --steps")
 
 
 def sampler(adapter: ModelAdapter, settings: SearchSettings) -> SamplerSettings:
@@ -117,11 +129,14 @@ def search_prompts(adapter: ModelAdapter, prompts: list[str], settings: SearchSe
     settings.validate()
     forest = new_forest(adapter, prompts, settings)
     search = search_of(settings)
-    first = forest.cost_of_child(0, search.branching(forest))  # a prompt's first round: its whole path (or fixed tree) from the virtual root
+    branching = search.branching(forest)
+    images = math.prod(branching) if branching else 1  # a prompt's first round: its whole path (or fixed tree) from the virtual root
+    first = settings.prices.cost(forest.cost_of_child(0, branching), images, images)
     if first_round and settings.budget < first:
-        raise ValueError(f"--budget {settings.budget} network rows cannot make one image: a prompt's first {settings.search} round costs {first} "
-                         f"({forest.rows_per_node()} row(s) per prediction); give --budget ≥ {first}")
-    return forest, run_search(forest, search, settings.budget, score, settings.seed, settings.parallel)
+        unit, priced = (" network rows", "") if not settings.prices.evaluation else ("", ", with its decodes and reward calls")
+        raise ValueError(f"--budget {settings.budget:g}{unit} cannot make one image: a prompt's first {settings.search} round costs {first:g} "
+                         f"({forest.rows_per_node()} row(s) per prediction{priced}); give --budget ≥ {math.ceil(first)}")
+    return forest, run_search(forest, search, settings.budget, score, settings.seed, settings.parallel, settings.prices)
 
 
 def trace(forest: SearchForest, result: SearchResult, prompts: list[str], settings: SearchSettings, extras: dict) -> dict:
@@ -132,7 +147,8 @@ def trace(forest: SearchForest, result: SearchResult, prompts: list[str], settin
 
     best = [[entry(p, n) for n in result.best(p, settings.keep)] for p in range(len(prompts))]
     return {**extras, "settings": asdict(settings), "iteration": SEARCH_ITERATION,
-            "prompts": [{"prompt": prompt, "prompt_key": p, "nfe": forest.nfe[p], "rounds": result.trace[p], "best": best[p]}
+            "prompts": [{"prompt": prompt, "prompt_key": p, "nfe": forest.nfe[p], "decodes": forest.decodes[p], "reward_calls": forest.reward_calls[p],
+                         "cost": forest.spent(p, settings.prices), "rounds": result.trace[p], "best": best[p]}
                         for p, prompt in enumerate(prompts)]}
 
 
