@@ -123,14 +123,21 @@ def mixture_task(prompts: int | None = None, target_seed: int = TARGET_SEED) -> 
     return SearchTask("mixture", GaussianMixtureAdapter(mixture), [""] * count, "target proximity", score, None)
 
 
+def parse_prices(text: str) -> list[str]:
+    """`--prices` text, e.g. "tiny,call-as-row": names of PRICE_SETS; another (or none) is one line naming them."""
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = [name for name in names if name not in PRICE_SETS]
+    if unknown or not names:
+        raise ValueError(f"bench search --prices: unknown price set(s) {', '.join(unknown) or '(none given)'}; allowed: {', '.join(PRICE_SETS)}")
+    return names
+
+
 def price_sets(names: list[str]) -> dict[str, dict]:
     """Each named price set of PRICE_SETS: {"decode", "reward"} in rows, and for a family's the FLOPs they come from."""
     from branchdiff.plan.search_prices import price_search
     from branchdiff.settings.load import load_config
 
-    unknown = [name for name in names if name not in PRICE_SETS]
-    if unknown or not names:
-        raise ValueError(f"bench search --prices: unknown price set(s) {', '.join(unknown) or '(none given)'}; allowed: {', '.join(PRICE_SETS)}")
+    parse_prices(",".join(names))
     priced = {}
     for name in names:
         chosen = PRICE_SETS[name]

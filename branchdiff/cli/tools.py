@@ -100,10 +100,10 @@ def cmd_bench(args: argparse.Namespace) -> None:
         for option, value, what in (("--temperature", args.temperature, "λ of the reward-tilted target"), ("--testbeds", args.testbeds, "the mixtures")):
             if value is not None:
                 raise UserError(f"bench search: {option} is {what} of bench search --sampler; add --sampler or leave {option} out")
-        from branchdiff.bench.search import bench_search
+        from branchdiff.bench.search import bench_search, parse_prices
 
         bench_search(args.images, args.seeds, args.json, args.out, _variants(args.variants), task=args.task or "tiny", first_seed=args.first_seed,
-                     target_seed=args.target_seed, prices=None if args.prices is None else [n.strip() for n in args.prices.split(",") if n.strip()])
+                     target_seed=args.target_seed, prices=None if args.prices is None else parse_prices(args.prices))
     elif args.which == "proxies":
         from branchdiff.bench.proxies import build_proxies
 
