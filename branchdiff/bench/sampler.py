@@ -16,10 +16,20 @@ for RUNS exact draws of p*, the floor no sampler can beat at this sample size. T
 distance is best-of-N's at one image (N = 1: no tilt). Beside the distance, the best reward each run's
 search found (mean over the runs; SMC's particles are not a search, it has none): a sampler that
 converges should not lose what guided growth finds.
+
+The sampler's own law. Every leaf of every tree is drawn by the same finite-step SDE, whose law q differs from p;
+a sampler that weighs its leaves correctly approaches q*(x) ∝ q(x)·exp(λ·r(x)), not p*. So each distance is also
+measured to q*: `LAW_DRAWS` unguided SDE samples through the same engine (best-of-N's leaves, `law_samples`) resampled
+by exp(λ·r) give the REFERENCE draws of q* (and RUNS more, its floor `exact-q*`). Beside them the tilted mass
+Z = E[exp(λ·r)] under p (`EXACT_DRAWS` exact draws) and under q (the law draws), each with its standard error, and
+each tree sampler's estimate of it from its tree (`tilted_mass`): DTS's exp(λ·V(root)), dts-is's Σ w(ℓ)·exp(λ·r(ℓ)),
+best-of-N's mean exp(λ·r) over its images (unbiased for Z under q), each a mean over the runs and seeds with its
+standard error, so that a bias is stated against the law the leaves were drawn from.
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 from pathlib import Path
 from typing import cast
@@ -31,7 +41,7 @@ from branchdiff.bench.stats import t_interval
 from branchdiff.bench.tables import band, table, write_outputs
 from branchdiff.search.best_of_n import BestOfN
 from branchdiff.search.dts import DTS, draw_leaf
-from branchdiff.search.dts_is import DTSIS, draw_leaf_is
+from branchdiff.search.dts_is import DTSIS, draw_leaf_is, mass_weights
 from branchdiff.search.run import run_search
 from branchdiff.search.sample import SearchSettings, new_forest
 from branchdiff.search.smc import run_smc
@@ -39,6 +49,7 @@ from branchdiff.search.smc import run_smc
 STEPS = 20  # flow SDE steps (a = 0.7, the searches' default)
 RUNS = 256  # independent samples per method, budget and seed
 REFERENCE = 4000  # exact draws of p* each distance is measured against
+LAW_DRAWS, LAW_CHUNK, EXACT_DRAWS = 65_536, 8192, 200_000  # unguided SDE samples of q (in forests of LAW_CHUNK), exact draws of p
 SAMPLERS = ("dts", "dts-unguided", "dts-is", "best-of-n-is", "smc")
 TESTBEDS = ((2, "mode"), (2, "sharp"), (2, "smooth"), (16, "mode"))  # (dimension, reward)
 
@@ -59,10 +70,28 @@ def bandwidths(mixture: GaussianMixture) -> tuple[float, ...]:
     return (radius, 2 * radius, 4 * radius)
 
 
+def law_samples(adapter: GaussianMixtureAdapter, count: int, seed: int, chunk: int = LAW_CHUNK) -> torch.Tensor:
+    """`count` samples (count, D) of the sampler's own law q: unguided SDE samples through the engine, as a tree's leaves
+    are drawn (best-of-N's images, one per prompt, in forests of `chunk` prompts, noise seeds seed, seed + 1, ...)."""
+    drawn = []
+    for index, start in enumerate(range(0, count, chunk)):
+        size = min(chunk, count - start)
+        forest = new_forest(adapter, [""] * size, SearchSettings("best-of-n", STEPS, STEPS, seed=seed + index, max_batch=size))
+        result = run_search(forest, BestOfN(), STEPS, lambda points, _: (torch.zeros(len(points)), {}), seed + index)
+        drawn.append(forest.leaf_latents([leaves[0] for leaves in result.leaves]).double())
+    return torch.cat(drawn)
+
+
+def tilted_mass(values: torch.Tensor) -> dict[str, float]:
+    """The mean of per-draw (or per-tree) estimates of Z = E[exp(λ·r)] and its standard error."""
+    return {"mean": float(values.mean()), "se": float(values.std() / len(values) ** 0.5)}
+
+
 def draw_samples(sampler: str, adapter: GaussianMixtureAdapter, reward, temperature: float, budget: int, runs: int,
-                 seed: int) -> tuple[torch.Tensor, float | None]:
-    """`runs` samples (runs, D) of `sampler` at `budget` rows each, and the mean over the runs of the best reward their
-    search found (None for SMC) (module doc)."""
+                 seed: int) -> tuple[torch.Tensor, float | None, torch.Tensor | None]:
+    """`runs` samples (runs, D) of `sampler` at `budget` rows each, the mean over the runs of the best reward their
+    search found (None for SMC), and each run's estimate of the tilted mass E[exp(λ·r)] (None where the sampler makes
+    none: SMC, dts-unguided) (module doc)."""
     prompts = [""] * runs
 
     def score(points: torch.Tensor, _: list[int]) -> tuple[torch.Tensor, dict]:
@@ -72,56 +101,83 @@ def draw_samples(sampler: str, adapter: GaussianMixtureAdapter, reward, temperat
     settings = SearchSettings("best-of-n", budget, STEPS, seed=seed, max_batch=runs, temperature=temperature)
     forest = new_forest(adapter, prompts, settings)
     if sampler == "smc":
-        return forest.leaf_latents(run_smc(forest, budget // STEPS, score, temperature, seed)).double(), None
+        return forest.leaf_latents(run_smc(forest, budget // STEPS, score, temperature, seed)).double(), None, None
+    tilts = None
     if sampler in ("dts", "dts-unguided"):
         result = run_search(forest, DTS(temperature=temperature, guided=sampler == "dts"), budget, score, seed)
         leaves = [draw_leaf(forest, p, temperature, generator) for p in range(runs)]
+        if sampler == "dts":  # its own estimate: the soft value at the virtual root
+            tilts = torch.exp(temperature * torch.tensor([forest.value[p] for p in range(runs)], dtype=torch.float64))
     elif sampler == "dts-is":
         search = DTSIS(temperature=temperature)
         result = run_search(forest, search, budget, score, seed)
         leaves = [draw_leaf_is(forest, search, p, result.leaves[p], result.rewards[p], generator) for p in range(runs)]
+        tilts = torch.stack([(mass_weights(forest, search, p, result.leaves[p]) * torch.exp(temperature * torch.tensor(result.rewards[p], dtype=torch.float64)))
+                             .sum() for p in range(runs)])
     else:
         result = run_search(forest, BestOfN(), budget, score, seed)
         weights = [torch.softmax(temperature * torch.tensor(result.rewards[p], dtype=torch.float64), 0) for p in range(runs)]
         leaves = [result.leaves[p][int(torch.multinomial(w, 1, generator=generator))] for p, w in enumerate(weights)]
-    return forest.leaf_latents(leaves).double(), statistics.mean(max(found) for found in result.rewards)
+        tilts = torch.stack([torch.exp(temperature * torch.tensor(result.rewards[p], dtype=torch.float64)).mean() for p in range(runs)])
+    return forest.leaf_latents(leaves).double(), statistics.mean(max(found) for found in result.rewards), tilts
 
 
 def bench_sampler(images: int, seeds: int, json_path: Path | None, out_dir: Path, temperature: float = 4.0,
-                  samplers: list[str] | None = None, testbeds: tuple[tuple[int, str], ...] = TESTBEDS, runs: int = RUNS) -> dict:
+                  samplers: list[str] | None = None, testbeds: tuple[tuple[int, str], ...] = TESTBEDS, runs: int = RUNS,
+                  law_draws: int = LAW_DRAWS) -> dict:
     """Every sampler (`samplers`: those named, None: all) on every testbed at budgets of 1, 2, 4, … `images`
-    images' rows (module doc); writes out_dir/sampler.png and sampler.md, prints the table, returns (and
-    writes to `json_path`) the result."""
+    images' rows (module doc), against p* and against the sampler's own law's q* (`law_draws` SDE samples); writes
+    out_dir/sampler.png and sampler.md, prints the tables, returns (and writes to `json_path`) the result."""
     names = list(SAMPLERS) if samplers is None else samplers
     if [n for n in names if n not in SAMPLERS] or seeds < 1 or images < 1:
         raise ValueError(f"bench search --sampler needs known samplers ({', '.join(SAMPLERS)}), images ≥ 1 and seeds ≥ 1; got {names}, {images}, {seeds}")
     grid = [STEPS * 2**k for k in range(images.bit_length()) if 2**k <= images]
-    result: dict = {"steps": STEPS, "runs": runs, "reference": REFERENCE, "temperature": temperature, "grid_nfe": grid, "seeds": seeds, "testbeds": {}}
+    result: dict = {"steps": STEPS, "runs": runs, "reference": REFERENCE, "temperature": temperature, "grid_nfe": grid, "seeds": seeds, "testbeds": {},
+                    "law_draws": law_draws, "law": {}}
     for dims, reward_name in testbeds:
         mixture = MIXTURES[dims]()
         adapter, reward = GaussianMixtureAdapter(mixture), make_reward(reward_name, mixture)
         widths = bandwidths(mixture)
         name = f"{dims}-D {reward_name}"
+        law = law_samples(adapter, law_draws, seed=30_000)  # (law_draws, D): q, the SDE sampler's own law
+        law_tilt = torch.softmax(temperature * reward(law).double(), 0)  # q* as weights on q's draws
+        exact = mixture.sample(EXACT_DRAWS, torch.Generator().manual_seed(5))
         distances: dict[str, list[list[float]]] = {s: [] for s in (*names, "exact")}  # per sampler: per seed, per budget
+        to_law: dict[str, list[list[float]]] = {s: [] for s in (*names, "exact-q*")}
         found: dict[str, list[list[float]]] = {s: [] for s in names if s != "smc"}  # per sampler: per seed, per budget
+        masses: dict[str, list[list[torch.Tensor]]] = {}  # per sampler: per budget, per seed: each run's estimate of E[exp(λ·r)]
         for seed in range(seeds):
             distance = mmd2_to(target_samples(mixture, reward, temperature, REFERENCE, seed=10_000 + seed), widths)
+            law_reference = law[torch.multinomial(law_tilt, REFERENCE, replacement=True, generator=torch.Generator().manual_seed(40_000 + seed))]
+            law_distance = mmd2_to(law_reference, widths)
             distances["exact"].append([distance(target_samples(mixture, reward, temperature, runs, seed=20_000 + seed))] * len(grid))
+            floor = law[torch.multinomial(law_tilt, runs, replacement=True, generator=torch.Generator().manual_seed(50_000 + seed))]
+            to_law["exact-q*"].append([law_distance(floor)] * len(grid))
             for sampler in names:
                 drawn = [draw_samples(sampler, adapter, reward, temperature, budget, runs, seed) for budget in grid]
-                distances[sampler].append([distance(samples) for samples, _ in drawn])
+                distances[sampler].append([distance(samples) for samples, _, _ in drawn])
+                to_law[sampler].append([law_distance(samples) for samples, _, _ in drawn])
                 if sampler in found:
-                    found[sampler].append([cast(float, best) for _, best in drawn])
-                print(f"{name} seed {seed} {sampler}: MMD² " + " ".join(f"{d:.4f}" for d in distances[sampler][-1]), flush=True)
+                    found[sampler].append([cast(float, best) for _, best, _ in drawn])
+                if drawn[0][2] is not None:
+                    for point, (_, _, tilts) in enumerate(drawn):
+                        masses.setdefault(sampler, [[] for _ in grid])[point].append(cast(torch.Tensor, tilts))
+                print(f"{name} seed {seed} {sampler}: MMD² to p* " + " ".join(f"{d:.4f}" for d in distances[sampler][-1])
+                      + " | to q* " + " ".join(f"{d:.4f}" for d in to_law[sampler][-1]), flush=True)
         result["testbeds"][name] = {sampler: _summary(rows) | ({"best": _summary(found[sampler])} if sampler in found else {})
                                     for sampler, rows in distances.items()}
+        result["law"][name] = {"distances": {sampler: _summary(rows) for sampler, rows in to_law.items()},
+                               "z_p": tilted_mass(torch.exp(temperature * reward(exact).double())),
+                               "z_q": tilted_mass(torch.exp(temperature * reward(law).double())), "q_star_ess": float(1 / (law_tilt**2).sum()),
+                               "estimates": {sampler: [tilted_mass(torch.cat(point)) for point in per_budget] for sampler, per_budget in masses.items()}}
     print(format_table(result))
+    print(format_law(result))
     chosen = "" if testbeds == TESTBEDS else " --testbeds " + ",".join(f"{dims}-D-{reward}" for dims, reward in testbeds)
     command = (f"branchdiff bench search --sampler --images {images} --seeds {seeds} --temperature {temperature}"
                + (f" --variants {','.join(names)}" if samplers else "") + chosen + (f" --json {json_path}" if json_path else "") + f" --out {out_dir}")
     write_outputs(out_dir, "sampler", "Distance to the reward-tilted target against network rows, Gaussian-mixture flows",
-                  f"`{command}` (λ = {temperature}, {runs} samples per point, {STEPS} flow SDE steps)", format_table(result, markdown=True),
-                  lambda path: plot_sampler(result, path), result, json_path)
+                  f"`{command}` (λ = {temperature}, {runs} samples per point, {STEPS} flow SDE steps, {law_draws} samples of the sampler's law)",
+                  f"{format_table(result, markdown=True)}\n\n{format_law(result, markdown=True)}", lambda path: plot_sampler(result, path), result, json_path)
     return result
 
 
@@ -138,6 +194,31 @@ def format_table(result: dict, markdown: bool = False) -> str:
     best = [[testbed, f"{sampler}: best reward", *(f"{m:.3f}" for m in entry["best"]["mean"])]
             for testbed, samplers in result["testbeds"].items() for sampler, entry in samplers.items() if "best" in entry]
     return table(header, rows + best, markdown)
+
+
+def format_law(result: dict, markdown: bool = False) -> str:
+    """Against the SDE sampler's own law: per testbed the tilted mass Z under p and under q, each tree sampler's estimate
+    of it at each budget with its distance from both in standard errors; then the squared MMD of every sampler to q*."""
+    grid = result["grid_nfe"]
+    lines = []
+    for testbed, law in result["law"].items():
+        z_p, z_q = law["z_p"], law["z_q"]
+        rows = [[label, *[f"{z['mean']:.3f} ± {z['se']:.3f}"] * len(grid)] for label, z in (("E_p (exact draws)", z_p), ("E_q (the SDE's own law)", z_q))]
+        for sampler, points in law["estimates"].items():
+            cells = []
+            for point in points:
+                from_q = (point["mean"] - z_q["mean"]) / math.hypot(point["se"], z_q["se"])
+                from_p = (point["mean"] - z_p["mean"]) / math.hypot(point["se"], z_p["se"])
+                cells.append(f"{point['mean']:.3f} ± {point['se']:.3f} ({from_q:+.1f} SE from E_q, {from_p:+.1f} from E_p)")
+            rows.append([f"{sampler}'s estimate", *cells])
+        lines.append(f"{testbed}: Z = E[exp(λ·r)], the tilted mass, and the samplers' estimates (mean ± standard error over the runs and seeds):\n\n"
+                     + table(["", *(f"{n} rows" for n in grid)], rows, markdown))
+    distances = [[testbed, sampler, *(f"{m:.4f} [{lo:.4f}, {hi:.4f}]" for m, (lo, hi) in zip(entry["mean"], entry["ci"]))]
+                 for testbed, law in result["law"].items() for sampler, entry in law["distances"].items()]
+    ess = ", ".join(f"{testbed} {law['q_star_ess']:.0f}" for testbed, law in result["law"].items())
+    lines.append(f"Squared MMD to q* ∝ q·exp(λ·r), the SDE's own law tilted ({result['law_draws']} SDE samples resampled; effective sample size "
+                 f"{ess}):\n\n" + table(["testbed", "sampler", *(f"{n} rows" for n in grid)], distances, markdown))
+    return "\n\n".join(lines)
 
 
 def plot_sampler(result: dict, path: Path) -> None:
