@@ -30,11 +30,11 @@ computed in cost.
 The mixture's targets are drawn with `target_seed`: TARGET_SEED, which no lever was tuned on, unless a run asks for
 the targets the levers were tuned on (TUNING_TARGET_SEED, with noise seed 0) to report them apart.
 
-`ratios.nfe_best_of_n_over_dts_star`: at best-of-N's mean best reward at the top of the grid, the
+`ratios.nfe_best_of_n_over_dts_star` (and one per search beside best-of-N): at best-of-N's mean best reward at the top of the grid, the
 rows best-of-N needs to first reach it over the rows DTS* needs (each linear between grid points),
 with a bootstrap interval over seeds; the paper behind DTS* reports up to 5× on SD 1.5 (arXiv 2506.20701).
 A variant is a search with settings, `dts-star:root_children=2:widening=1` (`parse_variant`), and
-every DTS* variant gets its ratio. Each prompt has one selection in flight (a variant may set `parallel`),
+every variant gets its ratio. Each prompt has one selection in flight (a variant may set `parallel`),
 so every search is the sequential algorithm and the anytime reading is exact; the prompts' rollouts
 share forwards of MAX_BATCH rows (branchdiff/search/run.py), and `fill` is the share of the rows
 computed that were real, not padding.
@@ -251,10 +251,10 @@ def _summary(per_seed: list[list[float]]) -> dict:
 
 
 def _ratios(searches: dict, curve, grid: list[float]) -> dict:
-    """Each DTS* variant's `nfe_ratio` against best-of-N on the curves `curve(entry)` read on `grid`, with its interval."""
+    """Each search's `nfe_ratio` against best-of-N on the curves `curve(entry)` read on `grid`, with its interval."""
     ratios: dict = {}
     for name in searches:
-        if name.startswith("dts-star") and "best-of-n" in searches:
+        if name != "best-of-n" and "best-of-n" in searches:
             reference, variant = curve(searches["best-of-n"]), curve(searches[name])
             key = "nfe_best_of_n_over_" + name.replace("-", "_")
             ratios[key] = nfe_ratio(reference["mean"], variant["mean"], grid)
@@ -364,7 +364,7 @@ def format_spent(result: dict, markdown: bool = False) -> str:
 
 
 def format_ratio(result: dict, markdown: bool = False) -> str:
-    """Per DTS* variant, the rows best-of-N needs to first reach its mean best reward at the top of the grid over the rows
+    """Per search beside best-of-N, the rows best-of-N needs to first reach its mean best reward at the top of the grid over the rows
     the variant needs, and the same in cost under each price set [95% bootstrap intervals]; and rows per forward."""
     def cell(ratios: dict, key: str) -> str:
         ratio, (low, high) = ratios[key], ratios[key + "_ci"]
@@ -374,7 +374,7 @@ def format_ratio(result: dict, markdown: bool = False) -> str:
     sets = list(result.get("ratios_cost", {}))
     fills = ", ".join(f"{name} {entry['fill']:.1%}".replace("nan%", "—") for name, entry in result["searches"].items())
     if not keys:
-        return f"nfe_best_of_n_over_dts_star: needs both best-of-n and dts-star\nrows per forward, share of {MAX_BATCH}: {fills}"
+        return f"nfe_best_of_n_over_*: needs best-of-n and another search\nrows per forward, share of {MAX_BATCH}: {fills}"
     rows = [[key, cell(result["ratios"], key), *(cell(result["ratios_cost"][s], key) for s in sets)] for key in keys]
     return ("What best-of-N needs to first reach its mean best reward at the top of the grid, over what the variant needs "
             "(≥ 1: the variant is cheaper), in rows and in cost [95% bootstrap interval over seeds]:\n\n"
