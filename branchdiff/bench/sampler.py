@@ -88,10 +88,10 @@ def tilted_mass(values: torch.Tensor) -> dict[str, float]:
 
 
 def draw_samples(sampler: str, adapter: GaussianMixtureAdapter, reward, temperature: float, budget: int, runs: int,
-                 seed: int) -> tuple[torch.Tensor, float | None, torch.Tensor | None]:
+                 seed: int) -> tuple[torch.Tensor, float | None, torch.Tensor | None, float]:
     """`runs` samples (runs, D) of `sampler` at `budget` rows each, the mean over the runs of the best reward their
-    search found (None for SMC), and each run's estimate of the tilted mass E[exp(λ·r)] (None where the sampler makes
-    none: SMC, dts-unguided) (module doc)."""
+    search found (None for SMC), each run's estimate of the tilted mass E[exp(λ·r)] (None where the sampler makes
+    none: SMC, dts-unguided), and the reward calls (each with its decode) a run made, on average (module doc)."""
     prompts = [""] * runs
 
     def score(points: torch.Tensor, _: list[int]) -> tuple[torch.Tensor, dict]:
@@ -101,7 +101,8 @@ def draw_samples(sampler: str, adapter: GaussianMixtureAdapter, reward, temperat
     settings = SearchSettings("best-of-n", budget, STEPS, seed=seed, max_batch=runs, temperature=temperature)
     forest = new_forest(adapter, prompts, settings)
     if sampler == "smc":
-        return forest.leaf_latents(run_smc(forest, budget // STEPS, score, temperature, seed)).double(), None, None
+        drawn = forest.leaf_latents(run_smc(forest, budget // STEPS, score, temperature, seed)).double()
+        return drawn, None, None, statistics.mean(forest.reward_calls)
     tilts = None
     if sampler in ("dts", "dts-unguided"):
         result = run_search(forest, DTS(temperature=temperature, guided=sampler == "dts"), budget, score, seed)
@@ -119,7 +120,7 @@ def draw_samples(sampler: str, adapter: GaussianMixtureAdapter, reward, temperat
         weights = [torch.softmax(temperature * torch.tensor(result.rewards[p], dtype=torch.float64), 0) for p in range(runs)]
         leaves = [result.leaves[p][int(torch.multinomial(w, 1, generator=generator))] for p, w in enumerate(weights)]
         tilts = torch.stack([torch.exp(temperature * torch.tensor(result.rewards[p], dtype=torch.float64)).mean() for p in range(runs)])
-    return forest.leaf_latents(leaves).double(), statistics.mean(max(found) for found in result.rewards), tilts
+    return forest.leaf_latents(leaves).double(), statistics.mean(max(found) for found in result.rewards), tilts, statistics.mean(forest.reward_calls)
 
 
 def bench_sampler(images: int, seeds: int, json_path: Path | None, out_dir: Path, temperature: float = 4.0,
@@ -133,7 +134,7 @@ def bench_sampler(images: int, seeds: int, json_path: Path | None, out_dir: Path
         raise ValueError(f"bench search --sampler needs known samplers ({', '.join(SAMPLERS)}), images ≥ 1 and seeds ≥ 1; got {names}, {images}, {seeds}")
     grid = [STEPS * 2**k for k in range(images.bit_length()) if 2**k <= images]
     result: dict = {"steps": STEPS, "runs": runs, "reference": REFERENCE, "temperature": temperature, "grid_nfe": grid, "seeds": seeds, "testbeds": {},
-                    "law_draws": law_draws, "law": {}}
+                    "law_draws": law_draws, "law": {}, "reward_calls": {}}
     for dims, reward_name in testbeds:
         mixture = MIXTURES[dims]()
         adapter, reward = GaussianMixtureAdapter(mixture), make_reward(reward_name, mixture)
@@ -145,6 +146,7 @@ def bench_sampler(images: int, seeds: int, json_path: Path | None, out_dir: Path
         distances: dict[str, list[list[float]]] = {s: [] for s in (*names, "exact")}  # per sampler: per seed, per budget
         to_law: dict[str, list[list[float]]] = {s: [] for s in (*names, "exact-q*")}
         found: dict[str, list[list[float]]] = {s: [] for s in names if s != "smc"}  # per sampler: per seed, per budget
+        calls: dict[str, list[list[float]]] = {s: [] for s in names}  # per sampler: per seed, per budget: reward calls (and decodes) per sample
         masses: dict[str, list[list[torch.Tensor]]] = {}  # per sampler: per budget, per seed: each run's estimate of E[exp(λ·r)]
         for seed in range(seeds):
             distance = mmd2_to(target_samples(mixture, reward, temperature, REFERENCE, seed=10_000 + seed), widths)
@@ -155,17 +157,19 @@ def bench_sampler(images: int, seeds: int, json_path: Path | None, out_dir: Path
             to_law["exact-q*"].append([law_distance(floor)] * len(grid))
             for sampler in names:
                 drawn = [draw_samples(sampler, adapter, reward, temperature, budget, runs, seed) for budget in grid]
-                distances[sampler].append([distance(samples) for samples, _, _ in drawn])
-                to_law[sampler].append([law_distance(samples) for samples, _, _ in drawn])
+                distances[sampler].append([distance(samples) for samples, *_ in drawn])
+                to_law[sampler].append([law_distance(samples) for samples, *_ in drawn])
+                calls[sampler].append([called for *_, called in drawn])
                 if sampler in found:
-                    found[sampler].append([cast(float, best) for _, best, _ in drawn])
+                    found[sampler].append([cast(float, best) for _, best, *_ in drawn])
                 if drawn[0][2] is not None:
-                    for point, (_, _, tilts) in enumerate(drawn):
+                    for point, (_, _, tilts, _) in enumerate(drawn):
                         masses.setdefault(sampler, [[] for _ in grid])[point].append(cast(torch.Tensor, tilts))
                 print(f"{name} seed {seed} {sampler}: MMD² to p* " + " ".join(f"{d:.4f}" for d in distances[sampler][-1])
                       + " | to q* " + " ".join(f"{d:.4f}" for d in to_law[sampler][-1]), flush=True)
         result["testbeds"][name] = {sampler: _summary(rows) | ({"best": _summary(found[sampler])} if sampler in found else {})
                                     for sampler, rows in distances.items()}
+        result["reward_calls"][name] = {sampler: [statistics.mean(v) for v in zip(*rows)] for sampler, rows in calls.items()}
         result["law"][name] = {"distances": {sampler: _summary(rows) for sampler, rows in to_law.items()},
                                "z_p": tilted_mass(torch.exp(temperature * reward(exact).double())),
                                "z_q": tilted_mass(torch.exp(temperature * reward(law).double())), "q_star_ess": float(1 / (law_tilt**2).sum()),
@@ -187,13 +191,16 @@ def _summary(rows: list[list[float]]) -> dict:
 
 
 def format_table(result: dict, markdown: bool = False) -> str:
-    """Per testbed and sampler: mean squared MMD to p* at each budget [95% interval over seeds], then the mean best reward found."""
+    """Per testbed and sampler: mean squared MMD to p* at each budget [95% interval over seeds], then the mean best reward found
+    and the reward calls (each with a decode) a sample cost beside its rows."""
     header = ["testbed", "sampler", *(f"{n} rows" for n in result["grid_nfe"])]
     rows = [[testbed, sampler, *(f"{m:.4f} [{lo:.4f}, {hi:.4f}]" for m, (lo, hi) in zip(entry["mean"], entry["ci"]))]
             for testbed, samplers in result["testbeds"].items() for sampler, entry in samplers.items()]
     best = [[testbed, f"{sampler}: best reward", *(f"{m:.3f}" for m in entry["best"]["mean"])]
             for testbed, samplers in result["testbeds"].items() for sampler, entry in samplers.items() if "best" in entry]
-    return table(header, rows + best, markdown)
+    calls = [[testbed, f"{sampler}: reward calls", *(f"{c:.1f}" for c in per_budget)]
+             for testbed, samplers in result.get("reward_calls", {}).items() for sampler, per_budget in samplers.items()]
+    return table(header, rows + best + calls, markdown)
 
 
 def format_law(result: dict, markdown: bool = False) -> str:

@@ -40,6 +40,7 @@ def run_smc(forest: SearchForest, particles: int, score: Score, temperature: flo
             clean = forest.predicted_x0(population)  # (P·N, ...)
         else:
             clean = forest.leaf_latents(population)
+        forest.evaluate(population)
         rewards, _ = score(forest.adapter.decode(clean), [forest.prompt[n] for n in population])
         current = torch.where(torch.isfinite(rewards.double()), rewards.double(), -torch.inf)  # a non-finite value estimate is the worst
         log_weight += torch.nan_to_num(temperature * (current - potential), nan=-torch.inf)  # −inf − (−inf): stays the worst
