@@ -225,7 +225,8 @@ def test_bench_search_sampler_writes_distances_a_plot_and_a_table(tmp_path):
     assert "| 2-D sharp | dts-is: best reward |" in (tmp_path / "sampler.md").read_text()
     # SMC scores every particle's x̂0 at each of the 20 steps and its image: 21 calls a particle; best-of-N one an image
     calls = result["reward_calls"]["2-D sharp"]
-    assert calls["smc"] == [21.0, 42.0] and calls["best-of-n-is"] == [1.0, 2.0] and "| 2-D sharp | smc: reward calls | 21.0 | 42.0 |" in (tmp_path / "sampler.md").read_text()
+    assert calls["smc"] == [21.0, 42.0] and calls["best-of-n-is"] == [1.0, 2.0] and "| 2-D sharp | smc: reward calls (= decodes) | 21.0 | 42.0 |" in (tmp_path / "sampler.md").read_text()
+    assert "| 2-D sharp | smc: cost, a call as a row | 41.0 | 82.0 |" in (tmp_path / "sampler.md").read_text()
     with pytest.raises(ValueError, match="known samplers"):
         bench_sampler(2, 1, None, tmp_path, samplers=["nope"])
 

@@ -198,8 +198,9 @@ def format_table(result: dict, markdown: bool = False) -> str:
             for testbed, samplers in result["testbeds"].items() for sampler, entry in samplers.items()]
     best = [[testbed, f"{sampler}: best reward", *(f"{m:.3f}" for m in entry["best"]["mean"])]
             for testbed, samplers in result["testbeds"].items() for sampler, entry in samplers.items() if "best" in entry]
-    calls = [[testbed, f"{sampler}: reward calls", *(f"{c:.1f}" for c in per_budget)]
-             for testbed, samplers in result.get("reward_calls", {}).items() for sampler, per_budget in samplers.items()]
+    calls = [[testbed, f"{sampler}: {label}", *(f"{value(n, c):.1f}" for n, c in zip(result["grid_nfe"], per_budget))]
+             for testbed, samplers in result.get("reward_calls", {}).items() for sampler, per_budget in samplers.items()
+             for label, value in (("reward calls (= decodes)", lambda n, c: c), ("cost, a call as a row", lambda n, c: n + c))]
     return table(header, rows + best + calls, markdown)
 
 
