@@ -138,8 +138,9 @@ def test_dts_is_weights_sum_to_one_and_correct_most_of_dts_s_low_estimate_of_the
     """256 independent guided trees of 160 rows on the 2-D mixture's rarest mode: each tree's mass weights sum to 1 in
     expectation (their mean within 3 standard errors of 1: the cut's masses always sum to 1); DTS's own estimate of
     Z = E_p[exp(λ·r)], exp(λ·V(root)), is below Z (200 000 exact draws) by more than 5 of its standard errors; dts-is's,
-    Σ w(ℓ)·exp(λ·r(ℓ)), is above DTS's by more than 4 standard errors of the difference (measured: 6.15 ± 0.44 and
-    3.42 ± 0.20 against 5.34; dts-is's remaining bias is upward, docs/search.md); its draws are the trees' leaves."""
+    Σ w(ℓ)·exp(λ·r(ℓ)), is above DTS's by more than 4 standard errors of the difference (measured here: 6.15 ± 0.44 and
+    3.42 ± 0.20 against 5.34; over 768 trees dts-is is within a standard error of the SDE's own law's value, docs/search.md);
+    its draws are the trees' leaves."""
     mixture = ring_mixture()
     adapter, reward = GaussianMixtureAdapter(mixture), make_reward("mode", mixture)
     exact = float(torch.exp(LAMBDA * reward(mixture.sample(200_000, torch.Generator().manual_seed(5)))).mean())

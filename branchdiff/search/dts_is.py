@@ -18,9 +18,10 @@ so with the closed leaves counted exactly,
 
 is an unbiased estimate of Σ_cut ω(n)·E_p[f | x_n] given the tree before e: importance sampling over the cut. That sum
 is E_p[f] when the cut's shape does not depend on the values below it; here it does (a node fills up because its first
-children scored well, and then its children stand for it), which leaves a smaller bias than DTS's, upward, shrinking as
-the tree grows (docs/search.md measures both). For f = 1 the cut's masses sum to 1 whatever its shape, so the weights'
-sum is unbiased. Averaging over the E expansions with f = exp(λ·r)·[x = ℓ] gives each leaf the weight
+children scored well, and then its children stand for it), which could bias it. Against the law the leaves are drawn
+from (the SDE sampler's own), docs/search.md resolves no bias up to 640 rows, where DTS's estimate is far below it.
+For f = 1 the cut's masses sum to 1 whatever its shape, so the weights' sum is unbiased. Averaging over the E
+expansions with f = exp(λ·r)·[x = ℓ] gives each leaf the weight
 
     W(ℓ) = exp(λ·r(ℓ))·( ω(n_e)/q_e  [its own expansion e]  +  ω(ℓ)·#{expansions after every ancestor of ℓ was full} )
 
