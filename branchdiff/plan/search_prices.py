@@ -20,6 +20,7 @@ not, so the prices are a model, not a clock (docs/search.md gives measured figur
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
 from typing import Any
@@ -47,22 +48,31 @@ class PricedRun:
         return Prices(decode=self.decode_flops / self.row_flops, reward=self.reward_flops / self.row_flops)
 
 
-@cache
-def clip_vit_h14_flops() -> float:
-    """One sample through CLIP ViT-H/14: the image tower at 224² plus the text tower at 77 tokens."""
+def counted_flops(build: Callable[[], torch.nn.Module], run: Callable[[torch.nn.Module], object]) -> float:
+    """FLOPs of `run(model)` for a model from `build()`, built on the meta device and run on fake tensors (no memory)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils.flop_counter import FlopCounterMode
-    from transformers import CLIPConfig, CLIPModel
 
     with torch.device("meta"):
-        model = CLIPModel(CLIPConfig(**P.VIT_H14_CLIP))
+        model = build()
     counter = FlopCounterMode(display=False)
     with FakeTensorMode(allow_non_fake_inputs=True):
         model.to_empty(device="cpu")
         with torch.no_grad(), counter:
-            model.get_image_features(pixel_values=torch.empty(1, 3, 224, 224))
-            model.get_text_features(input_ids=torch.zeros(1, 77, dtype=torch.long))
+            run(model)
     return float(counter.get_total_flops())
+
+
+@cache
+def clip_vit_h14_flops() -> float:
+    """One sample through CLIP ViT-H/14: the image tower at 224² plus the text tower at 77 tokens."""
+    from transformers import CLIPConfig, CLIPModel
+
+    def run(model: Any) -> None:
+        model.get_image_features(pixel_values=torch.empty(1, 3, 224, 224))
+        model.get_text_features(input_ids=torch.zeros(1, 77, dtype=torch.long))
+
+    return counted_flops(lambda: CLIPModel(CLIPConfig(**P.VIT_H14_CLIP)), run)
 
 
 def qwen2_vl_vision_flops(vision: dict, slices: int, height_patches: int, width_patches: int) -> float:
@@ -81,18 +91,11 @@ def qwen2_vl_vision_flops(vision: dict, slices: int, height_patches: int, width_
 @cache
 def qwen2_vl_text_flops(tokens: int) -> float:
     """Qwen2-VL-2B's language model on `tokens` tokens (fake tensors; the head is not run: VideoAlign reads hidden states)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.utils.flop_counter import FlopCounterMode
     from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
 
-    with torch.device("meta"):
-        model = Qwen2VLForConditionalGeneration(Qwen2VLConfig(**P.QWEN2_VL_2B))
-    counter = FlopCounterMode(display=False)
-    with FakeTensorMode(allow_non_fake_inputs=True):
-        model.to_empty(device="cpu")
-        with torch.no_grad(), counter:
-            model.model.language_model(inputs_embeds=torch.empty(1, tokens, P.QWEN2_VL_2B["text_config"]["hidden_size"]))
-    return float(counter.get_total_flops())
+    width = P.QWEN2_VL_2B["text_config"]["hidden_size"]
+    return counted_flops(lambda: Qwen2VLForConditionalGeneration(Qwen2VLConfig(**P.QWEN2_VL_2B)),
+                         lambda model: model.model.language_model(inputs_embeds=torch.empty(1, tokens, width)))
 
 
 def videoalign_tokens(frames: int, height: int, width: int, kwargs: dict) -> tuple[int, int, int]:
