@@ -245,20 +245,20 @@ def test_bench_search_sampler_testbeds_are_chosen_by_name(tmp_path, capsys):
 
 
 def test_the_samplers_are_also_measured_against_the_sde_s_own_law():
-    """2-D mode, 256 runs of 4 images: best-of-N's estimate of the tilted mass, the mean of exp(λ·r) over its images, is
-    unbiased under the SDE's own law q, so it lies within 3 standard errors of E_q[exp(λ·r)] from 16 384 other SDE
+    """2-D mode, 128 runs of 4 images: best-of-N's estimate of the tilted mass, the mean of exp(λ·r) over its images, is
+    unbiased under the SDE's own law q, so it lies within 3 standard errors of E_q[exp(λ·r)] from 8192 other SDE
     samples; at one image every tree sampler's estimate is exp(λ·r) of the same first image; the distances to q* are
     there for every sampler and the floor, and the floor is far below the base model's."""
     from branchdiff.bench.sampler import format_law, law_samples
 
-    result = bench_sampler(4, 1, None, Path(tempfile.mkdtemp()), samplers=["dts", "dts-is", "best-of-n-is"], testbeds=((2, "mode"),), runs=256,
-                           law_draws=16_384)
+    result = bench_sampler(4, 1, None, Path(tempfile.mkdtemp()), samplers=["dts", "dts-is", "best-of-n-is"], testbeds=((2, "mode"),), runs=128,
+                           law_draws=8192)
     law = result["law"]["2-D mode"]
     z_q, estimate = law["z_q"], law["estimates"]["best-of-n-is"][-1]
     assert abs(estimate["mean"] - z_q["mean"]) < 3 * math.hypot(estimate["se"], z_q["se"]), (estimate, z_q)
     assert law["estimates"]["dts"][0] == law["estimates"]["dts-is"][0] == law["estimates"]["best-of-n-is"][0]
     distances = law["distances"]
     assert set(distances) == {"dts", "dts-is", "best-of-n-is", "exact-q*"} and distances["exact-q*"]["mean"][0] < 0.2 * distances["dts"]["mean"][0]
-    assert "SE from E_q" in format_law(result) and law["q_star_ess"] > 1000
+    assert "SE from E_q" in format_law(result) and law["q_star_ess"] > 500
     samples = law_samples(GaussianMixtureAdapter(ring_mixture()), 300, seed=3, chunk=128)  # three forests: the same as three separate calls
     assert samples.shape == (300, 2) and torch.equal(samples[128:256], law_samples(GaussianMixtureAdapter(ring_mixture()), 128, seed=4))
