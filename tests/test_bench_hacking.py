@@ -131,7 +131,7 @@ def test_the_watch_replayed_gives_its_lead_the_gold_it_keeps_and_its_false_alarm
     assert wide["kept_gold"] == pytest.approx((0.3 + 0.4) / 2)
 
 
-@pytest.mark.parametrize("result", ["hacking-n64.json", "hacking-n4096.json"])
+@pytest.mark.parametrize("result", ["hacking-n64.json", "hacking-n4096.json", "hacking-video.json"])
 def test_the_docs_tables_are_what_their_merge_computes(tmp_path, result):
     """docs/hacking.md's tables hold the rows `bench hacking --merge docs/RESULT` prints."""
     from pathlib import Path
