@@ -42,6 +42,7 @@ computed that were real, not padding.
 
 from __future__ import annotations
 
+import bisect
 import math
 import statistics
 from dataclasses import dataclass
@@ -159,19 +160,31 @@ def cost_grid(prices: Prices, images: int) -> list[float]:
 def best_curves(result, grid: list[float], verifier: str | None = STRICT, prices: Prices = ROWS) -> tuple[list[float], list[float]]:
     """Mean over prompts of the winner's reward and of its `verifier` score (NaN without one) at each budget of the grid
     (in rows, or in cost under `prices`); NaN at a budget where a prompt has no image yet (a mean over some of the prompts
-    would not compare)."""
+    would not compare). A prompt's rounds spend and make images cumulatively, so its images at a budget are those of its
+    last round within it, and its winner among its first m images is the running best (the first made among equals)."""
+    spent = [[prices.cost(r["nfe"], r["decodes"], r["reward_calls"]) for r in rounds] for rounds in result.trace]  # non-decreasing
+    running = [_running_best(rewards) for rewards in result.rewards]
     rewards, checks = [], []
     for budget in grid:
-        made = [max((r["images"] for r in rounds if prices.cost(r["nfe"], r["decodes"], r["reward_calls"]) <= budget), default=0)
-                for rounds in result.trace]  # images per prompt
+        made = [rounds[k - 1]["images"] if (k := bisect.bisect_right(costs, budget)) else 0 for costs, rounds in zip(spent, result.trace)]
         if 0 in made:
             rewards.append(math.nan)
             checks.append(math.nan)
             continue
-        winners = [max(range(m), key=lambda i: (result.rewards[p][i], -i)) for p, m in enumerate(made)]
+        winners = [running[p][m - 1] for p, m in enumerate(made)]
         rewards.append(statistics.mean(result.rewards[p][i] for p, i in enumerate(winners)))
         checks.append(statistics.mean(result.extras[p][i][verifier] for p, i in enumerate(winners)) if verifier else math.nan)
     return rewards, checks
+
+
+def _running_best(rewards: list[float]) -> list[int]:
+    """For each k, the index of the best of rewards[:k + 1], the first on a tie."""
+    best, indices = 0, []
+    for i, reward in enumerate(rewards):
+        if reward > rewards[best]:
+            best = i
+        indices.append(best)
+    return indices
 
 
 def rows_by_depth(forest: SearchForest) -> list[float]:
