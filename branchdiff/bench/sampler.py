@@ -37,7 +37,7 @@ from typing import cast
 import torch
 
 from branchdiff.bench.gmm import MIXTURES, GaussianMixture, GaussianMixtureAdapter, make_reward, mmd2_to, target_samples
-from branchdiff.bench.stats import t_interval
+from branchdiff.bench.stats import seed_summary
 from branchdiff.bench.tables import band, table, write_outputs
 from branchdiff.search.best_of_n import BestOfN
 from branchdiff.search.dts import DTS, draw_leaf
@@ -167,10 +167,10 @@ def bench_sampler(images: int, seeds: int, json_path: Path | None, out_dir: Path
                         masses.setdefault(sampler, [[] for _ in grid])[point].append(cast(torch.Tensor, tilts))
                 print(f"{name} seed {seed} {sampler}: MMD² to p* " + " ".join(f"{d:.4f}" for d in distances[sampler][-1])
                       + " | to q* " + " ".join(f"{d:.4f}" for d in to_law[sampler][-1]), flush=True)
-        result["testbeds"][name] = {sampler: _summary(rows) | ({"best": _summary(found[sampler])} if sampler in found else {})
+        result["testbeds"][name] = {sampler: seed_summary(rows) | ({"best": seed_summary(found[sampler])} if sampler in found else {})
                                     for sampler, rows in distances.items()}
         result["reward_calls"][name] = {sampler: [statistics.mean(v) for v in zip(*rows)] for sampler, rows in calls.items()}
-        result["law"][name] = {"distances": {sampler: _summary(rows) for sampler, rows in to_law.items()},
+        result["law"][name] = {"distances": {sampler: seed_summary(rows) for sampler, rows in to_law.items()},
                                "z_p": tilted_mass(torch.exp(temperature * reward(exact).double())),
                                "z_q": tilted_mass(torch.exp(temperature * reward(law).double())), "q_star_ess": float(1 / (law_tilt**2).sum()),
                                "estimates": {sampler: [tilted_mass(torch.cat(point)) for point in per_budget] for sampler, per_budget in masses.items()}}
@@ -183,11 +183,6 @@ def bench_sampler(images: int, seeds: int, json_path: Path | None, out_dir: Path
                   f"`{command}` (λ = {temperature}, {runs} samples per point, {STEPS} flow SDE steps, {law_draws} samples of the sampler's law)",
                   f"{format_table(result, markdown=True)}\n\n{format_law(result, markdown=True)}", lambda path: plot_sampler(result, path), result, json_path)
     return result
-
-
-def _summary(rows: list[list[float]]) -> dict:
-    """Per budget, the mean of the seeds' values and its 95% t-interval, beside the values (per seed, per budget)."""
-    return {"seeds": rows, "mean": [statistics.mean(v) for v in zip(*rows)], "ci": [list(t_interval(list(v))) for v in zip(*rows)]}
 
 
 def format_table(result: dict, markdown: bool = False) -> str:

@@ -52,7 +52,7 @@ import numpy as np
 import torch
 
 from branchdiff.bench.gmm import GaussianMixtureAdapter, random_mixture, target_reward
-from branchdiff.bench.stats import first_time_reaching, t_interval
+from branchdiff.bench.stats import first_time_reaching, seed_summary
 from branchdiff.bench.tables import band, table, write_outputs
 from branchdiff.data.prompts import load_prompt_set
 from branchdiff.models.base import ModelAdapter
@@ -125,8 +125,12 @@ def mixture_task(prompts: int | None = None, target_seed: int = TARGET_SEED) -> 
 
 
 def parse_prices(text: str) -> list[str]:
-    """`--prices` text, e.g. "tiny,call-as-row": names of PRICE_SETS; another (or none) is one line naming them."""
-    names = [name.strip() for name in text.split(",") if name.strip()]
+    """`--prices` text, e.g. "tiny,call-as-row": names of PRICE_SETS (`known_prices`)."""
+    return known_prices([name.strip() for name in text.split(",") if name.strip()])
+
+
+def known_prices(names: list[str]) -> list[str]:
+    """`names` if they are price sets of PRICE_SETS (and there is one); otherwise one line naming the allowed ones."""
     unknown = [name for name in names if name not in PRICE_SETS]
     if unknown or not names:
         raise ValueError(f"bench search --prices: unknown price set(s) {', '.join(unknown) or '(none given)'}; allowed: {', '.join(PRICE_SETS)}")
@@ -138,9 +142,8 @@ def price_sets(names: list[str]) -> dict[str, dict]:
     from branchdiff.plan.search_prices import price_search
     from branchdiff.settings.load import load_config
 
-    parse_prices(",".join(names))
     priced = {}
-    for name in names:
+    for name in known_prices(names):
         chosen = PRICE_SETS[name]
         if isinstance(chosen, Prices):
             priced[name] = {"decode": chosen.decode, "reward": chosen.reward}
@@ -215,7 +218,8 @@ def bench_search(images: int, seeds: int, json_path: Path | None, out_dir: Path,
     priced = price_sets(list(PRICE_SETS) if prices is None else prices)
     chosen = tiny_task(prompts) if task == "tiny" else mixture_task(prompts, TARGET_SEED if target_seed is None else target_seed)
     grid = [STEPS * k for k in range(1, images + 1)]
-    grids = {name: cost_grid(Prices(p["decode"], p["reward"]), images) for name, p in priced.items()}
+    price_of = {name: Prices(p["decode"], p["reward"]) for name, p in priced.items()}
+    grids = {name: cost_grid(price_of[name], images) for name in priced}
     runs: dict[str, list[dict]] = {name: [] for name in names}
     for seed in range(first_seed, first_seed + seeds):
         for name in names:
@@ -227,8 +231,7 @@ def bench_search(images: int, seeds: int, json_path: Path | None, out_dir: Path,
             spent = {"rows": forest.nfe, "decodes": forest.decodes, "reward_calls": forest.reward_calls}
             runs[name].append({"best_reward": best, "strict": checked, "nfe": list(forest.nfe), "fill": fill, "rows_by_depth": rows_by_depth(forest),
                                "spent": {key: statistics.mean(values) for key, values in spent.items()},
-                               "priced": {set_name: best_curves(result, grids[set_name], None, Prices(p["decode"], p["reward"]))[0]
-                                          for set_name, p in priced.items()}})
+                               "priced": {set_name: best_curves(result, grids[set_name], None, price_of[set_name])[0] for set_name in priced}})
             shown = table_columns(grid)
             print(f"seed {seed} {name}: best reward " + " ".join(f"{best[i]:.3f}" for i in shown)
                   + (" | strict " + " ".join(f"{checked[i]:.3f}" for i in shown) if chosen.verifier else "")
@@ -256,13 +259,6 @@ def table_columns(grid: list[int]) -> list[int]:
     return shown if shown[-1] == len(grid) - 1 else [*shown, len(grid) - 1]
 
 
-def _summary(per_seed: list[list[float]]) -> dict:
-    """Per point, the mean over seeds and its 95% interval (NaN where a seed has no image yet), beside the seeds' values."""
-    per_point = [list(v) for v in zip(*per_seed)]  # (points, seeds)
-    return {"seeds": per_seed, "mean": [statistics.mean(v) if all(map(math.isfinite, v)) else math.nan for v in per_point],
-            "ci": [list(t_interval(v)) if all(map(math.isfinite, v)) else [math.nan, math.nan] for v in per_point]}
-
-
 def _ratios(searches: dict, curve, grid: list[float]) -> dict:
     """Each search's `nfe_ratio` against best-of-N on the curves `curve(entry)` read on `grid`, with its interval."""
     ratios: dict = {}
@@ -281,11 +277,11 @@ def _result(runs: dict[str, list[dict]], grid: list[int], seeds: int, task: Sear
     for name, seed_runs in runs.items():
         entry: dict = {"rows_by_depth": [statistics.mean(v) for v in zip(*(r["rows_by_depth"] for r in seed_runs))]}
         for key in ("best_reward", "strict") if task.verifier else ("best_reward",):
-            entry[key] = _summary([r[key] for r in seed_runs])
+            entry[key] = seed_summary([r[key] for r in seed_runs])
         entry["nfe_mean"] = statistics.mean(n for r in seed_runs for n in r["nfe"])
         entry["fill"] = statistics.mean(r["fill"] for r in seed_runs)
         entry["spent"] = {key: statistics.mean(r["spent"][key] for r in seed_runs) for key in seed_runs[0]["spent"]}
-        entry["priced"] = {set_name: _summary([r["priced"][set_name] for r in seed_runs]) for set_name in priced}
+        entry["priced"] = {set_name: seed_summary([r["priced"][set_name] for r in seed_runs]) for set_name in priced}
         searches[name] = entry
     return {"task": task.name, "grid_nfe": grid, "seeds": seeds, "prompts": len(task.prompts), "steps": STEPS, "reward": task.reward,
             "searches": searches, "ratios": _ratios(searches, lambda entry: entry["best_reward"], grid), "prices": priced,

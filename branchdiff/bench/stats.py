@@ -31,6 +31,14 @@ def t_interval(values: list[float]) -> tuple[float, float]:
     return mean - half, mean + half
 
 
+def seed_summary(per_seed: list[list[float]]) -> dict:
+    """Per point, the mean over seeds and its 95% t-interval (NaN where a seed's value is not finite: a search with no
+    image there yet), beside the values (per seed, per point)."""
+    per_point = [list(v) for v in zip(*per_seed)]  # (points, seeds)
+    return {"seeds": per_seed, "mean": [statistics.mean(v) if all(map(math.isfinite, v)) else math.nan for v in per_point],
+            "ci": [list(t_interval(v)) if all(map(math.isfinite, v)) else [math.nan, math.nan] for v in per_point]}
+
+
 def first_time_reaching(times: list[float], values: list[float], target: float) -> float | None:
     """First time the piecewise-linear curve through (times[k], values[k]) reaches `target`:
     times[0] if values[0] ≥ target; else, for the first k with values[k] ≥ target,
