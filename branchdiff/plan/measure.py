@@ -248,26 +248,32 @@ def measure(family: Family, dtype: torch.dtype, rank: int, alpha: float, size: S
                     block_params, plain, ckpt, nograd, decode_image, shape, dict(full.config), decode_flops)
 
 
+REWARD_NETWORKS = {"pickscore": "vit-h-14", "hpsv2": "vit-h-14", "hpsv2.1": "vit-h-14", "videoalign": "qwen2-vl-2b"}  # reward: its network
 REWARD_PARAMS: dict[str, int] = {}
 
 
-def reward_params(model: str = "vit-h-14") -> int:
-    """Parameters of a reward's network, counted on meta: "vit-h-14" (HPS v2.1 and PickScore share the
-    geometry) or "qwen2-vl-2b" (VideoAlign)."""
-    if model not in REWARD_PARAMS:
-        from transformers import CLIPConfig, CLIPModel, Qwen2VLConfig, Qwen2VLForConditionalGeneration
+def reward_network(model: str) -> torch.nn.Module:
+    """A reward's network of REWARD_NETWORKS, built from its published config on the current default device (meta, to count):
+    "vit-h-14" (HPS v2.1 and PickScore share the geometry) or "qwen2-vl-2b" (VideoAlign)."""
+    from transformers import CLIPConfig, CLIPModel, Qwen2VLConfig, Qwen2VLForConditionalGeneration
 
+    return CLIPModel(CLIPConfig(**P.VIT_H14_CLIP)) if model == "vit-h-14" else Qwen2VLForConditionalGeneration(Qwen2VLConfig(**P.QWEN2_VL_2B))
+
+
+def reward_params(model: str = "vit-h-14") -> int:
+    """Parameters of a reward's network (`reward_network`), counted on meta."""
+    if model not in REWARD_PARAMS:
         with torch.device("meta"):
-            network = CLIPModel(CLIPConfig(**P.VIT_H14_CLIP)) if model == "vit-h-14" else Qwen2VLForConditionalGeneration(Qwen2VLConfig(**P.QWEN2_VL_2B))
-        REWARD_PARAMS[model] = numel(network)
+            REWARD_PARAMS[model] = numel(reward_network(model))
     return REWARD_PARAMS[model]
 
 
 def reward_bytes(spec) -> int:
     """Bytes of one reward component's weights: HPS / PickScore fp32 ViT-H-14, VideoAlign's Qwen2-VL-2B
     in its `dtype`; the programmatic rewards (flicker, the verifiers) and remote ones hold none here."""
-    if spec.name in ("hpsv2", "hpsv2.1", "pickscore"):
-        return reward_params("vit-h-14") * 4
-    if spec.name == "videoalign":
-        return reward_params("qwen2-vl-2b") * torch.finfo(DTYPES[spec.kwargs.get("dtype", "float32")]).bits // 8
+    network = REWARD_NETWORKS.get(spec.name)
+    if network == "vit-h-14":
+        return reward_params(network) * 4
+    if network == "qwen2-vl-2b":
+        return reward_params(network) * torch.finfo(DTYPES[spec.kwargs.get("dtype", "float32")]).bits // 8
     return 0

@@ -28,9 +28,9 @@ from typing import Any
 import torch
 
 from branchdiff.plan import published as P
+from branchdiff.plan.measure import REWARD_NETWORKS, reward_network
 from branchdiff.search.cost import Prices
 
-REWARD_NETWORKS = {"pickscore": "vit-h-14", "hpsv2": "vit-h-14", "hpsv2.1": "vit-h-14", "videoalign": "qwen2-vl-2b"}
 RULE_REWARDS = ("tiny-geneval", "tiny-video", "tiny-partial", "flicker")  # computed by rules: no network FLOPs
 PROMPT_TOKENS = 128  # VideoAlign's question around the prompt, with the prompt (its chat template and a sentence's prompt)
 QWEN_VIDEO_PIXELS = (56 * 56, 28 * 28 * 1280)  # Qwen2-VL's video processor: area bounds of a resized frame (its defaults)
@@ -66,13 +66,11 @@ def counted_flops(build: Callable[[], torch.nn.Module], run: Callable[[torch.nn.
 @cache
 def clip_vit_h14_flops() -> float:
     """One sample through CLIP ViT-H/14: the image tower at 224² plus the text tower at 77 tokens."""
-    from transformers import CLIPConfig, CLIPModel
-
     def run(model: Any) -> None:
         model.get_image_features(pixel_values=torch.empty(1, 3, 224, 224))
         model.get_text_features(input_ids=torch.zeros(1, 77, dtype=torch.long))
 
-    return counted_flops(lambda: CLIPModel(CLIPConfig(**P.VIT_H14_CLIP)), run)
+    return counted_flops(lambda: reward_network("vit-h-14"), run)
 
 
 def qwen2_vl_vision_flops(vision: dict, slices: int, height_patches: int, width_patches: int) -> float:
@@ -91,11 +89,8 @@ def qwen2_vl_vision_flops(vision: dict, slices: int, height_patches: int, width_
 @cache
 def qwen2_vl_text_flops(tokens: int) -> float:
     """Qwen2-VL-2B's language model on `tokens` tokens (fake tensors; the head is not run: VideoAlign reads hidden states)."""
-    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
-
     width = P.QWEN2_VL_2B["text_config"]["hidden_size"]
-    return counted_flops(lambda: Qwen2VLForConditionalGeneration(Qwen2VLConfig(**P.QWEN2_VL_2B)),
-                         lambda model: model.model.language_model(inputs_embeds=torch.empty(1, tokens, width)))
+    return counted_flops(lambda: reward_network("qwen2-vl-2b"), lambda model: model.model.language_model(inputs_embeds=torch.empty(1, tokens, width)))
 
 
 def videoalign_tokens(frames: int, height: int, width: int, kwargs: dict) -> tuple[int, int, int]:
